@@ -1,0 +1,114 @@
+/* The GPU catalog: the one place where datasheet peaks and default efficiencies live. */
+#include <ctype.h>
+#include <string.h>
+
+#include "hexiseq.h"
+
+/* Peaks are dense (no sparsity) tensor-core rates for bf16 inputs with fp32 accumulation, from NVIDIA's
+ * datasheets and architecture whitepapers; memory is what the driver reports, in GiB.
+ *
+ * gemm_eff: large bf16 matmuls reach 70-80% of peak with cuBLAS on data-centre parts (e.g. about 790 of
+ *   989 TFLOP/s for an 8192^3 bf16 product on H100/H200), less inside a training step where shapes are
+ *   smaller; we use round defaults a little under the large-GEMM figure.
+ * attn_eff: forward+backward flash attention (FlashAttention-2, head dim 128, long sequences).
+ *   A100: Dao 2023, "FlashAttention-2", abstract: 50-73% of peak (up to ~230 TFLOP/s forward).
+ *   H100: FA2 runs without Hopper instructions: 335-370 TFLOP/s forward at 16K, head dim 128
+ *   (Shah et al. 2024, "FlashAttention-3", Fig. 5), about 35% of peak; FA3 reaches ~60%.
+ *   Other parts have no published FA2 figure we trust: their defaults are estimates, marked so.
+ * Measured rates override every default through the cluster's per-node fields. */
+static const hexiseq_gpu_spec catalog[] = {
+    {"H100-SXM", 989.4, 79.6, 3350.0, 0.70, 0.35,
+     "NVIDIA H100 datasheet (SXM5: 989 TFLOP/s bf16 dense, 80 GB HBM3, 3.35 TB/s)"},
+    {"H100-PCIe", 756.5, 79.6, 2000.0, 0.70, 0.35,
+     "NVIDIA H100 datasheet (PCIe: 756 TFLOP/s bf16 dense, 80 GB HBM2e, 2.0 TB/s)"},
+    {"H200", 989.4, 140.4, 4800.0, 0.72, 0.36,
+     "NVIDIA H200 datasheet (SXM: 989 TFLOP/s bf16 dense, 141 GB HBM3e, 4.8 TB/s)"},
+    {"H800", 989.4, 79.6, 3350.0, 0.70, 0.35,
+     "NVIDIA H800 SXM5 product brief (same compute as H100 SXM5, 80 GB, 3.35 TB/s)"},
+    {"A100-40G", 312.0, 40.0, 1555.0, 0.78, 0.66,
+     "NVIDIA A100 datasheet (312 TFLOP/s bf16 dense, 40 GB HBM2, 1.56 TB/s)"},
+    {"A100-80G", 312.0, 80.0, 2039.0, 0.78, 0.66,
+     "NVIDIA A100 datasheet (SXM: 312 TFLOP/s bf16 dense, 80 GB HBM2e, 2.04 TB/s)"},
+    {"A800", 312.0, 80.0, 2039.0, 0.78, 0.66,
+     "NVIDIA A800 SXM4 product brief (same compute as A100 80GB, 2.04 TB/s)"},
+    {"L40S", 362.1, 45.0, 864.0, 0.65, 0.50,
+     "NVIDIA L40S datasheet (362 TFLOP/s bf16 dense, 48 GB GDDR6, 864 GB/s); attn_eff estimated"},
+    {"L40", 181.0, 45.0, 864.0, 0.70, 0.55,
+     "NVIDIA L40 datasheet (181 TFLOP/s bf16 dense, 48 GB GDDR6, 864 GB/s); attn_eff estimated"},
+    {"A6000", 154.8, 48.0, 768.0, 0.70, 0.55,
+     "NVIDIA RTX A6000 datasheet (309.7 sparse = 154.8 dense TFLOP/s, 48 GB, 768 GB/s); attn_eff estimated"},
+    {"RTX4090", 165.2, 24.0, 1008.0, 0.70, 0.55,
+     "NVIDIA Ada whitepaper (RTX 4090: 165.2 TFLOP/s fp16/bf16 with fp32 accumulate, 24 GB, 1008 GB/s)"},
+    {"RTX3090", 71.0, 24.0, 936.0, 0.70, 0.55,
+     "NVIDIA Ampere GA102 whitepaper (RTX 3090: 71 TFLOP/s fp16/bf16 with fp32 accumulate, 24 GB, 936 GB/s)"},
+    {"V100", 125.0, 31.7, 900.0, 0.70, 0.40,
+     "NVIDIA V100 datasheet (SXM2 32GB: 125 TFLOP/s fp16 tensor, no bf16, 900 GB/s); attn_eff estimated"},
+};
+
+#define CATALOG_SIZE ((int)(sizeof catalog / sizeof catalog[0]))
+
+/* Short names people type for the common parts. */
+static const struct {
+    const char *alias, *name;
+} aliases[] = {
+    {"H100", "H100-SXM"}, {"H100-80G", "H100-SXM"}, {"A100", "A100-80G"}, {"A800-80G", "A800"},
+    {"RTX-4090", "RTX4090"}, {"RTX-3090", "RTX3090"}, {"RTX-A6000", "A6000"}, {"V100-32G", "V100"},
+};
+
+int hexiseq_gpu_catalog_size(void) { return CATALOG_SIZE; }
+
+hexiseq_status hexiseq_gpu_catalog_get(int index, hexiseq_gpu_spec *out) {
+    hexiseq_clear_error();
+    if (!out)
+        return hexiseq_fail(HEXISEQ_ERR_NULL, "out must not be NULL");
+    if (index < 0 || index >= CATALOG_SIZE)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "catalog index must be in [0, %d), got %d", CATALOG_SIZE, index);
+    *out = catalog[index];
+    return HEXISEQ_OK;
+}
+
+static int same_name(const char *a, const char *b) {
+    for (; *a && *b; ++a, ++b)
+        if (toupper((unsigned char)*a) != toupper((unsigned char)*b))
+            return 0;
+    return *a == *b;
+}
+
+/* Index of `name` in the catalog, or -1. */
+int hexiseq_gpu_index(const char *name) {
+    if (!name)
+        return -1;
+    for (int i = 0; i < CATALOG_SIZE; ++i)
+        if (same_name(name, catalog[i].name))
+            return i;
+    for (size_t a = 0; a < sizeof aliases / sizeof aliases[0]; ++a)
+        if (same_name(name, aliases[a].alias))
+            return hexiseq_gpu_index(aliases[a].name);
+    return -1;
+}
+
+hexiseq_status hexiseq_gpu_find(const char *name, hexiseq_gpu_spec *out) {
+    hexiseq_clear_error();
+    if (!name || !out)
+        return hexiseq_fail(HEXISEQ_ERR_NULL, "name and out must not be NULL");
+    int i = hexiseq_gpu_index(name);
+    if (i < 0) {
+        char known[512] = "";
+        size_t used = 0;
+        for (int k = 0; k < CATALOG_SIZE && used + 16 < sizeof known; ++k) {
+            size_t n = strlen(catalog[k].name);
+            if (used + n + 3 >= sizeof known)
+                break;
+            if (k) {
+                memcpy(known + used, ", ", 2);
+                used += 2;
+            }
+            memcpy(known + used, catalog[k].name, n);
+            used += n;
+            known[used] = '\0';
+        }
+        return hexiseq_fail(HEXISEQ_ERR_UNKNOWN_GPU, "unknown GPU model '%.64s'; known models: %s", name, known);
+    }
+    *out = catalog[i];
+    return HEXISEQ_OK;
+}

@@ -1,0 +1,527 @@
+/* The cost model: validates a layout and predicts its step time, per-device terms and memory.
+ *
+ * Every formula lives here once; docs/cost_model.md explains them in words. Units: FLOPs, bytes,
+ * seconds, bytes/s internally; GiB and GB/s only at the API. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define GIB 1073741824.0
+
+/* Kernel efficiency falls for short dimensions: rate = peak * eff * n / (n + half). The half-points
+ * fit FlashAttention-2's forward curve on H100 (about 57% of its plateau at 512 tokens) and the usual
+ * cuBLAS behaviour for matmuls with a few hundred rows. */
+#define ATTN_HALF_TOKENS 384.0
+#define GEMM_HALF_TOKENS 128.0
+
+/* Backward costs this many forwards (attention: two extra matmul pairs plus recomputing P). */
+#define ATTN_BWD_FACTOR 2.5
+#define GEMM_BWD_FACTOR 2.0
+
+/* ------------------------------------------------------------------ layout storage */
+
+hexiseq_status hexiseq_layout_alloc(int32_t n_groups, int32_t n_devices, hexiseq_layout *out) {
+    hexiseq_clear_error();
+    if (!out)
+        return hexiseq_fail(HEXISEQ_ERR_NULL, "out must not be NULL");
+    memset(out, 0, sizeof *out);
+    if (n_groups < 1 || n_devices < 1 || n_groups > n_devices || n_devices > HEXISEQ_MAX_DEVICES)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "layout sizes must satisfy 1 <= n_groups <= n_devices <= %d, got %d groups, %d devices",
+                            HEXISEQ_MAX_DEVICES, n_groups, n_devices);
+    out->n_groups = n_groups;
+    out->n_devices = n_devices;
+    out->group_size = calloc((size_t)n_groups, sizeof *out->group_size);
+    out->group_seq = calloc((size_t)n_groups, sizeof *out->group_seq);
+    out->device = calloc((size_t)n_devices, sizeof *out->device);
+    out->tokens = calloc((size_t)n_devices, sizeof *out->tokens);
+    out->head_lo = calloc((size_t)n_devices, sizeof *out->head_lo);
+    out->head_count = calloc((size_t)n_devices, sizeof *out->head_count);
+    if (!out->group_size || !out->group_seq || !out->device || !out->tokens || !out->head_lo || !out->head_count) {
+        hexiseq_layout_free(out);
+        return hexiseq_fail(HEXISEQ_ERR_NOMEM, "cannot allocate a layout of %d devices", n_devices);
+    }
+    return HEXISEQ_OK;
+}
+
+void hexiseq_layout_free(hexiseq_layout *l) {
+    if (!l)
+        return;
+    free(l->group_size);
+    free(l->group_seq);
+    free(l->device);
+    free(l->tokens);
+    free(l->head_lo);
+    free(l->head_count);
+    memset(l, 0, sizeof *l);
+}
+
+void hexiseq_layout_copy(hexiseq_layout *dst, const hexiseq_layout *src) {
+    memcpy(dst->group_size, src->group_size, (size_t)src->n_groups * sizeof *src->group_size);
+    memcpy(dst->group_seq, src->group_seq, (size_t)src->n_groups * sizeof *src->group_seq);
+    memcpy(dst->device, src->device, (size_t)src->n_devices * sizeof *src->device);
+    memcpy(dst->tokens, src->tokens, (size_t)src->n_devices * sizeof *src->tokens);
+    memcpy(dst->head_lo, src->head_lo, (size_t)src->n_devices * sizeof *src->head_lo);
+    memcpy(dst->head_count, src->head_count, (size_t)src->n_devices * sizeof *src->head_count);
+}
+
+hexiseq_status hexiseq_layout_spans(const hexiseq_layout *l, hexiseq_group_span *spans) {
+    hexiseq_clear_error();
+    if (!l || !spans || !l->group_seq)
+        return hexiseq_fail(HEXISEQ_ERR_NULL, "layout and spans must not be NULL");
+    int64_t total = 0;
+    for (int32_t g = 0; g < l->n_groups; ++g) {
+        if (l->group_seq[g] < 0)
+            return hexiseq_fail(HEXISEQ_ERR_LAYOUT, "group_seq[%d] must be >= 0, got %lld", g, (long long)l->group_seq[g]);
+        total += l->group_seq[g];
+    }
+    int64_t front = 0, back_end = total;
+    for (int32_t g = 0; g < l->n_groups; ++g) {
+        int64_t b = l->group_seq[g] / 2, a = l->group_seq[g] - b;
+        spans[g].front_start = front;
+        spans[g].front_len = a;
+        spans[g].back_start = back_end - b;
+        spans[g].back_len = b;
+        front += a;
+        back_end -= b;
+    }
+    return HEXISEQ_OK;
+}
+
+int64_t hexiseq_causal_pairs(int64_t q0, int64_t q1, int64_t k0, int64_t k1) {
+    int64_t len_k = k1 - k0, pairs = 0;
+    if (len_k <= 0 || q1 <= q0)
+        return 0;
+    /* queries inside the key range see (q - k0 + 1) keys */
+    int64_t a = q0 > k0 ? q0 : k0, b = q1 < k1 ? q1 : k1;
+    if (a < b) {
+        int64_t n = b - a;
+        pairs += n * (a - k0 + 1) + n * (n - 1) / 2;
+    }
+    /* queries past the key range see all of it */
+    int64_t c = q0 > k1 ? q0 : k1;
+    if (c < q1)
+        pairs += (q1 - c) * len_k;
+    return pairs;
+}
+
+/* Visible (query, key) pairs between the positions of groups gq (queries) and gk (keys). */
+static double group_pairs(const hexiseq_group_span *sq, const hexiseq_group_span *sk, int32_t causal) {
+    int64_t qs[2][2] = {{sq->front_start, sq->front_start + sq->front_len}, {sq->back_start, sq->back_start + sq->back_len}};
+    int64_t ks[2][2] = {{sk->front_start, sk->front_start + sk->front_len}, {sk->back_start, sk->back_start + sk->back_len}};
+    double total = 0.0;
+    for (int i = 0; i < 2; ++i)
+        for (int j = 0; j < 2; ++j) {
+            if (causal)
+                total += (double)hexiseq_causal_pairs(qs[i][0], qs[i][1], ks[j][0], ks[j][1]);
+            else
+                total += (double)(qs[i][1] - qs[i][0]) * (double)(ks[j][1] - ks[j][0]);
+        }
+    return total;
+}
+
+/* ------------------------------------------------------------------ validation */
+
+static hexiseq_status validate_layout(const hexiseq_cluster *c, const hexiseq_model *m, int64_t seq_len,
+                                      const hexiseq_layout *l) {
+    if (!l->group_size || !l->group_seq || !l->device || !l->tokens || !l->head_lo || !l->head_count)
+        return hexiseq_fail(HEXISEQ_ERR_NULL, "layout arrays must not be NULL");
+    if (l->n_devices != c->n_devices)
+        return hexiseq_fail(HEXISEQ_ERR_LAYOUT, "layout must place every one of the cluster's %d devices, it lists %d",
+                            c->n_devices, l->n_devices);
+    if (l->n_groups < 1 || l->n_groups > l->n_devices)
+        return hexiseq_fail(HEXISEQ_ERR_LAYOUT, "layout needs between 1 and %d groups, got %d", l->n_devices, l->n_groups);
+    int64_t members = 0, seq_sum = 0;
+    for (int32_t g = 0; g < l->n_groups; ++g) {
+        if (l->group_size[g] < 1)
+            return hexiseq_fail(HEXISEQ_ERR_LAYOUT, "groups[%d] must have at least one device, got %d", g, l->group_size[g]);
+        if (l->group_seq[g] < 1)
+            return hexiseq_fail(HEXISEQ_ERR_LAYOUT, "groups[%d].seq must be >= 1, got %lld", g, (long long)l->group_seq[g]);
+        members += l->group_size[g];
+        seq_sum += l->group_seq[g];
+        if (members > l->n_devices)
+            break;
+    }
+    if (members != l->n_devices)
+        return hexiseq_fail(HEXISEQ_ERR_LAYOUT, "group sizes must add up to %d devices, they add up to %lld",
+                            l->n_devices, (long long)members);
+    if (seq_sum != seq_len)
+        return hexiseq_fail(HEXISEQ_ERR_LAYOUT, "group sequence lengths must add up to seq_len=%lld, they add up to %lld",
+                            (long long)seq_len, (long long)seq_sum);
+    unsigned char *seen = calloc((size_t)c->n_devices, 1);
+    if (!seen)
+        return hexiseq_fail(HEXISEQ_ERR_NOMEM, "cannot allocate %d bytes", c->n_devices);
+    hexiseq_status st = HEXISEQ_OK;
+    int32_t r = 0;
+    for (int32_t g = 0; g < l->n_groups && st == HEXISEQ_OK; ++g) {
+        int64_t tok = 0;
+        int32_t next_head = 0;
+        for (int32_t i = 0; i < l->group_size[g]; ++i, ++r) {
+            int32_t dv = l->device[r];
+            if (dv < 0 || dv >= c->n_devices) {
+                st = hexiseq_fail(HEXISEQ_ERR_LAYOUT, "groups[%d] lists device %d, not in [0, %d)", g, dv, c->n_devices);
+                break;
+            }
+            if (seen[dv]) {
+                st = hexiseq_fail(HEXISEQ_ERR_LAYOUT, "device %d appears twice in the layout", dv);
+                break;
+            }
+            seen[dv] = 1;
+            if (l->tokens[r] < 0) {
+                st = hexiseq_fail(HEXISEQ_ERR_LAYOUT, "tokens of device %d must be >= 0, got %lld", dv, (long long)l->tokens[r]);
+                break;
+            }
+            if (l->head_count[r] < 0) {
+                st = hexiseq_fail(HEXISEQ_ERR_LAYOUT, "head_count of device %d must be >= 0, got %d", dv, l->head_count[r]);
+                break;
+            }
+            if (l->head_lo[r] != next_head) {
+                st = hexiseq_fail(HEXISEQ_ERR_LAYOUT,
+                                  "head ranges in groups[%d] must tile [0, %d) in rank order: device %d starts at head %d, expected %d",
+                                  g, m->heads, dv, l->head_lo[r], next_head);
+                break;
+            }
+            tok += l->tokens[r];
+            next_head += l->head_count[r];
+            if (next_head > m->heads) {
+                st = hexiseq_fail(HEXISEQ_ERR_LAYOUT, "head ranges in groups[%d] exceed the model's %d heads at device %d",
+                                  g, m->heads, dv);
+                break;
+            }
+        }
+        if (st != HEXISEQ_OK)
+            break;
+        if (tok != l->group_seq[g])
+            st = hexiseq_fail(HEXISEQ_ERR_LAYOUT, "token shares of groups[%d] must add up to its seq=%lld, they add up to %lld",
+                              g, (long long)l->group_seq[g], (long long)tok);
+        else if (next_head != m->heads)
+            st = hexiseq_fail(HEXISEQ_ERR_LAYOUT, "head counts of groups[%d] must add up to %d heads, they add up to %d", g,
+                              m->heads, next_head);
+    }
+    free(seen);
+    return st;
+}
+
+/* ------------------------------------------------------------------ cost terms */
+
+typedef struct {
+    const hexiseq_cluster *c;
+    const hexiseq_model *m;
+    const hexiseq_training *t;
+    const hexiseq_layout *l;
+    int64_t seq_len;
+    int32_t causal;
+    int32_t *group_of;        /* [n_devices] group of layout slot r */
+    int32_t *offset;          /* [n_groups + 1] first slot of each group */
+    hexiseq_group_span *span; /* [n_groups] */
+} cost_ctx;
+
+/* Forward FLOPs of the token-parallel part of one layer, per token: q, k, v, o projections and MLP. */
+static double layer_gemm_flops_per_token(const hexiseq_model *m) {
+    double H = m->hidden, q = (double)m->heads * m->head_dim, kv = (double)m->kv_heads * m->head_dim;
+    return 2.0 * (H * q + 2.0 * H * kv + q * H + (m->gated_mlp ? 3.0 : 2.0) * H * m->ffn);
+}
+
+/* Forward FLOPs of the output head per token. */
+static double head_gemm_flops_per_token(const hexiseq_model *m) { return 2.0 * (double)m->hidden * m->vocab; }
+
+/* Forward passes per step for the layers: 1 forward + backward (+1 recompute with checkpointing). */
+static double gemm_passes(const hexiseq_training *t) { return 1.0 + GEMM_BWD_FACTOR + (t->checkpointing ? 1.0 : 0.0); }
+static double attn_passes(const hexiseq_training *t) { return 1.0 + ATTN_BWD_FACTOR + (t->checkpointing ? 1.0 : 0.0); }
+
+/* Achieved matmul rate (FLOP/s) of a device running an m-row problem. */
+static double gemm_rate_flops(const hexiseq_device_info *d, double rows) {
+    return d->peak_tflops * 1e12 * d->gemm_eff * rows / (rows + GEMM_HALF_TOKENS);
+}
+
+/* Achieved attention rate (FLOP/s) for a block whose shorter side is n tokens. */
+static double attn_rate_flops(const hexiseq_device_info *d, double n) {
+    return d->peak_tflops * 1e12 * d->attn_eff * n / (n + ATTN_HALF_TOKENS);
+}
+
+/* Token-parallel compute of a device over the whole step, seconds. */
+static double gemm_time_s(const cost_ctx *x, const hexiseq_device_info *d, int64_t tokens) {
+    if (tokens == 0)
+        return 0.0;
+    double flops_per_token = x->m->layers * layer_gemm_flops_per_token(x->m) * gemm_passes(x->t) +
+                             head_gemm_flops_per_token(x->m) * (1.0 + GEMM_BWD_FACTOR);
+    return x->t->sequences * (double)tokens * flops_per_token / gemm_rate_flops(d, (double)tokens);
+}
+
+/* Forward attention FLOPs for `pairs` visible pairs and h query heads (QK^T and PV: 2 + 2 per dim). */
+static double attn_fwd_flops(const hexiseq_model *m, double pairs, int32_t h) { return 4.0 * pairs * m->head_dim * h; }
+
+/* kv heads a device needs for query heads [lo, lo + count). */
+static void kv_range(const hexiseq_model *m, int32_t lo, int32_t count, int32_t *kv_lo, int32_t *kv_count) {
+    if (count == 0) {
+        *kv_lo = 0;
+        *kv_count = 0;
+        return;
+    }
+    int32_t per = m->heads / m->kv_heads;
+    *kv_lo = lo / per;
+    *kv_count = (lo + count - 1) / per - *kv_lo + 1;
+}
+
+/* Layout slot in group g that sends kv head h around the ring: the first member holding it. */
+static int32_t kv_holder(const cost_ctx *x, int32_t g, int32_t h) {
+    for (int32_t r = x->offset[g]; r < x->offset[g + 1]; ++r) {
+        int32_t lo, n;
+        kv_range(x->m, x->l->head_lo[r], x->l->head_count[r], &lo, &n);
+        if (n && h >= lo && h < lo + n)
+            return r;
+    }
+    return -1; /* unreachable for a validated layout: every group covers all heads */
+}
+
+/* Seconds per token of a block for device slot r to receive its kv heads from the previous group in
+ * the ring and to send what the next group takes from it. Receive and send overlap (full duplex);
+ * transfers to or from several peers are serialised. */
+static double ring_seconds_per_token(const cost_ctx *x, int32_t r) {
+    int32_t G = x->l->n_groups, g = x->group_of[r];
+    if (G == 1)
+        return 0.0;
+    double bytes_per_head_token = 2.0 * x->m->head_dim * x->m->dtype_bytes; /* K and V */
+    int32_t prev = (g + G - 1) % G, next = (g + 1) % G;
+    int32_t me = x->l->device[r];
+    int32_t lo, n;
+    kv_range(x->m, x->l->head_lo[r], x->l->head_count[r], &lo, &n);
+    double recv_s = 0.0, send_s = 0.0;
+    for (int32_t h = lo; h < lo + n; ++h) {
+        int32_t src = kv_holder(x, prev, h);
+        recv_s += bytes_per_head_token / hexiseq_bw_bytes(x->c, x->l->device[src], me);
+    }
+    for (int32_t s = x->offset[next]; s < x->offset[next + 1]; ++s) {
+        int32_t slo, sn;
+        kv_range(x->m, x->l->head_lo[s], x->l->head_count[s], &slo, &sn);
+        for (int32_t h = slo; h < slo + sn; ++h)
+            if (kv_holder(x, g, h) == r)
+                send_s += bytes_per_head_token / hexiseq_bw_bytes(x->c, me, x->l->device[s]);
+    }
+    return recv_s > send_s ? recv_s : send_s;
+}
+
+/* Attention and exposed ring time of slot r over the whole step. Ring step k attends the group's queries
+ * to the block of the group k places back in the ring while the next block arrives; a step costs
+ * max(compute, transfer). Backward moves K, V forward and dK, dV along with them (twice the bytes), and
+ * the last dK, dV back to their owner. */
+static void ring_time_s(const cost_ctx *x, int32_t r, double *attn_s, double *exposed_s) {
+    const hexiseq_device_info *d = &x->c->dev[x->l->device[r]];
+    int32_t G = x->l->n_groups, g = x->group_of[r], h = x->l->head_count[r];
+    *attn_s = 0.0;
+    *exposed_s = 0.0;
+    if (h == 0)
+        return;
+    double per_token = ring_seconds_per_token(x, r);
+    double fwd_passes = 1.0 + (x->t->checkpointing ? 1.0 : 0.0);
+    double compute = 0.0, exposed = 0.0;
+    for (int32_t k = 0; k < G; ++k) {
+        int32_t src = (g - k + G) % G, nxt = (g - k - 1 + 2 * G) % G;
+        double sq = (double)x->l->group_seq[g], sk = (double)x->l->group_seq[src];
+        double pairs = group_pairs(&x->span[g], &x->span[src], x->causal);
+        double fwd = pairs > 0 ? attn_fwd_flops(x->m, pairs, h) / attn_rate_flops(d, sq < sk ? sq : sk) : 0.0;
+        double fwd_comm = k < G - 1 ? per_token * (double)x->l->group_seq[nxt] : 0.0;
+        double bwd = fwd * ATTN_BWD_FACTOR;
+        double bwd_comm = fwd_comm + per_token * sk; /* dK, dV of this step's block move on */
+        compute += fwd * fwd_passes + bwd;
+        exposed += fwd_passes * fmax(0.0, fwd_comm - fwd) + fmax(0.0, bwd_comm - bwd);
+    }
+    double reps = (double)x->m->layers * x->t->sequences;
+    *attn_s = compute * reps;
+    *exposed_s = exposed * reps;
+}
+
+/* All-to-all of slot r over the whole step, seconds; each of the layer's exchanges is timed as
+ * max(send, receive) with peers serialised: forward Q/K/V in and O out, backward dO in and dQ/dK/dV out,
+ * and the forward pair again when checkpointing recomputes. */
+static double a2a_time_s(const cost_ctx *x, int32_t r) {
+    int32_t g = x->group_of[r];
+    if (x->l->group_size[g] == 1)
+        return 0.0;
+    double elem = (double)x->m->head_dim * x->m->dtype_bytes;
+    int32_t me = x->l->device[r];
+    int32_t kv_lo, kv_n;
+    kv_range(x->m, x->l->head_lo[r], x->l->head_count[r], &kv_lo, &kv_n);
+    double h_r = x->l->head_count[r], s_r = (double)x->l->tokens[r];
+    double qkv_send = 0, qkv_recv = 0, o_send = 0, o_recv = 0; /* seconds */
+    for (int32_t j = x->offset[g]; j < x->offset[g + 1]; ++j) {
+        if (j == r)
+            continue;
+        int32_t jlo, jn;
+        kv_range(x->m, x->l->head_lo[j], x->l->head_count[j], &jlo, &jn);
+        double h_j = x->l->head_count[j], s_j = (double)x->l->tokens[j];
+        double out_bw = hexiseq_bw_bytes(x->c, me, x->l->device[j]);
+        double in_bw = hexiseq_bw_bytes(x->c, x->l->device[j], me);
+        qkv_send += s_r * (h_j + 2.0 * jn) * elem / out_bw; /* my tokens, their heads */
+        qkv_recv += s_j * (h_r + 2.0 * kv_n) * elem / in_bw; /* their tokens, my heads */
+        o_send += s_j * h_r * elem / out_bw;                 /* attention output of their tokens */
+        o_recv += s_r * h_j * elem / in_bw;
+    }
+    double qkv = fmax(qkv_send, qkv_recv), o = fmax(o_send, o_recv);
+    /* forward: qkv + o; backward: dO (the o pattern reversed, same volume) + dQ/dK/dV (qkv reversed) */
+    double per_layer = (qkv + o) * (1.0 + (x->t->checkpointing ? 1.0 : 0.0)) + (o + qkv);
+    return per_layer * x->m->layers * x->t->sequences;
+}
+
+/* Memory of slot r, bytes, filled into the GiB fields of `out`. */
+static void memory_terms(const cost_ctx *x, int32_t r, int32_t kv_n, hexiseq_device_cost *out) {
+    const hexiseq_model *m = x->m;
+    double P = m->layers * hexiseq_layer_params(m) + 2.0 * (double)m->vocab * m->hidden + m->hidden;
+    double N = x->c->n_devices, b = m->dtype_bytes;
+    double opt = 8.0 + (b < 4 ? 4.0 : 0.0); /* Adam m, v in fp32, plus an fp32 master copy below fp32 */
+    double gathered = fmax(hexiseq_layer_params(m), (double)m->vocab * m->hidden) * b;
+    double states;
+    switch (x->t->sharding) {
+    case HEXISEQ_SHARD_FULL: states = (2.0 * b + opt) * P / N + 3.0 * gathered; break; /* layer, prefetch, grads */
+    case HEXISEQ_SHARD_GRAD_OPT: states = b * P + (b + opt) * P / N + gathered; break;
+    case HEXISEQ_SHARD_OPT: states = 2.0 * b * P + opt * P / N; break;
+    default: states = (2.0 * b + opt) * P; break;
+    }
+    double H = m->hidden, s = (double)x->l->tokens[r];
+    /* saved per token and layer: 2 norm inputs, 2 norm outputs, attention output, MLP intermediates */
+    double act_layer = b * (4.0 * H + (double)m->heads * m->head_dim + (m->gated_mlp ? 3.0 : 2.0) * m->ffn);
+    double act = x->t->checkpointing ? s * (m->layers * H * b + act_layer) : s * m->layers * act_layer;
+    act += s * m->vocab * (b + 4.0); /* logits and their fp32 softmax */
+    double Sg = (double)x->l->group_seq[x->group_of[r]], h = x->l->head_count[r];
+    double qkvo = Sg * (2.0 * h + 2.0 * kv_n) * m->head_dim * b + Sg * h * 4.0; /* + fp32 LSE */
+    double attn = qkvo * ((x->t->checkpointing ? 1.0 : m->layers) + 1.0); /* saved layers + gradients of one */
+    double ring = 0.0;
+    if (x->l->n_groups > 1 && kv_n > 0) {
+        double max_block = 0;
+        for (int32_t g = 0; g < x->l->n_groups; ++g)
+            max_block = fmax(max_block, (double)x->l->group_seq[g]);
+        ring = 2.0 * max_block * 2.0 * kv_n * m->head_dim * (b + 4.0); /* K,V and fp32 dK,dV, double-buffered */
+    }
+    out->mem_states_gib = states / GIB;
+    out->mem_act_gib = act / GIB;
+    out->mem_attn_gib = attn / GIB;
+    out->mem_ring_gib = ring / GIB;
+    out->mem_total_gib = out->mem_states_gib + out->mem_act_gib + out->mem_attn_gib + out->mem_ring_gib +
+                         x->t->reserved_gib;
+    out->mem_cap_gib = x->c->dev[x->l->device[r]].memory_gib;
+}
+
+/* Total work over total rate, phase by phase: no layout of these devices can be faster. */
+static double lower_bound_s(const cost_ctx *x) {
+    double gemm_rate = 0, attn_rate = 0;
+    for (int32_t i = 0; i < x->c->n_devices; ++i) {
+        const hexiseq_device_info *d = &x->c->dev[i];
+        gemm_rate += d->peak_tflops * 1e12 * d->gemm_eff;
+        attn_rate += d->peak_tflops * 1e12 * d->attn_eff;
+    }
+    double S = (double)x->seq_len, seqs = x->t->sequences;
+    double gemm_flops = seqs * S *
+                        (x->m->layers * layer_gemm_flops_per_token(x->m) * gemm_passes(x->t) +
+                         head_gemm_flops_per_token(x->m) * (1.0 + GEMM_BWD_FACTOR));
+    double pairs = x->causal ? S * (S + 1.0) / 2.0 : S * S;
+    double attn_flops = seqs * x->m->layers * attn_fwd_flops(x->m, pairs, x->m->heads) * attn_passes(x->t);
+    return gemm_flops / gemm_rate + attn_flops / attn_rate;
+}
+
+static hexiseq_status validate_training(const hexiseq_training *t) {
+    if (t->sequences < 1)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "training.sequences must be >= 1, got %d", t->sequences);
+    if (t->checkpointing != 0 && t->checkpointing != 1)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "training.checkpointing must be 0 or 1, got %d", t->checkpointing);
+    if (t->sharding < HEXISEQ_SHARD_FULL || t->sharding > HEXISEQ_SHARD_NONE)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "training.sharding must be in [0, 3], got %d", t->sharding);
+    if (!isfinite(t->reserved_gib) || t->reserved_gib < 0)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "training.reserved_gib must be a finite number >= 0, got %g",
+                            t->reserved_gib);
+    return HEXISEQ_OK;
+}
+
+hexiseq_status hexiseq_check_inputs(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
+                                    int64_t seq_len) {
+    if (!c || !m || !t)
+        return hexiseq_fail(HEXISEQ_ERR_NULL, "cluster, model and training must not be NULL");
+    HEXISEQ_CHECK(hexiseq_model_validate(m));
+    HEXISEQ_CHECK(validate_training(t));
+    if (seq_len < 1 || seq_len > HEXISEQ_MAX_SEQ_LEN)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "seq_len must be in [1, %lld], got %lld", (long long)HEXISEQ_MAX_SEQ_LEN,
+                            (long long)seq_len);
+    return HEXISEQ_OK;
+}
+
+hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
+                                int64_t seq_len, int32_t causal, const hexiseq_layout *l,
+                                hexiseq_device_cost *per_device, hexiseq_plan_cost *out) {
+    hexiseq_clear_error();
+    if (!l || !per_device || !out)
+        return hexiseq_fail(HEXISEQ_ERR_NULL, "layout, per_device and out must not be NULL");
+    HEXISEQ_CHECK(hexiseq_check_inputs(c, m, t, seq_len));
+    if (causal != 0 && causal != 1)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "causal must be 0 or 1, got %d", causal);
+    HEXISEQ_CHECK(validate_layout(c, m, seq_len, l));
+
+    cost_ctx x = {c, m, t, l, seq_len, causal, NULL, NULL, NULL};
+    x.group_of = malloc((size_t)l->n_devices * sizeof *x.group_of);
+    x.offset = malloc(((size_t)l->n_groups + 1) * sizeof *x.offset);
+    x.span = malloc((size_t)l->n_groups * sizeof *x.span);
+    double *group_a2a = calloc((size_t)l->n_groups, sizeof *group_a2a);
+    if (!x.group_of || !x.offset || !x.span || !group_a2a) {
+        free(x.group_of);
+        free(x.offset);
+        free(x.span);
+        free(group_a2a);
+        return hexiseq_fail(HEXISEQ_ERR_NOMEM, "cannot allocate cost model scratch for %d devices", l->n_devices);
+    }
+    x.offset[0] = 0;
+    for (int32_t g = 0; g < l->n_groups; ++g) {
+        x.offset[g + 1] = x.offset[g] + l->group_size[g];
+        for (int32_t r = x.offset[g]; r < x.offset[g + 1]; ++r)
+            x.group_of[r] = g;
+    }
+    hexiseq_layout_spans(l, x.span);
+
+    memset(out, 0, sizeof *out);
+    out->short_device = -1;
+    out->fits = 1;
+    for (int32_t r = 0; r < l->n_devices; ++r) {
+        hexiseq_device_cost *dc = &per_device[r];
+        memset(dc, 0, sizeof *dc);
+        const hexiseq_device_info *d = &c->dev[l->device[r]];
+        kv_range(m, l->head_lo[r], l->head_count[r], &dc->kv_lo, &dc->kv_count);
+        dc->gemm_s = gemm_time_s(&x, d, l->tokens[r]);
+        dc->a2a_s = a2a_time_s(&x, r);
+        ring_time_s(&x, r, &dc->attn_s, &dc->ring_exposed_s);
+        memory_terms(&x, r, dc->kv_count, dc);
+        group_a2a[x.group_of[r]] = fmax(group_a2a[x.group_of[r]], dc->a2a_s);
+        double ring_s = dc->attn_s + dc->ring_exposed_s;
+        if (dc->gemm_s > out->gemm_phase_s || r == 0) {
+            out->gemm_phase_s = dc->gemm_s;
+            out->gemm_bottleneck = l->device[r];
+        }
+        if (ring_s > out->ring_phase_s || r == 0) {
+            out->ring_phase_s = ring_s;
+            out->ring_bottleneck = l->device[r];
+        }
+        double shortfall = dc->mem_total_gib - dc->mem_cap_gib;
+        if (shortfall > 0 && shortfall > out->short_gib) {
+            out->fits = 0;
+            out->short_gib = shortfall;
+            out->short_device = l->device[r];
+        }
+    }
+    out->a2a_bottleneck = l->device[0];
+    for (int32_t r = 0; r < l->n_devices; ++r) {
+        hexiseq_device_cost *dc = &per_device[r];
+        double ga = group_a2a[x.group_of[r]];
+        dc->busy_s = dc->gemm_s + ga + dc->attn_s + dc->ring_exposed_s;
+        if (ga > out->a2a_phase_s) {
+            out->a2a_phase_s = ga;
+            out->a2a_bottleneck = l->device[r];
+        }
+    }
+    /* Phases are separated by synchronisations (the all-to-all waits for the whole group, the ring for
+     * its neighbours), so the step costs the slowest device of each phase, summed. */
+    out->step_time_s = out->gemm_phase_s + out->a2a_phase_s + out->ring_phase_s;
+    out->lower_bound_s = lower_bound_s(&x);
+    out->tokens_per_s = (double)t->sequences * (double)seq_len / out->step_time_s;
+    free(x.group_of);
+    free(x.offset);
+    free(x.span);
+    free(group_a2a);
+    return HEXISEQ_OK;
+}

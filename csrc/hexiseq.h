@@ -1,0 +1,204 @@
+/* Public C API of the HexiSeq core: GPU catalog, cluster, model, layouts, cost model, plans. */
+#ifndef HEXISEQ_H
+#define HEXISEQ_H
+
+#include <stdint.h>
+
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define HEXISEQ_VERSION "0.1.0"
+
+/* ------------------------------------------------------------------ GPU catalog */
+
+/* One GPU model. Rates are datasheet peaks; the *_eff fractions are what tuned kernels typically achieve
+ * on large shapes. A measured rate overrides these through the cluster's per-node overrides. */
+typedef struct {
+    const char *name;        /* canonical name, e.g. "H100-SXM" */
+    double peak_tflops;      /* dense bf16 (fp16 where the part has no bf16) tensor-core TFLOP/s */
+    double memory_gib;       /* device memory, GiB (2^30 bytes) */
+    double hbm_gbps;         /* memory bandwidth, GB/s (1e9 bytes/s) */
+    double gemm_eff;         /* achieved fraction of peak on large matmuls */
+    double attn_eff;         /* achieved fraction of peak by flash attention, forward+backward */
+    const char *source;      /* where the numbers come from */
+} hexiseq_gpu_spec;
+
+HEXISEQ_API int hexiseq_gpu_catalog_size(void);
+HEXISEQ_API hexiseq_status hexiseq_gpu_catalog_get(int index, hexiseq_gpu_spec *out);
+/* Case-insensitive lookup; also accepts a few aliases ("H100" = "H100-SXM", "A100" = "A100-80G"). */
+HEXISEQ_API hexiseq_status hexiseq_gpu_find(const char *name, hexiseq_gpu_spec *out);
+
+/* ------------------------------------------------------------------ cluster */
+
+/* One node: `count` GPUs of one model joined by a switch of `intra_gbps` per device and direction.
+ * Overrides: a value <= 0 means "use the catalog". */
+typedef struct {
+    const char *gpu;         /* catalog name */
+    int32_t count;           /* GPUs in the node, >= 1 */
+    double intra_gbps;       /* device-to-device bandwidth inside the node, GB/s per direction, > 0 */
+    double memory_gib;       /* override of the catalog memory, GiB */
+    double peak_tflops;      /* override of the catalog peak, TFLOP/s */
+    double gemm_eff;         /* override of the matmul efficiency, (0, 1] */
+    double attn_eff;         /* override of the attention efficiency, (0, 1] */
+} hexiseq_node_desc;
+
+typedef struct hexiseq_cluster hexiseq_cluster; /* opaque */
+
+/* Devices are numbered node by node in the order given. `bandwidth_gbps` is optional (NULL): a full
+ * n_devices x n_devices row-major matrix of GB/s per direction that replaces the node-derived links;
+ * its diagonal is ignored. `inter_node_gbps` is the per-device bandwidth between nodes. */
+HEXISEQ_API hexiseq_status hexiseq_cluster_create(int32_t n_nodes, const hexiseq_node_desc *nodes,
+                                                  double inter_node_gbps, const double *bandwidth_gbps,
+                                                  hexiseq_cluster **out);
+HEXISEQ_API void hexiseq_cluster_destroy(hexiseq_cluster *cluster);
+HEXISEQ_API int32_t hexiseq_cluster_num_devices(const hexiseq_cluster *cluster);
+HEXISEQ_API int32_t hexiseq_cluster_num_nodes(const hexiseq_cluster *cluster);
+
+/* What the cost model sees of one device after overrides. */
+typedef struct {
+    int32_t node;
+    int32_t gpu_index;       /* index into the catalog */
+    double memory_gib;
+    double peak_tflops;
+    double gemm_eff;
+    double attn_eff;
+} hexiseq_device_info;
+
+HEXISEQ_API hexiseq_status hexiseq_cluster_device(const hexiseq_cluster *cluster, int32_t device,
+                                                  hexiseq_device_info *out);
+/* Bandwidth from device a to device b, GB/s per direction (a != b). */
+HEXISEQ_API hexiseq_status hexiseq_cluster_bandwidth(const hexiseq_cluster *cluster, int32_t a, int32_t b,
+                                                     double *gbps);
+
+/* ------------------------------------------------------------------ model and training setting */
+
+typedef struct {
+    int32_t layers;
+    int32_t hidden;          /* model width H */
+    int32_t heads;           /* query heads A */
+    int32_t kv_heads;        /* key/value heads A_kv, A % A_kv == 0 */
+    int32_t head_dim;        /* d */
+    int32_t ffn;             /* MLP inner width F */
+    int32_t vocab;           /* V */
+    int32_t dtype_bytes;     /* bytes per activation / parameter element (2 for bf16) */
+    int32_t gated_mlp;       /* 1: SwiGLU (3 matrices H x F), 0: GELU MLP (2 matrices) */
+} hexiseq_model;
+
+HEXISEQ_API hexiseq_status hexiseq_model_validate(const hexiseq_model *model);
+/* Parameter count of the whole model (embeddings and an untied output head included). */
+HEXISEQ_API hexiseq_status hexiseq_model_params(const hexiseq_model *model, double *params);
+
+typedef enum {
+    HEXISEQ_SHARD_FULL = 0,  /* parameters, gradients, optimizer states sharded over all devices (ZeRO-3/FSDP) */
+    HEXISEQ_SHARD_GRAD_OPT = 1, /* gradients and optimizer states sharded (ZeRO-2) */
+    HEXISEQ_SHARD_OPT = 2,   /* optimizer states sharded (ZeRO-1) */
+    HEXISEQ_SHARD_NONE = 3   /* everything replicated (plain DDP) */
+} hexiseq_sharding;
+
+typedef struct {
+    int32_t sequences;       /* sequences per step, each of seq_len tokens, run one after another */
+    int32_t checkpointing;   /* 1: full activation checkpointing (recompute each layer's forward) */
+    int32_t sharding;        /* hexiseq_sharding */
+    double reserved_gib;     /* per-device memory kept back for the framework, CUDA context, fragmentation */
+} hexiseq_training;
+
+HEXISEQ_API void hexiseq_training_default(hexiseq_training *out);
+
+/* ------------------------------------------------------------------ layout (what a plan describes) */
+
+/* Groups are listed in ring order. Members of group g are device[offset_g .. offset_g + group_size[g])
+ * with offset_g = sum of earlier group sizes; per-device arrays share that order.
+ * Inside a group the member order is the rank order: token shares are laid out in it and head ranges
+ * must tile [0, heads) in it (head_lo[first] = 0, each next starts where the last ended). */
+typedef struct {
+    int32_t n_groups;
+    int32_t n_devices;
+    int32_t *group_size;     /* [n_groups] */
+    int64_t *group_seq;      /* [n_groups] S_g, token positions the group owns; sum = seq_len */
+    int32_t *device;         /* [n_devices] cluster device ids */
+    int64_t *tokens;         /* [n_devices] s_r, token-parallel share; sum over a group = S_g */
+    int32_t *head_lo;        /* [n_devices] first query head of the device's range */
+    int32_t *head_count;     /* [n_devices] h_r, may be 0 */
+} hexiseq_layout;
+
+/* Allocates the arrays (zeroed); free with hexiseq_layout_free. */
+HEXISEQ_API hexiseq_status hexiseq_layout_alloc(int32_t n_groups, int32_t n_devices, hexiseq_layout *out);
+HEXISEQ_API void hexiseq_layout_free(hexiseq_layout *layout);
+
+/* Positions of group g under the load-balanced causal layout: a front chunk [front_start, front_start +
+ * front_len) and a back chunk [back_start, back_start + back_len). Front chunks follow the ring order from
+ * position 0; back chunks mirror them from the end of the sequence (zigzag, generalised to unequal S_g). */
+typedef struct {
+    int64_t front_start, front_len, back_start, back_len;
+} hexiseq_group_span;
+
+HEXISEQ_API hexiseq_status hexiseq_layout_spans(const hexiseq_layout *layout, hexiseq_group_span *spans);
+
+/* ------------------------------------------------------------------ cost model */
+
+/* Per device, whole training step (all layers, forward + backward, all sequences). */
+typedef struct {
+    double gemm_s;           /* token-parallel compute: projections, MLP, output head */
+    double attn_s;           /* attention kernels over all ring steps */
+    double a2a_s;            /* this device's all-to-all transfers, serialised */
+    double ring_exposed_s;   /* ring receive/send time not hidden behind attention */
+    double busy_s;           /* gemm_s + max(a2a of its group) + attn_s + ring_exposed_s */
+    double mem_states_gib;   /* parameters, gradients, optimizer states, gathered layer weights */
+    double mem_act_gib;      /* token-parallel activations (incl. logits) */
+    double mem_attn_gib;     /* attention working set: Q, K, V, O of the group's tokens for its heads */
+    double mem_ring_gib;     /* ring double buffers (K, V and dK, dV) */
+    double mem_total_gib;    /* the above plus reserved_gib */
+    double mem_cap_gib;      /* device memory */
+    int32_t kv_lo;           /* first kv head the device needs */
+    int32_t kv_count;        /* kv heads it needs (0 when it has no query heads) */
+} hexiseq_device_cost;
+
+typedef struct {
+    double step_time_s;      /* predicted step time: sum over phases of the slowest device's phase time */
+    double gemm_phase_s;     /* slowest device's token-parallel compute */
+    double a2a_phase_s;      /* slowest group's all-to-all */
+    double ring_phase_s;     /* slowest device's attention + exposed ring communication */
+    double lower_bound_s;    /* total work / total effective rate; no layout can beat it under this model */
+    double tokens_per_s;     /* sequences * seq_len / step_time_s */
+    int32_t gemm_bottleneck; /* device ids of the slowest device in each phase */
+    int32_t a2a_bottleneck;
+    int32_t ring_bottleneck;
+    int32_t fits;            /* 1 when every device's mem_total_gib <= mem_cap_gib */
+    int32_t short_device;    /* device with the largest shortfall (-1 when fits) */
+    double short_gib;        /* its shortfall, GiB */
+} hexiseq_plan_cost;
+
+/* Checks the layout against the cluster and model (HEXISEQ_ERR_LAYOUT with a message naming the field)
+ * and scores it. `per_device` has n_devices entries in the layout's device order. */
+HEXISEQ_API hexiseq_status hexiseq_evaluate(const hexiseq_cluster *cluster, const hexiseq_model *model,
+                                            const hexiseq_training *training, int64_t seq_len,
+                                            int32_t causal, const hexiseq_layout *layout,
+                                            hexiseq_device_cost *per_device, hexiseq_plan_cost *out);
+
+/* ------------------------------------------------------------------ strategies */
+
+typedef enum {
+    HEXISEQ_STRATEGY_RING = 0,    /* pure context parallelism: one device per group, equal shares */
+    HEXISEQ_STRATEGY_ULYSSES = 1, /* pure head parallelism: one group, equal shares (needs A % N == 0) */
+    HEXISEQ_STRATEGY_USP = 2,     /* uniform CP x HP mesh, every valid factorisation, best kept */
+    HEXISEQ_STRATEGY_COUNT = 3
+} hexiseq_strategy;
+
+HEXISEQ_API const char *hexiseq_strategy_name(hexiseq_strategy strategy);
+
+/* Best layout of one strategy. On success `out` is allocated (free with hexiseq_layout_free) and
+ * `cost` filled. Layouts that do not fit memory are kept only when nothing fits: then the call returns
+ * HEXISEQ_ERR_MEMORY with the least-short layout in `out`/`cost` and a message naming the short device.
+ * HEXISEQ_ERR_UNSUPPORTED when the strategy has no valid layout (e.g. Ulysses with A % N != 0). */
+HEXISEQ_API hexiseq_status hexiseq_plan_strategy(const hexiseq_cluster *cluster, const hexiseq_model *model,
+                                                 const hexiseq_training *training, int64_t seq_len,
+                                                 int32_t causal, hexiseq_strategy strategy,
+                                                 hexiseq_layout *out, hexiseq_plan_cost *cost);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* HEXISEQ_H */

@@ -1,0 +1,47 @@
+/* Declarations shared inside the C core (not part of the public API). */
+#ifndef HEXISEQ_INTERNAL_H
+#define HEXISEQ_INTERNAL_H
+
+#include "hexiseq.h"
+
+struct hexiseq_cluster {
+    int32_t n_nodes;
+    int32_t n_devices;
+    hexiseq_device_info *dev; /* [n_devices] */
+    double *intra_gbps;       /* [n_nodes] */
+    double inter_gbps;
+    double *bw;               /* [n_devices * n_devices] or NULL: explicit matrix, GB/s */
+};
+
+/* Limits that keep every integer product in the cost model inside int64 and doubles exact enough. */
+#define HEXISEQ_MAX_DEVICES 65536
+#define HEXISEQ_MAX_SEQ_LEN (INT64_C(1) << 30)
+
+int hexiseq_gpu_index(const char *name);
+double hexiseq_layer_params(const hexiseq_model *m);
+
+/* Bandwidth a -> b in bytes/s, no validation (a != b). */
+static inline double hexiseq_bw_bytes(const hexiseq_cluster *c, int32_t a, int32_t b) {
+    if (c->bw)
+        return c->bw[(int64_t)a * c->n_devices + b] * 1e9;
+    if (c->dev[a].node == c->dev[b].node)
+        return c->intra_gbps[c->dev[a].node] * 1e9;
+    return c->inter_gbps * 1e9;
+}
+
+/* Number of (query, key) pairs with key <= query for queries in [q0, q1) and keys in [k0, k1). */
+int64_t hexiseq_causal_pairs(int64_t q0, int64_t q1, int64_t k0, int64_t k1);
+
+/* Split `total` into `parts` near-equal integers, the larger ones first. */
+static inline int64_t hexiseq_even_share(int64_t total, int64_t parts, int64_t i) {
+    return total / parts + (i < total % parts ? 1 : 0);
+}
+
+/* Validates cluster, model, training and seq_len (not the layout). */
+hexiseq_status hexiseq_check_inputs(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
+                                    int64_t seq_len);
+
+/* Copy a layout into already-allocated storage of the same sizes. */
+void hexiseq_layout_copy(hexiseq_layout *dst, const hexiseq_layout *src);
+
+#endif /* HEXISEQ_INTERNAL_H */

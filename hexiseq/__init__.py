@@ -1,0 +1,45 @@
+"""HexiSeq: asymmetric context (ring) and head (Ulysses) parallelism for long-context training on
+heterogeneous GPU clusters, chosen by a cost model and executed exactly."""
+
+from . import errors  # noqa: F401  (the extension maps its status codes onto these classes)
+from . import _core
+from .cluster import Cluster, Node, gpu_catalog
+from .errors import (CudaError, HexiseqError, InternalError, InvalidArgumentError, LayoutError, MemoryFitError,
+                     UnknownGPUError, UnsupportedError)
+from .model import MODEL_PRESETS, Model, Sharding, Training
+from .plan import DeviceTable, Layout, Plan, Strategy, compare, evaluate, plan
+
+__version__ = _core.VERSION
+
+__all__ = [
+    "__version__",
+    "build_info",
+    "gpu_catalog",
+    "Cluster",
+    "Node",
+    "Model",
+    "MODEL_PRESETS",
+    "Training",
+    "Sharding",
+    "Strategy",
+    "Layout",
+    "Plan",
+    "DeviceTable",
+    "plan",
+    "evaluate",
+    "compare",
+    "HexiseqError",
+    "InvalidArgumentError",
+    "UnknownGPUError",
+    "LayoutError",
+    "MemoryFitError",
+    "UnsupportedError",
+    "CudaError",
+    "InternalError",
+]
+
+
+def build_info() -> dict:
+    """What this installation was built with: version, cuda (bool), cuda_runtime, cuda_devices, compiler,
+    openmp (bool)."""
+    return _core.build_info()

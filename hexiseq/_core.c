@@ -1,0 +1,464 @@
+/* The CPython binding of the HexiSeq C core: argument parsing, NumPy arrays in and out, status codes to
+ * exceptions. It holds no algorithm; everything it calls is declared in csrc/hexiseq.h. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include <numpy/arrayobject.h>
+
+#include <stddef.h>
+#include <string.h>
+
+#include "hexiseq.h"
+
+#ifdef HEXISEQ_WITH_CUDA
+#include "launch.h"
+#endif
+
+#define MAX_NODES 65536
+
+/* ------------------------------------------------------------------ module state and errors */
+
+typedef struct {
+    PyObject *errors[10]; /* exception class per hexiseq_status, [0] unused */
+} core_state;
+
+static core_state *get_state(PyObject *module) { return (core_state *)PyModule_GetState(module); }
+
+/* Raise the exception class mapped to `status` with the core's last-error text; returns NULL. */
+static PyObject *raise_status(PyObject *module, hexiseq_status status) {
+    core_state *st = get_state(module);
+    PyObject *cls = (status > 0 && status < 10) ? st->errors[status] : NULL;
+    const char *detail = hexiseq_last_error();
+    PyErr_SetString(cls ? cls : PyExc_RuntimeError, detail[0] ? detail : hexiseq_status_string(status));
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ conversions */
+
+static PyObject *new_array(int typenum, npy_intp n, const void *src, size_t elem) {
+    PyObject *arr = PyArray_SimpleNew(1, &n, typenum);
+    if (arr && n)
+        memcpy(PyArray_DATA((PyArrayObject *)arr), src, (size_t)n * elem);
+    return arr;
+}
+
+/* Read a 1-D sequence into a contiguous array of `typenum` with exactly `n` elements (n < 0: any). */
+static PyArrayObject *as_array(PyObject *obj, int typenum, npy_intp n, const char *name) {
+    PyArrayObject *arr = (PyArrayObject *)PyArray_FROMANY(obj, typenum, 1, 1, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
+    if (!arr) {
+        PyErr_Format(PyExc_TypeError, "%s must be a 1-D sequence of numbers", name);
+        return NULL;
+    }
+    if (n >= 0 && PyArray_SIZE(arr) != n) {
+        PyErr_Format(PyExc_ValueError, "%s must have %zd entries, got %zd", name, (Py_ssize_t)n,
+                     (Py_ssize_t)PyArray_SIZE(arr));
+        Py_DECREF(arr);
+        return NULL;
+    }
+    return arr;
+}
+
+/* A cluster from (nodes, inter_node_gbps, bandwidth matrix or None), nodes being tuples
+ * (gpu, count, intra_gbps, memory_gib, peak_tflops, gemm_eff, attn_eff). */
+static hexiseq_cluster *make_cluster(PyObject *module, PyObject *nodes, double inter, PyObject *bw_obj) {
+    if (!PyList_Check(nodes)) {
+        PyErr_SetString(PyExc_TypeError, "nodes must be a list of tuples");
+        return NULL;
+    }
+    Py_ssize_t n_nodes = PyList_GET_SIZE(nodes);
+    if (n_nodes > MAX_NODES) {
+        PyErr_Format(PyExc_ValueError, "nodes: at most %d nodes, got %zd", MAX_NODES, n_nodes);
+        return NULL;
+    }
+    hexiseq_node_desc *desc = PyMem_Calloc(n_nodes ? (size_t)n_nodes : 1, sizeof *desc);
+    if (!desc)
+        return (hexiseq_cluster *)PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n_nodes; ++i) {
+        hexiseq_node_desc *d = &desc[i];
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(nodes, i), "siddddd;nodes entries are (gpu, count, intra_gbps, memory_gib, peak_tflops, gemm_eff, attn_eff)",
+                              &d->gpu, &d->count, &d->intra_gbps, &d->memory_gib, &d->peak_tflops, &d->gemm_eff,
+                              &d->attn_eff)) {
+            PyMem_Free(desc);
+            return NULL;
+        }
+    }
+    PyArrayObject *bw = NULL;
+    if (bw_obj != Py_None) {
+        bw = (PyArrayObject *)PyArray_FROMANY(bw_obj, NPY_DOUBLE, 2, 2, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
+        if (!bw) {
+            PyMem_Free(desc);
+            return NULL;
+        }
+    }
+    if (bw) {
+        int64_t total = 0;
+        for (Py_ssize_t i = 0; i < n_nodes; ++i)
+            total += desc[i].count > 0 ? desc[i].count : 0;
+        if (PyArray_DIM(bw, 0) != total || PyArray_DIM(bw, 1) != total) {
+            PyErr_Format(PyExc_ValueError, "bandwidth_gbps must be a %lld x %lld matrix (one row per device), got %zd x %zd",
+                         (long long)total, (long long)total, (Py_ssize_t)PyArray_DIM(bw, 0), (Py_ssize_t)PyArray_DIM(bw, 1));
+            Py_DECREF(bw);
+            PyMem_Free(desc);
+            return NULL;
+        }
+    }
+    hexiseq_cluster *c = NULL;
+    hexiseq_status s = hexiseq_cluster_create((int32_t)n_nodes, desc, inter, bw ? (const double *)PyArray_DATA(bw) : NULL, &c);
+    Py_XDECREF(bw);
+    PyMem_Free(desc);
+    if (s != HEXISEQ_OK) {
+        raise_status(module, s);
+        return NULL;
+    }
+    return c;
+}
+
+static int parse_model(PyObject *obj, hexiseq_model *m) {
+    return PyArg_ParseTuple(obj, "iiiiiiiii;model is (layers, hidden, heads, kv_heads, head_dim, ffn, vocab, dtype_bytes, gated_mlp)",
+                            &m->layers, &m->hidden, &m->heads, &m->kv_heads, &m->head_dim, &m->ffn, &m->vocab,
+                            &m->dtype_bytes, &m->gated_mlp);
+}
+
+static int parse_training(PyObject *obj, hexiseq_training *t) {
+    return PyArg_ParseTuple(obj, "iiid;training is (sequences, checkpointing, sharding, reserved_gib)", &t->sequences,
+                            &t->checkpointing, &t->sharding, &t->reserved_gib);
+}
+
+static PyObject *layout_to_dict(const hexiseq_layout *l) {
+    return Py_BuildValue("{s:N,s:N,s:N,s:N,s:N,s:N}",
+                         "group_size", new_array(NPY_INT32, l->n_groups, l->group_size, sizeof(int32_t)),
+                         "group_seq", new_array(NPY_INT64, l->n_groups, l->group_seq, sizeof(int64_t)),
+                         "device", new_array(NPY_INT32, l->n_devices, l->device, sizeof(int32_t)),
+                         "tokens", new_array(NPY_INT64, l->n_devices, l->tokens, sizeof(int64_t)),
+                         "head_lo", new_array(NPY_INT32, l->n_devices, l->head_lo, sizeof(int32_t)),
+                         "head_count", new_array(NPY_INT32, l->n_devices, l->head_count, sizeof(int32_t)));
+}
+
+static PyObject *plan_cost_to_dict(const hexiseq_plan_cost *p) {
+    return Py_BuildValue("{s:d,s:d,s:d,s:d,s:d,s:d,s:i,s:i,s:i,s:O,s:i,s:d}", "step_time_s", p->step_time_s,
+                         "gemm_phase_s", p->gemm_phase_s, "a2a_phase_s", p->a2a_phase_s, "ring_phase_s",
+                         p->ring_phase_s, "lower_bound_s", p->lower_bound_s, "tokens_per_s", p->tokens_per_s,
+                         "gemm_bottleneck", p->gemm_bottleneck, "a2a_bottleneck", p->a2a_bottleneck, "ring_bottleneck",
+                         p->ring_bottleneck, "fits", p->fits ? Py_True : Py_False, "short_device", p->short_device,
+                         "short_gib", p->short_gib);
+}
+
+/* Per-device cost columns, in the layout's device order. */
+static PyObject *device_costs_to_dict(const hexiseq_device_cost *dc, npy_intp n) {
+    static const struct {
+        const char *name;
+        size_t offset;
+    } cols[] = {
+        {"gemm_s", offsetof(hexiseq_device_cost, gemm_s)},
+        {"attn_s", offsetof(hexiseq_device_cost, attn_s)},
+        {"a2a_s", offsetof(hexiseq_device_cost, a2a_s)},
+        {"ring_exposed_s", offsetof(hexiseq_device_cost, ring_exposed_s)},
+        {"busy_s", offsetof(hexiseq_device_cost, busy_s)},
+        {"mem_states_gib", offsetof(hexiseq_device_cost, mem_states_gib)},
+        {"mem_act_gib", offsetof(hexiseq_device_cost, mem_act_gib)},
+        {"mem_attn_gib", offsetof(hexiseq_device_cost, mem_attn_gib)},
+        {"mem_ring_gib", offsetof(hexiseq_device_cost, mem_ring_gib)},
+        {"mem_total_gib", offsetof(hexiseq_device_cost, mem_total_gib)},
+        {"mem_cap_gib", offsetof(hexiseq_device_cost, mem_cap_gib)},
+    };
+    PyObject *out = PyDict_New();
+    if (!out)
+        return NULL;
+    for (size_t c = 0; c < sizeof cols / sizeof cols[0]; ++c) {
+        PyObject *arr = PyArray_SimpleNew(1, &n, NPY_DOUBLE);
+        if (!arr) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        double *dst = PyArray_DATA((PyArrayObject *)arr);
+        for (npy_intp i = 0; i < n; ++i)
+            dst[i] = *(const double *)((const char *)&dc[i] + cols[c].offset);
+        int rc = PyDict_SetItemString(out, cols[c].name, arr);
+        Py_DECREF(arr);
+        if (rc < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    PyObject *kv_lo = PyArray_SimpleNew(1, &n, NPY_INT32), *kv_count = PyArray_SimpleNew(1, &n, NPY_INT32);
+    if (!kv_lo || !kv_count) {
+        Py_XDECREF(kv_lo);
+        Py_XDECREF(kv_count);
+        Py_DECREF(out);
+        return NULL;
+    }
+    for (npy_intp i = 0; i < n; ++i) {
+        ((int32_t *)PyArray_DATA((PyArrayObject *)kv_lo))[i] = dc[i].kv_lo;
+        ((int32_t *)PyArray_DATA((PyArrayObject *)kv_count))[i] = dc[i].kv_count;
+    }
+    PyDict_SetItemString(out, "kv_lo", kv_lo);
+    PyDict_SetItemString(out, "kv_count", kv_count);
+    Py_DECREF(kv_lo);
+    Py_DECREF(kv_count);
+    return out;
+}
+
+/* ------------------------------------------------------------------ functions */
+
+static PyObject *core_build_info(PyObject *module, PyObject *Py_UNUSED(ignored)) {
+    (void)module;
+#ifdef _OPENMP
+    PyObject *openmp = Py_True;
+#else
+    PyObject *openmp = Py_False;
+#endif
+#ifdef HEXISEQ_WITH_CUDA
+    PyObject *cuda = Py_True;
+    int runtime = 0, devices = 0;
+    hexiseq_cuda_runtime_info(&runtime, &devices);
+#else
+    PyObject *cuda = Py_False;
+    int runtime = 0, devices = 0;
+#endif
+#if defined(__clang__)
+    const char *compiler = "clang " __clang_version__;
+#elif defined(__GNUC__)
+    const char *compiler = "gcc " __VERSION__;
+#else
+    const char *compiler = "unknown";
+#endif
+    return Py_BuildValue("{s:s,s:O,s:i,s:i,s:s,s:O}", "version", HEXISEQ_VERSION, "cuda", cuda, "cuda_runtime", runtime,
+                         "cuda_devices", devices, "compiler", compiler, "openmp", openmp);
+}
+
+static PyObject *core_gpu_catalog(PyObject *module, PyObject *Py_UNUSED(ignored)) {
+    int n = hexiseq_gpu_catalog_size();
+    PyObject *out = PyList_New(n);
+    if (!out)
+        return NULL;
+    for (int i = 0; i < n; ++i) {
+        hexiseq_gpu_spec g;
+        hexiseq_status s = hexiseq_gpu_catalog_get(i, &g);
+        if (s != HEXISEQ_OK) {
+            Py_DECREF(out);
+            return raise_status(module, s);
+        }
+        PyObject *item = Py_BuildValue("{s:s,s:d,s:d,s:d,s:d,s:d,s:s}", "name", g.name, "peak_tflops", g.peak_tflops,
+                                       "memory_gib", g.memory_gib, "hbm_gbps", g.hbm_gbps, "gemm_eff", g.gemm_eff,
+                                       "attn_eff", g.attn_eff, "source", g.source);
+        if (!item) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+    return out;
+}
+
+/* gpu_find(name) -> canonical name; raises UnknownGPUError listing the known models. */
+static PyObject *core_gpu_find(PyObject *module, PyObject *arg) {
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name)
+        return NULL;
+    hexiseq_gpu_spec g;
+    hexiseq_status s = hexiseq_gpu_find(name, &g);
+    if (s != HEXISEQ_OK)
+        return raise_status(module, s);
+    return PyUnicode_FromString(g.name);
+}
+
+/* check_cluster(nodes, inter_gbps, bandwidth) -> number of devices; validates through the core. */
+static PyObject *core_check_cluster(PyObject *module, PyObject *args) {
+    PyObject *nodes, *bw;
+    double inter;
+    if (!PyArg_ParseTuple(args, "OdO:check_cluster", &nodes, &inter, &bw))
+        return NULL;
+    hexiseq_cluster *c = make_cluster(module, nodes, inter, bw);
+    if (!c)
+        return NULL;
+    int32_t n = hexiseq_cluster_num_devices(c);
+    hexiseq_cluster_destroy(c);
+    return PyLong_FromLong(n);
+}
+
+/* model_params(model) -> parameter count (float). */
+static PyObject *core_model_params(PyObject *module, PyObject *arg) {
+    hexiseq_model m;
+    if (!parse_model(arg, &m))
+        return NULL;
+    double p;
+    hexiseq_status s = hexiseq_model_params(&m, &p);
+    if (s != HEXISEQ_OK)
+        return raise_status(module, s);
+    return PyFloat_FromDouble(p);
+}
+
+/* evaluate(nodes, inter_gbps, bandwidth, model, training, seq_len, causal, layout_dict)
+ *   -> (per_device dict of arrays, plan dict) */
+static PyObject *core_evaluate(PyObject *module, PyObject *args) {
+    PyObject *nodes, *bw, *model_obj, *train_obj, *layout_obj;
+    double inter;
+    long long seq_len;
+    int causal;
+    if (!PyArg_ParseTuple(args, "OdOOOLpO!:evaluate", &nodes, &inter, &bw, &model_obj, &train_obj, &seq_len, &causal,
+                          &PyDict_Type, &layout_obj))
+        return NULL;
+    hexiseq_model m;
+    hexiseq_training t;
+    if (!parse_model(model_obj, &m) || !parse_training(train_obj, &t))
+        return NULL;
+
+    static const char *keys[6] = {"group_size", "group_seq", "device", "tokens", "head_lo", "head_count"};
+    static const int types[6] = {NPY_INT32, NPY_INT64, NPY_INT32, NPY_INT64, NPY_INT32, NPY_INT32};
+    PyArrayObject *arr[6] = {NULL};
+    PyObject *result = NULL;
+    hexiseq_cluster *c = NULL;
+    hexiseq_device_cost *per = NULL;
+    for (int i = 0; i < 6; ++i) {
+        PyObject *item = PyDict_GetItemString(layout_obj, keys[i]);
+        if (!item) {
+            PyErr_Format(PyExc_KeyError, "layout is missing '%s'", keys[i]);
+            goto done;
+        }
+        arr[i] = as_array(item, types[i], -1, keys[i]);
+        if (!arr[i])
+            goto done;
+    }
+    npy_intp n_groups = PyArray_SIZE(arr[0]), n_dev = PyArray_SIZE(arr[2]);
+    if (PyArray_SIZE(arr[1]) != n_groups) {
+        PyErr_Format(PyExc_ValueError, "group_seq must have one entry per group (%zd), got %zd", (Py_ssize_t)n_groups,
+                     (Py_ssize_t)PyArray_SIZE(arr[1]));
+        goto done;
+    }
+    for (int i = 3; i < 6; ++i)
+        if (PyArray_SIZE(arr[i]) != n_dev) {
+            PyErr_Format(PyExc_ValueError, "%s must have one entry per device (%zd), got %zd", keys[i], (Py_ssize_t)n_dev,
+                         (Py_ssize_t)PyArray_SIZE(arr[i]));
+            goto done;
+        }
+    if (n_dev > INT32_MAX || n_groups > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "layout is too large");
+        goto done;
+    }
+    c = make_cluster(module, nodes, inter, bw);
+    if (!c)
+        goto done;
+    hexiseq_layout l = {(int32_t)n_groups, (int32_t)n_dev, PyArray_DATA(arr[0]), PyArray_DATA(arr[1]),
+                        PyArray_DATA(arr[2]), PyArray_DATA(arr[3]), PyArray_DATA(arr[4]), PyArray_DATA(arr[5])};
+    per = PyMem_Calloc(n_dev ? (size_t)n_dev : 1, sizeof *per);
+    if (!per) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    hexiseq_plan_cost pc;
+    hexiseq_status s;
+    Py_BEGIN_ALLOW_THREADS s = hexiseq_evaluate(c, &m, &t, seq_len, causal, &l, per, &pc);
+    Py_END_ALLOW_THREADS if (s != HEXISEQ_OK) {
+        raise_status(module, s);
+        goto done;
+    }
+    result = Py_BuildValue("(NN)", device_costs_to_dict(per, n_dev), plan_cost_to_dict(&pc));
+done:
+    for (int i = 0; i < 6; ++i)
+        Py_XDECREF(arr[i]);
+    hexiseq_cluster_destroy(c);
+    PyMem_Free(per);
+    return result;
+}
+
+/* plan_strategy(nodes, inter_gbps, bandwidth, model, training, seq_len, causal, strategy) -> layout dict */
+static PyObject *core_plan_strategy(PyObject *module, PyObject *args) {
+    PyObject *nodes, *bw, *model_obj, *train_obj;
+    double inter;
+    long long seq_len;
+    int causal, strategy;
+    if (!PyArg_ParseTuple(args, "OdOOOLpi:plan_strategy", &nodes, &inter, &bw, &model_obj, &train_obj, &seq_len, &causal,
+                          &strategy))
+        return NULL;
+    hexiseq_model m;
+    hexiseq_training t;
+    if (!parse_model(model_obj, &m) || !parse_training(train_obj, &t))
+        return NULL;
+    hexiseq_cluster *c = make_cluster(module, nodes, inter, bw);
+    if (!c)
+        return NULL;
+    hexiseq_layout l;
+    hexiseq_plan_cost pc;
+    hexiseq_status s;
+    Py_BEGIN_ALLOW_THREADS s = hexiseq_plan_strategy(c, &m, &t, seq_len, causal, (hexiseq_strategy)strategy, &l, &pc);
+    Py_END_ALLOW_THREADS hexiseq_cluster_destroy(c);
+    if (s != HEXISEQ_OK) {
+        hexiseq_layout_free(&l);
+        return raise_status(module, s);
+    }
+    PyObject *out = layout_to_dict(&l);
+    hexiseq_layout_free(&l);
+    return out;
+}
+
+/* ------------------------------------------------------------------ module */
+
+static PyMethodDef core_methods[] = {
+    {"build_info", core_build_info, METH_NOARGS, "What this extension was built with."},
+    {"gpu_catalog", core_gpu_catalog, METH_NOARGS, "The built-in GPU catalog, a list of dicts."},
+    {"gpu_find", core_gpu_find, METH_O, "Canonical catalog name of a GPU model name or alias."},
+    {"check_cluster", core_check_cluster, METH_VARARGS, "Validate a cluster description; returns its device count."},
+    {"model_params", core_model_params, METH_O, "Parameter count of a model tuple."},
+    {"evaluate", core_evaluate, METH_VARARGS, "Score a layout: (per-device dict, plan dict)."},
+    {"plan_strategy", core_plan_strategy, METH_VARARGS, "Best layout of a baseline strategy, as a dict of arrays."},
+    {NULL, NULL, 0, NULL},
+};
+
+static int core_exec(PyObject *module) {
+    if (PyArray_ImportNumPyAPI() < 0)
+        return -1;
+    core_state *st = get_state(module);
+    PyObject *errors = PyImport_ImportModule("hexiseq.errors");
+    if (!errors)
+        return -1;
+    static const struct {
+        hexiseq_status status;
+        const char *name;
+    } map[] = {
+        {HEXISEQ_ERR_NULL, "InternalError"},      {HEXISEQ_ERR_INVALID, "InvalidArgumentError"},
+        {HEXISEQ_ERR_UNKNOWN_GPU, "UnknownGPUError"}, {HEXISEQ_ERR_LAYOUT, "LayoutError"},
+        {HEXISEQ_ERR_MEMORY, "MemoryFitError"},   {HEXISEQ_ERR_NOMEM, "InternalError"},
+        {HEXISEQ_ERR_UNSUPPORTED, "UnsupportedError"}, {HEXISEQ_ERR_CUDA, "CudaError"},
+        {HEXISEQ_ERR_INTERNAL, "InternalError"},
+    };
+    for (size_t i = 0; i < sizeof map / sizeof map[0]; ++i) {
+        st->errors[map[i].status] = PyObject_GetAttrString(errors, map[i].name);
+        if (!st->errors[map[i].status]) {
+            Py_DECREF(errors);
+            return -1;
+        }
+    }
+    Py_DECREF(errors);
+    if (PyModule_AddStringConstant(module, "VERSION", HEXISEQ_VERSION) < 0)
+        return -1;
+    return 0;
+}
+
+static int core_traverse(PyObject *module, visitproc visit, void *arg) {
+    core_state *st = get_state(module);
+    for (int i = 0; i < 10; ++i)
+        Py_VISIT(st->errors[i]);
+    return 0;
+}
+
+static int core_clear(PyObject *module) {
+    core_state *st = get_state(module);
+    for (int i = 0; i < 10; ++i)
+        Py_CLEAR(st->errors[i]);
+    return 0;
+}
+
+static void core_free(void *module) { core_clear((PyObject *)module); }
+
+static PyModuleDef_Slot core_slots[] = {
+    {Py_mod_exec, core_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef core_module = {
+    PyModuleDef_HEAD_INIT, "hexiseq._core", "Binding of the HexiSeq C core.", sizeof(core_state), core_methods,
+    core_slots, core_traverse, core_clear, core_free,
+};
+
+PyMODINIT_FUNC PyInit__core(void) { return PyModuleDef_Init(&core_module); }

@@ -1,0 +1,459 @@
+"""Plans: a layout of the general form (HP groups, sequence and head shares, ring order) with its predicted
+cost; the strategies that produce them; scoring a layout the caller writes down."""
+
+import enum
+import hashlib
+import json
+from typing import Dict, List, Optional, Union
+
+import numpy as np
+
+from . import _core
+from ._validate import integer, parse_tokens
+from .cluster import Cluster
+from .errors import InvalidArgumentError, LayoutError, MemoryFitError, UnsupportedError
+from .model import Model, Training
+
+__all__ = ["Strategy", "Layout", "Plan", "DeviceTable", "plan", "evaluate", "compare"]
+
+
+class Strategy(str, enum.Enum):
+    """How the sequence and the heads are split."""
+
+    AUTO = "auto"        # the best of every strategy below
+    RING = "ring"        # pure context parallelism
+    ULYSSES = "ulysses"  # pure head parallelism (needs heads divisible by the device count)
+    USP = "usp"          # uniform CP x HP mesh, every valid factorisation
+
+
+_CORE_STRATEGY = {Strategy.RING: 0, Strategy.ULYSSES: 1, Strategy.USP: 2}
+BASELINES = (Strategy.RING, Strategy.ULYSSES, Strategy.USP)
+
+
+def _strategy(value) -> Strategy:
+    try:
+        return Strategy(value.value if isinstance(value, Strategy) else str(value).lower())
+    except ValueError:
+        raise InvalidArgumentError(f"strategy must be one of {[s.value for s in Strategy]}, got {value!r}") from None
+
+
+class Layout:
+    """What a plan describes, as flat arrays (see csrc/hexiseq.h, hexiseq_layout).
+
+    Groups are in ring order; per-device arrays list the members of group 0, then group 1, ...; inside a
+    group the order is the rank order, and head ranges tile [0, heads) in it.
+
+    group_size[g], group_seq[g]: members and token positions of group g.
+    device[r], tokens[r], head_lo[r], head_count[r]: the device at slot r, its token-parallel share, and
+    its query-head range [head_lo, head_lo + head_count)."""
+
+    _ARRAYS = (("group_size", np.int32), ("group_seq", np.int64), ("device", np.int32), ("tokens", np.int64),
+               ("head_lo", np.int32), ("head_count", np.int32))
+
+    def __init__(self, group_size, group_seq, device, tokens, head_lo, head_count):
+        values = dict(group_size=group_size, group_seq=group_seq, device=device, tokens=tokens, head_lo=head_lo,
+                      head_count=head_count)
+        for name, dtype in self._ARRAYS:
+            try:
+                arr = np.array(values[name], dtype=dtype).reshape(-1)
+            except (TypeError, ValueError, OverflowError):
+                raise LayoutError(f"layout.{name} must be a list of integers, got {values[name]!r}") from None
+            arr.setflags(write=False)
+            setattr(self, name, arr)
+        if len(self.group_seq) != len(self.group_size):
+            raise LayoutError(f"layout has {len(self.group_size)} groups but {len(self.group_seq)} group_seq entries")
+        n = len(self.device)
+        for name in ("tokens", "head_lo", "head_count"):
+            if len(getattr(self, name)) != n:
+                raise LayoutError(f"layout.{name} has {len(getattr(self, name))} entries for {n} devices")
+        if self.group_size.sum() != n:
+            raise LayoutError(f"group sizes add up to {int(self.group_size.sum())} devices, the layout lists {n}")
+
+    @classmethod
+    def from_groups(cls, groups: List[dict]) -> "Layout":
+        """From a list of groups in ring order, each {"devices": [...], "seq": S_g, "tokens": [...],
+        "heads": [counts...]} or with "head_ranges": [[lo, hi), ...] instead of "heads"."""
+        if not isinstance(groups, (list, tuple)) or not groups:
+            raise LayoutError(f"layout groups must be a non-empty list, got {groups!r}")
+        gs, gq, dev, tok, lo, cnt = [], [], [], [], [], []
+        for g, grp in enumerate(groups):
+            where = f"groups[{g}]"
+            if not isinstance(grp, dict):
+                raise LayoutError(f"{where} must be a mapping with devices, seq, tokens, heads")
+            for key in ("devices", "seq", "tokens"):
+                if key not in grp:
+                    raise LayoutError(f"{where}.{key} is required")
+            devices = list(grp["devices"])
+            tokens = list(grp["tokens"])
+            if len(tokens) != len(devices):
+                raise LayoutError(f"{where}.tokens has {len(tokens)} entries for {len(devices)} devices")
+            if "head_ranges" in grp:
+                ranges = [tuple(r) for r in grp["head_ranges"]]
+                if len(ranges) != len(devices) or any(len(r) != 2 for r in ranges):
+                    raise LayoutError(f"{where}.head_ranges must be one [lo, hi) pair per device")
+                lows = [integer(r[0], f"{where}.head_ranges") for r in ranges]
+                counts = [integer(r[1], f"{where}.head_ranges") - integer(r[0], f"{where}.head_ranges")
+                          for r in ranges]
+            elif "heads" in grp:
+                counts = [integer(h, f"{where}.heads") for h in grp["heads"]]
+                if len(counts) != len(devices):
+                    raise LayoutError(f"{where}.heads has {len(counts)} entries for {len(devices)} devices")
+                lows = list(np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int)) if counts else []
+            else:
+                raise LayoutError(f"{where} needs heads (counts) or head_ranges")
+            gs.append(len(devices))
+            gq.append(integer(grp["seq"], f"{where}.seq"))
+            dev += [integer(d, f"{where}.devices") for d in devices]
+            tok += [integer(t, f"{where}.tokens") for t in tokens]
+            lo += lows
+            cnt += counts
+        return cls(gs, gq, dev, tok, lo, cnt)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Layout":
+        if isinstance(d, dict) and "groups" in d:
+            return cls.from_groups(d["groups"])
+        if isinstance(d, dict) and all(name in d for name, _ in cls._ARRAYS):
+            return cls(*(d[name] for name, _ in cls._ARRAYS))
+        raise LayoutError("a layout is {'groups': [...]} or a dict of the arrays "
+                          + ", ".join(name for name, _ in cls._ARRAYS))
+
+    def groups(self) -> List[dict]:
+        """The layout as a list of groups in ring order (the from_groups format, with head_ranges)."""
+        out, r = [], 0
+        for g, size in enumerate(self.group_size.tolist()):
+            sl = slice(r, r + size)
+            out.append({
+                "devices": self.device[sl].tolist(),
+                "seq": int(self.group_seq[g]),
+                "tokens": self.tokens[sl].tolist(),
+                "head_ranges": [[int(a), int(a + c)] for a, c in zip(self.head_lo[sl], self.head_count[sl])],
+            })
+            r += size
+        return out
+
+    def to_dict(self) -> dict:
+        return {"groups": self.groups()}
+
+    def _as_core(self) -> dict:
+        return {name: getattr(self, name) for name, _ in self._ARRAYS}
+
+    def __eq__(self, other):
+        return isinstance(other, Layout) and all(
+            np.array_equal(getattr(self, n), getattr(other, n)) for n, _ in self._ARRAYS)
+
+    def __repr__(self):
+        return f"Layout(groups={self.group_size.tolist()}, group_seq={self.group_seq.tolist()})"
+
+
+class DeviceTable:
+    """Per-device columns of a plan, NumPy arrays in layout order (groups in ring order, ranks inside).
+
+    Columns: device, node, gpu, group, rank, tokens, head_lo, head_count, kv_lo, kv_count, gemm_s, attn_s,
+    a2a_s, ring_exposed_s, busy_s, mem_states_gib, mem_act_gib, mem_attn_gib, mem_ring_gib, mem_total_gib,
+    mem_cap_gib. Index by name (`table["tokens"]`) or attribute (`table.tokens`)."""
+
+    def __init__(self, columns: Dict[str, np.ndarray]):
+        self._columns = columns
+
+    @property
+    def columns(self) -> List[str]:
+        return list(self._columns)
+
+    def __getitem__(self, name):
+        return self._columns[name]
+
+    def __getattr__(self, name):
+        try:
+            return self.__dict__["_columns"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __len__(self):
+        return len(self._columns["device"])
+
+    def __iter__(self):
+        return iter(self._columns)
+
+    def rows(self) -> List[dict]:
+        return [{k: (v[i].item() if hasattr(v[i], "item") else v[i]) for k, v in self._columns.items()}
+                for i in range(len(self))]
+
+
+class Plan:
+    """A layout of a cluster for a model and sequence length, with its predicted cost.
+
+    Build one with `hexiseq.plan(...)` (a strategy picks the layout) or `hexiseq.evaluate(...)` (you
+    write the layout). Times are for one training step: every layer, forward and backward."""
+
+    def __init__(self, cluster: Cluster, model: Model, training: Training, seq_len: int, causal: bool,
+                 strategy: str, layout: Layout):
+        self.cluster = cluster
+        self.model = model
+        self.training = training
+        self.seq_len = seq_len
+        self.causal = causal
+        self.strategy = strategy
+        self.layout = layout
+        per, cost = _core.evaluate(*cluster._core_args(), model._as_core(), training._as_core(), seq_len,
+                                   causal, layout._as_core())
+        self._cost = cost
+        group = np.repeat(np.arange(len(layout.group_size), dtype=np.int32), layout.group_size)
+        rank = np.concatenate([np.arange(s, dtype=np.int32) for s in layout.group_size.tolist()])
+        columns = {
+            "device": layout.device,
+            "node": cluster.device_nodes[layout.device],
+            "gpu": cluster.device_gpus[layout.device],
+            "group": group,
+            "rank": rank,
+            "tokens": layout.tokens,
+            "head_lo": layout.head_lo,
+            "head_count": layout.head_count,
+            "kv_lo": per.pop("kv_lo"),
+            "kv_count": per.pop("kv_count"),
+        }
+        columns.update(per)
+        for v in columns.values():
+            v.setflags(write=False)
+        self.devices = DeviceTable(columns)
+
+    # ------------------------------------------------------------------ figures
+
+    @property
+    def step_time_s(self) -> float:
+        """Predicted time of one training step (all layers, forward and backward), seconds."""
+        return self._cost["step_time_s"]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self._cost["tokens_per_s"]
+
+    @property
+    def lower_bound_s(self) -> float:
+        """Total work over the total effective rate of the cluster: no layout can be faster."""
+        return self._cost["lower_bound_s"]
+
+    @property
+    def gap_to_bound(self) -> float:
+        """step_time_s / lower_bound_s (1.0 is ideal)."""
+        return self.step_time_s / self.lower_bound_s
+
+    @property
+    def phases(self) -> dict:
+        """The step time's terms: gemm_phase_s + a2a_phase_s + ring_phase_s, and each phase's slowest device."""
+        keys = ("gemm_phase_s", "a2a_phase_s", "ring_phase_s", "gemm_bottleneck", "a2a_bottleneck",
+                "ring_bottleneck")
+        return {k: self._cost[k] for k in keys}
+
+    @property
+    def fits(self) -> bool:
+        return self._cost["fits"]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.layout.group_size)
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of everything the plan's execution depends on; ranks compare it before running."""
+        canon = json.dumps(self._identity(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+    def positions(self, group: int) -> np.ndarray:
+        """Absolute token positions owned by a group, in the order its members' shares are laid out:
+        the front chunk then the mirrored back chunk (load-balanced causal layout)."""
+        seq = self.layout.group_seq
+        if not 0 <= group < len(seq):
+            raise InvalidArgumentError(f"group must be in [0, {len(seq)}), got {group}")
+        back = seq // 2
+        front = seq - back
+        f0 = int(front[:group].sum())
+        b_end = int(self.seq_len - back[:group].sum())
+        return np.concatenate([np.arange(f0, f0 + front[group]), np.arange(b_end - back[group], b_end)])
+
+    # ------------------------------------------------------------------ text
+
+    def explain(self) -> str:
+        """A readable breakdown of the predicted step time, term by term."""
+        t = self.devices
+        c = self._cost
+
+        def dev(d):
+            return f"device {d} ({self.cluster.device_gpus[d]})"
+
+        lines = [
+            f"HexiSeq plan '{self.strategy}': {self.model.name}, seq_len {self.seq_len:,}, "
+            f"{'causal' if self.causal else 'full'} attention, {self.cluster.describe()}",
+            f"  step time        {self.step_time_s:10.4f} s   ({self.tokens_per_s:,.0f} tokens/s)",
+            f"    token-parallel {c['gemm_phase_s']:10.4f} s   slowest {dev(c['gemm_bottleneck'])}",
+            f"    all-to-all     {c['a2a_phase_s']:10.4f} s   slowest group of {dev(c['a2a_bottleneck'])}",
+            f"    attention+ring {c['ring_phase_s']:10.4f} s   slowest {dev(c['ring_bottleneck'])}",
+            f"  lower bound      {self.lower_bound_s:10.4f} s   (plan is {self.gap_to_bound:.3f}x the bound)",
+            f"  memory           {'fits' if self.fits else 'DOES NOT FIT'}: peak "
+            f"{float(t.mem_total_gib.max()):.1f} GiB (device {int(t.device[int(np.argmax(t.mem_total_gib))])})",
+            f"  groups in ring order ({self.num_groups}):",
+        ]
+        r = 0
+        for g, size in enumerate(self.layout.group_size.tolist()):
+            members = t.device[r:r + size]
+            gpus = sorted(set(t.gpu[r:r + size].tolist()))
+            lines.append(f"    g{g}: {size} device(s) {_ranges(members.tolist())} [{', '.join(gpus)}], "
+                         f"seq {int(self.layout.group_seq[g]):,}")
+            r += size
+        lines.append("")
+        lines.append(self.table())
+        return "\n".join(lines)
+
+    def table(self, max_rows: int = 64) -> str:
+        """The per-device table as aligned text."""
+        t = self.devices
+        head = (f"{'dev':>4} {'gpu':<10} {'grp':>3} {'tokens':>9} {'heads':>9} {'kv':>7} {'gemm s':>9} "
+                f"{'attn s':>9} {'a2a s':>8} {'ring s':>8} {'busy s':>9} {'mem GiB':>13}")
+        rows = [head]
+        n = len(t)
+        idx = list(range(n)) if n <= max_rows else list(range(max_rows // 2)) + list(range(n - max_rows // 2, n))
+        last = -1
+        for i in idx:
+            if i != last + 1:
+                rows.append(f"{'...':>4} ({n - max_rows} more)")
+            last = i
+            heads = f"{t.head_lo[i]}-{t.head_lo[i] + t.head_count[i]}" if t.head_count[i] else "-"
+            kv = f"{t.kv_lo[i]}-{t.kv_lo[i] + t.kv_count[i]}" if t.kv_count[i] else "-"
+            rows.append(
+                f"{t.device[i]:>4} {t.gpu[i]:<10} {t.group[i]:>3} {t.tokens[i]:>9,} {heads:>9} {kv:>7} "
+                f"{t.gemm_s[i]:>9.4f} {t.attn_s[i]:>9.4f} {t.a2a_s[i]:>8.4f} {t.ring_exposed_s[i]:>8.4f} "
+                f"{t.busy_s[i]:>9.4f} {t.mem_total_gib[i]:>6.1f}/{t.mem_cap_gib[i]:<6.1f}")
+        return "\n".join(rows)
+
+    def __repr__(self):
+        return (f"Plan(strategy={self.strategy!r}, groups={self.layout.group_size.tolist()}, "
+                f"step_time_s={self.step_time_s:.4g}, tokens_per_s={self.tokens_per_s:.4g})")
+
+    # ------------------------------------------------------------------ serialisation
+
+    def _identity(self) -> dict:
+        return {
+            "cluster": self.cluster.to_dict(),
+            "model": self.model.to_dict(),
+            "training": self.training.to_dict(),
+            "seq_len": self.seq_len,
+            "causal": self.causal,
+            "layout": self.layout.to_dict(),
+        }
+
+    def to_json(self, indent: Optional[int] = None) -> str:
+        """JSON of everything needed to rebuild the plan, plus its predictions (for reading, not trusted
+        on load: `from_json` recomputes them)."""
+        doc = {"format": "hexiseq-plan", "format_version": 1, "hexiseq_version": _core.VERSION,
+               "strategy": self.strategy, **self._identity(), "fingerprint": self.fingerprint,
+               "predicted": {k: self._cost[k] for k in ("step_time_s", "tokens_per_s", "lower_bound_s",
+                                                         "gemm_phase_s", "a2a_phase_s", "ring_phase_s")}}
+        return json.dumps(doc, indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            doc = json.loads(text)
+        except (TypeError, json.JSONDecodeError) as e:
+            raise InvalidArgumentError(f"not a plan: invalid JSON ({e})") from None
+        if not isinstance(doc, dict) or doc.get("format") != "hexiseq-plan":
+            raise InvalidArgumentError("not a plan: missing format 'hexiseq-plan'")
+        try:
+            p = cls(Cluster.from_dict(doc["cluster"]), Model.from_dict(doc["model"]),
+                    Training.from_dict(doc["training"]), int(doc["seq_len"]), bool(doc["causal"]), doc["strategy"],
+                    Layout.from_dict(doc["layout"]))
+        except KeyError as e:
+            raise InvalidArgumentError(f"not a plan: missing field {e}") from None
+        if "fingerprint" in doc and doc["fingerprint"] != p.fingerprint:
+            raise InvalidArgumentError(f"plan fingerprint mismatch: file says {doc['fingerprint']}, "
+                                       f"contents hash to {p.fingerprint}")
+        return p
+
+
+def _ranges(ids: List[int]) -> str:
+    """[0,1,2,5] -> '0-2,5'."""
+    out, start = [], None
+    for i, d in enumerate(ids):
+        if start is None:
+            start = d
+        if i + 1 == len(ids) or ids[i + 1] != d + 1:
+            out.append(f"{start}" if start == d else f"{start}-{d}")
+            start = None
+    return ",".join(out)
+
+
+def _inputs(cluster, model, training, seq_len):
+    if isinstance(cluster, dict):
+        cluster = Cluster.from_dict(cluster)
+    elif isinstance(cluster, str):
+        cluster = Cluster.from_file(cluster)
+    if not isinstance(cluster, Cluster):
+        raise InvalidArgumentError(f"cluster must be a Cluster, a dict or a file path, got {cluster!r}")
+    if isinstance(model, str):
+        model = Model.preset(model)
+    elif isinstance(model, dict):
+        model = Model.from_dict(model)
+    if not isinstance(model, Model):
+        raise InvalidArgumentError(f"model must be a Model, a preset name or a dict, got {model!r}")
+    if training is None:
+        training = Training()
+    elif isinstance(training, dict):
+        training = Training.from_dict(training)
+    if not isinstance(training, Training):
+        raise InvalidArgumentError(f"training must be a Training or a dict, got {training!r}")
+    return cluster, model, training, parse_tokens(seq_len)
+
+
+def evaluate(cluster, *, model="gpt-7b", seq_len=131072, layout, training=None, causal=True,
+             strategy="custom") -> Plan:
+    """Score a layout the caller writes down (a Layout, or a dict as in Layout.from_dict) and return its Plan.
+
+    An invalid layout (shares that don't add up, overlapping or missing heads, a device twice or missing)
+    raises LayoutError naming the field."""
+    cluster, model, training, seq_len = _inputs(cluster, model, training, seq_len)
+    if not isinstance(layout, Layout):
+        layout = Layout.from_dict(layout)
+    return Plan(cluster, model, training, seq_len, bool(causal), strategy, layout)
+
+
+def _plan_one(cluster, model, training, seq_len, causal, strategy: Strategy) -> Plan:
+    arrays = _core.plan_strategy(*cluster._core_args(), model._as_core(), training._as_core(), seq_len, causal,
+                                 _CORE_STRATEGY[strategy])
+    return Plan(cluster, model, training, seq_len, causal, strategy.value, Layout(**arrays))
+
+
+def compare(cluster, *, model="gpt-7b", seq_len=131072, training=None, causal=True) -> Dict[str, Union[Plan, Exception]]:
+    """Every strategy's best plan, or the error that says why it has none, keyed by strategy name."""
+    cluster, model, training, seq_len = _inputs(cluster, model, training, seq_len)
+    out = {}
+    for s in BASELINES:
+        try:
+            out[s.value] = _plan_one(cluster, model, training, seq_len, bool(causal), s)
+        except (UnsupportedError, MemoryFitError) as e:
+            out[s.value] = e
+    return out
+
+
+def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=None, causal=True) -> Plan:
+    """The best plan of `strategy` for training `model` on sequences of `seq_len` tokens.
+
+    cluster: a Cluster, a dict (Cluster.from_dict) or a YAML/JSON file path.
+    model: a Model, a preset name ("gpt-7b", "llama3-70b", "7b", ...) or a dict.
+    seq_len: tokens per sequence (an int, or "128k", "1m").
+    strategy: "auto" (best of all), "ring", "ulysses" or "usp".
+    training: a Training (sequences per step, checkpointing, sharding, reserved memory).
+
+    Raises MemoryFitError naming the device that is short when no layout fits, UnsupportedError when
+    the strategy has no valid layout (e.g. Ulysses with heads not divisible by the device count)."""
+    strategy = _strategy(strategy)
+    cluster, model, training, seq_len = _inputs(cluster, model, training, seq_len)
+    if strategy is not Strategy.AUTO:
+        return _plan_one(cluster, model, training, seq_len, bool(causal), strategy)
+    results = compare(cluster, model=model, seq_len=seq_len, training=training, causal=causal)
+    plans = [p for p in results.values() if isinstance(p, Plan)]
+    if plans:
+        return min(plans, key=lambda p: p.step_time_s)  # ties keep the earlier, simpler strategy
+    errors = [e for e in results.values() if isinstance(e, MemoryFitError)]
+    if errors:
+        raise MemoryFitError(f"no strategy fits in memory; closest: {errors[-1]}")
+    raise UnsupportedError("no strategy has a valid layout: " + "; ".join(str(e) for e in results.values()))
