@@ -253,7 +253,7 @@ static double gemm_time_s(const cost_ctx *x, const hexiseq_device_info *d, int64
 static double attn_fwd_flops(const hexiseq_model *m, double pairs, int32_t h) { return 4.0 * pairs * m->head_dim * h; }
 
 /* kv heads a device needs for query heads [lo, lo + count). */
-static void kv_range(const hexiseq_model *m, int32_t lo, int32_t count, int32_t *kv_lo, int32_t *kv_count) {
+void hexiseq_kv_range(const hexiseq_model *m, int32_t lo, int32_t count, int32_t *kv_lo, int32_t *kv_count) {
     if (count == 0) {
         *kv_lo = 0;
         *kv_count = 0;
@@ -268,7 +268,7 @@ static void kv_range(const hexiseq_model *m, int32_t lo, int32_t count, int32_t 
 static int32_t kv_holder(const cost_ctx *x, int32_t g, int32_t h) {
     for (int32_t r = x->offset[g]; r < x->offset[g + 1]; ++r) {
         int32_t lo, n;
-        kv_range(x->m, x->l->head_lo[r], x->l->head_count[r], &lo, &n);
+        hexiseq_kv_range(x->m, x->l->head_lo[r], x->l->head_count[r], &lo, &n);
         if (n && h >= lo && h < lo + n)
             return r;
     }
@@ -286,7 +286,7 @@ static double ring_seconds_per_token(const cost_ctx *x, int32_t r) {
     int32_t prev = (g + G - 1) % G, next = (g + 1) % G;
     int32_t me = x->l->device[r];
     int32_t lo, n;
-    kv_range(x->m, x->l->head_lo[r], x->l->head_count[r], &lo, &n);
+    hexiseq_kv_range(x->m, x->l->head_lo[r], x->l->head_count[r], &lo, &n);
     double recv_s = 0.0, send_s = 0.0;
     for (int32_t h = lo; h < lo + n; ++h) {
         int32_t src = kv_holder(x, prev, h);
@@ -294,7 +294,7 @@ static double ring_seconds_per_token(const cost_ctx *x, int32_t r) {
     }
     for (int32_t s = x->offset[next]; s < x->offset[next + 1]; ++s) {
         int32_t slo, sn;
-        kv_range(x->m, x->l->head_lo[s], x->l->head_count[s], &slo, &sn);
+        hexiseq_kv_range(x->m, x->l->head_lo[s], x->l->head_count[s], &slo, &sn);
         for (int32_t h = slo; h < slo + sn; ++h)
             if (kv_holder(x, g, h) == r)
                 send_s += bytes_per_head_token / hexiseq_bw_bytes(x->c, me, x->l->device[s]);
@@ -342,14 +342,14 @@ static double a2a_time_s(const cost_ctx *x, int32_t r) {
     double elem = (double)x->m->head_dim * x->m->dtype_bytes;
     int32_t me = x->l->device[r];
     int32_t kv_lo, kv_n;
-    kv_range(x->m, x->l->head_lo[r], x->l->head_count[r], &kv_lo, &kv_n);
+    hexiseq_kv_range(x->m, x->l->head_lo[r], x->l->head_count[r], &kv_lo, &kv_n);
     double h_r = x->l->head_count[r], s_r = (double)x->l->tokens[r];
     double qkv_send = 0, qkv_recv = 0, o_send = 0, o_recv = 0; /* seconds */
     for (int32_t j = x->offset[g]; j < x->offset[g + 1]; ++j) {
         if (j == r)
             continue;
         int32_t jlo, jn;
-        kv_range(x->m, x->l->head_lo[j], x->l->head_count[j], &jlo, &jn);
+        hexiseq_kv_range(x->m, x->l->head_lo[j], x->l->head_count[j], &jlo, &jn);
         double h_j = x->l->head_count[j], s_j = (double)x->l->tokens[j];
         double out_bw = hexiseq_bw_bytes(x->c, me, x->l->device[j]);
         double in_bw = hexiseq_bw_bytes(x->c, x->l->device[j], me);
@@ -364,42 +364,52 @@ static double a2a_time_s(const cost_ctx *x, int32_t r) {
     return per_layer * x->m->layers * x->t->sequences;
 }
 
-/* Memory of slot r, bytes, filled into the GiB fields of `out`. */
-static void memory_terms(const cost_ctx *x, int32_t r, int32_t kv_n, hexiseq_device_cost *out) {
-    const hexiseq_model *m = x->m;
+void hexiseq_memory_coeffs(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
+                           int32_t device, int32_t heads, int32_t kv_n, double ring_block, hexiseq_memory_coeffs_t *out) {
     double P = m->layers * hexiseq_layer_params(m) + 2.0 * (double)m->vocab * m->hidden + m->hidden;
-    double N = x->c->n_devices, b = m->dtype_bytes;
+    double N = c->n_devices, b = m->dtype_bytes;
     double opt = 8.0 + (b < 4 ? 4.0 : 0.0); /* Adam m, v in fp32, plus an fp32 master copy below fp32 */
     double gathered = fmax(hexiseq_layer_params(m), (double)m->vocab * m->hidden) * b;
     double states;
-    switch (x->t->sharding) {
+    switch (t->sharding) {
     case HEXISEQ_SHARD_FULL: states = (2.0 * b + opt) * P / N + 3.0 * gathered; break; /* layer, prefetch, grads */
     case HEXISEQ_SHARD_GRAD_OPT: states = b * P + (b + opt) * P / N + gathered; break;
     case HEXISEQ_SHARD_OPT: states = 2.0 * b * P + opt * P / N; break;
     default: states = (2.0 * b + opt) * P; break;
     }
-    double H = m->hidden, s = (double)x->l->tokens[r];
+    double H = m->hidden;
     /* saved per token and layer: 2 norm inputs, 2 norm outputs, attention output, MLP intermediates */
     double act_layer = b * (4.0 * H + (double)m->heads * m->head_dim + (m->gated_mlp ? 3.0 : 2.0) * m->ffn);
-    double act = x->t->checkpointing ? s * (m->layers * H * b + act_layer) : s * m->layers * act_layer;
-    act += s * m->vocab * (b + 4.0); /* logits and their fp32 softmax */
-    double Sg = (double)x->l->group_seq[x->group_of[r]], h = x->l->head_count[r];
-    double qkvo = Sg * (2.0 * h + 2.0 * kv_n) * m->head_dim * b + Sg * h * 4.0; /* + fp32 LSE */
-    double attn = qkvo * ((x->t->checkpointing ? 1.0 : m->layers) + 1.0); /* saved layers + gradients of one */
-    double ring = 0.0;
-    if (x->l->n_groups > 1 && kv_n > 0) {
-        double max_block = 0;
+    double act = t->checkpointing ? m->layers * H * b + act_layer : m->layers * act_layer;
+    act += m->vocab * (b + 4.0); /* logits and their fp32 softmax */
+    /* Q, K, V, O of the group's tokens for the device's heads, and the fp32 LSE; saved for every layer
+     * (one with checkpointing) plus the gradients of one layer */
+    double qkvo = (2.0 * heads + 2.0 * kv_n) * m->head_dim * b + heads * 4.0;
+    double attn = qkvo * ((t->checkpointing ? 1.0 : m->layers) + 1.0);
+    /* K,V and fp32 dK,dV of a ring block, double-buffered */
+    double ring = kv_n > 0 ? 2.0 * ring_block * 2.0 * kv_n * m->head_dim * (b + 4.0) : 0.0;
+    out->states_gib = states / GIB;
+    out->ring_gib = ring / GIB;
+    out->per_token_gib = act / GIB;
+    out->per_group_token_gib = attn / GIB;
+    out->reserved_gib = t->reserved_gib;
+    out->cap_gib = c->dev[device].memory_gib;
+}
+
+/* Memory of slot r, filled into the GiB fields of `out`. */
+static void memory_terms(const cost_ctx *x, int32_t r, int32_t kv_n, hexiseq_device_cost *out) {
+    double max_block = 0;
+    if (x->l->n_groups > 1)
         for (int32_t g = 0; g < x->l->n_groups; ++g)
             max_block = fmax(max_block, (double)x->l->group_seq[g]);
-        ring = 2.0 * max_block * 2.0 * kv_n * m->head_dim * (b + 4.0); /* K,V and fp32 dK,dV, double-buffered */
-    }
-    out->mem_states_gib = states / GIB;
-    out->mem_act_gib = act / GIB;
-    out->mem_attn_gib = attn / GIB;
-    out->mem_ring_gib = ring / GIB;
-    out->mem_total_gib = out->mem_states_gib + out->mem_act_gib + out->mem_attn_gib + out->mem_ring_gib +
-                         x->t->reserved_gib;
-    out->mem_cap_gib = x->c->dev[x->l->device[r]].memory_gib;
+    hexiseq_memory_coeffs_t mc;
+    hexiseq_memory_coeffs(x->c, x->m, x->t, x->l->device[r], x->l->head_count[r], kv_n, max_block, &mc);
+    out->mem_states_gib = mc.states_gib;
+    out->mem_act_gib = mc.per_token_gib * (double)x->l->tokens[r];
+    out->mem_attn_gib = mc.per_group_token_gib * (double)x->l->group_seq[x->group_of[r]];
+    out->mem_ring_gib = mc.ring_gib;
+    out->mem_total_gib = out->mem_states_gib + out->mem_act_gib + out->mem_attn_gib + out->mem_ring_gib + mc.reserved_gib;
+    out->mem_cap_gib = mc.cap_gib;
 }
 
 /* Total work over total rate, phase by phase: no layout of these devices can be faster. */
@@ -482,7 +492,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         hexiseq_device_cost *dc = &per_device[r];
         memset(dc, 0, sizeof *dc);
         const hexiseq_device_info *d = &c->dev[l->device[r]];
-        kv_range(m, l->head_lo[r], l->head_count[r], &dc->kv_lo, &dc->kv_count);
+        hexiseq_kv_range(m, l->head_lo[r], l->head_count[r], &dc->kv_lo, &dc->kv_count);
         dc->gemm_s = gemm_time_s(&x, d, l->tokens[r]);
         dc->a2a_s = a2a_time_s(&x, r);
         ring_time_s(&x, r, &dc->attn_s, &dc->ring_exposed_s);

@@ -184,7 +184,8 @@ typedef enum {
     HEXISEQ_STRATEGY_RING = 0,    /* pure context parallelism: one device per group, equal shares */
     HEXISEQ_STRATEGY_ULYSSES = 1, /* pure head parallelism: one group, equal shares (needs A % N == 0) */
     HEXISEQ_STRATEGY_USP = 2,     /* uniform CP x HP mesh, every valid factorisation, best kept */
-    HEXISEQ_STRATEGY_COUNT = 3
+    HEXISEQ_STRATEGY_HEXISEQ = 3, /* the asymmetric hierarchical scheduler (csrc/scheduler.c) */
+    HEXISEQ_STRATEGY_COUNT = 4
 } hexiseq_strategy;
 
 HEXISEQ_API const char *hexiseq_strategy_name(hexiseq_strategy strategy);

@@ -41,6 +41,21 @@ static inline int64_t hexiseq_even_share(int64_t total, int64_t parts, int64_t i
 hexiseq_status hexiseq_check_inputs(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
                                     int64_t seq_len);
 
+/* Memory of one device as states + ring + reserved + per_token * s_r + per_group_token * S_g (GiB). */
+typedef struct {
+    double states_gib, ring_gib, reserved_gib, per_token_gib, per_group_token_gib, cap_gib;
+} hexiseq_memory_coeffs_t;
+
+void hexiseq_memory_coeffs(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
+                           int32_t device, int32_t heads, int32_t kv_n, double ring_block, hexiseq_memory_coeffs_t *out);
+
+/* kv heads needed by query heads [lo, lo + count): first and how many (0 when count is 0). */
+void hexiseq_kv_range(const hexiseq_model *m, int32_t lo, int32_t count, int32_t *kv_lo, int32_t *kv_count);
+
+/* The asymmetric scheduler behind HEXISEQ_STRATEGY_HEXISEQ (inputs already validated). */
+hexiseq_status hexiseq_schedule(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
+                                int64_t seq_len, int32_t causal, hexiseq_layout *out, hexiseq_plan_cost *cost);
+
 /* Copy a layout into already-allocated storage of the same sizes. */
 void hexiseq_layout_copy(hexiseq_layout *dst, const hexiseq_layout *src);
 

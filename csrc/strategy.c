@@ -10,6 +10,7 @@ const char *hexiseq_strategy_name(hexiseq_strategy s) {
     case HEXISEQ_STRATEGY_RING: return "ring";
     case HEXISEQ_STRATEGY_ULYSSES: return "ulysses";
     case HEXISEQ_STRATEGY_USP: return "usp";
+    case HEXISEQ_STRATEGY_HEXISEQ: return "hexiseq";
     default: return "unknown";
     }
 }
@@ -31,6 +32,16 @@ static void uniform_layout(int32_t n, int32_t heads, int64_t seq_len, int32_t hp
     }
 }
 
+/* The error for a best candidate that still does not fit: which device is short, by how much. */
+static hexiseq_status memory_error(const hexiseq_cluster *c, const char *strategy, const hexiseq_plan_cost *cost) {
+    hexiseq_device_info di;
+    hexiseq_gpu_spec spec;
+    hexiseq_cluster_device(c, cost->short_device, &di);
+    hexiseq_gpu_catalog_get(di.gpu_index, &spec);
+    return hexiseq_fail(HEXISEQ_ERR_MEMORY, "%s: no layout fits in memory; device %d (%s, %.1f GiB) is short by %.2f GiB",
+                        strategy, cost->short_device, spec.name, di.memory_gib, cost->short_gib);
+}
+
 /* Is candidate a better than b? Fitting beats not fitting; then faster; among non-fitting, less short. */
 static int better(const hexiseq_plan_cost *a, const hexiseq_plan_cost *b) {
     if (a->fits != b->fits)
@@ -50,7 +61,15 @@ hexiseq_status hexiseq_plan_strategy(const hexiseq_cluster *c, const hexiseq_mod
     HEXISEQ_CHECK(hexiseq_check_inputs(c, m, t, seq_len));
     if (strategy < 0 || strategy >= HEXISEQ_STRATEGY_COUNT)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "strategy must be in [0, %d), got %d", HEXISEQ_STRATEGY_COUNT, strategy);
+    if (causal != 0 && causal != 1)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "causal must be 0 or 1, got %d", causal);
     int32_t n = c->n_devices;
+    if (strategy == HEXISEQ_STRATEGY_HEXISEQ) {
+        HEXISEQ_CHECK(hexiseq_schedule(c, m, t, seq_len, causal, out, cost));
+        if (!cost->fits)
+            return memory_error(c, "hexiseq", cost);
+        return HEXISEQ_OK;
+    }
 
     hexiseq_device_cost *per = malloc((size_t)n * sizeof *per);
     if (!per)
@@ -96,14 +115,7 @@ hexiseq_status hexiseq_plan_strategy(const hexiseq_cluster *c, const hexiseq_mod
         return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED, "%s has no valid layout: seq_len %lld is shorter than the %d devices",
                             hexiseq_strategy_name(strategy), (long long)seq_len, n);
     }
-    if (!cost->fits) {
-        hexiseq_device_info di;
-        hexiseq_cluster_device(c, cost->short_device, &di);
-        hexiseq_gpu_spec spec;
-        hexiseq_gpu_catalog_get(di.gpu_index, &spec);
-        return hexiseq_fail(HEXISEQ_ERR_MEMORY,
-                            "%s: no layout fits in memory; device %d (%s, %.1f GiB) is short by %.2f GiB",
-                            hexiseq_strategy_name(strategy), cost->short_device, spec.name, di.memory_gib, cost->short_gib);
-    }
+    if (!cost->fits)
+        return memory_error(c, hexiseq_strategy_name(strategy), cost);
     return HEXISEQ_OK;
 }

@@ -20,14 +20,16 @@ __all__ = ["Strategy", "Layout", "Plan", "DeviceTable", "plan", "evaluate", "com
 class Strategy(str, enum.Enum):
     """How the sequence and the heads are split."""
 
-    AUTO = "auto"        # the best of every strategy below
+    AUTO = "auto"        # the best of every strategy below (the scheduler's plan unless a baseline ties)
+    HEXISEQ = "hexiseq"  # the asymmetric hierarchical scheduler
     RING = "ring"        # pure context parallelism
     ULYSSES = "ulysses"  # pure head parallelism (needs heads divisible by the device count)
     USP = "usp"          # uniform CP x HP mesh, every valid factorisation
 
 
-_CORE_STRATEGY = {Strategy.RING: 0, Strategy.ULYSSES: 1, Strategy.USP: 2}
+_CORE_STRATEGY = {Strategy.RING: 0, Strategy.ULYSSES: 1, Strategy.USP: 2, Strategy.HEXISEQ: 3}
 BASELINES = (Strategy.RING, Strategy.ULYSSES, Strategy.USP)
+ALL_STRATEGIES = (Strategy.HEXISEQ,) + BASELINES
 
 
 def _strategy(value) -> Strategy:
@@ -423,10 +425,11 @@ def _plan_one(cluster, model, training, seq_len, causal, strategy: Strategy) -> 
 
 
 def compare(cluster, *, model="gpt-7b", seq_len=131072, training=None, causal=True) -> Dict[str, Union[Plan, Exception]]:
-    """Every strategy's best plan, or the error that says why it has none, keyed by strategy name."""
+    """Every strategy's best plan, or the error that says why it has none, keyed by strategy name
+    (the scheduler first, then the baselines)."""
     cluster, model, training, seq_len = _inputs(cluster, model, training, seq_len)
     out = {}
-    for s in BASELINES:
+    for s in ALL_STRATEGIES:
         try:
             out[s.value] = _plan_one(cluster, model, training, seq_len, bool(causal), s)
         except (UnsupportedError, MemoryFitError) as e:
@@ -440,7 +443,8 @@ def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=N
     cluster: a Cluster, a dict (Cluster.from_dict) or a YAML/JSON file path.
     model: a Model, a preset name ("gpt-7b", "llama3-70b", "7b", ...) or a dict.
     seq_len: tokens per sequence (an int, or "128k", "1m").
-    strategy: "auto" (best of all), "ring", "ulysses" or "usp".
+    strategy: "auto" (best of all; the scheduler's plan unless a baseline is strictly faster), "hexiseq"
+        (the asymmetric scheduler), "ring", "ulysses" or "usp".
     training: a Training (sequences per step, checkpointing, sharding, reserved memory).
 
     Raises MemoryFitError naming the device that is short when no layout fits, UnsupportedError when
@@ -452,7 +456,7 @@ def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=N
     results = compare(cluster, model=model, seq_len=seq_len, training=training, causal=causal)
     plans = [p for p in results.values() if isinstance(p, Plan)]
     if plans:
-        return min(plans, key=lambda p: p.step_time_s)  # ties keep the earlier, simpler strategy
+        return min(plans, key=lambda p: p.step_time_s)  # ties keep the earlier: the scheduler's plan
     errors = [e for e in results.values() if isinstance(e, MemoryFitError)]
     if errors:
         raise MemoryFitError(f"no strategy fits in memory; closest: {errors[-1]}")

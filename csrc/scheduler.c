@@ -1,0 +1,852 @@
+/* The hierarchical scheduler: chooses HP groups of any sizes, per-group sequence lengths, per-device token
+ * shares and head ranges, and the ring order, for a heterogeneous cluster.
+ *
+ * Levels (DESIGN.md §4):
+ *  1. group structures from the topology: each node whole, in halves, quarters, ... singletons, chosen
+ *     per class of identical nodes by coordinate descent; plus groups spanning nodes (consecutive devices,
+ *     every size that divides the cluster). The uniform baseline layouts are scored as candidates too, so
+ *     the result is never predicted slower than Ring, Ulysses or USP.
+ *  2. sequence across groups: the step costs max_g(gemm) + max_g(all-to-all) + max_g(attention+ring),
+ *     each roughly linear in S_g. With per-group coefficients c_pg (seconds per token of phase p) and
+ *     memory caps U_g, choosing S_g is the LP  min T_gemm + T_rest  s.t. S_g <= min(U_g, T_p / c_pg),
+ *     sum S_g = S. We solve it by a golden-section search on the split of T between the two phases
+ *     (the inner problem is a monotone 1-D equation), then refit c_pg from a full evaluation and repeat:
+ *     the refit captures what is not linear (kernel efficiency on short blocks, exposed ring transfers).
+ *  3. inside a group: integer head counts by greedy min-max of heads / attention rate (exact for that
+ *     objective), also tried in whole kv-head units; token shares proportional to matmul rate, water-filled
+ *     under each device's memory; both rounded to multiples of 64 tokens where the sizes allow.
+ *  4. ring order: exhaustive for up to 6 groups, node order beyond (groups of one node stay adjacent, so
+ *     the ring crosses each slow link once).
+ *  5. a bounded local search over single moves (tokens between groups, a head or a token block between
+ *     neighbouring ranks) polishes small clusters.
+ * Everything is deterministic: no randomness, ties broken by index. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define TOKEN_GRANULE 64    /* kernel tile: shares are multiples of this where sizes allow */
+#define REFIT_ROUNDS 4      /* LP solve + full evaluation rounds per structure */
+#define MAX_EXACT_ORDER 6   /* groups up to which every ring order is tried */
+#define LOCAL_SEARCH_DEVICES 64
+#define LOCAL_SEARCH_EVALS 400
+
+typedef struct {
+    const hexiseq_cluster *c;
+    const hexiseq_model *m;
+    const hexiseq_training *t;
+    int64_t S;
+    int32_t causal;
+    int32_t n;
+    hexiseq_device_cost *per; /* [n] scratch for evaluations */
+    double *fgemm, *fattn;    /* [n] effective rates, FLOP/s */
+    /* best so far */
+    hexiseq_layout best;
+    hexiseq_plan_cost best_cost;
+    int have_best;
+    int64_t evals;
+} sched;
+
+/* Candidate ordering: fitting beats not fitting; then faster; among non-fitting, less short. */
+static int better(const hexiseq_plan_cost *a, const hexiseq_plan_cost *b) {
+    if (a->fits != b->fits)
+        return a->fits;
+    if (a->fits)
+        return a->step_time_s < b->step_time_s * (1.0 - 1e-12);
+    return a->short_gib < b->short_gib;
+}
+
+static hexiseq_status eval(sched *s, const hexiseq_layout *l, hexiseq_plan_cost *cost) {
+    s->evals++;
+    return hexiseq_evaluate(s->c, s->m, s->t, s->S, s->causal, l, s->per, cost);
+}
+
+/* Keep `l` if it beats the best so far. */
+static hexiseq_status offer(sched *s, const hexiseq_layout *l, const hexiseq_plan_cost *cost) {
+    if (s->have_best && !better(cost, &s->best_cost))
+        return HEXISEQ_OK;
+    if (s->have_best && (s->best.n_groups != l->n_groups)) {
+        hexiseq_layout_free(&s->best);
+        s->have_best = 0;
+    }
+    if (!s->have_best)
+        HEXISEQ_CHECK(hexiseq_layout_alloc(l->n_groups, l->n_devices, &s->best));
+    hexiseq_layout_copy(&s->best, l);
+    s->best_cost = *cost;
+    s->have_best = 1;
+    return HEXISEQ_OK;
+}
+
+/* ------------------------------------------------------------------ rounding helpers */
+
+/* Round non-negative reals w[0..k) (summing to about `total`) to integers summing exactly to `total`, in
+ * multiples of `granule` except for the remainder, which goes to the entry with the largest weight.
+ * `min_one` forces every entry >= 1 (group sequence lengths). Largest-remainder method, ties by index. */
+static void round_shares(const double *w, int32_t k, int64_t total, int64_t granule, int min_one, int64_t *out,
+                         double *scratch) {
+    double sum = 0;
+    for (int32_t i = 0; i < k; ++i)
+        sum += w[i] > 0 ? w[i] : 0;
+    if (granule < 1 || total < granule * k * 2)
+        granule = 1;
+    int64_t units = total / granule, rem = total - units * granule;
+    int64_t used = 0;
+    for (int32_t i = 0; i < k; ++i) {
+        double share = sum > 0 ? (w[i] > 0 ? w[i] : 0) / sum * (double)units : (double)units / k;
+        out[i] = (int64_t)floor(share);
+        scratch[i] = share - (double)out[i];
+        used += out[i];
+    }
+    while (used < units) { /* hand out the leftover units by largest remainder */
+        int32_t best = 0;
+        for (int32_t i = 1; i < k; ++i)
+            if (scratch[i] > scratch[best])
+                best = i;
+        out[best]++;
+        scratch[best] = -1.0;
+        used++;
+    }
+    int32_t heavy = 0;
+    for (int32_t i = 0; i < k; ++i) {
+        out[i] *= granule;
+        if (w[i] > w[heavy])
+            heavy = i;
+    }
+    out[heavy] += rem;
+    if (min_one) { /* steal single tokens from the largest entries for any empty one */
+        for (int32_t i = 0; i < k; ++i)
+            while (out[i] < 1) {
+                int32_t big = 0;
+                for (int32_t j = 1; j < k; ++j)
+                    if (out[j] > out[big])
+                        big = j;
+                if (out[big] <= 1)
+                    break;
+                out[big]--;
+                out[i]++;
+            }
+    }
+}
+
+/* Greedy min-max of h_r / rate_r with sum h_r = heads, handed out in units of `unit` heads (1, or a kv
+ * head's worth). Exact for the min-max objective; ties go to the lower rank. */
+static void assign_heads(const double *rate, int32_t k, int32_t heads, int32_t unit, int32_t *count) {
+    for (int32_t i = 0; i < k; ++i)
+        count[i] = 0;
+    int32_t left = heads;
+    while (left > 0) {
+        int32_t step = left < unit ? left : unit, best = 0;
+        double best_t = INFINITY;
+        for (int32_t i = 0; i < k; ++i) {
+            double t = (count[i] + step) / rate[i];
+            if (t < best_t) {
+                best_t = t;
+                best = i;
+            }
+        }
+        count[best] += step;
+        left -= step;
+    }
+}
+
+/* ------------------------------------------------------------------ shares for one structure */
+
+/* A structure: groups in ring order over fixed members. `l` holds group_size and device; this fills
+ * group_seq, tokens, head_lo and head_count. */
+typedef struct {
+    double *gseq;     /* [G] continuous S_g */
+    double *cg, *cr;  /* [G] seconds per token: gemm phase, rest (all-to-all + attention + ring) */
+    double *ug;       /* [G] memory cap on S_g, tokens */
+    int64_t *tmp64;   /* [n] */
+    double *tmpd;     /* [n] */
+    int32_t *offset;  /* [G + 1] */
+} shares_ws;
+
+/* Tokens of group g: water-fill s_r = min(cap_r, lambda * fgemm_r) with sum = S_g; caps from memory. */
+static void fill_tokens(sched *s, hexiseq_layout *l, const shares_ws *w, int32_t g, const double *capacity) {
+    int32_t lo = w->offset[g], k = l->group_size[g];
+    double Sg = (double)l->group_seq[g], want[4096], *wv = k <= 4096 ? want : w->tmpd;
+    double hi_lambda = 1.0, lo_lambda = 0.0;
+    /* find lambda with sum_r min(cap_r, lambda f_r) = S_g, or saturate at the caps */
+    double total_cap = 0;
+    for (int32_t i = 0; i < k; ++i)
+        total_cap += capacity[lo + i];
+    if (total_cap <= Sg) {
+        for (int32_t i = 0; i < k; ++i)
+            wv[i] = capacity[lo + i] > 0 ? capacity[lo + i] : 0;
+    } else {
+        double fsum = 0;
+        for (int32_t i = 0; i < k; ++i)
+            fsum += s->fgemm[l->device[lo + i]];
+        hi_lambda = Sg / fsum;
+        for (int iter = 0; iter < 60; ++iter) {
+            double got = 0;
+            for (int32_t i = 0; i < k; ++i)
+                got += fmin(capacity[lo + i], hi_lambda * s->fgemm[l->device[lo + i]]);
+            if (got >= Sg)
+                break;
+            lo_lambda = hi_lambda;
+            hi_lambda *= 2;
+        }
+        for (int iter = 0; iter < 60; ++iter) {
+            double mid = 0.5 * (lo_lambda + hi_lambda), got = 0;
+            for (int32_t i = 0; i < k; ++i)
+                got += fmin(capacity[lo + i], mid * s->fgemm[l->device[lo + i]]);
+            if (got >= Sg)
+                hi_lambda = mid;
+            else
+                lo_lambda = mid;
+        }
+        for (int32_t i = 0; i < k; ++i)
+            wv[i] = fmin(capacity[lo + i], hi_lambda * s->fgemm[l->device[lo + i]]);
+    }
+    double scratch[4096], *sc = k <= 4096 ? scratch : NULL;
+    if (!sc) { /* very large groups: plain proportional rounding without remainder bookkeeping */
+        int64_t used = 0;
+        double sum = 0;
+        for (int32_t i = 0; i < k; ++i)
+            sum += wv[i];
+        for (int32_t i = 0; i < k; ++i) {
+            l->tokens[lo + i] = sum > 0 ? (int64_t)floor(wv[i] / sum * Sg) : 0;
+            used += l->tokens[lo + i];
+        }
+        l->tokens[lo] += l->group_seq[g] - used;
+        return;
+    }
+    round_shares(wv, k, l->group_seq[g], TOKEN_GRANULE, 0, &l->tokens[lo], sc);
+}
+
+/* Heads of every group: greedy on attention rate, in units of `unit` heads. */
+static void fill_heads(sched *s, hexiseq_layout *l, const shares_ws *w, int32_t unit) {
+    for (int32_t g = 0; g < l->n_groups; ++g) {
+        int32_t lo = w->offset[g], k = l->group_size[g];
+        double *rate = w->tmpd;
+        for (int32_t i = 0; i < k; ++i)
+            rate[i] = s->fattn[l->device[lo + i]];
+        assign_heads(rate, k, s->m->heads, unit, &l->head_count[lo]);
+        int32_t next = 0;
+        for (int32_t i = 0; i < k; ++i) {
+            l->head_lo[lo + i] = next;
+            next += l->head_count[lo + i];
+        }
+    }
+}
+
+/* Memory-derived caps: per device the most tokens it can take given its group's S_g, and per group the
+ * largest S_g its members can hold (tokens water-filled onto them). */
+static void memory_caps(sched *s, hexiseq_layout *l, shares_ws *w, double ring_block, double *capacity) {
+    for (int32_t g = 0; g < l->n_groups; ++g) {
+        int32_t lo = w->offset[g], k = l->group_size[g];
+        /* U_g: largest S with sum_r max(0, (free_r - beta_r S) / alpha_r) >= S, and beta_r S <= free_r */
+        double lo_s = 0, hi_s = (double)s->S;
+        for (int iter = 0; iter < 60; ++iter) {
+            double mid = 0.5 * (lo_s + hi_s), room = 0;
+            int ok = 1;
+            for (int32_t i = 0; i < k; ++i) {
+                int32_t r = lo + i, kv_lo, kv_n;
+                hexiseq_kv_range(s->m, l->head_lo[r], l->head_count[r], &kv_lo, &kv_n);
+                hexiseq_memory_coeffs_t mc;
+                hexiseq_memory_coeffs(s->c, s->m, s->t, l->device[r], l->head_count[r], kv_n,
+                                      l->n_groups > 1 ? ring_block : 0.0, &mc);
+                double free_gib = mc.cap_gib - mc.states_gib - mc.ring_gib - mc.reserved_gib - mc.per_group_token_gib * mid;
+                if (free_gib < 0) {
+                    ok = 0;
+                    break;
+                }
+                room += free_gib / mc.per_token_gib;
+            }
+            if (ok && room >= mid)
+                lo_s = mid;
+            else
+                hi_s = mid;
+        }
+        w->ug[g] = lo_s;
+    }
+    for (int32_t g = 0; g < l->n_groups; ++g) {
+        int32_t lo = w->offset[g], k = l->group_size[g];
+        for (int32_t i = 0; i < k; ++i) {
+            int32_t r = lo + i, kv_lo, kv_n;
+            hexiseq_kv_range(s->m, l->head_lo[r], l->head_count[r], &kv_lo, &kv_n);
+            hexiseq_memory_coeffs_t mc;
+            hexiseq_memory_coeffs(s->c, s->m, s->t, l->device[r], l->head_count[r], kv_n,
+                                  l->n_groups > 1 ? ring_block : 0.0, &mc);
+            double free_gib = mc.cap_gib - mc.states_gib - mc.ring_gib - mc.reserved_gib -
+                              mc.per_group_token_gib * (double)l->group_seq[g];
+            capacity[r] = free_gib > 0 ? free_gib / mc.per_token_gib : 0.0;
+        }
+    }
+}
+
+/* sum_g min(U_g, T_gemm / cg, T_rest / cr) for T = (t a, t (1 - a)). */
+static double lp_fill(const shares_ws *w, int32_t G, double t, double a, double *out) {
+    double total = 0;
+    for (int32_t g = 0; g < G; ++g) {
+        double x = w->ug[g];
+        if (w->cg[g] > 0)
+            x = fmin(x, t * a / w->cg[g]);
+        if (w->cr[g] > 0)
+            x = fmin(x, t * (1 - a) / w->cr[g]);
+        if (out)
+            out[g] = x;
+        total += x;
+    }
+    return total;
+}
+
+/* Smallest t with lp_fill(t, a) >= S (INFINITY when the caps cannot hold S). */
+static double lp_time(const shares_ws *w, int32_t G, double S, double a) {
+    if (lp_fill(w, G, INFINITY, a, NULL) < S * (1 - 1e-12))
+        return INFINITY;
+    double lo = 0, hi = 1e-9;
+    while (lp_fill(w, G, hi, a, NULL) < S && hi < 1e30)
+        hi *= 4;
+    for (int iter = 0; iter < 100 && hi - lo > 1e-15 * hi; ++iter) {
+        double mid = 0.5 * (lo + hi);
+        if (lp_fill(w, G, mid, a, NULL) >= S)
+            hi = mid;
+        else
+            lo = mid;
+    }
+    return hi;
+}
+
+/* Solve the LP for S_g (continuous) into w->gseq. Returns 0 when the memory caps cannot hold S. */
+static int lp_solve(const shares_ws *w, int32_t G, double S) {
+    double lo = 0.0, hi = 1.0, phi = 0.5 * (sqrt(5.0) - 1.0);
+    /* coarse scan first: the objective is unimodal in practice but may be flat near the ends */
+    double best_a = 0.5, best_t = INFINITY;
+    for (int i = 1; i < 32; ++i) {
+        double a = i / 32.0, tt = lp_time(w, G, S, a);
+        if (tt < best_t) {
+            best_t = tt;
+            best_a = a;
+        }
+    }
+    if (!isfinite(best_t))
+        return 0;
+    lo = fmax(0.0, best_a - 1.0 / 32);
+    hi = fmin(1.0, best_a + 1.0 / 32);
+    double x1 = hi - phi * (hi - lo), x2 = lo + phi * (hi - lo);
+    double f1 = lp_time(w, G, S, x1), f2 = lp_time(w, G, S, x2);
+    for (int iter = 0; iter < 40; ++iter) {
+        if (f1 <= f2) {
+            hi = x2;
+            x2 = x1;
+            f2 = f1;
+            x1 = hi - phi * (hi - lo);
+            f1 = lp_time(w, G, S, x1);
+        } else {
+            lo = x1;
+            x1 = x2;
+            f1 = f2;
+            x2 = lo + phi * (hi - lo);
+            f2 = lp_time(w, G, S, x2);
+        }
+    }
+    double a = f1 <= f2 ? x1 : x2, tt = fmin(f1, f2);
+    if (best_t < tt) {
+        a = best_a;
+        tt = best_t;
+    }
+    lp_fill(w, G, tt, a, w->gseq);
+    return 1;
+}
+
+/* Per-group phase times of an evaluated layout -> seconds per token coefficients. */
+static void refit(sched *s, const hexiseq_layout *l, shares_ws *w) {
+    for (int32_t g = 0; g < l->n_groups; ++g) {
+        double gemm = 0, rest_a2a = 0, rest_ring = 0;
+        for (int32_t r = w->offset[g]; r < w->offset[g + 1]; ++r) {
+            gemm = fmax(gemm, s->per[r].gemm_s);
+            rest_a2a = fmax(rest_a2a, s->per[r].a2a_s);
+            rest_ring = fmax(rest_ring, s->per[r].attn_s + s->per[r].ring_exposed_s);
+        }
+        double Sg = (double)l->group_seq[g];
+        w->cg[g] = gemm / Sg;
+        w->cr[g] = (rest_a2a + rest_ring) / Sg;
+    }
+}
+
+/* Integer S_g from w->gseq. */
+static void round_groups(sched *s, hexiseq_layout *l, shares_ws *w) {
+    round_shares(w->gseq, l->n_groups, s->S, TOKEN_GRANULE, 1, l->group_seq, w->tmpd);
+}
+
+/* Complete and optimise the shares of a structure (l->group_size, l->device set) and offer the result.
+ * `unit` is the head granularity (1 or heads per kv head). */
+static hexiseq_status optimise_shares(sched *s, hexiseq_layout *l, shares_ws *w, int32_t unit,
+                                      hexiseq_plan_cost *out) {
+    int32_t G = l->n_groups;
+    w->offset[0] = 0;
+    for (int32_t g = 0; g < G; ++g)
+        w->offset[g + 1] = w->offset[g] + l->group_size[g];
+    fill_heads(s, l, w, unit);
+    double *capacity = malloc((size_t)s->n * sizeof *capacity);
+    if (!capacity)
+        return hexiseq_fail(HEXISEQ_ERR_NOMEM, "scheduler scratch");
+    /* first round: S_g in proportion to the group's combined rate; later rounds solve the LP on
+     * coefficients measured from the previous round's full evaluation */
+    double total_rate = 0;
+    for (int32_t g = 0; g < G; ++g) {
+        w->gseq[g] = 0;
+        for (int32_t r = w->offset[g]; r < w->offset[g + 1]; ++r)
+            w->gseq[g] += s->fgemm[l->device[r]] + s->fattn[l->device[r]];
+        total_rate += w->gseq[g];
+    }
+    for (int32_t g = 0; g < G; ++g)
+        w->gseq[g] *= (double)s->S / total_rate;
+    hexiseq_status st = HEXISEQ_OK;
+    hexiseq_plan_cost cost, best_local;
+    int have_local = 0;
+    double ring_block = (double)s->S / G;
+    for (int round = 0; round < REFIT_ROUNDS; ++round) {
+        for (int32_t g = 0; g < G; ++g)
+            w->ug[g] = INFINITY;
+        for (int32_t g = 0; g < G; ++g)
+            l->group_seq[g] = (int64_t)fmax(1.0, floor(w->gseq[g]));
+        memory_caps(s, l, w, ring_block, capacity);
+        if (round == 0) {
+            for (int32_t g = 0; g < G; ++g)
+                w->gseq[g] = fmin(w->gseq[g], w->ug[g]);
+        } else if (!lp_solve(w, G, (double)s->S)) {
+            /* memory cannot hold the sequence: spread by caps so the report names the shortest device */
+            for (int32_t g = 0; g < G; ++g)
+                w->gseq[g] = fmax(w->ug[g], 1.0);
+        }
+        round_groups(s, l, w);
+        ring_block = 0;
+        for (int32_t g = 0; g < G; ++g)
+            ring_block = fmax(ring_block, (double)l->group_seq[g]);
+        memory_caps(s, l, w, ring_block, capacity);
+        for (int32_t g = 0; g < G; ++g)
+            fill_tokens(s, l, w, g, capacity);
+        st = eval(s, l, &cost);
+        if (st != HEXISEQ_OK)
+            break;
+        st = offer(s, l, &cost);
+        if (st != HEXISEQ_OK)
+            break;
+        if (!have_local || better(&cost, &best_local)) {
+            best_local = cost;
+            have_local = 1;
+        }
+        refit(s, l, w);
+    }
+    free(capacity);
+    if (out && have_local)
+        *out = best_local;
+    return st;
+}
+
+/* ------------------------------------------------------------------ ring order and local search */
+
+/* Try every ring order of up to MAX_EXACT_ORDER groups (group 0 fixed: rotations are equivalent). */
+static hexiseq_status try_orders(sched *s, const hexiseq_layout *base) {
+    int32_t G = base->n_groups;
+    if (G < 3 || G > MAX_EXACT_ORDER)
+        return HEXISEQ_OK;
+    int32_t perm[MAX_EXACT_ORDER], offset[MAX_EXACT_ORDER + 1];
+    offset[0] = 0;
+    for (int32_t g = 0; g < G; ++g) {
+        perm[g] = g;
+        offset[g + 1] = offset[g] + base->group_size[g];
+    }
+    hexiseq_layout l;
+    HEXISEQ_CHECK(hexiseq_layout_alloc(G, base->n_devices, &l));
+    hexiseq_status st = HEXISEQ_OK;
+    /* lexicographic next_permutation over perm[1..G) */
+    for (;;) {
+        int32_t i = G - 2;
+        while (i >= 1 && perm[i] >= perm[i + 1])
+            --i;
+        if (i < 1)
+            break;
+        int32_t j = G - 1;
+        while (perm[j] <= perm[i])
+            --j;
+        int32_t tmp = perm[i];
+        perm[i] = perm[j];
+        perm[j] = tmp;
+        for (int32_t a = i + 1, b = G - 1; a < b; ++a, --b) {
+            tmp = perm[a];
+            perm[a] = perm[b];
+            perm[b] = tmp;
+        }
+        int32_t r = 0;
+        for (int32_t g = 0; g < G; ++g) {
+            int32_t src = perm[g];
+            l.group_size[g] = base->group_size[src];
+            l.group_seq[g] = base->group_seq[src];
+            for (int32_t k = offset[src]; k < offset[src + 1]; ++k, ++r) {
+                l.device[r] = base->device[k];
+                l.tokens[r] = base->tokens[k];
+                l.head_lo[r] = base->head_lo[k];
+                l.head_count[r] = base->head_count[k];
+            }
+        }
+        hexiseq_plan_cost cost;
+        st = eval(s, &l, &cost);
+        if (st != HEXISEQ_OK)
+            break;
+        st = offer(s, &l, &cost);
+        if (st != HEXISEQ_OK)
+            break;
+    }
+    hexiseq_layout_free(&l);
+    return st;
+}
+
+/* Hill climbing on the best layout: move a block of tokens between groups (tokens follow on the
+ * receiving and giving members with the most/least spare rate), a head between neighbouring ranks, or a
+ * block of tokens between neighbouring ranks; keep any move that lowers the predicted step time. */
+static hexiseq_status local_search(sched *s) {
+    if (!s->have_best || s->n > LOCAL_SEARCH_DEVICES)
+        return HEXISEQ_OK;
+    hexiseq_layout l;
+    HEXISEQ_CHECK(hexiseq_layout_alloc(s->best.n_groups, s->best.n_devices, &l));
+    int32_t G = s->best.n_groups, n = s->best.n_devices;
+    int32_t *offset = malloc(((size_t)G + 1) * sizeof *offset);
+    if (!offset) {
+        hexiseq_layout_free(&l);
+        return hexiseq_fail(HEXISEQ_ERR_NOMEM, "scheduler scratch");
+    }
+    hexiseq_status st = HEXISEQ_OK;
+    int64_t budget = LOCAL_SEARCH_EVALS;
+    int64_t step = s->S / (16 * (int64_t)n);
+    if (step < 1)
+        step = 1;
+    for (; step >= 1 && budget > 0 && st == HEXISEQ_OK; step /= 4) {
+        int improved = 1;
+        while (improved && budget > 0 && st == HEXISEQ_OK) {
+            improved = 0;
+            offset[0] = 0;
+            for (int32_t g = 0; g < G; ++g)
+                offset[g + 1] = offset[g] + s->best.group_size[g];
+            /* moves: (kind, a, b) */
+            for (int kind = 0; kind < 3 && !improved && budget > 0; ++kind) {
+                int32_t limit = kind == 0 ? G : n;
+                for (int32_t a = 0; a < limit && !improved && budget > 0; ++a) {
+                    for (int32_t b = 0; b < limit && !improved && budget > 0; ++b) {
+                        if (a == b)
+                            continue;
+                        hexiseq_layout_copy(&l, &s->best);
+                        if (kind == 0) { /* tokens from group a to group b: last rank of a to last rank of b */
+                            if (l.group_seq[a] <= step)
+                                continue;
+                            int32_t ra = offset[a + 1] - 1, rb = offset[b + 1] - 1;
+                            while (ra >= offset[a] && l.tokens[ra] < step)
+                                --ra;
+                            if (ra < offset[a])
+                                continue;
+                            l.group_seq[a] -= step;
+                            l.group_seq[b] += step;
+                            l.tokens[ra] -= step;
+                            l.tokens[rb] += step;
+                        } else {
+                            /* neighbouring ranks of one group */
+                            int32_t g = 0;
+                            while (offset[g + 1] <= a)
+                                ++g;
+                            if (b != a + 1 && b != a - 1)
+                                continue;
+                            if (b < offset[g] || b >= offset[g + 1])
+                                continue;
+                            if (kind == 1) { /* one head from rank a to rank b */
+                                if (l.head_count[a] < 1)
+                                    continue;
+                                l.head_count[a]--;
+                                l.head_count[b]++;
+                                int32_t next = 0;
+                                for (int32_t r = offset[g]; r < offset[g + 1]; ++r) {
+                                    l.head_lo[r] = next;
+                                    next += l.head_count[r];
+                                }
+                            } else {
+                                if (l.tokens[a] < step)
+                                    continue;
+                                l.tokens[a] -= step;
+                                l.tokens[b] += step;
+                            }
+                        }
+                        hexiseq_plan_cost cost;
+                        --budget;
+                        st = eval(s, &l, &cost);
+                        if (st != HEXISEQ_OK)
+                            break;
+                        if (better(&cost, &s->best_cost)) {
+                            st = offer(s, &l, &cost);
+                            improved = 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    free(offset);
+    hexiseq_layout_free(&l);
+    return st;
+}
+
+/* ------------------------------------------------------------------ structures */
+
+/* Node classes: nodes with the same GPU model, size and overrides take the same split. */
+typedef struct {
+    int32_t n_nodes;
+    int32_t *node_first; /* [n_nodes] first device of each node */
+    int32_t *node_count; /* [n_nodes] */
+    int32_t *node_class; /* [n_nodes] */
+    int32_t n_classes;
+    int32_t *class_options;  /* [n_classes] number of split options */
+    int32_t *choice;         /* [n_classes] current option: node split into 2^choice parts (capped) */
+} topo;
+
+static int same_device(const hexiseq_device_info *a, const hexiseq_device_info *b) {
+    return a->gpu_index == b->gpu_index && a->memory_gib == b->memory_gib && a->peak_tflops == b->peak_tflops &&
+           a->gemm_eff == b->gemm_eff && a->attn_eff == b->attn_eff;
+}
+
+/* Parts of a node of `count` devices under option o: min(2^o, count). */
+static int32_t parts_of(int32_t count, int32_t o) {
+    int64_t p = (int64_t)1 << (o < 30 ? o : 30);
+    return p < count ? (int32_t)p : count;
+}
+
+static int32_t options_of(int32_t count) {
+    int32_t o = 0;
+    while (((int64_t)1 << o) < count)
+        ++o;
+    return o + 1;
+}
+
+/* Build groups in node order from the current choices: node k split into parts near-equal pieces. */
+static hexiseq_status build_structure(const sched *s, const topo *tp, hexiseq_layout *l) {
+    int32_t G = 0;
+    for (int32_t k = 0; k < tp->n_nodes; ++k)
+        G += parts_of(tp->node_count[k], tp->choice[tp->node_class[k]]);
+    HEXISEQ_CHECK(hexiseq_layout_alloc(G, s->n, l));
+    int32_t g = 0;
+    for (int32_t k = 0; k < tp->n_nodes; ++k) {
+        int32_t p = parts_of(tp->node_count[k], tp->choice[tp->node_class[k]]);
+        for (int32_t i = 0; i < p; ++i)
+            l->group_size[g++] = (int32_t)hexiseq_even_share(tp->node_count[k], p, i);
+    }
+    for (int32_t r = 0; r < s->n; ++r)
+        l->device[r] = r;
+    return HEXISEQ_OK;
+}
+
+static hexiseq_status alloc_ws(shares_ws *w, int32_t G, int32_t n) {
+    memset(w, 0, sizeof *w);
+    w->gseq = calloc((size_t)G, sizeof(double));
+    w->cg = calloc((size_t)G, sizeof(double));
+    w->cr = calloc((size_t)G, sizeof(double));
+    w->ug = calloc((size_t)G, sizeof(double));
+    w->tmp64 = calloc((size_t)n, sizeof(int64_t));
+    w->tmpd = calloc((size_t)(n > G ? n : G), sizeof(double));
+    w->offset = calloc((size_t)G + 1, sizeof(int32_t));
+    if (!w->gseq || !w->cg || !w->cr || !w->ug || !w->tmp64 || !w->tmpd || !w->offset)
+        return hexiseq_fail(HEXISEQ_ERR_NOMEM, "scheduler scratch for %d groups", G);
+    return HEXISEQ_OK;
+}
+
+static void free_ws(shares_ws *w) {
+    free(w->gseq);
+    free(w->cg);
+    free(w->cr);
+    free(w->ug);
+    free(w->tmp64);
+    free(w->tmpd);
+    free(w->offset);
+}
+
+/* Optimise one structure (head units 1 and, with GQA, whole kv heads) and try its ring orders.
+ * `score` gets the best predicted step time found for it (INFINITY if it fits nowhere). */
+static hexiseq_status run_structure(sched *s, hexiseq_layout *l, double *score) {
+    shares_ws w;
+    hexiseq_status st = alloc_ws(&w, l->n_groups, s->n);
+    *score = INFINITY;
+    int32_t per_kv = s->m->heads / s->m->kv_heads;
+    for (int unit_pass = 0; unit_pass < (per_kv > 1 ? 2 : 1) && st == HEXISEQ_OK; ++unit_pass) {
+        hexiseq_plan_cost cost;
+        cost.fits = 0;
+        st = optimise_shares(s, l, &w, unit_pass ? per_kv : 1, &cost);
+        if (st == HEXISEQ_OK && cost.fits && cost.step_time_s < *score)
+            *score = cost.step_time_s;
+        if (st == HEXISEQ_OK)
+            st = try_orders(s, l);
+    }
+    free_ws(&w);
+    return st;
+}
+
+/* Groups of `hp` consecutive devices (they may span nodes). */
+static hexiseq_status run_consecutive(sched *s, int32_t hp) {
+    hexiseq_layout l;
+    HEXISEQ_CHECK(hexiseq_layout_alloc(s->n / hp, s->n, &l));
+    for (int32_t g = 0; g < l.n_groups; ++g)
+        l.group_size[g] = hp;
+    for (int32_t r = 0; r < s->n; ++r)
+        l.device[r] = r;
+    double score;
+    hexiseq_status st = run_structure(s, &l, &score);
+    hexiseq_layout_free(&l);
+    return st;
+}
+
+static hexiseq_status run_topology(sched *s) {
+    const hexiseq_cluster *c = s->c;
+    topo tp;
+    memset(&tp, 0, sizeof tp);
+    tp.n_nodes = c->n_nodes;
+    tp.node_first = calloc((size_t)c->n_nodes, sizeof(int32_t));
+    tp.node_count = calloc((size_t)c->n_nodes, sizeof(int32_t));
+    tp.node_class = calloc((size_t)c->n_nodes, sizeof(int32_t));
+    tp.class_options = calloc((size_t)c->n_nodes, sizeof(int32_t));
+    tp.choice = calloc((size_t)c->n_nodes, sizeof(int32_t));
+    hexiseq_status st = HEXISEQ_OK;
+    if (!tp.node_first || !tp.node_count || !tp.node_class || !tp.class_options || !tp.choice) {
+        st = hexiseq_fail(HEXISEQ_ERR_NOMEM, "scheduler scratch");
+        goto out;
+    }
+    for (int32_t r = 0; r < s->n; ++r) {
+        int32_t k = c->dev[r].node;
+        if (tp.node_count[k]++ == 0)
+            tp.node_first[k] = r;
+    }
+    for (int32_t k = 0; k < tp.n_nodes; ++k) {
+        int32_t cls = -1;
+        for (int32_t j = 0; j < k && cls < 0; ++j)
+            if (tp.node_count[j] == tp.node_count[k] && c->intra_gbps[j] == c->intra_gbps[k] &&
+                same_device(&c->dev[tp.node_first[j]], &c->dev[tp.node_first[k]]))
+                cls = tp.node_class[j];
+        if (cls < 0) {
+            cls = tp.n_classes++;
+            tp.class_options[cls] = options_of(tp.node_count[k]);
+        }
+        tp.node_class[k] = cls;
+    }
+    int32_t max_options = 0;
+    for (int32_t cl = 0; cl < tp.n_classes; ++cl)
+        if (tp.class_options[cl] > max_options)
+            max_options = tp.class_options[cl];
+    /* uniform starts: every class split the same way; keep the best as the descent's start */
+    double best_score = INFINITY;
+    int32_t best_uniform = 0;
+    for (int32_t o = 0; o < max_options && st == HEXISEQ_OK; ++o) {
+        for (int32_t cl = 0; cl < tp.n_classes; ++cl)
+            tp.choice[cl] = o < tp.class_options[cl] ? o : tp.class_options[cl] - 1;
+        hexiseq_layout l;
+        st = build_structure(s, &tp, &l);
+        if (st != HEXISEQ_OK)
+            break;
+        double score;
+        st = run_structure(s, &l, &score);
+        hexiseq_layout_free(&l);
+        if (score < best_score) {
+            best_score = score;
+            best_uniform = o;
+        }
+    }
+    for (int32_t cl = 0; cl < tp.n_classes; ++cl)
+        tp.choice[cl] = best_uniform < tp.class_options[cl] ? best_uniform : tp.class_options[cl] - 1;
+    /* coordinate descent over the classes' splits */
+    for (int round = 0; round < 3 && tp.n_classes > 1 && st == HEXISEQ_OK; ++round) {
+        int moved = 0;
+        for (int32_t cl = 0; cl < tp.n_classes && st == HEXISEQ_OK; ++cl) {
+            int32_t keep = tp.choice[cl];
+            for (int32_t o = 0; o < tp.class_options[cl] && st == HEXISEQ_OK; ++o) {
+                if (o == keep)
+                    continue;
+                tp.choice[cl] = o;
+                hexiseq_layout l;
+                st = build_structure(s, &tp, &l);
+                if (st != HEXISEQ_OK)
+                    break;
+                double score;
+                st = run_structure(s, &l, &score);
+                hexiseq_layout_free(&l);
+                if (score < best_score * (1.0 - 1e-9)) {
+                    best_score = score;
+                    keep = o;
+                    moved = 1;
+                }
+            }
+            tp.choice[cl] = keep;
+        }
+        if (!moved)
+            break;
+    }
+out:
+    free(tp.node_first);
+    free(tp.node_count);
+    free(tp.node_class);
+    free(tp.class_options);
+    free(tp.choice);
+    return st;
+}
+
+hexiseq_status hexiseq_schedule(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
+                                int64_t seq_len, int32_t causal, hexiseq_layout *out, hexiseq_plan_cost *cost) {
+    sched s;
+    memset(&s, 0, sizeof s);
+    s.c = c;
+    s.m = m;
+    s.t = t;
+    s.S = seq_len;
+    s.causal = causal;
+    s.n = c->n_devices;
+    s.per = malloc((size_t)s.n * sizeof *s.per);
+    s.fgemm = malloc((size_t)s.n * sizeof *s.fgemm);
+    s.fattn = malloc((size_t)s.n * sizeof *s.fattn);
+    hexiseq_status st = HEXISEQ_OK;
+    if (!s.per || !s.fgemm || !s.fattn) {
+        st = hexiseq_fail(HEXISEQ_ERR_NOMEM, "scheduler scratch for %d devices", s.n);
+        goto out;
+    }
+    for (int32_t r = 0; r < s.n; ++r) {
+        s.fgemm[r] = c->dev[r].peak_tflops * 1e12 * c->dev[r].gemm_eff;
+        s.fattn[r] = c->dev[r].peak_tflops * 1e12 * c->dev[r].attn_eff;
+    }
+    /* 0. the uniform baselines, exactly as their strategies build them */
+    for (int strat = 0; strat < HEXISEQ_STRATEGY_HEXISEQ && st == HEXISEQ_OK; ++strat) {
+        hexiseq_layout l;
+        hexiseq_plan_cost pc;
+        hexiseq_status bs = hexiseq_plan_strategy(c, m, t, seq_len, causal, (hexiseq_strategy)strat, &l, &pc);
+        if (bs == HEXISEQ_OK || bs == HEXISEQ_ERR_MEMORY)
+            st = offer(&s, &l, &pc);
+        else if (bs != HEXISEQ_ERR_UNSUPPORTED)
+            st = bs;
+        hexiseq_layout_free(&l);
+    }
+    /* 1-4. structures from the topology, and groups spanning nodes */
+    if (st == HEXISEQ_OK)
+        st = run_topology(&s);
+    int32_t max_node = 0;
+    for (int32_t r = 0, k = -1, cnt = 0; r < s.n; ++r) {
+        cnt = c->dev[r].node == k ? cnt + 1 : 1;
+        k = c->dev[r].node;
+        if (cnt > max_node)
+            max_node = cnt;
+    }
+    for (int32_t hp = max_node + 1; hp <= s.n && st == HEXISEQ_OK; ++hp)
+        if (s.n % hp == 0)
+            st = run_consecutive(&s, hp);
+    /* 5. polish */
+    if (st == HEXISEQ_OK)
+        st = local_search(&s);
+    if (st == HEXISEQ_OK && !s.have_best)
+        st = hexiseq_fail(HEXISEQ_ERR_INTERNAL, "scheduler found no candidate");
+    if (st == HEXISEQ_OK) {
+        *out = s.best;
+        *cost = s.best_cost;
+        s.have_best = 0;
+    }
+out:
+    if (s.have_best)
+        hexiseq_layout_free(&s.best);
+    free(s.per);
+    free(s.fgemm);
+    free(s.fattn);
+    return st;
+}
