@@ -16,9 +16,11 @@
  *     objective), also tried in whole kv-head units; token shares proportional to matmul rate, water-filled
  *     under each device's memory; both rounded to multiples of 64 tokens where the sizes allow.
  *  4. ring order: exhaustive for up to 6 groups, node order beyond (groups of one node stay adjacent, so
- *     the ring crosses each slow link once).
- *  5. a bounded local search over single moves (tokens between groups, a head or a token block between
- *     neighbouring ranks) polishes small clusters.
+ *     the ring crosses each slow link once). Clusters of up to 6 devices also try every partition into
+ *     groups, not only the node-aligned ones.
+ *  5. for clusters up to 64 devices: greedy parking (a device or a whole group keeps no tokens and no
+ *     heads when the others are faster without it), then a bounded local search over single moves
+ *     (tokens between groups, a head or tokens between two ranks of a group).
  * Everything is deterministic: no randomness, ties broken by index. */
 #include <math.h>
 #include <stdlib.h>
@@ -30,7 +32,10 @@
 #define REFIT_ROUNDS 4      /* LP solve + full evaluation rounds per structure */
 #define MAX_EXACT_ORDER 6   /* groups up to which every ring order is tried */
 #define LOCAL_SEARCH_DEVICES 64
-#define LOCAL_SEARCH_EVALS 400
+#define LOCAL_SEARCH_EVALS 400        /* evaluations of polish for clusters of 17..64 devices */
+#define LOCAL_SEARCH_EVALS_SMALL 4000 /* and up to 16 devices, where an evaluation costs microseconds */
+#define LOCAL_SEARCH_EVALS_STRUCT 300 /* per near-best structure of a cluster of up to 6 devices */
+#define EXACT_PARTITION_DEVICES 6 /* clusters up to this size try every partition into groups */
 
 typedef struct {
     const hexiseq_cluster *c;
@@ -40,7 +45,8 @@ typedef struct {
     int32_t causal;
     int32_t n;
     hexiseq_device_cost *per; /* [n] scratch for evaluations */
-    double *fgemm, *fattn;    /* [n] effective rates, FLOP/s */
+    double *fgemm, *fattn;    /* [n] effective rates, FLOP/s; 0 for a parked device */
+    double *fgemm0, *fattn0;  /* [n] the devices' real rates */
     /* best so far */
     hexiseq_layout best;
     hexiseq_plan_cost best_cost;
@@ -179,6 +185,11 @@ static void fill_tokens(sched *s, hexiseq_layout *l, const shares_ws *w, int32_t
         double fsum = 0;
         for (int32_t i = 0; i < k; ++i)
             fsum += s->fgemm[l->device[lo + i]];
+        if (fsum <= 0) { /* every member parked: cannot happen for structures we build; stay defined */
+            for (int32_t i = 0; i < k; ++i)
+                l->tokens[lo + i] = i == 0 ? l->group_seq[g] : 0;
+            return;
+        }
         hi_lambda = Sg / fsum;
         for (int iter = 0; iter < 60; ++iter) {
             double got = 0;
@@ -249,6 +260,8 @@ static void memory_caps(sched *s, hexiseq_layout *l, shares_ws *w, double ring_b
                 hexiseq_memory_coeffs_t mc;
                 hexiseq_memory_coeffs(s->c, s->m, s->t, l->device[r], l->head_count[r], kv_n,
                                       l->n_groups > 1 ? ring_block : 0.0, &mc);
+                if (s->fgemm[l->device[r]] <= 0)
+                    continue; /* parked: holds no tokens */
                 double free_gib = mc.cap_gib - mc.states_gib - mc.ring_gib - mc.reserved_gib - mc.per_group_token_gib * mid;
                 if (free_gib < 0) {
                     ok = 0;
@@ -399,6 +412,12 @@ static hexiseq_status optimise_shares(sched *s, hexiseq_layout *l, shares_ws *w,
     hexiseq_status st = HEXISEQ_OK;
     hexiseq_plan_cost cost, best_local;
     int have_local = 0;
+    hexiseq_layout keep; /* the best round's layout, handed back in l */
+    st = hexiseq_layout_alloc(G, l->n_devices, &keep);
+    if (st != HEXISEQ_OK) {
+        free(capacity);
+        return st;
+    }
     double ring_block = (double)s->S / G;
     for (int round = 0; round < REFIT_ROUNDS; ++round) {
         for (int32_t g = 0; g < G; ++g)
@@ -430,9 +449,13 @@ static hexiseq_status optimise_shares(sched *s, hexiseq_layout *l, shares_ws *w,
         if (!have_local || better(&cost, &best_local)) {
             best_local = cost;
             have_local = 1;
+            hexiseq_layout_copy(&keep, l);
         }
         refit(s, l, w);
     }
+    if (have_local)
+        hexiseq_layout_copy(l, &keep);
+    hexiseq_layout_free(&keep);
     free(capacity);
     if (out && have_local)
         *out = best_local;
@@ -497,94 +520,232 @@ static hexiseq_status try_orders(sched *s, const hexiseq_layout *base) {
     return st;
 }
 
-/* Hill climbing on the best layout: move a block of tokens between groups (tokens follow on the
- * receiving and giving members with the most/least spare rate), a head between neighbouring ranks, or a
- * block of tokens between neighbouring ranks; keep any move that lowers the predicted step time. */
-static hexiseq_status local_search(sched *s) {
-    if (!s->have_best || s->n > LOCAL_SEARCH_DEVICES)
+/* Move `amount` tokens from group a to group b, taken from and given to members in proportion to the
+ * tokens they hold (to the first member when b holds none). Returns 0 when a cannot give that much. */
+static int shift_group_tokens(hexiseq_layout *l, const int32_t *offset, int32_t a, int32_t b, int64_t amount) {
+    if (amount < 1 || l->group_seq[a] - amount < 1)
+        return 0;
+    int64_t Sa = l->group_seq[a], Sb = l->group_seq[b], taken = 0, given = 0;
+    for (int32_t r = offset[a]; r < offset[a + 1]; ++r) {
+        int64_t take = (int64_t)((double)amount * (double)l->tokens[r] / (double)Sa);
+        if (take > l->tokens[r])
+            take = l->tokens[r];
+        l->tokens[r] -= take;
+        taken += take;
+    }
+    for (int32_t r = offset[a]; r < offset[a + 1] && taken < amount; ++r) {
+        int64_t take = l->tokens[r] < amount - taken ? l->tokens[r] : amount - taken;
+        l->tokens[r] -= take;
+        taken += take;
+    }
+    for (int32_t r = offset[b]; r < offset[b + 1]; ++r) {
+        int64_t give = Sb > 0 ? (int64_t)((double)amount * (double)l->tokens[r] / (double)Sb) : 0;
+        l->tokens[r] += give;
+        given += give;
+    }
+    l->tokens[offset[b]] += amount - given;
+    l->group_seq[a] -= amount;
+    l->group_seq[b] += amount;
+    return 1;
+}
+
+/* Hill climbing on the best layout. Moves: tokens between two groups, a head or tokens between two ranks
+ * of a group; token amounts on a halving ladder from half the giver's share down
+ * to one token. The first improving move is taken and the scan restarts, within an evaluation budget. */
+static hexiseq_status local_search(sched *s, const hexiseq_layout *start, const hexiseq_plan_cost *start_cost,
+                                   int64_t budget) {
+    if (s->n > LOCAL_SEARCH_DEVICES)
         return HEXISEQ_OK;
-    hexiseq_layout l;
-    HEXISEQ_CHECK(hexiseq_layout_alloc(s->best.n_groups, s->best.n_devices, &l));
-    int32_t G = s->best.n_groups, n = s->best.n_devices;
+    int32_t G = start->n_groups, n = start->n_devices;
+    hexiseq_layout l, cur;
+    HEXISEQ_CHECK(hexiseq_layout_alloc(G, n, &l));
+    if (hexiseq_layout_alloc(G, n, &cur) != HEXISEQ_OK) {
+        hexiseq_layout_free(&l);
+        return HEXISEQ_ERR_NOMEM;
+    }
+    hexiseq_layout_copy(&cur, start);
+    hexiseq_plan_cost cur_cost = *start_cost;
     int32_t *offset = malloc(((size_t)G + 1) * sizeof *offset);
     if (!offset) {
         hexiseq_layout_free(&l);
+        hexiseq_layout_free(&cur);
         return hexiseq_fail(HEXISEQ_ERR_NOMEM, "scheduler scratch");
     }
+    offset[0] = 0;
+    for (int32_t g = 0; g < G; ++g)
+        offset[g + 1] = offset[g] + cur.group_size[g];
+    int32_t *group_of = malloc((size_t)n * sizeof *group_of);
+    if (!group_of) {
+        free(offset);
+        hexiseq_layout_free(&l);
+        hexiseq_layout_free(&cur);
+        return hexiseq_fail(HEXISEQ_ERR_NOMEM, "scheduler scratch");
+    }
+    for (int32_t g = 0; g < G; ++g)
+        for (int32_t r = offset[g]; r < offset[g + 1]; ++r)
+            group_of[r] = g;
     hexiseq_status st = HEXISEQ_OK;
-    int64_t budget = LOCAL_SEARCH_EVALS;
-    int64_t step = s->S / (16 * (int64_t)n);
-    if (step < 1)
-        step = 1;
-    for (; step >= 1 && budget > 0 && st == HEXISEQ_OK; step /= 4) {
-        int improved = 1;
-        while (improved && budget > 0 && st == HEXISEQ_OK) {
-            improved = 0;
-            offset[0] = 0;
-            for (int32_t g = 0; g < G; ++g)
-                offset[g + 1] = offset[g] + s->best.group_size[g];
-            /* moves: (kind, a, b) */
-            for (int kind = 0; kind < 3 && !improved && budget > 0; ++kind) {
-                int32_t limit = kind == 0 ? G : n;
-                for (int32_t a = 0; a < limit && !improved && budget > 0; ++a) {
-                    for (int32_t b = 0; b < limit && !improved && budget > 0; ++b) {
-                        if (a == b)
-                            continue;
-                        hexiseq_layout_copy(&l, &s->best);
-                        if (kind == 0) { /* tokens from group a to group b: last rank of a to last rank of b */
-                            if (l.group_seq[a] <= step)
+    int improved = 1;
+    while (improved && budget > 0 && st == HEXISEQ_OK) {
+        improved = 0;
+        for (int kind = 0; kind < 3 && !improved && budget > 0 && st == HEXISEQ_OK; ++kind) {
+            int32_t limit = kind == 0 ? G : n;
+            for (int32_t a = 0; a < limit && !improved && budget > 0 && st == HEXISEQ_OK; ++a)
+                for (int32_t b = 0; b < limit && !improved && budget > 0 && st == HEXISEQ_OK; ++b) {
+                    if (a == b || (kind > 0 && group_of[a] != group_of[b]))
+                        continue;
+                    int64_t have = kind == 0 ? cur.group_seq[a] - 1 : cur.tokens[a];
+                    int64_t amount = kind == 1 ? 1 : have / 2 > 0 ? have / 2 : have;
+                    for (; amount >= 1 && !improved && budget > 0; amount /= 2) {
+                        hexiseq_layout_copy(&l, &cur);
+                        if (kind == 0) {
+                            if (!shift_group_tokens(&l, offset, a, b, amount))
                                 continue;
-                            int32_t ra = offset[a + 1] - 1, rb = offset[b + 1] - 1;
-                            while (ra >= offset[a] && l.tokens[ra] < step)
-                                --ra;
-                            if (ra < offset[a])
-                                continue;
-                            l.group_seq[a] -= step;
-                            l.group_seq[b] += step;
-                            l.tokens[ra] -= step;
-                            l.tokens[rb] += step;
-                        } else {
-                            /* neighbouring ranks of one group */
-                            int32_t g = 0;
-                            while (offset[g + 1] <= a)
-                                ++g;
-                            if (b != a + 1 && b != a - 1)
-                                continue;
-                            if (b < offset[g] || b >= offset[g + 1])
-                                continue;
-                            if (kind == 1) { /* one head from rank a to rank b */
-                                if (l.head_count[a] < 1)
-                                    continue;
-                                l.head_count[a]--;
-                                l.head_count[b]++;
-                                int32_t next = 0;
-                                for (int32_t r = offset[g]; r < offset[g + 1]; ++r) {
-                                    l.head_lo[r] = next;
-                                    next += l.head_count[r];
-                                }
-                            } else {
-                                if (l.tokens[a] < step)
-                                    continue;
-                                l.tokens[a] -= step;
-                                l.tokens[b] += step;
+                        } else if (kind == 1) {
+                            if (l.head_count[a] < 1)
+                                break;
+                            l.head_count[a]--;
+                            l.head_count[b]++;
+                            int32_t next = 0;
+                            for (int32_t r = offset[group_of[a]]; r < offset[group_of[a] + 1]; ++r) {
+                                l.head_lo[r] = next;
+                                next += l.head_count[r];
                             }
+                        } else {
+                            if (l.tokens[a] < amount)
+                                continue;
+                            l.tokens[a] -= amount;
+                            l.tokens[b] += amount;
                         }
                         hexiseq_plan_cost cost;
                         --budget;
                         st = eval(s, &l, &cost);
                         if (st != HEXISEQ_OK)
                             break;
-                        if (better(&cost, &s->best_cost)) {
+                        if (better(&cost, &cur_cost)) {
+                            hexiseq_layout_copy(&cur, &l);
+                            cur_cost = cost;
                             st = offer(s, &l, &cost);
                             improved = 1;
                         }
+                        if (kind == 1)
+                            break;
                     }
                 }
-            }
         }
     }
+    free(group_of);
     free(offset);
     hexiseq_layout_free(&l);
+    hexiseq_layout_free(&cur);
+    return st;
+}
+
+/* ------------------------------------------------------------------ parking */
+
+static hexiseq_status run_structure(sched *s, hexiseq_layout *l, double *score);
+static hexiseq_status run_all_partitions(sched *s);
+
+/* A parked device holds no tokens and no heads: it only keeps its share of the model states. Parking a
+ * slow device, or one behind a slow link, can shorten the step (the others stop waiting for it). Greedy:
+ * starting from the best plan, try parking each active device alone and each group as a whole (its
+ * devices join the first other group); re-optimise shares; keep the first change that improves; repeat. */
+static hexiseq_status park_search(sched *s) {
+    if (!s->have_best || s->n > LOCAL_SEARCH_DEVICES || s->n < 2)
+        return HEXISEQ_OK;
+    hexiseq_status st = HEXISEQ_OK;
+    int32_t n = s->n;
+    for (int round = 0; round < n && st == HEXISEQ_OK; ++round) {
+        hexiseq_layout base;
+        st = hexiseq_layout_alloc(s->best.n_groups, n, &base);
+        if (st != HEXISEQ_OK)
+            break;
+        hexiseq_layout_copy(&base, &s->best);
+        int32_t G = base.n_groups;
+        int improved = 0;
+        /* candidates: 0..n-1 park slot c's device; n..n+G-1 park group c-n; then park node c-n-G; then
+         * keep only the k fastest devices (by matmul + attention rate), k = 1..n-1 */
+        int32_t n_nodes = s->c->n_nodes;
+        for (int32_t cand = 0; cand < n + G + n_nodes + n - 1 && !improved && st == HEXISEQ_OK; ++cand) {
+            int32_t park_group = cand >= n && cand < n + G ? cand - n : -1;
+            int32_t park_node = cand >= n + G && cand < n + G + n_nodes ? cand - n - G : -1;
+            int32_t keep_fastest = cand >= n + G + n_nodes ? cand - n - G - n_nodes + 1 : 0;
+            int32_t slot = cand < n ? cand : -1;
+            if (slot >= 0 && base.tokens[slot] == 0 && base.head_count[slot] == 0)
+                continue; /* already parked */
+            if (park_group >= 0 && G < 2)
+                continue;
+            /* group membership after the move: g_of[r] */
+            int32_t g_of[LOCAL_SEARCH_DEVICES], new_index[LOCAL_SEARCH_DEVICES], r = 0, active_left = 0;
+            for (int32_t g = 0; g < G; ++g)
+                for (int32_t i = 0; i < base.group_size[g]; ++i, ++r)
+                    g_of[r] = g;
+            for (int32_t q = 0; q < n; ++q) {
+                int parked = (base.tokens[q] == 0 && base.head_count[q] == 0) || q == slot || g_of[q] == park_group ||
+                             s->c->dev[base.device[q]].node == park_node;
+                if (keep_fastest) { /* rank of this device by rate; parked when not among the k fastest */
+                    int32_t d = base.device[q], faster = 0;
+                    double rate = s->fgemm0[d] + s->fattn0[d];
+                    for (int32_t e = 0; e < n; ++e) {
+                        double re = s->fgemm0[e] + s->fattn0[e];
+                        faster += re > rate || (re == rate && e < d);
+                    }
+                    parked = faster >= keep_fastest;
+                }
+                s->fgemm[base.device[q]] = parked ? 0.0 : s->fgemm0[base.device[q]];
+                s->fattn[base.device[q]] = parked ? 0.0 : s->fattn0[base.device[q]];
+                active_left += !parked;
+            }
+            if (active_left == 0)
+                continue;
+            double before = s->best_cost.step_time_s;
+            int fit_before = s->best_cost.fits;
+            if (n <= EXACT_PARTITION_DEVICES) { /* small: every grouping of the devices left active */
+                st = run_all_partitions(s);
+                if (s->best_cost.fits != fit_before || s->best_cost.step_time_s < before)
+                    improved = 1;
+                continue;
+            }
+            /* groups that keep an active member stay, in order; parked devices of vanished groups join the
+             * first surviving group */
+            int32_t keep = 0, first_keep = -1;
+            for (int32_t g = 0; g < G; ++g) {
+                int has_active = 0;
+                for (int32_t q = 0; q < n; ++q)
+                    if (g_of[q] == g && s->fgemm[base.device[q]] > 0)
+                        has_active = 1;
+                new_index[g] = has_active ? keep++ : -1;
+                if (has_active && first_keep < 0)
+                    first_keep = g;
+            }
+            hexiseq_layout l;
+            st = hexiseq_layout_alloc(keep, n, &l);
+            if (st != HEXISEQ_OK)
+                break;
+            int32_t out = 0;
+            for (int32_t g = 0; g < G; ++g) {
+                if (new_index[g] < 0)
+                    continue;
+                for (int32_t q = 0; q < n; ++q)
+                    if (g_of[q] == g || (g == first_keep && new_index[g_of[q]] < 0)) {
+                        l.device[out++] = base.device[q];
+                        l.group_size[new_index[g]]++;
+                    }
+            }
+            double score;
+            st = run_structure(s, &l, &score);
+            hexiseq_layout_free(&l);
+            if (s->best_cost.fits != fit_before || s->best_cost.step_time_s < before)
+                improved = 1;
+        }
+        for (int32_t q = 0; q < n; ++q) {
+            s->fgemm[q] = s->fgemm0[q];
+            s->fattn[q] = s->fattn0[q];
+        }
+        hexiseq_layout_free(&base);
+        if (!improved)
+            break;
+    }
     return st;
 }
 
@@ -673,6 +834,11 @@ static hexiseq_status run_structure(sched *s, hexiseq_layout *l, double *score) 
         st = optimise_shares(s, l, &w, unit_pass ? per_kv : 1, &cost);
         if (st == HEXISEQ_OK && cost.fits && cost.step_time_s < *score)
             *score = cost.step_time_s;
+        /* small clusters: polish every structure that comes close, not only the winner, so a structure
+         * whose LP shares were slightly off is not lost */
+        if (st == HEXISEQ_OK && s->n <= EXACT_PARTITION_DEVICES && cost.fits && s->have_best &&
+            cost.step_time_s <= s->best_cost.step_time_s * 1.05)
+            st = local_search(s, l, &cost, LOCAL_SEARCH_EVALS_STRUCT);
         if (st == HEXISEQ_OK)
             st = try_orders(s, l);
     }
@@ -691,6 +857,61 @@ static hexiseq_status run_consecutive(sched *s, int32_t hp) {
     double score;
     hexiseq_status st = run_structure(s, &l, &score);
     hexiseq_layout_free(&l);
+    return st;
+}
+
+/* Every partition of the active devices of a small cluster into groups (restricted growth strings:
+ * device i joins one of the groups opened before it or opens the next); members ascending, groups in
+ * order of their first device; parked devices (zero rate in s->fgemm) join the first group. */
+static hexiseq_status run_all_partitions(sched *s) {
+    int32_t n = s->n, active[EXACT_PARTITION_DEVICES], parked[EXACT_PARTITION_DEVICES], k = 0, p = 0;
+    for (int32_t d = 0; d < n; ++d) {
+        if (s->fgemm[d] > 0)
+            active[k++] = d;
+        else
+            parked[p++] = d;
+    }
+    if (k == 0)
+        return HEXISEQ_OK;
+    int32_t a[EXACT_PARTITION_DEVICES] = {0}, maxv[EXACT_PARTITION_DEVICES] = {0};
+    hexiseq_status st = HEXISEQ_OK;
+    for (;;) {
+        int32_t G = maxv[k - 1] + 1;
+        hexiseq_layout l;
+        st = hexiseq_layout_alloc(G, n, &l);
+        if (st != HEXISEQ_OK)
+            return st;
+        int32_t r = 0;
+        for (int32_t g = 0; g < G; ++g) {
+            for (int32_t i = 0; i < k; ++i)
+                if (a[i] == g) {
+                    l.group_size[g]++;
+                    l.device[r++] = active[i];
+                }
+            if (g == 0)
+                for (int32_t i = 0; i < p; ++i) {
+                    l.group_size[0]++;
+                    l.device[r++] = parked[i];
+                }
+        }
+        double score;
+        st = run_structure(s, &l, &score);
+        hexiseq_layout_free(&l);
+        if (st != HEXISEQ_OK)
+            return st;
+        /* next restricted growth string */
+        int32_t i = k - 1;
+        while (i > 0 && a[i] == maxv[i - 1] + 1)
+            --i;
+        if (i == 0)
+            break;
+        a[i]++;
+        maxv[i] = a[i] > maxv[i - 1] ? a[i] : maxv[i - 1];
+        for (int32_t j = i + 1; j < k; ++j) {
+            a[j] = 0;
+            maxv[j] = maxv[i];
+        }
+    }
     return st;
 }
 
@@ -799,14 +1020,18 @@ hexiseq_status hexiseq_schedule(const hexiseq_cluster *c, const hexiseq_model *m
     s.per = malloc((size_t)s.n * sizeof *s.per);
     s.fgemm = malloc((size_t)s.n * sizeof *s.fgemm);
     s.fattn = malloc((size_t)s.n * sizeof *s.fattn);
+    s.fgemm0 = malloc((size_t)s.n * sizeof *s.fgemm0);
+    s.fattn0 = malloc((size_t)s.n * sizeof *s.fattn0);
     hexiseq_status st = HEXISEQ_OK;
-    if (!s.per || !s.fgemm || !s.fattn) {
+    if (!s.per || !s.fgemm || !s.fattn || !s.fgemm0 || !s.fattn0) {
         st = hexiseq_fail(HEXISEQ_ERR_NOMEM, "scheduler scratch for %d devices", s.n);
         goto out;
     }
     for (int32_t r = 0; r < s.n; ++r) {
         s.fgemm[r] = c->dev[r].peak_tflops * 1e12 * c->dev[r].gemm_eff;
         s.fattn[r] = c->dev[r].peak_tflops * 1e12 * c->dev[r].attn_eff;
+        s.fgemm0[r] = s.fgemm[r];
+        s.fattn0[r] = s.fattn[r];
     }
     /* 0. the uniform baselines, exactly as their strategies build them */
     for (int strat = 0; strat < HEXISEQ_STRATEGY_HEXISEQ && st == HEXISEQ_OK; ++strat) {
@@ -819,7 +1044,9 @@ hexiseq_status hexiseq_schedule(const hexiseq_cluster *c, const hexiseq_model *m
             st = bs;
         hexiseq_layout_free(&l);
     }
-    /* 1-4. structures from the topology, and groups spanning nodes */
+    /* 1-4. structures from the topology, and groups spanning nodes; every partition when small */
+    if (st == HEXISEQ_OK && s.n <= EXACT_PARTITION_DEVICES)
+        st = run_all_partitions(&s);
     if (st == HEXISEQ_OK)
         st = run_topology(&s);
     int32_t max_node = 0;
@@ -832,9 +1059,19 @@ hexiseq_status hexiseq_schedule(const hexiseq_cluster *c, const hexiseq_model *m
     for (int32_t hp = max_node + 1; hp <= s.n && st == HEXISEQ_OK; ++hp)
         if (s.n % hp == 0)
             st = run_consecutive(&s, hp);
-    /* 5. polish */
+    /* 5. polish: park devices that only slow the others down, then single moves */
     if (st == HEXISEQ_OK)
-        st = local_search(&s);
+        st = park_search(&s);
+    if (st == HEXISEQ_OK && s.have_best) {
+        hexiseq_layout start;
+        st = hexiseq_layout_alloc(s.best.n_groups, s.n, &start);
+        if (st == HEXISEQ_OK) {
+            hexiseq_layout_copy(&start, &s.best);
+            hexiseq_plan_cost start_cost = s.best_cost;
+            st = local_search(&s, &start, &start_cost, s.n <= 16 ? LOCAL_SEARCH_EVALS_SMALL : LOCAL_SEARCH_EVALS);
+            hexiseq_layout_free(&start);
+        }
+    }
     if (st == HEXISEQ_OK && !s.have_best)
         st = hexiseq_fail(HEXISEQ_ERR_INTERNAL, "scheduler found no candidate");
     if (st == HEXISEQ_OK) {
@@ -848,5 +1085,7 @@ out:
     free(s.per);
     free(s.fgemm);
     free(s.fattn);
+    free(s.fgemm0);
+    free(s.fattn0);
     return st;
 }
