@@ -1,0 +1,192 @@
+/* Parameters and CPU entry points of the attention kernel family: forward, backward, and the (O, LSE) merge. */
+#ifndef HEXISEQ_ATTENTION_H
+#define HEXISEQ_ATTENTION_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Element type of q, k, v, o, do_, dq, dk, dv. Half types are stored as their uint16_t bit patterns.
+ * Fixed values: they cross the C ABI (Python binding, CUDA launchers). */
+typedef enum {
+    HEXISEQ_DTYPE_F64 = 0,
+    HEXISEQ_DTYPE_F32 = 1,
+    HEXISEQ_DTYPE_F16 = 2,  /* IEEE 754 binary16 */
+    HEXISEQ_DTYPE_BF16 = 3  /* bfloat16: the top 16 bits of a binary32 */
+} hexiseq_dtype;
+
+/* Largest head_dim any kernel of the family accepts. */
+#define HEXISEQ_ATTN_MAX_HEAD_DIM 256
+
+/* Index of each dimension in the stride arrays of [batch, seq, heads, head_dim] tensors. */
+#define HEXISEQ_ATTN_DIM_BATCH 0
+#define HEXISEQ_ATTN_DIM_SEQ 1
+#define HEXISEQ_ATTN_DIM_HEAD 2
+#define HEXISEQ_ATTN_DIM_HEAD_DIM 3
+/* Index of each dimension in lse_stride: lse is [batch, heads, seq_q]. */
+#define HEXISEQ_ATTN_LSE_DIM_BATCH 0
+#define HEXISEQ_ATTN_LSE_DIM_HEAD 1
+#define HEXISEQ_ATTN_LSE_DIM_SEQ 2
+
+/* One attention call (forward or backward) on one block of queries against one block of keys.
+ *
+ * O = softmax(scale * Q K^T + mask) V per (batch, query head); query head h reads kv head
+ * h / (heads / kv_heads) (GQA; MQA when kv_heads == 1). Query row i sits at absolute position
+ * q_pos0 + i, key row j at k_pos0 + j; with causal != 0, key j is visible to query i iff
+ * k_pos0 + j <= q_pos0 + i. A query row that sees no key is "fully masked": O = 0, LSE = -inf,
+ * and it contributes nothing to any gradient.
+ *
+ * Strides are in elements (not bytes), may be any value (views, heads-major layouts, negative)
+ * as long as every addressed element lies inside the caller's buffer. Outputs must not overlap inputs.
+ * LSE (natural log of the row sum of exp(scale * scores)) is double when dtype is F64, float otherwise.
+ * Fields not used by a call (the gradients in the forward) are ignored and may be NULL/zero. */
+typedef struct hexiseq_attn_params {
+    const void *q;   /* [batch, seq_q, heads, head_dim] */
+    const void *k;   /* [batch, seq_k, kv_heads, head_dim] */
+    const void *v;   /* [batch, seq_k, kv_heads, head_dim] */
+    void *o;         /* [batch, seq_q, heads, head_dim]: forward output, backward input */
+    void *lse;       /* [batch, heads, seq_q] (double or float, see above): forward output, backward input */
+    const void *do_; /* [batch, seq_q, heads, head_dim]: gradient of o, backward input */
+    void *dq;        /* [batch, seq_q, heads, head_dim]: backward output */
+    void *dk;        /* [batch, seq_k, kv_heads, head_dim]: backward output */
+    void *dv;        /* [batch, seq_k, kv_heads, head_dim]: backward output */
+
+    int64_t q_stride[4]; /* [batch, seq, head, head_dim] element strides of q; same order below */
+    int64_t k_stride[4];
+    int64_t v_stride[4];
+    int64_t o_stride[4];
+    int64_t do_stride[4];
+    int64_t dq_stride[4];
+    int64_t dk_stride[4];
+    int64_t dv_stride[4];
+    int64_t lse_stride[3]; /* [batch, head, seq] */
+
+    int64_t batch;
+    int64_t seq_q;    /* rows of this query block */
+    int64_t seq_k;    /* rows of this key/value block */
+    int64_t q_pos0;   /* absolute position of query row 0, >= 0 */
+    int64_t k_pos0;   /* absolute position of key row 0, >= 0 */
+    double scale;     /* softmax scale, usually 1/sqrt(head_dim); finite */
+    int32_t heads;    /* query heads A */
+    int32_t kv_heads; /* key/value heads A_kv; heads % kv_heads == 0 */
+    int32_t head_dim; /* d, 1..HEXISEQ_ATTN_MAX_HEAD_DIM */
+    int32_t causal;   /* 0 or 1 */
+    int32_t dtype;    /* hexiseq_dtype; a fixed-width int, not the enum, so the layout is ABI-stable */
+    int32_t accumulate; /* backward only: 0 overwrites dq, dk, dv; 1 adds into them (ring steps summing pieces) */
+} hexiseq_attn_params;
+
+/* Fold one partial result (o_part, lse_part) into an accumulator (o_acc, lse_acc), in place:
+ *   lse_new = logaddexp(lse_acc, lse_part)
+ *   o_acc   = exp(lse_acc - lse_new) * o_acc + exp(lse_part - lse_new) * o_part
+ * It has its own struct because its operands are two (O, LSE) pairs and no Q/K/V; reusing
+ * hexiseq_attn_params would give its fields a second meaning. The two sides may have different
+ * dtypes, so a float accumulator can take bf16/f16 partials without rounding between ring steps.
+ * Each LSE is double when its side's dtype is F64, float otherwise. The merge is computed in double.
+ * A row whose lse_part is -inf leaves the accumulator row bit-for-bit unchanged; a row whose lse_acc
+ * is -inf takes the partial (rounded to acc_dtype). o_acc must not overlap o_part. */
+typedef struct hexiseq_attn_merge_params {
+    void *o_acc;          /* [batch, seq, heads, head_dim] in acc_dtype, updated */
+    void *lse_acc;        /* [batch, heads, seq], updated */
+    const void *o_part;   /* [batch, seq, heads, head_dim] in part_dtype */
+    const void *lse_part; /* [batch, heads, seq] */
+
+    int64_t o_acc_stride[4];  /* [batch, seq, head, head_dim] */
+    int64_t o_part_stride[4]; /* [batch, seq, head, head_dim] */
+    int64_t lse_acc_stride[3];  /* [batch, head, seq] */
+    int64_t lse_part_stride[3]; /* [batch, head, seq] */
+
+    int64_t batch;
+    int64_t seq;
+    int32_t heads;
+    int32_t head_dim;   /* 1..HEXISEQ_ATTN_MAX_HEAD_DIM */
+    int32_t acc_dtype;  /* hexiseq_dtype */
+    int32_t part_dtype; /* hexiseq_dtype */
+} hexiseq_attn_merge_params;
+
+/* Forward: writes p->o and p->lse. Tiled online softmax; memory O(tile * head_dim) per thread. */
+HEXISEQ_API hexiseq_status hexiseq_attn_forward_cpu(const hexiseq_attn_params *p);
+
+/* Backward: from q, k, v, o, lse, do_ writes (or adds into, see accumulate) dq, dk, dv.
+ * o and lse are taken as given, never recomputed: with the globally merged o and lse of a ring,
+ * the dq of each key block sum to the dq of the whole sequence and each block's dk, dv are that
+ * block's slice of the whole gradient. D = rowsum(do_ * o) is computed inside. */
+HEXISEQ_API hexiseq_status hexiseq_attn_backward_cpu(const hexiseq_attn_params *p);
+
+/* Merge (see hexiseq_attn_merge_params). */
+HEXISEQ_API hexiseq_status hexiseq_attn_merge_cpu(const hexiseq_attn_merge_params *m);
+
+/* Half-precision conversions used by the kernels; rounding is to nearest, ties to even.
+ * NaN stays NaN (quiet), infinities and signed zeros are kept, f16 overflow gives infinity. */
+static inline float hexiseq_bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t hexiseq_f32_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    if ((x & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((x >> 16) | 0x0040u); /* NaN: keep sign and top payload, force quiet */
+    x += 0x7fffu + ((x >> 16) & 1u);           /* ties to even; carries into the exponent as needed */
+    return (uint16_t)(x >> 16);
+}
+
+static inline float hexiseq_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t mant = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (mant << 13); /* inf or NaN */
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    } else {
+        float f = (float)mant * 5.9604644775390625e-8f; /* subnormal: mant * 2^-24, exact */
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t hexiseq_f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u)
+        return (uint16_t)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu)); /* NaN, quiet */
+    if (ax >= 0x477ff000u)
+        return (uint16_t)(sign | 0x7c00u); /* >= 65520 (or inf) rounds to inf */
+    if (ax < 0x38800000u) {               /* below 2^-14: f16 subnormal or zero */
+        if (ax < 0x33000000u)
+            return sign; /* below 2^-25 (half the smallest subnormal): zero */
+        uint32_t e = ax >> 23;
+        uint32_t m = (ax & 0x7fffffu) | 0x800000u;
+        uint32_t shift = 126u - e; /* value * 2^24 = m * 2^(e - 126) */
+        uint32_t k = m >> shift;
+        uint32_t rem = m & ((1u << shift) - 1u);
+        uint32_t half = 1u << (shift - 1u);
+        if (rem > half || (rem == half && (k & 1u)))
+            k++;
+        return (uint16_t)(sign | k);
+    }
+    uint32_t h = (((ax >> 23) - 112u) << 10) | ((ax >> 13) & 0x3ffu);
+    uint32_t rem = ax & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u)))
+        h++; /* a mantissa carry moves into the exponent, still below 0x7c00 here */
+    return (uint16_t)(sign | h);
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* HEXISEQ_ATTENTION_H */

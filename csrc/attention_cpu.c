@@ -1,0 +1,817 @@
+/* CPU attention kernels (forward, backward, merge): the reference the CUDA kernels are tested against. */
+/*
+ * This file is compiled once and includes itself twice to stamp out the tile kernels for one
+ * accumulator type T: double (dtype F64) and float (F32, F16, BF16, converted on load). The outer
+ * pass (HEXISEQ_ATTN_T undefined) holds the shared helpers and the public entry points; the inner
+ * pass (below the #else near the end) holds the typed kernels, named through HX(name).
+ *
+ * Tiling: a task owns BQ query rows of one (batch, head) (forward, dQ) or BK key rows of one
+ * (batch, kv head) (dK, dV). Each tile of K/V/Q/dO is converted once into contiguous scratch, zero
+ * padded to dp (head_dim rounded up to 32) columns, K and V also transposed ([dp][BK]) so that the
+ * score loop is an axpy over a contiguous row of BK scores. Loops with a compile-time trip count
+ * (BK, 32-wide column chunks) vectorise even under -O2's cheap cost model.
+ *
+ * Determinism: every output element is produced by one task in a fixed order, so results do not
+ * depend on the number of threads or on the schedule.
+ */
+#ifndef HEXISEQ_ATTN_T
+
+#include "attention.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#define HX_OMP(directive) _Pragma(directive)
+#else
+#define HX_OMP(directive)
+#endif
+
+enum { BQ = 64, BK = 64, DCHUNK = 32 };
+/* Register block of the score kernel: SR rows x SC columns. */
+enum { SR = 2, SC = 32 };
+
+/* Largest element offset we allow, so that byte offsets (x8) also fit in int64. */
+#define HX_MAX_OFFSET (INT64_MAX / 8)
+/* Positions up to 2^62 keep every position difference inside int64. */
+#define HX_MAX_POS ((int64_t)1 << 62)
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* exp(x) in float, written with integer bit operations only so that GCC vectorises a loop of it
+ * (a float compare-and-select blocks if-conversion under the default -ftrapping-math).
+ * Cephes polynomial after a Cody-Waite reduction: relative error < 1e-7 for x in [-87, 88].
+ * x < -87.3 (result would be subnormal) gives 0, x > 88 is clamped to exp(88), NaN stays NaN. */
+static inline float hx_expf(float x) {
+    uint32_t xb;
+    memcpy(&xb, &x, sizeof xb);
+    uint32_t ax = xb & 0x7fffffffu;
+    uint32_t not_nan = ax <= 0x7f800000u;
+    uint32_t under = (xb >> 31) & (ax > 0x42c80000u) & not_nan;         /* x < -100, -inf */
+    uint32_t over = ((xb >> 31) ^ 1u) & (ax > 0x42b00000u) & not_nan; /* x > 88, +inf */
+    xb = (xb & ~(0u - under)) | (0xc2c80000u & (0u - under));
+    xb = (xb & ~(0u - over)) | (0x42b00000u & (0u - over));
+    memcpy(&x, &xb, sizeof x);
+    /* round(x * log2(e)) by the 1.5 * 2^23 trick: afterwards the low mantissa bits hold it */
+    float t = x * 1.44269504088896341f + 12582912.0f;
+    uint32_t tb;
+    memcpy(&tb, &t, sizeof tb);
+    int32_t n = (int32_t)(tb - 0x4b400000u);
+    int32_t nc = n < -126 ? -126 : n;
+    nc = nc > 127 ? 127 : nc;
+    float nf = (float)nc;
+    float r = x - nf * 0.693359375f;
+    r = r + nf * 2.12194440e-4f;
+    float poly = 1.9875691500e-4f;
+    poly = poly * r + 1.3981999507e-3f;
+    poly = poly * r + 8.3334519073e-3f;
+    poly = poly * r + 4.1665795894e-2f;
+    poly = poly * r + 1.6666665459e-1f;
+    poly = poly * r + 5.0000001201e-1f;
+    poly = poly * r * r + r + 1.0f;
+    uint32_t sbits = (uint32_t)(nc + 127) << 23;
+    sbits &= 0u - (uint32_t)(n >= -126);
+    float s;
+    memcpy(&s, &sbits, sizeof s);
+    return poly * s;
+}
+
+/* double -> float with round-to-odd; a later float -> half/bfloat16 rounding to nearest-even
+ * then equals a direct double -> half rounding (24 >= 11 + 2 bits). */
+static float f64_to_f32_odd(double x) {
+    float f = (float)x;
+    if ((double)f == x || x != x)
+        return f;
+    if (fabs((double)f) > fabs(x))
+        f = nextafterf(f, 0.0f);
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits |= 1u;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline double get_f64(const void *base, int32_t dtype, int64_t i) {
+    switch (dtype) {
+    case HEXISEQ_DTYPE_F64: return ((const double *)base)[i];
+    case HEXISEQ_DTYPE_F32: return ((const float *)base)[i];
+    case HEXISEQ_DTYPE_F16: return hexiseq_f16_to_f32(((const uint16_t *)base)[i]);
+    default: return hexiseq_bf16_to_f32(((const uint16_t *)base)[i]);
+    }
+}
+
+static inline float get_f32(const void *base, int32_t dtype, int64_t i) {
+    switch (dtype) {
+    case HEXISEQ_DTYPE_F64: return (float)((const double *)base)[i];
+    case HEXISEQ_DTYPE_F32: return ((const float *)base)[i];
+    case HEXISEQ_DTYPE_F16: return hexiseq_f16_to_f32(((const uint16_t *)base)[i]);
+    default: return hexiseq_bf16_to_f32(((const uint16_t *)base)[i]);
+    }
+}
+
+static inline void put_f64(void *base, int32_t dtype, int64_t i, double x) {
+    switch (dtype) {
+    case HEXISEQ_DTYPE_F64: ((double *)base)[i] = x; break;
+    case HEXISEQ_DTYPE_F32: ((float *)base)[i] = (float)x; break;
+    case HEXISEQ_DTYPE_F16: ((uint16_t *)base)[i] = hexiseq_f32_to_f16(f64_to_f32_odd(x)); break;
+    default: ((uint16_t *)base)[i] = hexiseq_f32_to_bf16(f64_to_f32_odd(x)); break;
+    }
+}
+
+static inline void put_f32(void *base, int32_t dtype, int64_t i, float x) {
+    switch (dtype) {
+    case HEXISEQ_DTYPE_F64: ((double *)base)[i] = x; break;
+    case HEXISEQ_DTYPE_F32: ((float *)base)[i] = x; break;
+    case HEXISEQ_DTYPE_F16: ((uint16_t *)base)[i] = hexiseq_f32_to_f16(x); break;
+    default: ((uint16_t *)base)[i] = hexiseq_f32_to_bf16(x); break;
+    }
+}
+
+/* LSE is double for F64 data, float otherwise. */
+static inline double get_lse(const void *base, int32_t dtype, int64_t i) {
+    return dtype == HEXISEQ_DTYPE_F64 ? ((const double *)base)[i] : (double)((const float *)base)[i];
+}
+
+static inline void put_lse(void *base, int32_t dtype, int64_t i, double x) {
+    if (dtype == HEXISEQ_DTYPE_F64)
+        ((double *)base)[i] = x;
+    else
+        ((float *)base)[i] = (float)x;
+}
+
+/* Keys of a block visible to the query at absolute position qpos: a count in [0, seq_k]. */
+static inline int64_t visible_keys(const hexiseq_attn_params *p, int64_t qpos) {
+    if (!p->causal)
+        return p->seq_k;
+    return min64(p->seq_k, max64(0, qpos - p->k_pos0 + 1));
+}
+
+/* --------------------------------------------------------------------------------------------- */
+/* Validation */
+
+static hexiseq_status check_dtype(const char *field, int32_t dtype) {
+    if (dtype < HEXISEQ_DTYPE_F64 || dtype > HEXISEQ_DTYPE_BF16)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "%s must be a hexiseq_dtype (0..3), got %lld", field,
+                            (long long)dtype);
+    return HEXISEQ_OK;
+}
+
+static hexiseq_status check_head_dim(const char *field, int32_t head_dim) {
+    if (head_dim < 1)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "%s must be >= 1, got %lld", field, (long long)head_dim);
+    if (head_dim > HEXISEQ_ATTN_MAX_HEAD_DIM)
+        return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED, "%s must be <= %d, got %lld", field,
+                            HEXISEQ_ATTN_MAX_HEAD_DIM, (long long)head_dim);
+    return HEXISEQ_OK;
+}
+
+static hexiseq_status check_positive(const char *field, int64_t value) {
+    if (value < 1)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "%s must be >= 1, got %lld", field, (long long)value);
+    return HEXISEQ_OK;
+}
+
+/* sizes[i] >= 1. The farthest element, sum |stride_i| * (size_i - 1), must fit HX_MAX_OFFSET. */
+static hexiseq_status check_extent(const char *field, const int64_t *stride, const int64_t *size, int ndim) {
+    int64_t extent = 0;
+    for (int i = 0; i < ndim; ++i) {
+        if (stride[i] == INT64_MIN || (stride[i] < 0 ? -stride[i] : stride[i]) > HX_MAX_OFFSET)
+            return hexiseq_fail(HEXISEQ_ERR_INVALID, "%s_stride[%d] must be within +-2^60, got %lld", field, i,
+                                (long long)stride[i]);
+        int64_t s = stride[i] < 0 ? -stride[i] : stride[i];
+        int64_t n = size[i] - 1;
+        if (n > 0 && s > (HX_MAX_OFFSET - extent) / n)
+            return hexiseq_fail(HEXISEQ_ERR_INVALID,
+                                "%s_stride[%d] = %lld with size %lld overflows the 2^60 element offset range",
+                                field, i, (long long)stride[i], (long long)size[i]);
+        extent += s * n;
+    }
+    return HEXISEQ_OK;
+}
+
+static hexiseq_status check_pointer(const char *field, const void *ptr) {
+    if (ptr == NULL)
+        return hexiseq_fail(HEXISEQ_ERR_NULL, "%s must not be NULL", field);
+    return HEXISEQ_OK;
+}
+
+static hexiseq_status check_params(const hexiseq_attn_params *p, int backward) {
+    if (p == NULL)
+        return hexiseq_fail(HEXISEQ_ERR_NULL, "params must not be NULL");
+    HEXISEQ_CHECK(check_pointer("q", p->q));
+    HEXISEQ_CHECK(check_pointer("k", p->k));
+    HEXISEQ_CHECK(check_pointer("v", p->v));
+    HEXISEQ_CHECK(check_pointer("o", p->o));
+    HEXISEQ_CHECK(check_pointer("lse", p->lse));
+    if (backward) {
+        HEXISEQ_CHECK(check_pointer("do_", p->do_));
+        HEXISEQ_CHECK(check_pointer("dq", p->dq));
+        HEXISEQ_CHECK(check_pointer("dk", p->dk));
+        HEXISEQ_CHECK(check_pointer("dv", p->dv));
+    }
+    HEXISEQ_CHECK(check_dtype("dtype", p->dtype));
+    HEXISEQ_CHECK(check_positive("batch", p->batch));
+    HEXISEQ_CHECK(check_positive("seq_q", p->seq_q));
+    HEXISEQ_CHECK(check_positive("seq_k", p->seq_k));
+    HEXISEQ_CHECK(check_positive("heads", p->heads));
+    HEXISEQ_CHECK(check_positive("kv_heads", p->kv_heads));
+    if (p->heads % p->kv_heads != 0)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "heads must be a multiple of kv_heads = %lld, got %lld",
+                            (long long)p->kv_heads, (long long)p->heads);
+    HEXISEQ_CHECK(check_head_dim("head_dim", p->head_dim));
+    if (p->causal != 0 && p->causal != 1)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "causal must be 0 or 1, got %lld", (long long)p->causal);
+    if (backward && p->accumulate != 0 && p->accumulate != 1)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "accumulate must be 0 or 1, got %lld", (long long)p->accumulate);
+    if (!isfinite(p->scale))
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "scale must be finite, got %g", p->scale);
+    if (p->q_pos0 < 0 || p->q_pos0 > HX_MAX_POS - p->seq_q)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "q_pos0 must be in [0, 2^62 - seq_q], got %lld",
+                            (long long)p->q_pos0);
+    if (p->k_pos0 < 0 || p->k_pos0 > HX_MAX_POS - p->seq_k)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "k_pos0 must be in [0, 2^62 - seq_k], got %lld",
+                            (long long)p->k_pos0);
+    /* Task counts and per-head row counts are products of these; keep them inside int64. */
+    if (p->batch > INT64_MAX / p->heads / p->seq_q || p->batch > INT64_MAX / p->heads / p->seq_k)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "batch * heads * seq overflows int64, batch = %lld",
+                            (long long)p->batch);
+
+    const int64_t qsize[4] = {p->batch, p->seq_q, p->heads, p->head_dim};
+    const int64_t ksize[4] = {p->batch, p->seq_k, p->kv_heads, p->head_dim};
+    const int64_t lsize[3] = {p->batch, p->heads, p->seq_q};
+    HEXISEQ_CHECK(check_extent("q", p->q_stride, qsize, 4));
+    HEXISEQ_CHECK(check_extent("k", p->k_stride, ksize, 4));
+    HEXISEQ_CHECK(check_extent("v", p->v_stride, ksize, 4));
+    HEXISEQ_CHECK(check_extent("o", p->o_stride, qsize, 4));
+    HEXISEQ_CHECK(check_extent("lse", p->lse_stride, lsize, 3));
+    if (backward) {
+        HEXISEQ_CHECK(check_extent("do", p->do_stride, qsize, 4));
+        HEXISEQ_CHECK(check_extent("dq", p->dq_stride, qsize, 4));
+        HEXISEQ_CHECK(check_extent("dk", p->dk_stride, ksize, 4));
+        HEXISEQ_CHECK(check_extent("dv", p->dv_stride, ksize, 4));
+    }
+    return HEXISEQ_OK;
+}
+
+/* dp: head_dim rounded up to a whole number of DCHUNK columns. */
+static int32_t padded_dim(int32_t head_dim) { return (head_dim + DCHUNK - 1) / DCHUNK * DCHUNK; }
+
+static int max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+static int thread_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* Per-thread scratch, in elements of the accumulator type: the sum of the buffers each kernel carves. */
+static size_t scratch_elems(int32_t dp) { return (size_t)8 * BQ * (size_t)dp + (size_t)3 * BQ * BK + 4 * BQ; }
+
+/* --------------------------------------------------------------------------------------------- */
+/* Typed kernels */
+
+#define HX_CAT2(a, b) a##_##b
+#define HX_CAT(a, b) HX_CAT2(a, b)
+#define HX(name) HX_CAT(name, HEXISEQ_ATTN_SUFFIX)
+
+#define HEXISEQ_ATTN_T double
+#define HEXISEQ_ATTN_SUFFIX f64
+#define HX_GET get_f64
+#define HX_PUT put_f64
+#define HX_EXP exp
+#define HX_LOG log
+#include "attention_cpu.c"
+#undef HEXISEQ_ATTN_T
+#undef HEXISEQ_ATTN_SUFFIX
+#undef HX_GET
+#undef HX_PUT
+#undef HX_EXP
+#undef HX_LOG
+
+#define HEXISEQ_ATTN_T float
+#define HEXISEQ_ATTN_SUFFIX f32
+#define HX_GET get_f32
+#define HX_PUT put_f32
+#define HX_EXP hx_expf
+#define HX_LOG logf
+#include "attention_cpu.c"
+#undef HEXISEQ_ATTN_T
+#undef HEXISEQ_ATTN_SUFFIX
+#undef HX_GET
+#undef HX_PUT
+#undef HX_EXP
+#undef HX_LOG
+
+/* --------------------------------------------------------------------------------------------- */
+/* Entry points */
+
+hexiseq_status hexiseq_attn_forward_cpu(const hexiseq_attn_params *p) {
+    hexiseq_clear_error();
+    HEXISEQ_CHECK(check_params(p, 0));
+    const int32_t dp = padded_dim(p->head_dim);
+    const int nthreads = max_threads();
+    const int64_t nqt = (p->seq_q + BQ - 1) / BQ;
+    const int64_t ntasks = p->batch * p->heads * nqt;
+    const int f64 = p->dtype == HEXISEQ_DTYPE_F64;
+    const size_t per_thread = scratch_elems(dp) * (f64 ? sizeof(double) : sizeof(float));
+    char *scratch = malloc(per_thread * (size_t)nthreads);
+    if (scratch == NULL)
+        return hexiseq_fail(HEXISEQ_ERR_NOMEM, "forward scratch of %zu bytes could not be allocated",
+                            per_thread * (size_t)nthreads);
+
+    HX_OMP("omp parallel for num_threads(nthreads) schedule(dynamic, 1)")
+    for (int64_t t = 0; t < ntasks; ++t) {
+        const int64_t b = t / (p->heads * nqt);
+        const int32_t h = (int32_t)(t / nqt % p->heads);
+        /* Last query tiles first: under a causal mask they are the longest. */
+        const int64_t q0 = (nqt - 1 - t % nqt) * BQ;
+        char *mine = scratch + per_thread * (size_t)thread_id();
+        if (f64)
+            fwd_tile_f64(p, b, h, q0, (double *)(void *)mine, dp);
+        else
+            fwd_tile_f32(p, b, h, q0, (float *)(void *)mine, dp);
+    }
+    free(scratch);
+    return HEXISEQ_OK;
+}
+
+hexiseq_status hexiseq_attn_backward_cpu(const hexiseq_attn_params *p) {
+    hexiseq_clear_error();
+    HEXISEQ_CHECK(check_params(p, 1));
+    const int32_t dp = padded_dim(p->head_dim);
+    const int nthreads = max_threads();
+    const int f64 = p->dtype == HEXISEQ_DTYPE_F64;
+    const size_t esize = f64 ? sizeof(double) : sizeof(float);
+    const size_t per_thread = scratch_elems(dp) * esize;
+    const int64_t rows = p->batch * p->heads * p->seq_q;
+    /* D = rowsum(dO * O) per (batch, head, query row), [batch, heads, seq_q] contiguous. */
+    char *delta = malloc((size_t)rows * esize);
+    char *scratch = malloc(per_thread * (size_t)nthreads);
+    if (scratch == NULL || delta == NULL) {
+        free(scratch);
+        free(delta);
+        return hexiseq_fail(HEXISEQ_ERR_NOMEM, "backward scratch of %zu bytes could not be allocated",
+                            per_thread * (size_t)nthreads + (size_t)rows * esize);
+    }
+
+    HX_OMP("omp parallel num_threads(nthreads)")
+    {
+        HX_OMP("omp for schedule(static)")
+        for (int64_t r = 0; r < rows; ++r) {
+            if (f64)
+                delta_row_f64(p, r, (double *)(void *)delta);
+            else
+                delta_row_f32(p, r, (float *)(void *)delta);
+        }
+        /* implicit barrier: every D is written before any tile reads it */
+        const int64_t nqt = (p->seq_q + BQ - 1) / BQ;
+        const int64_t nq_tasks = p->batch * p->heads * nqt;
+        HX_OMP("omp for schedule(dynamic, 1) nowait")
+        for (int64_t t = 0; t < nq_tasks; ++t) {
+            const int64_t b = t / (p->heads * nqt);
+            const int32_t h = (int32_t)(t / nqt % p->heads);
+            const int64_t q0 = (nqt - 1 - t % nqt) * BQ;
+            char *mine = scratch + per_thread * (size_t)thread_id();
+            if (f64)
+                bwd_dq_tile_f64(p, b, h, q0, (const double *)(void *)delta, (double *)(void *)mine, dp);
+            else
+                bwd_dq_tile_f32(p, b, h, q0, (const float *)(void *)delta, (float *)(void *)mine, dp);
+        }
+        /* dK/dV tasks write disjoint rows of dk, dv and only read dq's inputs: no barrier needed. */
+        const int64_t nkt = (p->seq_k + BK - 1) / BK;
+        const int64_t nk_tasks = p->batch * p->kv_heads * nkt;
+        HX_OMP("omp for schedule(dynamic, 1)")
+        for (int64_t t = 0; t < nk_tasks; ++t) {
+            const int64_t b = t / (p->kv_heads * nkt);
+            const int32_t hk = (int32_t)(t / nkt % p->kv_heads);
+            /* First key tiles first: under a causal mask they see the most queries. */
+            const int64_t k0 = (t % nkt) * BK;
+            char *mine = scratch + per_thread * (size_t)thread_id();
+            if (f64)
+                bwd_dkdv_tile_f64(p, b, hk, k0, (const double *)(void *)delta, (double *)(void *)mine, dp);
+            else
+                bwd_dkdv_tile_f32(p, b, hk, k0, (const float *)(void *)delta, (float *)(void *)mine, dp);
+        }
+    }
+    free(scratch);
+    free(delta);
+    return HEXISEQ_OK;
+}
+
+static hexiseq_status check_merge(const hexiseq_attn_merge_params *m) {
+    if (m == NULL)
+        return hexiseq_fail(HEXISEQ_ERR_NULL, "merge params must not be NULL");
+    HEXISEQ_CHECK(check_pointer("o_acc", m->o_acc));
+    HEXISEQ_CHECK(check_pointer("lse_acc", m->lse_acc));
+    HEXISEQ_CHECK(check_pointer("o_part", m->o_part));
+    HEXISEQ_CHECK(check_pointer("lse_part", m->lse_part));
+    HEXISEQ_CHECK(check_dtype("acc_dtype", m->acc_dtype));
+    HEXISEQ_CHECK(check_dtype("part_dtype", m->part_dtype));
+    HEXISEQ_CHECK(check_positive("batch", m->batch));
+    HEXISEQ_CHECK(check_positive("seq", m->seq));
+    HEXISEQ_CHECK(check_positive("heads", m->heads));
+    HEXISEQ_CHECK(check_head_dim("head_dim", m->head_dim));
+    if (m->batch > INT64_MAX / m->heads / m->seq)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "batch * heads * seq overflows int64, batch = %lld",
+                            (long long)m->batch);
+    const int64_t osize[4] = {m->batch, m->seq, m->heads, m->head_dim};
+    const int64_t lsize[3] = {m->batch, m->heads, m->seq};
+    HEXISEQ_CHECK(check_extent("o_acc", m->o_acc_stride, osize, 4));
+    HEXISEQ_CHECK(check_extent("o_part", m->o_part_stride, osize, 4));
+    HEXISEQ_CHECK(check_extent("lse_acc", m->lse_acc_stride, lsize, 3));
+    HEXISEQ_CHECK(check_extent("lse_part", m->lse_part_stride, lsize, 3));
+    return HEXISEQ_OK;
+}
+
+hexiseq_status hexiseq_attn_merge_cpu(const hexiseq_attn_merge_params *m) {
+    hexiseq_clear_error();
+    HEXISEQ_CHECK(check_merge(m));
+    const int64_t rows = m->batch * m->heads * m->seq;
+    HX_OMP("omp parallel for schedule(static)")
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t b = r / ((int64_t)m->heads * m->seq);
+        const int64_t h = r / m->seq % m->heads;
+        const int64_t s = r % m->seq;
+        const int64_t la_at = b * m->lse_acc_stride[0] + h * m->lse_acc_stride[1] + s * m->lse_acc_stride[2];
+        const int64_t lp_at = b * m->lse_part_stride[0] + h * m->lse_part_stride[1] + s * m->lse_part_stride[2];
+        const int64_t oa_at = b * m->o_acc_stride[0] + s * m->o_acc_stride[1] + h * m->o_acc_stride[2];
+        const int64_t op_at = b * m->o_part_stride[0] + s * m->o_part_stride[1] + h * m->o_part_stride[2];
+        const int64_t oa_cs = m->o_acc_stride[3];
+        const int64_t op_cs = m->o_part_stride[3];
+        const double la = get_lse(m->lse_acc, m->acc_dtype, la_at);
+        const double lp = get_lse(m->lse_part, m->part_dtype, lp_at);
+        if (lp == -INFINITY)
+            continue; /* the partial saw no key: exact no-op */
+        if (la == -INFINITY) {
+            for (int32_t c = 0; c < m->head_dim; ++c)
+                put_f64(m->o_acc, m->acc_dtype, oa_at + c * oa_cs, get_f64(m->o_part, m->part_dtype, op_at + c * op_cs));
+            put_lse(m->lse_acc, m->acc_dtype, la_at, lp);
+            continue;
+        }
+        /* logaddexp without overflow: the larger term factors out, the weights are <= 1 */
+        const double hi = la > lp ? la : lp;
+        const double lnew = hi + log1p(exp(-fabs(la - lp)));
+        const double wa = exp(la - lnew);
+        const double wp = exp(lp - lnew);
+        for (int32_t c = 0; c < m->head_dim; ++c) {
+            const double oa = get_f64(m->o_acc, m->acc_dtype, oa_at + c * oa_cs);
+            const double op = get_f64(m->o_part, m->part_dtype, op_at + c * op_cs);
+            put_f64(m->o_acc, m->acc_dtype, oa_at + c * oa_cs, wa * oa + wp * op);
+        }
+        put_lse(m->lse_acc, m->acc_dtype, la_at, lnew);
+    }
+    return HEXISEQ_OK;
+}
+
+#else /* ------------------------------------------------------------------------------------------ */
+/* Typed kernels for T = HEXISEQ_ATTN_T (inner pass of the self-include). */
+
+typedef HEXISEQ_ATTN_T HX(T);
+#define T HX(T)
+
+/* dst[r][c] (ld dp) = mul * src[off + r*rs + c*cs] for r < n, c < d; zero for c >= d and for
+ * n <= r < rows_out. */
+static void HX(load_rows)(T *restrict dst /* [rows_out][dp] */, const void *src, int32_t dtype, int64_t off,
+                          int64_t rs, int64_t cs, int64_t n, int64_t rows_out, int32_t d, int32_t dp, T mul) {
+    for (int64_t r = 0; r < n; ++r) {
+        T *restrict row = dst + r * dp;
+        const int64_t at = off + r * rs;
+        if (dtype == HEXISEQ_DTYPE_F32 && cs == 1) {
+            const float *restrict s = (const float *)src + at;
+            for (int32_t c = 0; c < d; ++c)
+                row[c] = mul * (T)s[c];
+        } else {
+            for (int32_t c = 0; c < d; ++c)
+                row[c] = mul * HX_GET(src, dtype, at + c * cs);
+        }
+        for (int32_t c = d; c < dp; ++c)
+            row[c] = 0;
+    }
+    for (int64_t r = n; r < rows_out; ++r)
+        memset(dst + r * dp, 0, sizeof(T) * (size_t)dp);
+}
+
+/* Transposed load: dst[c][r] (ld BK) = src[off + r*rs + c*cs] for r < n, c < d; zero for r >= n.
+ * Rows c >= d are not read by any kernel and are left as they are. */
+static void HX(load_cols)(T *restrict dst /* [dp][BK] */, const void *src, int32_t dtype, int64_t off, int64_t rs,
+                          int64_t cs, int64_t n, int32_t d) {
+    for (int64_t r = 0; r < n; ++r) {
+        const int64_t at = off + r * rs;
+        if (dtype == HEXISEQ_DTYPE_F32 && cs == 1) {
+            const float *restrict s = (const float *)src + at;
+            for (int32_t c = 0; c < d; ++c)
+                dst[c * BK + r] = (T)s[c];
+        } else {
+            for (int32_t c = 0; c < d; ++c)
+                dst[c * BK + r] = HX_GET(src, dtype, at + c * cs);
+        }
+    }
+    for (int32_t c = 0; c < d; ++c)
+        for (int64_t r = n; r < BK; ++r)
+            dst[c * BK + r] = 0;
+}
+
+/* s[i][j] = sum_c a[i][c] * bt[c][j] for i < n, all BK columns. A block of SR rows x SC columns of s
+ * stays in registers over the c loop (8 AVX vectors; wider blocks spill); each load of bt feeds SR multiply-adds. */
+static void HX(scores)(T *restrict s /* [BQ][BK] */, const T *restrict a /* [BQ][dp] */,
+                       const T *restrict bt /* [dp][BK] */, int64_t n, int32_t d, int32_t dp) {
+    int64_t i = 0;
+    for (; i + SR <= n; i += SR) {
+        const T *restrict a0 = a + i * dp;
+        for (int j0 = 0; j0 < BK; j0 += SC) {
+            T acc[SR][SC];
+            for (int r = 0; r < SR; ++r)
+                for (int j = 0; j < SC; ++j)
+                    acc[r][j] = 0;
+            for (int32_t c = 0; c < d; ++c) {
+                const T *restrict bc = bt + (int64_t)c * BK + j0;
+                for (int r = 0; r < SR; ++r) {
+                    const T x = a0[r * dp + c];
+                    for (int j = 0; j < SC; ++j)
+                        acc[r][j] += x * bc[j];
+                }
+            }
+            for (int r = 0; r < SR; ++r)
+                for (int j = 0; j < SC; ++j)
+                    s[(i + r) * BK + j0 + j] = acc[r][j];
+        }
+    }
+    for (; i < n; ++i) {
+        T acc[BK];
+        for (int j = 0; j < BK; ++j)
+            acc[j] = 0;
+        const T *restrict a0 = a + i * dp;
+        for (int32_t c = 0; c < d; ++c) {
+            const T x = a0[c];
+            const T *restrict bc = bt + (int64_t)c * BK;
+            for (int j = 0; j < BK; ++j)
+                acc[j] += x * bc[j];
+        }
+        memcpy(s + i * BK, acc, sizeof acc);
+    }
+}
+
+/* y[c] = alpha * y[c] + sum_{j < n} w[j * w_stride] * x[j][c] for c < dp (a multiple of DCHUNK).
+ * A DCHUNK slice of y stays in registers over the whole j loop (two accumulators, j unrolled by
+ * two, to hide the add latency), so each multiply-add costs one load of x. */
+static void HX(weighted_rows)(T *restrict y /* [dp] */, T alpha, const T *restrict w /* [n * w_stride] */,
+                              int64_t w_stride, const T *restrict x /* [n][dp] */, int64_t n, int32_t dp) {
+    for (int32_t c0 = 0; c0 < dp; c0 += DCHUNK) {
+        T r0[DCHUNK], r1[DCHUNK];
+        for (int c = 0; c < DCHUNK; ++c) {
+            r0[c] = alpha * y[c0 + c];
+            r1[c] = 0;
+        }
+        int64_t j = 0;
+        for (; j + 2 <= n; j += 2) {
+            const T w0 = w[j * w_stride], w1 = w[(j + 1) * w_stride];
+            const T *restrict x0 = x + j * dp + c0;
+            const T *restrict x1 = x0 + dp;
+            for (int c = 0; c < DCHUNK; ++c) {
+                r0[c] += w0 * x0[c];
+                r1[c] += w1 * x1[c];
+            }
+        }
+        if (j < n) {
+            const T w0 = w[j * w_stride];
+            const T *restrict x0 = x + j * dp + c0;
+            for (int c = 0; c < DCHUNK; ++c)
+                r0[c] += w0 * x0[c];
+        }
+        for (int c = 0; c < DCHUNK; ++c)
+            y[c0 + c] = r0[c] + r1[c];
+    }
+}
+
+/* row[j] = exp(row[j] - shift) for j < jmax, 0 for jmax <= j < BK. */
+static inline void HX(exp_row)(T *restrict row /* [BK] */, T shift, int64_t jmax) {
+    for (int j = 0; j < BK; ++j)
+        row[j] = HX_EXP(row[j] - shift);
+    for (int64_t j = jmax; j < BK; ++j)
+        row[j] = 0;
+}
+
+/* Store dst[off + r*rs + c*cs] (+)= mul * src[r][c] for r < n, c < d. */
+static void HX(store_rows)(void *dst, int32_t dtype, int64_t off, int64_t rs, int64_t cs, int64_t n, int32_t d,
+                           const T *restrict src /* [n][dp] */, int32_t dp, T mul, int32_t accumulate) {
+    for (int64_t r = 0; r < n; ++r) {
+        const int64_t at = off + r * rs;
+        const T *restrict row = src + r * dp;
+        for (int32_t c = 0; c < d; ++c) {
+            T x = mul * row[c];
+            if (accumulate)
+                x += HX_GET(dst, dtype, at + c * cs);
+            HX_PUT(dst, dtype, at + c * cs, x);
+        }
+    }
+}
+
+/* Forward for BQ query rows from q0 of (batch b, head h): online softmax over key tiles. */
+static void HX(fwd_tile)(const hexiseq_attn_params *p, int64_t b, int32_t h, int64_t q0, T *scratch, int32_t dp) {
+    const int32_t d = p->head_dim;
+    const int32_t hk = h / (p->heads / p->kv_heads);
+    const int64_t nq = min64(BQ, p->seq_q - q0);
+    T *restrict qs = scratch;         /* [BQ][dp] scale * q */
+    T *restrict kt = qs + BQ * dp;    /* [dp][BK] k transposed */
+    T *restrict vs = kt + dp * BK;    /* [BK][dp] */
+    T *restrict acc = vs + BK * dp;   /* [BQ][dp] unnormalised o */
+    T *restrict s = acc + BQ * dp;    /* [BQ][BK] scores, then probabilities */
+    T *restrict mx = s + BQ * BK;     /* [BQ] running max of scores */
+    T *restrict sum = mx + BQ;        /* [BQ] running sum of exp(score - mx) */
+
+    const int64_t *qst = p->q_stride, *kst = p->k_stride, *vst = p->v_stride;
+    HX(load_rows)(qs, p->q, p->dtype, b * qst[0] + q0 * qst[1] + h * qst[2], qst[1], qst[3], nq, nq, d, dp,
+                  (T)p->scale);
+    memset(acc, 0, sizeof(T) * (size_t)(nq * dp));
+    for (int64_t i = 0; i < nq; ++i) {
+        mx[i] = -INFINITY;
+        sum[i] = 0;
+    }
+    const int64_t qpos = p->q_pos0 + q0;
+    const int64_t kend = visible_keys(p, qpos + nq - 1);
+    for (int64_t k0 = 0; k0 < kend; k0 += BK) {
+        const int64_t nk = min64(BK, kend - k0);
+        HX(load_cols)(kt, p->k, p->dtype, b * kst[0] + k0 * kst[1] + hk * kst[2], kst[1], kst[3], nk, d);
+        HX(load_rows)(vs, p->v, p->dtype, b * vst[0] + k0 * vst[1] + hk * vst[2], vst[1], vst[3], nk, nk, d, dp, 1);
+        HX(scores)(s, qs, kt, nq, d, dp);
+        for (int64_t i = 0; i < nq; ++i) {
+            const int64_t jmax = min64(nk, visible_keys(p, qpos + i) - k0);
+            if (jmax <= 0)
+                continue;
+            T *restrict si = s + i * BK;
+            T tile_max = si[0];
+            for (int64_t j = 1; j < jmax; ++j)
+                tile_max = si[j] > tile_max ? si[j] : tile_max;
+            const T new_max = tile_max > mx[i] ? tile_max : mx[i];
+            const T alpha = mx[i] == -INFINITY ? 0 : HX_EXP(mx[i] - new_max);
+            HX(exp_row)(si, new_max, jmax);
+            T tile_sum = 0;
+            for (int64_t j = 0; j < jmax; ++j)
+                tile_sum += si[j];
+            sum[i] = sum[i] * alpha + tile_sum;
+            mx[i] = new_max;
+            HX(weighted_rows)(acc + i * dp, alpha, si, 1, vs, jmax, dp);
+        }
+    }
+    const int64_t *ost = p->o_stride, *lst = p->lse_stride;
+    for (int64_t i = 0; i < nq; ++i) {
+        const int64_t lse_at = b * lst[0] + h * lst[1] + (q0 + i) * lst[2];
+        /* sum == 0 only when the row saw no key (the max term contributes exp(0) = 1) */
+        const T inv = sum[i] > 0 ? 1 / sum[i] : 0;
+        put_lse(p->lse, p->dtype, lse_at, sum[i] > 0 ? (double)(mx[i] + HX_LOG(sum[i])) : -INFINITY);
+        HX(store_rows)(p->o, p->dtype, b * ost[0] + (q0 + i) * ost[1] + h * ost[2], 0, ost[3], 1, d, acc + i * dp,
+                       dp, inv, 0);
+    }
+}
+
+/* D for row r of [batch, heads, seq_q]: sum_c do[c] * o[c], in T. */
+static void HX(delta_row)(const hexiseq_attn_params *p, int64_t r, T *delta /* [batch, heads, seq_q] */) {
+    const int64_t b = r / ((int64_t)p->heads * p->seq_q);
+    const int64_t h = r / p->seq_q % p->heads;
+    const int64_t i = r % p->seq_q;
+    const int64_t *ost = p->o_stride, *dst = p->do_stride;
+    const int64_t o_at = b * ost[0] + i * ost[1] + h * ost[2];
+    const int64_t do_at = b * dst[0] + i * dst[1] + h * dst[2];
+    T acc = 0;
+    for (int32_t c = 0; c < p->head_dim; ++c)
+        acc += HX_GET(p->do_, p->dtype, do_at + c * dst[3]) * HX_GET(p->o, p->dtype, o_at + c * ost[3]);
+    delta[r] = acc;
+}
+
+/* Loads the shared row data of a query tile: scale*q, do, lse, D. Rows whose lse is -inf are fully
+ * masked everywhere and are skipped by the callers. */
+static void HX(load_query_tile)(const hexiseq_attn_params *p, int64_t b, int32_t h, int64_t q0, int64_t nq,
+                                const T *delta, T *restrict qs /* [BQ][dp] */, T *restrict dos /* [BQ][dp] */,
+                                T *restrict lse /* [BQ] */, T *restrict dd /* [BQ] */, int32_t dp) {
+    const int32_t d = p->head_dim;
+    const int64_t *qst = p->q_stride, *dst = p->do_stride, *lst = p->lse_stride;
+    HX(load_rows)(qs, p->q, p->dtype, b * qst[0] + q0 * qst[1] + h * qst[2], qst[1], qst[3], nq, nq, d, dp,
+                  (T)p->scale);
+    HX(load_rows)(dos, p->do_, p->dtype, b * dst[0] + q0 * dst[1] + h * dst[2], dst[1], dst[3], nq, nq, d, dp, 1);
+    for (int64_t i = 0; i < nq; ++i) {
+        lse[i] = (T)get_lse(p->lse, p->dtype, b * lst[0] + h * lst[1] + (q0 + i) * lst[2]);
+        dd[i] = delta[(b * p->heads + h) * p->seq_q + q0 + i];
+    }
+}
+
+/* dQ for BQ query rows from q0 of (batch b, head h): dq = scale * sum_j dS_ij k_j. */
+static void HX(bwd_dq_tile)(const hexiseq_attn_params *p, int64_t b, int32_t h, int64_t q0, const T *delta,
+                            T *scratch, int32_t dp) {
+    const int32_t d = p->head_dim;
+    const int32_t hk = h / (p->heads / p->kv_heads);
+    const int64_t nq = min64(BQ, p->seq_q - q0);
+    T *restrict qs = scratch;         /* [BQ][dp] scale * q */
+    T *restrict dos = qs + BQ * dp;   /* [BQ][dp] */
+    T *restrict kt = dos + BQ * dp;   /* [dp][BK] */
+    T *restrict vt = kt + dp * BK;    /* [dp][BK] */
+    T *restrict ks = vt + dp * BK;    /* [BK][dp] */
+    T *restrict acc = ks + BK * dp;   /* [BQ][dp] */
+    T *restrict s = acc + BQ * dp;    /* [BQ][BK] scores, then P, then dS */
+    T *restrict dpm = s + BQ * BK;    /* [BQ][BK] dP = do v^T */
+    T *restrict lse = dpm + BQ * BK;  /* [BQ] */
+    T *restrict dd = lse + BQ;        /* [BQ] */
+
+    HX(load_query_tile)(p, b, h, q0, nq, delta, qs, dos, lse, dd, dp);
+    memset(acc, 0, sizeof(T) * (size_t)(nq * dp));
+    const int64_t *kst = p->k_stride, *vst = p->v_stride;
+    const int64_t qpos = p->q_pos0 + q0;
+    const int64_t kend = visible_keys(p, qpos + nq - 1);
+    for (int64_t k0 = 0; k0 < kend; k0 += BK) {
+        const int64_t nk = min64(BK, kend - k0);
+        const int64_t k_at = b * kst[0] + k0 * kst[1] + hk * kst[2];
+        HX(load_cols)(kt, p->k, p->dtype, k_at, kst[1], kst[3], nk, d);
+        HX(load_cols)(vt, p->v, p->dtype, b * vst[0] + k0 * vst[1] + hk * vst[2], vst[1], vst[3], nk, d);
+        HX(load_rows)(ks, p->k, p->dtype, k_at, kst[1], kst[3], nk, nk, d, dp, 1);
+        HX(scores)(s, qs, kt, nq, d, dp);
+        HX(scores)(dpm, dos, vt, nq, d, dp);
+        for (int64_t i = 0; i < nq; ++i) {
+            const int64_t jmax = min64(nk, visible_keys(p, qpos + i) - k0);
+            if (jmax <= 0 || lse[i] == -INFINITY)
+                continue;
+            T *restrict si = s + i * BK;
+            const T *restrict dpi = dpm + i * BK;
+            HX(exp_row)(si, lse[i], jmax);
+            for (int j = 0; j < BK; ++j)
+                si[j] = si[j] * (dpi[j] - dd[i]);
+            HX(weighted_rows)(acc + i * dp, 1, si, 1, ks, jmax, dp);
+        }
+    }
+    const int64_t *gst = p->dq_stride;
+    HX(store_rows)(p->dq, p->dtype, b * gst[0] + q0 * gst[1] + h * gst[2], gst[1], gst[3], nq, d, acc, dp,
+                   (T)p->scale, p->accumulate);
+}
+
+/* dK, dV for BK key rows from k0 of (batch b, kv head hk), summed over the query heads sharing it:
+ * dv_j = sum_i P_ij do_i, dk_j = sum_i dS_ij (scale * q_i). */
+static void HX(bwd_dkdv_tile)(const hexiseq_attn_params *p, int64_t b, int32_t hk, int64_t k0, const T *delta,
+                              T *scratch, int32_t dp) {
+    const int32_t d = p->head_dim;
+    const int32_t group = p->heads / p->kv_heads;
+    const int64_t nk = min64(BK, p->seq_k - k0);
+    T *restrict qs = scratch;         /* [BQ][dp] scale * q */
+    T *restrict dos = qs + BQ * dp;   /* [BQ][dp] */
+    T *restrict kt = dos + BQ * dp;   /* [dp][BK] */
+    T *restrict vt = kt + dp * BK;    /* [dp][BK] */
+    T *restrict dk = vt + dp * BK;    /* [BK][dp] */
+    T *restrict dv = dk + BK * dp;    /* [BK][dp] */
+    T *restrict s = dv + BK * dp;     /* [BQ][BK] scores, then P */
+    T *restrict dpm = s + BQ * BK;    /* [BQ][BK] dP, then dS */
+    T *restrict lse = dpm + BQ * BK;  /* [BQ] */
+    T *restrict dd = lse + BQ;        /* [BQ] */
+
+    const int64_t *kst = p->k_stride, *vst = p->v_stride;
+    HX(load_cols)(kt, p->k, p->dtype, b * kst[0] + k0 * kst[1] + hk * kst[2], kst[1], kst[3], nk, d);
+    HX(load_cols)(vt, p->v, p->dtype, b * vst[0] + k0 * vst[1] + hk * vst[2], vst[1], vst[3], nk, d);
+    memset(dk, 0, sizeof(T) * (size_t)(nk * dp));
+    memset(dv, 0, sizeof(T) * (size_t)(nk * dp));
+    /* Under the causal mask only queries at positions >= k_pos0 + k0 see this tile. */
+    const int64_t first_q = p->causal ? max64(0, p->k_pos0 + k0 - p->q_pos0) : 0;
+    for (int32_t r = 0; r < group; ++r) {
+        const int32_t h = hk * group + r;
+        for (int64_t q0 = first_q / BQ * BQ; q0 < p->seq_q; q0 += BQ) {
+            const int64_t nq = min64(BQ, p->seq_q - q0);
+            const int64_t qpos = p->q_pos0 + q0;
+            HX(load_query_tile)(p, b, h, q0, nq, delta, qs, dos, lse, dd, dp);
+            HX(scores)(s, qs, kt, nq, d, dp);
+            HX(scores)(dpm, dos, vt, nq, d, dp);
+            for (int64_t i = 0; i < nq; ++i) {
+                T *restrict si = s + i * BK;
+                T *restrict dsi = dpm + i * BK;
+                const int64_t jmax = min64(nk, visible_keys(p, qpos + i) - k0);
+                if (jmax <= 0 || lse[i] == -INFINITY) { /* row contributes nothing */
+                    memset(si, 0, sizeof(T) * BK);
+                    memset(dsi, 0, sizeof(T) * BK);
+                    continue;
+                }
+                HX(exp_row)(si, lse[i], jmax);
+                for (int j = 0; j < BK; ++j)
+                    dsi[j] = si[j] * (dsi[j] - dd[i]);
+            }
+            /* dv_j += sum_i P_ij do_i, dk_j += sum_i dS_ij (scale * q_i): column j of P and dS */
+            for (int64_t j = 0; j < nk; ++j) {
+                HX(weighted_rows)(dv + j * dp, 1, s + j, BK, dos, nq, dp);
+                HX(weighted_rows)(dk + j * dp, 1, dpm + j, BK, qs, nq, dp);
+            }
+        }
+    }
+    const int64_t *gk = p->dk_stride, *gv = p->dv_stride;
+    HX(store_rows)(p->dk, p->dtype, b * gk[0] + k0 * gk[1] + hk * gk[2], gk[1], gk[3], nk, d, dk, dp, 1,
+                   p->accumulate);
+    HX(store_rows)(p->dv, p->dtype, b * gv[0] + k0 * gv[1] + hk * gv[2], gv[1], gv[3], nk, d, dv, dp, 1,
+                   p->accumulate);
+}
+
+#undef T
+#endif /* HEXISEQ_ATTN_T */
