@@ -215,6 +215,7 @@ typedef struct {
     int32_t *group_of;        /* [n_devices] group of layout slot r */
     int32_t *offset;          /* [n_groups + 1] first slot of each group */
     hexiseq_group_span *span; /* [n_groups] */
+    double *step_pairs;       /* [n_groups] visible pairs at each ring step, for the group being scored */
 } cost_ctx;
 
 /* Forward FLOPs of the token-parallel part of one layer, per token: q, k, v, o projections and MLP. */
@@ -316,10 +317,11 @@ static void ring_time_s(const cost_ctx *x, int32_t r, double *attn_s, double *ex
     double per_token = ring_seconds_per_token(x, r);
     double fwd_passes = 1.0 + (x->t->checkpointing ? 1.0 : 0.0);
     double compute = 0.0, exposed = 0.0;
+    double sq = (double)x->l->group_seq[g];
     for (int32_t k = 0; k < G; ++k) {
         int32_t src = (g - k + G) % G, nxt = (g - k - 1 + 2 * G) % G;
-        double sq = (double)x->l->group_seq[g], sk = (double)x->l->group_seq[src];
-        double pairs = group_pairs(&x->span[g], &x->span[src], x->causal);
+        double sk = (double)x->l->group_seq[src];
+        double pairs = x->step_pairs[k]; /* pairs of this group's queries with step k's block */
         double fwd = pairs > 0 ? attn_fwd_flops(x->m, pairs, h) / attn_rate_flops(d, sq < sk ? sq : sk) : 0.0;
         double fwd_comm = k < G - 1 ? per_token * (double)x->l->group_seq[nxt] : 0.0;
         double bwd = fwd * ATTN_BWD_FACTOR;
@@ -465,12 +467,14 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "causal must be 0 or 1, got %d", causal);
     HEXISEQ_CHECK(validate_layout(c, m, seq_len, l));
 
-    cost_ctx x = {c, m, t, l, seq_len, causal, NULL, NULL, NULL};
+    cost_ctx x = {c, m, t, l, seq_len, causal, NULL, NULL, NULL, NULL};
     x.group_of = malloc((size_t)l->n_devices * sizeof *x.group_of);
     x.offset = malloc(((size_t)l->n_groups + 1) * sizeof *x.offset);
     x.span = malloc((size_t)l->n_groups * sizeof *x.span);
     double *group_a2a = calloc((size_t)l->n_groups, sizeof *group_a2a);
-    if (!x.group_of || !x.offset || !x.span || !group_a2a) {
+    x.step_pairs = malloc((size_t)l->n_groups * sizeof *x.step_pairs);
+    if (!x.group_of || !x.offset || !x.span || !group_a2a || !x.step_pairs) {
+        free(x.step_pairs);
         free(x.group_of);
         free(x.offset);
         free(x.span);
@@ -491,6 +495,9 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     for (int32_t r = 0; r < l->n_devices; ++r) {
         hexiseq_device_cost *dc = &per_device[r];
         memset(dc, 0, sizeof *dc);
+        if (r == x.offset[x.group_of[r]]) /* first member: the group's pairs per ring step */
+            for (int32_t k = 0, g = x.group_of[r], G = l->n_groups; k < G; ++k)
+                x.step_pairs[k] = group_pairs(&x.span[g], &x.span[(g - k + G) % G], causal);
         const hexiseq_device_info *d = &c->dev[l->device[r]];
         hexiseq_kv_range(m, l->head_lo[r], l->head_count[r], &dc->kv_lo, &dc->kv_count);
         dc->gemm_s = gemm_time_s(&x, d, l->tokens[r]);
@@ -532,6 +539,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     free(x.group_of);
     free(x.offset);
     free(x.span);
+    free(x.step_pairs);
     free(group_a2a);
     return HEXISEQ_OK;
 }

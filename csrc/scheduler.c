@@ -167,6 +167,7 @@ typedef struct {
     int64_t *tmp64;   /* [n] */
     double *tmpd;     /* [n] */
     int32_t *offset;  /* [G + 1] */
+    double *free0, *per_tok, *per_gtok; /* [n] memory model per slot: GiB free before tokens, per token */
 } shares_ws;
 
 /* Tokens of group g: water-fill s_r = min(cap_r, lambda * fgemm_r) with sum = S_g; caps from memory. */
@@ -249,25 +250,30 @@ static void fill_heads(sched *s, hexiseq_layout *l, const shares_ws *w, int32_t 
 static void memory_caps(sched *s, hexiseq_layout *l, shares_ws *w, double ring_block, double *capacity) {
     for (int32_t g = 0; g < l->n_groups; ++g) {
         int32_t lo = w->offset[g], k = l->group_size[g];
-        /* U_g: largest S with sum_r max(0, (free_r - beta_r S) / alpha_r) >= S, and beta_r S <= free_r */
+        /* per member: free memory before tokens (GiB) and GiB per own token / per group token */
+        for (int32_t i = 0; i < k; ++i) {
+            int32_t r = lo + i, kv_lo, kv_n;
+            hexiseq_kv_range(s->m, l->head_lo[r], l->head_count[r], &kv_lo, &kv_n);
+            hexiseq_memory_coeffs_t mc;
+            hexiseq_memory_coeffs(s->c, s->m, s->t, l->device[r], l->head_count[r], kv_n,
+                                  l->n_groups > 1 ? ring_block : 0.0, &mc);
+            w->free0[r] = mc.cap_gib - mc.states_gib - mc.ring_gib - mc.reserved_gib;
+            w->per_tok[r] = mc.per_token_gib;
+            w->per_gtok[r] = mc.per_group_token_gib;
+        }
+        /* U_g: largest S with sum_r max(0, (free_r - beta_r S) / alpha_r) >= S over active members, and
+         * beta_r S <= free_r for every member */
         double lo_s = 0, hi_s = (double)s->S;
         for (int iter = 0; iter < 60; ++iter) {
             double mid = 0.5 * (lo_s + hi_s), room = 0;
             int ok = 1;
-            for (int32_t i = 0; i < k; ++i) {
-                int32_t r = lo + i, kv_lo, kv_n;
-                hexiseq_kv_range(s->m, l->head_lo[r], l->head_count[r], &kv_lo, &kv_n);
-                hexiseq_memory_coeffs_t mc;
-                hexiseq_memory_coeffs(s->c, s->m, s->t, l->device[r], l->head_count[r], kv_n,
-                                      l->n_groups > 1 ? ring_block : 0.0, &mc);
-                if (s->fgemm[l->device[r]] <= 0)
-                    continue; /* parked: holds no tokens */
-                double free_gib = mc.cap_gib - mc.states_gib - mc.ring_gib - mc.reserved_gib - mc.per_group_token_gib * mid;
-                if (free_gib < 0) {
+            for (int32_t i = 0; i < k && ok; ++i) {
+                int32_t r = lo + i;
+                double free_gib = w->free0[r] - w->per_gtok[r] * mid;
+                if (free_gib < 0)
                     ok = 0;
-                    break;
-                }
-                room += free_gib / mc.per_token_gib;
+                else if (s->fgemm[l->device[r]] > 0) /* parked members hold no tokens */
+                    room += free_gib / w->per_tok[r];
             }
             if (ok && room >= mid)
                 lo_s = mid;
@@ -275,18 +281,10 @@ static void memory_caps(sched *s, hexiseq_layout *l, shares_ws *w, double ring_b
                 hi_s = mid;
         }
         w->ug[g] = lo_s;
-    }
-    for (int32_t g = 0; g < l->n_groups; ++g) {
-        int32_t lo = w->offset[g], k = l->group_size[g];
         for (int32_t i = 0; i < k; ++i) {
-            int32_t r = lo + i, kv_lo, kv_n;
-            hexiseq_kv_range(s->m, l->head_lo[r], l->head_count[r], &kv_lo, &kv_n);
-            hexiseq_memory_coeffs_t mc;
-            hexiseq_memory_coeffs(s->c, s->m, s->t, l->device[r], l->head_count[r], kv_n,
-                                  l->n_groups > 1 ? ring_block : 0.0, &mc);
-            double free_gib = mc.cap_gib - mc.states_gib - mc.ring_gib - mc.reserved_gib -
-                              mc.per_group_token_gib * (double)l->group_seq[g];
-            capacity[r] = free_gib > 0 ? free_gib / mc.per_token_gib : 0.0;
+            int32_t r = lo + i;
+            double free_gib = w->free0[r] - w->per_gtok[r] * (double)l->group_seq[g];
+            capacity[r] = free_gib > 0 ? free_gib / w->per_tok[r] : 0.0;
         }
     }
 }
@@ -806,7 +804,11 @@ static hexiseq_status alloc_ws(shares_ws *w, int32_t G, int32_t n) {
     w->tmp64 = calloc((size_t)n, sizeof(int64_t));
     w->tmpd = calloc((size_t)(n > G ? n : G), sizeof(double));
     w->offset = calloc((size_t)G + 1, sizeof(int32_t));
-    if (!w->gseq || !w->cg || !w->cr || !w->ug || !w->tmp64 || !w->tmpd || !w->offset)
+    w->free0 = calloc((size_t)n, sizeof(double));
+    w->per_tok = calloc((size_t)n, sizeof(double));
+    w->per_gtok = calloc((size_t)n, sizeof(double));
+    if (!w->gseq || !w->cg || !w->cr || !w->ug || !w->tmp64 || !w->tmpd || !w->offset || !w->free0 || !w->per_tok ||
+        !w->per_gtok)
         return hexiseq_fail(HEXISEQ_ERR_NOMEM, "scheduler scratch for %d groups", G);
     return HEXISEQ_OK;
 }
@@ -819,6 +821,9 @@ static void free_ws(shares_ws *w) {
     free(w->tmp64);
     free(w->tmpd);
     free(w->offset);
+    free(w->free0);
+    free(w->per_tok);
+    free(w->per_gtok);
 }
 
 /* Optimise one structure (head units 1 and, with GQA, whole kv heads) and try its ring orders.
