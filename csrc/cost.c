@@ -72,8 +72,9 @@ hexiseq_status hexiseq_layout_spans(const hexiseq_layout *l, hexiseq_group_span 
         return hexiseq_fail(HEXISEQ_ERR_NULL, "layout and spans must not be NULL");
     int64_t total = 0;
     for (int32_t g = 0; g < l->n_groups; ++g) {
-        if (l->group_seq[g] < 0)
-            return hexiseq_fail(HEXISEQ_ERR_LAYOUT, "group_seq[%d] must be >= 0, got %lld", g, (long long)l->group_seq[g]);
+        if (l->group_seq[g] < 0 || l->group_seq[g] > HEXISEQ_MAX_SEQ_LEN - total)
+            return hexiseq_fail(HEXISEQ_ERR_LAYOUT, "group_seq[%d] must be >= 0 with a total <= %lld, got %lld", g,
+                                (long long)HEXISEQ_MAX_SEQ_LEN, (long long)l->group_seq[g]);
         total += l->group_seq[g];
     }
     int64_t front = 0, back_end = total;
@@ -136,8 +137,9 @@ static hexiseq_status validate_layout(const hexiseq_cluster *c, const hexiseq_mo
     for (int32_t g = 0; g < l->n_groups; ++g) {
         if (l->group_size[g] < 1)
             return hexiseq_fail(HEXISEQ_ERR_LAYOUT, "groups[%d] must have at least one device, got %d", g, l->group_size[g]);
-        if (l->group_seq[g] < 1)
-            return hexiseq_fail(HEXISEQ_ERR_LAYOUT, "groups[%d].seq must be >= 1, got %lld", g, (long long)l->group_seq[g]);
+        if (l->group_seq[g] < 1 || l->group_seq[g] > HEXISEQ_MAX_SEQ_LEN)
+            return hexiseq_fail(HEXISEQ_ERR_LAYOUT, "groups[%d].seq must be in [1, %lld], got %lld", g,
+                                (long long)HEXISEQ_MAX_SEQ_LEN, (long long)l->group_seq[g]);
         members += l->group_size[g];
         seq_sum += l->group_seq[g];
         if (members > l->n_devices)
@@ -172,8 +174,18 @@ static hexiseq_status validate_layout(const hexiseq_cluster *c, const hexiseq_mo
                 st = hexiseq_fail(HEXISEQ_ERR_LAYOUT, "tokens of device %d must be >= 0, got %lld", dv, (long long)l->tokens[r]);
                 break;
             }
+            if (l->tokens[r] > l->group_seq[g] - tok) {
+                st = hexiseq_fail(HEXISEQ_ERR_LAYOUT, "token shares of groups[%d] exceed its seq=%lld at device %d (tokens %lld)",
+                                  g, (long long)l->group_seq[g], dv, (long long)l->tokens[r]);
+                break;
+            }
             if (l->head_count[r] < 0) {
                 st = hexiseq_fail(HEXISEQ_ERR_LAYOUT, "head_count of device %d must be >= 0, got %d", dv, l->head_count[r]);
+                break;
+            }
+            if (l->head_count[r] > m->heads - next_head) {
+                st = hexiseq_fail(HEXISEQ_ERR_LAYOUT, "head ranges in groups[%d] exceed the model's %d heads at device %d",
+                                  g, m->heads, dv);
                 break;
             }
             if (l->head_lo[r] != next_head) {
@@ -184,11 +196,6 @@ static hexiseq_status validate_layout(const hexiseq_cluster *c, const hexiseq_mo
             }
             tok += l->tokens[r];
             next_head += l->head_count[r];
-            if (next_head > m->heads) {
-                st = hexiseq_fail(HEXISEQ_ERR_LAYOUT, "head ranges in groups[%d] exceed the model's %d heads at device %d",
-                                  g, m->heads, dv);
-                break;
-            }
         }
         if (st != HEXISEQ_OK)
             break;
@@ -305,8 +312,9 @@ static double ring_seconds_per_token(const cost_ctx *x, int32_t r) {
 
 /* Attention and exposed ring time of slot r over the whole step. Ring step k attends the group's queries
  * to the block of the group k places back in the ring while the next block arrives; a step costs
- * max(compute, transfer). Backward moves K, V forward and dK, dV along with them (twice the bytes), and
- * the last dK, dV back to their owner. */
+ * max(compute, transfer). Backward moves K, V forward and dK, dV along with them (accumulated in fp32, so
+ * 4/dtype_bytes times the bytes of K, V), and the last dK, dV back to their owner. Causal blocks run as
+ * zigzag half-chunks, so the kernel efficiency is taken at half the shorter block. */
 static void ring_time_s(const cost_ctx *x, int32_t r, double *attn_s, double *exposed_s) {
     const hexiseq_device_info *d = &x->c->dev[x->l->device[r]];
     int32_t G = x->l->n_groups, g = x->group_of[r], h = x->l->head_count[r];
@@ -322,10 +330,13 @@ static void ring_time_s(const cost_ctx *x, int32_t r, double *attn_s, double *ex
         int32_t src = (g - k + G) % G, nxt = (g - k - 1 + 2 * G) % G;
         double sk = (double)x->l->group_seq[src];
         double pairs = x->step_pairs[k]; /* pairs of this group's queries with step k's block */
-        double fwd = pairs > 0 ? attn_fwd_flops(x->m, pairs, h) / attn_rate_flops(d, sq < sk ? sq : sk) : 0.0;
+        /* causal blocks run as zigzag half-chunks: the kernel sees blocks half as long */
+        double block = (sq < sk ? sq : sk) * (x->causal ? 0.5 : 1.0);
+        double fwd = pairs > 0 ? attn_fwd_flops(x->m, pairs, h) / attn_rate_flops(d, block) : 0.0;
         double fwd_comm = k < G - 1 ? per_token * (double)x->l->group_seq[nxt] : 0.0;
         double bwd = fwd * ATTN_BWD_FACTOR;
-        double bwd_comm = fwd_comm + per_token * sk; /* dK, dV of this step's block move on */
+        /* dK, dV of this step's block move on, accumulated and sent in fp32 */
+        double bwd_comm = fwd_comm + per_token * sk * (4.0 / x->m->dtype_bytes);
         compute += fwd * fwd_passes + bwd;
         exposed += fwd_passes * fmax(0.0, fwd_comm - fwd) + fmax(0.0, bwd_comm - bwd);
     }

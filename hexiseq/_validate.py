@@ -54,4 +54,9 @@ def parse_tokens(value, field="seq_len"):
     value = integer(value, field)
     if value < 1:
         raise InvalidArgumentError(f"{field} must be >= 1, got {value}")
+    if value > MAX_TOKENS:
+        raise InvalidArgumentError(f"{field} must be <= {MAX_TOKENS} (2^30), got {value}")
     return value
+
+
+MAX_TOKENS = 1 << 30  # the core's limit (HEXISEQ_MAX_SEQ_LEN): keeps its pair counts inside int64

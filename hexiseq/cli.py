@@ -58,6 +58,11 @@ def cmd_plan(args) -> int:
         chosen = results[strategy.value]
         if not isinstance(chosen, Plan):
             raise chosen
+    if args.plot:
+        from .plotting import plot_plan
+
+        others = {n: p for n, p in results.items() if isinstance(p, Plan) and p is not chosen}
+        plot_plan(chosen, args.plot, baselines=others)
     if args.json:
         print(chosen.to_json(indent=2))
         return 0
@@ -66,6 +71,8 @@ def cmd_plan(args) -> int:
     print("strategies side by side (same cost model):")
     print(_comparison_table(results, chosen))
     print(f"\nfingerprint {chosen.fingerprint}")
+    if args.plot:
+        print(f"wrote {args.plot}")
     return 0
 
 
@@ -99,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model-state sharding (default full, ZeRO-3 style)")
     pl.add_argument("--no-causal", action="store_true", help="full (non-causal) attention")
     pl.add_argument("--json", action="store_true", help="print the chosen plan as JSON")
+    pl.add_argument("--plot", metavar="FILE.png", help="draw per-device shares and time breakdown (needs matplotlib)")
     pl.set_defaults(func=cmd_plan)
     g = sub.add_parser("gpus", help="list the built-in GPU catalog")
     g.set_defaults(func=cmd_gpus)

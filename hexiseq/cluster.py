@@ -79,8 +79,10 @@ class Cluster:
                 bandwidth_gbps = np.array(bandwidth_gbps, dtype=np.float64)
             except (TypeError, ValueError):
                 raise InvalidArgumentError("bandwidth_gbps must be a square matrix of numbers") from None
-            if bandwidth_gbps.ndim != 2:
-                raise InvalidArgumentError(f"bandwidth_gbps must be a square matrix, got shape {bandwidth_gbps.shape}")
+            n = sum(node.count for node in checked)
+            if bandwidth_gbps.shape != (n, n):
+                raise InvalidArgumentError(f"bandwidth_gbps must be a {n} x {n} matrix (one row per device), "
+                                           f"got shape {bandwidth_gbps.shape}")
             bandwidth_gbps.setflags(write=False)
         self.bandwidth_gbps = bandwidth_gbps
         # The core validates every value (counts, bandwidths, known GPU models) and names the field.

@@ -55,6 +55,10 @@ class Model:
         unknown = set(d) - known
         if unknown:
             raise InvalidArgumentError(f"unknown model field(s) {sorted(unknown)}; expected {sorted(known)}")
+        required = {"layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab"}
+        missing = required - set(d)
+        if missing:
+            raise InvalidArgumentError(f"model is missing field(s) {sorted(missing)}")
         return cls(**d)
 
     @classmethod
@@ -166,4 +170,10 @@ class Training:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Training":
+        if not isinstance(d, dict):
+            raise InvalidArgumentError(f"a training description must be a mapping, got {d!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise InvalidArgumentError(f"unknown training field(s) {sorted(unknown)}; expected {sorted(known)}")
         return cls(**d)

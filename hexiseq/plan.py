@@ -360,12 +360,15 @@ class Plan:
             raise InvalidArgumentError(f"not a plan: invalid JSON ({e})") from None
         if not isinstance(doc, dict) or doc.get("format") != "hexiseq-plan":
             raise InvalidArgumentError("not a plan: missing format 'hexiseq-plan'")
-        try:
-            p = cls(Cluster.from_dict(doc["cluster"]), Model.from_dict(doc["model"]),
-                    Training.from_dict(doc["training"]), int(doc["seq_len"]), bool(doc["causal"]), doc["strategy"],
-                    Layout.from_dict(doc["layout"]))
-        except KeyError as e:
-            raise InvalidArgumentError(f"not a plan: missing field {e}") from None
+        missing = [k for k in ("cluster", "model", "training", "seq_len", "causal", "strategy", "layout") if k not in doc]
+        if missing:
+            raise InvalidArgumentError(f"not a plan: missing field(s) {missing}")
+        if not isinstance(doc["causal"], bool):
+            raise InvalidArgumentError(f"plan causal must be true or false, got {doc['causal']!r}")
+        if not isinstance(doc["strategy"], str):
+            raise InvalidArgumentError(f"plan strategy must be a string, got {doc['strategy']!r}")
+        p = cls(Cluster.from_dict(doc["cluster"]), Model.from_dict(doc["model"]), Training.from_dict(doc["training"]),
+                parse_tokens(doc["seq_len"], "seq_len"), doc["causal"], doc["strategy"], Layout.from_dict(doc["layout"]))
         if "fingerprint" in doc and doc["fingerprint"] != p.fingerprint:
             raise InvalidArgumentError(f"plan fingerprint mismatch: file says {doc['fingerprint']}, "
                                        f"contents hash to {p.fingerprint}")

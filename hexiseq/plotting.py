@@ -1,0 +1,86 @@
+"""Pictures of a plan: per-device shares and time breakdown (matplotlib, imported only when drawing)."""
+
+import numpy as np
+
+from .errors import HexiseqError
+
+__all__ = ["plot_plan"]
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise HexiseqError("plotting needs matplotlib: pip install matplotlib") from None
+    return plt
+
+
+def plot_plan(plan, path=None, baselines=None):
+    """Draw a plan: per device its token share, head count and predicted time terms; groups shaded.
+
+    plan: a hexiseq.Plan. path: write a PNG there (else return the figure). baselines: optional
+    {name: Plan} drawn as step-time bars beside the plan's."""
+    plt = _pyplot()
+    t = plan.devices
+    n = len(t)
+    x = np.arange(n)
+    rows = 4 if baselines else 3
+    fig, axes = plt.subplots(rows, 1, figsize=(max(8.0, 0.28 * n + 3), 2.6 * rows), constrained_layout=True)
+    colours = plt.cm.tab10(np.arange(10))
+    gpu_names = sorted(set(t.gpu.tolist()))
+    gpu_colour = {g: colours[i % 10] for i, g in enumerate(gpu_names)}
+    bar_colours = [gpu_colour[g] for g in t.gpu.tolist()]
+
+    def shade(ax):
+        edges = np.cumsum(plan.layout.group_size.tolist())[:-1]
+        for e in edges:
+            ax.axvline(e - 0.5, color="0.4", lw=0.8, ls="--")
+        ax.set_xlim(-0.6, n - 0.4)
+        ax.set_xticks(x)
+        ax.set_xticklabels([str(d) for d in t.device.tolist()], fontsize=7)
+
+    ax = axes[0]
+    ax.bar(x, t.tokens, color=bar_colours)
+    ax.set_ylabel("tokens")
+    ax.set_title(f"{plan.strategy}: {plan.model.name}, seq {plan.seq_len:,}, {plan.cluster.describe()}  "
+                 f"(groups in ring order, dashed)", fontsize=9)
+    for g in gpu_names:
+        ax.bar([0], [0], color=gpu_colour[g], label=g)
+    ax.legend(fontsize=7, loc="upper right")
+    shade(ax)
+
+    ax = axes[1]
+    ax.bar(x, t.head_count, color=bar_colours)
+    ax.set_ylabel("query heads")
+    shade(ax)
+
+    ax = axes[2]
+    bottom = np.zeros(n)
+    for name, label in (("gemm_s", "token-parallel"), ("a2a_s", "all-to-all"), ("attn_s", "attention"),
+                        ("ring_exposed_s", "exposed ring")):
+        ax.bar(x, t[name], bottom=bottom, label=label)
+        bottom += t[name]
+    ax.axhline(plan.step_time_s, color="k", lw=1, label=f"step {plan.step_time_s:.3g} s")
+    ax.axhline(plan.lower_bound_s, color="k", lw=1, ls=":", label=f"lower bound {plan.lower_bound_s:.3g} s")
+    ax.set_ylabel("seconds per step")
+    ax.set_xlabel("device (layout order)")
+    ax.legend(fontsize=7, loc="upper right", ncol=3)
+    shade(ax)
+
+    if baselines:
+        ax = axes[3]
+        names = [plan.strategy] + list(baselines)
+        values = [plan.tokens_per_s] + [p.tokens_per_s for p in baselines.values()]
+        ax.barh(names, values, color=["C3"] + ["C7"] * len(baselines))
+        ax.set_xlabel("predicted tokens/s")
+        for i, v in enumerate(values):
+            ax.text(v, i, f" {v:,.0f}", va="center", fontsize=8)
+
+    if path is None:
+        return fig
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,1160 @@
+/* Unit tests of the cost model, layouts, strategies and input validation, through the public C API.
+ *
+ * Every expected time and memory term below is computed by hand in this file from the formulas stated
+ * in csrc/cost.c's comments and DESIGN.md §3 (never by calling the library's helpers):
+ *   gemm rate   = peak * gemm_eff * n / (n + 128)     (n = the device's token rows)
+ *   attn rate   = peak * attn_eff * n / (n + 384)     (n = shorter side of the ring block, in tokens, halved
+ *                                                      when causal: the kernel runs zigzag half-chunks)
+ *   backward    = 2.0 forwards (matmuls), 2.5 forwards (attention); checkpointing adds one forward
+ *   attention   = 4 * visible pairs * head_dim * h_r FLOPs forward
+ *   all-to-all  = per exchange max(send, receive), peers serialised; per layer (qkv + o) * (1 + ckpt) + (o + qkv)
+ *   ring step   = max(compute, transfer); backward moves K, V and dK, dV (the block just used; dK, dV in
+ *                 fp32, so 4 / dtype_bytes times the bytes of K, V)
+ * Tolerance: relative 1e-12. Each expected value is a few dozen IEEE double operations done in a different
+ * order than the library's, so the two can differ by a few ulps (~1e-15 relative); 1e-12 leaves three
+ * orders of headroom while any real formula difference (a missing factor, an off-by-one token) shows up
+ * at 1e-3 or more. Exact zeros are compared exactly. */
+#include "hexiseq.h"
+#include "internal.h" /* hexiseq_causal_pairs (internal) */
+
+#include <float.h>
+#include <limits.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int n_passed, n_failed;
+
+#define EXPECT(cond, ...)                                                        \
+    do {                                                                         \
+        if (cond) {                                                              \
+            ++n_passed;                                                          \
+        } else {                                                                 \
+            ++n_failed;                                                          \
+            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                 \
+            fprintf(stderr, __VA_ARGS__);                                        \
+            fprintf(stderr, "\n");                                               \
+        }                                                                        \
+    } while (0)
+
+#define REL_TOL 1e-12
+
+static int near(double got, double want) {
+    if (want == 0.0)
+        return got == 0.0;
+    return isfinite(got) && fabs(got - want) <= REL_TOL * fabs(want);
+}
+
+#define NEAR(got, want, what)                                                                        \
+    EXPECT(near((got), (want)), "%s: got %.17g, want %.17g (rel err %.3g)", (what), (double)(got), \
+           (double)(want), (want) != 0 ? fabs(((got) - (want)) / (want)) : fabs(got))
+
+/* A call must fail with `status` and leave a last-error text that contains `needle` (the field). */
+#define EXPECT_ERR(call, status, needle)                                                                  \
+    do {                                                                                                  \
+        hexiseq_status st_ = (call);                                                                      \
+        const char *msg_ = hexiseq_last_error();                                                          \
+        EXPECT(st_ == (status) && msg_ && msg_[0] && strstr(msg_, (needle)) != NULL,                      \
+               "%s: got status %d (%s) msg '%s', want status %d naming '%s'", #call, (int)st_,            \
+               hexiseq_status_string(st_), msg_ ? msg_ : "(null)", (int)(status), (needle));              \
+    } while (0)
+
+#define EXPECT_OK(call)                                                                                 \
+    do {                                                                                                \
+        hexiseq_status st_ = (call);                                                                    \
+        EXPECT(st_ == HEXISEQ_OK, "%s: got status %d (%s): %s", #call, (int)st_, hexiseq_status_string(st_), \
+               hexiseq_last_error());                                                                   \
+    } while (0)
+
+static const double GIB = 1073741824.0;
+
+/* The two rate curves, written out from cost.c's comment "rate = peak * eff * n / (n + half)". */
+static double gemm_rate(double peak_tflops, double eff, double rows) { return peak_tflops * 1e12 * eff * rows / (rows + 128.0); }
+static double attn_rate(double peak_tflops, double eff, double n) { return peak_tflops * 1e12 * eff * n / (n + 384.0); }
+
+/* Visible (query, key) pairs between two explicit position lists, by brute force. */
+static double brute_pairs(const int64_t *q, int nq, const int64_t *k, int nk, int causal) {
+    double n = 0;
+    for (int i = 0; i < nq; ++i)
+        for (int j = 0; j < nk; ++j)
+            if (!causal || k[j] <= q[i])
+                n += 1;
+    return n;
+}
+
+static hexiseq_node_desc node(const char *gpu, int32_t count, double intra, double mem, double peak, double ge,
+                              double ae) {
+    hexiseq_node_desc n = {gpu, count, intra, mem, peak, ge, ae};
+    return n;
+}
+
+/* Fill a layout from literal arrays. */
+static void fill_layout(hexiseq_layout *l, const int32_t *gsize, const int64_t *gseq, const int32_t *dev,
+                        const int64_t *tok, const int32_t *lo, const int32_t *cnt) {
+    memcpy(l->group_size, gsize, (size_t)l->n_groups * sizeof *gsize);
+    memcpy(l->group_seq, gseq, (size_t)l->n_groups * sizeof *gseq);
+    memcpy(l->device, dev, (size_t)l->n_devices * sizeof *dev);
+    memcpy(l->tokens, tok, (size_t)l->n_devices * sizeof *tok);
+    memcpy(l->head_lo, lo, (size_t)l->n_devices * sizeof *lo);
+    memcpy(l->head_count, cnt, (size_t)l->n_devices * sizeof *cnt);
+}
+
+/* The tiny model of the hand-computed cases: L=2, H=8, A=4, A_kv=2 (GQA, 2 query heads per kv head), d=2,
+ * F=16, V=32, bf16, GELU MLP. */
+static const hexiseq_model TINY = {2, 8, 4, 2, 2, 16, 32, 2, 0};
+/* Named copies of its numbers for the arithmetic. */
+static const double L = 2, H = 8, A = 4, Akv = 2, d = 2, F = 16, V = 32, b = 2;
+
+/* Forward FLOPs per token of one layer's matmuls (2 per multiply-add): q and o projections H x A*d, k and v
+ * projections H x A_kv*d, MLP 2 matrices H x F (GELU) -> 2 * (64 + 64 + 64 + 256) = 896. */
+static double tiny_layer_fpt(void) {
+    double q = A * d, kv = Akv * d;
+    return 2.0 * (H * q + 2.0 * H * kv + q * H + 2.0 * H * F);
+}
+/* Forward FLOPs per token of the output head: 2 * H * V = 512. */
+static double tiny_head_fpt(void) { return 2.0 * H * V; }
+/* Parameters: per layer q, k, v, o, MLP, 2 norms = 64+32+32+64+256+16 = 464; whole model adds the embedding,
+ * an untied output head (V x H each) and the final norm (H): 2*464 + 2*256 + 8 = 1448. */
+static double tiny_layer_params(void) {
+    double q = A * d, kv = Akv * d;
+    return H * q + 2.0 * H * kv + q * H + 2.0 * H * F + 2.0 * H;
+}
+static double tiny_params(void) { return L * tiny_layer_params() + 2.0 * V * H + H; }
+
+/* ------------------------------------------------------------------------------------------------ */
+/* 1 device, 1 group: only token-parallel compute and attention; no communication at all. */
+
+static void test_one_device(void) {
+    hexiseq_node_desc nd = node("A100-80G", 1, 100.0, 10.0, 2.0, 0.5, 0.25);
+    hexiseq_cluster *c = NULL;
+    EXPECT_OK(hexiseq_cluster_create(1, &nd, 10.0, NULL, &c));
+    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.5};
+    hexiseq_layout l;
+    EXPECT_OK(hexiseq_layout_alloc(1, 1, &l));
+    const int32_t gs[] = {1}, dv[] = {0}, lo[] = {0}, cnt[] = {4};
+    const int64_t gq[] = {10}, tk[] = {10};
+    fill_layout(&l, gs, gq, dv, tk, lo, cnt);
+    hexiseq_device_cost per[1];
+    hexiseq_plan_cost pc;
+    EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 10, 1, &l, per, &pc));
+    EXPECT(hexiseq_last_error()[0] == '\0', "last error not cleared after success: '%s'", hexiseq_last_error());
+
+    const double peak = 2.0, ge = 0.5, ae = 0.25, S = 10, s0 = 10;
+    /* gemm: 3 passes (forward + backward of 2 forwards) for layers and the head */
+    const double fpt = L * tiny_layer_fpt() * 3.0 + tiny_head_fpt() * 3.0;
+    const double gemm_s = 1.0 * s0 * fpt / gemm_rate(peak, ge, s0);
+    /* attention: one group, positions 0..9 (front [0,5), back [5,10)), all 4 heads, 55 causal pairs */
+    const int64_t pos[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
+    const double pairs = brute_pairs(pos, 10, pos, 10, 1);
+    EXPECT(pairs == 55.0, "brute pairs %g", pairs);
+    const double fwd = 4.0 * pairs * d * A / attn_rate(peak, ae, S / 2); /* causal: half-chunks */
+    const double attn_s = (fwd * 1.0 + 2.5 * fwd) * L * 1.0; /* per layer fwd + bwd, times layers x sequences */
+    /* lower bound: total FLOPs over the plateau rates */
+    const double lb = S * fpt / (peak * 1e12 * ge) + L * 4.0 * (S * (S + 1) / 2) * d * A * 3.5 / (peak * 1e12 * ae);
+    /* memory, FULL sharding over N=1: (2b + 12) * P + 3 gathered layers; Adam m, v and fp32 master = 12 bytes */
+    const double P = tiny_params();
+    EXPECT(P == 1448.0, "tiny params %g", P);
+    const double gathered = fmax(tiny_layer_params(), V * H) * b; /* 464 * 2 */
+    const double states = (2.0 * b + 12.0) * P / 1.0 + 3.0 * gathered;
+    /* activations per token and layer: 4 norm in/out of H, attention output A*d, 2 MLP intermediates of F */
+    const double act_layer = b * (4.0 * H + A * d + 2.0 * F);
+    const double act = s0 * L * act_layer + s0 * V * (b + 4.0); /* + bf16 logits and their fp32 softmax */
+    /* attention working set: Q, O (4 heads) and K, V (2 kv heads) of 10 tokens, plus fp32 LSE; L layers + 1 */
+    const double qkvo = S * (2.0 * 4 + 2.0 * 2) * d * b + S * 4 * 4.0;
+    const double attn_mem = qkvo * (L + 1.0);
+    double params = 0;
+    EXPECT_OK(hexiseq_model_params(&TINY, &params));
+    NEAR(params, P, "model params");
+
+    NEAR(per[0].gemm_s, gemm_s, "1dev gemm_s");
+    NEAR(per[0].attn_s, attn_s, "1dev attn_s");
+    NEAR(per[0].a2a_s, 0.0, "1dev a2a_s");
+    NEAR(per[0].ring_exposed_s, 0.0, "1dev ring_exposed_s");
+    NEAR(per[0].busy_s, gemm_s + attn_s, "1dev busy_s");
+    NEAR(pc.step_time_s, gemm_s + attn_s, "1dev step_time_s");
+    NEAR(pc.gemm_phase_s, gemm_s, "1dev gemm_phase_s");
+    NEAR(pc.a2a_phase_s, 0.0, "1dev a2a_phase_s");
+    NEAR(pc.ring_phase_s, attn_s, "1dev ring_phase_s");
+    NEAR(pc.lower_bound_s, lb, "1dev lower_bound_s");
+    NEAR(pc.tokens_per_s, S / (gemm_s + attn_s), "1dev tokens_per_s");
+    NEAR(per[0].mem_states_gib, states / GIB, "1dev mem_states_gib");
+    NEAR(per[0].mem_act_gib, act / GIB, "1dev mem_act_gib");
+    NEAR(per[0].mem_attn_gib, attn_mem / GIB, "1dev mem_attn_gib");
+    NEAR(per[0].mem_ring_gib, 0.0, "1dev mem_ring_gib");
+    NEAR(per[0].mem_total_gib, (states + act + attn_mem) / GIB + 0.5, "1dev mem_total_gib");
+    NEAR(per[0].mem_cap_gib, 10.0, "1dev mem_cap_gib");
+    EXPECT(per[0].kv_lo == 0 && per[0].kv_count == 2, "1dev kv %d+%d", per[0].kv_lo, per[0].kv_count);
+    EXPECT(pc.fits == 1 && pc.short_device == -1, "1dev fits %d short %d", pc.fits, pc.short_device);
+    EXPECT(pc.gemm_bottleneck == 0 && pc.ring_bottleneck == 0 && pc.a2a_bottleneck == 0, "1dev bottlenecks");
+    EXPECT(pc.step_time_s >= pc.lower_bound_s, "1dev step %g < bound %g", pc.step_time_s, pc.lower_bound_s);
+
+    /* Non-causal: 100 pairs instead of 55, nothing else changes. */
+    EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 10, 0, &l, per, &pc));
+    const double fwd_full = 4.0 * brute_pairs(pos, 10, pos, 10, 0) * d * A / attn_rate(peak, ae, S);
+    NEAR(per[0].attn_s, 3.5 * fwd_full * L, "1dev non-causal attn_s");
+    NEAR(pc.lower_bound_s, S * fpt / (peak * 1e12 * ge) + L * 4.0 * S * S * d * A * 3.5 / (peak * 1e12 * ae),
+         "1dev non-causal lower_bound_s");
+
+    /* Too little memory: a 1e-6 GiB device cannot hold it; the shortfall is total - cap. */
+    hexiseq_cluster *small = NULL;
+    hexiseq_node_desc nd_small = node("A100-80G", 1, 100.0, 1e-6, 2.0, 0.5, 0.25);
+    EXPECT_OK(hexiseq_cluster_create(1, &nd_small, 10.0, NULL, &small));
+    EXPECT_OK(hexiseq_evaluate(small, &TINY, &t, 10, 1, &l, per, &pc));
+    EXPECT(pc.fits == 0 && pc.short_device == 0, "small device fits=%d short=%d", pc.fits, pc.short_device);
+    NEAR(pc.short_gib, (states + act + attn_mem) / GIB + 0.5 - 1e-6, "short_gib");
+
+    /* The other shardings on one device (N = 1), same layout. */
+    const double opt = 12.0;
+    const struct {
+        int32_t sharding;
+        double states;
+        const char *what;
+    } shard[] = {
+        {HEXISEQ_SHARD_GRAD_OPT, b * P + (b + opt) * P / 1.0 + gathered, "GRAD_OPT states"}, /* params + one gathered bucket */
+        {HEXISEQ_SHARD_OPT, 2.0 * b * P + opt * P / 1.0, "OPT states"},                     /* params + grads replicated */
+        {HEXISEQ_SHARD_NONE, (2.0 * b + opt) * P, "NONE states"},                          /* everything replicated */
+    };
+    for (size_t i = 0; i < sizeof shard / sizeof shard[0]; ++i) {
+        hexiseq_training ts = t;
+        ts.sharding = shard[i].sharding;
+        EXPECT_OK(hexiseq_evaluate(c, &TINY, &ts, 10, 1, &l, per, &pc));
+        NEAR(per[0].mem_states_gib, shard[i].states / GIB, shard[i].what);
+    }
+    /* fp32 model: no separate master copy, optimizer 8 bytes */
+    hexiseq_model m32 = TINY;
+    m32.dtype_bytes = 4;
+    hexiseq_training tn = t;
+    tn.sharding = HEXISEQ_SHARD_NONE;
+    EXPECT_OK(hexiseq_evaluate(c, &m32, &tn, 10, 1, &l, per, &pc));
+    NEAR(per[0].mem_states_gib, (2.0 * 4 + 8.0) * P / GIB, "fp32 NONE states");
+
+    hexiseq_layout_free(&l);
+    hexiseq_cluster_destroy(c);
+    hexiseq_cluster_destroy(small);
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* 2 devices (two single-device nodes, different speeds) joined by an asymmetric bandwidth matrix:
+ * 0 -> 1 at 0.5 GB/s, 1 -> 0 at 2 GB/s. Scored as one group (Ulysses-like, unequal shares, GQA split of
+ * a kv head) and as two groups (ring, unequal S_g). */
+
+static void test_two_devices(void) {
+    hexiseq_node_desc nd[2] = {node("A100-80G", 1, 100.0, 10.0, 2.0, 0.5, 0.25),
+                               node("H100-SXM", 1, 100.0, 20.0, 4.0, 0.75, 0.5)};
+    const double bwm[4] = {NAN /* diagonal ignored */, 0.5, 2.0, NAN};
+    hexiseq_cluster *c = NULL;
+    EXPECT_OK(hexiseq_cluster_create(2, nd, 10.0, bwm, &c));
+    double g01 = 0, g10 = 0;
+    EXPECT_OK(hexiseq_cluster_bandwidth(c, 0, 1, &g01));
+    EXPECT_OK(hexiseq_cluster_bandwidth(c, 1, 0, &g10));
+    EXPECT(g01 == 0.5 && g10 == 2.0, "matrix bandwidths %g %g", g01, g10);
+    const double bw01 = 0.5e9, bw10 = 2.0e9; /* bytes/s */
+    const double pk[2] = {2.0, 4.0}, ge[2] = {0.5, 0.75}, ae[2] = {0.25, 0.5};
+    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0};
+    const double S = 10, N = 2, P = tiny_params(), opt = 12.0;
+    const double fpt = L * tiny_layer_fpt() * 3.0 + tiny_head_fpt() * 3.0;
+    const double states = (2.0 * b + opt) * P / N + 3.0 * fmax(tiny_layer_params(), V * H) * b;
+    const double act_layer = b * (4.0 * H + A * d + 2.0 * F);
+    const double lb = S * fpt / (pk[0] * 1e12 * ge[0] + pk[1] * 1e12 * ge[1]) +
+                      L * 4.0 * (S * (S + 1) / 2) * d * A * 3.5 / (pk[0] * 1e12 * ae[0] + pk[1] * 1e12 * ae[1]);
+    const int64_t all[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
+    hexiseq_device_cost per[2];
+    hexiseq_plan_cost pc;
+
+    /* ---- one group of both: tokens 7 | 3, heads [0,3) | [3,4) -> kv heads [0,2) | [1,2) (kv 1 shared) */
+    {
+        hexiseq_layout l;
+        EXPECT_OK(hexiseq_layout_alloc(1, 2, &l));
+        const int32_t gs[] = {2}, dv[] = {0, 1}, lo[] = {0, 3}, cnt[] = {3, 1};
+        const int64_t gq[] = {10}, tk[] = {7, 3};
+        fill_layout(&l, gs, gq, dv, tk, lo, cnt);
+        EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 10, 1, &l, per, &pc));
+        const double s[2] = {7, 3}, h[2] = {3, 1}, kv[2] = {2, 1};
+        EXPECT(per[0].kv_lo == 0 && per[0].kv_count == 2 && per[1].kv_lo == 1 && per[1].kv_count == 1,
+               "1 group kv ranges %d+%d %d+%d", per[0].kv_lo, per[0].kv_count, per[1].kv_lo, per[1].kv_count);
+        const double elem = d * b; /* bytes per head and token */
+        /* device 0: sends its 7 tokens' Q of device 1's head and K, V of its kv head; receives 3 tokens of its
+         * 3 heads + 2 kv heads; O goes back the other way. */
+        const double qkv_send0 = s[0] * (h[1] + 2 * kv[1]) * elem / bw01, qkv_recv0 = s[1] * (h[0] + 2 * kv[0]) * elem / bw10;
+        const double o_send0 = s[1] * h[0] * elem / bw01, o_recv0 = s[0] * h[1] * elem / bw10;
+        const double qkv_send1 = s[1] * (h[0] + 2 * kv[0]) * elem / bw10, qkv_recv1 = s[0] * (h[1] + 2 * kv[1]) * elem / bw01;
+        const double o_send1 = s[0] * h[1] * elem / bw10, o_recv1 = s[1] * h[0] * elem / bw01;
+        /* per layer: forward (qkv + o) and backward (o + qkv), no checkpointing; times L layers, 1 sequence */
+        const double a2a0 = 2.0 * (fmax(qkv_send0, qkv_recv0) + fmax(o_send0, o_recv0)) * L;
+        const double a2a1 = 2.0 * (fmax(qkv_send1, qkv_recv1) + fmax(o_send1, o_recv1)) * L;
+        const double group_a2a = fmax(a2a0, a2a1);
+        double gemm[2], attn[2], mem_act[2], mem_attn[2];
+        const double pairs = brute_pairs(all, 10, all, 10, 1);
+        for (int r = 0; r < 2; ++r) {
+            gemm[r] = s[r] * fpt / gemm_rate(pk[r], ge[r], s[r]);
+            attn[r] = 3.5 * (4.0 * pairs * d * h[r] / attn_rate(pk[r], ae[r], S / 2)) * L; /* all 10 tokens, my heads */
+            mem_act[r] = s[r] * L * act_layer + s[r] * V * (b + 4.0);
+            mem_attn[r] = (S * (2.0 * h[r] + 2.0 * kv[r]) * d * b + S * h[r] * 4.0) * (L + 1.0);
+            NEAR(per[r].gemm_s, gemm[r], "1 group gemm_s");
+            NEAR(per[r].attn_s, attn[r], "1 group attn_s");
+            NEAR(per[r].ring_exposed_s, 0.0, "1 group ring_exposed_s");
+            NEAR(per[r].busy_s, gemm[r] + group_a2a + attn[r], "1 group busy_s");
+            NEAR(per[r].mem_states_gib, states / GIB, "1 group mem_states_gib");
+            NEAR(per[r].mem_act_gib, mem_act[r] / GIB, "1 group mem_act_gib");
+            NEAR(per[r].mem_attn_gib, mem_attn[r] / GIB, "1 group mem_attn_gib");
+            NEAR(per[r].mem_ring_gib, 0.0, "1 group mem_ring_gib");
+            NEAR(per[r].mem_total_gib, (states + mem_act[r] + mem_attn[r]) / GIB, "1 group mem_total_gib");
+        }
+        NEAR(per[0].a2a_s, a2a0, "1 group a2a_s dev0");
+        NEAR(per[1].a2a_s, a2a1, "1 group a2a_s dev1");
+        NEAR(pc.gemm_phase_s, fmax(gemm[0], gemm[1]), "1 group gemm_phase_s");
+        NEAR(pc.a2a_phase_s, group_a2a, "1 group a2a_phase_s");
+        NEAR(pc.ring_phase_s, fmax(attn[0], attn[1]), "1 group ring_phase_s");
+        NEAR(pc.step_time_s, fmax(gemm[0], gemm[1]) + group_a2a + fmax(attn[0], attn[1]), "1 group step_time_s");
+        NEAR(pc.lower_bound_s, lb, "1 group lower_bound_s");
+        EXPECT(pc.gemm_bottleneck == (gemm[0] >= gemm[1] ? 0 : 1), "gemm bottleneck %d", pc.gemm_bottleneck);
+        EXPECT(pc.ring_bottleneck == (attn[0] >= attn[1] ? 0 : 1), "ring bottleneck %d", pc.ring_bottleneck);
+        EXPECT(pc.step_time_s >= pc.lower_bound_s, "1 group step below bound");
+        hexiseq_layout_free(&l);
+    }
+
+    /* ---- two groups (ring in order 0 -> 1 -> 0): S_0 = 6 on device 0, S_1 = 4 on device 1, all heads each.
+     * Zigzag: group 0 front [0,3) back [7,10); group 1 front [3,5) back [5,7). */
+    {
+        hexiseq_layout l;
+        EXPECT_OK(hexiseq_layout_alloc(2, 2, &l));
+        const int32_t gs[] = {1, 1}, dv[] = {0, 1}, lo[] = {0, 0}, cnt[] = {4, 4};
+        const int64_t gq[] = {6, 4}, tk[] = {6, 4};
+        fill_layout(&l, gs, gq, dv, tk, lo, cnt);
+        hexiseq_group_span sp[2];
+        EXPECT_OK(hexiseq_layout_spans(&l, sp));
+        EXPECT(sp[0].front_start == 0 && sp[0].front_len == 3 && sp[0].back_start == 7 && sp[0].back_len == 3 &&
+                   sp[1].front_start == 3 && sp[1].front_len == 2 && sp[1].back_start == 5 && sp[1].back_len == 2,
+               "2-group spans");
+        EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 10, 1, &l, per, &pc));
+        const int64_t pos0[] = {0, 1, 2, 7, 8, 9}, pos1[] = {3, 4, 5, 6};
+        const double Sg[2] = {6, 4};
+        const double p00 = brute_pairs(pos0, 6, pos0, 6, 1), p01 = brute_pairs(pos0, 6, pos1, 4, 1);
+        const double p11 = brute_pairs(pos1, 4, pos1, 4, 1), p10 = brute_pairs(pos1, 4, pos0, 6, 1);
+        EXPECT(p00 + p01 + p11 + p10 == 55.0, "pairs add up to 55: %g", p00 + p01 + p11 + p10);
+        /* Ring bytes per token of a block: K and V (2 x d x b) for each of the 2 kv heads. Device 0 receives
+         * from 1 over 1->0 and sends to 1 over 0->1; the slower direction (0->1) sets both devices' pace. */
+        const double kvb = 2.0 * d * b * 2;
+        const double per_tok0 = fmax(kvb / bw10, kvb / bw01), per_tok1 = fmax(kvb / bw01, kvb / bw10);
+        const double pt[2] = {per_tok0, per_tok1};
+        double attn[2], exposed[2];
+        for (int g = 0; g < 2; ++g) {
+            int o = 1 - g;
+            /* step 0: own block (pairs gg), next block (the other group's, S_o tokens) arrives meanwhile */
+            double pairs0 = g == 0 ? p00 : p11, pairs1 = g == 0 ? p01 : p10;
+            double fwd0 = 4.0 * pairs0 * d * A / attn_rate(pk[g], ae[g], Sg[g] / 2);
+            double comm0 = pt[g] * Sg[o];
+            double bwd0 = 2.5 * fwd0, bcomm0 = comm0 + pt[g] * Sg[g] * (4.0 / b); /* + fp32 dK, dV of the own block */
+            /* step 1 (last): the other group's block; nothing more arrives; its dK, dV go back home */
+            double fwd1 = 4.0 * pairs1 * d * A / attn_rate(pk[g], ae[g], fmin(Sg[g], Sg[o]) / 2);
+            double comm1 = 0.0;
+            double bwd1 = 2.5 * fwd1, bcomm1 = comm1 + pt[g] * Sg[o] * (4.0 / b);
+            attn[g] = (fwd0 + bwd0 + fwd1 + bwd1) * L;
+            exposed[g] = (fmax(0, comm0 - fwd0) + fmax(0, bcomm0 - bwd0) + fmax(0, comm1 - fwd1) +
+                          fmax(0, bcomm1 - bwd1)) * L;
+            double mem_attn = (Sg[g] * (2.0 * 4 + 2.0 * 2) * d * b + Sg[g] * 4 * 4.0) * (L + 1.0);
+            double mem_ring = 2.0 * 6 /* largest block */ * 2.0 * 2 /* kv heads */ * d * (b + 4.0);
+            double mem_act = Sg[g] * L * act_layer + Sg[g] * V * (b + 4.0);
+            NEAR(per[g].gemm_s, Sg[g] * fpt / gemm_rate(pk[g], ge[g], Sg[g]), "ring gemm_s");
+            NEAR(per[g].attn_s, attn[g], "ring attn_s");
+            NEAR(per[g].ring_exposed_s, exposed[g], "ring ring_exposed_s");
+            NEAR(per[g].a2a_s, 0.0, "ring a2a_s");
+            NEAR(per[g].mem_attn_gib, mem_attn / GIB, "ring mem_attn_gib");
+            NEAR(per[g].mem_ring_gib, mem_ring / GIB, "ring mem_ring_gib");
+            NEAR(per[g].mem_total_gib, (states + mem_act + mem_attn + mem_ring) / GIB, "ring mem_total_gib");
+        }
+        EXPECT(exposed[0] > 0 && exposed[1] > 0, "slow links should expose ring time: %g %g", exposed[0], exposed[1]);
+        NEAR(pc.ring_phase_s, fmax(attn[0] + exposed[0], attn[1] + exposed[1]), "ring ring_phase_s");
+        NEAR(pc.step_time_s,
+             fmax(6 * fpt / gemm_rate(pk[0], ge[0], 6), 4 * fpt / gemm_rate(pk[1], ge[1], 4)) +
+                 fmax(attn[0] + exposed[0], attn[1] + exposed[1]),
+             "ring step_time_s");
+        NEAR(pc.lower_bound_s, lb, "ring lower_bound_s (layout-independent)");
+        EXPECT(pc.step_time_s >= pc.lower_bound_s, "ring step below bound");
+
+        /* Same layout on fast links (default node links, 1e4 GB/s between nodes): nothing exposed. */
+        hexiseq_node_desc fast[2] = {nd[0], nd[1]};
+        hexiseq_cluster *cf = NULL;
+        EXPECT_OK(hexiseq_cluster_create(2, fast, 1e4, NULL, &cf));
+        EXPECT_OK(hexiseq_evaluate(cf, &TINY, &t, 10, 1, &l, per, &pc));
+        NEAR(per[0].ring_exposed_s, 0.0, "fast ring exposed dev0");
+        NEAR(per[1].ring_exposed_s, 0.0, "fast ring exposed dev1");
+        NEAR(per[0].attn_s, attn[0], "fast ring attn_s unchanged");
+        hexiseq_cluster_destroy(cf);
+        hexiseq_layout_free(&l);
+    }
+    hexiseq_cluster_destroy(c);
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* 3 devices: group 0 = {dev0, dev1} (same node, 50 GB/s) with S_0 = 7, group 1 = {dev2} (other node, 5 GB/s
+ * between nodes) with S_1 = 5. Checkpointing, 3 sequences, ZeRO-2 sharding, 1 GiB reserved. GQA sub-rings:
+ * dev0 heads [0,3) -> kv [0,2), dev1 head 3 -> kv 1; dev2 all heads -> kv [0,2). */
+
+static void test_three_devices(void) {
+    hexiseq_node_desc nd[2] = {node("A100-80G", 2, 50.0, 10.0, 2.0, 0.5, 0.25),
+                               node("H100-SXM", 1, 50.0, 20.0, 4.0, 0.75, 0.5)};
+    hexiseq_cluster *c = NULL;
+    EXPECT_OK(hexiseq_cluster_create(2, nd, 5.0, NULL, &c));
+    EXPECT(hexiseq_cluster_num_devices(c) == 3 && hexiseq_cluster_num_nodes(c) == 2, "3-device cluster sizes");
+    hexiseq_training t = {3, 1, HEXISEQ_SHARD_GRAD_OPT, 1.0};
+    hexiseq_layout l;
+    EXPECT_OK(hexiseq_layout_alloc(2, 3, &l));
+    const int32_t gs[] = {2, 1}, dv[] = {0, 1, 2}, lo[] = {0, 3, 0}, cnt[] = {3, 1, 4};
+    const int64_t gq[] = {7, 5}, tk[] = {5, 2, 5};
+    fill_layout(&l, gs, gq, dv, tk, lo, cnt);
+    hexiseq_device_cost per[3];
+    hexiseq_plan_cost pc;
+    EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 12, 1, &l, per, &pc));
+
+    const double intra = 50e9, inter = 5e9, seqs = 3, S = 12, N = 3, P = tiny_params(), opt = 12.0;
+    const double pk[3] = {2, 2, 4}, ge[3] = {0.5, 0.5, 0.75}, ae[3] = {0.25, 0.25, 0.5};
+    const double s[3] = {5, 2, 5}, h[3] = {3, 1, 4}, kv[3] = {2, 1, 2}, Sg[3] = {7, 7, 5};
+    EXPECT(per[0].kv_lo == 0 && per[0].kv_count == 2 && per[1].kv_lo == 1 && per[1].kv_count == 1 &&
+               per[2].kv_lo == 0 && per[2].kv_count == 2,
+           "3dev kv ranges");
+    /* gemm: layers run 4 passes (forward, backward = 2, recompute), the head 3; 3 sequences */
+    const double fpt = L * tiny_layer_fpt() * 4.0 + tiny_head_fpt() * 3.0;
+    double gemm[3];
+    for (int r = 0; r < 3; ++r) {
+        gemm[r] = seqs * s[r] * fpt / gemm_rate(pk[r], ge[r], s[r]);
+        NEAR(per[r].gemm_s, gemm[r], "3dev gemm_s");
+    }
+    /* all-to-all in group 0 over the 50 GB/s link, elem = d * b = 4 bytes */
+    const double elem = d * b;
+    const double qs0 = s[0] * (h[1] + 2 * kv[1]) * elem / intra, qr0 = s[1] * (h[0] + 2 * kv[0]) * elem / intra;
+    const double os0 = s[1] * h[0] * elem / intra, or0 = s[0] * h[1] * elem / intra;
+    const double qs1 = s[1] * (h[0] + 2 * kv[0]) * elem / intra, qr1 = s[0] * (h[1] + 2 * kv[1]) * elem / intra;
+    const double os1 = s[0] * h[1] * elem / intra, or1 = s[1] * h[0] * elem / intra;
+    /* per layer: forward exchange twice (checkpointing recomputes it) + backward once */
+    const double a2a0 = (fmax(qs0, qr0) + fmax(os0, or0)) * 3.0 * L * seqs;
+    const double a2a1 = (fmax(qs1, qr1) + fmax(os1, or1)) * 3.0 * L * seqs;
+    NEAR(per[0].a2a_s, a2a0, "3dev a2a dev0");
+    NEAR(per[1].a2a_s, a2a1, "3dev a2a dev1");
+    NEAR(per[2].a2a_s, 0.0, "3dev a2a dev2 (alone in its group)");
+    const double ga[3] = {fmax(a2a0, a2a1), fmax(a2a0, a2a1), 0.0};
+
+    /* ring bytes per token: K and V of one kv head = 8 bytes.
+     * dev0 receives kv 0, 1 from dev2 (holder in group 1) and sends kv 0, 1 to dev2 (dev0 is the first
+     *   holder of both in group 0): max(16/inter, 16/inter).
+     * dev1 receives kv 1 from dev2, sends nothing (dev0 holds kv 1 first): 8/inter.
+     * dev2 receives kv 0, 1 from dev0; sends kv 0, 1 to dev0 and kv 1 to dev1: max(16, 24)/inter. */
+    const double hb = 2.0 * d * b;
+    const double pt[3] = {fmax(2 * hb / inter, 2 * hb / inter), fmax(hb / inter, 0.0), fmax(2 * hb / inter, 3 * hb / inter)};
+    /* zigzag positions: group 0 front [0,4) back [9,12); group 1 front [4,7) back [7,9) */
+    const int64_t pos0[] = {0, 1, 2, 3, 9, 10, 11}, pos1[] = {4, 5, 6, 7, 8};
+    const double p[2][2] = {{brute_pairs(pos0, 7, pos0, 7, 1), brute_pairs(pos0, 7, pos1, 5, 1)},
+                            {brute_pairs(pos1, 5, pos0, 7, 1), brute_pairs(pos1, 5, pos1, 5, 1)}};
+    const double GS[2] = {7, 5};
+    double attn[3], exposed[3];
+    for (int r = 0; r < 3; ++r) {
+        int g = r < 2 ? 0 : 1, o = 1 - g;
+        /* step 0: own block, the other group's block arrives; step 1: the other block, last */
+        double fwd0 = 4.0 * p[g][g] * d * h[r] / attn_rate(pk[r], ae[r], GS[g] / 2);
+        double fwd1 = 4.0 * p[g][o] * d * h[r] / attn_rate(pk[r], ae[r], fmin(GS[g], GS[o]) / 2);
+        double comm0 = pt[r] * GS[o], comm1 = 0.0;
+        double bcomm0 = comm0 + pt[r] * GS[g] * (4.0 / b), bcomm1 = comm1 + pt[r] * GS[o] * (4.0 / b);
+        /* forward runs twice with checkpointing (2 forward passes), backward 2.5 forwards */
+        attn[r] = (fwd0 * 2.0 + 2.5 * fwd0 + fwd1 * 2.0 + 2.5 * fwd1) * L * seqs;
+        exposed[r] = (2.0 * fmax(0, comm0 - fwd0) + fmax(0, bcomm0 - 2.5 * fwd0) + 2.0 * fmax(0, comm1 - fwd1) +
+                      fmax(0, bcomm1 - 2.5 * fwd1)) * L * seqs;
+        NEAR(per[r].attn_s, attn[r], "3dev attn_s");
+        NEAR(per[r].ring_exposed_s, exposed[r], "3dev ring_exposed_s");
+        NEAR(per[r].busy_s, gemm[r] + ga[r] + attn[r] + exposed[r], "3dev busy_s");
+    }
+    /* memory: ZeRO-2 = replicated bf16 params + sharded grads and optimizer + one gathered bucket */
+    const double gathered = fmax(tiny_layer_params(), V * H) * b;
+    const double states = b * P + (b + opt) * P / N + gathered;
+    const double act_layer = b * (4.0 * H + A * d + 2.0 * F);
+    for (int r = 0; r < 3; ++r) {
+        /* checkpointing: every layer's input (H) + one layer's full activations; logits as always */
+        double act = s[r] * (L * H * b + act_layer) + s[r] * V * (b + 4.0);
+        /* one layer's Q, K, V, O, LSE saved + its gradients */
+        double mem_attn = (Sg[r] * (2.0 * h[r] + 2.0 * kv[r]) * d * b + Sg[r] * h[r] * 4.0) * 2.0;
+        double mem_ring = 2.0 * 7 /* largest block */ * 2.0 * kv[r] * d * (b + 4.0);
+        NEAR(per[r].mem_states_gib, states / GIB, "3dev mem_states_gib");
+        NEAR(per[r].mem_act_gib, act / GIB, "3dev mem_act_gib");
+        NEAR(per[r].mem_attn_gib, mem_attn / GIB, "3dev mem_attn_gib");
+        NEAR(per[r].mem_ring_gib, mem_ring / GIB, "3dev mem_ring_gib");
+        NEAR(per[r].mem_total_gib, (states + act + mem_attn + mem_ring) / GIB + 1.0, "3dev mem_total_gib");
+    }
+    NEAR(pc.gemm_phase_s, fmax(gemm[0], fmax(gemm[1], gemm[2])), "3dev gemm_phase_s");
+    NEAR(pc.a2a_phase_s, ga[0], "3dev a2a_phase_s");
+    const double ring_phase = fmax(attn[0] + exposed[0], fmax(attn[1] + exposed[1], attn[2] + exposed[2]));
+    NEAR(pc.ring_phase_s, ring_phase, "3dev ring_phase_s");
+    NEAR(pc.step_time_s, pc.gemm_phase_s + ga[0] + ring_phase, "3dev step_time_s");
+    NEAR(pc.tokens_per_s, seqs * S / pc.step_time_s, "3dev tokens_per_s");
+    const double gemm_flops = seqs * S * fpt, attn_flops = seqs * L * 4.0 * (S * (S + 1) / 2) * d * A * 4.5;
+    const double lb = gemm_flops / ((2 * 2 * 0.5 + 4 * 0.75) * 1e12) + attn_flops / ((2 * 2 * 0.25 + 4 * 0.5) * 1e12);
+    NEAR(pc.lower_bound_s, lb, "3dev lower_bound_s");
+    EXPECT(pc.step_time_s >= pc.lower_bound_s, "3dev step below bound");
+    EXPECT(pc.a2a_bottleneck == (a2a0 >= a2a1 ? 0 : 1), "3dev a2a bottleneck %d", pc.a2a_bottleneck);
+    hexiseq_layout_free(&l);
+    hexiseq_cluster_destroy(c);
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* 4 devices, catalog rates (no overrides), a ring of 4 single-device groups with unequal blocks,
+ * non-causal. Ring order 0 -> 1 -> 2 -> 3 -> 0: links 0->1 and 2->3 inside a node (100 GB/s), 1->2 and
+ * 3->0 between nodes (10 GB/s). Then the strategies against uniform layouts written here. */
+
+static void test_four_devices(void) {
+    hexiseq_node_desc nd[2] = {node("H100", 2, 100.0, 0, 0, 0, 0), node("a100", 2, 100.0, 0, 0, 0, 0)};
+    hexiseq_cluster *c = NULL;
+    EXPECT_OK(hexiseq_cluster_create(2, nd, 10.0, NULL, &c));
+    hexiseq_gpu_spec h100, a100;
+    EXPECT_OK(hexiseq_gpu_find("H100-SXM", &h100));
+    EXPECT_OK(hexiseq_gpu_find("A100-80G", &a100));
+    double pk[4], ge[4], ae[4];
+    for (int r = 0; r < 4; ++r) {
+        hexiseq_device_info di;
+        const hexiseq_gpu_spec *sp = r < 2 ? &h100 : &a100;
+        EXPECT_OK(hexiseq_cluster_device(c, r, &di));
+        EXPECT(di.node == r / 2 && di.peak_tflops == sp->peak_tflops && di.gemm_eff == sp->gemm_eff &&
+                   di.attn_eff == sp->attn_eff && di.memory_gib == sp->memory_gib,
+               "device %d takes the catalog values of %s", r, sp->name);
+        pk[r] = sp->peak_tflops;
+        ge[r] = sp->gemm_eff;
+        ae[r] = sp->attn_eff;
+    }
+    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0};
+    hexiseq_layout l;
+    EXPECT_OK(hexiseq_layout_alloc(4, 4, &l));
+    const int32_t gs[] = {1, 1, 1, 1}, dv[] = {0, 1, 2, 3}, lo[] = {0, 0, 0, 0}, cnt[] = {4, 4, 4, 4};
+    const int64_t gq[] = {3, 1, 2, 2}, tk[] = {3, 1, 2, 2};
+    fill_layout(&l, gs, gq, dv, tk, lo, cnt);
+    hexiseq_device_cost per[4];
+    hexiseq_plan_cost pc;
+    EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 8, 0, &l, per, &pc));
+    const double Sg[4] = {3, 1, 2, 2};
+    /* link into device g from its ring predecessor and out to its successor, bytes/s */
+    const double in_bw[4] = {10e9, 100e9, 10e9, 100e9}, out_bw[4] = {100e9, 10e9, 100e9, 10e9};
+    const double kvb = 2.0 * d * b * 2; /* K, V of both kv heads per token */
+    const double fpt = L * tiny_layer_fpt() * 3.0 + tiny_head_fpt() * 3.0;
+    double ring_phase = 0, gemm_phase = 0;
+    for (int g = 0; g < 4; ++g) {
+        double pt = fmax(kvb / in_bw[g], kvb / out_bw[g]);
+        double attn = 0, exposed = 0;
+        for (int k = 0; k < 4; ++k) {
+            int src = (g - k + 4) % 4, nxt = (g - k - 1 + 8) % 4;
+            double pairs = Sg[g] * Sg[src]; /* non-causal: every query sees every key */
+            double fwd = 4.0 * pairs * d * A / attn_rate(pk[g], ae[g], fmin(Sg[g], Sg[src])); /* non-causal: whole blocks */
+            double comm = k < 3 ? pt * Sg[nxt] : 0.0;
+            double bcomm = comm + pt * Sg[src] * (4.0 / b);
+            attn += fwd + 2.5 * fwd;
+            exposed += fmax(0, comm - fwd) + fmax(0, bcomm - 2.5 * fwd);
+        }
+        attn *= L;
+        exposed *= L;
+        double gemm = Sg[g] * fpt / gemm_rate(pk[g], ge[g], Sg[g]);
+        NEAR(per[g].attn_s, attn, "4dev attn_s");
+        NEAR(per[g].ring_exposed_s, exposed, "4dev ring_exposed_s");
+        NEAR(per[g].gemm_s, gemm, "4dev gemm_s");
+        ring_phase = fmax(ring_phase, attn + exposed);
+        gemm_phase = fmax(gemm_phase, gemm);
+    }
+    NEAR(pc.step_time_s, gemm_phase + ring_phase, "4dev step_time_s");
+    double gsum = 0, asum = 0;
+    for (int r = 0; r < 4; ++r) {
+        gsum += pk[r] * 1e12 * ge[r];
+        asum += pk[r] * 1e12 * ae[r];
+    }
+    NEAR(pc.lower_bound_s, 8 * fpt / gsum + L * 4.0 * 64 * d * A * 3.5 / asum, "4dev lower_bound_s");
+    hexiseq_layout_free(&l);
+
+    /* Strategies: ring = 4 groups of 1, ulysses = 1 group of 4, usp = best of hp in {1, 2, 4}; each must
+     * equal the uniform layout scored directly, S = 10 split 3,3,2,2 / 5,5 / 10 (larger shares first). */
+    const int64_t S = 10;
+    double step_of_hp[5] = {0};
+    for (int hp = 1; hp <= 4; hp *= 2) {
+        int cp = 4 / hp;
+        hexiseq_layout u;
+        EXPECT_OK(hexiseq_layout_alloc(cp, 4, &u));
+        for (int g = 0; g < cp; ++g) {
+            u.group_size[g] = hp;
+            u.group_seq[g] = S / cp + (g < S % cp);
+            for (int i = 0; i < hp; ++i) {
+                int r = g * hp + i;
+                u.device[r] = r;
+                u.tokens[r] = u.group_seq[g] / hp + (i < u.group_seq[g] % hp);
+                u.head_lo[r] = i * (4 / hp);
+                u.head_count[r] = 4 / hp;
+            }
+        }
+        EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, S, 1, &u, per, &pc));
+        step_of_hp[hp] = pc.step_time_s;
+        hexiseq_layout_free(&u);
+    }
+    const struct {
+        hexiseq_strategy s;
+        double want;
+        int groups;
+    } strat[] = {
+        {HEXISEQ_STRATEGY_RING, step_of_hp[1], 4},
+        {HEXISEQ_STRATEGY_ULYSSES, step_of_hp[4], 1},
+        {HEXISEQ_STRATEGY_USP, fmin(step_of_hp[1], fmin(step_of_hp[2], step_of_hp[4])), -1},
+    };
+    for (size_t i = 0; i < 3; ++i) {
+        hexiseq_layout out;
+        EXPECT_OK(hexiseq_plan_strategy(c, &TINY, &t, S, 1, strat[i].s, &out, &pc));
+        NEAR(pc.step_time_s, strat[i].want, hexiseq_strategy_name(strat[i].s));
+        EXPECT(strat[i].groups < 0 || out.n_groups == strat[i].groups, "%s groups %d",
+               hexiseq_strategy_name(strat[i].s), out.n_groups);
+        hexiseq_layout_free(&out);
+    }
+    hexiseq_cluster_destroy(c);
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+
+static void test_causal_pairs(void) {
+    /* every range pair in [0, 13)^4, including empty and reversed ones, before / after / overlapping */
+    int bad = 0;
+    for (int64_t q0 = 0; q0 < 13; ++q0)
+        for (int64_t q1 = 0; q1 < 13; ++q1)
+            for (int64_t k0 = 0; k0 < 13; ++k0)
+                for (int64_t k1 = 0; k1 < 13; ++k1) {
+                    int64_t want = 0;
+                    for (int64_t q = q0; q < q1; ++q)
+                        for (int64_t k = k0; k < k1; ++k)
+                            want += k <= q;
+                    int64_t got = hexiseq_causal_pairs(q0, q1, k0, k1);
+                    if (got != want && bad++ < 5)
+                        fprintf(stderr, "causal_pairs(%lld,%lld,%lld,%lld) = %lld, want %lld\n", (long long)q0,
+                                (long long)q1, (long long)k0, (long long)k1, (long long)got, (long long)want);
+                }
+    EXPECT(bad == 0, "%d causal_pairs mismatches", bad);
+    /* large offsets: keys entirely after queries see nothing, entirely before see everything */
+    EXPECT(hexiseq_causal_pairs(0, 1000, 1000, 5000) == 0, "keys after queries");
+    EXPECT(hexiseq_causal_pairs(5000, 6000, 0, 1000) == 1000 * 1000, "keys before queries");
+    const int64_t S = (int64_t)1 << 30; /* HEXISEQ_MAX_SEQ_LEN: S(S+1)/2 must not overflow */
+    EXPECT(hexiseq_causal_pairs(0, S, 0, S) == S / 2 * (S + 1), "full causal square at the max seq_len");
+}
+
+static void check_spans(const int64_t *seq, int32_t n) {
+    hexiseq_layout l;
+    EXPECT_OK(hexiseq_layout_alloc(n, n, &l));
+    int64_t S = 0;
+    for (int32_t g = 0; g < n; ++g) {
+        l.group_seq[g] = seq[g];
+        S += seq[g];
+    }
+    hexiseq_group_span sp[16];
+    EXPECT_OK(hexiseq_layout_spans(&l, sp));
+    unsigned char *cover = calloc((size_t)S + 1, 1);
+    int64_t front = 0, back_end = S;
+    int ok = 1;
+    for (int32_t g = 0; g < n; ++g) {
+        /* front chunk gets the odd token: ceil(S_g / 2); back chunk floor(S_g / 2) */
+        ok &= sp[g].front_start == front && sp[g].front_len == seq[g] - seq[g] / 2;
+        ok &= sp[g].back_len == seq[g] / 2 && sp[g].back_start + sp[g].back_len == back_end;
+        front += sp[g].front_len;
+        back_end = sp[g].back_start;
+        for (int64_t p = sp[g].front_start; p < sp[g].front_start + sp[g].front_len; ++p)
+            ok &= p >= 0 && p < S && cover[p]++ == 0;
+        for (int64_t p = sp[g].back_start; p < sp[g].back_start + sp[g].back_len; ++p)
+            ok &= p >= 0 && p < S && cover[p]++ == 0;
+    }
+    for (int64_t p = 0; p < S; ++p)
+        ok &= cover[p] == 1;
+    EXPECT(ok, "spans of %d groups (first S_g %lld) do not tile [0, %lld) as zigzag", n, (long long)seq[0], (long long)S);
+    free(cover);
+    hexiseq_layout_free(&l);
+}
+
+static void test_spans(void) {
+    const int64_t a[] = {7, 1, 4, 10, 3};
+    check_spans(a, 5);
+    const int64_t b2[] = {1};
+    check_spans(b2, 1);
+    const int64_t c3[] = {2, 2, 2};
+    check_spans(c3, 3);
+    const int64_t d4[] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+    check_spans(d4, 16);
+    const int64_t e[] = {1000003, 17, 999, 2};
+    check_spans(e, 4);
+    const int64_t z[] = {5, 0, 3}; /* an empty group is representable: zero-length chunks */
+    check_spans(z, 3);
+}
+
+/* A layout from plan_strategy must pass every structural rule and re-score to the same cost. */
+static void check_valid_layout(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
+                               int64_t S, const hexiseq_layout *l, const hexiseq_plan_cost *pc, const char *what) {
+    int32_t n = hexiseq_cluster_num_devices(c);
+    int ok = l->n_devices == n && l->n_groups >= 1 && l->n_groups <= n;
+    unsigned char seen[64] = {0};
+    int64_t seq_sum = 0;
+    int32_t r = 0, members = 0;
+    for (int32_t g = 0; ok && g < l->n_groups; ++g) {
+        members += l->group_size[g];
+        seq_sum += l->group_seq[g];
+        int64_t tok = 0;
+        int32_t next = 0;
+        for (int32_t i = 0; i < l->group_size[g] && r < n; ++i, ++r) {
+            ok &= l->device[r] >= 0 && l->device[r] < n && !seen[l->device[r]];
+            if (ok)
+                seen[l->device[r]] = 1;
+            ok &= l->head_lo[r] == next && l->head_count[r] >= 0 && l->tokens[r] >= 0;
+            /* uniform shares: within one token of each other */
+            ok &= l->tokens[r] * l->group_size[g] >= l->group_seq[g] - l->group_size[g] &&
+                  l->tokens[r] * l->group_size[g] <= l->group_seq[g] + l->group_size[g];
+            next += l->head_count[r];
+            tok += l->tokens[r];
+        }
+        ok &= tok == l->group_seq[g] && next == m->heads;
+    }
+    ok &= members == n && seq_sum == S;
+    EXPECT(ok, "%s: layout is not valid", what);
+    hexiseq_device_cost per[64];
+    hexiseq_plan_cost again;
+    EXPECT_OK(hexiseq_evaluate(c, m, t, S, 1, l, per, &again));
+    NEAR(again.step_time_s, pc->step_time_s, what);
+}
+
+static void test_strategies_odd_sizes(void) {
+    /* 12 devices in three nodes of 4, 40 query heads over 8 kv heads, S = 1000003 (prime-ish, odd) */
+    hexiseq_node_desc nd[3] = {node("H100-SXM", 4, 450, 0, 0, 0, 0), node("A100-80G", 4, 300, 0, 0, 0, 0),
+                               node("L40S", 4, 64, 0, 0, 0, 0)};
+    hexiseq_cluster *c = NULL;
+    EXPECT_OK(hexiseq_cluster_create(3, nd, 25.0, NULL, &c));
+    hexiseq_model m = {2, 5120, 40, 8, 128, 13824, 8192, 2, 1};
+    hexiseq_training t;
+    hexiseq_training_default(&t);
+    t.checkpointing = 1;
+    const int64_t S = 1000003;
+    hexiseq_layout out;
+    hexiseq_plan_cost pc;
+    EXPECT_OK(hexiseq_plan_strategy(c, &m, &t, S, 1, HEXISEQ_STRATEGY_RING, &out, &pc));
+    EXPECT(out.n_groups == 12, "ring groups %d", out.n_groups);
+    check_valid_layout(c, &m, &t, S, &out, &pc, "ring 12 devices");
+    hexiseq_layout_free(&out);
+    EXPECT_OK(hexiseq_plan_strategy(c, &m, &t, S, 1, HEXISEQ_STRATEGY_USP, &out, &pc));
+    EXPECT(40 % out.group_size[0] == 0 && 12 % out.group_size[0] == 0, "usp group size %d", out.group_size[0]);
+    check_valid_layout(c, &m, &t, S, &out, &pc, "usp 12 devices");
+    hexiseq_layout_free(&out);
+    /* 40 % 12 != 0: Ulysses cannot split the heads; the message names the heads */
+    EXPECT_ERR(hexiseq_plan_strategy(c, &m, &t, S, 1, HEXISEQ_STRATEGY_ULYSSES, &out, &pc), HEXISEQ_ERR_UNSUPPORTED,
+               "heads");
+    EXPECT(out.group_size == NULL && out.device == NULL, "failed plan leaves no allocation");
+    hexiseq_cluster_destroy(c);
+
+    /* 10 devices: 40 % 10 == 0, Ulysses works; 1000003 tokens split 100001 x 3 + 100000 x 7 */
+    hexiseq_node_desc nd10[2] = {node("H100-SXM", 8, 450, 0, 0, 0, 0), node("A800", 2, 200, 0, 0, 0, 0)};
+    EXPECT_OK(hexiseq_cluster_create(2, nd10, 25.0, NULL, &c));
+    EXPECT_OK(hexiseq_plan_strategy(c, &m, &t, S, 1, HEXISEQ_STRATEGY_ULYSSES, &out, &pc));
+    EXPECT(out.n_groups == 1 && out.tokens[0] == 100001 && out.tokens[9] == 100000, "ulysses shares %lld..%lld",
+           (long long)out.tokens[0], (long long)out.tokens[9]);
+    check_valid_layout(c, &m, &t, S, &out, &pc, "ulysses 10 devices");
+    hexiseq_layout_free(&out);
+    /* fewer tokens than devices: no uniform split */
+    EXPECT_ERR(hexiseq_plan_strategy(c, &m, &t, 7, 1, HEXISEQ_STRATEGY_RING, &out, &pc), HEXISEQ_ERR_UNSUPPORTED,
+               "seq_len");
+    /* a model that fits nowhere: MEMORY, with the least-short layout returned and the device named */
+    hexiseq_model huge = {100, 16384, 128, 8, 128, 65536, 128256, 2, 1};
+    hexiseq_status st = hexiseq_plan_strategy(c, &huge, &t, S, 1, HEXISEQ_STRATEGY_RING, &out, &pc);
+    EXPECT(st == HEXISEQ_ERR_MEMORY && pc.fits == 0 && out.group_size != NULL && strstr(hexiseq_last_error(), "device") &&
+               strstr(hexiseq_last_error(), "GiB"),
+           "huge model: status %d '%s'", st, hexiseq_last_error());
+    hexiseq_layout_free(&out);
+    hexiseq_cluster_destroy(c);
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Garbage input: every pointer NULL, every size out of range, every number NaN / inf / negative. */
+
+static void test_garbage_catalog_and_cluster(void) {
+    hexiseq_gpu_spec spec;
+    EXPECT(hexiseq_gpu_catalog_size() >= 13, "catalog size %d", hexiseq_gpu_catalog_size());
+    EXPECT_ERR(hexiseq_gpu_catalog_get(0, NULL), HEXISEQ_ERR_NULL, "out");
+    EXPECT_ERR(hexiseq_gpu_catalog_get(-1, &spec), HEXISEQ_ERR_INVALID, "index");
+    EXPECT_ERR(hexiseq_gpu_catalog_get(hexiseq_gpu_catalog_size(), &spec), HEXISEQ_ERR_INVALID, "index");
+    EXPECT_ERR(hexiseq_gpu_catalog_get(INT_MAX, &spec), HEXISEQ_ERR_INVALID, "index");
+    EXPECT_ERR(hexiseq_gpu_find(NULL, &spec), HEXISEQ_ERR_NULL, "name");
+    EXPECT_ERR(hexiseq_gpu_find("H100", NULL), HEXISEQ_ERR_NULL, "out");
+    EXPECT_ERR(hexiseq_gpu_find("H999", &spec), HEXISEQ_ERR_UNKNOWN_GPU, "H999");
+    EXPECT(strstr(hexiseq_last_error(), "H100-SXM") && strstr(hexiseq_last_error(), "V100"),
+           "unknown GPU message lists the known models: '%s'", hexiseq_last_error());
+    EXPECT_ERR(hexiseq_gpu_find("", &spec), HEXISEQ_ERR_UNKNOWN_GPU, "unknown GPU");
+    EXPECT_ERR(hexiseq_gpu_find("H100-SXMX", &spec), HEXISEQ_ERR_UNKNOWN_GPU, "H100-SXMX");
+    char longname[300];
+    memset(longname, 'Z', sizeof longname - 1);
+    longname[sizeof longname - 1] = '\0';
+    EXPECT_ERR(hexiseq_gpu_find(longname, &spec), HEXISEQ_ERR_UNKNOWN_GPU, "ZZZZ");
+    for (int i = 0; i < hexiseq_gpu_catalog_size(); ++i) {
+        EXPECT_OK(hexiseq_gpu_catalog_get(i, &spec));
+        EXPECT(spec.name && spec.source && spec.source[0] && spec.peak_tflops > 0 && spec.memory_gib > 0 &&
+                   spec.hbm_gbps > 0 && spec.gemm_eff > 0 && spec.gemm_eff <= 1 && spec.attn_eff > 0 && spec.attn_eff <= 1,
+               "catalog entry %d", i);
+    }
+
+    hexiseq_cluster *c = (hexiseq_cluster *)(uintptr_t)1; /* must be overwritten with NULL on failure */
+    hexiseq_node_desc ok = node("H100", 2, 450, 0, 0, 0, 0);
+    EXPECT_ERR(hexiseq_cluster_create(1, NULL, 25, NULL, &c), HEXISEQ_ERR_NULL, "nodes");
+    EXPECT_ERR(hexiseq_cluster_create(1, &ok, 25, NULL, NULL), HEXISEQ_ERR_NULL, "out");
+    EXPECT_ERR(hexiseq_cluster_create(0, &ok, 25, NULL, &c), HEXISEQ_ERR_INVALID, "nodes");
+    EXPECT(c == NULL, "out set to NULL on failure");
+    EXPECT_ERR(hexiseq_cluster_create(-1, &ok, 25, NULL, &c), HEXISEQ_ERR_INVALID, "-1");
+    EXPECT_ERR(hexiseq_cluster_create(INT32_MAX, &ok, 25, NULL, &c), HEXISEQ_ERR_INVALID, "nodes");
+    const double bad_num[] = {0.0, -1.0, NAN, INFINITY, -INFINITY};
+    for (size_t i = 0; i < sizeof bad_num / sizeof bad_num[0]; ++i) {
+        EXPECT_ERR(hexiseq_cluster_create(1, &ok, bad_num[i], NULL, &c), HEXISEQ_ERR_INVALID, "inter_node_gbps");
+        hexiseq_node_desc n = ok;
+        n.intra_gbps = bad_num[i];
+        EXPECT_ERR(hexiseq_cluster_create(1, &n, 25, NULL, &c), HEXISEQ_ERR_INVALID, "nodes[0].intra_gbps");
+    }
+    const double nonfinite[] = {NAN, INFINITY, -INFINITY};
+    for (size_t i = 0; i < 3; ++i) {
+        hexiseq_node_desc n[2] = {ok, ok};
+        n[1].memory_gib = nonfinite[i];
+        EXPECT_ERR(hexiseq_cluster_create(2, n, 25, NULL, &c), HEXISEQ_ERR_INVALID, "nodes[1].memory_gib");
+        n[1] = ok;
+        n[1].peak_tflops = nonfinite[i];
+        EXPECT_ERR(hexiseq_cluster_create(2, n, 25, NULL, &c), HEXISEQ_ERR_INVALID, "nodes[1].peak_tflops");
+        n[1] = ok;
+        n[1].gemm_eff = nonfinite[i];
+        EXPECT_ERR(hexiseq_cluster_create(2, n, 25, NULL, &c), HEXISEQ_ERR_INVALID, "nodes[1].gemm_eff");
+        n[1] = ok;
+        n[1].attn_eff = nonfinite[i];
+        EXPECT_ERR(hexiseq_cluster_create(2, n, 25, NULL, &c), HEXISEQ_ERR_INVALID, "nodes[1].attn_eff");
+    }
+    {
+        hexiseq_node_desc n = ok;
+        n.gemm_eff = 1.5;
+        EXPECT_ERR(hexiseq_cluster_create(1, &n, 25, NULL, &c), HEXISEQ_ERR_INVALID, "nodes[0].gemm_eff");
+        n = ok;
+        n.attn_eff = 2.0;
+        EXPECT_ERR(hexiseq_cluster_create(1, &n, 25, NULL, &c), HEXISEQ_ERR_INVALID, "nodes[0].attn_eff");
+    }
+    const int32_t bad_count[] = {0, -1, -3, INT32_MIN, 65537, INT32_MAX};
+    for (size_t i = 0; i < sizeof bad_count / sizeof bad_count[0]; ++i) {
+        hexiseq_node_desc n[2] = {ok, ok};
+        n[1].count = bad_count[i];
+        EXPECT_ERR(hexiseq_cluster_create(2, n, 25, NULL, &c), HEXISEQ_ERR_INVALID, "nodes[1].count");
+    }
+    {
+        hexiseq_node_desc n[2] = {ok, ok};
+        n[0].count = n[1].count = 40000; /* each valid, together over the device limit */
+        EXPECT_ERR(hexiseq_cluster_create(2, n, 25, NULL, &c), HEXISEQ_ERR_INVALID, "devices");
+        n[0] = n[1] = ok;
+        n[1].gpu = NULL;
+        EXPECT_ERR(hexiseq_cluster_create(2, n, 25, NULL, &c), HEXISEQ_ERR_NULL, "nodes[1].gpu");
+        n[1].gpu = "B200-ish";
+        EXPECT_ERR(hexiseq_cluster_create(2, n, 25, NULL, &c), HEXISEQ_ERR_UNKNOWN_GPU, "nodes[1].gpu");
+        EXPECT(strstr(hexiseq_last_error(), "B200-ish") && strstr(hexiseq_last_error(), "A100-80G"),
+               "unknown node GPU message: '%s'", hexiseq_last_error());
+    }
+    /* bandwidth matrix: any bad off-diagonal entry is named by its indices; the diagonal is ignored */
+    for (size_t i = 0; i < sizeof bad_num / sizeof bad_num[0]; ++i) {
+        double m4[4] = {1, 5, 5, 1};
+        m4[2] = bad_num[i];
+        EXPECT_ERR(hexiseq_cluster_create(1, &ok, 25, m4, &c), HEXISEQ_ERR_INVALID, "bandwidth_gbps[1][0]");
+        double diag[4] = {bad_num[i], 5, 5, bad_num[i]};
+        EXPECT_OK(hexiseq_cluster_create(1, &ok, 25, diag, &c));
+        hexiseq_cluster_destroy(c);
+        c = NULL;
+    }
+
+    /* queries on a valid cluster */
+    EXPECT_OK(hexiseq_cluster_create(1, &ok, 25, NULL, &c));
+    hexiseq_device_info di;
+    double g;
+    EXPECT_ERR(hexiseq_cluster_device(NULL, 0, &di), HEXISEQ_ERR_NULL, "cluster");
+    EXPECT_ERR(hexiseq_cluster_device(c, 0, NULL), HEXISEQ_ERR_NULL, "out");
+    EXPECT_ERR(hexiseq_cluster_device(c, -1, &di), HEXISEQ_ERR_INVALID, "device");
+    EXPECT_ERR(hexiseq_cluster_device(c, 2, &di), HEXISEQ_ERR_INVALID, "device");
+    EXPECT_ERR(hexiseq_cluster_device(c, INT32_MIN, &di), HEXISEQ_ERR_INVALID, "device");
+    EXPECT_ERR(hexiseq_cluster_bandwidth(NULL, 0, 1, &g), HEXISEQ_ERR_NULL, "cluster");
+    EXPECT_ERR(hexiseq_cluster_bandwidth(c, 0, 1, NULL), HEXISEQ_ERR_NULL, "gbps");
+    EXPECT_ERR(hexiseq_cluster_bandwidth(c, 0, 0, &g), HEXISEQ_ERR_INVALID, "devices");
+    EXPECT_ERR(hexiseq_cluster_bandwidth(c, -1, 1, &g), HEXISEQ_ERR_INVALID, "devices");
+    EXPECT_ERR(hexiseq_cluster_bandwidth(c, 0, 2, &g), HEXISEQ_ERR_INVALID, "devices");
+    EXPECT_OK(hexiseq_cluster_bandwidth(c, 1, 0, &g));
+    EXPECT(g == 450.0, "intra-node bandwidth %g", g);
+    EXPECT(hexiseq_cluster_num_devices(NULL) == 0 && hexiseq_cluster_num_nodes(NULL) == 0, "NULL cluster sizes");
+    hexiseq_cluster_destroy(c);
+    hexiseq_cluster_destroy(NULL);
+}
+
+static void test_garbage_model_layout(void) {
+    double p;
+    EXPECT_ERR(hexiseq_model_validate(NULL), HEXISEQ_ERR_NULL, "model");
+    EXPECT_ERR(hexiseq_model_params(NULL, &p), HEXISEQ_ERR_NULL, "model");
+    EXPECT_ERR(hexiseq_model_params(&TINY, NULL), HEXISEQ_ERR_NULL, "params");
+    const char *names[] = {"layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "dtype_bytes"};
+    const size_t offs[] = {offsetof(hexiseq_model, layers),   offsetof(hexiseq_model, hidden),
+                           offsetof(hexiseq_model, heads),    offsetof(hexiseq_model, kv_heads),
+                           offsetof(hexiseq_model, head_dim), offsetof(hexiseq_model, ffn),
+                           offsetof(hexiseq_model, vocab),    offsetof(hexiseq_model, dtype_bytes)};
+    const int32_t bad[] = {0, -1, INT32_MIN, INT32_MAX};
+    for (int f = 0; f < 8; ++f)
+        for (int i = 0; i < 4; ++i) {
+            hexiseq_model m = TINY;
+            int32_t *field = (int32_t *)((char *)&m + offs[f]);
+            *field = bad[i];
+            char want[32];
+            snprintf(want, sizeof want, "model.%s", names[f]);
+            /* heads = INT32_MAX fails the range check; kv_heads > heads is named by the divisibility rule */
+            hexiseq_status st = hexiseq_model_validate(&m);
+            EXPECT(st == HEXISEQ_ERR_INVALID && strstr(hexiseq_last_error(), want), "model.%s = %d: status %d '%s'",
+                   names[f], bad[i], st, hexiseq_last_error());
+        }
+    hexiseq_model m = TINY;
+    m.kv_heads = 3; /* 4 % 3 != 0 */
+    EXPECT_ERR(hexiseq_model_validate(&m), HEXISEQ_ERR_INVALID, "kv_heads");
+    m = TINY;
+    m.gated_mlp = 2;
+    EXPECT_ERR(hexiseq_model_validate(&m), HEXISEQ_ERR_INVALID, "gated_mlp");
+    m.gated_mlp = -1;
+    EXPECT_ERR(hexiseq_model_validate(&m), HEXISEQ_ERR_INVALID, "gated_mlp");
+    hexiseq_training_default(NULL); /* must not crash */
+
+    hexiseq_layout l;
+    EXPECT_ERR(hexiseq_layout_alloc(1, 1, NULL), HEXISEQ_ERR_NULL, "out");
+    EXPECT_ERR(hexiseq_layout_alloc(0, 1, &l), HEXISEQ_ERR_INVALID, "groups");
+    EXPECT_ERR(hexiseq_layout_alloc(1, 0, &l), HEXISEQ_ERR_INVALID, "devices");
+    EXPECT_ERR(hexiseq_layout_alloc(2, 1, &l), HEXISEQ_ERR_INVALID, "groups");
+    EXPECT_ERR(hexiseq_layout_alloc(-1, -1, &l), HEXISEQ_ERR_INVALID, "groups");
+    EXPECT_ERR(hexiseq_layout_alloc(1, INT32_MAX, &l), HEXISEQ_ERR_INVALID, "devices");
+    EXPECT(l.group_size == NULL && l.device == NULL, "failed alloc leaves a zeroed layout");
+    hexiseq_layout_free(NULL);
+    hexiseq_layout_free(&l); /* zeroed: freeing again is harmless */
+    hexiseq_group_span sp[2];
+    EXPECT_OK(hexiseq_layout_alloc(2, 2, &l));
+    EXPECT_ERR(hexiseq_layout_spans(NULL, sp), HEXISEQ_ERR_NULL, "layout");
+    EXPECT_ERR(hexiseq_layout_spans(&l, NULL), HEXISEQ_ERR_NULL, "spans");
+    l.group_seq[1] = -5;
+    EXPECT_ERR(hexiseq_layout_spans(&l, sp), HEXISEQ_ERR_LAYOUT, "group_seq[1]");
+    hexiseq_layout_free(&l);
+    hexiseq_layout_free(&l);
+
+    EXPECT(strcmp(hexiseq_strategy_name(HEXISEQ_STRATEGY_RING), "ring") == 0 &&
+               strcmp(hexiseq_strategy_name(HEXISEQ_STRATEGY_ULYSSES), "ulysses") == 0 &&
+               strcmp(hexiseq_strategy_name(HEXISEQ_STRATEGY_USP), "usp") == 0 &&
+               strcmp(hexiseq_strategy_name((hexiseq_strategy)-1), "unknown") == 0 &&
+               strcmp(hexiseq_strategy_name((hexiseq_strategy)99), "unknown") == 0,
+           "strategy names");
+    for (int s = -1; s <= 11; ++s)
+        EXPECT(hexiseq_status_string((hexiseq_status)s) && hexiseq_status_string((hexiseq_status)s)[0],
+               "status string of %d", s);
+}
+
+/* A valid 4-device setup (2 nodes of 2) and a valid 2-group layout to break one field at a time. */
+typedef struct {
+    hexiseq_cluster *c;
+    hexiseq_model m;
+    hexiseq_training t;
+    hexiseq_layout l;
+    hexiseq_device_cost per[4];
+    hexiseq_plan_cost pc;
+} fixture;
+
+static void fixture_reset(fixture *f) {
+    const int32_t gs[] = {2, 2}, dv[] = {0, 1, 2, 3}, lo[] = {0, 3, 0, 2}, cnt[] = {3, 1, 2, 2};
+    const int64_t gq[] = {60, 40}, tk[] = {30, 30, 25, 15};
+    f->l.n_groups = 2;
+    f->l.n_devices = 4;
+    fill_layout(&f->l, gs, gq, dv, tk, lo, cnt);
+    f->m = TINY;
+    hexiseq_training_default(&f->t);
+}
+
+#define EVAL(f, S, causal) hexiseq_evaluate((f)->c, &(f)->m, &(f)->t, (S), (causal), &(f)->l, (f)->per, &(f)->pc)
+
+static void test_garbage_evaluate(void) {
+    fixture f;
+    hexiseq_node_desc nd[2] = {node("H100", 2, 450, 0, 0, 0, 0), node("A100", 2, 300, 0, 0, 0, 0)};
+    EXPECT_OK(hexiseq_cluster_create(2, nd, 25, NULL, &f.c));
+    EXPECT_OK(hexiseq_layout_alloc(2, 4, &f.l));
+    fixture_reset(&f);
+    EXPECT_OK(EVAL(&f, 100, 1));
+
+    /* NULL for every pointer argument */
+    EXPECT_ERR(hexiseq_evaluate(NULL, &f.m, &f.t, 100, 1, &f.l, f.per, &f.pc), HEXISEQ_ERR_NULL, "cluster");
+    EXPECT_ERR(hexiseq_evaluate(f.c, NULL, &f.t, 100, 1, &f.l, f.per, &f.pc), HEXISEQ_ERR_NULL, "model");
+    EXPECT_ERR(hexiseq_evaluate(f.c, &f.m, NULL, 100, 1, &f.l, f.per, &f.pc), HEXISEQ_ERR_NULL, "training");
+    EXPECT_ERR(hexiseq_evaluate(f.c, &f.m, &f.t, 100, 1, NULL, f.per, &f.pc), HEXISEQ_ERR_NULL, "layout");
+    EXPECT_ERR(hexiseq_evaluate(f.c, &f.m, &f.t, 100, 1, &f.l, NULL, &f.pc), HEXISEQ_ERR_NULL, "per_device");
+    EXPECT_ERR(hexiseq_evaluate(f.c, &f.m, &f.t, 100, 1, &f.l, f.per, NULL), HEXISEQ_ERR_NULL, "out");
+    {
+        int32_t *saved = f.l.head_count;
+        f.l.head_count = NULL;
+        EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_NULL, "layout arrays");
+        f.l.head_count = saved;
+        int64_t *saved_seq = f.l.group_seq;
+        f.l.group_seq = NULL;
+        EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_NULL, "layout arrays");
+        f.l.group_seq = saved_seq;
+    }
+    /* seq_len and causal out of range */
+    const int64_t bad_seq[] = {0, -1, INT64_MIN, INT64_MAX, ((int64_t)1 << 30) + 1};
+    for (size_t i = 0; i < sizeof bad_seq / sizeof bad_seq[0]; ++i)
+        EXPECT_ERR(EVAL(&f, bad_seq[i], 1), HEXISEQ_ERR_INVALID, "seq_len");
+    EXPECT_ERR(EVAL(&f, 100, 2), HEXISEQ_ERR_INVALID, "causal");
+    EXPECT_ERR(EVAL(&f, 100, -1), HEXISEQ_ERR_INVALID, "causal");
+    /* training */
+    f.t.sequences = 0;
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_INVALID, "training.sequences");
+    f.t.sequences = -7;
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_INVALID, "training.sequences");
+    fixture_reset(&f);
+    f.t.checkpointing = 2;
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_INVALID, "training.checkpointing");
+    fixture_reset(&f);
+    f.t.sharding = 4;
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_INVALID, "training.sharding");
+    f.t.sharding = -1;
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_INVALID, "training.sharding");
+    const double bad_res[] = {NAN, INFINITY, -INFINITY, -1.0};
+    for (size_t i = 0; i < 4; ++i) {
+        fixture_reset(&f);
+        f.t.reserved_gib = bad_res[i];
+        EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_INVALID, "training.reserved_gib");
+    }
+    fixture_reset(&f);
+    f.m.kv_heads = 3;
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_INVALID, "kv_heads");
+
+    /* layouts */
+    fixture_reset(&f);
+    f.l.n_devices = 3;
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_LAYOUT, "devices");
+    fixture_reset(&f);
+    f.l.n_groups = 0;
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_LAYOUT, "groups");
+    fixture_reset(&f);
+    f.l.n_groups = -2;
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_LAYOUT, "groups");
+    fixture_reset(&f);
+    f.l.group_size[1] = 0;
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_LAYOUT, "groups[1]");
+    fixture_reset(&f);
+    f.l.group_size[0] = -2;
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_LAYOUT, "groups[0]");
+    fixture_reset(&f);
+    f.l.group_size[0] = 3; /* 3 + 2 = 5 devices listed for 4 */
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_LAYOUT, "group sizes");
+    fixture_reset(&f);
+    f.l.group_size[0] = INT32_MAX;
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_LAYOUT, "group sizes");
+    fixture_reset(&f);
+    f.l.group_seq[1] = 0;
+    EXPECT_ERR(EVAL(&f, 60, 1), HEXISEQ_ERR_LAYOUT, "groups[1].seq");
+    fixture_reset(&f);
+    f.l.group_seq[0] = -60;
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_LAYOUT, "groups[0].seq");
+    fixture_reset(&f);
+    EXPECT_ERR(EVAL(&f, 101, 1), HEXISEQ_ERR_LAYOUT, "seq_len=101"); /* group sequences add to 100 */
+    fixture_reset(&f);
+    f.l.device[3] = 0; /* device 0 twice, device 3 missing */
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_LAYOUT, "device 0 appears twice");
+    fixture_reset(&f);
+    f.l.device[2] = 4;
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_LAYOUT, "device 4");
+    fixture_reset(&f);
+    f.l.device[2] = -1;
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_LAYOUT, "device -1");
+    fixture_reset(&f);
+    f.l.device[0] = INT32_MIN;
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_LAYOUT, "groups[0] lists device");
+    fixture_reset(&f);
+    f.l.tokens[3] = 16; /* group 1 tokens 25 + 16 != 40 */
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_LAYOUT, "token shares of groups[1]");
+    fixture_reset(&f);
+    f.l.tokens[0] = -30;
+    f.l.tokens[1] = 90;
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_LAYOUT, "tokens of device 0");
+    fixture_reset(&f);
+    f.l.head_lo[1] = 2; /* device 1 overlaps device 0's heads [0,3) */
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_LAYOUT, "head ranges in groups[0]");
+    fixture_reset(&f);
+    f.l.head_lo[0] = 1; /* head 0 uncovered */
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_LAYOUT, "head ranges in groups[0]");
+    fixture_reset(&f);
+    f.l.head_count[2] = -2;
+    f.l.head_lo[3] = -2;
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_LAYOUT, "head_count of device 2");
+    fixture_reset(&f);
+    f.l.head_count[3] = 3; /* 2 + 3 > 4 heads */
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_LAYOUT, "exceed");
+    fixture_reset(&f);
+    f.l.head_count[3] = 1; /* 2 + 1 < 4 heads */
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_LAYOUT, "head counts of groups[1]");
+    fixture_reset(&f);
+    EXPECT_OK(EVAL(&f, 100, 1));
+    EXPECT(hexiseq_last_error()[0] == '\0', "error text cleared by a successful call");
+
+    /* plan_strategy */
+    hexiseq_layout out;
+    EXPECT_ERR(hexiseq_plan_strategy(NULL, &f.m, &f.t, 100, 1, HEXISEQ_STRATEGY_RING, &out, &f.pc), HEXISEQ_ERR_NULL, "cluster");
+    EXPECT_ERR(hexiseq_plan_strategy(f.c, NULL, &f.t, 100, 1, HEXISEQ_STRATEGY_RING, &out, &f.pc), HEXISEQ_ERR_NULL, "model");
+    EXPECT_ERR(hexiseq_plan_strategy(f.c, &f.m, NULL, 100, 1, HEXISEQ_STRATEGY_RING, &out, &f.pc), HEXISEQ_ERR_NULL, "training");
+    EXPECT_ERR(hexiseq_plan_strategy(f.c, &f.m, &f.t, 100, 1, HEXISEQ_STRATEGY_RING, NULL, &f.pc), HEXISEQ_ERR_NULL, "out");
+    EXPECT_ERR(hexiseq_plan_strategy(f.c, &f.m, &f.t, 100, 1, HEXISEQ_STRATEGY_RING, &out, NULL), HEXISEQ_ERR_NULL, "cost");
+    for (size_t i = 0; i < sizeof bad_seq / sizeof bad_seq[0]; ++i)
+        EXPECT_ERR(hexiseq_plan_strategy(f.c, &f.m, &f.t, bad_seq[i], 1, HEXISEQ_STRATEGY_RING, &out, &f.pc),
+                   HEXISEQ_ERR_INVALID, "seq_len");
+    EXPECT_ERR(hexiseq_plan_strategy(f.c, &f.m, &f.t, 100, 1, (hexiseq_strategy)-1, &out, &f.pc), HEXISEQ_ERR_INVALID, "strategy");
+    EXPECT_ERR(hexiseq_plan_strategy(f.c, &f.m, &f.t, 100, 1, HEXISEQ_STRATEGY_COUNT, &out, &f.pc), HEXISEQ_ERR_INVALID, "strategy");
+    EXPECT_ERR(hexiseq_plan_strategy(f.c, &f.m, &f.t, 100, 2, HEXISEQ_STRATEGY_RING, &out, &f.pc), HEXISEQ_ERR_INVALID, "causal");
+    EXPECT_ERR(hexiseq_plan_strategy(f.c, &f.m, &f.t, 3, 1, HEXISEQ_STRATEGY_USP, &out, &f.pc), HEXISEQ_ERR_UNSUPPORTED, "seq_len");
+    hexiseq_training bt = f.t;
+    bt.reserved_gib = NAN;
+    EXPECT_ERR(hexiseq_plan_strategy(f.c, &f.m, &bt, 100, 1, HEXISEQ_STRATEGY_RING, &out, &f.pc), HEXISEQ_ERR_INVALID,
+               "reserved_gib");
+
+    hexiseq_layout_free(&f.l);
+    hexiseq_cluster_destroy(f.c);
+}
+
+/* Sums of huge but individually in-range values must be reported as layout errors, not overflow
+ * (signed overflow is undefined behaviour: the sanitize build aborts on it). Kept last in main. */
+static void test_garbage_overflow(void) {
+    fixture f;
+    hexiseq_node_desc nd[2] = {node("H100", 2, 450, 0, 0, 0, 0), node("A100", 2, 300, 0, 0, 0, 0)};
+    EXPECT_OK(hexiseq_cluster_create(2, nd, 25, NULL, &f.c));
+    EXPECT_OK(hexiseq_layout_alloc(2, 4, &f.l));
+
+    fixture_reset(&f);
+    f.l.group_seq[0] = INT64_MAX; /* group sequence sum overflows int64 */
+    f.l.group_seq[1] = INT64_MAX;
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_LAYOUT, "seq");
+
+    fixture_reset(&f);
+    f.l.tokens[0] = INT64_MAX; /* token share sum of group 0 overflows int64 */
+    f.l.tokens[1] = INT64_MAX;
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_LAYOUT, "groups[0]");
+
+    fixture_reset(&f);
+    f.l.head_count[0] = 1; /* head range end 1 + INT32_MAX overflows int32 */
+    f.l.head_lo[1] = 1;
+    f.l.head_count[1] = INT32_MAX;
+    EXPECT_ERR(EVAL(&f, 100, 1), HEXISEQ_ERR_LAYOUT, "groups[0]");
+
+    hexiseq_group_span sp[2];
+    fixture_reset(&f);
+    f.l.group_seq[0] = INT64_MAX; /* spans: total overflows int64 */
+    f.l.group_seq[1] = 2;
+    EXPECT_ERR(hexiseq_layout_spans(&f.l, sp), HEXISEQ_ERR_LAYOUT, "group_seq");
+
+    hexiseq_layout_free(&f.l);
+    hexiseq_cluster_destroy(f.c);
+}
+
+int main(void) {
+    test_one_device();
+    test_two_devices();
+    test_three_devices();
+    test_four_devices();
+    test_causal_pairs();
+    test_spans();
+    test_strategies_odd_sizes();
+    test_garbage_catalog_and_cluster();
+    test_garbage_model_layout();
+    test_garbage_evaluate();
+    test_garbage_overflow();
+    printf("%d passed, %d failed\n", n_passed, n_failed);
+    return n_failed ? 1 : 0;
+}

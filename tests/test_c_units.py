@@ -1,0 +1,35 @@
+"""Runs the C unit tests (tests/c/Makefile): the optimised build and the ASan + UBSan build."""
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None or shutil.which("gcc") is None,
+                                reason="make and gcc are needed to build the C unit tests")
+
+
+def _run(target):
+    proc = subprocess.run(["make", "-C", "tests/c", target], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"make {target} failed (rc {proc.returncode}):\n{out[-6000:]}"
+    summaries = re.findall(r"^(\d+) passed, (\d+) failed$", out, flags=re.M)
+    binaries = re.findall(r"^== (test_\w+)", out, flags=re.M)
+    assert binaries, f"make {target} ran no test binary:\n{out[-3000:]}"
+    # one summary line per binary, every one with at least one check and zero failures
+    assert len(summaries) == len(binaries), f"{len(binaries)} binaries but {len(summaries)} summaries:\n{out[-3000:]}"
+    for passed, failed in summaries:
+        assert int(passed) > 0 and int(failed) == 0, out[-3000:]
+    return binaries
+
+
+def test_c_units_optimised():
+    assert "test_cost" in _run("test")
+
+
+def test_c_units_sanitized():
+    assert "test_cost" in _run("sanitize")

@@ -1,0 +1,120 @@
+"""The `hexiseq` command line, run as `python -m hexiseq` in a subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import hexiseq
+from hexiseq import Plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "hexiseq", *args], capture_output=True, text=True, timeout=120,
+                          cwd=cwd or ROOT)
+
+
+def assert_clean_error(proc, *needles):
+    """Exit 1, one `hexiseq: error: ...` line on stderr naming the problem, no traceback, nothing on stdout."""
+    assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hexiseq: error: "), proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+@pytest.fixture(scope="module")
+def default_run():
+    return run("plan")
+
+
+def test_plan_defaults(default_run):
+    proc = default_run
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert proc.stderr == ""
+    # the explanation, the per-device table (16 example devices) and the strategies side by side
+    for word in ("step time", "token-parallel", "all-to-all", "attention+ring", "lower bound", "fingerprint"):
+        assert word in out, word
+    header = next(line for line in out.splitlines() if line.split()[:2] == ["dev", "gpu"])
+    assert "mem GiB" in header
+    rows = [line for line in out.splitlines() if line.split() and line.split()[0].isdigit()
+            and len(line.split()) > 1 and line.split()[1] in ("H100-SXM", "A100-80G")]
+    assert len(rows) == 16
+    assert "strategies side by side" in out
+    table = out.split("strategies side by side")[1]
+    for name in ("ring", "ulysses", "usp"):
+        assert any(line.startswith(name) for line in table.splitlines()), name
+    assert "<- chosen" in table
+
+
+def test_plan_matches_api(default_run):
+    expected = hexiseq.plan(hexiseq.Cluster.example(), model="7b", seq_len="128k")
+    assert f"fingerprint {expected.fingerprint}" in default_run.stdout
+
+
+def test_plan_yaml_cluster_model_seq_strategy(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text("nodes:\n  - {gpu: H100-SXM, count: 8, intra_gbps: 450}\n"
+                    "  - {gpu: A100-80G, count: 8, intra_gbps: 300}\ninter_node_gbps: 25\n")
+    proc = run("plan", str(path), "--model", "13b", "--seq-len", "64k", "--strategy", "usp")
+    assert proc.returncode == 0, proc.stderr
+    assert "HexiSeq plan 'usp'" in proc.stdout and "gpt-13b" in proc.stdout and "65,536" in proc.stdout
+    assert "16 devices (8x H100-SXM, 8x A100-80G)" in proc.stdout
+
+
+def test_plan_json_round_trips(tmp_path):
+    proc = run("plan", "--model", "7b", "--seq-len", "32k", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["format"] == "hexiseq-plan" and doc["seq_len"] == 32768
+    p = Plan.from_json(proc.stdout)
+    assert p.fingerprint == doc["fingerprint"]
+    assert p.to_json(indent=2) == proc.stdout.rstrip("\n")
+    assert p.step_time_s == doc["predicted"]["step_time_s"]
+
+
+def test_gpus():
+    proc = run("gpus")
+    assert proc.returncode == 0, proc.stderr
+    names = [line.split()[0] for line in proc.stdout.splitlines()[1:] if line.strip()]
+    assert names == [g["name"] for g in hexiseq.gpu_catalog()]
+
+
+def test_info():
+    proc = run("info")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == hexiseq.build_info()
+
+
+def test_version():
+    proc = run("--version")
+    assert proc.returncode == 0 and hexiseq.__version__ in proc.stdout
+
+
+def test_unknown_gpu_in_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("nodes:\n  - {gpu: H100-SXM, count: 4, intra_gbps: 450}\n  - {gpu: TPUv5, count: 4, intra_gbps: 300}\n"
+                    "inter_node_gbps: 25\n")
+    assert_clean_error(run("plan", str(path)), "nodes[1].gpu", "TPUv5", "H100-SXM")
+
+
+def test_bad_seq_len():
+    assert_clean_error(run("plan", "--seq-len", "abc"), "seq_len", "'abc'")
+    assert_clean_error(run("plan", "--seq-len", "0"), "seq_len")
+
+
+def test_missing_cluster_file(tmp_path):
+    assert_clean_error(run("plan", str(tmp_path / "nope.yaml")), "nope.yaml")
+
+
+def test_model_that_does_not_fit(tmp_path):
+    path = tmp_path / "small.yaml"
+    path.write_text("nodes:\n  - {gpu: RTX3090, count: 2, intra_gbps: 32}\n")
+    assert_clean_error(run("plan", str(path), "--model", "70b", "--seq-len", "1m"), "GiB")

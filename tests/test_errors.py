@@ -1,0 +1,318 @@
+"""Every bad input raises a subclass of hexiseq.HexiseqError whose message names the field and the value."""
+
+import json
+import math
+
+import pytest
+
+import hexiseq
+from hexiseq import (Cluster, HexiseqError, InvalidArgumentError, LayoutError, MemoryFitError, Model, Node, Plan,
+                     UnknownGPUError)
+
+GOOD_NODE = {"gpu": "H100-SXM", "count": 2, "intra_gbps": 450}
+
+
+def _raises(exc, fn, *needles):
+    """fn() must raise `exc` (a HexiseqError subclass) with every needle in its message."""
+    assert issubclass(exc, HexiseqError)
+    with pytest.raises(exc) as info:
+        fn()
+    msg = str(info.value)
+    for needle in needles:
+        assert str(needle) in msg, (needle, msg)
+    return msg
+
+
+def _two_nodes(**override):
+    node = {**GOOD_NODE, **override}
+    return {"nodes": [dict(GOOD_NODE), node], "inter_node_gbps": 25}
+
+
+# ------------------------------------------------------------------ GPU names
+
+def test_unknown_gpu_lists_known_models():
+    msg = _raises(UnknownGPUError, lambda: Cluster.from_dict({"nodes": [{**GOOD_NODE, "gpu": "H999"}]}),
+                  "nodes[0].gpu", "H999")
+    for known in ("H100-SXM", "A100-80G", "L40S", "RTX4090", "V100"):
+        assert known in msg
+    _raises(UnknownGPUError, lambda: Cluster([Node("B300", 1, 1.0)]), "B300")
+
+
+def test_gpu_name_not_a_string():
+    _raises(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": [{**GOOD_NODE, "gpu": 100}]}), "gpu", "100")
+
+
+# ------------------------------------------------------------------ counts and bandwidths
+
+BAD_COUNTS = [0, -1, -8, 1.5, float("nan"), "8", None, True, [2]]
+BAD_BANDWIDTHS = [0, -1, -0.5, float("nan"), float("inf"), "450", None, True, False]
+
+
+@pytest.mark.parametrize("value", BAD_COUNTS, ids=repr)
+def test_bad_count(value):
+    _raises(InvalidArgumentError, lambda: Cluster.from_dict(_two_nodes(count=value)), "nodes[1].count", repr(value)
+            if not isinstance(value, int) or isinstance(value, bool) else value)
+
+
+@pytest.mark.parametrize("value", BAD_BANDWIDTHS, ids=repr)
+def test_bad_intra_bandwidth(value):
+    msg = _raises(InvalidArgumentError, lambda: Cluster.from_dict(_two_nodes(intra_gbps=value)), "nodes[1].intra_gbps")
+    assert _value_text(value) in msg, msg
+
+
+@pytest.mark.parametrize("value", BAD_BANDWIDTHS, ids=repr)
+def test_bad_inter_bandwidth(value):
+    spec = _two_nodes()
+    spec["inter_node_gbps"] = value
+    msg = _raises(InvalidArgumentError, lambda: Cluster.from_dict(spec), "inter_node_gbps")
+    assert _value_text(value) in msg, msg
+
+
+@pytest.mark.parametrize("field", ["memory_gib", "peak_tflops", "gemm_eff", "attn_eff"])
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), "x", True], ids=repr)
+def test_bad_override(field, value):
+    msg = _raises(InvalidArgumentError, lambda: Cluster.from_dict(_two_nodes(**{field: value})), f"nodes[1].{field}")
+    assert _value_text(value) in msg, msg
+
+
+@pytest.mark.parametrize("field", ["gemm_eff", "attn_eff"])
+def test_efficiency_above_one(field):
+    _raises(InvalidArgumentError, lambda: Cluster.from_dict(_two_nodes(**{field: 1.5})), f"nodes[1].{field}", "1.5")
+
+
+def _value_text(value):
+    """How a bad value appears in a message: the repr, or for numbers the number itself."""
+    if isinstance(value, (bool, str)) or value is None:
+        return repr(value)
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return repr(value)
+    return str(value)
+
+
+@pytest.mark.parametrize("value", [0, -2, float("nan"), float("inf")], ids=repr)
+def test_bad_bandwidth_matrix_entry(value):
+    bw = [[0, 100], [100, 0]]
+    bw[1][0] = value
+    _raises(InvalidArgumentError, lambda: Cluster([Node("H100", 2, 450)], 25, bandwidth_gbps=bw),
+            "bandwidth_gbps[1][0]")
+
+
+def test_bandwidth_matrix_of_wrong_size():
+    # 2 devices, 3 x 3 matrix
+    bw = [[0, 1, 1], [1, 0, 1], [1, 1, 0]]
+    _raises(InvalidArgumentError, lambda: Cluster([Node("H100", 2, 450)], 25, bandwidth_gbps=bw),
+            "bandwidth_gbps", "2 x 2")
+
+
+def test_bandwidth_matrix_not_numbers():
+    _raises(InvalidArgumentError, lambda: Cluster([Node("H100", 2, 450)], 25, bandwidth_gbps=[["a", "b"], [1, 0]]),
+            "bandwidth_gbps")
+    _raises(InvalidArgumentError, lambda: Cluster([Node("H100", 2, 450)], 25, bandwidth_gbps=[1, 2]),
+            "bandwidth_gbps")
+
+
+# ------------------------------------------------------------------ YAML files
+
+YAML_CASES = [
+    ("count: 0", "nodes[1].count", "0"),
+    ("count: -4", "nodes[1].count", "-4"),
+    ("count: eight", "nodes[1].count", "'eight'"),
+    ("count: .nan", "nodes[1].count", "nan"),
+    ("count: ~", "nodes[1].count", "None"),
+    ("count: true", "nodes[1].count", "True"),
+    ("intra_gbps: 0", "nodes[1].intra_gbps", "0"),
+    ("intra_gbps: -300", "nodes[1].intra_gbps", "-300"),
+    ("intra_gbps: .nan", "nodes[1].intra_gbps", "nan"),
+    ("intra_gbps: .inf", "nodes[1].intra_gbps", "inf"),
+    ("intra_gbps: fast", "nodes[1].intra_gbps", "'fast'"),
+    ("intra_gbps: ~", "nodes[1].intra_gbps", "None"),
+]
+
+
+@pytest.mark.parametrize("line,field,value", YAML_CASES)
+def test_bad_yaml_values(tmp_path, line, field, value):
+    key, val = line.split(": ")
+    text = ("nodes:\n  - {gpu: H100-SXM, count: 8, intra_gbps: 450}\n"
+            f"  - gpu: A100-80G\n    count: 8\n    intra_gbps: 300\ninter_node_gbps: 25\n")
+    text = text.replace(f"    {key}: {'8' if key == 'count' else '300'}\n", f"    {key}: {val}\n")
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text)
+    _raises(InvalidArgumentError, lambda: Cluster.from_file(path), field, value)
+
+
+def test_bad_yaml_inter_node_and_gpu(tmp_path):
+    path = tmp_path / "c.yml"
+    path.write_text("nodes:\n  - {gpu: H100, count: 8, intra_gbps: 450}\n  - {gpu: A100, count: 8, intra_gbps: 300}\n"
+                    "inter_node_gbps: -25\n")
+    _raises(InvalidArgumentError, lambda: Cluster.from_file(path), "inter_node_gbps", "-25")
+    path.write_text("nodes:\n  - {gpu: Z80, count: 8, intra_gbps: 450}\n")
+    _raises(UnknownGPUError, lambda: Cluster.from_file(path), "nodes[0].gpu", "Z80")
+
+
+def test_unreadable_and_malformed_files(tmp_path):
+    _raises(InvalidArgumentError, lambda: Cluster.from_file(tmp_path / "missing.yaml"), "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nodes: [ {gpu: H100\n")
+    _raises(InvalidArgumentError, lambda: Cluster.from_file(bad), "bad.yaml")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nodes: }")
+    _raises(InvalidArgumentError, lambda: Cluster.from_file(bad), "bad.json")
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    _raises(InvalidArgumentError, lambda: Cluster.from_file(scalar), "mapping")
+
+
+# ------------------------------------------------------------------ missing and unknown fields
+
+def test_missing_fields():
+    _raises(InvalidArgumentError, lambda: Cluster.from_dict({}), "nodes")
+    _raises(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": [{"count": 2, "intra_gbps": 1}]}), "nodes[0].gpu")
+    _raises(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": [{"gpu": "H100", "intra_gbps": 1}]}),
+            "nodes[0].count")
+    _raises(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": [{"gpu": "H100", "count": 2}]}),
+            "nodes[0].intra_gbps")
+    spec = _two_nodes()
+    del spec["inter_node_gbps"]
+    _raises(InvalidArgumentError, lambda: Cluster.from_dict(spec), "inter_node_gbps")
+    _raises(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": []}), "nodes")
+    _raises(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": "H100"}), "nodes")
+    _raises(InvalidArgumentError, lambda: Cluster.from_dict([GOOD_NODE]), "mapping")
+
+
+def test_unknown_fields():
+    _raises(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": [{**GOOD_NODE, "colour": "red"}]}), "colour")
+    _raises(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": [GOOD_NODE], "gpus": 4}), "gpus")
+    _raises(InvalidArgumentError, lambda: Model.from_dict({**Model.preset("7b").to_dict(), "experts": 8}), "experts")
+    _raises(InvalidArgumentError, lambda: hexiseq.Training.from_dict({"sequences": 1, "micro_batch": 4}),
+            "micro_batch")
+
+
+# ------------------------------------------------------------------ sequence lengths
+
+@pytest.mark.parametrize("value", [0, -1, -131072, "0", "-5", "abc", "", "12q", "1.5", "nan", "inf", None, True, 1.5,
+                                   2 ** 31, 2 ** 70, float("nan")], ids=repr)
+def test_bad_seq_len(value):
+    msg = _raises(InvalidArgumentError, lambda: hexiseq.plan(Cluster.example(), seq_len=value, strategy="ring"),
+                  "seq_len")
+    if not isinstance(value, int) or isinstance(value, bool):
+        assert repr(value) in msg or str(value) in msg, msg
+
+
+# ------------------------------------------------------------------ models
+
+def test_heads_not_divisible_by_kv_heads():
+    _raises(InvalidArgumentError, lambda: Model(32, 4096, 32, 5, 128, 11008, 32000), "kv_heads", "5", "32")
+    _raises(InvalidArgumentError, lambda: Model(32, 4096, 8, 16, 128, 11008, 32000), "kv_heads", "16")
+
+
+@pytest.mark.parametrize("field", ["layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab"])
+@pytest.mark.parametrize("value", [0, -3, "x", None, 2.5], ids=repr)
+def test_bad_model_fields(field, value):
+    d = Model.preset("7b").to_dict()
+    d[field] = value
+    _raises(InvalidArgumentError, lambda: Model.from_dict(d), f"model.{field}", value if isinstance(value, int)
+            else repr(value))
+
+
+def test_unknown_preset_and_hf_config():
+    _raises(InvalidArgumentError, lambda: Model.preset("gpt-5"), "gpt-5", "llama3-8b")
+    _raises(InvalidArgumentError, lambda: hexiseq.plan(Cluster.example(), model="175b"), "175b")
+    _raises(InvalidArgumentError, lambda: Model.from_hf_config({"hidden_size": 512}), "num_hidden_layers")
+
+
+# ------------------------------------------------------------------ memory
+
+def test_nothing_fits():
+    cluster = {"nodes": [{"gpu": "RTX3090", "count": 2, "intra_gbps": 32}]}
+    msg = _raises(MemoryFitError, lambda: hexiseq.plan(cluster, model="llama3-70b", seq_len="1m"), "device", "GiB")
+    assert "RTX3090" in msg
+    for strategy in ("ring", "ulysses", "usp"):
+        _raises(MemoryFitError, lambda: hexiseq.plan(cluster, model="70b", seq_len="1m", strategy=strategy),
+                "device", "GiB", strategy)
+
+
+# ------------------------------------------------------------------ layouts
+
+def _layout(**change):
+    groups = [{"devices": list(range(8)), "seq": 65536, "tokens": [8192] * 8, "heads": [4] * 8},
+              {"devices": list(range(8, 16)), "seq": 65536, "tokens": [8192] * 8, "heads": [4] * 8}]
+    for key, value in change.items():
+        g, field = key.split("_", 1)
+        groups[int(g[1:])][field] = value
+    return {"groups": groups}
+
+
+def _evaluate(layout, seq_len=131072):
+    return hexiseq.evaluate(Cluster.example(), model="7b", seq_len=seq_len, layout=layout)
+
+
+def test_valid_layout_baseline():
+    assert _evaluate(_layout()).num_groups == 2
+
+
+def test_layout_shares_that_do_not_sum():
+    _raises(LayoutError, lambda: _evaluate(_layout(g1_tokens=[8192] * 7 + [8000])), "groups[1]", "65344")
+    _raises(LayoutError, lambda: _evaluate(_layout(g0_seq=65535)), "seq_len=131072", "131071")
+    _raises(LayoutError, lambda: _evaluate(_layout(), seq_len=131073), "131073")
+    _raises(LayoutError, lambda: _evaluate(_layout(g1_heads=[4] * 7 + [3])), "groups[1]", "31")
+    _raises(LayoutError, lambda: _evaluate(_layout(g0_tokens=[-8192, 24576] + [8192] * 6)), "tokens", "-8192")
+    _raises(LayoutError, lambda: _evaluate(_layout(g0_tokens=[8192] * 7)), "groups[0].tokens")
+
+
+def test_layout_overlapping_heads():
+    ranges = [[0, 4], [2, 8]] + [[4 * i, 4 * i + 4] for i in range(2, 8)]
+    _raises(LayoutError, lambda: _evaluate({"groups": [
+        {"devices": list(range(8)), "seq": 65536, "tokens": [8192] * 8, "head_ranges": ranges},
+        _layout()["groups"][1]]}), "head ranges in groups[0]", "device 1")
+    _raises(LayoutError, lambda: _evaluate(_layout(g1_heads=[4] * 7 + [-4])), "head")
+
+
+def test_layout_device_twice_or_missing():
+    _raises(LayoutError, lambda: _evaluate(_layout(g1_devices=[0] + list(range(9, 16)))), "device 0", "twice")
+    _raises(LayoutError, lambda: _evaluate(_layout(g1_devices=[16] + list(range(9, 16)))), "device 16")
+    _raises(LayoutError, lambda: _evaluate(_layout(g1_devices=list(range(9, 16)), g1_tokens=[8192] * 6 + [16384],
+                                                   g1_heads=[4] * 6 + [8])), "16", "15")
+
+
+def test_layout_malformed():
+    _raises(LayoutError, lambda: _evaluate({"groups": []}), "groups")
+    _raises(LayoutError, lambda: _evaluate({"groups": [{"devices": [0]}]}), "groups[0].seq")
+    _raises(LayoutError, lambda: _evaluate({"rings": 3}), "groups")
+    _raises(LayoutError, lambda: _evaluate({"groups": [{"devices": list(range(16)), "seq": 131072,
+                                                        "tokens": [8192] * 16}]}), "heads")
+
+
+# ------------------------------------------------------------------ strategies and plans
+
+def test_unknown_strategy():
+    _raises(InvalidArgumentError, lambda: hexiseq.plan(Cluster.example(), strategy="zigzag"), "strategy", "zigzag")
+    _raises(InvalidArgumentError, lambda: hexiseq.plan(Cluster.example(), strategy=None), "strategy", "None")
+
+
+def test_ulysses_unsupported():
+    c = Cluster([Node("H100", 3, 450)])
+    _raises(hexiseq.UnsupportedError, lambda: hexiseq.plan(c, model="7b", seq_len=4096, strategy="ulysses"),
+            "heads", "32", "3")
+
+
+@pytest.mark.parametrize("text", ["junk", "", "[]", "{}", "null", "42", '{"format": "hexiseq-plan"}',
+                                  '{"format": "other"}'])
+def test_plan_from_json_junk(text):
+    with pytest.raises(HexiseqError):
+        Plan.from_json(text)
+
+
+def test_plan_from_json_not_text():
+    with pytest.raises(HexiseqError):
+        Plan.from_json(None)
+
+
+@pytest.mark.parametrize("field,value", [("seq_len", "abc"), ("seq_len", None), ("causal", "maybe"),
+                                         ("training", {"micro_batch": 4}), ("training", None),
+                                         ("model", {"layers": 2}), ("cluster", {"nodes": 5}),
+                                         ("layout", {"groups": [{"devices": "x"}]})])
+def test_plan_from_json_bad_fields(field, value):
+    doc = json.loads(hexiseq.plan(Cluster.example(), seq_len="32k", strategy="usp").to_json())
+    doc[field] = value
+    with pytest.raises(HexiseqError):
+        Plan.from_json(json.dumps(doc))
