@@ -9,10 +9,7 @@ __all__ = ["plot_plan"]
 
 def _pyplot():
     try:
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # headless machines fall back to Agg by themselves
     except ImportError:
         raise HexiseqError("plotting needs matplotlib: pip install matplotlib") from None
     return plt

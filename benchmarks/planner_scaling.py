@@ -1,0 +1,86 @@
+"""Planner wall time for clusters of 8 to 1024 GPUs of four models (H100, A100, A800, L40S).
+
+Usage: python benchmarks/planner_scaling.py [--repeat 3] [--out benchmarks/results/planner_scaling.md]
+
+Each cluster is nodes of 8 GPUs (2 per node for the 8-GPU case), the four models in turn, NVLink
+450/300/200 GB/s for H100/A100/A800, PCIe 32 GB/s for L40S, 25 GB/s between nodes. The model is GPT-style
+13B with activation checkpointing. Reported: median wall time of hexiseq.plan(strategy="hexiseq") over
+--repeat runs, the predicted speedup over the best baseline (same cost model), and the paper's planning
+time for comparison (9 s at 128 GPUs, 444 s at 1024)."""
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import hexiseq
+
+GPUS = [("H100-SXM", 450.0), ("A100-80G", 300.0), ("A800", 200.0), ("L40S", 32.0)]
+PAPER_S = {128: 9.0, 1024: 444.0}
+
+
+def cluster_of(n):
+    per_node = 2 if n == 8 else 8
+    nodes = [{"gpu": GPUS[i % 4][0], "count": per_node, "intra_gbps": GPUS[i % 4][1]} for i in range(n // per_node)]
+    return hexiseq.Cluster.from_dict({"nodes": nodes, "inter_node_gbps": 25.0})
+
+
+def machine():
+    model = platform.processor() or "unknown"
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores, Python {platform.python_version()}, hexiseq {hexiseq.__version__}"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--sizes", default="8,32,128,512,1024")
+    ap.add_argument("--out", help="write a Markdown table here")
+    args = ap.parse_args(argv)
+    training = hexiseq.Training(checkpointing=True)
+    rows = []
+    for n in [int(x) for x in args.sizes.split(",")]:
+        cluster = cluster_of(n)
+        seq = "256k" if n <= 32 else "1m"
+        times = []
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            plan = hexiseq.plan(cluster, model="gpt-13b", seq_len=seq, strategy="hexiseq", training=training)
+            times.append(time.perf_counter() - t0)
+        base = [p for name, p in hexiseq.compare(cluster, model="gpt-13b", seq_len=seq, training=training).items()
+                if name != "hexiseq" and isinstance(p, hexiseq.Plan)]
+        speedup = min(p.step_time_s for p in base) / plan.step_time_s if base else None
+        sp_text = f"{speedup:.3f}x" if speedup else "no baseline fits in memory"
+        med = statistics.median(times)
+        rows.append((n, seq, med, min(times), plan.num_groups, sp_text, PAPER_S.get(n)))
+        paper = f"{PAPER_S[n]:.0f} s (ours {PAPER_S[n] / med:,.0f}x faster)" if n in PAPER_S else "-"
+        print(f"{n:>5} GPUs  seq {seq:>5}  plan {med * 1e3:9.1f} ms (min {min(times) * 1e3:.1f})  "
+              f"groups {plan.num_groups:>4}  speedup vs best baseline {sp_text}  paper {paper}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("# Planner scaling\n\n")
+            f.write(f"Machine: {machine()}.\n\n")
+            f.write(f"Command: `python benchmarks/planner_scaling.py --repeat {args.repeat} --out {args.out}`\n\n")
+            f.write("Clusters: nodes of 8 GPUs (2 for the 8-GPU case) cycling H100-SXM, A100-80G, A800, L40S; "
+                    "GPT-style 13B, activation checkpointing. Time: median wall time of "
+                    "`hexiseq.plan(strategy=\"hexiseq\")`.\n\n")
+            f.write("| GPUs | seq | plan time (median) | min | groups | predicted speedup vs best baseline "
+                    "| paper's planner |\n|---:|---:|---:|---:|---:|---:|---:|\n")
+            for n, seq, med, lo, groups, sp, paper in rows:
+                p = f"{paper:.0f} s" if paper else "-"
+                f.write(f"| {n} | {seq} | {med * 1e3:.1f} ms | {lo * 1e3:.1f} ms | {groups} | {sp} | {p} |\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
