@@ -3,6 +3,7 @@ heterogeneous GPU clusters, chosen by a cost model and executed exactly."""
 
 from . import errors  # noqa: F401  (the extension maps its status codes onto these classes)
 from . import _core
+from . import ops
 from .cluster import Cluster, Node, gpu_catalog
 from .errors import (CudaError, HexiseqError, InternalError, InvalidArgumentError, LayoutError, MemoryFitError,
                      UnknownGPUError, UnsupportedError)
@@ -36,6 +37,7 @@ __all__ = [
     "UnsupportedError",
     "CudaError",
     "InternalError",
+    "ops",
 ]
 
 

@@ -392,6 +392,342 @@ static PyObject *core_plan_strategy(PyObject *module, PyObject *args) {
     return out;
 }
 
+/* ================================================================== BEGIN attention over DLPack
+ * Tensors arrive as objects implementing __dlpack__ (torch.Tensor, numpy.ndarray, ...). Protocol, per the
+ * DLPack Python specification (python_spec.rst, DLPack 1.0):
+ *   1. call obj.__dlpack__(max_version=(1, 0)); on TypeError (a producer predating versioning) call
+ *      obj.__dlpack__() instead;
+ *   2. accept a capsule named "dltensor_versioned" (DLManagedTensorVersioned) or "dltensor" (legacy
+ *      DLManagedTensor); rename it "used_dltensor_versioned" / "used_dltensor" at once, which moves
+ *      ownership to us: the producer's capsule destructor then does nothing;
+ *   3. a versioned tensor whose major version is not 1 is released (deleter) and refused unread;
+ *   4. outputs must not carry the READ_ONLY or IS_COPIED flags (a write would fail or be lost);
+ *   5. views are built over the producer's memory (no copies), the kernel runs with the GIL released,
+ *      and every consumed managed tensor's deleter is called exactly once afterwards, on success or error.
+ * Shape/dtype/overlap validation lives in csrc/tensor_view.c; this section only moves objects across. */
+#include "dlpack.h"
+#include "tensor_view.h"
+
+/* One consumed export; at most one of the two pointers is set, both NULL once released. */
+typedef struct {
+    DLManagedTensor *legacy;
+    DLManagedTensorVersioned *versioned;
+} dl_held;
+
+static void dl_release(dl_held *h) {
+    DLManagedTensorVersioned *mv = h->versioned;
+    DLManagedTensor *ml = h->legacy;
+    h->versioned = NULL;
+    h->legacy = NULL;
+    if (mv && mv->deleter)
+        mv->deleter(mv);
+    if (ml && ml->deleter)
+        ml->deleter(ml);
+}
+
+/* Release all, keeping any pending exception: deleters may run Python code (NumPy's drops a reference). */
+static void dl_release_all(dl_held *held, int n) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    for (int i = 0; i < n; ++i)
+        dl_release(&held[i]);
+    PyErr_Restore(type, value, tb);
+}
+
+/* Re-raise the pending exception as the same type with "<name>.__dlpack__() failed: " in front, chained. */
+static void dl_prefix_error(const char *name) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (value == NULL) {
+        PyErr_Restore(type, value, tb);
+        return;
+    }
+    if (tb)
+        PyException_SetTraceback(value, tb);
+    PyErr_Format(type, "%s.__dlpack__() failed: %S", name, value);
+    PyObject *t2, *v2, *tb2;
+    PyErr_Fetch(&t2, &v2, &tb2);
+    PyErr_NormalizeException(&t2, &v2, &tb2);
+    if (v2)
+        PyException_SetCause(v2, value); /* steals value */
+    else
+        Py_DECREF(value);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    PyErr_Restore(t2, v2, tb2);
+}
+
+/* One tensor argument of a call. */
+typedef struct {
+    PyObject *obj;
+    const char *name;   /* "q", "out", ... */
+    int32_t ndim;
+    const char *layout; /* "[batch, seq, heads, head_dim]" */
+    int output;         /* written in place */
+    hexiseq_tensor_view *view;
+} dl_arg;
+
+/* Steps 1-4 of the protocol for one argument; fills *held and *arg->view. Returns 0, or -1 with an
+ * exception set (anything already in *held is still owned by the caller, who releases it). */
+static int dl_import(PyObject *module, const dl_arg *arg, dl_held *held) {
+    core_state *st = get_state(module);
+    PyObject *meth = PyObject_GetAttrString(arg->obj, "__dlpack__");
+    if (!meth) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError,
+                         "%s must be a tensor implementing __dlpack__ (torch.Tensor, numpy.ndarray), got %.200s",
+                         arg->name, Py_TYPE(arg->obj)->tp_name);
+        }
+        return -1;
+    }
+    PyObject *cap = NULL;
+    PyObject *empty = PyTuple_New(0);
+    PyObject *kwargs = Py_BuildValue("{s:(ii)}", "max_version", (int)HEXISEQ_DLPACK_MAJOR_VERSION,
+                                     (int)HEXISEQ_DLPACK_MINOR_VERSION);
+    if (empty && kwargs) {
+        cap = PyObject_Call(meth, empty, kwargs);
+        if (!cap && PyErr_ExceptionMatches(PyExc_TypeError)) { /* producer without max_version */
+            PyErr_Clear();
+            cap = PyObject_CallNoArgs(meth);
+        }
+        if (!cap)
+            dl_prefix_error(arg->name);
+    }
+    Py_XDECREF(empty);
+    Py_XDECREF(kwargs);
+    Py_DECREF(meth);
+    if (!cap)
+        return -1;
+
+    const DLTensor *t;
+    uint64_t flags = 0;
+    if (PyCapsule_IsValid(cap, HEXISEQ_DLPACK_CAPSULE_VERSIONED)) {
+        DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, HEXISEQ_DLPACK_CAPSULE_VERSIONED);
+        if (!m || PyCapsule_SetName(cap, HEXISEQ_DLPACK_CAPSULE_VERSIONED_USED) < 0) {
+            Py_DECREF(cap);
+            return -1;
+        }
+        Py_DECREF(cap); /* renamed: its destructor no longer touches m */
+        held->versioned = m;
+        if (m->version.major != HEXISEQ_DLPACK_MAJOR_VERSION) {
+            unsigned major = m->version.major, minor = m->version.minor;
+            dl_release(held); /* the spec: call the deleter, read nothing else */
+            PyErr_Format(st->errors[HEXISEQ_ERR_UNSUPPORTED],
+                         "%s: DLPack version %u.%u is not supported; this build reads major version %u", arg->name,
+                         major, minor, HEXISEQ_DLPACK_MAJOR_VERSION);
+            return -1;
+        }
+        flags = m->flags;
+        t = &m->dl_tensor;
+    } else if (PyCapsule_IsValid(cap, HEXISEQ_DLPACK_CAPSULE_LEGACY)) {
+        DLManagedTensor *m = PyCapsule_GetPointer(cap, HEXISEQ_DLPACK_CAPSULE_LEGACY);
+        if (!m || PyCapsule_SetName(cap, HEXISEQ_DLPACK_CAPSULE_LEGACY_USED) < 0) {
+            Py_DECREF(cap);
+            return -1;
+        }
+        Py_DECREF(cap);
+        held->legacy = m;
+        t = &m->dl_tensor;
+    } else {
+        const char *cname = PyCapsule_CheckExact(cap) ? PyCapsule_GetName(cap) : NULL;
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError,
+                     "%s.__dlpack__() must return a PyCapsule named 'dltensor_versioned' or 'dltensor', got %.100s%s%s%s",
+                     arg->name, Py_TYPE(cap)->tp_name, cname ? " named '" : "", cname ? cname : "",
+                     cname ? "' (already consumed?)" : "");
+        Py_DECREF(cap);
+        return -1;
+    }
+    if (arg->output && (flags & DLPACK_FLAG_BITMASK_IS_COPIED)) {
+        PyErr_Format(st->errors[HEXISEQ_ERR_INVALID],
+                     "%s was exported as a copy (DLPack IS_COPIED flag); the result is written in place and "
+                     "would be lost, so pass a tensor that exports its own memory",
+                     arg->name);
+        return -1;
+    }
+    hexiseq_status s = hexiseq_tensor_view_from_dl(t, (flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0, arg->name,
+                                                   arg->ndim, arg->layout, arg->view);
+    if (s != HEXISEQ_OK) {
+        raise_status(module, s);
+        return -1;
+    }
+    return 0;
+}
+
+static int dl_import_all(PyObject *module, const dl_arg *args, int n, dl_held *held) {
+    for (int i = 0; i < n; ++i)
+        if (dl_import(module, &args[i], &held[i]) < 0)
+            return -1;
+    return 0;
+}
+
+#define DL_QKV "[batch, seq, heads, head_dim]"
+#define DL_LSE "[batch, heads, seq]"
+
+static int check_positions(long long q_pos0, long long k_pos0) {
+    if (q_pos0 < 0 || k_pos0 < 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be >= 0, got %lld", q_pos0 < 0 ? "q_pos0" : "k_pos0",
+                     q_pos0 < 0 ? q_pos0 : k_pos0);
+        return -1;
+    }
+    return 0;
+}
+
+/* attention_forward(q, k, v, out, lse, causal, q_pos0, k_pos0, scale) -> None; writes out and lse. */
+static PyObject *core_attention_forward(PyObject *module, PyObject *args) {
+    PyObject *q, *k, *v, *o, *lse;
+    int causal;
+    long long q_pos0, k_pos0;
+    double scale;
+    if (!PyArg_ParseTuple(args, "OOOOOpLLd:attention_forward", &q, &k, &v, &o, &lse, &causal, &q_pos0, &k_pos0,
+                          &scale))
+        return NULL;
+    if (check_positions(q_pos0, k_pos0) < 0)
+        return NULL;
+    hexiseq_attn_views views;
+    memset(&views, 0, sizeof views);
+    const dl_arg a[] = {
+        {q, "q", 4, DL_QKV, 0, &views.q},     {k, "k", 4, DL_QKV, 0, &views.k},
+        {v, "v", 4, DL_QKV, 0, &views.v},     {o, "out", 4, DL_QKV, 1, &views.o},
+        {lse, "lse", 3, DL_LSE, 1, &views.lse},
+    };
+    enum { N = sizeof a / sizeof a[0] };
+    dl_held held[N];
+    memset(held, 0, sizeof held);
+    PyObject *ret = NULL;
+    if (dl_import_all(module, a, N, held) < 0)
+        goto done;
+    hexiseq_attn_params p;
+    int empty = 0;
+    hexiseq_status s = hexiseq_attn_params_from_views(&views, 0, &p, &empty);
+    if (s != HEXISEQ_OK) {
+        raise_status(module, s);
+        goto done;
+    }
+    p.causal = causal;
+    p.q_pos0 = q_pos0;
+    p.k_pos0 = k_pos0;
+    p.scale = scale;
+    if (!empty) {
+        Py_BEGIN_ALLOW_THREADS s = hexiseq_attn_forward_cpu(&p);
+        Py_END_ALLOW_THREADS
+        if (s != HEXISEQ_OK) {
+            raise_status(module, s);
+            goto done;
+        }
+    }
+    Py_INCREF(Py_None);
+    ret = Py_None;
+done:
+    dl_release_all(held, N);
+    return ret;
+}
+
+/* attention_backward(q, k, v, out, lse, dout, dq, dk, dv, causal, q_pos0, k_pos0, scale, accumulate) -> None;
+ * writes (or adds into) dq, dk, dv. */
+static PyObject *core_attention_backward(PyObject *module, PyObject *args) {
+    PyObject *q, *k, *v, *o, *lse, *dout, *dq, *dk, *dv;
+    int causal, accumulate;
+    long long q_pos0, k_pos0;
+    double scale;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOpLLdp:attention_backward", &q, &k, &v, &o, &lse, &dout, &dq, &dk, &dv,
+                          &causal, &q_pos0, &k_pos0, &scale, &accumulate))
+        return NULL;
+    if (check_positions(q_pos0, k_pos0) < 0)
+        return NULL;
+    hexiseq_attn_views views;
+    memset(&views, 0, sizeof views);
+    const dl_arg a[] = {
+        {q, "q", 4, DL_QKV, 0, &views.q},         {k, "k", 4, DL_QKV, 0, &views.k},
+        {v, "v", 4, DL_QKV, 0, &views.v},         {o, "out", 4, DL_QKV, 0, &views.o},
+        {lse, "lse", 3, DL_LSE, 0, &views.lse},   {dout, "dout", 4, DL_QKV, 0, &views.do_},
+        {dq, "dq", 4, DL_QKV, 1, &views.dq},      {dk, "dk", 4, DL_QKV, 1, &views.dk},
+        {dv, "dv", 4, DL_QKV, 1, &views.dv},
+    };
+    enum { N = sizeof a / sizeof a[0] };
+    dl_held held[N];
+    memset(held, 0, sizeof held);
+    PyObject *ret = NULL;
+    if (dl_import_all(module, a, N, held) < 0)
+        goto done;
+    hexiseq_attn_params p;
+    int empty = 0;
+    hexiseq_status s = hexiseq_attn_params_from_views(&views, 1, &p, &empty);
+    if (s != HEXISEQ_OK) {
+        raise_status(module, s);
+        goto done;
+    }
+    p.causal = causal;
+    p.q_pos0 = q_pos0;
+    p.k_pos0 = k_pos0;
+    p.scale = scale;
+    p.accumulate = accumulate;
+    if (!empty) {
+        Py_BEGIN_ALLOW_THREADS s = hexiseq_attn_backward_cpu(&p);
+        Py_END_ALLOW_THREADS
+        if (s != HEXISEQ_OK) {
+            raise_status(module, s);
+            goto done;
+        }
+    }
+    Py_INCREF(Py_None);
+    ret = Py_None;
+done:
+    dl_release_all(held, N);
+    return ret;
+}
+
+/* attention_merge(out_acc, lse_acc, out_part, lse_part) -> None; updates out_acc and lse_acc in place. */
+static PyObject *core_attention_merge(PyObject *module, PyObject *args) {
+    PyObject *oa, *la, *op, *lp;
+    if (!PyArg_ParseTuple(args, "OOOO:attention_merge", &oa, &la, &op, &lp))
+        return NULL;
+    hexiseq_attn_merge_views views;
+    memset(&views, 0, sizeof views);
+    const dl_arg a[] = {
+        {oa, "out_acc", 4, DL_QKV, 1, &views.o_acc},   {la, "lse_acc", 3, DL_LSE, 1, &views.lse_acc},
+        {op, "out_part", 4, DL_QKV, 0, &views.o_part}, {lp, "lse_part", 3, DL_LSE, 0, &views.lse_part},
+    };
+    enum { N = sizeof a / sizeof a[0] };
+    dl_held held[N];
+    memset(held, 0, sizeof held);
+    PyObject *ret = NULL;
+    if (dl_import_all(module, a, N, held) < 0)
+        goto done;
+    hexiseq_attn_merge_params m;
+    int empty = 0;
+    hexiseq_status s = hexiseq_attn_merge_params_from_views(&views, &m, &empty);
+    if (s != HEXISEQ_OK) {
+        raise_status(module, s);
+        goto done;
+    }
+    if (!empty) {
+        Py_BEGIN_ALLOW_THREADS s = hexiseq_attn_merge_cpu(&m);
+        Py_END_ALLOW_THREADS
+        if (s != HEXISEQ_OK) {
+            raise_status(module, s);
+            goto done;
+        }
+    }
+    Py_INCREF(Py_None);
+    ret = Py_None;
+done:
+    dl_release_all(held, N);
+    return ret;
+}
+
+#define DLPACK_ATTENTION_METHODS                                                                                  \
+    {"attention_forward", core_attention_forward, METH_VARARGS,                                                  \
+     "attention_forward(q, k, v, out, lse, causal, q_pos0, k_pos0, scale): CPU forward over DLPack tensors."},   \
+        {"attention_backward", core_attention_backward, METH_VARARGS,                                             \
+         "attention_backward(q, k, v, out, lse, dout, dq, dk, dv, causal, q_pos0, k_pos0, scale, accumulate): "  \
+         "CPU backward over DLPack tensors."},                                                                     \
+        {"attention_merge", core_attention_merge, METH_VARARGS,                                                   \
+         "attention_merge(out_acc, lse_acc, out_part, lse_part): fold a partial (out, lse) into an accumulator."},
+/* ================================================================== END attention over DLPack */
+
 /* ------------------------------------------------------------------ module */
 
 static PyMethodDef core_methods[] = {
@@ -402,6 +738,7 @@ static PyMethodDef core_methods[] = {
     {"model_params", core_model_params, METH_O, "Parameter count of a model tuple."},
     {"evaluate", core_evaluate, METH_VARARGS, "Score a layout: (per-device dict, plan dict)."},
     {"plan_strategy", core_plan_strategy, METH_VARARGS, "Best layout of a baseline strategy, as a dict of arrays."},
+    DLPACK_ATTENTION_METHODS /* the DLPack attention section above */
     {NULL, NULL, 0, NULL},
 };
 

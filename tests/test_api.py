@@ -14,7 +14,7 @@ EXPECTED_ALL = [
     "__version__", "build_info", "gpu_catalog", "Cluster", "Node", "Model", "MODEL_PRESETS", "Training",
     "Sharding", "Strategy", "Layout", "Plan", "DeviceTable", "plan", "evaluate", "compare", "HexiseqError",
     "InvalidArgumentError", "UnknownGPUError", "LayoutError", "MemoryFitError", "UnsupportedError", "CudaError",
-    "InternalError",
+    "InternalError", "ops",
 ]
 
 GPUS = ["H100-SXM", "H100-PCIe", "H200", "H800", "A100-40G", "A100-80G", "A800", "L40S", "L40", "A6000", "RTX4090",
@@ -225,9 +225,9 @@ def test_evaluate_unequal_groups(example):
     _check_plan(p, example, 131072, 32)
     assert p.layout.group_size.tolist() == [8, 4, 4]
     # positions: group 0 owns [0, 32768) and [98304, 131072); all positions covered once
-    pos = np.concatenate([p.positions(g) for g in range(3)])
+    pos = np.concatenate([p.group_positions(g) for g in range(3)])
     assert np.array_equal(np.sort(pos), np.arange(131072))
-    assert p.positions(0)[0] == 0 and p.positions(0)[-1] == 131071
+    assert p.group_positions(0)[0] == 0 and p.group_positions(0)[-1] == 131071
     again = hexiseq.evaluate(example, model="7b", seq_len=131072, layout=Layout.from_dict(_unequal_layout()))
     assert again.step_time_s == p.step_time_s
 

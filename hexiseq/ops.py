@@ -1,0 +1,231 @@
+"""Attention kernels on torch tensors or NumPy arrays: forward with log-sum-exp, backward, and the (out, lse) merge.
+
+Tensors cross into the C kernels through DLPack without copies; outputs are written in place. Layouts:
+q, out, dout, dq are [batch, seq_q, heads, head_dim]; k, v, dk, dv are [batch, seq_k, kv_heads, head_dim]
+(heads a multiple of kv_heads: GQA, MQA when kv_heads == 1); lse is [batch, heads, seq_q]. Any strides work
+(transposed or sliced views). Data types: float64, float32, float16 and bfloat16 (torch only: NumPy has no
+bfloat16); lse is float64 for float64 data and float32 otherwise. Only CPU tensors are served for now.
+torch is optional: NumPy arrays alone work without it installed.
+"""
+
+import math
+import sys
+
+import numpy as np
+
+from . import _core
+from .errors import UnsupportedError
+
+__all__ = ["attention_forward", "attention_backward", "merge_"]
+
+_DL_CPU_DEVICES = (1, 3)  # kDLCPU, kDLCUDAHost: memory the CPU kernels can read and write
+_DL_DEVICE_NAMES = {1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 8: "metal", 9: "vpi", 10: "rocm",
+                    11: "rocm_host", 12: "ext_dev", 13: "cuda_managed", 14: "oneapi", 15: "webgpu", 16: "hexagon",
+                    17: "maia"}
+
+
+def _torch_module():
+    """torch if it is already imported (a torch tensor can only exist then), else None: never imports it."""
+    return sys.modules.get("torch")
+
+
+def _is_torch(x):
+    torch = _torch_module()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _as_operand(x, name):
+    """x ready for the DLPack call: a torch tensor is detached (sharing memory); non-CPU tensors are refused."""
+    if _is_torch(x):
+        if x.device.type != "cpu":
+            raise UnsupportedError(f"{name} is on device '{x.device}': CUDA attention kernels are not built yet, "
+                                   "only CPU tensors are supported; move the tensors to the CPU")
+        return x.detach() if x.requires_grad else x
+    if isinstance(x, np.ndarray):
+        return x
+    if not hasattr(x, "__dlpack__"):
+        raise TypeError(f"{name} must be a torch.Tensor, a numpy.ndarray or another object implementing "
+                        f"__dlpack__, got {type(x).__name__}")
+    dev = getattr(x, "__dlpack_device__", None)
+    if dev is not None:
+        dev_type, dev_id = dev()
+        if int(dev_type) not in _DL_CPU_DEVICES:
+            label = _DL_DEVICE_NAMES.get(int(dev_type), f"type {int(dev_type)}")
+            raise UnsupportedError(f"{name} is on DLPack device {label}:{dev_id}: CUDA and other accelerator "
+                                   "kernels are not built yet, only CPU tensors are supported")
+    return x
+
+
+def _shape4(x, name, layout):
+    if getattr(x, "shape", None) is None:
+        raise TypeError(f"{name} must be a torch.Tensor, a numpy.ndarray or another object implementing "
+                        f"__dlpack__ and shape, got {type(x).__name__}")
+    shape = tuple(int(n) for n in x.shape)
+    if len(shape) != 4:
+        raise ValueError(f"{name} must be 4-D {layout}, got shape {list(shape)}")
+    return shape
+
+
+def _lse_dtype_is_f64(x):
+    if _is_torch(x):
+        return x.dtype == _torch_module().float64
+    return np.dtype(x.dtype) == np.float64
+
+
+def _new(like, shape, *, lse=False, zero=False):
+    """A new output for `like`'s library (torch.Tensor on its device, else NumPy): `like`'s dtype, or for an lse
+    float64 when `like` is float64 and float32 otherwise."""
+    if _is_torch(like):
+        torch = _torch_module()
+        dtype = (torch.float64 if like.dtype == torch.float64 else torch.float32) if lse else like.dtype
+        return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=like.device)
+    if lse:
+        dtype = np.float64 if _lse_dtype_is_f64(like) else np.float32
+    else:
+        dtype = like.dtype
+    return (np.zeros if zero else np.empty)(shape, dtype=dtype)
+
+
+def _fill(x, value):
+    """x[...] = value in place, for a torch tensor (even one that requires grad) or a NumPy array."""
+    if _is_torch(x):
+        x.detach().fill_(value)
+    else:
+        x[...] = value
+
+
+def _default_scale(scale, head_dim):
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale}")
+    return scale
+
+
+def _position(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+def attention_forward(q, k, v, *, causal=True, q_pos0=0, k_pos0=0, scale=None, out=None, lse=None):
+    """Attention of one query block against one key/value block; returns (out, lse).
+
+    out = softmax(scale * q k^T + mask) v per (batch, query head); query head h reads kv head
+    h // (heads // kv_heads). Query row i sits at absolute position q_pos0 + i and key row j at k_pos0 + j;
+    with causal=True key j is visible to query i iff k_pos0 + j <= q_pos0 + i. A query row that sees no key
+    gets out = 0 and lse = -inf.
+
+    Args:
+        q: [batch, seq_q, heads, head_dim], float64/float32/float16/bfloat16, torch.Tensor or numpy.ndarray.
+        k: [batch, seq_k, kv_heads, head_dim], same dtype as q; heads % kv_heads == 0.
+        v: [batch, seq_k, kv_heads, head_dim], same dtype as q.
+        causal: apply the causal mask at the absolute positions above.
+        q_pos0, k_pos0: absolute position of the first query / key row, >= 0.
+        scale: softmax scale; default 1 / sqrt(head_dim).
+        out: [batch, seq_q, heads, head_dim], q's dtype, written in place; allocated with q's library if None.
+        lse: [batch, heads, seq_q], float64 for float64 q else float32: natural log of each row's sum of
+            exp(scale * scores); written in place; allocated if None.
+
+    Returns:
+        (out, lse) as above (the given objects when passed).
+
+    Raises:
+        TypeError for non-tensors; hexiseq.InvalidArgumentError (a ValueError) for mismatched shapes or dtypes,
+        read-only outputs or outputs overlapping inputs; hexiseq.UnsupportedError for an unsupported dtype,
+        head_dim > 256 or a non-CPU device. Messages name the argument.
+    """
+    B, Sq, H, D = _shape4(q, "q", "[batch, seq_q, heads, head_dim]")
+    _shape4(k, "k", "[batch, seq_k, kv_heads, head_dim]")
+    Sk = int(k.shape[1])
+    scale = _default_scale(scale, D)
+    q_pos0 = _position(q_pos0, "q_pos0")
+    k_pos0 = _position(k_pos0, "k_pos0")
+    qq, kk, vv = _as_operand(q, "q"), _as_operand(k, "k"), _as_operand(v, "v")
+    if out is None:
+        out = _new(q, (B, Sq, H, D))
+    if lse is None:
+        lse = _new(q, (B, H, Sq), lse=True)
+    oo, ll = _as_operand(out, "out"), _as_operand(lse, "lse")
+    _core.attention_forward(qq, kk, vv, oo, ll, bool(causal), q_pos0, k_pos0, scale)
+    if Sk == 0 and B * Sq * H > 0:  # no key at all: every row is fully masked (the kernel was not called)
+        _fill(out, 0.0)
+        _fill(lse, -math.inf)
+    return out, lse
+
+
+def attention_backward(q, k, v, out, lse, dout, *, causal=True, q_pos0=0, k_pos0=0, scale=None, dq=None, dk=None,
+                       dv=None, accumulate=False):
+    """Gradients of attention_forward; returns (dq, dk, dv).
+
+    out and lse are taken as given, never recomputed: with the globally merged out and lse of a ring (see
+    merge_), the dq of the key blocks sum to the dq of the whole sequence, and each block's dk, dv are that
+    block's slice of the whole gradient (accumulate=True sums pieces in place).
+
+    Args:
+        q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, kv_heads, head_dim]; one dtype.
+        out: [batch, seq_q, heads, head_dim], the forward output (q's dtype).
+        lse: [batch, heads, seq_q], the forward log-sum-exp (float64 for float64 q else float32).
+        dout: [batch, seq_q, heads, head_dim], gradient of out (q's dtype).
+        causal, q_pos0, k_pos0, scale: as in attention_forward (must match the forward call).
+        dq: [batch, seq_q, heads, head_dim]; dk, dv: [batch, seq_k, kv_heads, head_dim]; q's dtype. Written in
+            place (or added into when accumulate=True); allocated with q's library if None (zeros when
+            accumulating).
+        accumulate: add into dq, dk, dv instead of overwriting them.
+
+    Returns:
+        (dq, dk, dv) as above (the given objects when passed).
+
+    Raises:
+        As attention_forward; every output must be writable and disjoint from every other tensor.
+    """
+    B, Sq, H, D = _shape4(q, "q", "[batch, seq_q, heads, head_dim]")
+    kshape = _shape4(k, "k", "[batch, seq_k, kv_heads, head_dim]")
+    scale = _default_scale(scale, D)
+    q_pos0 = _position(q_pos0, "q_pos0")
+    k_pos0 = _position(k_pos0, "k_pos0")
+    accumulate = bool(accumulate)
+    ins = [_as_operand(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"), (dout, "dout"))]
+    if dq is None:
+        dq = _new(q, (B, Sq, H, D), zero=accumulate)
+    if dk is None:
+        dk = _new(q, kshape, zero=accumulate)
+    if dv is None:
+        dv = _new(q, kshape, zero=accumulate)
+    outs = [_as_operand(dq, "dq"), _as_operand(dk, "dk"), _as_operand(dv, "dv")]
+    _core.attention_backward(*ins, *outs, bool(causal), q_pos0, k_pos0, scale, accumulate)
+    if not accumulate:  # the kernel was not called when a sequence is empty: the other side gets no gradient
+        if kshape[1] == 0 and B * Sq * H > 0:
+            _fill(dq, 0.0)
+        if Sq == 0 and B * kshape[1] * kshape[2] > 0:
+            _fill(dk, 0.0)
+            _fill(dv, 0.0)
+    return dq, dk, dv
+
+
+def merge_(out_acc, lse_acc, out_part, lse_part):
+    """Fold a partial attention result into an accumulator, in place (the ring-attention merge):
+
+        lse_new = logaddexp(lse_acc, lse_part)
+        out_acc = exp(lse_acc - lse_new) * out_acc + exp(lse_part - lse_new) * out_part
+
+    computed in float64. Rows with lse_part = -inf leave the accumulator row unchanged; rows with
+    lse_acc = -inf take the partial. The two sides may differ in dtype (e.g. a float32 accumulator of
+    bfloat16 partials).
+
+    Args:
+        out_acc: [batch, seq, heads, head_dim], updated in place.
+        lse_acc: [batch, heads, seq], float64 when out_acc is float64 else float32; updated in place.
+        out_part: [batch, seq, heads, head_dim].
+        lse_part: [batch, heads, seq], float64 when out_part is float64 else float32.
+
+    Returns:
+        None.
+    """
+    _shape4(out_acc, "out_acc", "[batch, seq, heads, head_dim]")
+    args = [_as_operand(x, n) for x, n in ((out_acc, "out_acc"), (lse_acc, "lse_acc"), (out_part, "out_part"),
+                                             (lse_part, "lse_part"))]
+    _core.attention_merge(*args)

@@ -1,0 +1,368 @@
+"""Numerics of hexiseq.ops (forward, backward, merge_) against a float64 NumPy reference and torch SDPA.
+
+Tolerances (relative: max |error| / max |reference|):
+  float64  1e-12: the kernels compute in float64; rounding error of sums of up to 1025 terms is ~1e-14.
+  float32  1e-5: float32 accumulation over 1025 keys keeps ~1e-6 relative error.
+  float16  1e-3 (NumPy): the output is rounded to binary16 (half an ulp = 2^-11 ~ 4.9e-4 relative).
+  bfloat16 / float16 (torch): at most 2x the error of torch's own SDPA in that dtype against the float64
+           reference on the same (rounded) inputs, as flash-attention tests do.
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hexiseq import ops
+
+RTOL = {"float64": 1e-12, "float32": 1e-5, "float16": 1e-3}
+
+
+# ------------------------------------------------------------------------------------------------ reference
+
+def ref_scores(q, k, causal, q_pos0, k_pos0, scale):
+    """float64 scores [B, H, Sq, Sk] with -inf where masked; k is expanded to q's heads (GQA)."""
+    g = q.shape[2] // k.shape[2]
+    kk = np.repeat(np.asarray(k, np.float64), g, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", np.asarray(q, np.float64), kk) * scale
+    if causal:
+        qpos = q_pos0 + np.arange(q.shape[1])
+        kpos = k_pos0 + np.arange(k.shape[1])
+        s = np.where(kpos[None, :] <= qpos[:, None], s, -np.inf)
+    return s
+
+
+def ref_forward(q, k, v, causal=True, q_pos0=0, k_pos0=0, scale=None):
+    """float64 (out [B, Sq, H, D], lse [B, H, Sq]); fully masked rows: out 0, lse -inf."""
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
+    g = q.shape[2] // k.shape[2]
+    s = ref_scores(q, k, causal, q_pos0, k_pos0, scale)
+    m = s.max(axis=-1, keepdims=True) if s.shape[-1] else np.full(s.shape[:-1] + (1,), -np.inf)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = np.where(l > 0, np.log(l) + m, -np.inf)[..., 0]
+        pn = np.where(l > 0, p / l, 0.0)
+    vv = np.repeat(np.asarray(v, np.float64), g, axis=2)
+    out = np.einsum("bhqk,bkhd->bqhd", pn, vv)
+    return out, lse
+
+
+def ref_backward(q, k, v, out, lse, dout, causal=True, q_pos0=0, k_pos0=0, scale=None):
+    """float64 (dq, dk, dv) from the given out and lse (not recomputed), as the kernels define it."""
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
+    B, Sq, H, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    g = H // Hkv
+    f = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    q, k, v, out, lse, dout = map(f, (q, k, v, out, lse, dout))
+    s = ref_scores(q, k, causal, q_pos0, k_pos0, scale)
+    lse_f = np.where(np.isfinite(lse), lse, np.inf)[..., None]  # fully masked rows: P = 0
+    p = np.exp(s - lse_f)
+    kk, vv = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    dv = np.einsum("bhqk,bqhd->bkhd", p, dout)
+    dp = np.einsum("bqhd,bkhd->bhqk", dout, vv)
+    delta = np.einsum("bqhd,bqhd->bhq", dout, out)[..., None]
+    ds = p * (dp - delta)
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
+    dk = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+    dk = dk.reshape(B, Sk, Hkv, g, D).sum(axis=3)
+    dv = dv.reshape(B, Sk, Hkv, g, D).sum(axis=3)
+    return dq, dk, dv
+
+
+def rel_err(x, ref, floor=0.0):
+    """max |x - ref| / max(max |ref|, floor); floor = 1 for gradients, which vanish exactly in some cases (one
+    visible key) while the unit-variance inputs put their natural scale at ~1."""
+    x = np.asarray(x, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert x.shape == ref.shape
+    if ref.size == 0:
+        return 0.0
+    fin = np.isfinite(ref)
+    assert np.array_equal(fin, np.isfinite(x)), "non-finite entries differ"
+    denom = max(np.abs(ref[fin]).max(initial=0.0), floor, 1e-300)
+    return np.abs(x[fin] - ref[fin]).max(initial=0.0) / denom
+
+
+def rand(rng, shape, dtype=np.float64):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+# ------------------------------------------------------------------------------------------------ NumPy
+
+# (batch, seq_q, seq_k, heads, kv_heads, head_dim): sizes 1, 97, 1025; MHA, GQA 8:2, MQA; batch > 1
+SHAPES = [
+    (1, 1, 1, 1, 1, 8),
+    (3, 97, 97, 8, 2, 16),
+    (2, 97, 1025, 4, 1, 8),
+    (1, 1025, 1025, 2, 2, 16),
+    (2, 1, 97, 8, 2, 32),
+]
+
+
+NUMPY_CASES = [(shape, dtype) for shape in SHAPES for dtype in ("float64", "float32", "float16")
+               if dtype != "float16" or shape[1] * shape[2] <= 97 * 1025]  # one long float16 case is enough
+
+
+@pytest.mark.parametrize("shape,dtype", NUMPY_CASES, ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else x)
+@pytest.mark.parametrize("causal", [True, False])
+def test_forward_backward_numpy(shape, dtype, causal):
+    B, Sq, Sk, H, Hkv, D = shape
+    rng = np.random.default_rng(hash((shape, dtype, causal)) % 2**32)
+    q, k, v = rand(rng, (B, Sq, H, D), dtype), rand(rng, (B, Sk, Hkv, D), dtype), rand(rng, (B, Sk, Hkv, D), dtype)
+    # queries at the end of the key range so that causal rows see between 1 and Sk keys
+    q_pos0 = Sk - Sq if Sk >= Sq else 0
+    out, lse = ops.attention_forward(q, k, v, causal=causal, q_pos0=q_pos0)
+    assert out.dtype == np.dtype(dtype) and out.shape == (B, Sq, H, D)
+    assert lse.dtype == (np.float64 if dtype == "float64" else np.float32) and lse.shape == (B, H, Sq)
+    ref_o, ref_l = ref_forward(q, k, v, causal, q_pos0)
+    tol = RTOL[dtype]
+    assert rel_err(out, ref_o) <= tol
+    assert np.abs(lse - ref_l).max() <= tol * max(1.0, np.abs(ref_l).max())
+    if dtype == "float16":
+        return
+    dout = rand(rng, (B, Sq, H, D), dtype)
+    dq, dk, dv = ops.attention_backward(q, k, v, out, lse, dout, causal=causal, q_pos0=q_pos0)
+    refs = ref_backward(q, k, v, out, lse, dout, causal, q_pos0)
+    for got, ref in zip((dq, dk, dv), refs):
+        assert got.dtype == np.dtype(dtype)
+        assert rel_err(got, ref, 1.0) <= 4 * tol, (rel_err(got, ref, 1.0), tol)
+
+
+@pytest.mark.parametrize("q_pos0,k_pos0,case", [
+    (0, 200, "q block before the key block: every row fully masked"),
+    (300, 0, "q block after the key block: nothing masked"),
+    (50, 20, "overlap, queries start later"),
+    (20, 50, "overlap, keys start later: the first rows fully masked"),
+    (37, 37, "same block"),
+])
+def test_causal_offsets(q_pos0, k_pos0, case):
+    rng = np.random.default_rng(q_pos0 * 1000 + k_pos0)
+    B, Sq, Sk, H, Hkv, D = 2, 97, 61, 4, 2, 16
+    q, k, v = rand(rng, (B, Sq, H, D)), rand(rng, (B, Sk, Hkv, D)), rand(rng, (B, Sk, Hkv, D))
+    out, lse = ops.attention_forward(q, k, v, q_pos0=q_pos0, k_pos0=k_pos0)
+    ref_o, ref_l = ref_forward(q, k, v, True, q_pos0, k_pos0)
+    assert rel_err(out, ref_o) <= 1e-12, case
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_l)), case
+    fin = np.isfinite(ref_l)
+    if fin.any():
+        assert np.abs(lse[fin] - ref_l[fin]).max() <= 1e-12 * max(1.0, np.abs(ref_l[fin]).max()), case
+    dout = rand(rng, (B, Sq, H, D))
+    got = ops.attention_backward(q, k, v, out, lse, dout, q_pos0=q_pos0, k_pos0=k_pos0)
+    for g, r in zip(got, ref_backward(q, k, v, out, lse, dout, True, q_pos0, k_pos0)):
+        assert np.all(np.isfinite(g)), case
+        assert rel_err(g, r, 1.0) <= 1e-12, case
+
+
+def test_fully_masked_rows_exact():
+    rng = np.random.default_rng(5)
+    B, Sq, Sk, H, D = 1, 9, 5, 2, 8
+    q, k, v = rand(rng, (B, Sq, H, D)), rand(rng, (B, Sk, H, D)), rand(rng, (B, Sk, H, D))
+    # keys at positions 4..8, queries 0..8: rows 0..3 see no key
+    out, lse = ops.attention_forward(q, k, v, q_pos0=0, k_pos0=4)
+    assert np.all(np.isneginf(lse[:, :, :4])) and np.all(np.isfinite(lse[:, :, 4:]))
+    assert np.all(out[:, :4] == 0.0)
+    dq, dk, dv = ops.attention_backward(q, k, v, out, lse, rand(rng, (B, Sq, H, D)), q_pos0=0, k_pos0=4)
+    assert np.all(dq[:, :4] == 0.0)
+    assert all(np.all(np.isfinite(x)) for x in (dq, dk, dv))
+    # empty key block: every row fully masked
+    out, lse = ops.attention_forward(q, k[:, :0], v[:, :0])
+    assert np.all(out == 0.0) and np.all(np.isneginf(lse))
+
+
+def test_non_contiguous_numpy():
+    rng = np.random.default_rng(7)
+    B, S, H, Hkv, D = 2, 97, 8, 2, 16
+    q = rand(rng, (B, H, S, D)).transpose(0, 2, 1, 3)           # heads-major storage
+    k = rand(rng, (B, S, Hkv, 2 * D))[..., ::2]                 # strided head_dim
+    v = rand(rng, (B, 2 * S, Hkv, D))[:, ::-2]                  # negative sequence stride
+    out = np.empty((H, B, D, S)).transpose(1, 3, 0, 2)          # out written through a permuted view
+    lse = np.empty((S, H, B)).transpose(2, 1, 0)
+    assert not (q.flags.c_contiguous or k.flags.c_contiguous or v.flags.c_contiguous or out.flags.c_contiguous)
+    res = ops.attention_forward(q, k, v, out=out, lse=lse, q_pos0=3, k_pos0=0)
+    assert res[0] is out and res[1] is lse
+    ref_o, ref_l = ref_forward(q, k, v, True, 3, 0)
+    assert rel_err(out, ref_o) <= 1e-12 and rel_err(lse, ref_l) <= 1e-12
+    dout = rand(rng, (B, S, H, D))
+    big = np.zeros((B, S, Hkv, 3 * D))
+    dv_t = np.zeros((Hkv, D, B, S)).transpose(2, 3, 0, 1)
+    dq, dk, dv = ops.attention_backward(q, k, v, out, lse, dout, q_pos0=3, dk=big[..., D:2 * D], dv=dv_t)
+    for g, r in zip((dq, dk, dv), ref_backward(q, k, v, out, lse, dout, True, 3, 0)):
+        assert rel_err(g, r, 1.0) <= 1e-12
+    assert np.all(big[..., :D] == 0.0) and np.all(big[..., 2 * D:] == 0.0)  # around dk: untouched
+
+
+def cuts(rng, n, parts):
+    """parts + 1 boundaries 0 = c0 <= c1 <= ... = n at random places (blocks may be empty or single rows)."""
+    inner = np.sort(rng.integers(0, n + 1, size=parts - 1))
+    return [0, *map(int, inner), n]
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4, 5])
+@pytest.mark.parametrize("causal", [True, False])
+def test_split_kv_merge_equals_unsplit(parts, causal):
+    rng = np.random.default_rng(parts * 10 + causal)
+    B, Sq, Sk, H, Hkv, D = 2, 97, 211, 8, 2, 16
+    q_pos0 = 150  # queries overlap the keys: the later key blocks are partly or fully masked for some rows
+    q, k, v = rand(rng, (B, Sq, H, D)), rand(rng, (B, Sk, Hkv, D)), rand(rng, (B, Sk, Hkv, D))
+    full_o, full_l = ops.attention_forward(q, k, v, causal=causal, q_pos0=q_pos0)
+    acc_o = np.zeros_like(full_o)
+    acc_l = np.full_like(full_l, -np.inf)
+    c = cuts(rng, Sk, parts)
+    for a, b in zip(c[:-1], c[1:]):
+        part_o, part_l = ops.attention_forward(q, k[:, a:b], v[:, a:b], causal=causal, q_pos0=q_pos0, k_pos0=a)
+        assert ops.merge_(acc_o, acc_l, part_o, part_l) is None
+    assert rel_err(acc_o, full_o) <= 1e-12
+    assert rel_err(acc_l, full_l) <= 1e-12
+
+    # backward pieces with the global out/lse, summed in place, equal the unsplit backward
+    dout = rand(rng, (B, Sq, H, D))
+    full = ops.attention_backward(q, k, v, full_o, full_l, dout, causal=causal, q_pos0=q_pos0)
+    dq = np.zeros_like(q)
+    dk = np.zeros_like(k)
+    dv = np.zeros_like(v)
+    for a, b in zip(c[:-1], c[1:]):
+        ops.attention_backward(q, k[:, a:b], v[:, a:b], full_o, full_l, dout, causal=causal, q_pos0=q_pos0, k_pos0=a,
+                               dq=dq, dk=dk[:, a:b], dv=dv[:, a:b], accumulate=True)
+    for got, ref in zip((dq, dk, dv), full):
+        assert rel_err(got, ref, 1.0) <= 1e-12
+
+
+def test_merge_mixed_dtypes_and_masked_rows():
+    rng = np.random.default_rng(11)
+    B, S, H, D = 1, 13, 2, 8
+    acc_o = rand(rng, (B, S, H, D), np.float32)
+    acc_l = rand(rng, (B, H, S), np.float32)
+    part_o = rand(rng, (B, S, H, D), np.float16)
+    part_l = rand(rng, (B, H, S), np.float32)
+    part_l[:, :, :3] = -np.inf  # a partial that saw no key leaves the accumulator bit-for-bit unchanged
+    acc_l[:, :, 5:7] = -np.inf  # an empty accumulator takes the partial
+    o0, l0 = acc_o.copy(), acc_l.copy()
+    ops.merge_(acc_o, acc_l, part_o, part_l)
+    assert np.array_equal(acc_o[:, :3], o0[:, :3]) and np.array_equal(acc_l[:, :, :3], l0[:, :, :3])
+    assert np.array_equal(acc_o[:, 5:7], part_o[:, 5:7].astype(np.float32))
+    la, lp = l0.astype(np.float64), part_l.astype(np.float64)
+    ln = np.logaddexp(la, lp)
+    wa = np.exp(la - ln).transpose(0, 2, 1)[..., None]
+    wp = np.exp(lp - ln).transpose(0, 2, 1)[..., None]
+    ref = np.where(np.isneginf(lp).transpose(0, 2, 1)[..., None], o0, wa * o0 + wp * part_o.astype(np.float64))
+    assert rel_err(acc_o, ref) <= 1e-6
+    assert rel_err(acc_l, ln) <= 1e-6
+
+
+def test_scale_argument():
+    rng = np.random.default_rng(3)
+    q, k, v = rand(rng, (1, 17, 2, 8)), rand(rng, (1, 17, 2, 8)), rand(rng, (1, 17, 2, 8))
+    out, lse = ops.attention_forward(q, k, v, causal=False, scale=0.3)
+    ref_o, ref_l = ref_forward(q, k, v, False, 0, 0, 0.3)
+    assert rel_err(out, ref_o) <= 1e-12 and rel_err(lse, ref_l) <= 1e-12
+
+
+def test_numpy_only_without_torch():
+    """torch stays optional: with its import blocked, NumPy use works."""
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import numpy as np, hexiseq\n"
+            "q = np.ones((1, 4, 2, 8)); o, l = hexiseq.ops.attention_forward(q, q, q)\n"
+            "assert np.allclose(o, 1.0) and l.dtype == np.float64\n"
+            "hexiseq.ops.merge_(o, l, o.copy(), l.copy()); print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------ torch SDPA
+
+def sdpa(torch, q, k, v, causal, q_pos0, k_pos0, scale):
+    """torch SDPA on [B, S, H, D] tensors with the absolute-position causal mask; returns [B, S, H, D]."""
+    Sq, Sk = q.shape[1], k.shape[1]
+    mask = None
+    if causal:
+        qpos = q_pos0 + torch.arange(Sq)
+        kpos = k_pos0 + torch.arange(Sk)
+        mask = kpos[None, :] <= qpos[:, None]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2])
+    return o.transpose(1, 2)
+
+
+def sdpa_grads(torch, q, k, v, dout, causal, q_pos0, k_pos0, scale):
+    q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    o = sdpa(torch, q, k, v, causal, q_pos0, k_pos0, scale)
+    o.backward(dout)
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+TORCH_CASES = [  # (B, Sq, Sk, H, Hkv, D, q_pos0, k_pos0): every causal row sees at least one key
+    (1, 1, 1, 1, 1, 8, 0, 0),
+    (2, 97, 97, 8, 2, 16, 0, 0),      # GQA 8:2, same block
+    (2, 97, 150, 4, 1, 8, 53, 0),     # MQA, queries at the end of the keys
+    (1, 1025, 1025, 2, 1, 16, 0, 0),  # MQA, long
+    (2, 61, 97, 4, 2, 32, 400, 0),    # q block after the key block
+]
+
+
+@pytest.mark.parametrize("case", TORCH_CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("causal", [True, False])
+def test_float64_vs_torch_sdpa(case, causal):
+    torch = pytest.importorskip("torch")
+    B, Sq, Sk, H, Hkv, D, qp, kp = case
+    g = torch.Generator().manual_seed(Sq * 7 + Sk)
+    q = torch.randn(B, Sq, H, D, dtype=torch.float64, generator=g)
+    k = torch.randn(B, Sk, Hkv, D, dtype=torch.float64, generator=g)
+    v = torch.randn(B, Sk, Hkv, D, dtype=torch.float64, generator=g)
+    dout = torch.randn(B, Sq, H, D, dtype=torch.float64, generator=g)
+    scale = 1.0 / math.sqrt(D)
+    o_ref, dq_ref, dk_ref, dv_ref = sdpa_grads(torch, q, k, v, dout, causal, qp, kp, scale)
+    out, lse = ops.attention_forward(q, k, v, causal=causal, q_pos0=qp, k_pos0=kp)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float64 and lse.dtype == torch.float64
+    assert rel_err(out.numpy(), o_ref.numpy()) <= 1e-12
+    dq, dk, dv = ops.attention_backward(q, k, v, out, lse, dout, causal=causal, q_pos0=qp, k_pos0=kp)
+    assert rel_err(dq.numpy(), dq_ref.numpy(), 1.0) <= 1e-12
+    assert rel_err(dk.numpy(), dk_ref.numpy(), 1.0) <= 1e-12
+    assert rel_err(dv.numpy(), dv_ref.numpy(), 1.0) <= 1e-12
+    # lse against the float64 NumPy reference
+    _, ref_l = ref_forward(q.numpy(), k.numpy(), v.numpy(), causal, qp, kp)
+    assert rel_err(lse.numpy(), ref_l) <= 1e-12
+
+
+def test_torch_non_contiguous_and_requires_grad():
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(1)
+    B, S, H, Hkv, D = 2, 97, 8, 2, 16
+    q = torch.randn(B, H, S, D, dtype=torch.float64, generator=g).transpose(1, 2).requires_grad_(True)
+    kv = torch.randn(B, S, 2, Hkv, D, dtype=torch.float64, generator=g)
+    k, v = kv[:, :, 0], kv[:, :, 1]                    # interleaved storage of k and v
+    out = torch.empty(B, H, S, D, dtype=torch.float64).transpose(1, 2)
+    assert not (q.is_contiguous() or k.is_contiguous() or out.is_contiguous())
+    ops.attention_forward(q, k, v, out=out, q_pos0=5)
+    o_ref = sdpa(torch, q.detach(), k, v, True, 5, 0, 1 / math.sqrt(D))
+    assert rel_err(out.numpy(), o_ref.numpy()) <= 1e-12
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("case", [TORCH_CASES[1], TORCH_CASES[2], TORCH_CASES[3]], ids=lambda c: "x".join(map(str, c)))
+def test_low_precision_vs_torch_sdpa(case, dtype):
+    """Error against the float64 result on the same rounded inputs: at most 2x torch SDPA's own in `dtype`."""
+    torch = pytest.importorskip("torch")
+    B, Sq, Sk, H, Hkv, D, qp, kp = case
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(Sq + Sk + D)
+    q, k, v, dout = (torch.randn(*s, generator=g).to(dt) for s in
+                     ((B, Sq, H, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), (B, Sq, H, D)))
+    scale = 1.0 / math.sqrt(D)
+    ref = sdpa_grads(torch, *(x.double() for x in (q, k, v, dout)), True, qp, kp, scale)
+    low = sdpa_grads(torch, q, k, v, dout, True, qp, kp, scale)
+    out, lse = ops.attention_forward(q, k, v, q_pos0=qp, k_pos0=kp)
+    assert out.dtype == dt and lse.dtype == torch.float32
+    dq, dk, dv = ops.attention_backward(q, k, v, out, lse, dout, q_pos0=qp, k_pos0=kp)
+    for name, mine, theirs, r in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), low, ref):
+        err_mine = (mine.double() - r).abs().max().item()
+        err_torch = (theirs.double() - r).abs().max().item()
+        floor = 1e-6 * r.abs().max().item() if dtype == "float32" else 0.0  # float32 errors can both be ~0
+        assert err_mine <= 2 * err_torch + floor, (name, err_mine, err_torch)
