@@ -6,10 +6,16 @@
  * pass (below the #else near the end) holds the typed kernels, named through HX(name).
  *
  * Tiling: a task owns BQ query rows of one (batch, head) (forward, dQ) or BK key rows of one
- * (batch, kv head) (dK, dV). Each tile of K/V/Q/dO is converted once into contiguous scratch, zero
- * padded to dp (head_dim rounded up to 32) columns, K and V also transposed ([dp][BK]) so that the
- * score loop is an axpy over a contiguous row of BK scores. Loops with a compile-time trip count
- * (BK, 32-wide column chunks) vectorise even under -O2's cheap cost model.
+ * (batch, kv head) (dK, dV). A task converts each tile of K/V/Q/dO it reads into contiguous scratch, zero
+ * padded to dp (head_dim rounded up to 32) columns, some also transposed. Every product is one small
+ * GEMM (gemm: C (+)= A B with a strided A, so P^T dO and dS^T Q need no transposed copy); the
+ * forward works on transposed scores st = K (scale Q)^T [keys][queries], so its online softmax runs
+ * down columns, one SIMD lane per query. Under the causal mask, key tiles no query of the task sees are
+ * skipped, queries that see none of a tile are left out of its GEMMs, and only the diagonal tiles mask.
+ *
+ * Speed: float (F32, F16, BF16) runs its gemm / softmax / backward-row kernels through a table chosen
+ * at run time (AVX-512F, AVX2+FMA, or portable C; see the x86-64 SIMD section), so the production
+ * build needs no -march flag. double always uses the portable kernels.
  *
  * Determinism: every output element is produced by one task in a fixed order, so results do not
  * depend on the number of threads or on the schedule.
@@ -30,7 +36,7 @@
 #define HX_OMP(directive)
 #endif
 
-enum { BQ = 64, BK = 64, DCHUNK = 32 };
+enum { BQ = 128, BK = 64, DCHUNK = 32 };
 /* Register block of the score kernel: SR rows x SC columns. */
 enum { SR = 2, SC = 32 };
 
@@ -280,6 +286,317 @@ static int thread_id(void) {
 static size_t scratch_elems(int32_t dp) { return (size_t)8 * BQ * (size_t)dp + (size_t)3 * BQ * BK + 4 * BQ; }
 
 /* --------------------------------------------------------------------------------------------- */
+/* x86-64 SIMD kernels for float (F32, F16, BF16 all compute in float).
+ *
+ * Built with per-function target attributes, so the file still compiles with plain -O3 (no -march)
+ * and runs anywhere: hx_simd_level() picks AVX-512F, AVX2+FMA or the portable C kernels at run time
+ * (the environment variable HEXISEQ_ATTN_SIMD=0|1|2 caps the level, so tests can cover each path).
+ * The choice depends only on the machine, never on the thread count, so results stay deterministic.
+ * Each set provides the three ops of the typed kernels: gemm (register-blocked micro-kernel, explicit
+ * FMA), softmax_cols (forward online softmax, one lane per query) and bwd_row (P and dS of a BK = 64
+ * score row, vectorised exp, masked past jmax). */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HX_F32_SIMD 1
+#include <immintrin.h>
+
+#define HX_AVX512 __attribute__((target("avx512f,avx2,fma")))
+#define HX_AVX2 __attribute__((target("avx2,fma")))
+#define HX_INLINE static inline __attribute__((always_inline))
+
+static int hx_simd_level(void) {
+    int level = 0;
+    if (__builtin_cpu_supports("avx512f"))
+        level = 2;
+    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        level = 1;
+    const char *cap = getenv("HEXISEQ_ATTN_SIMD");
+    if (cap != NULL && cap[0] >= '0' && cap[0] <= '2' && cap[0] - '0' < level)
+        level = cap[0] - '0';
+    return level;
+}
+
+/* Cephes expf coefficients, as in hx_expf. */
+#define HX_EXP_P0 1.9875691500e-4f
+#define HX_EXP_P1 1.3981999507e-3f
+#define HX_EXP_P2 8.3334519073e-3f
+#define HX_EXP_P3 4.1665795894e-2f
+#define HX_EXP_P4 1.6666665459e-1f
+#define HX_EXP_P5 5.0000001201e-1f
+
+/* ---- AVX-512F ---- */
+
+/* exp(x), relative error ~1e-7; -inf and x < -100 give 0 (via scalef), NaN stays NaN. */
+HX_INLINE HX_AVX512 __m512 hx_exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-100.0f), x); /* max(c, NaN) = NaN */
+    x = _mm512_min_ps(_mm512_set1_ps(88.0f), x);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(HX_EXP_P0);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(HX_EXP_P1));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(HX_EXP_P2));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(HX_EXP_P3));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(HX_EXP_P4));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(HX_EXP_P5));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* Lanes of the 16-wide chunk q of a BK row that lie below jmax. */
+HX_INLINE HX_AVX512 __mmask16 hx_mask16(int64_t jmax, int q) {
+    const int64_t rem = jmax - 16 * q;
+    return rem >= 16 ? (__mmask16)0xffff : rem <= 0 ? (__mmask16)0 : (__mmask16)((1u << rem) - 1u);
+}
+
+/* MR rows x (16 * NV) columns of C in zmm registers over the k loop: per k, NV loads of B and MR
+ * broadcasts of A feed MR * NV FMAs. MR and NV are constants after inlining. */
+HX_INLINE HX_AVX512 void hx_mk512(const int MR, const int NV, float *restrict C, int64_t ldc,
+                                  const float *restrict A, int64_t a_rs, int64_t a_ks, const float *restrict B,
+                                  int64_t ldb, int64_t K, int accumulate) {
+    __m512 c0[8], c1[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; ++r) {
+        c0[r] = _mm512_setzero_ps();
+        c1[r] = _mm512_setzero_ps();
+        if (r < MR && accumulate) {
+            c0[r] = _mm512_loadu_ps(C + r * ldc);
+            if (NV > 1)
+                c1[r] = _mm512_loadu_ps(C + r * ldc + 16);
+        }
+    }
+    for (int64_t k = 0; k < K; ++k) {
+        const float *restrict bk = B + k * ldb;
+        const float *restrict ak = A + k * a_ks;
+        const __m512 b0 = _mm512_loadu_ps(bk);
+        const __m512 b1 = NV > 1 ? _mm512_loadu_ps(bk + 16) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; ++r) {
+            if (r < MR) {
+                const __m512 a = _mm512_set1_ps(ak[r * a_rs]);
+                c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);
+                if (NV > 1)
+                    c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; ++r) {
+        if (r < MR) {
+            _mm512_storeu_ps(C + r * ldc, c0[r]);
+            if (NV > 1)
+                _mm512_storeu_ps(C + r * ldc + 16, c1[r]);
+        }
+    }
+}
+
+#define HX_MK512_CASE(mr)                                                                                   \
+    case mr:                                                                                                \
+        if (nv == 2)                                                                                        \
+            hx_mk512(mr, 2, c, ldc, a, a_rs, a_ks, B + n0, ldb, K, accumulate);                             \
+        else                                                                                                \
+            hx_mk512(mr, 1, c, ldc, a, a_rs, a_ks, B + n0, ldb, K, accumulate);                             \
+        break;
+
+/* Same contract as the portable gemm; N must be a multiple of 16 (it is BK or dp). */
+static HX_AVX512 void gemm_f32_avx512(float *C, int64_t ldc, const float *A, int64_t a_rs, int64_t a_ks,
+                                      const float *B, int64_t ldb, int64_t M, int64_t N, int64_t K, int accumulate) {
+    for (int64_t n0 = 0; n0 < N; n0 += 32) {
+        const int nv = N - n0 >= 32 ? 2 : 1;
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {
+            float *c = C + m0 * ldc + n0;
+            const float *a = A + m0 * a_rs;
+            switch (M - m0 >= 8 ? 8 : (int)(M - m0)) {
+                HX_MK512_CASE(8)
+                HX_MK512_CASE(7)
+                HX_MK512_CASE(6)
+                HX_MK512_CASE(5)
+                HX_MK512_CASE(4)
+                HX_MK512_CASE(3)
+                HX_MK512_CASE(2)
+                HX_MK512_CASE(1)
+            default: break;
+            }
+        }
+    }
+}
+
+/* Column softmax (see the portable softmax_cols); ncols is a multiple of 16. Vectorised across queries,
+ * so the max and sum over keys are plain vertical operations. */
+static HX_AVX512 void softmax_cols_f32_avx512(float *st, int64_t ld, int64_t nk, int64_t ncols, const int32_t *jlim,
+                                              float *mx, float *sum, float *alpha) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < ncols; i += 16) {
+        const __m512i lim = _mm512_loadu_si512((const void *)(jlim + i));
+        __m512 vmax = ninf;
+        for (int64_t j = 0; j < nk; ++j) {
+            const __mmask16 m = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32((int32_t)j));
+            vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_loadu_ps(st + j * ld + i));
+        }
+        const __m512 mold = _mm512_loadu_ps(mx + i);
+        const __m512 mnew = _mm512_max_ps(mold, vmax);
+        const __m512 shift = _mm512_mask_mov_ps(mnew, _mm512_cmp_ps_mask(mnew, ninf, _CMP_EQ_OQ), _mm512_setzero_ps());
+        const __m512 a = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mold, ninf, _CMP_NEQ_UQ),
+                                             hx_exp512(_mm512_sub_ps(mold, mnew)));
+        __m512 vsum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < nk; ++j) {
+            const __mmask16 m = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32((int32_t)j));
+            float *row = st + j * ld + i;
+            const __m512 e = _mm512_maskz_mov_ps(m, hx_exp512(_mm512_sub_ps(_mm512_loadu_ps(row), shift)));
+            _mm512_storeu_ps(row, e);
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        _mm512_storeu_ps(sum + i, _mm512_fmadd_ps(_mm512_loadu_ps(sum + i), a, vsum));
+        _mm512_storeu_ps(mx + i, mnew);
+        _mm512_storeu_ps(alpha + i, a);
+    }
+}
+
+static HX_AVX512 void bwd_row_f32_avx512(float *s, float *ds, int64_t jmax, float lse, float dd) {
+    if (jmax <= 0 || lse == -INFINITY)
+        jmax = 0;
+    const __m512 vl = _mm512_set1_ps(lse == -INFINITY ? 0 : lse), vd = _mm512_set1_ps(dd);
+    for (int q = 0; q < BK / 16; ++q) {
+        const __mmask16 m = hx_mask16(jmax, q);
+        const __m512 pr = _mm512_maskz_mov_ps(m, hx_exp512(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * q), vl)));
+        const __m512 g = _mm512_maskz_mov_ps(m, _mm512_sub_ps(_mm512_loadu_ps(ds + 16 * q), vd));
+        _mm512_storeu_ps(s + 16 * q, pr);
+        _mm512_storeu_ps(ds + 16 * q, _mm512_mul_ps(pr, g));
+    }
+}
+
+/* ---- AVX2 + FMA ---- */
+
+/* exp(x), relative error ~1e-7; x below -87.3 (and -inf) is raised to -87.3 (result ~1e-38), NaN stays NaN. */
+HX_INLINE HX_AVX2 __m256 hx_exp256(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);
+    x = _mm256_min_ps(_mm256_set1_ps(88.0f), x);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(HX_EXP_P0);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(HX_EXP_P1));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(HX_EXP_P2));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(HX_EXP_P3));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(HX_EXP_P4));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(HX_EXP_P5));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    /* 2^n for n in [-126, 127]: (n + 127) << 23 */
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* All-ones lanes of the 8-wide chunk q of a BK row that lie below jmax. */
+HX_INLINE HX_AVX2 __m256 hx_mask8(int64_t jmax, int q) {
+    const int32_t rem = (int32_t)(jmax < 0 ? 0 : jmax > BK ? BK : jmax) - 8 * q;
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(rem), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+/* MR rows x 16 columns (two ymm) of C in registers over the k loop; MR <= 6. */
+HX_INLINE HX_AVX2 void hx_mk256(const int MR, float *restrict C, int64_t ldc, const float *restrict A, int64_t a_rs,
+                                int64_t a_ks, const float *restrict B, int64_t ldb, int64_t K, int accumulate) {
+    __m256 c0[6], c1[6];
+#pragma GCC unroll 6
+    for (int r = 0; r < 6; ++r) {
+        c0[r] = _mm256_setzero_ps();
+        c1[r] = _mm256_setzero_ps();
+        if (r < MR && accumulate) {
+            c0[r] = _mm256_loadu_ps(C + r * ldc);
+            c1[r] = _mm256_loadu_ps(C + r * ldc + 8);
+        }
+    }
+    for (int64_t k = 0; k < K; ++k) {
+        const float *restrict bk = B + k * ldb;
+        const float *restrict ak = A + k * a_ks;
+        const __m256 b0 = _mm256_loadu_ps(bk), b1 = _mm256_loadu_ps(bk + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < 6; ++r) {
+            if (r < MR) {
+                const __m256 a = _mm256_broadcast_ss(ak + r * a_rs);
+                c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
+                c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
+            }
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < 6; ++r) {
+        if (r < MR) {
+            _mm256_storeu_ps(C + r * ldc, c0[r]);
+            _mm256_storeu_ps(C + r * ldc + 8, c1[r]);
+        }
+    }
+}
+
+#define HX_MK256_CASE(mr)                                                                                   \
+    case mr: hx_mk256(mr, c, ldc, a, a_rs, a_ks, B + n0, ldb, K, accumulate); break;
+
+static HX_AVX2 void gemm_f32_avx2(float *C, int64_t ldc, const float *A, int64_t a_rs, int64_t a_ks,
+                                  const float *B, int64_t ldb, int64_t M, int64_t N, int64_t K, int accumulate) {
+    for (int64_t n0 = 0; n0 < N; n0 += 16) {
+        for (int64_t m0 = 0; m0 < M; m0 += 6) {
+            float *c = C + m0 * ldc + n0;
+            const float *a = A + m0 * a_rs;
+            switch (M - m0 >= 6 ? 6 : (int)(M - m0)) {
+                HX_MK256_CASE(6)
+                HX_MK256_CASE(5)
+                HX_MK256_CASE(4)
+                HX_MK256_CASE(3)
+                HX_MK256_CASE(2)
+                HX_MK256_CASE(1)
+            default: break;
+            }
+        }
+    }
+}
+
+/* Column softmax, AVX2; ncols is a multiple of 8. */
+static HX_AVX2 void softmax_cols_f32_avx2(float *st, int64_t ld, int64_t nk, int64_t ncols, const int32_t *jlim,
+                                          float *mx, float *sum, float *alpha) {
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < ncols; i += 8) {
+        const __m256i lim = _mm256_loadu_si256((const __m256i *)(const void *)(jlim + i));
+        __m256 vmax = ninf;
+        for (int64_t j = 0; j < nk; ++j) {
+            const __m256 m = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, _mm256_set1_epi32((int32_t)j)));
+            vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(ninf, _mm256_loadu_ps(st + j * ld + i), m));
+        }
+        const __m256 mold = _mm256_loadu_ps(mx + i);
+        const __m256 mnew = _mm256_max_ps(mold, vmax);
+        const __m256 shift = _mm256_andnot_ps(_mm256_cmp_ps(mnew, ninf, _CMP_EQ_OQ), mnew);
+        const __m256 a = _mm256_and_ps(_mm256_cmp_ps(mold, ninf, _CMP_NEQ_UQ), hx_exp256(_mm256_sub_ps(mold, mnew)));
+        __m256 vsum = _mm256_setzero_ps();
+        for (int64_t j = 0; j < nk; ++j) {
+            const __m256 m = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, _mm256_set1_epi32((int32_t)j)));
+            float *row = st + j * ld + i;
+            const __m256 e = _mm256_and_ps(m, hx_exp256(_mm256_sub_ps(_mm256_loadu_ps(row), shift)));
+            _mm256_storeu_ps(row, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        _mm256_storeu_ps(sum + i, _mm256_fmadd_ps(_mm256_loadu_ps(sum + i), a, vsum));
+        _mm256_storeu_ps(mx + i, mnew);
+        _mm256_storeu_ps(alpha + i, a);
+    }
+}
+
+static HX_AVX2 void bwd_row_f32_avx2(float *s, float *ds, int64_t jmax, float lse, float dd) {
+    if (jmax <= 0 || lse == -INFINITY)
+        jmax = 0;
+    const __m256 vl = _mm256_set1_ps(lse == -INFINITY ? 0 : lse), vd = _mm256_set1_ps(dd);
+    for (int q = 0; q < BK / 8; ++q) {
+        const __m256 m = hx_mask8(jmax, q);
+        const __m256 pr = _mm256_and_ps(m, hx_exp256(_mm256_sub_ps(_mm256_loadu_ps(s + 8 * q), vl)));
+        const __m256 g = _mm256_and_ps(m, _mm256_sub_ps(_mm256_loadu_ps(ds + 8 * q), vd));
+        _mm256_storeu_ps(s + 8 * q, pr);
+        _mm256_storeu_ps(ds + 8 * q, _mm256_mul_ps(pr, g));
+    }
+}
+
+#else
+#define HX_F32_SIMD 0
+#endif /* x86-64 SIMD */
+
+/* --------------------------------------------------------------------------------------------- */
 /* Typed kernels */
 
 #define HX_CAT2(a, b) a##_##b
@@ -292,7 +609,9 @@ static size_t scratch_elems(int32_t dp) { return (size_t)8 * BQ * (size_t)dp + (
 #define HX_PUT put_f64
 #define HX_EXP exp
 #define HX_LOG log
+#define HX_USE_SIMD 0
 #include "attention_cpu.c"
+#undef HX_USE_SIMD
 #undef HEXISEQ_ATTN_T
 #undef HEXISEQ_ATTN_SUFFIX
 #undef HX_GET
@@ -306,7 +625,9 @@ static size_t scratch_elems(int32_t dp) { return (size_t)8 * BQ * (size_t)dp + (
 #define HX_PUT put_f32
 #define HX_EXP hx_expf
 #define HX_LOG logf
+#define HX_USE_SIMD HX_F32_SIMD
 #include "attention_cpu.c"
+#undef HX_USE_SIMD
 #undef HEXISEQ_ATTN_T
 #undef HEXISEQ_ATTN_SUFFIX
 #undef HX_GET
@@ -503,104 +824,136 @@ static void HX(load_rows)(T *restrict dst /* [rows_out][dp] */, const void *src,
         memset(dst + r * dp, 0, sizeof(T) * (size_t)dp);
 }
 
-/* Transposed load: dst[c][r] (ld BK) = src[off + r*rs + c*cs] for r < n, c < d; zero for r >= n.
+/* Transposed load: dst[c][r] (ld ld) = mul * src[off + r*rs + c*cs] for r < n, c < d; zero for n <= r < ld.
  * Rows c >= d are not read by any kernel and are left as they are. */
-static void HX(load_cols)(T *restrict dst /* [dp][BK] */, const void *src, int32_t dtype, int64_t off, int64_t rs,
-                          int64_t cs, int64_t n, int32_t d) {
+static void HX(load_cols)(T *restrict dst /* [dp][ld] */, int64_t ld, const void *src, int32_t dtype, int64_t off,
+                          int64_t rs, int64_t cs, int64_t n, int32_t d, T mul) {
     for (int64_t r = 0; r < n; ++r) {
         const int64_t at = off + r * rs;
         if (dtype == HEXISEQ_DTYPE_F32 && cs == 1) {
             const float *restrict s = (const float *)src + at;
             for (int32_t c = 0; c < d; ++c)
-                dst[c * BK + r] = (T)s[c];
+                dst[c * ld + r] = mul * (T)s[c];
         } else {
             for (int32_t c = 0; c < d; ++c)
-                dst[c * BK + r] = HX_GET(src, dtype, at + c * cs);
+                dst[c * ld + r] = mul * HX_GET(src, dtype, at + c * cs);
         }
     }
     for (int32_t c = 0; c < d; ++c)
-        for (int64_t r = n; r < BK; ++r)
-            dst[c * BK + r] = 0;
+        for (int64_t r = n; r < ld; ++r)
+            dst[c * ld + r] = 0;
 }
 
-/* s[i][j] = sum_c a[i][c] * bt[c][j] for i < n, all BK columns. A block of SR rows x SC columns of s
- * stays in registers over the c loop (8 AVX vectors; wider blocks spill); each load of bt feeds SR multiply-adds. */
-static void HX(scores)(T *restrict s /* [BQ][BK] */, const T *restrict a /* [BQ][dp] */,
-                       const T *restrict bt /* [dp][BK] */, int64_t n, int32_t d, int32_t dp) {
-    int64_t i = 0;
-    for (; i + SR <= n; i += SR) {
-        const T *restrict a0 = a + i * dp;
-        for (int j0 = 0; j0 < BK; j0 += SC) {
+/* C[m][n] = (accumulate ? C[m][n] : 0) + sum_{k < K} A[m*a_rs + k*a_ks] * B[k*ldb + n] for m < M, n < N.
+ * The one small GEMM every product of the family maps onto: S = Q K^T (A = Q rows, B = K^T), O += P V,
+ * dQ += dS K, and the transposed-A products dV += P^T dO, dK += dS^T Q (a_rs = 1, a_ks = row length).
+ * Portable version: a block of SR rows x SC columns of C stays in registers over the k loop. */
+static void HX(gemm)(T *restrict C, int64_t ldc, const T *restrict A, int64_t a_rs, int64_t a_ks,
+                     const T *restrict B, int64_t ldb, int64_t M, int64_t N, int64_t K, int accumulate) {
+    for (int64_t n0 = 0; n0 < N; n0 += SC) {
+        const int64_t w = min64(SC, N - n0); /* SC except for a last partial block */
+        int64_t m = 0;
+        for (; m + SR <= M; m += SR) {
             T acc[SR][SC];
             for (int r = 0; r < SR; ++r)
                 for (int j = 0; j < SC; ++j)
-                    acc[r][j] = 0;
-            for (int32_t c = 0; c < d; ++c) {
-                const T *restrict bc = bt + (int64_t)c * BK + j0;
-                for (int r = 0; r < SR; ++r) {
-                    const T x = a0[r * dp + c];
-                    for (int j = 0; j < SC; ++j)
-                        acc[r][j] += x * bc[j];
+                    acc[r][j] = accumulate && j < w ? C[(m + r) * ldc + n0 + j] : 0;
+            if (w == SC) {
+                for (int64_t k = 0; k < K; ++k) {
+                    const T *restrict bk = B + k * ldb + n0;
+                    for (int r = 0; r < SR; ++r) {
+                        const T x = A[(m + r) * a_rs + k * a_ks];
+                        for (int j = 0; j < SC; ++j)
+                            acc[r][j] += x * bk[j];
+                    }
                 }
+            } else {
+                for (int64_t k = 0; k < K; ++k)
+                    for (int r = 0; r < SR; ++r)
+                        for (int64_t j = 0; j < w; ++j)
+                            acc[r][j] += A[(m + r) * a_rs + k * a_ks] * B[k * ldb + n0 + j];
             }
             for (int r = 0; r < SR; ++r)
-                for (int j = 0; j < SC; ++j)
-                    s[(i + r) * BK + j0 + j] = acc[r][j];
+                for (int64_t j = 0; j < w; ++j)
+                    C[(m + r) * ldc + n0 + j] = acc[r][j];
         }
-    }
-    for (; i < n; ++i) {
-        T acc[BK];
-        for (int j = 0; j < BK; ++j)
-            acc[j] = 0;
-        const T *restrict a0 = a + i * dp;
-        for (int32_t c = 0; c < d; ++c) {
-            const T x = a0[c];
-            const T *restrict bc = bt + (int64_t)c * BK;
-            for (int j = 0; j < BK; ++j)
-                acc[j] += x * bc[j];
-        }
-        memcpy(s + i * BK, acc, sizeof acc);
-    }
-}
-
-/* y[c] = alpha * y[c] + sum_{j < n} w[j * w_stride] * x[j][c] for c < dp (a multiple of DCHUNK).
- * A DCHUNK slice of y stays in registers over the whole j loop (two accumulators, j unrolled by
- * two, to hide the add latency), so each multiply-add costs one load of x. */
-static void HX(weighted_rows)(T *restrict y /* [dp] */, T alpha, const T *restrict w /* [n * w_stride] */,
-                              int64_t w_stride, const T *restrict x /* [n][dp] */, int64_t n, int32_t dp) {
-    for (int32_t c0 = 0; c0 < dp; c0 += DCHUNK) {
-        T r0[DCHUNK], r1[DCHUNK];
-        for (int c = 0; c < DCHUNK; ++c) {
-            r0[c] = alpha * y[c0 + c];
-            r1[c] = 0;
-        }
-        int64_t j = 0;
-        for (; j + 2 <= n; j += 2) {
-            const T w0 = w[j * w_stride], w1 = w[(j + 1) * w_stride];
-            const T *restrict x0 = x + j * dp + c0;
-            const T *restrict x1 = x0 + dp;
-            for (int c = 0; c < DCHUNK; ++c) {
-                r0[c] += w0 * x0[c];
-                r1[c] += w1 * x1[c];
+        for (; m < M; ++m) {
+            for (int64_t j = 0; j < w; ++j) {
+                T acc = accumulate ? C[m * ldc + n0 + j] : 0;
+                for (int64_t k = 0; k < K; ++k)
+                    acc += A[m * a_rs + k * a_ks] * B[k * ldb + n0 + j];
+                C[m * ldc + n0 + j] = acc;
             }
         }
-        if (j < n) {
-            const T w0 = w[j * w_stride];
-            const T *restrict x0 = x + j * dp + c0;
-            for (int c = 0; c < DCHUNK; ++c)
-                r0[c] += w0 * x0[c];
-        }
-        for (int c = 0; c < DCHUNK; ++c)
-            y[c0 + c] = r0[c] + r1[c];
     }
 }
 
-/* row[j] = exp(row[j] - shift) for j < jmax, 0 for jmax <= j < BK. */
-static inline void HX(exp_row)(T *restrict row /* [BK] */, T shift, int64_t jmax) {
-    for (int j = 0; j < BK; ++j)
-        row[j] = HX_EXP(row[j] - shift);
-    for (int64_t j = jmax; j < BK; ++j)
-        row[j] = 0;
+/* Column form of the online-softmax step, for the transposed scores st[j][i] (ld ld) of nk keys x ncols
+ * queries: column i sees keys j < jlim[i] (0 <= jlim[i] <= nk). Per column, m_new = max(mx, max_j st),
+ * st[j][i] = exp(st[j][i] - m_new) for visible keys and 0 otherwise; mx, sum are updated and alpha[i] =
+ * exp(old mx - m_new) is what the query's accumulator must be scaled by. */
+static void HX(softmax_cols)(T *restrict st, int64_t ld, int64_t nk, int64_t ncols, const int32_t *restrict jlim,
+                             T *restrict mx, T *restrict sum, T *restrict alpha) {
+    for (int64_t i = 0; i < ncols; ++i) {
+        T tile_max = -INFINITY;
+        for (int64_t j = 0; j < jlim[i]; ++j)
+            tile_max = st[j * ld + i] > tile_max ? st[j * ld + i] : tile_max;
+        const T m_new = tile_max > mx[i] ? tile_max : mx[i];
+        const T shift = m_new == -INFINITY ? 0 : m_new;
+        alpha[i] = mx[i] == -INFINITY ? 0 : HX_EXP(mx[i] - m_new);
+        T tile_sum = 0;
+        for (int64_t j = 0; j < nk; ++j) {
+            const T e = j < jlim[i] ? HX_EXP(st[j * ld + i] - shift) : 0;
+            st[j * ld + i] = e;
+            tile_sum += e;
+        }
+        sum[i] = sum[i] * alpha[i] + tile_sum;
+        mx[i] = m_new;
+    }
+}
+
+/* Backward row: s[j] = P = exp(s[j] - lse), ds[j] = P * (dP[j] - D) for j < jmax; 0 past jmax and
+ * for a row that sees no key at all (lse = -inf). On entry ds holds dP. */
+static void HX(bwd_row)(T *restrict s /* [BK] */, T *restrict ds /* [BK] */, int64_t jmax, T lse, T dd) {
+    if (jmax <= 0 || lse == -INFINITY) {
+        memset(s, 0, sizeof(T) * BK);
+        memset(ds, 0, sizeof(T) * BK);
+        return;
+    }
+    for (int64_t j = 0; j < jmax; ++j) {
+        s[j] = HX_EXP(s[j] - lse);
+        ds[j] = s[j] * (ds[j] - dd);
+    }
+    for (int64_t j = jmax; j < BK; ++j) {
+        s[j] = 0;
+        ds[j] = 0;
+    }
+}
+
+/* The kernels a tile calls through; float picks a SIMD set at run time (see hx_simd_level). */
+typedef struct {
+    void (*gemm)(T *, int64_t, const T *, int64_t, int64_t, const T *, int64_t, int64_t, int64_t, int64_t, int);
+    void (*bwd_row)(T *, T *, int64_t, T, T);
+    void (*softmax_cols)(T *, int64_t, int64_t, int64_t, const int32_t *, T *, T *, T *);
+} HX(ops);
+
+static const HX(ops) *HX(get_ops)(void) {
+    static const HX(ops) portable = {HX(gemm), HX(bwd_row), HX(softmax_cols)};
+#if HX_USE_SIMD
+    static const HX(ops) avx512 = {gemm_f32_avx512, bwd_row_f32_avx512, softmax_cols_f32_avx512};
+    static const HX(ops) avx2 = {gemm_f32_avx2, bwd_row_f32_avx2, softmax_cols_f32_avx2};
+    switch (hx_simd_level()) {
+    case 2: return &avx512;
+    case 1: return &avx2;
+    default: break;
+    }
+#endif
+    return &portable;
+}
+
+/* First row of a query tile at position qpos that sees any key of the key tile starting at k0. */
+static inline int64_t HX(first_row)(const hexiseq_attn_params *p, int64_t qpos, int64_t k0) {
+    return p->causal ? max64(0, p->k_pos0 + k0 - qpos) : 0;
 }
 
 /* Store dst[off + r*rs + c*cs] (+)= mul * src[r][c] for r < n, c < d. */
@@ -618,24 +971,29 @@ static void HX(store_rows)(void *dst, int32_t dtype, int64_t off, int64_t rs, in
     }
 }
 
-/* Forward for BQ query rows from q0 of (batch b, head h): online softmax over key tiles. */
+/* Forward for BQ query rows from q0 of (batch b, head h): online softmax over key tiles, computed
+ * transposed: st = K (scale Q)^T is [keys][queries], so the softmax max/sum run down columns (one SIMD
+ * lane per query) and Q^T is packed once per task. */
 static void HX(fwd_tile)(const hexiseq_attn_params *p, int64_t b, int32_t h, int64_t q0, T *scratch, int32_t dp) {
+    const HX(ops) *ops = HX(get_ops)();
     const int32_t d = p->head_dim;
     const int32_t hk = h / (p->heads / p->kv_heads);
     const int64_t nq = min64(BQ, p->seq_q - q0);
-    T *restrict qs = scratch;         /* [BQ][dp] scale * q */
-    T *restrict kt = qs + BQ * dp;    /* [dp][BK] k transposed */
-    T *restrict vs = kt + dp * BK;    /* [BK][dp] */
+    const int64_t nq16 = (nq + 15) / 16 * 16; /* SIMD kernels take whole groups of 16 queries */
+    T *restrict qt = scratch;         /* [dp][BQ] scale * q, transposed, zero past nq */
+    T *restrict ks = qt + dp * BQ;    /* [BK][dp] k */
+    T *restrict vs = ks + BK * dp;    /* [BK][dp] v */
     T *restrict acc = vs + BK * dp;   /* [BQ][dp] unnormalised o */
-    T *restrict s = acc + BQ * dp;    /* [BQ][BK] scores, then probabilities */
-    T *restrict mx = s + BQ * BK;     /* [BQ] running max of scores */
+    T *restrict st = acc + BQ * dp;   /* [BK][BQ] scores, then probabilities */
+    T *restrict mx = st + BK * BQ;    /* [BQ] running max of scores */
     T *restrict sum = mx + BQ;        /* [BQ] running sum of exp(score - mx) */
+    T *restrict alpha = sum + BQ;     /* [BQ] rescale factor of the current tile */
+    int32_t jlim[BQ];
 
     const int64_t *qst = p->q_stride, *kst = p->k_stride, *vst = p->v_stride;
-    HX(load_rows)(qs, p->q, p->dtype, b * qst[0] + q0 * qst[1] + h * qst[2], qst[1], qst[3], nq, nq, d, dp,
-                  (T)p->scale);
+    HX(load_cols)(qt, BQ, p->q, p->dtype, b * qst[0] + q0 * qst[1] + h * qst[2], qst[1], qst[3], nq, d, (T)p->scale);
     memset(acc, 0, sizeof(T) * (size_t)(nq * dp));
-    for (int64_t i = 0; i < nq; ++i) {
+    for (int64_t i = 0; i < BQ; ++i) {
         mx[i] = -INFINITY;
         sum[i] = 0;
     }
@@ -643,27 +1001,28 @@ static void HX(fwd_tile)(const hexiseq_attn_params *p, int64_t b, int32_t h, int
     const int64_t kend = visible_keys(p, qpos + nq - 1);
     for (int64_t k0 = 0; k0 < kend; k0 += BK) {
         const int64_t nk = min64(BK, kend - k0);
-        HX(load_cols)(kt, p->k, p->dtype, b * kst[0] + k0 * kst[1] + hk * kst[2], kst[1], kst[3], nk, d);
-        HX(load_rows)(vs, p->v, p->dtype, b * vst[0] + k0 * vst[1] + hk * vst[2], vst[1], vst[3], nk, nk, d, dp, 1);
-        HX(scores)(s, qs, kt, nq, d, dp);
-        for (int64_t i = 0; i < nq; ++i) {
-            const int64_t jmax = min64(nk, visible_keys(p, qpos + i) - k0);
-            if (jmax <= 0)
-                continue;
-            T *restrict si = s + i * BK;
-            T tile_max = si[0];
-            for (int64_t j = 1; j < jmax; ++j)
-                tile_max = si[j] > tile_max ? si[j] : tile_max;
-            const T new_max = tile_max > mx[i] ? tile_max : mx[i];
-            const T alpha = mx[i] == -INFINITY ? 0 : HX_EXP(mx[i] - new_max);
-            HX(exp_row)(si, new_max, jmax);
-            T tile_sum = 0;
-            for (int64_t j = 0; j < jmax; ++j)
-                tile_sum += si[j];
-            sum[i] = sum[i] * alpha + tile_sum;
-            mx[i] = new_max;
-            HX(weighted_rows)(acc + i * dp, alpha, si, 1, vs, jmax, dp);
+        /* queries before i0 see none of these keys (causal); the last one sees kmax of them */
+        const int64_t i0 = HX(first_row)(p, qpos, k0);
+        const int64_t c0 = i0 / 16 * 16;
+        const int64_t kmax = min64(nk, visible_keys(p, qpos + nq - 1) - k0);
+        const int64_t k_at = b * kst[0] + k0 * kst[1] + hk * kst[2];
+        const int64_t v_at = b * vst[0] + k0 * vst[1] + hk * vst[2];
+        /* packed rows (ld dp): strided in-place rows of a [S, heads, d] tensor thrash L1 sets */
+        HX(load_rows)(ks, p->k, p->dtype, k_at, kst[1], kst[3], nk, nk, d, dp, 1);
+        HX(load_rows)(vs, p->v, p->dtype, v_at, vst[1], vst[3], kmax, kmax, d, dp, 1);
+        for (int64_t i = c0; i < nq16; ++i)
+            jlim[i] = i < nq ? (int32_t)max64(0, min64(nk, visible_keys(p, qpos + i) - k0)) : 0;
+        ops->gemm(st + c0, BQ, ks, dp, 1, qt + c0, BQ, nk, nq16 - c0, d, 0);
+        ops->softmax_cols(st + c0, BQ, nk, nq16 - c0, jlim + c0, mx + c0, sum + c0, alpha + c0);
+        for (int64_t i = i0; i < nq; ++i) {
+            if (alpha[i] != 1) {
+                T *restrict ai = acc + i * dp;
+                const T a = alpha[i];
+                for (int32_t c = 0; c < dp; ++c)
+                    ai[c] *= a;
+            }
         }
+        ops->gemm(acc + i0 * dp, dp, st + i0, 1, BQ, vs, dp, nq - i0, dp, kmax, 1);
     }
     const int64_t *ost = p->o_stride, *lst = p->lse_stride;
     for (int64_t i = 0; i < nq; ++i) {
@@ -691,7 +1050,7 @@ static void HX(delta_row)(const hexiseq_attn_params *p, int64_t r, T *delta /* [
 }
 
 /* Loads the shared row data of a query tile: scale*q, do, lse, D. Rows whose lse is -inf are fully
- * masked everywhere and are skipped by the callers. */
+ * masked everywhere; bwd_row gives them zero P and dS. */
 static void HX(load_query_tile)(const hexiseq_attn_params *p, int64_t b, int32_t h, int64_t q0, int64_t nq,
                                 const T *delta, T *restrict qs /* [BQ][dp] */, T *restrict dos /* [BQ][dp] */,
                                 T *restrict lse /* [BQ] */, T *restrict dd /* [BQ] */, int32_t dp) {
@@ -709,6 +1068,7 @@ static void HX(load_query_tile)(const hexiseq_attn_params *p, int64_t b, int32_t
 /* dQ for BQ query rows from q0 of (batch b, head h): dq = scale * sum_j dS_ij k_j. */
 static void HX(bwd_dq_tile)(const hexiseq_attn_params *p, int64_t b, int32_t h, int64_t q0, const T *delta,
                             T *scratch, int32_t dp) {
+    const HX(ops) *ops = HX(get_ops)();
     const int32_t d = p->head_dim;
     const int32_t hk = h / (p->heads / p->kv_heads);
     const int64_t nq = min64(BQ, p->seq_q - q0);
@@ -718,8 +1078,8 @@ static void HX(bwd_dq_tile)(const hexiseq_attn_params *p, int64_t b, int32_t h, 
     T *restrict vt = kt + dp * BK;    /* [dp][BK] */
     T *restrict ks = vt + dp * BK;    /* [BK][dp] */
     T *restrict acc = ks + BK * dp;   /* [BQ][dp] */
-    T *restrict s = acc + BQ * dp;    /* [BQ][BK] scores, then P, then dS */
-    T *restrict dpm = s + BQ * BK;    /* [BQ][BK] dP = do v^T */
+    T *restrict s = acc + BQ * dp;    /* [BQ][BK] scores, then P */
+    T *restrict dpm = s + BQ * BK;    /* [BQ][BK] dP = do v^T, then dS */
     T *restrict lse = dpm + BQ * BK;  /* [BQ] */
     T *restrict dd = lse + BQ;        /* [BQ] */
 
@@ -730,23 +1090,17 @@ static void HX(bwd_dq_tile)(const hexiseq_attn_params *p, int64_t b, int32_t h, 
     const int64_t kend = visible_keys(p, qpos + nq - 1);
     for (int64_t k0 = 0; k0 < kend; k0 += BK) {
         const int64_t nk = min64(BK, kend - k0);
+        const int64_t i0 = HX(first_row)(p, qpos, k0);
+        const int64_t kmax = min64(nk, visible_keys(p, qpos + nq - 1) - k0);
         const int64_t k_at = b * kst[0] + k0 * kst[1] + hk * kst[2];
-        HX(load_cols)(kt, p->k, p->dtype, k_at, kst[1], kst[3], nk, d);
-        HX(load_cols)(vt, p->v, p->dtype, b * vst[0] + k0 * vst[1] + hk * vst[2], vst[1], vst[3], nk, d);
+        HX(load_cols)(kt, BK, p->k, p->dtype, k_at, kst[1], kst[3], nk, d, 1);
+        HX(load_cols)(vt, BK, p->v, p->dtype, b * vst[0] + k0 * vst[1] + hk * vst[2], vst[1], vst[3], nk, d, 1);
         HX(load_rows)(ks, p->k, p->dtype, k_at, kst[1], kst[3], nk, nk, d, dp, 1);
-        HX(scores)(s, qs, kt, nq, d, dp);
-        HX(scores)(dpm, dos, vt, nq, d, dp);
-        for (int64_t i = 0; i < nq; ++i) {
-            const int64_t jmax = min64(nk, visible_keys(p, qpos + i) - k0);
-            if (jmax <= 0 || lse[i] == -INFINITY)
-                continue;
-            T *restrict si = s + i * BK;
-            const T *restrict dpi = dpm + i * BK;
-            HX(exp_row)(si, lse[i], jmax);
-            for (int j = 0; j < BK; ++j)
-                si[j] = si[j] * (dpi[j] - dd[i]);
-            HX(weighted_rows)(acc + i * dp, 1, si, 1, ks, jmax, dp);
-        }
+        ops->gemm(s + i0 * BK, BK, qs + i0 * dp, dp, 1, kt, BK, nq - i0, BK, d, 0);
+        ops->gemm(dpm + i0 * BK, BK, dos + i0 * dp, dp, 1, vt, BK, nq - i0, BK, d, 0);
+        for (int64_t i = i0; i < nq; ++i)
+            ops->bwd_row(s + i * BK, dpm + i * BK, min64(nk, visible_keys(p, qpos + i) - k0), lse[i], dd[i]);
+        ops->gemm(acc + i0 * dp, dp, dpm + i0 * BK, BK, 1, ks, dp, nq - i0, dp, kmax, 1);
     }
     const int64_t *gst = p->dq_stride;
     HX(store_rows)(p->dq, p->dtype, b * gst[0] + q0 * gst[1] + h * gst[2], gst[1], gst[3], nq, d, acc, dp,
@@ -757,6 +1111,7 @@ static void HX(bwd_dq_tile)(const hexiseq_attn_params *p, int64_t b, int32_t h, 
  * dv_j = sum_i P_ij do_i, dk_j = sum_i dS_ij (scale * q_i). */
 static void HX(bwd_dkdv_tile)(const hexiseq_attn_params *p, int64_t b, int32_t hk, int64_t k0, const T *delta,
                               T *scratch, int32_t dp) {
+    const HX(ops) *ops = HX(get_ops)();
     const int32_t d = p->head_dim;
     const int32_t group = p->heads / p->kv_heads;
     const int64_t nk = min64(BK, p->seq_k - k0);
@@ -772,8 +1127,8 @@ static void HX(bwd_dkdv_tile)(const hexiseq_attn_params *p, int64_t b, int32_t h
     T *restrict dd = lse + BQ;        /* [BQ] */
 
     const int64_t *kst = p->k_stride, *vst = p->v_stride;
-    HX(load_cols)(kt, p->k, p->dtype, b * kst[0] + k0 * kst[1] + hk * kst[2], kst[1], kst[3], nk, d);
-    HX(load_cols)(vt, p->v, p->dtype, b * vst[0] + k0 * vst[1] + hk * vst[2], vst[1], vst[3], nk, d);
+    HX(load_cols)(kt, BK, p->k, p->dtype, b * kst[0] + k0 * kst[1] + hk * kst[2], kst[1], kst[3], nk, d, 1);
+    HX(load_cols)(vt, BK, p->v, p->dtype, b * vst[0] + k0 * vst[1] + hk * vst[2], vst[1], vst[3], nk, d, 1);
     memset(dk, 0, sizeof(T) * (size_t)(nk * dp));
     memset(dv, 0, sizeof(T) * (size_t)(nk * dp));
     /* Under the causal mask only queries at positions >= k_pos0 + k0 see this tile. */
@@ -783,27 +1138,17 @@ static void HX(bwd_dkdv_tile)(const hexiseq_attn_params *p, int64_t b, int32_t h
         for (int64_t q0 = first_q / BQ * BQ; q0 < p->seq_q; q0 += BQ) {
             const int64_t nq = min64(BQ, p->seq_q - q0);
             const int64_t qpos = p->q_pos0 + q0;
+            const int64_t i0 = HX(first_row)(p, qpos, k0);
+            if (i0 >= nq)
+                continue;
             HX(load_query_tile)(p, b, h, q0, nq, delta, qs, dos, lse, dd, dp);
-            HX(scores)(s, qs, kt, nq, d, dp);
-            HX(scores)(dpm, dos, vt, nq, d, dp);
-            for (int64_t i = 0; i < nq; ++i) {
-                T *restrict si = s + i * BK;
-                T *restrict dsi = dpm + i * BK;
-                const int64_t jmax = min64(nk, visible_keys(p, qpos + i) - k0);
-                if (jmax <= 0 || lse[i] == -INFINITY) { /* row contributes nothing */
-                    memset(si, 0, sizeof(T) * BK);
-                    memset(dsi, 0, sizeof(T) * BK);
-                    continue;
-                }
-                HX(exp_row)(si, lse[i], jmax);
-                for (int j = 0; j < BK; ++j)
-                    dsi[j] = si[j] * (dsi[j] - dd[i]);
-            }
-            /* dv_j += sum_i P_ij do_i, dk_j += sum_i dS_ij (scale * q_i): column j of P and dS */
-            for (int64_t j = 0; j < nk; ++j) {
-                HX(weighted_rows)(dv + j * dp, 1, s + j, BK, dos, nq, dp);
-                HX(weighted_rows)(dk + j * dp, 1, dpm + j, BK, qs, nq, dp);
-            }
+            ops->gemm(s + i0 * BK, BK, qs + i0 * dp, dp, 1, kt, BK, nq - i0, BK, d, 0);
+            ops->gemm(dpm + i0 * BK, BK, dos + i0 * dp, dp, 1, vt, BK, nq - i0, BK, d, 0);
+            for (int64_t i = i0; i < nq; ++i)
+                ops->bwd_row(s + i * BK, dpm + i * BK, min64(nk, visible_keys(p, qpos + i) - k0), lse[i], dd[i]);
+            /* dv_j += sum_i P_ij do_i, dk_j += sum_i dS_ij (scale * q_i): P and dS read transposed */
+            ops->gemm(dv, dp, s + i0 * BK, 1, BK, dos + i0 * dp, dp, nk, dp, nq - i0, 1);
+            ops->gemm(dk, dp, dpm + i0 * BK, 1, BK, qs + i0 * dp, dp, nk, dp, nq - i0, 1);
         }
     }
     const int64_t *gk = p->dk_stride, *gv = p->dv_stride;
