@@ -261,17 +261,73 @@ class Plan:
         canon = json.dumps(self._identity(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
-    def positions(self, group: int) -> np.ndarray:
+    def group_positions(self, group: int) -> np.ndarray:
         """Absolute token positions owned by a group, in the order its members' shares are laid out:
         the front chunk then the mirrored back chunk (load-balanced causal layout)."""
         seq = self.layout.group_seq
-        if not 0 <= group < len(seq):
-            raise InvalidArgumentError(f"group must be in [0, {len(seq)}), got {group}")
+        if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or not 0 <= group < len(seq):
+            raise InvalidArgumentError(f"group must be in [0, {len(seq)}), got {group!r}")
         back = seq // 2
         front = seq - back
         f0 = int(front[:group].sum())
         b_end = int(self.seq_len - back[:group].sum())
         return np.concatenate([np.arange(f0, f0 + front[group]), np.arange(b_end - back[group], b_end)])
+
+    def group_chunks(self, group: int):
+        """The group's positions as contiguous chunks: [(first position, length), ...] in layout order."""
+        seq = self.layout.group_seq
+        back = seq // 2
+        front = seq - back
+        f0 = int(front[:group].sum())
+        b_end = int(self.seq_len - back[:group].sum())
+        chunks = [(f0, int(front[group])), (b_end - int(back[group]), int(back[group]))]
+        return [(p0, n) for p0, n in chunks if n > 0]
+
+    def _slot(self, rank: int) -> int:
+        """Layout slot of a rank (rank = cluster device id)."""
+        n = self.cluster.num_devices
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < n:
+            raise InvalidArgumentError(f"rank must be a device id in [0, {n}), got {rank!r}")
+        return int(np.nonzero(self.layout.device == rank)[0][0])
+
+    def group_of(self, rank: int) -> int:
+        """The HP group (index in ring order) of a rank."""
+        return int(self.devices.group[self._slot(rank)])
+
+    def positions(self, rank: int) -> np.ndarray:
+        """Absolute positions of the tokens a rank holds for token-parallel work (e.g. for rotary
+        embeddings), in the order of its shard. Rank r is cluster device r."""
+        slot = self._slot(rank)
+        g = int(self.devices.group[slot])
+        first = int(np.concatenate([[0], np.cumsum(self.layout.group_size)])[g])
+        start = int(self.layout.tokens[first:slot].sum())
+        return self.group_positions(g)[start:start + int(self.layout.tokens[slot])]
+
+    def shard(self, x, dim: int, rank: int):
+        """The rank's shard of a full-sequence tensor or array `x` along `dim` (its tokens, in order)."""
+        idx = self.positions(rank)
+        if x.shape[dim] != self.seq_len:
+            raise InvalidArgumentError(f"x has {x.shape[dim]} positions along dim {dim}, the plan {self.seq_len}")
+        if hasattr(x, "index_select"):  # torch
+            import torch
+
+            return x.index_select(dim, torch.as_tensor(idx, device=x.device))
+        return np.take(x, idx, axis=dim)
+
+    def unshard(self, shards, dim: int):
+        """Reassemble the full sequence from every rank's shard (a list indexed by rank)."""
+        n = self.cluster.num_devices
+        if len(shards) != n:
+            raise InvalidArgumentError(f"unshard needs one shard per rank ({n}), got {len(shards)}")
+        order = np.concatenate([self.positions(r) for r in range(n)])
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        if hasattr(shards[0], "index_select"):
+            import torch
+
+            full = torch.cat(list(shards), dim=dim)
+            return full.index_select(dim, torch.as_tensor(inverse, device=full.device))
+        return np.take(np.concatenate(shards, axis=dim), inverse, axis=dim)
 
     # ------------------------------------------------------------------ text
 

@@ -1,0 +1,614 @@
+"""Execute a HexiSeq plan in PyTorch: attention over torch.distributed (NCCL on GPUs, Gloo on CPU).
+
+Each rank holds its token shard (`plan.shard(x, dim, rank)`; rank r is cluster device r). A layer runs:
+
+1. all-to-all inside the HP group (uneven split sizes): "my tokens, all heads" -> "all of the group's tokens,
+   my head range" for Q and "..., the kv heads my query heads use" for K and V;
+2. ring attention across groups: at step k the group's queries attend the K/V block of the group k places
+   back in the ring, while the next block arrives by batched asynchronous P2P from the previous group's
+   devices that hold the same kv heads (a sub-ring per head range); partial results are merged with their
+   log-sum-exp;
+3. the reverse all-to-all of the output.
+
+Backward runs the same pattern in reverse: dO goes through the all-to-all, the ring moves K/V blocks again
+and carries their dK/dV accumulators along (a kv head held by two devices of a group has its pieces summed
+by its first holder), the accumulators arrive home after one extra hop, and dQ, dK, dV go back through the
+reverse all-to-all.
+
+The attention of one block pair runs in the C kernels (`hexiseq.ops`) for CPU tensors; for CUDA tensors a
+PyTorch implementation that also returns the LSE is used until the CUDA kernels land (it warns once).
+"""
+
+import math
+import warnings
+from typing import List, Optional
+
+import numpy as np
+
+try:
+    import torch
+    import torch.distributed as dist
+except ImportError as e:  # pragma: no cover
+    raise ImportError("hexiseq.nn needs PyTorch (pip install torch)") from e
+
+from . import ops
+from .errors import HexiseqError, InvalidArgumentError
+
+__all__ = ["HexiSeqAttention", "HexiSeqContext", "hexiseq_attn_func", "gather_sequence"]
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+_warned_fallback = False
+
+
+def _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale):
+    """PyTorch fallback for one block pair: (out [B, Sq, H, d], lse [B, H, Sq] fp32/fp64). Same contract
+    as hexiseq.ops.attention_forward: K/V heads already expanded to H or in GQA ratio."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, Sq, H, d = q.shape
+    Hk = k.shape[2]
+    rep = H // Hk
+    qf = q.to(acc).permute(0, 2, 1, 3)                                  # [B, H, Sq, d]
+    kf = k.to(acc).permute(0, 2, 1, 3).repeat_interleave(rep, dim=1)   # [B, H, Sk, d]
+    vf = v.to(acc).permute(0, 2, 1, 3).repeat_interleave(rep, dim=1)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale                 # [B, H, Sq, Sk]
+    if causal:
+        qp = torch.arange(Sq, device=q.device) + q_pos0
+        kp = torch.arange(k.shape[1], device=q.device) + k_pos0
+        s = s.masked_fill(kp[None, :] > qp[:, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                                    # [B, H, Sq]
+    p = torch.exp(s - lse[..., None].masked_fill(torch.isinf(lse[..., None]), 0.0))
+    p = torch.nan_to_num(p, nan=0.0)
+    o = torch.matmul(p, vf).permute(0, 2, 1, 3)
+    return o.to(q.dtype), lse
+
+
+def _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale):
+    """PyTorch fallback backward of one block pair with the final (o, lse): (dq, dk, dv) in fp32/fp64."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, Sq, H, d = q.shape
+    Hk = k.shape[2]
+    rep = H // Hk
+    qf = q.to(acc).permute(0, 2, 1, 3)
+    kf = k.to(acc).permute(0, 2, 1, 3).repeat_interleave(rep, dim=1)
+    vf = v.to(acc).permute(0, 2, 1, 3).repeat_interleave(rep, dim=1)
+    dof = do.to(acc).permute(0, 2, 1, 3)
+    of = o.to(acc).permute(0, 2, 1, 3)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    if causal:
+        qp = torch.arange(Sq, device=q.device) + q_pos0
+        kp = torch.arange(k.shape[1], device=q.device) + k_pos0
+        s = s.masked_fill(kp[None, :] > qp[:, None], float("-inf"))
+    l = lse.to(acc)[..., None]
+    p = torch.exp(s - l.masked_fill(torch.isinf(l), 0.0))
+    p = torch.nan_to_num(p, nan=0.0).masked_fill(torch.isinf(l), 0.0)
+    dv = torch.matmul(p.transpose(-1, -2), dof)
+    dp = torch.matmul(dof, vf.transpose(-1, -2))
+    D = (dof * of).sum(-1, keepdim=True)
+    ds = p * (dp - D)
+    dq = torch.matmul(ds, kf) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
+    # fold expanded kv heads back
+    dk = dk.reshape(B, Hk, rep, -1, d).sum(2)
+    dv = dv.reshape(B, Hk, rep, -1, d).sum(2)
+    return dq.permute(0, 2, 1, 3), dk.permute(0, 2, 1, 3), dv.permute(0, 2, 1, 3)
+
+
+def _use_c_kernels(t):
+    if t.device.type == "cpu":
+        return True
+    global _warned_fallback
+    if not _warned_fallback:
+        warnings.warn("hexiseq: CUDA attention kernels are not built into this version; using the PyTorch "
+                      "fallback (correct, returns LSE, not fast)", RuntimeWarning, stacklevel=3)
+        _warned_fallback = True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------- topology
+
+class _Member:
+    __slots__ = ("rank", "tokens", "tok_lo", "head_lo", "heads", "kv_lo", "kv_n", "first_lo", "first_n")
+
+
+class HexiSeqContext:
+    """Everything one rank needs to execute a plan: its group, the members' shares, the ring routes, the
+    process groups. Build it once (collective: every rank of `group` must call it with its plan) and reuse
+    it for every layer; `HexiSeqAttention` does that for you.
+
+    At construction every rank compares the plan's fingerprint with the others' and raises HexiseqError on
+    a mismatch (on every rank) instead of hanging later."""
+
+    def __init__(self, plan, group=None, causal: bool = True, softmax_scale: Optional[float] = None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise HexiseqError("torch.distributed is not initialised: call torch.distributed.init_process_group first")
+        self.plan = plan
+        self.group = group if group is not None else dist.group.WORLD
+        self.causal = bool(causal)
+        self.scale = softmax_scale
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self._check_fingerprint()
+        m = plan.model
+        self.heads, self.kv_heads = m.heads, m.kv_heads
+        self.per_kv = m.heads // m.kv_heads
+        lay = plan.layout
+        sizes = lay.group_size.tolist()
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+        self.n_groups = len(sizes)
+        self.groups: List[List[_Member]] = []
+        for g in range(self.n_groups):
+            members, tok = [], 0
+            for slot in range(offsets[g], offsets[g + 1]):
+                mb = _Member()
+                mb.rank = int(lay.device[slot])
+                mb.tokens = int(lay.tokens[slot])
+                mb.tok_lo = tok
+                tok += mb.tokens
+                mb.head_lo, mb.heads = int(lay.head_lo[slot]), int(lay.head_count[slot])
+                if mb.heads:
+                    mb.kv_lo = mb.head_lo // self.per_kv
+                    mb.kv_n = (mb.head_lo + mb.heads - 1) // self.per_kv - mb.kv_lo + 1
+                else:
+                    mb.kv_lo, mb.kv_n = 0, 0
+                members.append(mb)
+            # first holder of each kv head: the lowest rank-order member whose range contains it
+            owner = {}
+            for mb in members:
+                for h in range(mb.kv_lo, mb.kv_lo + mb.kv_n):
+                    owner.setdefault(h, mb)
+            for mb in members:
+                mine = [h for h, o in owner.items() if o is mb]
+                mb.first_lo, mb.first_n = (min(mine), len(mine)) if mine else (0, 0)
+                if mine and max(mine) - min(mine) + 1 != len(mine):
+                    raise HexiseqError("internal: first-held kv heads are not contiguous")
+            self.groups.append(members)
+        self.g = plan.group_of(self.rank)
+        self.me = next(mb for mb in self.groups[self.g] if mb.rank == self.rank)
+        self.S = [int(x) for x in lay.group_seq]
+        self.chunks = [plan.group_chunks(g) for g in range(self.n_groups)]
+        # global ranks (for P2P) of every plan device
+        self._global = [self._global_rank(r) for r in range(self.world)]
+        # HP subgroups: every rank creates every group, in ring order (new_group is collective)
+        self.hp_group = None
+        self.hp_order = [0]
+        for g in range(self.n_groups):
+            ranks = [self._global[mb.rank] for mb in self.groups[g]]
+            pg = dist.new_group(ranks=ranks) if len(ranks) > 1 else None
+            if g == self.g and pg is not None:
+                self.hp_group = pg
+                # all_to_all_single orders its splits by rank inside the subgroup, not by our member order
+                pos = [dist.get_group_rank(pg, r) for r in ranks]
+                self.hp_order = sorted(range(len(ranks)), key=lambda i: pos[i])
+
+    def _global_rank(self, r):
+        if self.group is dist.group.WORLD:
+            return r
+        return dist.get_global_rank(self.group, r)
+
+    def _device(self):
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _check_fingerprint(self):
+        fp = int(self.plan.fingerprint, 16)
+        fp = fp - (1 << 64) if fp >= (1 << 63) else fp
+        mine = torch.tensor([fp, self.plan.cluster.num_devices, self.world], dtype=torch.int64, device=self._device())
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine, group=self.group)
+        every = [t.tolist() for t in every]
+        if any(e[0] != every[0][0] for e in every):
+            fps = ", ".join(f"rank {r}: {(e[0] % (1 << 64)):016x}" for r, e in enumerate(every))
+            raise HexiseqError(f"ranks disagree about the plan (fingerprints {fps}); every rank must use the same plan")
+        if every[0][1] != self.world:
+            raise HexiseqError(f"the plan places {every[0][1]} devices but the process group has {self.world} ranks")
+
+    # ------------------------------------------------------------------------------------------ helpers
+
+    def _scale(self, d):
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(d)
+
+    def _kv_index(self, mb, device):
+        """Local kv index of each of the member's query heads (for expanding K/V to its heads)."""
+        h = torch.arange(mb.head_lo, mb.head_lo + mb.heads, device=device)
+        return h // self.per_kv - mb.kv_lo
+
+    def _aligned(self, mb):
+        return mb.head_lo % self.per_kv == 0 and mb.heads % self.per_kv == 0
+
+    def _a2a(self, send_parts, recv_numels, dtype, device):
+        """Uneven all-to-all inside the HP group: send_parts[j] (flat) to member j; returns the received
+        flat parts. Members are in rank order; a member's own part stays local."""
+        members = self.groups[self.g]
+        if len(members) == 1:
+            return [send_parts[0]]
+        order = self.hp_order
+        send_parts = [send_parts[i].reshape(-1) for i in order]
+        recv_numels = [recv_numels[i] for i in order]
+        send = torch.cat(send_parts)
+        recv = torch.empty(sum(recv_numels), dtype=dtype, device=device)
+        dist.all_to_all_single(recv, send, output_split_sizes=recv_numels,
+                               input_split_sizes=[p.numel() for p in send_parts], group=self.hp_group)
+        got = torch.split(recv, recv_numels)
+        out = [None] * len(order)
+        for j, i in enumerate(order):
+            out[i] = got[j]
+        return out
+
+    # ------------------------------------------------------------------------------------------ ring routes
+
+    def _ring_routes(self, what):
+        """P2P routes of one ring step for this rank. what = "kv": K/V of my kv range from the previous
+        group's first holders, and to the next group's members what I first-hold of their ranges;
+        what = "acc": dK/dV accumulators, first holder to first holder.
+        Returns (sends, recvs): lists of (peer rank, global kv lo, n) in a canonical order."""
+        G = self.n_groups
+        if G == 1 or self.me.heads == 0:
+            return [], []
+        prev, nxt = self.groups[(self.g - 1) % G], self.groups[(self.g + 1) % G]
+        me = self.me
+
+        def need(mb):
+            return (mb.kv_lo, mb.kv_n) if what == "kv" else (mb.first_lo, mb.first_n)
+
+        recvs = []
+        lo, n = need(me)
+        for src in prev:  # rank order; each kv head has exactly one first holder
+            a, b = max(lo, src.first_lo), min(lo + n, src.first_lo + src.first_n)
+            if src.first_n and b > a:
+                recvs.append((src.rank, a, b - a))
+        sends = []
+        for dst in nxt:
+            dlo, dn = need(dst)
+            a, b = max(dlo, me.first_lo), min(dlo + dn, me.first_lo + me.first_n)
+            if me.first_n and b > a:
+                sends.append((dst.rank, a, b - a))
+        return sends, recvs
+
+    def _exchange(self, sends, recvs, send_tensor_of, recv_shape_of, dtype, device):
+        """Post a batch of asynchronous sends and receives; returns (requests, received tensors)."""
+        ops_ = []
+        keep = []
+        for peer, lo, n in sends:
+            t = send_tensor_of(lo, n).contiguous()
+            if t.numel():
+                keep.append(t)
+                ops_.append(dist.P2POp(dist.isend, t, self._global[peer]))
+        out = []
+        for peer, lo, n in recvs:
+            t = torch.empty(recv_shape_of(lo, n), dtype=dtype, device=device)
+            out.append((lo, n, t))
+            if t.numel():
+                ops_.append(dist.P2POp(dist.irecv, t, self._global[peer]))
+        reqs = dist.batch_isend_irecv(ops_) if ops_ else []
+        return reqs, out, keep
+
+    # ------------------------------------------------------------------------------------------ forward
+
+    def forward(self, q, k, v):
+        """q [B, s_r, A, d], k/v [B, s_r, A_kv, d] -> o [B, s_r, A, d]; plus what backward needs."""
+        self._check_inputs(q, k, v)
+        B, _, _, d = q.shape
+        dev, dt = q.device, q.dtype
+        members, me = self.groups[self.g], self.me
+        # 1. all-to-all in: my tokens of member j's heads
+        parts = []
+        for mb in members:
+            parts.append(torch.cat([q[:, :, mb.head_lo:mb.head_lo + mb.heads].reshape(-1),
+                                    k[:, :, mb.kv_lo:mb.kv_lo + mb.kv_n].reshape(-1),
+                                    v[:, :, mb.kv_lo:mb.kv_lo + mb.kv_n].reshape(-1)]))
+        recv_numels = [B * mb.tokens * (me.heads + 2 * me.kv_n) * d for mb in members]
+        got = self._a2a(parts, recv_numels, dt, dev)
+        qs, ks, vs = [], [], []
+        for mb, flat in zip(members, got):
+            nq, nk = B * mb.tokens * me.heads * d, B * mb.tokens * me.kv_n * d
+            qs.append(flat[:nq].view(B, mb.tokens, me.heads, d))
+            ks.append(flat[nq:nq + nk].view(B, mb.tokens, me.kv_n, d))
+            vs.append(flat[nq + nk:nq + 2 * nk].view(B, mb.tokens, me.kv_n, d))
+        Qg, Kg, Vg = torch.cat(qs, 1), torch.cat(ks, 1), torch.cat(vs, 1)   # [B, S_g, h|kv, d]
+        # 2. ring
+        Og, lses = self._ring_forward(Qg, Kg, Vg)
+        # 3. all-to-all out: my heads of member j's tokens
+        parts = [Og[:, mb.tok_lo:mb.tok_lo + mb.tokens].reshape(-1) for mb in members]
+        recv_numels = [B * me.tokens * mb.heads * d for mb in members]
+        got = self._a2a(parts, recv_numels, dt, dev)
+        o = torch.empty(B, me.tokens, self.heads, d, dtype=dt, device=dev)
+        for mb, flat in zip(members, got):
+            o[:, :, mb.head_lo:mb.head_lo + mb.heads] = flat.view(B, me.tokens, mb.heads, d)
+        return o, (Qg, Kg, Vg, Og, lses)
+
+    def _check_inputs(self, q, k, v):
+        for name, t, heads in (("q", q, self.heads), ("k", k, self.kv_heads), ("v", v, self.kv_heads)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise InvalidArgumentError(f"{name} must be a 4-D tensor [batch, tokens, heads, head_dim]")
+            if t.shape[1] != self.me.tokens or t.shape[2] != heads:
+                raise InvalidArgumentError(
+                    f"{name} must be [batch, {self.me.tokens}, {heads}, head_dim] on rank {self.rank} under this plan, "
+                    f"got {list(t.shape)}")
+        if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+            raise InvalidArgumentError(f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not agree")
+        if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+            raise InvalidArgumentError("q, k and v must share dtype and device")
+
+    def _heads_view(self, K):
+        """K/V of my kv range as the kernel wants them for my query heads: GQA ratio when aligned,
+        else expanded to one kv head per query head."""
+        if self._aligned(self.me):
+            return K
+        return K.index_select(2, self._kv_index(self.me, K.device))
+
+    def _block_pairs(self, gq, gk):
+        """(q offset, q pos0, q len, k offset, k pos0, k len) of the contiguous chunk pairs with any visible key."""
+        out = []
+        qo = 0
+        for qp0, qn in self.chunks[gq]:
+            ko = 0
+            for kp0, kn in self.chunks[gk]:
+                if not (self.causal and kp0 > qp0 + qn - 1):
+                    out.append((qo, qp0, qn, ko, kp0, kn))
+                ko += kn
+            qo += qn
+        return out
+
+    def _ring_forward(self, Qg, Kg, Vg):
+        me, G = self.me, self.n_groups
+        B, Sg, h, d = Qg.shape
+        dev, dt = Qg.device, Qg.dtype
+        if h == 0:
+            return Qg.new_zeros(B, Sg, 0, d), []
+        scale = self._scale(d)
+        acc_dt = torch.float64 if dt == torch.float64 else torch.float32
+        use_c = _use_c_kernels(Qg)
+        chunks = self.chunks[self.g]
+        O = [torch.zeros(B, n, h, d, dtype=acc_dt, device=dev) for _, n in chunks]
+        L = [torch.full((B, h, n), float("-inf"), dtype=acc_dt, device=dev) for _, n in chunks]
+        qoff = [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
+        cur = torch.stack([Kg, Vg])                       # [2, B, S_src, kv, d], the own block first
+        sends, recvs = self._ring_routes("kv")
+        for step in range(G):
+            src = (self.g - step) % G
+            pending = None
+            if step < G - 1:
+                nxt_src = (self.g - step - 1) % G
+                pending = self._exchange(
+                    sends, recvs, lambda lo, n, c=cur: c[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n],
+                    lambda lo, n, S=self.S[nxt_src]: (2, B, S, n, d), dt, dev)
+            Kb, Vb = self._heads_view(cur[0]), self._heads_view(cur[1])
+            for qo, qp0, qn, ko, kp0, kn in self._block_pairs(self.g, src):
+                qc, kc, vc = Qg[:, qo:qo + qn], Kb[:, ko:ko + kn], Vb[:, ko:ko + kn]
+                if use_c:
+                    o_p, l_p = ops.attention_forward(qc, kc, vc, causal=self.causal, q_pos0=qp0, k_pos0=kp0, scale=scale)
+                else:
+                    o_p, l_p = _block_forward_torch(qc, kc, vc, self.causal, qp0, kp0, scale)
+                i = qoff.index(qo)
+                _merge(O[i], L[i], o_p.to(acc_dt), l_p.to(acc_dt))
+            if pending is not None:
+                reqs, got, _keep = pending
+                for r in reqs:
+                    r.wait()
+                cur = torch.empty(2, B, self.S[nxt_src], me.kv_n, d, dtype=dt, device=dev)
+                for lo, n, t in got:
+                    cur[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n] = t
+        return torch.cat(O, 1).to(dt), L
+
+    # ------------------------------------------------------------------------------------------ backward
+
+    def backward(self, do, Qg, Kg, Vg, Og, lses):
+        B, _, _, d = do.shape
+        dev, dt = do.device, do.dtype
+        members, me = self.groups[self.g], self.me
+        do = do.contiguous()
+        # 1. dO through the all-to-all (the q pattern)
+        parts = [do[:, :, mb.head_lo:mb.head_lo + mb.heads].reshape(-1) for mb in members]
+        got = self._a2a(parts, [B * mb.tokens * me.heads * d for mb in members], dt, dev)
+        dOg = torch.cat([flat.view(B, mb.tokens, me.heads, d) for mb, flat in zip(members, got)], 1)
+        # 2. ring backward
+        dQg, dKg, dVg = self._ring_backward(Qg, Kg, Vg, Og, lses, dOg)
+        # 3. reverse all-to-all: dQ of member j's tokens for my heads, dK/dV for the kv heads I first-hold
+        parts = []
+        for mb in members:
+            sl = slice(mb.tok_lo, mb.tok_lo + mb.tokens)
+            f = slice(me.first_lo - me.kv_lo, me.first_lo - me.kv_lo + me.first_n)
+            parts.append(torch.cat([dQg[:, sl].reshape(-1), dKg[:, sl, f].reshape(-1), dVg[:, sl, f].reshape(-1)]))
+        recv = [B * me.tokens * (mb.heads + 2 * mb.first_n) * d for mb in members]
+        got = self._a2a(parts, recv, dt, dev)
+        dq = torch.empty(B, me.tokens, self.heads, d, dtype=dt, device=dev)
+        dk = torch.zeros(B, me.tokens, self.kv_heads, d, dtype=dt, device=dev)
+        dv = torch.zeros_like(dk)
+        for mb, flat in zip(members, got):
+            nq, nk = B * me.tokens * mb.heads * d, B * me.tokens * mb.first_n * d
+            dq[:, :, mb.head_lo:mb.head_lo + mb.heads] = flat[:nq].view(B, me.tokens, mb.heads, d)
+            dk[:, :, mb.first_lo:mb.first_lo + mb.first_n] = flat[nq:nq + nk].view(B, me.tokens, mb.first_n, d)
+            dv[:, :, mb.first_lo:mb.first_lo + mb.first_n] = flat[nq + nk:].view(B, me.tokens, mb.first_n, d)
+        return dq, dk, dv
+
+    def _ring_backward(self, Qg, Kg, Vg, Og, lses, dOg):
+        me, G = self.me, self.n_groups
+        B, Sg, h, d = Qg.shape
+        dev, dt = Qg.device, Qg.dtype
+        kv = me.kv_n
+        if h == 0:
+            return Qg.new_zeros(B, Sg, 0, d), Kg.new_zeros(B, Sg, 0, d), Vg.new_zeros(B, Sg, 0, d)
+        scale = self._scale(d)
+        acc_dt = torch.float64 if dt == torch.float64 else torch.float32
+        use_c = _use_c_kernels(Qg)
+        chunks = self.chunks[self.g]
+        qoff = [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
+        dQ = torch.zeros(B, Sg, h, d, dtype=acc_dt, device=dev)
+        aligned = self._aligned(me)
+        kv_idx = None if aligned else self._kv_index(me, dev)
+        co_holders = self._co_holders()
+        kv_sends, kv_recvs = self._ring_routes("kv")
+        acc_sends, acc_recvs = self._ring_routes("acc")
+        cur = torch.stack([Kg, Vg])
+        acc = torch.zeros(2, B, Sg, me.first_n, d, dtype=acc_dt, device=dev)   # dK/dV of the block I first-hold
+        for step in range(G):
+            src = (self.g - step) % G
+            Ssrc = self.S[src]
+            # my contributions to dK/dV of this block, for my whole kv range
+            contrib = torch.zeros(2, B, Ssrc, h if not aligned else kv, d, dtype=acc_dt, device=dev)
+            Kb = cur[0] if aligned else cur[0].index_select(2, kv_idx)
+            Vb = cur[1] if aligned else cur[1].index_select(2, kv_idx)
+            for qo, qp0, qn, ko, kp0, kn in self._block_pairs(self.g, src):
+                i = qoff.index(qo)
+                qc, oc, doc, lc = Qg[:, qo:qo + qn], Og[:, qo:qo + qn], dOg[:, qo:qo + qn], lses[i]
+                kc, vc = Kb[:, ko:ko + kn], Vb[:, ko:ko + kn]
+                if use_c and acc_dt == dt:
+                    ops.attention_backward(qc, kc, vc, oc, lc.to(acc_dt), doc, causal=self.causal, q_pos0=qp0,
+                                           k_pos0=kp0, scale=scale, dq=dQ[:, qo:qo + qn],
+                                           dk=contrib[0, :, ko:ko + kn], dv=contrib[1, :, ko:ko + kn],
+                                           accumulate=True)
+                elif use_c:
+                    dq_p, dk_p, dv_p = ops.attention_backward(qc, kc, vc, oc, lc.to(torch.float32), doc,
+                                                              causal=self.causal, q_pos0=qp0, k_pos0=kp0, scale=scale)
+                    dQ[:, qo:qo + qn] += dq_p.to(acc_dt)
+                    contrib[0, :, ko:ko + kn] += dk_p.to(acc_dt)
+                    contrib[1, :, ko:ko + kn] += dv_p.to(acc_dt)
+                else:
+                    dq_p, dk_p, dv_p = _block_backward_torch(qc, kc, vc, oc, lc, doc, self.causal, qp0, kp0, scale)
+                    dQ[:, qo:qo + qn] += dq_p.to(acc_dt)
+                    contrib[0, :, ko:ko + kn] += dk_p.to(acc_dt)
+                    contrib[1, :, ko:ko + kn] += dv_p.to(acc_dt)
+            if not aligned:  # fold per-query-head pieces back onto my kv heads
+                folded = torch.zeros(2, B, Ssrc, kv, d, dtype=acc_dt, device=dev)
+                folded.index_add_(3, kv_idx, contrib)
+                contrib = folded
+            # kv heads shared with another member: non-first holders hand their piece to the first holder
+            contrib = self._reduce_shared(contrib, co_holders, B, Ssrc, d, acc_dt, dev)
+            f = slice(me.first_lo - me.kv_lo, me.first_lo - me.kv_lo + me.first_n)
+            acc = acc + contrib[:, :, :, f]
+            if G == 1:
+                break
+            # forward the block (not after the last step) and its accumulator (always: the last hop is home)
+            nxt_src = (self.g - step - 1) % G
+            kv_pending = None
+            if step < G - 1:
+                kv_pending = self._exchange(
+                    kv_sends, kv_recvs, lambda lo, n, c=cur: c[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n],
+                    lambda lo, n, S=self.S[nxt_src]: (2, B, S, n, d), dt, dev)
+            acc_pending = self._exchange(
+                acc_sends, acc_recvs, lambda lo, n, a=acc: a[:, :, :, lo - me.first_lo:lo - me.first_lo + n],
+                lambda lo, n, S=self.S[nxt_src]: (2, B, S, n, d), acc_dt, dev)
+            for reqs, _got, _keep in [p for p in (kv_pending, acc_pending) if p is not None]:
+                for r in reqs:
+                    r.wait()
+            if kv_pending is not None:
+                cur = torch.empty(2, B, self.S[nxt_src], kv, d, dtype=dt, device=dev)
+                for lo, n, t in kv_pending[1]:
+                    cur[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n] = t
+            acc = torch.zeros(2, B, self.S[nxt_src], me.first_n, d, dtype=acc_dt, device=dev)
+            for lo, n, t in acc_pending[1]:
+                acc[:, :, :, lo - me.first_lo:lo - me.first_lo + n] = t
+        # acc now holds the full dK/dV of my own group's block for the kv heads I first-hold
+        dK = torch.zeros(B, Sg, kv, d, dtype=dt, device=dev)
+        dV = torch.zeros_like(dK)
+        f = slice(me.first_lo - me.kv_lo, me.first_lo - me.kv_lo + me.first_n)
+        dK[:, :, f] = acc[0].to(dt)
+        dV[:, :, f] = acc[1].to(dt)
+        return dQ.to(dt), dK, dV
+
+    def _co_holders(self):
+        """Members of my group that share kv heads with me: (member, lo, n) of the shared heads, for the
+        pieces I send (I am not the first holder) and receive (I am)."""
+        send, recv = [], []
+        me = self.me
+        for mb in self.groups[self.g]:
+            if mb is me or not mb.kv_n:
+                continue
+            # heads I hold that mb first-holds -> send; heads mb holds that I first-hold -> receive
+            a, b = max(me.kv_lo, mb.first_lo), min(me.kv_lo + me.kv_n, mb.first_lo + mb.first_n)
+            if b > a:
+                send.append((mb.rank, a, b - a))
+            a, b = max(mb.kv_lo, me.first_lo), min(mb.kv_lo + mb.kv_n, me.first_lo + me.first_n)
+            if b > a:
+                recv.append((mb.rank, a, b - a))
+        return send, recv
+
+    def _reduce_shared(self, contrib, co, B, S, d, acc_dt, dev):
+        send, recv = co
+        if not send and not recv:
+            return contrib
+        me = self.me
+        reqs, got, _keep = self._exchange(
+            send, recv, lambda lo, n: contrib[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n],
+            lambda lo, n: (2, B, S, n, d), acc_dt, dev)
+        for r in reqs:
+            r.wait()
+        for lo, n, t in got:
+            contrib[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n] += t
+        return contrib
+
+
+def _merge(o_acc, lse_acc, o_part, lse_part):
+    """Fold (o_part, lse_part) into the accumulator in place (the C merge for CPU tensors)."""
+    if o_acc.device.type == "cpu":
+        ops.merge_(o_acc, lse_acc, o_part, lse_part)
+        return
+    new = torch.logaddexp(lse_acc, lse_part)
+    finite = torch.isfinite(new)
+    wa = torch.where(finite, torch.exp(lse_acc - new), torch.zeros_like(new))
+    wp = torch.where(finite, torch.exp(lse_part - new), torch.zeros_like(new))
+    o_acc.mul_(wa.transpose(1, 2)[..., None]).add_(o_part * wp.transpose(1, 2)[..., None])
+    lse_acc.copy_(new)
+
+
+# ---------------------------------------------------------------------------------------------- autograd
+
+class _HexiSeqAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, context):
+        o, saved = context.forward(q, k, v)
+        Qg, Kg, Vg, Og, lses = saved
+        ctx.context = context
+        ctx.n_lse = len(lses)
+        ctx.save_for_backward(Qg, Kg, Vg, Og, *lses)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        Qg, Kg, Vg, Og, *lses = ctx.saved_tensors
+        dq, dk, dv = ctx.context.backward(do, Qg, Kg, Vg, Og, list(lses))
+        return dq, dk, dv, None
+
+
+def hexiseq_attn_func(q, k, v, context: HexiSeqContext):
+    """Attention of this rank's token shard under a plan, with autograd.
+
+    q: [batch, s_r, heads, head_dim]; k, v: [batch, s_r, kv_heads, head_dim], where s_r is this rank's token
+    count in the plan (`plan.devices.tokens` of its slot; shard with `plan.shard(x, 1, rank)`).
+    Returns the output [batch, s_r, heads, head_dim] for the same tokens. Every rank of the context's group
+    must call it (it communicates)."""
+    return _HexiSeqAttentionFn.apply(q, k, v, context)
+
+
+class HexiSeqAttention(torch.nn.Module):
+    """Drop-in attention for a model whose sequence is sharded by a HexiSeq plan.
+
+    plan: a hexiseq.Plan whose devices are the ranks of `group` (rank r = cluster device r).
+    group: the process group (default: the world). causal: causal masking by absolute positions.
+    softmax_scale: default 1/sqrt(head_dim).
+    Construction is collective: every rank checks the plan's fingerprint against the others'."""
+
+    def __init__(self, plan, group=None, causal: bool = True, softmax_scale: Optional[float] = None):
+        super().__init__()
+        self.context = HexiSeqContext(plan, group=group, causal=causal, softmax_scale=softmax_scale)
+
+    def forward(self, q, k, v):
+        return hexiseq_attn_func(q, k, v, self.context)
+
+
+def gather_sequence(x, plan, dim: int = 1, group=None):
+    """All-gather every rank's shard of `x` along `dim` and return the full sequence in position order."""
+    group = group if group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    sizes = [int(plan.devices.tokens[plan._slot(r)]) for r in range(world)]
+    biggest = max(sizes)
+    pad = list(x.shape)
+    pad[dim] = biggest - x.shape[dim]
+    xp = torch.cat([x, x.new_zeros(pad)], dim) if pad[dim] else x
+    bufs = [torch.empty_like(xp) for _ in range(world)]
+    dist.all_gather(bufs, xp.contiguous(), group=group)
+    shards = [b.narrow(dim, 0, s) for b, s in zip(bufs, sizes)]
+    return plan.unshard(shards, dim)

@@ -1,0 +1,80 @@
+"""Worker processes for the multi-process tests (imported by spawned children, so it lives in a module)."""
+
+import datetime
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+def reference_attention(q, k, v, causal, scale):
+    """Plain single-process attention over the full sequence, float64: [B, S, A, d]."""
+    q, k, v = q.double(), k.double(), v.double()
+    A, Akv = q.shape[2], k.shape[2]
+    kk, vv = k.repeat_interleave(A // Akv, 2), v.repeat_interleave(A // Akv, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    if causal:
+        S = q.shape[1]
+        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vv)
+
+
+def _rel(a, b):
+    """Largest error relative to the largest reference value, floored at 1: a rank whose only query sits at
+    position 0 has an exactly zero dq (a softmax over one key), where a plain relative error is undefined;
+    the inputs are O(1), so 1 is the natural scale there."""
+    if b.numel() == 0:
+        return 0.0
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1.0)).item()
+
+
+def check_plan(rank, world, init, plan_json, dtype_name, head_dim, batch, results):
+    """Run HexiSeq attention forward and backward on this rank's shard; report the relative errors of the
+    output and of dq, dk, dv against the float64 single-process reference (same seed on every rank)."""
+    try:
+        import hexiseq
+        from hexiseq.nn import HexiSeqAttention
+
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        plan = hexiseq.Plan.from_json(plan_json)
+        dtype = getattr(torch, dtype_name)
+        m = plan.model
+        g = torch.Generator().manual_seed(1234)
+        S = plan.seq_len
+        q = torch.randn(batch, S, m.heads, head_dim, generator=g, dtype=torch.float64)
+        k = torch.randn(batch, S, m.kv_heads, head_dim, generator=g, dtype=torch.float64)
+        v = torch.randn(batch, S, m.kv_heads, head_dim, generator=g, dtype=torch.float64)
+        go = torch.randn(batch, S, m.heads, head_dim, generator=g, dtype=torch.float64)
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ref = reference_attention(qr, kr, vr, plan.causal, head_dim ** -0.5)
+        ref.backward(go)
+        attn = HexiSeqAttention(plan, causal=plan.causal)
+        ql, kl, vl = (plan.shard(t, 1, rank).to(dtype).requires_grad_() for t in (q, k, v))
+        o = attn(ql, kl, vl)
+        o.backward(plan.shard(go, 1, rank).to(dtype))
+        errs = [_rel(o, plan.shard(ref.detach(), 1, rank)), _rel(ql.grad, plan.shard(qr.grad, 1, rank)),
+                _rel(kl.grad, plan.shard(kr.grad, 1, rank)), _rel(vl.grad, plan.shard(vr.grad, 1, rank))]
+        results.put((rank, "ok", errs, o.dtype == dtype and ql.grad.dtype == dtype))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc(), None))
+
+
+def check_mismatch(rank, world, init, plan_jsons, results):
+    """Build the attention module with a per-rank plan; report what each rank raised."""
+    try:
+        import hexiseq
+        from hexiseq.nn import HexiSeqAttention
+
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=30))
+        plan = hexiseq.Plan.from_json(plan_jsons[rank])
+        try:
+            HexiSeqAttention(plan)
+            results.put((rank, "no error", None, None))
+        except hexiseq.HexiseqError as e:
+            results.put((rank, "raised", str(e), None))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc(), None))

@@ -1,0 +1,136 @@
+"""Plans executed across processes on Gloo, checked against single-process attention over the full sequence.
+
+Tolerances (relative to the largest reference value, floored at 1 — see dist_worker._rel): 1e-10 in float64 — the distributed result sums the
+same products in a different order (blocks, merges), an error of a few ulps times the number of merge steps;
+1e-5 in float32 — single-precision accumulation over sequences of ~100 keys (~1e-6 observed)."""
+
+import os
+import sys
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+mp = pytest.importorskip("torch.multiprocessing")
+import torch.distributed as dist  # noqa: E402
+
+import hexiseq  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import dist_worker  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+def spawn(fn, world, args, tmp_path, timeout_s=120):
+    """Run fn(rank, world, init, *args, results) in `world` processes; return {rank: result}."""
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    init = f"file://{tmp_path}/store-{time.monotonic_ns()}"
+    procs = [ctx.Process(target=fn, args=(r, world, init, *args, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = {}
+    deadline = time.monotonic() + timeout_s
+    while len(out) < world and time.monotonic() < deadline:
+        if not results.empty():
+            r = results.get()
+            out[r[0]] = r[1:]
+        else:
+            time.sleep(0.05)
+    for p in procs:
+        p.join(timeout=max(1.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.terminate()
+    assert len(out) == world, f"only ranks {sorted(out)} reported within {timeout_s} s"
+    return out
+
+
+def cluster(*counts, gpus=("H100-SXM", "A100-80G", "L40S")):
+    nodes = [{"gpu": gpus[i % len(gpus)], "count": c, "intra_gbps": 300.0} for i, c in enumerate(counts)]
+    return hexiseq.Cluster.from_dict({"nodes": nodes, "inter_node_gbps": 25.0})
+
+
+def tiny_model(heads, kv_heads, head_dim=8):
+    return hexiseq.Model(layers=2, hidden=heads * head_dim, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                         ffn=64, vocab=100)
+
+
+def layout_plan(counts, model, seq, groups, causal=True):
+    return hexiseq.evaluate(cluster(*counts), model=model, seq_len=seq, layout={"groups": groups}, causal=causal)
+
+
+CASES = {
+    # one group of 4 (Ulysses-like), GQA 12:4, a prime sequence length
+    "one-group-gqa": lambda: hexiseq.plan(cluster(2, 2), model=tiny_model(12, 4), seq_len=97, strategy="usp"),
+    # unequal groups, a rank with one token, a rank with no heads, a kv head split between two ranks,
+    # members not in device order
+    "asymmetric": lambda: layout_plan((2, 2), tiny_model(12, 4), 97, [
+        {"devices": [0, 2, 1], "seq": 61, "tokens": [30, 1, 30], "heads": [5, 0, 7]},
+        {"devices": [3], "seq": 36, "tokens": [36], "heads": [12]}]),
+    # pure ring of three unequal blocks, MQA, full attention
+    "ring-mqa-noncausal": lambda: layout_plan((1, 1, 1), tiny_model(6, 1), 97, [
+        {"devices": [0], "seq": 40, "tokens": [40], "heads": [6]},
+        {"devices": [1], "seq": 7, "tokens": [7], "heads": [6]},
+        {"devices": [2], "seq": 50, "tokens": [50], "heads": [6]}], causal=False),
+    # GQA 4:1 over groups of 2, 1, 2; unaligned head ranges; a rank with 0 heads; 5 processes
+    "gqa4-three-groups": lambda: layout_plan((2, 1, 2), tiny_model(8, 2), 101, [
+        {"devices": [0, 1], "seq": 50, "tokens": [1, 49], "heads": [3, 5]},
+        {"devices": [2], "seq": 10, "tokens": [10], "heads": [8]},
+        {"devices": [3, 4], "seq": 41, "tokens": [20, 21], "heads": [8, 0]}]),
+    # the scheduler's own plan on 6 heterogeneous devices, heads and length that divide nothing
+    # the scheduler's own plan on 6 heterogeneous devices (at this length it parks four of them: ranks with
+    # no tokens and no heads), heads and length that divide nothing
+    "scheduler-6": lambda: hexiseq.plan(cluster(2, 2, 2), model=tiny_model(10, 2, 128), seq_len=1031,
+                                        strategy="hexiseq"),
+    # two groups, 7 heads (MHA), 2 processes, full attention
+    "two-groups-7-heads": lambda: layout_plan((1, 1), tiny_model(7, 7), 33, [
+        {"devices": [1], "seq": 20, "tokens": [20], "heads": [7]},
+        {"devices": [0], "seq": 13, "tokens": [13], "heads": [7]}], causal=False),
+}
+
+
+RUNS = [(case, "float64", 1e-10) for case in sorted(CASES)] + [
+    (case, "float32", 1e-5) for case in ("asymmetric", "gqa4-three-groups", "ring-mqa-noncausal")]
+
+
+@pytest.mark.parametrize("case,dtype,tol", RUNS)
+def test_plan_matches_single_process(case, dtype, tol, tmp_path):
+    plan = CASES[case]()
+    world = plan.cluster.num_devices
+    seq_len = plan.seq_len
+    head_dim = 8 if seq_len < 1000 else 4  # the plan's model may say otherwise: execution takes any head_dim
+    out = spawn(dist_worker.check_plan, world, (plan.to_json(), dtype, head_dim, 2), tmp_path)
+    for rank, (status, errs, dtype_ok) in sorted(out.items()):
+        assert status == "ok", f"rank {rank}: {errs}"
+        assert dtype_ok, f"rank {rank}: output or gradient not in {dtype}"
+        names = ("out", "dq", "dk", "dv")
+        for name, e in zip(names, errs):
+            assert e <= tol, f"{case} {dtype} rank {rank}: {name} relative error {e:.3g} > {tol}"
+
+
+def test_fingerprint_mismatch_raises_on_every_rank(tmp_path):
+    c = cluster(1, 1, 1)
+    m = tiny_model(6, 2)
+    good = hexiseq.plan(c, model=m, seq_len=90, strategy="ring")
+    other = hexiseq.plan(c, model=m, seq_len=91, strategy="ring")
+    t0 = time.monotonic()
+    out = spawn(dist_worker.check_mismatch, 3, ([good.to_json(), good.to_json(), other.to_json()],), tmp_path,
+                timeout_s=60)
+    elapsed = time.monotonic() - t0
+    for rank, (status, msg, _) in sorted(out.items()):
+        assert status == "raised", f"rank {rank}: {status} {msg}"
+        assert "disagree" in msg and good.fingerprint in msg and other.fingerprint in msg
+    assert elapsed < 30, f"took {elapsed:.1f} s"
+
+
+def test_shard_unshard_positions_roundtrip():
+    plan = CASES["gqa4-three-groups"]()
+    x = torch.arange(plan.seq_len * 3, dtype=torch.float64).reshape(1, plan.seq_len, 3)
+    shards = [plan.shard(x, 1, r) for r in range(plan.cluster.num_devices)]
+    assert [s.shape[1] for s in shards] == [int(plan.devices.tokens[plan._slot(r)]) for r in range(5)]
+    assert torch.equal(plan.unshard(shards, 1), x)
+    for r in range(5):
+        assert torch.equal(shards[r][0, :, 0] / 3, torch.as_tensor(plan.positions(r), dtype=torch.float64))
+    allpos = sorted(p for r in range(5) for p in plan.positions(r).tolist())
+    assert allpos == list(range(plan.seq_len))
