@@ -20,6 +20,7 @@ PyTorch implementation that also returns the LSE is used until the CUDA kernels 
 """
 
 import math
+import time
 import warnings
 from typing import List, Optional
 
@@ -127,6 +128,7 @@ class HexiSeqContext:
         self.group = group if group is not None else dist.group.WORLD
         self.causal = bool(causal)
         self.scale = softmax_scale
+        self.kernel_s = 0.0  # seconds spent inside attention kernels on this rank (for exposed-communication figures)
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self._check_fingerprint()
@@ -378,12 +380,14 @@ class HexiSeqContext:
             Kb, Vb = self._heads_view(cur[0]), self._heads_view(cur[1])
             for qo, qp0, qn, ko, kp0, kn in self._block_pairs(self.g, src):
                 qc, kc, vc = Qg[:, qo:qo + qn], Kb[:, ko:ko + kn], Vb[:, ko:ko + kn]
+                t0 = time.perf_counter()
                 if use_c:
                     o_p, l_p = ops.attention_forward(qc, kc, vc, causal=self.causal, q_pos0=qp0, k_pos0=kp0, scale=scale)
                 else:
                     o_p, l_p = _block_forward_torch(qc, kc, vc, self.causal, qp0, kp0, scale)
                 i = qoff.index(qo)
                 _merge(O[i], L[i], o_p.to(acc_dt), l_p.to(acc_dt))
+                self.kernel_s += time.perf_counter() - t0
             if pending is not None:
                 reqs, got, _keep = pending
                 for r in reqs:
@@ -455,6 +459,7 @@ class HexiSeqContext:
                 i = qoff.index(qo)
                 qc, oc, doc, lc = Qg[:, qo:qo + qn], Og[:, qo:qo + qn], dOg[:, qo:qo + qn], lses[i]
                 kc, vc = Kb[:, ko:ko + kn], Vb[:, ko:ko + kn]
+                t0 = time.perf_counter()
                 if use_c and acc_dt == dt:
                     ops.attention_backward(qc, kc, vc, oc, lc.to(acc_dt), doc, causal=self.causal, q_pos0=qp0,
                                            k_pos0=kp0, scale=scale, dq=dQ[:, qo:qo + qn],
@@ -471,6 +476,7 @@ class HexiSeqContext:
                     dQ[:, qo:qo + qn] += dq_p.to(acc_dt)
                     contrib[0, :, ko:ko + kn] += dk_p.to(acc_dt)
                     contrib[1, :, ko:ko + kn] += dv_p.to(acc_dt)
+                self.kernel_s += time.perf_counter() - t0
             if not aligned:  # fold per-query-head pieces back onto my kv heads
                 folded = torch.zeros(2, B, Ssrc, kv, d, dtype=acc_dt, device=dev)
                 folded.index_add_(3, kv_idx, contrib)
