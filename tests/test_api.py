@@ -308,3 +308,16 @@ def _attention_rate_tflops(gpu):
 def test_attention_rate_matches_flashattention2(gpu, published):
     rate = _attention_rate_tflops(gpu)
     assert abs(rate - published) <= 0.25 * published, (gpu, rate, published)
+
+
+def test_extreme_cluster_sizes_plan_without_error():
+    one = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "A100-80G", "count": 1, "intra_gbps": 300}]})
+    p = hexiseq.plan(one, model="gpt-3b", seq_len="8k")
+    assert p.num_groups == 1 and p.devices.tokens.tolist() == [8192] and p.devices.head_count.tolist() == [32]
+    gpus = ["H100-SXM", "A100-80G", "A800", "L40S"]
+    big = hexiseq.Cluster.from_dict({"nodes": [{"gpu": gpus[i % 4], "count": 8, "intra_gbps": 300} for i in range(128)],
+                                     "inter_node_gbps": 25})
+    p = hexiseq.plan(big, model="gpt-13b", seq_len="1m", training=hexiseq.Training(checkpointing=True))
+    assert big.num_devices == 1024 and p.strategy == "hexiseq"
+    assert int(p.devices.tokens.sum()) == 1 << 20
+    assert p.step_time_s >= p.lower_bound_s

@@ -118,3 +118,20 @@ def test_model_that_does_not_fit(tmp_path):
     path = tmp_path / "small.yaml"
     path.write_text("nodes:\n  - {gpu: RTX3090, count: 2, intra_gbps: 32}\n")
     assert_clean_error(run("plan", str(path), "--model", "70b", "--seq-len", "1m"), "GiB")
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plan.png"
+    r = run("plan", "--plot", str(out))
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {out}" in r.stdout
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out.stat().st_size > 10_000  # a real figure, not an empty canvas
+
+
+def test_scheduler_is_the_default_and_beats_the_baselines(default_run):
+    text = default_run.stdout
+    assert "HexiSeq plan 'hexiseq'" in text
+    line = next(l for l in text.splitlines() if l.startswith("hexiseq "))
+    assert "<- chosen" in line and "1.000x" in line
