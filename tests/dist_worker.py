@@ -1,10 +1,39 @@
 """Worker processes for the multi-process tests (imported by spawned children, so it lives in a module)."""
 
 import datetime
+import time
 import traceback
 
 import torch
 import torch.distributed as dist
+
+
+def spawn(fn, world, args, tmp_path, timeout_s=120):
+    """Run fn(rank, world, init, *args, results) in `world` spawned processes that rendezvous through a file
+    store; return {rank: what it put on the queue, less the rank}. Never hangs: after `timeout_s` the stragglers
+    are terminated and the caller's assertion names the ranks that did not report."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    init = f"file://{tmp_path}/store-{time.monotonic_ns()}"
+    procs = [ctx.Process(target=fn, args=(r, world, init, *args, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = {}
+    deadline = time.monotonic() + timeout_s
+    while len(out) < world and time.monotonic() < deadline:
+        if not results.empty():
+            r = results.get()
+            out[r[0]] = r[1:]
+        else:
+            time.sleep(0.05)
+    for p in procs:
+        p.join(timeout=max(1.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.terminate()
+    assert len(out) == world, f"only ranks {sorted(out)} reported within {timeout_s} s: {out}"
+    return out
 
 
 def reference_attention(q, k, v, causal, scale):

@@ -23,27 +23,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 
 def spawn(fn, world, args, tmp_path, timeout_s=120):
-    """Run fn(rank, world, init, *args, results) in `world` processes; return {rank: result}."""
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    init = f"file://{tmp_path}/store-{time.monotonic_ns()}"
-    procs = [ctx.Process(target=fn, args=(r, world, init, *args, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = {}
-    deadline = time.monotonic() + timeout_s
-    while len(out) < world and time.monotonic() < deadline:
-        if not results.empty():
-            r = results.get()
-            out[r[0]] = r[1:]
-        else:
-            time.sleep(0.05)
-    for p in procs:
-        p.join(timeout=max(1.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.terminate()
-    assert len(out) == world, f"only ranks {sorted(out)} reported within {timeout_s} s"
-    return out
+    return dist_worker.spawn(fn, world, args, tmp_path, timeout_s)
 
 
 def cluster(*counts, gpus=("H100-SXM", "A100-80G", "L40S")):

@@ -1,0 +1,306 @@
+"""Run a Hugging Face `transformers` causal LM with HexiSeq attention over torch.distributed.
+
+`patch_model(model, plan)` registers an attention implementation named "hexiseq" in transformers'
+`AttentionInterface` (`ALL_ATTENTION_FUNCTIONS`) and a matching no-op entry in `ALL_MASK_ATTENTION_FUNCTIONS`, builds
+one `hexiseq.nn.HexiSeqContext` for the model (collective: every rank of the group calls it), attaches it to every
+attention module and switches the model to `attn_implementation="hexiseq"`. From then on each attention module
+projects Q/K/V and applies RoPE on this rank's token shard as usual, and its attention call goes to
+`hexiseq.nn.hexiseq_attn_func`, which exchanges what it needs with the other ranks (all-to-all in the head-parallel
+group, ring across groups) and returns the output for the same tokens. Everything outside attention (embeddings,
+MLPs, norms, the LM head) is token-local and runs unchanged on the shard.
+
+Every rank feeds its shard of the sequence and the absolute positions of those tokens, so that RoPE rotates each
+token by its position in the full sequence (the shard is not contiguous: a group holds a front and a mirrored back
+chunk)::
+
+    import torch.distributed as dist
+    import hexiseq
+    from hexiseq.hf import patch_model, shard_inputs, sharded_causal_lm_loss
+
+    dist.init_process_group("nccl")                       # rank r = cluster device r of the plan
+    rank = dist.get_rank()
+    plan = hexiseq.plan(cluster, model=hexiseq.Model.from_hf_config(model.config), seq_len=input_ids.shape[1])
+    model = patch_model(model, plan)                      # collective
+    batch = shard_inputs(input_ids, plan, rank)           # {"input_ids": shard, "position_ids": plan.positions(rank)}
+    logits = model(**batch).logits                        # [batch, s_r, vocab]: this rank's tokens only
+    loss = sharded_causal_lm_loss(logits, input_ids, plan, rank)   # = model(input_ids, labels=input_ids).loss
+    loss.backward()
+    for p in model.parameters():                          # each rank's gradients cover its own tokens:
+        dist.all_reduce(p.grad)                           # SUM them (under DDP, which averages, use loss * world)
+
+Tested with transformers 5.23.0 on LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM (float64, CPU, Gloo).
+Other models whose attention modules call `ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)`
+with the Llama signature and scale by `module.scaling` should work the same way.
+
+Not supported (each raises a HexiseqError rather than computing something else): padding masks that are not all
+ones and custom 4-D masks (HexiSeq applies the causal mask by absolute position itself; pack or trim instead),
+KV caches / generation (`patch_model` sets `config.use_cache = False`), attention dropout, logit soft-capping,
+sliding windows shorter than the plan's sequence, and `output_attentions` (the weights are returned as None).
+
+transformers is imported lazily: this module imports without it.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .errors import HexiseqError, InvalidArgumentError, UnsupportedError
+
+__all__ = ["patch_model", "unpatch_model", "shard_inputs", "sharded_causal_lm_loss", "ATTN_IMPLEMENTATION"]
+
+ATTN_IMPLEMENTATION = "hexiseq"
+
+_CTX = "_hexiseq_context"
+_CHECK_POS = "_hexiseq_check_positions"
+
+
+def _transformers():
+    try:
+        import transformers  # noqa: F401
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError as e:
+        raise UnsupportedError("hexiseq.hf needs transformers with AttentionInterface and masking_utils "
+                               "(pip install 'transformers>=5.23'): " + str(e)) from e
+    return ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS
+
+
+# ------------------------------------------------------------------------------------------ dispatch targets
+
+def _hexiseq_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,
+                  attention_mask=None, **kwargs):
+    """Mask 'creation' for attn_implementation="hexiseq": there is no mask to build (HexiSeq masks causally by
+    absolute position inside the kernels); a 2-D padding mask is accepted only when it masks nothing."""
+    if attention_mask is not None:
+        if not torch.is_tensor(attention_mask) or not bool(attention_mask.all()):
+            raise UnsupportedError(
+                "hexiseq: a padding attention_mask is not supported (HexiSeq applies the causal mask by absolute "
+                "position itself); pass attention_mask=None or all ones, and pack or trim the sequence instead")
+    return None
+
+
+def hexiseq_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The "hexiseq" entry of transformers' AttentionInterface.
+
+    query [batch, heads, s_r, head_dim], key/value [batch, kv_heads, s_r, head_dim] (this rank's tokens, RoPE
+    applied) -> (output [batch, s_r, heads, head_dim], None)."""
+    context = getattr(module, _CTX, None)
+    if context is None:
+        raise HexiseqError(f"{type(module).__name__} runs with attn_implementation='hexiseq' but was not prepared "
+                           "by hexiseq.hf.patch_model(model, plan)")
+    if attention_mask is not None:
+        raise UnsupportedError("hexiseq: the attention module received an attention mask; HexiSeq applies the causal "
+                               "mask by absolute position itself and supports no other mask (pass attention_mask=None)")
+    if dropout:
+        raise UnsupportedError(f"hexiseq: attention dropout ({dropout}) is not supported; set "
+                               "config.attention_dropout = 0")
+    if kwargs.get("softcap") is not None:
+        raise UnsupportedError("hexiseq: attention logit soft-capping is not supported")
+    window = kwargs.get("sliding_window")
+    if window is not None and context.plan.seq_len > window:
+        raise UnsupportedError(f"hexiseq: sliding-window attention (window {window}) is not supported for a "
+                               f"{context.plan.seq_len}-token sequence")
+    if scaling is not None and not math.isclose(scaling, context.scale, rel_tol=1e-12):
+        raise UnsupportedError(f"hexiseq: {type(module).__name__} scales by {scaling}, the model's HexiSeq context "
+                               f"by {context.scale}; every layer must use the same softmax scale")
+    tokens = context.me.tokens
+    if query.shape[2] != tokens or key.shape[2] != tokens:
+        if key.shape[2] != query.shape[2]:
+            raise UnsupportedError("hexiseq: KV caches / generation are not supported (keys cover "
+                                   f"{key.shape[2]} tokens, queries {query.shape[2]}); call the model with "
+                                   "use_cache=False")
+        raise InvalidArgumentError(
+            f"hexiseq: rank {context.rank} holds {tokens} tokens under the plan but the model got {query.shape[2]}; "
+            "feed this rank's shard: hexiseq.hf.shard_inputs(input_ids, plan, rank)")
+    want = getattr(module, _CHECK_POS, None)
+    if want is not None:
+        pos = kwargs.get("position_ids")
+        if pos is None or pos.shape[-1] != want.numel() or not bool(
+                (pos.reshape(-1, pos.shape[-1]) == want.to(pos.device)).all()):
+            raise InvalidArgumentError(
+                f"hexiseq: position_ids must be the absolute positions of rank {context.rank}'s tokens, "
+                "plan.positions(rank), so that RoPE sees where each token sits in the full sequence "
+                "(use hexiseq.hf.shard_inputs(input_ids, plan, rank))")
+    from .nn import hexiseq_attn_func
+
+    q = query.transpose(1, 2)   # [batch, s_r, heads, head_dim]
+    k = key.transpose(1, 2)
+    v = value.transpose(1, 2)
+    out = hexiseq_attn_func(q, k, v, context)
+    return out, None
+
+
+# ------------------------------------------------------------------------------------------ patching
+
+def _text_config(model):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def _attention_modules(model):
+    """The modules that dispatch through ALL_ATTENTION_FUNCTIONS with the Llama pattern."""
+    out = []
+    for name, m in model.named_modules():
+        if all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim")):
+            out.append((name, m))
+    return out
+
+
+def patch_model(model, plan, group=None):
+    """Make `model` (a Llama-family transformers model) run its attention with HexiSeq on this rank's shard.
+
+    Collective: every rank of `group` (default: the world; rank r = cluster device r of the plan) calls it with
+    the same plan. Returns the model (patched in place).
+
+    Call the patched model with this rank's shard and the absolute positions of its tokens::
+
+        out = model(input_ids=plan.shard(input_ids, 1, rank),
+                    position_ids=torch.as_tensor(plan.positions(rank)).unsqueeze(0))
+        # or: out = model(**hexiseq.hf.shard_inputs(input_ids, plan, rank))
+
+    and no attention mask (HexiSeq masks causally by absolute position; an all-ones padding mask is accepted,
+    anything else raises). The logits are those of the rank's tokens; `sharded_causal_lm_loss` turns them into the
+    global loss. `config.use_cache` is set to False (no KV caches / generation while patched).
+
+    Raises InvalidArgumentError when the model's num_attention_heads / num_key_value_heads differ from
+    plan.model.heads / kv_heads, UnsupportedError for a model whose attention does not follow the
+    AttentionInterface pattern or that uses something HexiSeq does not execute (dropout, soft-capping, a sliding
+    window shorter than the plan's sequence). Tested with transformers 5.23.0: LlamaForCausalLM,
+    MistralForCausalLM, Qwen2ForCausalLM."""
+    attn_fns, mask_fns = _transformers()
+    from .nn import HexiSeqContext
+
+    if getattr(model, _CTX, None) is not None:
+        unpatch_model(model)
+    cfg = _text_config(model)
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads is None:
+        raise UnsupportedError(f"{type(model).__name__}: the config has no num_attention_heads")
+    if (heads, kv_heads) != (plan.model.heads, plan.model.kv_heads):
+        raise InvalidArgumentError(
+            f"the model has num_attention_heads={heads}, num_key_value_heads={kv_heads} but the plan was made for "
+            f"heads={plan.model.heads}, kv_heads={plan.model.kv_heads}; plan with "
+            "hexiseq.Model.from_hf_config(model.config)")
+    if hasattr(type(model), "_can_set_attn_implementation") and not type(model)._can_set_attn_implementation():
+        raise UnsupportedError(f"{type(model).__name__} does not dispatch attention through transformers' "
+                               "AttentionInterface; hexiseq.hf cannot patch it")
+    modules = _attention_modules(model)
+    if not modules:
+        raise UnsupportedError(f"{type(model).__name__}: no Llama-style attention modules (q_proj, k_proj, v_proj, "
+                               "o_proj, scaling) found")
+    if getattr(cfg, "attention_dropout", 0.0):
+        raise UnsupportedError(f"attention dropout ({cfg.attention_dropout}) is not supported; set "
+                               "config.attention_dropout = 0")
+    for key in ("attn_logit_softcapping",):
+        if getattr(cfg, key, None) is not None:
+            raise UnsupportedError(f"{key} is not supported by hexiseq")
+    window = getattr(cfg, "sliding_window", None)
+    uses_window = window is not None and (getattr(cfg, "use_sliding_window", True)
+                                          or "sliding_attention" in (getattr(cfg, "layer_types", None) or []))
+    if uses_window and plan.seq_len > window:
+        raise UnsupportedError(f"sliding-window attention (window {window}) is not supported for a "
+                               f"{plan.seq_len}-token plan")
+    for name, m in modules:
+        if getattr(m, "is_causal", True) is False:
+            raise UnsupportedError(f"{name} is not causal; hexiseq.hf supports causal self-attention only")
+    scales = {float(m.scaling) for _, m in modules}
+    if len(scales) != 1:
+        raise UnsupportedError(f"the attention layers use different softmax scales {sorted(scales)}")
+
+    context = HexiSeqContext(plan, group=group, causal=True, softmax_scale=scales.pop())
+    positions = torch.as_tensor(plan.positions(context.rank), dtype=torch.long)
+    attn_fns.register(ATTN_IMPLEMENTATION, hexiseq_attention_forward)
+    mask_fns.register(ATTN_IMPLEMENTATION, _hexiseq_mask)
+
+    state = {"attn_implementation": model.config._attn_implementation,
+             "use_cache": getattr(model.config, "use_cache", None)}
+    for i, (_, m) in enumerate(modules):
+        setattr(m, _CTX, context)
+        setattr(m, _CHECK_POS, positions if i == 0 else None)   # check position_ids once per forward, in layer 0
+    _set_attn_implementation(model, ATTN_IMPLEMENTATION)
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    model._hexiseq_context = context
+    model._hexiseq_saved = state
+    return model
+
+
+def _set_attn_implementation(model, impl):
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(impl)
+    else:  # pragma: no cover (older transformers)
+        model.config._attn_implementation = impl
+    if model.config._attn_implementation != impl:
+        raise UnsupportedError(f"{type(model).__name__} did not accept attn_implementation={impl!r}")
+
+
+def unpatch_model(model):
+    """Undo `patch_model`: the previous attention implementation and use_cache come back. The HexiSeq context's
+    process groups are left alone. Returns the model."""
+    state = getattr(model, "_hexiseq_saved", None)
+    if state is None:
+        return model
+    for _, m in _attention_modules(model):
+        for attr in (_CTX, _CHECK_POS):
+            if hasattr(m, attr):
+                delattr(m, attr)
+    _set_attn_implementation(model, state["attn_implementation"] or "eager")
+    if state["use_cache"] is not None:
+        model.config.use_cache = state["use_cache"]
+    del model._hexiseq_context
+    del model._hexiseq_saved
+    return model
+
+
+# ------------------------------------------------------------------------------------------ inputs and loss
+
+def _rank(plan, rank, group):
+    if rank is None:
+        rank = dist.get_rank(group if group is not None else dist.group.WORLD)
+    return rank
+
+
+def shard_inputs(input_ids, plan, rank=None, group=None):
+    """{"input_ids": this rank's shard of `input_ids` [batch, seq_len], "position_ids": [1, s_r] absolute positions}
+    to call a patched model with: `model(**shard_inputs(input_ids, plan, rank))`."""
+    rank = _rank(plan, rank, group)
+    pos = torch.as_tensor(plan.positions(rank), dtype=torch.long, device=input_ids.device).unsqueeze(0)
+    return {"input_ids": plan.shard(input_ids, 1, rank), "position_ids": pos}
+
+
+def sharded_causal_lm_loss(logits, labels_full, plan, rank=None, group=None, ignore_index: int = -100):
+    """The global next-token loss from this rank's logits, equal to the unpatched model's
+    `model(input_ids, labels=labels_full).loss`: the mean, over every position p of the full sequence whose next
+    label labels_full[:, p + 1] is not ignore_index, of cross_entropy(logits[p], labels_full[:, p + 1]).
+
+    logits: [batch, s_r, vocab], this rank's tokens in shard order (a patched model's output).
+    labels_full: [batch, seq_len] the labels of the FULL sequence (every rank needs them: the label of a rank's
+    last token of a chunk is the first token of another rank's chunk); usually the input ids.
+    Collective (one all_reduce of a scalar over `group`). The value is the global loss on every rank; its gradient
+    is that of this rank's share only (sum over its tokens / global count), so after `loss.backward()` on every
+    rank, summing the parameter gradients over the ranks gives the gradient of the global loss.
+
+    Precision: computed in float32 for half-precision logits and in float64 for float64 logits (transformers'
+    own loss casts to float32 even for float64 models)."""
+    import torch.nn.functional as F
+
+    rank = _rank(plan, rank, group)
+    group = group if group is not None else dist.group.WORLD
+    if labels_full.dim() != 2 or labels_full.shape[1] != plan.seq_len:
+        raise InvalidArgumentError(f"labels_full must be [batch, {plan.seq_len}] (the full sequence), "
+                                   f"got {list(labels_full.shape)}")
+    labels_full = labels_full.to(logits.device)
+    shifted = F.pad(labels_full, (0, 1), value=ignore_index)[:, 1:]
+    mine = plan.shard(shifted, 1, rank)
+    if logits.dim() != 3 or logits.shape[:2] != mine.shape:
+        raise InvalidArgumentError(f"logits must be [batch, tokens, vocab] = [{mine.shape[0]}, {mine.shape[1]}, "
+                                   f"vocab] on rank {rank}, got {list(logits.shape)}")
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    local = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(acc), mine.reshape(-1),
+                            ignore_index=ignore_index, reduction="sum")
+    count = (shifted != ignore_index).sum().to(acc)   # same on every rank: no communication
+    total = local.detach().clone()
+    dist.all_reduce(total, group=group)
+    return (local + (total - local.detach())) / count

@@ -1,0 +1,145 @@
+"""Worker processes for tests/test_hf.py (imported by spawned children, so it lives in a module)."""
+
+import copy
+import datetime
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+def tiny_model(family, seed, attn="sdpa"):
+    """A small randomly initialised causal LM in float64: hidden 64, 2 layers, 8 heads, 2 kv heads (GQA 4:1).
+
+    The reference runs attn_implementation="sdpa", not "eager": transformers' eager attention takes the softmax in
+    float32 even for a float64 model (eager_attention_forward: softmax(..., dtype=torch.float32)), which moves the
+    loss by ~1e-10 relative; PyTorch's CPU SDPA stays in float64."""
+    import transformers
+
+    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=97, max_position_embeddings=128, initializer_range=0.1,
+                  rope_theta=1000.0, attn_implementation=attn, use_cache=False)
+    if family == "llama":
+        cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    elif family == "mistral":   # sliding_window 4096 > seq_len: plain causal attention
+        cfg, cls = transformers.MistralConfig(**common), transformers.MistralForCausalLM
+    elif family == "qwen2":     # biases on q/k/v
+        cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    return cls(cfg).double()
+
+
+def _rel(a, b):
+    """Largest error relative to the largest reference value (exact zeros must stay zeros)."""
+    a, b = a.double(), b.double()
+    scale = b.abs().max().item()
+    err = (a - b).abs().max().item()
+    return err / scale if scale > 0 else err
+
+
+def _raises(fn, cls, needle):
+    try:
+        fn()
+    except cls as e:
+        return needle in str(e) or f"wrong message: {e}"
+    except Exception as e:  # noqa: BLE001
+        return f"raised {type(e).__name__}: {e}"
+    return "did not raise"
+
+
+def check_models(rank, world, init, plan_json, families, batch, results):
+    """check_model for each family in turn (one process group: starting the processes dominates the time).
+    Reports (rank, "ok", {family: metrics}) or (rank, "error", traceback)."""
+    try:
+        torch.set_num_threads(1)   # several processes share the machine's cores
+        import hexiseq
+
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        plan = hexiseq.Plan.from_json(plan_json)
+        out = {family: check_model(rank, plan, family, batch, check_errors=(i == 0))
+               for i, family in enumerate(families)}
+        results.put((rank, "ok", out))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def check_model(rank, plan, family, batch, check_errors):
+    """Reference: the unpatched model on the full sequence (float64 loss with transformers' formula, and
+    transformers' own .loss). Distributed: the patched model on this rank's shard, sharded_causal_lm_loss,
+    gradients summed over the ranks. Returns {metric: value}."""
+    import torch.nn.functional as F
+
+    import hexiseq
+    from hexiseq.hf import patch_model, shard_inputs, sharded_causal_lm_loss, unpatch_model
+
+    S = plan.seq_len
+    ref_model = tiny_model(family, seed=1234)
+    model = copy.deepcopy(ref_model)
+    g = torch.Generator().manual_seed(99)
+    ids = torch.randint(0, ref_model.config.vocab_size, (batch, S), generator=g)
+    m = {}
+
+    # reference, single process, full sequence
+    out = ref_model(input_ids=ids, labels=ids)
+    V = out.logits.shape[-1]
+    ref_loss = F.cross_entropy(out.logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))   # float64
+    ref_loss.backward()
+    m["hf_loss_vs_ref64"] = abs(out.loss.item() - ref_loss.item()) / abs(ref_loss.item())
+    ref_grads = {n: p.grad.detach().clone() for n, p in ref_model.named_parameters()}
+    ref_logits = out.logits.detach()
+
+    # distributed
+    if family == "qwen2":   # recomputation in backward repeats the forward's collectives, in the same order
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    m["checkpointing"] = bool(getattr(model, "is_gradient_checkpointing", False))
+    patch_model(model, plan)
+    m["attn_impl"] = model.config._attn_implementation
+    dout = model(**shard_inputs(ids, plan, rank))
+    loss = sharded_causal_lm_loss(dout.logits, ids, plan, rank)
+    loss.backward()
+    m["logits"] = _rel(dout.logits.detach(), plan.shard(ref_logits, 1, rank))
+    m["loss_vs_ref64"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+    m["loss_vs_hf"] = abs(loss.item() - out.loss.item()) / abs(out.loss.item())
+    m["loss_dtype"] = str(loss.dtype)
+    worst, worst_name, missing = 0.0, None, []
+    for n, p in model.named_parameters():
+        if p.grad is None:
+            missing.append(n)
+            continue
+        gsum = p.grad.detach().clone()
+        dist.all_reduce(gsum)
+        e = _rel(gsum, ref_grads[n])
+        if e > worst:
+            worst, worst_name = e, n
+    m["grad"], m["grad_worst_param"], m["grad_missing"] = worst, worst_name, missing
+    m["n_params"] = sum(1 for _ in model.parameters())
+
+    if check_errors:
+        # an all-ones padding mask is accepted and changes nothing
+        sh = shard_inputs(ids, plan, rank)
+        with torch.no_grad():
+            o2 = model(**sh, attention_mask=torch.ones_like(sh["input_ids"]))
+        m["ones_mask_logits"] = _rel(o2.logits, plan.shard(ref_logits, 1, rank))
+        # every check below raises before any communication, on every rank alike
+        mask = torch.ones_like(sh["input_ids"])
+        mask[0, 0] = 0
+        m["err_padding"] = _raises(lambda: model(**sh, attention_mask=mask), hexiseq.UnsupportedError,
+                                   "padding attention_mask")
+        m["err_positions"] = _raises(lambda: model(input_ids=sh["input_ids"], position_ids=sh["position_ids"] + 1),
+                                     hexiseq.InvalidArgumentError, "position_ids")
+        other = hexiseq.plan(plan.cluster, model=hexiseq.Model(layers=2, hidden=64, heads=8, kv_heads=4,
+                                                                head_dim=8, ffn=128, vocab=97),
+                             seq_len=S, strategy="ring")
+        m["err_heads"] = _raises(lambda: patch_model(copy.deepcopy(ref_model), other),
+                                 hexiseq.InvalidArgumentError, "num_key_value_heads=2")
+        # unpatch: back to sdpa, full sequence, same logits as the reference
+        unpatch_model(model)
+        m["unpatched_impl"] = model.config._attn_implementation
+        with torch.no_grad():
+            m["unpatched_logits"] = _rel(model(input_ids=ids).logits, ref_logits)
+    return m
