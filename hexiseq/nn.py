@@ -20,6 +20,7 @@ PyTorch implementation that also returns the LSE is used until the CUDA kernels 
 """
 
 import math
+import os
 import time
 import warnings
 from typing import List, Optional
@@ -97,6 +98,10 @@ def _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale):
 
 
 def _use_c_kernels(t):
+    """C kernels for CPU tensors; the PyTorch implementation for other devices, or everywhere when
+    HEXISEQ_RUNTIME_KERNELS=torch (used by the tests to check that path on CPU)."""
+    if os.environ.get("HEXISEQ_RUNTIME_KERNELS", "") == "torch":
+        return False
     if t.device.type == "cpu":
         return True
     global _warned_fallback
@@ -549,7 +554,7 @@ class HexiSeqContext:
 
 def _merge(o_acc, lse_acc, o_part, lse_part):
     """Fold (o_part, lse_part) into the accumulator in place (the C merge for CPU tensors)."""
-    if o_acc.device.type == "cpu":
+    if o_acc.device.type == "cpu" and os.environ.get("HEXISEQ_RUNTIME_KERNELS", "") != "torch":
         ops.merge_(o_acc, lse_acc, o_part, lse_part)
         return
     new = torch.logaddexp(lse_acc, lse_part)

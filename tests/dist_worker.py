@@ -57,10 +57,14 @@ def _rel(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1.0)).item()
 
 
-def check_plan(rank, world, init, plan_json, dtype_name, head_dim, batch, results):
+def check_plan(rank, world, init, plan_json, dtype_name, head_dim, batch, results, kernels=""):
     """Run HexiSeq attention forward and backward on this rank's shard; report the relative errors of the
-    output and of dq, dk, dv against the float64 single-process reference (same seed on every rank)."""
+    output and of dq, dk, dv against the float64 single-process reference (same seed on every rank).
+    kernels="torch" runs the PyTorch block kernels (the path CUDA tensors take) instead of the C ones."""
     try:
+        import os
+
+        os.environ["HEXISEQ_RUNTIME_KERNELS"] = kernels
         import hexiseq
         from hexiseq.nn import HexiSeqAttention
 
@@ -88,6 +92,11 @@ def check_plan(rank, world, init, plan_json, dtype_name, head_dim, batch, result
         dist.destroy_process_group()
     except Exception:
         results.put((rank, "error", traceback.format_exc(), None))
+
+
+def check_plan_torch(rank, world, init, plan_json, dtype_name, head_dim, batch, results):
+    """check_plan with the PyTorch block kernels instead of the C ones."""
+    check_plan(rank, world, init, plan_json, dtype_name, head_dim, batch, results, kernels="torch")
 
 
 def check_mismatch(rank, world, init, plan_jsons, results):

@@ -89,6 +89,18 @@ def test_plan_matches_single_process(case, dtype, tol, tmp_path):
             assert e <= tol, f"{case} {dtype} rank {rank}: {name} relative error {e:.3g} > {tol}"
 
 
+@pytest.mark.parametrize("case", ["asymmetric", "gqa4-three-groups"])
+def test_torch_block_kernels_path(case, tmp_path):
+    """The PyTorch block kernels and merge (the path CUDA tensors take until the CUDA kernels are built),
+    forced on CPU; same reference and tolerance as the C kernels in float64."""
+    plan = CASES[case]()
+    out = spawn(dist_worker.check_plan_torch, plan.cluster.num_devices, (plan.to_json(), "float64", 8, 2), tmp_path)
+    for rank, (status, errs, _) in sorted(out.items()):
+        assert status == "ok", f"rank {rank}: {errs}"
+        for name, e in zip(("out", "dq", "dk", "dv"), errs):
+            assert e <= 1e-10, f"{case} torch kernels rank {rank}: {name} relative error {e:.3g}"
+
+
 def test_fingerprint_mismatch_raises_on_every_rank(tmp_path):
     c = cluster(1, 1, 1)
     m = tiny_model(6, 2)
