@@ -5,20 +5,27 @@
  * pass (HEXISEQ_ATTN_T undefined) holds the shared helpers and the public entry points; the inner
  * pass (below the #else near the end) holds the typed kernels, named through HX(name).
  *
- * Tiling: a task owns BQ query rows of one (batch, head) (forward, dQ) or BK key rows of one
- * (batch, kv head) (dK, dV). A task converts each tile of K/V/Q/dO it reads into contiguous scratch, zero
- * padded to dp (head_dim rounded up to 32) columns, some also transposed. Every product is one small
- * GEMM (gemm: C (+)= A B with a strided A, so P^T dO and dS^T Q need no transposed copy); the
- * forward works on transposed scores st = K (scale Q)^T [keys][queries], so its online softmax runs
- * down columns, one SIMD lane per query. Under the causal mask, key tiles no query of the task sees are
- * skipped, queries that see none of a tile are left out of its GEMMs, and only the diagonal tiles mask.
+ * Tiling: a forward task owns up to FWD_GROUP query tiles (BQ rows each) of one (batch, head) and runs
+ * the key loop outside the tile loop, so each K/V tile is packed once for all of them. The backward is
+ * one pass (5 GEMMs per tile pair): a task owns the key tiles c, c + nchunk, ... of one (batch, kv head);
+ * for each of its key tiles it walks every query tile of every query head sharing it, computes P and dS
+ * once, accumulates dK/dV for the key tile and adds dQ into its chunk's own buffer; the nchunk buffers
+ * are summed in a fixed order at the end. A task converts each tile of K/V/Q/dO it reads into contiguous
+ * scratch, zero padded to dp (head_dim rounded up to 32) columns, some also transposed. Every product is
+ * one small GEMM (gemm: C (+)= A B with a strided A, so P^T dO and dS^T Q need no transposed copy, and an
+ * optional per-row scale of C, which folds the online-softmax rescale into O += P V); the forward works
+ * on transposed scores st = K (scale Q)^T [keys][queries], so its online softmax runs down columns, one
+ * SIMD lane per query. Under the causal mask, key tiles no query of the task sees are skipped, queries
+ * that see none of a tile are left out of its GEMMs, and only the diagonal tiles mask.
  *
  * Speed: float (F32, F16, BF16) runs its gemm / softmax / backward-row kernels through a table chosen
  * at run time (AVX-512F, AVX2+FMA, or portable C; see the x86-64 SIMD section), so the production
  * build needs no -march flag. double always uses the portable kernels.
  *
- * Determinism: every output element is produced by one task in a fixed order, so results do not
- * depend on the number of threads or on the schedule.
+ * Determinism: every output element is produced by one task in a fixed order (dQ: per-chunk buffers,
+ * nchunk chosen from the shape only, summed in chunk order), so results do not depend on the number of
+ * threads or on the schedule. Memory: per-thread tile scratch, plus nchunk (<= BWD_MAX_CHUNKS)
+ * dQ-sized buffers (accumulator type, rows padded to dp) in the backward.
  */
 #ifndef HEXISEQ_ATTN_T
 
@@ -282,7 +289,20 @@ static int thread_id(void) {
 #endif
 }
 
-/* Per-thread scratch, in elements of the accumulator type: the sum of the buffers each kernel carves. */
+/* Backward: dq chunks per (batch, kv head), so that batch * kv_heads * chunks reaches BWD_MIN_TASKS;
+ * each chunk costs one dq-sized buffer. */
+enum { BWD_MAX_CHUNKS = 4, BWD_MIN_TASKS = 16 };
+
+/* Query tiles a forward task handles at most (it packs each K/V tile once for all of them). */
+enum { FWD_GROUP = 8 };
+
+/* Forward per-thread scratch, in elements: K, V and score tiles plus, per query tile, Q^T, the output
+ * accumulator and max / sum / alpha (see fwd_tiles). */
+static size_t fwd_scratch_elems(int32_t dp, int64_t group) {
+    return (size_t)2 * BK * (size_t)dp + (size_t)BK * BQ + (size_t)group * ((size_t)2 * BQ * (size_t)dp + 3 * BQ);
+}
+
+/* Backward per-thread scratch, in elements of the accumulator type: the buffers bwd_kv_task carves. */
 static size_t scratch_elems(int32_t dp) { return (size_t)8 * BQ * (size_t)dp + (size_t)3 * BQ * BK + 4 * BQ; }
 
 /* --------------------------------------------------------------------------------------------- */
@@ -353,7 +373,7 @@ HX_INLINE HX_AVX512 __mmask16 hx_mask16(int64_t jmax, int q) {
  * broadcasts of A feed MR * NV FMAs. MR and NV are constants after inlining. */
 HX_INLINE HX_AVX512 void hx_mk512(const int MR, const int NV, float *restrict C, int64_t ldc,
                                   const float *restrict A, int64_t a_rs, int64_t a_ks, const float *restrict B,
-                                  int64_t ldb, int64_t K, int accumulate) {
+                                  int64_t ldb, int64_t K, int accumulate, const float *restrict rs) {
     __m512 c0[8], c1[8];
 #pragma GCC unroll 8
     for (int r = 0; r < 8; ++r) {
@@ -363,6 +383,11 @@ HX_INLINE HX_AVX512 void hx_mk512(const int MR, const int NV, float *restrict C,
             c0[r] = _mm512_loadu_ps(C + r * ldc);
             if (NV > 1)
                 c1[r] = _mm512_loadu_ps(C + r * ldc + 16);
+            if (rs != NULL) {
+                const __m512 f = _mm512_set1_ps(rs[r]);
+                c0[r] = _mm512_mul_ps(c0[r], f);
+                c1[r] = _mm512_mul_ps(c1[r], f);
+            }
         }
     }
     for (int64_t k = 0; k < K; ++k) {
@@ -393,19 +418,21 @@ HX_INLINE HX_AVX512 void hx_mk512(const int MR, const int NV, float *restrict C,
 #define HX_MK512_CASE(mr)                                                                                   \
     case mr:                                                                                                \
         if (nv == 2)                                                                                        \
-            hx_mk512(mr, 2, c, ldc, a, a_rs, a_ks, B + n0, ldb, K, accumulate);                             \
+            hx_mk512(mr, 2, c, ldc, a, a_rs, a_ks, B + n0, ldb, K, accumulate, r_s);                        \
         else                                                                                                \
-            hx_mk512(mr, 1, c, ldc, a, a_rs, a_ks, B + n0, ldb, K, accumulate);                             \
+            hx_mk512(mr, 1, c, ldc, a, a_rs, a_ks, B + n0, ldb, K, accumulate, r_s);                        \
         break;
 
 /* Same contract as the portable gemm; N must be a multiple of 16 (it is BK or dp). */
 static HX_AVX512 void gemm_f32_avx512(float *C, int64_t ldc, const float *A, int64_t a_rs, int64_t a_ks,
-                                      const float *B, int64_t ldb, int64_t M, int64_t N, int64_t K, int accumulate) {
+                                      const float *B, int64_t ldb, int64_t M, int64_t N, int64_t K, int accumulate,
+                                      const float *rowscale) {
     for (int64_t n0 = 0; n0 < N; n0 += 32) {
         const int nv = N - n0 >= 32 ? 2 : 1;
         for (int64_t m0 = 0; m0 < M; m0 += 8) {
             float *c = C + m0 * ldc + n0;
             const float *a = A + m0 * a_rs;
+            const float *r_s = rowscale != NULL ? rowscale + m0 : NULL;
             switch (M - m0 >= 8 ? 8 : (int)(M - m0)) {
                 HX_MK512_CASE(8)
                 HX_MK512_CASE(7)
@@ -495,7 +522,8 @@ HX_INLINE HX_AVX2 __m256 hx_mask8(int64_t jmax, int q) {
 
 /* MR rows x 16 columns (two ymm) of C in registers over the k loop; MR <= 6. */
 HX_INLINE HX_AVX2 void hx_mk256(const int MR, float *restrict C, int64_t ldc, const float *restrict A, int64_t a_rs,
-                                int64_t a_ks, const float *restrict B, int64_t ldb, int64_t K, int accumulate) {
+                                int64_t a_ks, const float *restrict B, int64_t ldb, int64_t K, int accumulate,
+                                const float *restrict rs) {
     __m256 c0[6], c1[6];
 #pragma GCC unroll 6
     for (int r = 0; r < 6; ++r) {
@@ -504,6 +532,11 @@ HX_INLINE HX_AVX2 void hx_mk256(const int MR, float *restrict C, int64_t ldc, co
         if (r < MR && accumulate) {
             c0[r] = _mm256_loadu_ps(C + r * ldc);
             c1[r] = _mm256_loadu_ps(C + r * ldc + 8);
+            if (rs != NULL) {
+                const __m256 f = _mm256_set1_ps(rs[r]);
+                c0[r] = _mm256_mul_ps(c0[r], f);
+                c1[r] = _mm256_mul_ps(c1[r], f);
+            }
         }
     }
     for (int64_t k = 0; k < K; ++k) {
@@ -529,14 +562,16 @@ HX_INLINE HX_AVX2 void hx_mk256(const int MR, float *restrict C, int64_t ldc, co
 }
 
 #define HX_MK256_CASE(mr)                                                                                   \
-    case mr: hx_mk256(mr, c, ldc, a, a_rs, a_ks, B + n0, ldb, K, accumulate); break;
+    case mr: hx_mk256(mr, c, ldc, a, a_rs, a_ks, B + n0, ldb, K, accumulate, r_s); break;
 
 static HX_AVX2 void gemm_f32_avx2(float *C, int64_t ldc, const float *A, int64_t a_rs, int64_t a_ks,
-                                  const float *B, int64_t ldb, int64_t M, int64_t N, int64_t K, int accumulate) {
+                                  const float *B, int64_t ldb, int64_t M, int64_t N, int64_t K, int accumulate,
+                                  const float *rowscale) {
     for (int64_t n0 = 0; n0 < N; n0 += 16) {
         for (int64_t m0 = 0; m0 < M; m0 += 6) {
             float *c = C + m0 * ldc + n0;
             const float *a = A + m0 * a_rs;
+            const float *r_s = rowscale != NULL ? rowscale + m0 : NULL;
             switch (M - m0 >= 6 ? 6 : (int)(M - m0)) {
                 HX_MK256_CASE(6)
                 HX_MK256_CASE(5)
@@ -644,9 +679,15 @@ hexiseq_status hexiseq_attn_forward_cpu(const hexiseq_attn_params *p) {
     const int32_t dp = padded_dim(p->head_dim);
     const int nthreads = max_threads();
     const int64_t nqt = (p->seq_q + BQ - 1) / BQ;
-    const int64_t ntasks = p->batch * p->heads * nqt;
+    /* A task takes up to FWD_GROUP query tiles of one head, so each K/V tile it packs serves all of them;
+     * fewer while that would leave under 4 tasks per thread. Results do not depend on the grouping. */
+    int64_t group = FWD_GROUP;
+    while (group > 1 && p->batch * p->heads * ((nqt + group - 1) / group) < 4 * (int64_t)nthreads)
+        group /= 2;
+    const int64_t ngroups = (nqt + group - 1) / group;
+    const int64_t ntasks = p->batch * p->heads * ngroups;
     const int f64 = p->dtype == HEXISEQ_DTYPE_F64;
-    const size_t per_thread = scratch_elems(dp) * (f64 ? sizeof(double) : sizeof(float));
+    const size_t per_thread = fwd_scratch_elems(dp, group) * (f64 ? sizeof(double) : sizeof(float));
     char *scratch = malloc(per_thread * (size_t)nthreads);
     if (scratch == NULL)
         return hexiseq_fail(HEXISEQ_ERR_NOMEM, "forward scratch of %zu bytes could not be allocated",
@@ -654,15 +695,17 @@ hexiseq_status hexiseq_attn_forward_cpu(const hexiseq_attn_params *p) {
 
     HX_OMP("omp parallel for num_threads(nthreads) schedule(dynamic, 1)")
     for (int64_t t = 0; t < ntasks; ++t) {
-        const int64_t b = t / (p->heads * nqt);
-        const int32_t h = (int32_t)(t / nqt % p->heads);
+        const int64_t b = t / (p->heads * ngroups);
+        const int32_t h = (int32_t)(t / ngroups % p->heads);
         /* Last query tiles first: under a causal mask they are the longest. */
-        const int64_t q0 = (nqt - 1 - t % nqt) * BQ;
+        const int64_t g = ngroups - 1 - t % ngroups;
+        const int64_t qt0 = g * group;
+        const int64_t ntile = min64(group, nqt - qt0);
         char *mine = scratch + per_thread * (size_t)thread_id();
         if (f64)
-            fwd_tile_f64(p, b, h, q0, (double *)(void *)mine, dp);
+            fwd_tiles_f64(p, b, h, qt0, ntile, (double *)(void *)mine, dp);
         else
-            fwd_tile_f32(p, b, h, q0, (float *)(void *)mine, dp);
+            fwd_tiles_f32(p, b, h, qt0, ntile, (float *)(void *)mine, dp);
     }
     free(scratch);
     return HEXISEQ_OK;
@@ -677,14 +720,26 @@ hexiseq_status hexiseq_attn_backward_cpu(const hexiseq_attn_params *p) {
     const size_t esize = f64 ? sizeof(double) : sizeof(float);
     const size_t per_thread = scratch_elems(dp) * esize;
     const int64_t rows = p->batch * p->heads * p->seq_q;
+    const int64_t nkt = (p->seq_k + BK - 1) / BK;
+    /* Tasks: (batch, kv head, chunk); chunk c takes the key tiles c, c + nchunk, ... (interleaved, so
+     * causal chunks get similar work) and adds its dq into its own [batch, heads, seq_q][dp] buffer;
+     * the buffers are summed in a fixed order at the end. nchunk depends on the shape only, never on
+     * the thread count, so results are the same for any number of threads. */
+    int64_t nchunk = 1;
+    while (nchunk < BWD_MAX_CHUNKS && nchunk < nkt && p->batch * p->kv_heads * nchunk < BWD_MIN_TASKS)
+        nchunk *= 2;
+    nchunk = min64(nchunk, nkt);
+    const size_t buf_elems = (size_t)rows * (size_t)dp;
     /* D = rowsum(dO * O) per (batch, head, query row), [batch, heads, seq_q] contiguous. */
     char *delta = malloc((size_t)rows * esize);
     char *scratch = malloc(per_thread * (size_t)nthreads);
-    if (scratch == NULL || delta == NULL) {
+    char *dqbuf = calloc(buf_elems * (size_t)nchunk, esize);
+    if (scratch == NULL || delta == NULL || dqbuf == NULL) {
         free(scratch);
         free(delta);
+        free(dqbuf);
         return hexiseq_fail(HEXISEQ_ERR_NOMEM, "backward scratch of %zu bytes could not be allocated",
-                            per_thread * (size_t)nthreads + (size_t)rows * esize);
+                            per_thread * (size_t)nthreads + (size_t)rows * esize + buf_elems * (size_t)nchunk * esize);
     }
 
     HX_OMP("omp parallel num_threads(nthreads)")
@@ -697,37 +752,33 @@ hexiseq_status hexiseq_attn_backward_cpu(const hexiseq_attn_params *p) {
                 delta_row_f32(p, r, (float *)(void *)delta);
         }
         /* implicit barrier: every D is written before any tile reads it */
-        const int64_t nqt = (p->seq_q + BQ - 1) / BQ;
-        const int64_t nq_tasks = p->batch * p->heads * nqt;
-        HX_OMP("omp for schedule(dynamic, 1) nowait")
-        for (int64_t t = 0; t < nq_tasks; ++t) {
-            const int64_t b = t / (p->heads * nqt);
-            const int32_t h = (int32_t)(t / nqt % p->heads);
-            const int64_t q0 = (nqt - 1 - t % nqt) * BQ;
-            char *mine = scratch + per_thread * (size_t)thread_id();
-            if (f64)
-                bwd_dq_tile_f64(p, b, h, q0, (const double *)(void *)delta, (double *)(void *)mine, dp);
-            else
-                bwd_dq_tile_f32(p, b, h, q0, (const float *)(void *)delta, (float *)(void *)mine, dp);
-        }
-        /* dK/dV tasks write disjoint rows of dk, dv and only read dq's inputs: no barrier needed. */
-        const int64_t nkt = (p->seq_k + BK - 1) / BK;
-        const int64_t nk_tasks = p->batch * p->kv_heads * nkt;
+        const int64_t ntasks = p->batch * p->kv_heads * nchunk;
         HX_OMP("omp for schedule(dynamic, 1)")
-        for (int64_t t = 0; t < nk_tasks; ++t) {
-            const int64_t b = t / (p->kv_heads * nkt);
-            const int32_t hk = (int32_t)(t / nkt % p->kv_heads);
-            /* First key tiles first: under a causal mask they see the most queries. */
-            const int64_t k0 = (t % nkt) * BK;
+        for (int64_t t = 0; t < ntasks; ++t) {
+            const int64_t b = t / (p->kv_heads * nchunk);
+            const int32_t hk = (int32_t)(t / nchunk % p->kv_heads);
+            const int64_t c = t % nchunk;
             char *mine = scratch + per_thread * (size_t)thread_id();
+            char *buf = dqbuf + buf_elems * (size_t)c * esize;
             if (f64)
-                bwd_dkdv_tile_f64(p, b, hk, k0, (const double *)(void *)delta, (double *)(void *)mine, dp);
+                bwd_kv_task_f64(p, b, hk, c, nchunk, (const double *)(void *)delta, (double *)(void *)buf,
+                                (double *)(void *)mine, dp);
             else
-                bwd_dkdv_tile_f32(p, b, hk, k0, (const float *)(void *)delta, (float *)(void *)mine, dp);
+                bwd_kv_task_f32(p, b, hk, c, nchunk, (const float *)(void *)delta, (float *)(void *)buf,
+                                (float *)(void *)mine, dp);
+        }
+        /* implicit barrier: every dq contribution is in its buffer */
+        HX_OMP("omp for schedule(static)")
+        for (int64_t r = 0; r < rows; ++r) {
+            if (f64)
+                bwd_dq_row_f64(p, r, (const double *)(void *)dqbuf, nchunk, buf_elems, dp);
+            else
+                bwd_dq_row_f32(p, r, (const float *)(void *)dqbuf, nchunk, buf_elems, dp);
         }
     }
     free(scratch);
     free(delta);
+    free(dqbuf);
     return HEXISEQ_OK;
 }
 
@@ -809,7 +860,9 @@ static void HX(load_rows)(T *restrict dst /* [rows_out][dp] */, const void *src,
     for (int64_t r = 0; r < n; ++r) {
         T *restrict row = dst + r * dp;
         const int64_t at = off + r * rs;
-        if (dtype == HEXISEQ_DTYPE_F32 && cs == 1) {
+        if (dtype == HEXISEQ_DTYPE_F32 && cs == 1 && mul == 1 && sizeof(T) == sizeof(float)) {
+            memcpy(row, (const float *)src + at, sizeof(float) * (size_t)d);
+        } else if (dtype == HEXISEQ_DTYPE_F32 && cs == 1) {
             const float *restrict s = (const float *)src + at;
             for (int32_t c = 0; c < d; ++c)
                 row[c] = mul * (T)s[c];
@@ -844,12 +897,14 @@ static void HX(load_cols)(T *restrict dst /* [dp][ld] */, int64_t ld, const void
             dst[c * ld + r] = 0;
 }
 
-/* C[m][n] = (accumulate ? C[m][n] : 0) + sum_{k < K} A[m*a_rs + k*a_ks] * B[k*ldb + n] for m < M, n < N.
+/* C[m][n] = (accumulate ? C[m][n] * (rowscale ? rowscale[m] : 1) : 0)
+ *           + sum_{k < K} A[m*a_rs + k*a_ks] * B[k*ldb + n]   for m < M, n < N.
  * The one small GEMM every product of the family maps onto: S = Q K^T (A = Q rows, B = K^T), O += P V,
  * dQ += dS K, and the transposed-A products dV += P^T dO, dK += dS^T Q (a_rs = 1, a_ks = row length).
  * Portable version: a block of SR rows x SC columns of C stays in registers over the k loop. */
 static void HX(gemm)(T *restrict C, int64_t ldc, const T *restrict A, int64_t a_rs, int64_t a_ks,
-                     const T *restrict B, int64_t ldb, int64_t M, int64_t N, int64_t K, int accumulate) {
+                     const T *restrict B, int64_t ldb, int64_t M, int64_t N, int64_t K, int accumulate,
+                     const T *restrict rowscale) {
     for (int64_t n0 = 0; n0 < N; n0 += SC) {
         const int64_t w = min64(SC, N - n0); /* SC except for a last partial block */
         int64_t m = 0;
@@ -857,7 +912,7 @@ static void HX(gemm)(T *restrict C, int64_t ldc, const T *restrict A, int64_t a_
             T acc[SR][SC];
             for (int r = 0; r < SR; ++r)
                 for (int j = 0; j < SC; ++j)
-                    acc[r][j] = accumulate && j < w ? C[(m + r) * ldc + n0 + j] : 0;
+                    acc[r][j] = accumulate && j < w ? C[(m + r) * ldc + n0 + j] * (rowscale ? rowscale[m + r] : 1) : 0;
             if (w == SC) {
                 for (int64_t k = 0; k < K; ++k) {
                     const T *restrict bk = B + k * ldb + n0;
@@ -879,7 +934,7 @@ static void HX(gemm)(T *restrict C, int64_t ldc, const T *restrict A, int64_t a_
         }
         for (; m < M; ++m) {
             for (int64_t j = 0; j < w; ++j) {
-                T acc = accumulate ? C[m * ldc + n0 + j] : 0;
+                T acc = accumulate ? C[m * ldc + n0 + j] * (rowscale ? rowscale[m] : 1) : 0;
                 for (int64_t k = 0; k < K; ++k)
                     acc += A[m * a_rs + k * a_ks] * B[k * ldb + n0 + j];
                 C[m * ldc + n0 + j] = acc;
@@ -932,7 +987,8 @@ static void HX(bwd_row)(T *restrict s /* [BK] */, T *restrict ds /* [BK] */, int
 
 /* The kernels a tile calls through; float picks a SIMD set at run time (see hx_simd_level). */
 typedef struct {
-    void (*gemm)(T *, int64_t, const T *, int64_t, int64_t, const T *, int64_t, int64_t, int64_t, int64_t, int);
+    void (*gemm)(T *, int64_t, const T *, int64_t, int64_t, const T *, int64_t, int64_t, int64_t, int64_t, int,
+                 const T *);
     void (*bwd_row)(T *, T *, int64_t, T, T);
     void (*softmax_cols)(T *, int64_t, int64_t, int64_t, const int32_t *, T *, T *, T *);
 } HX(ops);
@@ -971,67 +1027,89 @@ static void HX(store_rows)(void *dst, int32_t dtype, int64_t off, int64_t rs, in
     }
 }
 
-/* Forward for BQ query rows from q0 of (batch b, head h): online softmax over key tiles, computed
- * transposed: st = K (scale Q)^T is [keys][queries], so the softmax max/sum run down columns (one SIMD
- * lane per query) and Q^T is packed once per task. */
-static void HX(fwd_tile)(const hexiseq_attn_params *p, int64_t b, int32_t h, int64_t q0, T *scratch, int32_t dp) {
+/* Forward for ntile query tiles (BQ rows each) from tile qt0 of (batch b, head h): online softmax over
+ * key tiles, computed transposed: st = K (scale Q)^T is [keys][queries], so the softmax max/sum run down
+ * columns (one SIMD lane per query) and Q^T is packed once per tile. The key loop is outside the tile
+ * loop, so each K/V tile is packed once for all ntile query tiles; every query tile still does exactly
+ * the arithmetic it would do alone, so results do not depend on ntile. The rescale of the accumulator
+ * by alpha is folded into the P V gemm (rowscale). */
+static void HX(fwd_tiles)(const hexiseq_attn_params *p, int64_t b, int32_t h, int64_t qt0, int64_t ntile,
+                          T *scratch, int32_t dp) {
     const HX(ops) *ops = HX(get_ops)();
     const int32_t d = p->head_dim;
     const int32_t hk = h / (p->heads / p->kv_heads);
-    const int64_t nq = min64(BQ, p->seq_q - q0);
-    const int64_t nq16 = (nq + 15) / 16 * 16; /* SIMD kernels take whole groups of 16 queries */
-    T *restrict qt = scratch;         /* [dp][BQ] scale * q, transposed, zero past nq */
-    T *restrict ks = qt + dp * BQ;    /* [BK][dp] k */
+    T *restrict ks = scratch;         /* [BK][dp] k */
     T *restrict vs = ks + BK * dp;    /* [BK][dp] v */
-    T *restrict acc = vs + BK * dp;   /* [BQ][dp] unnormalised o */
-    T *restrict st = acc + BQ * dp;   /* [BK][BQ] scores, then probabilities */
-    T *restrict mx = st + BK * BQ;    /* [BQ] running max of scores */
-    T *restrict sum = mx + BQ;        /* [BQ] running sum of exp(score - mx) */
-    T *restrict alpha = sum + BQ;     /* [BQ] rescale factor of the current tile */
+    T *restrict st = vs + BK * dp;    /* [BK][BQ] scores, then probabilities */
+    T *restrict tiles = st + BK * BQ; /* per query tile: per_tile elements, carved below */
+    const size_t per_tile = (size_t)2 * BQ * (size_t)dp + 3 * BQ;
     int32_t jlim[BQ];
 
     const int64_t *qst = p->q_stride, *kst = p->k_stride, *vst = p->v_stride;
-    HX(load_cols)(qt, BQ, p->q, p->dtype, b * qst[0] + q0 * qst[1] + h * qst[2], qst[1], qst[3], nq, d, (T)p->scale);
-    memset(acc, 0, sizeof(T) * (size_t)(nq * dp));
-    for (int64_t i = 0; i < BQ; ++i) {
-        mx[i] = -INFINITY;
-        sum[i] = 0;
-    }
-    const int64_t qpos = p->q_pos0 + q0;
-    const int64_t kend = visible_keys(p, qpos + nq - 1);
-    for (int64_t k0 = 0; k0 < kend; k0 += BK) {
-        const int64_t nk = min64(BK, kend - k0);
-        /* queries before i0 see none of these keys (causal); the last one sees kmax of them */
-        const int64_t i0 = HX(first_row)(p, qpos, k0);
-        const int64_t c0 = i0 / 16 * 16;
-        const int64_t kmax = min64(nk, visible_keys(p, qpos + nq - 1) - k0);
-        const int64_t k_at = b * kst[0] + k0 * kst[1] + hk * kst[2];
-        const int64_t v_at = b * vst[0] + k0 * vst[1] + hk * vst[2];
-        /* packed rows (ld dp): strided in-place rows of a [S, heads, d] tensor thrash L1 sets */
-        HX(load_rows)(ks, p->k, p->dtype, k_at, kst[1], kst[3], nk, nk, d, dp, 1);
-        HX(load_rows)(vs, p->v, p->dtype, v_at, vst[1], vst[3], kmax, kmax, d, dp, 1);
-        for (int64_t i = c0; i < nq16; ++i)
-            jlim[i] = i < nq ? (int32_t)max64(0, min64(nk, visible_keys(p, qpos + i) - k0)) : 0;
-        ops->gemm(st + c0, BQ, ks, dp, 1, qt + c0, BQ, nk, nq16 - c0, d, 0);
-        ops->softmax_cols(st + c0, BQ, nk, nq16 - c0, jlim + c0, mx + c0, sum + c0, alpha + c0);
-        for (int64_t i = i0; i < nq; ++i) {
-            if (alpha[i] != 1) {
-                T *restrict ai = acc + i * dp;
-                const T a = alpha[i];
-                for (int32_t c = 0; c < dp; ++c)
-                    ai[c] *= a;
-            }
+    int64_t kend_all = 0;
+    for (int64_t t = 0; t < ntile; ++t) {
+        const int64_t q0 = (qt0 + t) * BQ;
+        const int64_t nq = min64(BQ, p->seq_q - q0);
+        T *restrict qt = tiles + per_tile * (size_t)t; /* [dp][BQ] scale * q, transposed, zero past nq */
+        T *restrict acc = qt + dp * BQ;                 /* [BQ][dp] unnormalised o */
+        T *restrict mx = acc + BQ * dp;                 /* [BQ] running max of scores */
+        T *restrict sum = mx + BQ;                      /* [BQ] running sum of exp(score - mx) */
+        HX(load_cols)(qt, BQ, p->q, p->dtype, b * qst[0] + q0 * qst[1] + h * qst[2], qst[1], qst[3], nq, d,
+                      (T)p->scale);
+        memset(acc, 0, sizeof(T) * (size_t)(nq * dp));
+        for (int64_t i = 0; i < BQ; ++i) {
+            mx[i] = -INFINITY;
+            sum[i] = 0;
         }
-        ops->gemm(acc + i0 * dp, dp, st + i0, 1, BQ, vs, dp, nq - i0, dp, kmax, 1);
+        kend_all = max64(kend_all, visible_keys(p, p->q_pos0 + q0 + nq - 1));
+    }
+    for (int64_t k0 = 0; k0 < kend_all; k0 += BK) {
+        const int64_t nk_all = min64(BK, kend_all - k0);
+        /* packed rows (ld dp): strided in-place rows of a [S, heads, d] tensor thrash L1 sets */
+        HX(load_rows)(ks, p->k, p->dtype, b * kst[0] + k0 * kst[1] + hk * kst[2], kst[1], kst[3], nk_all, nk_all, d,
+                      dp, 1);
+        HX(load_rows)(vs, p->v, p->dtype, b * vst[0] + k0 * vst[1] + hk * vst[2], vst[1], vst[3], nk_all, nk_all, d,
+                      dp, 1);
+        for (int64_t t = 0; t < ntile; ++t) {
+            const int64_t q0 = (qt0 + t) * BQ;
+            const int64_t nq = min64(BQ, p->seq_q - q0);
+            const int64_t qpos = p->q_pos0 + q0;
+            const int64_t kend = visible_keys(p, qpos + nq - 1);
+            if (k0 >= kend)
+                continue;
+            const int64_t nq16 = (nq + 15) / 16 * 16; /* SIMD kernels take whole groups of 16 queries */
+            T *restrict qt = tiles + per_tile * (size_t)t;
+            T *restrict acc = qt + dp * BQ;
+            T *restrict mx = acc + BQ * dp;
+            T *restrict sum = mx + BQ;
+            T *restrict alpha = sum + BQ; /* [BQ] rescale factor of the current tile */
+            const int64_t nk = min64(BK, kend - k0);
+            /* queries before i0 see none of these keys (causal); the last one sees kmax of them */
+            const int64_t i0 = HX(first_row)(p, qpos, k0);
+            const int64_t c0 = i0 / 16 * 16;
+            const int64_t kmax = min64(nk, visible_keys(p, qpos + nq - 1) - k0);
+            for (int64_t i = c0; i < nq16; ++i)
+                jlim[i] = i < nq ? (int32_t)max64(0, min64(nk, visible_keys(p, qpos + i) - k0)) : 0;
+            ops->gemm(st + c0, BQ, ks, dp, 1, qt + c0, BQ, nk, nq16 - c0, d, 0, NULL);
+            ops->softmax_cols(st + c0, BQ, nk, nq16 - c0, jlim + c0, mx + c0, sum + c0, alpha + c0);
+            ops->gemm(acc + i0 * dp, dp, st + i0, 1, BQ, vs, dp, nq - i0, dp, kmax, 1, alpha + i0);
+        }
     }
     const int64_t *ost = p->o_stride, *lst = p->lse_stride;
-    for (int64_t i = 0; i < nq; ++i) {
-        const int64_t lse_at = b * lst[0] + h * lst[1] + (q0 + i) * lst[2];
-        /* sum == 0 only when the row saw no key (the max term contributes exp(0) = 1) */
-        const T inv = sum[i] > 0 ? 1 / sum[i] : 0;
-        put_lse(p->lse, p->dtype, lse_at, sum[i] > 0 ? (double)(mx[i] + HX_LOG(sum[i])) : -INFINITY);
-        HX(store_rows)(p->o, p->dtype, b * ost[0] + (q0 + i) * ost[1] + h * ost[2], 0, ost[3], 1, d, acc + i * dp,
-                       dp, inv, 0);
+    for (int64_t t = 0; t < ntile; ++t) {
+        const int64_t q0 = (qt0 + t) * BQ;
+        const int64_t nq = min64(BQ, p->seq_q - q0);
+        const T *restrict acc = tiles + per_tile * (size_t)t + dp * BQ;
+        const T *restrict mx = acc + BQ * dp;
+        const T *restrict sum = mx + BQ;
+        for (int64_t i = 0; i < nq; ++i) {
+            const int64_t lse_at = b * lst[0] + h * lst[1] + (q0 + i) * lst[2];
+            /* sum == 0 only when the row saw no key (the max term contributes exp(0) = 1) */
+            const T inv = sum[i] > 0 ? 1 / sum[i] : 0;
+            put_lse(p->lse, p->dtype, lse_at, sum[i] > 0 ? (double)(mx[i] + HX_LOG(sum[i])) : -INFINITY);
+            HX(store_rows)(p->o, p->dtype, b * ost[0] + (q0 + i) * ost[1] + h * ost[2], 0, ost[3], 1, d,
+                           acc + i * dp, dp, inv, 0);
+        }
     }
 }
 
@@ -1049,15 +1127,14 @@ static void HX(delta_row)(const hexiseq_attn_params *p, int64_t r, T *delta /* [
     delta[r] = acc;
 }
 
-/* Loads the shared row data of a query tile: scale*q, do, lse, D. Rows whose lse is -inf are fully
+/* Loads the shared row data of a query tile: q (unscaled), do, lse, D. Rows whose lse is -inf are fully
  * masked everywhere; bwd_row gives them zero P and dS. */
 static void HX(load_query_tile)(const hexiseq_attn_params *p, int64_t b, int32_t h, int64_t q0, int64_t nq,
                                 const T *delta, T *restrict qs /* [BQ][dp] */, T *restrict dos /* [BQ][dp] */,
                                 T *restrict lse /* [BQ] */, T *restrict dd /* [BQ] */, int32_t dp) {
     const int32_t d = p->head_dim;
     const int64_t *qst = p->q_stride, *dst = p->do_stride, *lst = p->lse_stride;
-    HX(load_rows)(qs, p->q, p->dtype, b * qst[0] + q0 * qst[1] + h * qst[2], qst[1], qst[3], nq, nq, d, dp,
-                  (T)p->scale);
+    HX(load_rows)(qs, p->q, p->dtype, b * qst[0] + q0 * qst[1] + h * qst[2], qst[1], qst[3], nq, nq, d, dp, 1);
     HX(load_rows)(dos, p->do_, p->dtype, b * dst[0] + q0 * dst[1] + h * dst[2], dst[1], dst[3], nq, nq, d, dp, 1);
     for (int64_t i = 0; i < nq; ++i) {
         lse[i] = (T)get_lse(p->lse, p->dtype, b * lst[0] + h * lst[1] + (q0 + i) * lst[2]);
@@ -1065,97 +1142,89 @@ static void HX(load_query_tile)(const hexiseq_attn_params *p, int64_t b, int32_t
     }
 }
 
-/* dQ for BQ query rows from q0 of (batch b, head h): dq = scale * sum_j dS_ij k_j. */
-static void HX(bwd_dq_tile)(const hexiseq_attn_params *p, int64_t b, int32_t h, int64_t q0, const T *delta,
-                            T *scratch, int32_t dp) {
-    const HX(ops) *ops = HX(get_ops)();
-    const int32_t d = p->head_dim;
-    const int32_t hk = h / (p->heads / p->kv_heads);
-    const int64_t nq = min64(BQ, p->seq_q - q0);
-    T *restrict qs = scratch;         /* [BQ][dp] scale * q */
-    T *restrict dos = qs + BQ * dp;   /* [BQ][dp] */
-    T *restrict kt = dos + BQ * dp;   /* [dp][BK] */
-    T *restrict vt = kt + dp * BK;    /* [dp][BK] */
-    T *restrict ks = vt + dp * BK;    /* [BK][dp] */
-    T *restrict acc = ks + BK * dp;   /* [BQ][dp] */
-    T *restrict s = acc + BQ * dp;    /* [BQ][BK] scores, then P */
-    T *restrict dpm = s + BQ * BK;    /* [BQ][BK] dP = do v^T, then dS */
-    T *restrict lse = dpm + BQ * BK;  /* [BQ] */
-    T *restrict dd = lse + BQ;        /* [BQ] */
-
-    HX(load_query_tile)(p, b, h, q0, nq, delta, qs, dos, lse, dd, dp);
-    memset(acc, 0, sizeof(T) * (size_t)(nq * dp));
-    const int64_t *kst = p->k_stride, *vst = p->v_stride;
-    const int64_t qpos = p->q_pos0 + q0;
-    const int64_t kend = visible_keys(p, qpos + nq - 1);
-    for (int64_t k0 = 0; k0 < kend; k0 += BK) {
-        const int64_t nk = min64(BK, kend - k0);
-        const int64_t i0 = HX(first_row)(p, qpos, k0);
-        const int64_t kmax = min64(nk, visible_keys(p, qpos + nq - 1) - k0);
-        const int64_t k_at = b * kst[0] + k0 * kst[1] + hk * kst[2];
-        HX(load_cols)(kt, BK, p->k, p->dtype, k_at, kst[1], kst[3], nk, d, 1);
-        HX(load_cols)(vt, BK, p->v, p->dtype, b * vst[0] + k0 * vst[1] + hk * vst[2], vst[1], vst[3], nk, d, 1);
-        HX(load_rows)(ks, p->k, p->dtype, k_at, kst[1], kst[3], nk, nk, d, dp, 1);
-        ops->gemm(s + i0 * BK, BK, qs + i0 * dp, dp, 1, kt, BK, nq - i0, BK, d, 0);
-        ops->gemm(dpm + i0 * BK, BK, dos + i0 * dp, dp, 1, vt, BK, nq - i0, BK, d, 0);
-        for (int64_t i = i0; i < nq; ++i)
-            ops->bwd_row(s + i * BK, dpm + i * BK, min64(nk, visible_keys(p, qpos + i) - k0), lse[i], dd[i]);
-        ops->gemm(acc + i0 * dp, dp, dpm + i0 * BK, BK, 1, ks, dp, nq - i0, dp, kmax, 1);
-    }
-    const int64_t *gst = p->dq_stride;
-    HX(store_rows)(p->dq, p->dtype, b * gst[0] + q0 * gst[1] + h * gst[2], gst[1], gst[3], nq, d, acc, dp,
-                   (T)p->scale, p->accumulate);
-}
-
-/* dK, dV for BK key rows from k0 of (batch b, kv head hk), summed over the query heads sharing it:
- * dv_j = sum_i P_ij do_i, dk_j = sum_i dS_ij (scale * q_i). */
-static void HX(bwd_dkdv_tile)(const hexiseq_attn_params *p, int64_t b, int32_t hk, int64_t k0, const T *delta,
-                              T *scratch, int32_t dp) {
+/* One-pass backward for the key tiles kt0, kt0 + kstep, ... of (batch b, kv head hk), over every query
+ * head sharing it. Per (query tile, key tile) pair, P and dS are computed once and feed three products:
+ * dv_j += sum_i P_ij do_i, dk_j += scale * sum_i dS_ij q_i (the key tile's own accumulators, stored
+ * when its query loop ends; the scale is applied to K^T for S and at the store for dK, so query tiles are
+ * plain copies) and dq_i += sum_j dS_ij k_j, added into dqbuf [batch, heads, seq_q][dp],
+ * a buffer this task owns for (b, hk's query heads). 5 GEMMs per pair. */
+static void HX(bwd_kv_task)(const hexiseq_attn_params *p, int64_t b, int32_t hk, int64_t kt0, int64_t kstep,
+                            const T *delta, T *dqbuf, T *scratch, int32_t dp) {
     const HX(ops) *ops = HX(get_ops)();
     const int32_t d = p->head_dim;
     const int32_t group = p->heads / p->kv_heads;
-    const int64_t nk = min64(BK, p->seq_k - k0);
-    T *restrict qs = scratch;         /* [BQ][dp] scale * q */
+    T *restrict qs = scratch;         /* [BQ][dp] q */
     T *restrict dos = qs + BQ * dp;   /* [BQ][dp] */
-    T *restrict kt = dos + BQ * dp;   /* [dp][BK] */
+    T *restrict kt = dos + BQ * dp;   /* [dp][BK] scale * k, transposed */
     T *restrict vt = kt + dp * BK;    /* [dp][BK] */
-    T *restrict dk = vt + dp * BK;    /* [BK][dp] */
+    T *restrict ks = vt + dp * BK;    /* [BK][dp] */
+    T *restrict dk = ks + BK * dp;    /* [BK][dp] */
     T *restrict dv = dk + BK * dp;    /* [BK][dp] */
     T *restrict s = dv + BK * dp;     /* [BQ][BK] scores, then P */
     T *restrict dpm = s + BQ * BK;    /* [BQ][BK] dP, then dS */
     T *restrict lse = dpm + BQ * BK;  /* [BQ] */
     T *restrict dd = lse + BQ;        /* [BQ] */
-
     const int64_t *kst = p->k_stride, *vst = p->v_stride;
-    HX(load_cols)(kt, BK, p->k, p->dtype, b * kst[0] + k0 * kst[1] + hk * kst[2], kst[1], kst[3], nk, d, 1);
-    HX(load_cols)(vt, BK, p->v, p->dtype, b * vst[0] + k0 * vst[1] + hk * vst[2], vst[1], vst[3], nk, d, 1);
-    memset(dk, 0, sizeof(T) * (size_t)(nk * dp));
-    memset(dv, 0, sizeof(T) * (size_t)(nk * dp));
-    /* Under the causal mask only queries at positions >= k_pos0 + k0 see this tile. */
-    const int64_t first_q = p->causal ? max64(0, p->k_pos0 + k0 - p->q_pos0) : 0;
-    for (int32_t r = 0; r < group; ++r) {
-        const int32_t h = hk * group + r;
-        for (int64_t q0 = first_q / BQ * BQ; q0 < p->seq_q; q0 += BQ) {
-            const int64_t nq = min64(BQ, p->seq_q - q0);
-            const int64_t qpos = p->q_pos0 + q0;
-            const int64_t i0 = HX(first_row)(p, qpos, k0);
-            if (i0 >= nq)
-                continue;
-            HX(load_query_tile)(p, b, h, q0, nq, delta, qs, dos, lse, dd, dp);
-            ops->gemm(s + i0 * BK, BK, qs + i0 * dp, dp, 1, kt, BK, nq - i0, BK, d, 0);
-            ops->gemm(dpm + i0 * BK, BK, dos + i0 * dp, dp, 1, vt, BK, nq - i0, BK, d, 0);
-            for (int64_t i = i0; i < nq; ++i)
-                ops->bwd_row(s + i * BK, dpm + i * BK, min64(nk, visible_keys(p, qpos + i) - k0), lse[i], dd[i]);
-            /* dv_j += sum_i P_ij do_i, dk_j += sum_i dS_ij (scale * q_i): P and dS read transposed */
-            ops->gemm(dv, dp, s + i0 * BK, 1, BK, dos + i0 * dp, dp, nk, dp, nq - i0, 1);
-            ops->gemm(dk, dp, dpm + i0 * BK, 1, BK, qs + i0 * dp, dp, nk, dp, nq - i0, 1);
+    const int64_t nkt = (p->seq_k + BK - 1) / BK;
+
+    for (int64_t kti = kt0; kti < nkt; kti += kstep) {
+        const int64_t k0 = kti * BK;
+        const int64_t nk = min64(BK, p->seq_k - k0);
+        const int64_t k_at = b * kst[0] + k0 * kst[1] + hk * kst[2];
+        HX(load_cols)(kt, BK, p->k, p->dtype, k_at, kst[1], kst[3], nk, d, (T)p->scale);
+        HX(load_cols)(vt, BK, p->v, p->dtype, b * vst[0] + k0 * vst[1] + hk * vst[2], vst[1], vst[3], nk, d, 1);
+        HX(load_rows)(ks, p->k, p->dtype, k_at, kst[1], kst[3], nk, nk, d, dp, 1);
+        memset(dk, 0, sizeof(T) * (size_t)(nk * dp));
+        memset(dv, 0, sizeof(T) * (size_t)(nk * dp));
+        /* Under the causal mask only queries at positions >= k_pos0 + k0 see this tile. */
+        const int64_t first_q = p->causal ? max64(0, p->k_pos0 + k0 - p->q_pos0) : 0;
+        for (int32_t r = 0; r < group; ++r) {
+            const int32_t h = hk * group + r;
+            T *dqh = dqbuf + (b * p->heads + h) * p->seq_q * (int64_t)dp;
+            for (int64_t q0 = first_q / BQ * BQ; q0 < p->seq_q; q0 += BQ) {
+                const int64_t nq = min64(BQ, p->seq_q - q0);
+                const int64_t qpos = p->q_pos0 + q0;
+                const int64_t i0 = HX(first_row)(p, qpos, k0);
+                if (i0 >= nq)
+                    continue;
+                const int64_t kmax = min64(nk, visible_keys(p, qpos + nq - 1) - k0);
+                HX(load_query_tile)(p, b, h, q0, nq, delta, qs, dos, lse, dd, dp);
+                ops->gemm(s + i0 * BK, BK, qs + i0 * dp, dp, 1, kt, BK, nq - i0, BK, d, 0, NULL);
+                ops->gemm(dpm + i0 * BK, BK, dos + i0 * dp, dp, 1, vt, BK, nq - i0, BK, d, 0, NULL);
+                for (int64_t i = i0; i < nq; ++i)
+                    ops->bwd_row(s + i * BK, dpm + i * BK, min64(nk, visible_keys(p, qpos + i) - k0), lse[i], dd[i]);
+                /* P and dS read transposed for dV and dK */
+                ops->gemm(dv, dp, s + i0 * BK, 1, BK, dos + i0 * dp, dp, nk, dp, nq - i0, 1, NULL);
+                ops->gemm(dk, dp, dpm + i0 * BK, 1, BK, qs + i0 * dp, dp, nk, dp, nq - i0, 1, NULL);
+                ops->gemm(dqh + (q0 + i0) * dp, dp, dpm + i0 * BK, BK, 1, ks, dp, nq - i0, dp, kmax, 1, NULL);
+            }
         }
+        const int64_t *gk = p->dk_stride, *gv = p->dv_stride;
+        HX(store_rows)(p->dk, p->dtype, b * gk[0] + k0 * gk[1] + hk * gk[2], gk[1], gk[3], nk, d, dk, dp,
+                       (T)p->scale, p->accumulate);
+        HX(store_rows)(p->dv, p->dtype, b * gv[0] + k0 * gv[1] + hk * gv[2], gv[1], gv[3], nk, d, dv, dp, 1,
+                       p->accumulate);
     }
-    const int64_t *gk = p->dk_stride, *gv = p->dv_stride;
-    HX(store_rows)(p->dk, p->dtype, b * gk[0] + k0 * gk[1] + hk * gk[2], gk[1], gk[3], nk, d, dk, dp, 1,
-                   p->accumulate);
-    HX(store_rows)(p->dv, p->dtype, b * gv[0] + k0 * gv[1] + hk * gv[2], gv[1], gv[3], nk, d, dv, dp, 1,
-                   p->accumulate);
+}
+
+/* dq row r of [batch, heads, seq_q] = scale * (sum over the nbuf buffers, in order) (+ dq). */
+static void HX(bwd_dq_row)(const hexiseq_attn_params *p, int64_t r, const T *dqbuf, int64_t nbuf, size_t buf_elems,
+                           int32_t dp) {
+    const int64_t b = r / ((int64_t)p->heads * p->seq_q);
+    const int64_t h = r / p->seq_q % p->heads;
+    const int64_t i = r % p->seq_q;
+    T row[HEXISEQ_ATTN_MAX_HEAD_DIM];
+    const T *src = dqbuf + (size_t)r * (size_t)dp;
+    for (int32_t c = 0; c < p->head_dim; ++c)
+        row[c] = src[c];
+    for (int64_t u = 1; u < nbuf; ++u) {
+        const T *restrict add = src + (size_t)u * buf_elems;
+        for (int32_t c = 0; c < p->head_dim; ++c)
+            row[c] += add[c];
+    }
+    const int64_t *gst = p->dq_stride;
+    HX(store_rows)(p->dq, p->dtype, b * gst[0] + i * gst[1] + h * gst[2], 0, gst[3], 1, p->head_dim, row, dp,
+                   (T)p->scale, p->accumulate);
 }
 
 #undef T
