@@ -71,6 +71,11 @@ static const char *shape_text(const hexiseq_tensor_view *v, char *buf, size_t si
 
 hexiseq_status hexiseq_tensor_view_from_dl(const DLTensor *t, int read_only, const char *name, int32_t ndim,
                                            const char *layout, hexiseq_tensor_view *out) {
+    return hexiseq_tensor_view_from_dl_on(t, read_only, name, ndim, layout, 0, out);
+}
+
+hexiseq_status hexiseq_tensor_view_from_dl_on(const DLTensor *t, int read_only, const char *name, int32_t ndim,
+                                              const char *layout, int cuda, hexiseq_tensor_view *out) {
     if (name == NULL)
         name = "tensor";
     if (layout == NULL)
@@ -86,11 +91,17 @@ hexiseq_status hexiseq_tensor_view_from_dl(const DLTensor *t, int read_only, con
         out->shape[i] = 1;
 
     const int32_t dev = (int32_t)t->device.device_type;
-    if (dev != kDLCPU && dev != kDLCUDAHost)
+    if (!cuda && dev != kDLCPU && dev != kDLCUDAHost)
         return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED,
-                            "%s is on device %s:%d; these kernels run on the CPU and CUDA kernels are not built "
-                            "yet: expected a CPU tensor (kDLCPU or kDLCUDAHost)",
+                            "%s is on device %s:%d; the CPU kernels take CPU-readable memory (kDLCPU or kDLCUDAHost), "
+                            "and CUDA tensors are served only through the CUDA path (torch CUDA tensors in hexiseq.ops)",
                             name, device_name(dev), (int)t->device.device_id);
+    if (cuda && dev != kDLCUDA)
+        return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED,
+                            "%s is on device %s:%d; the CUDA kernels take CUDA device memory (kDLCUDA)", name,
+                            device_name(dev), (int)t->device.device_id);
+    out->device_type = dev;
+    out->device_id = (int32_t)t->device.device_id;
 
     char dbuf[32];
     int32_t dtype, eb;

@@ -27,6 +27,8 @@ typedef struct {
     int32_t dtype;       /* hexiseq_dtype */
     int32_t elem_bytes;  /* 8, 4 or 2 */
     int32_t writable;    /* 0 when the producer flagged the tensor read-only */
+    int32_t device_type; /* DLDeviceType of the memory: kDLCPU, kDLCUDAHost, or kDLCUDA (CUDA views only) */
+    int32_t device_id;   /* DLDevice.device_id */
     const char *name;    /* argument name used in error messages ("q", "out", ...); static storage */
 } hexiseq_tensor_view;
 
@@ -38,6 +40,12 @@ typedef struct {
  * dtype), HEXISEQ_ERR_INVALID (ndim, negative sizes, misaligned data, strides past +-2^60 elements). */
 hexiseq_status hexiseq_tensor_view_from_dl(const DLTensor *t, int read_only, const char *name, int32_t ndim,
                                            const char *layout, hexiseq_tensor_view *out);
+
+/* As hexiseq_tensor_view_from_dl, for the kernels of one device kind: cuda == 0 takes CPU-readable memory
+ * (kDLCPU, kDLCUDAHost) exactly as above; cuda != 0 takes CUDA device memory (kDLCUDA) only, for the CUDA
+ * launchers of kernels/launch.h. Every other check is the same. */
+hexiseq_status hexiseq_tensor_view_from_dl_on(const DLTensor *t, int read_only, const char *name, int32_t ndim,
+                                              const char *layout, int cuda, hexiseq_tensor_view *out);
 
 /* 1 when the byte ranges [data + lo, data + hi) of two non-empty views intersect (a conservative test:
  * two interleaved views of one buffer count as overlapping). */

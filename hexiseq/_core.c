@@ -470,7 +470,7 @@ typedef struct {
 
 /* Steps 1-4 of the protocol for one argument; fills *held and *arg->view. Returns 0, or -1 with an
  * exception set (anything already in *held is still owned by the caller, who releases it). */
-static int dl_import(PyObject *module, const dl_arg *arg, dl_held *held) {
+static int dl_import(PyObject *module, const dl_arg *arg, int cuda, dl_held *held) {
     core_state *st = get_state(module);
     PyObject *meth = PyObject_GetAttrString(arg->obj, "__dlpack__");
     if (!meth) {
@@ -547,8 +547,8 @@ static int dl_import(PyObject *module, const dl_arg *arg, dl_held *held) {
                      arg->name);
         return -1;
     }
-    hexiseq_status s = hexiseq_tensor_view_from_dl(t, (flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0, arg->name,
-                                                   arg->ndim, arg->layout, arg->view);
+    hexiseq_status s = hexiseq_tensor_view_from_dl_on(t, (flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0, arg->name,
+                                                      arg->ndim, arg->layout, cuda, arg->view);
     if (s != HEXISEQ_OK) {
         raise_status(module, s);
         return -1;
@@ -556,11 +556,48 @@ static int dl_import(PyObject *module, const dl_arg *arg, dl_held *held) {
     return 0;
 }
 
-static int dl_import_all(PyObject *module, const dl_arg *args, int n, dl_held *held) {
+/* cuda: the CUDA path (kDLCUDA views, all on one device) instead of the CPU one. */
+static int dl_import_all(PyObject *module, const dl_arg *args, int n, int cuda, dl_held *held) {
     for (int i = 0; i < n; ++i)
-        if (dl_import(module, &args[i], &held[i]) < 0)
+        if (dl_import(module, &args[i], cuda, &held[i]) < 0)
             return -1;
+    for (int i = 1; cuda && i < n; ++i)
+        if (args[i].view->device_id != args[0].view->device_id) {
+            PyErr_Format(get_state(module)->errors[HEXISEQ_ERR_INVALID],
+                         "%s is on cuda:%d but %s is on cuda:%d; all tensors of a call must be on one device",
+                         args[i].name, (int)args[i].view->device_id, args[0].name, (int)args[0].view->device_id);
+            return -1;
+        }
     return 0;
+}
+
+/* The CUDA launchers, or UnsupportedError on a build without them. `stream` is a cudaStream_t as an integer. */
+#ifdef HEXISEQ_WITH_CUDA
+#define DL_HAVE_CUDA 1
+#else
+#define DL_HAVE_CUDA 0
+static hexiseq_status hexiseq_attn_forward_cuda(const hexiseq_attn_params *p, void *stream) {
+    (void)p;
+    (void)stream;
+    return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED, "this hexiseq was built without CUDA kernels");
+}
+static hexiseq_status hexiseq_attn_backward_cuda(const hexiseq_attn_params *p, void *stream) {
+    return hexiseq_attn_forward_cuda(p, stream);
+}
+static hexiseq_status hexiseq_attn_merge_cuda(const hexiseq_attn_merge_params *m, void *stream) {
+    (void)m;
+    (void)stream;
+    return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED, "this hexiseq was built without CUDA kernels");
+}
+#endif
+
+static int dl_require_cuda_build(PyObject *module) {
+    if (DL_HAVE_CUDA)
+        return 0;
+    PyErr_SetString(get_state(module)->errors[HEXISEQ_ERR_UNSUPPORTED],
+                    "this hexiseq was built without CUDA kernels (nvcc not found or HEXISEQ_CUDA=0 at build time); "
+                    "reinstall with nvcc on PATH or move the tensors to the CPU");
+    return -1;
 }
 
 #define DL_QKV "[batch, seq, heads, head_dim]"
@@ -575,14 +612,20 @@ static int check_positions(long long q_pos0, long long k_pos0) {
     return 0;
 }
 
-/* attention_forward(q, k, v, out, lse, causal, q_pos0, k_pos0, scale) -> None; writes out and lse. */
-static PyObject *core_attention_forward(PyObject *module, PyObject *args) {
+/* attention_forward(q, k, v, out, lse, causal, q_pos0, k_pos0, scale) -> None; writes out and lse.
+ * attention_forward_cuda(..., scale, stream): the same on CUDA tensors, enqueued on the cudaStream_t `stream`. */
+static PyObject *attention_forward_impl(PyObject *module, PyObject *args, int cuda) {
     PyObject *q, *k, *v, *o, *lse;
     int causal;
     long long q_pos0, k_pos0;
     double scale;
-    if (!PyArg_ParseTuple(args, "OOOOOpLLd:attention_forward", &q, &k, &v, &o, &lse, &causal, &q_pos0, &k_pos0,
-                          &scale))
+    unsigned long long stream = 0;
+    if (cuda ? !PyArg_ParseTuple(args, "OOOOOpLLdK:attention_forward_cuda", &q, &k, &v, &o, &lse, &causal, &q_pos0,
+                                 &k_pos0, &scale, &stream)
+             : !PyArg_ParseTuple(args, "OOOOOpLLd:attention_forward", &q, &k, &v, &o, &lse, &causal, &q_pos0, &k_pos0,
+                                 &scale))
+        return NULL;
+    if (cuda && dl_require_cuda_build(module) < 0)
         return NULL;
     if (check_positions(q_pos0, k_pos0) < 0)
         return NULL;
@@ -597,7 +640,7 @@ static PyObject *core_attention_forward(PyObject *module, PyObject *args) {
     dl_held held[N];
     memset(held, 0, sizeof held);
     PyObject *ret = NULL;
-    if (dl_import_all(module, a, N, held) < 0)
+    if (dl_import_all(module, a, N, cuda, held) < 0)
         goto done;
     hexiseq_attn_params p;
     int empty = 0;
@@ -611,7 +654,8 @@ static PyObject *core_attention_forward(PyObject *module, PyObject *args) {
     p.k_pos0 = k_pos0;
     p.scale = scale;
     if (!empty) {
-        Py_BEGIN_ALLOW_THREADS s = hexiseq_attn_forward_cpu(&p);
+        Py_BEGIN_ALLOW_THREADS s = cuda ? hexiseq_attn_forward_cuda(&p, (void *)(uintptr_t)stream)
+                                        : hexiseq_attn_forward_cpu(&p);
         Py_END_ALLOW_THREADS
         if (s != HEXISEQ_OK) {
             raise_status(module, s);
@@ -626,14 +670,19 @@ done:
 }
 
 /* attention_backward(q, k, v, out, lse, dout, dq, dk, dv, causal, q_pos0, k_pos0, scale, accumulate) -> None;
- * writes (or adds into) dq, dk, dv. */
-static PyObject *core_attention_backward(PyObject *module, PyObject *args) {
+ * writes (or adds into) dq, dk, dv. attention_backward_cuda(..., accumulate, stream): the same on CUDA tensors. */
+static PyObject *attention_backward_impl(PyObject *module, PyObject *args, int cuda) {
     PyObject *q, *k, *v, *o, *lse, *dout, *dq, *dk, *dv;
     int causal, accumulate;
     long long q_pos0, k_pos0;
     double scale;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOpLLdp:attention_backward", &q, &k, &v, &o, &lse, &dout, &dq, &dk, &dv,
-                          &causal, &q_pos0, &k_pos0, &scale, &accumulate))
+    unsigned long long stream = 0;
+    if (cuda ? !PyArg_ParseTuple(args, "OOOOOOOOOpLLdpK:attention_backward_cuda", &q, &k, &v, &o, &lse, &dout, &dq,
+                                 &dk, &dv, &causal, &q_pos0, &k_pos0, &scale, &accumulate, &stream)
+             : !PyArg_ParseTuple(args, "OOOOOOOOOpLLdp:attention_backward", &q, &k, &v, &o, &lse, &dout, &dq, &dk,
+                                 &dv, &causal, &q_pos0, &k_pos0, &scale, &accumulate))
+        return NULL;
+    if (cuda && dl_require_cuda_build(module) < 0)
         return NULL;
     if (check_positions(q_pos0, k_pos0) < 0)
         return NULL;
@@ -650,7 +699,7 @@ static PyObject *core_attention_backward(PyObject *module, PyObject *args) {
     dl_held held[N];
     memset(held, 0, sizeof held);
     PyObject *ret = NULL;
-    if (dl_import_all(module, a, N, held) < 0)
+    if (dl_import_all(module, a, N, cuda, held) < 0)
         goto done;
     hexiseq_attn_params p;
     int empty = 0;
@@ -665,7 +714,8 @@ static PyObject *core_attention_backward(PyObject *module, PyObject *args) {
     p.scale = scale;
     p.accumulate = accumulate;
     if (!empty) {
-        Py_BEGIN_ALLOW_THREADS s = hexiseq_attn_backward_cpu(&p);
+        Py_BEGIN_ALLOW_THREADS s = cuda ? hexiseq_attn_backward_cuda(&p, (void *)(uintptr_t)stream)
+                                        : hexiseq_attn_backward_cpu(&p);
         Py_END_ALLOW_THREADS
         if (s != HEXISEQ_OK) {
             raise_status(module, s);
@@ -679,10 +729,15 @@ done:
     return ret;
 }
 
-/* attention_merge(out_acc, lse_acc, out_part, lse_part) -> None; updates out_acc and lse_acc in place. */
-static PyObject *core_attention_merge(PyObject *module, PyObject *args) {
+/* attention_merge(out_acc, lse_acc, out_part, lse_part) -> None; updates out_acc and lse_acc in place.
+ * attention_merge_cuda(..., lse_part, stream): the same on CUDA tensors. */
+static PyObject *attention_merge_impl(PyObject *module, PyObject *args, int cuda) {
     PyObject *oa, *la, *op, *lp;
-    if (!PyArg_ParseTuple(args, "OOOO:attention_merge", &oa, &la, &op, &lp))
+    unsigned long long stream = 0;
+    if (cuda ? !PyArg_ParseTuple(args, "OOOOK:attention_merge_cuda", &oa, &la, &op, &lp, &stream)
+             : !PyArg_ParseTuple(args, "OOOO:attention_merge", &oa, &la, &op, &lp))
+        return NULL;
+    if (cuda && dl_require_cuda_build(module) < 0)
         return NULL;
     hexiseq_attn_merge_views views;
     memset(&views, 0, sizeof views);
@@ -694,7 +749,7 @@ static PyObject *core_attention_merge(PyObject *module, PyObject *args) {
     dl_held held[N];
     memset(held, 0, sizeof held);
     PyObject *ret = NULL;
-    if (dl_import_all(module, a, N, held) < 0)
+    if (dl_import_all(module, a, N, cuda, held) < 0)
         goto done;
     hexiseq_attn_merge_params m;
     int empty = 0;
@@ -704,7 +759,8 @@ static PyObject *core_attention_merge(PyObject *module, PyObject *args) {
         goto done;
     }
     if (!empty) {
-        Py_BEGIN_ALLOW_THREADS s = hexiseq_attn_merge_cpu(&m);
+        Py_BEGIN_ALLOW_THREADS s = cuda ? hexiseq_attn_merge_cuda(&m, (void *)(uintptr_t)stream)
+                                        : hexiseq_attn_merge_cpu(&m);
         Py_END_ALLOW_THREADS
         if (s != HEXISEQ_OK) {
             raise_status(module, s);
@@ -718,6 +774,25 @@ done:
     return ret;
 }
 
+static PyObject *core_attention_forward(PyObject *module, PyObject *args) {
+    return attention_forward_impl(module, args, 0);
+}
+static PyObject *core_attention_backward(PyObject *module, PyObject *args) {
+    return attention_backward_impl(module, args, 0);
+}
+static PyObject *core_attention_merge(PyObject *module, PyObject *args) {
+    return attention_merge_impl(module, args, 0);
+}
+static PyObject *core_attention_forward_cuda(PyObject *module, PyObject *args) {
+    return attention_forward_impl(module, args, 1);
+}
+static PyObject *core_attention_backward_cuda(PyObject *module, PyObject *args) {
+    return attention_backward_impl(module, args, 1);
+}
+static PyObject *core_attention_merge_cuda(PyObject *module, PyObject *args) {
+    return attention_merge_impl(module, args, 1);
+}
+
 #define DLPACK_ATTENTION_METHODS                                                                                  \
     {"attention_forward", core_attention_forward, METH_VARARGS,                                                  \
      "attention_forward(q, k, v, out, lse, causal, q_pos0, k_pos0, scale): CPU forward over DLPack tensors."},   \
@@ -725,7 +800,15 @@ done:
          "attention_backward(q, k, v, out, lse, dout, dq, dk, dv, causal, q_pos0, k_pos0, scale, accumulate): "  \
          "CPU backward over DLPack tensors."},                                                                     \
         {"attention_merge", core_attention_merge, METH_VARARGS,                                                   \
-         "attention_merge(out_acc, lse_acc, out_part, lse_part): fold a partial (out, lse) into an accumulator."},
+         "attention_merge(out_acc, lse_acc, out_part, lse_part): fold a partial (out, lse) into an accumulator."},  \
+        {"attention_forward_cuda", core_attention_forward_cuda, METH_VARARGS,                                     \
+         "attention_forward_cuda(q, k, v, out, lse, causal, q_pos0, k_pos0, scale, stream): CUDA forward over "   \
+         "DLPack CUDA tensors, enqueued on the cudaStream_t `stream` (an int; 0 = legacy default stream)."},      \
+        {"attention_backward_cuda", core_attention_backward_cuda, METH_VARARGS,                                   \
+         "attention_backward_cuda(q, k, v, out, lse, dout, dq, dk, dv, causal, q_pos0, k_pos0, scale, "           \
+         "accumulate, stream): CUDA backward over DLPack CUDA tensors, enqueued on `stream`."},                    \
+        {"attention_merge_cuda", core_attention_merge_cuda, METH_VARARGS,                                         \
+         "attention_merge_cuda(out_acc, lse_acc, out_part, lse_part, stream): CUDA merge, enqueued on `stream`."},
 /* ================================================================== END attention over DLPack */
 
 /* ------------------------------------------------------------------ module */

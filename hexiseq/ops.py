@@ -4,17 +4,23 @@ Tensors cross into the C kernels through DLPack without copies; outputs are writ
 q, out, dout, dq are [batch, seq_q, heads, head_dim]; k, v, dk, dv are [batch, seq_k, kv_heads, head_dim]
 (heads a multiple of kv_heads: GQA, MQA when kv_heads == 1); lse is [batch, heads, seq_q]. Any strides work
 (transposed or sliced views). Data types: float64, float32, float16 and bfloat16 (torch only: NumPy has no
-bfloat16); lse is float64 for float64 data and float32 otherwise. Only CPU tensors are served for now.
+bfloat16); lse is float64 for float64 data and float32 otherwise.
 torch is optional: NumPy arrays alone work without it installed.
+
+Devices: CPU tensors (and NumPy arrays) run the CPU kernels. torch CUDA tensors run the CUDA kernels of
+kernels/attention.cu (float16 and bfloat16; float32/float64 raise UnsupportedError) on torch's current stream
+of their device, asynchronously like any torch op; all tensors of a call must be on that one device. A build
+without CUDA (no nvcc at install time, or HEXISEQ_CUDA=0) raises UnsupportedError for CUDA tensors.
 """
 
 import math
+import os
 import sys
 
 import numpy as np
 
 from . import _core
-from .errors import UnsupportedError
+from .errors import InvalidArgumentError, UnsupportedError
 
 __all__ = ["attention_forward", "attention_backward", "merge_"]
 
@@ -34,12 +40,47 @@ def _is_torch(x):
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def _as_operand(x, name):
-    """x ready for the DLPack call: a torch tensor is detached (sharing memory); non-CPU tensors are refused."""
+def _cuda_built():
+    return bool(_core.build_info()["cuda"])
+
+
+def _device_of(tensors):
+    """The torch CUDA device of a call, or None for a CPU call. Raises for a mix of devices or for CUDA tensors
+    on a build without CUDA kernels. Only torch tensors are looked at: other objects are checked in _as_operand."""
+    cuda = [(n, x.device) for x, n in tensors if _is_torch(x) and x.device.type == "cuda"]
+    if not cuda:
+        return None
+    name, device = cuda[0]
+    for x, n in tensors:
+        if not (_is_torch(x) and x.device == device):
+            where = f"device '{x.device}'" if _is_torch(x) else f"a {type(x).__name__} (host memory)"
+            raise InvalidArgumentError(f"{name} is on device '{device}' but {n} is on {where}: all tensors of a call "
+                                       "must be on one device")
+    if not _cuda_built():
+        raise UnsupportedError(f"{name} is on device '{device}': this hexiseq was built without CUDA kernels (nvcc "
+                               "not found or HEXISEQ_CUDA=0 at install time); reinstall with nvcc on PATH or move "
+                               "the tensors to the CPU")
+    if os.environ.get("HEXISEQ_CUDA_KERNELS", "") != "1":
+        # The CUDA kernels of this version compile for sm_80/sm_90 but have not yet been run against the CPU
+        # reference on a GPU (benchmarks/run_gpu_checks.sh does that). Until they have, using them is opt-in.
+        raise UnsupportedError(f"{name} is on device '{device}': the CUDA kernels of this version have not been "
+                               "validated on a GPU yet; set HEXISEQ_CUDA_KERNELS=1 to use them anyway, or move the "
+                               "tensors to the CPU")
+    return device
+
+
+def _stream_of(device):
+    """torch's current CUDA stream on `device`, as the integer cudaStream_t the launchers take."""
+    return int(_torch_module().cuda.current_stream(device).cuda_stream)
+
+
+def _as_operand(x, name, device=None):
+    """x ready for the DLPack call: a torch tensor is detached (sharing memory). device: the call's CUDA device
+    (see _device_of), or None for a CPU call, where non-CPU tensors are refused."""
     if _is_torch(x):
-        if x.device.type != "cpu":
-            raise UnsupportedError(f"{name} is on device '{x.device}': CUDA attention kernels are not built yet, "
-                                   "only CPU tensors are supported; move the tensors to the CPU")
+        if device is None and x.device.type != "cpu":
+            raise UnsupportedError(f"{name} is on device '{x.device}': the attention kernels take CPU tensors and "
+                                   "torch CUDA tensors; move the tensors to the CPU or a CUDA device")
         return x.detach() if x.requires_grad else x
     if isinstance(x, np.ndarray):
         return x
@@ -51,8 +92,9 @@ def _as_operand(x, name):
         dev_type, dev_id = dev()
         if int(dev_type) not in _DL_CPU_DEVICES:
             label = _DL_DEVICE_NAMES.get(int(dev_type), f"type {int(dev_type)}")
-            raise UnsupportedError(f"{name} is on DLPack device {label}:{dev_id}: CUDA and other accelerator "
-                                   "kernels are not built yet, only CPU tensors are supported")
+            raise UnsupportedError(f"{name} is on DLPack device {label}:{dev_id} and is not a torch.Tensor: the "
+                                   "CUDA kernels take torch CUDA tensors only (they run on torch's current stream); "
+                                   "a path for other accelerator DLPack producers is not built")
     return x
 
 
@@ -135,8 +177,9 @@ def attention_forward(q, k, v, *, causal=True, q_pos0=0, k_pos0=0, scale=None, o
 
     Raises:
         TypeError for non-tensors; hexiseq.InvalidArgumentError (a ValueError) for mismatched shapes or dtypes,
-        read-only outputs or outputs overlapping inputs; hexiseq.UnsupportedError for an unsupported dtype,
-        head_dim > 256 or a non-CPU device. Messages name the argument.
+        read-only outputs, outputs overlapping inputs, or tensors on different devices; hexiseq.UnsupportedError
+        for an unsupported dtype (float32/float64 on CUDA), head_dim > 256, a device other than CPU or CUDA, or
+        CUDA tensors on a build without CUDA. Messages name the argument.
     """
     B, Sq, H, D = _shape4(q, "q", "[batch, seq_q, heads, head_dim]")
     _shape4(k, "k", "[batch, seq_k, kv_heads, head_dim]")
@@ -144,13 +187,18 @@ def attention_forward(q, k, v, *, causal=True, q_pos0=0, k_pos0=0, scale=None, o
     scale = _default_scale(scale, D)
     q_pos0 = _position(q_pos0, "q_pos0")
     k_pos0 = _position(k_pos0, "k_pos0")
-    qq, kk, vv = _as_operand(q, "q"), _as_operand(k, "k"), _as_operand(v, "v")
     if out is None:
         out = _new(q, (B, Sq, H, D))
     if lse is None:
         lse = _new(q, (B, H, Sq), lse=True)
-    oo, ll = _as_operand(out, "out"), _as_operand(lse, "lse")
-    _core.attention_forward(qq, kk, vv, oo, ll, bool(causal), q_pos0, k_pos0, scale)
+    named = ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))
+    device = _device_of(named)
+    args = [_as_operand(x, n, device) for x, n in named]
+    if device is None:
+        _core.attention_forward(*args, bool(causal), q_pos0, k_pos0, scale)
+    else:
+        with _torch_module().cuda.device(device):
+            _core.attention_forward_cuda(*args, bool(causal), q_pos0, k_pos0, scale, _stream_of(device))
     if Sk == 0 and B * Sq * H > 0:  # no key at all: every row is fully masked (the kernel was not called)
         _fill(out, 0.0)
         _fill(lse, -math.inf)
@@ -188,15 +236,22 @@ def attention_backward(q, k, v, out, lse, dout, *, causal=True, q_pos0=0, k_pos0
     q_pos0 = _position(q_pos0, "q_pos0")
     k_pos0 = _position(k_pos0, "k_pos0")
     accumulate = bool(accumulate)
-    ins = [_as_operand(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"), (dout, "dout"))]
     if dq is None:
         dq = _new(q, (B, Sq, H, D), zero=accumulate)
     if dk is None:
         dk = _new(q, kshape, zero=accumulate)
     if dv is None:
         dv = _new(q, kshape, zero=accumulate)
-    outs = [_as_operand(dq, "dq"), _as_operand(dk, "dk"), _as_operand(dv, "dv")]
-    _core.attention_backward(*ins, *outs, bool(causal), q_pos0, k_pos0, scale, accumulate)
+    named = ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"), (dout, "dout"), (dq, "dq"), (dk, "dk"),
+             (dv, "dv"))
+    device = _device_of(named)
+    args = [_as_operand(x, n, device) for x, n in named]
+    if device is None:
+        _core.attention_backward(*args, bool(causal), q_pos0, k_pos0, scale, accumulate)
+    else:
+        with _torch_module().cuda.device(device):
+            _core.attention_backward_cuda(*args, bool(causal), q_pos0, k_pos0, scale, accumulate,
+                                          _stream_of(device))
     if not accumulate:  # the kernel was not called when a sequence is empty: the other side gets no gradient
         if kshape[1] == 0 and B * Sq * H > 0:
             _fill(dq, 0.0)
@@ -226,6 +281,11 @@ def merge_(out_acc, lse_acc, out_part, lse_part):
         None.
     """
     _shape4(out_acc, "out_acc", "[batch, seq, heads, head_dim]")
-    args = [_as_operand(x, n) for x, n in ((out_acc, "out_acc"), (lse_acc, "lse_acc"), (out_part, "out_part"),
-                                             (lse_part, "lse_part"))]
-    _core.attention_merge(*args)
+    named = ((out_acc, "out_acc"), (lse_acc, "lse_acc"), (out_part, "out_part"), (lse_part, "lse_part"))
+    device = _device_of(named)
+    args = [_as_operand(x, n, device) for x, n in named]
+    if device is None:
+        _core.attention_merge(*args)
+    else:
+        with _torch_module().cuda.device(device):
+            _core.attention_merge_cuda(*args, _stream_of(device))

@@ -1,0 +1,915 @@
+// CUDA attention kernels (forward, backward, merge) behind the C launchers of kernels/launch.h.
+//
+// STATUS (be honest): this file has been COMPILED (nvcc 13.0, sm_80 and sm_90, zero warnings) and its
+// resource usage read with `nvcc --resource-usage` (table below). It has NEVER BEEN RUN ON A GPU: the
+// machine it was written on has none. tests/test_cuda_ops.py checks it against the CPU kernels
+// (csrc/attention_cpu.c) and torch SDPA; benchmarks/run_gpu_checks.sh runs those tests, compute-sanitizer
+// and the benchmark on a GPU machine. Until that has passed, treat every kernel here as unverified.
+//
+// Semantics are those of csrc/attention.h and the CPU reference: causal means key_pos <= query_pos on
+// absolute positions (q_pos0 + i, k_pos0 + j); a fully masked row gives O = 0, LSE = -inf and no gradient;
+// the backward takes O and LSE as given and computes D = rowsum(dO * O) itself; the merge is computed in
+// double and is an exact no-op for lse_part = -inf.
+//
+// Design (FlashAttention-2 structure, written for readability, tensor cores through WMMA):
+//   * dtypes: float16 and bfloat16 inputs, fp32 accumulation everywhere (S, P, O, dK, dV, dQ). float32 and
+//     float64 forward/backward return HEXISEQ_ERR_UNSUPPORTED (use the CPU kernels); the merge takes all four.
+//   * head_dim 1..256: the kernels are compiled for D = 64, 128, 256; a head_dim d is served by the smallest
+//     D >= d with columns d..D-1 zero-filled on load and never stored (zero columns change no dot product).
+//   * strides: any element strides (negative too). Tiles are loaded with 16-byte vector loads when the
+//     head_dim stride is 1, d % 8 == 0, the base is 16-byte aligned and the other strides are multiples of 8;
+//     otherwise element by element (correct, slower).
+//   * all matrix products are done by one helper, block_gemm: C[M][N] (+)= A[M][K] B[K][N] on operands in
+//     shared memory, 16x16x16 WMMA fragments handed round-robin to the warps of the CTA, the fp32 accumulator
+//     read from / written back to shared memory. Accumulators that need per-row rescaling (O) therefore live
+//     in shared memory, where every thread knows which row an element belongs to (WMMA fragment layouts are
+//     unspecified). This costs shared-memory bandwidth, not correctness; it is the first thing to change
+//     (mma.sync with register accumulators) once the tests pass on a GPU.
+//   * forward: one CTA per (query tile of BQ = 64 rows, head, batch), 256 threads. K/V tiles of BK rows are
+//     staged in shared memory; S = Q K^T, then each warp runs the online softmax (base-2, max-subtracted) on
+//     its rows, rescales its O rows, writes P in the input dtype; then O += P V. Under the causal mask the key
+//     loop stops after the last key any query of the tile sees; the mask is applied element-wise.
+//   * backward: a preprocessing kernel writes D = rowsum(dO * O) (fp32, [batch, heads, seq_q]). The main
+//     kernel has one CTA per (key tile, kv head, batch): it keeps its K, V tile and fp32 dK, dV accumulators
+//     in shared memory and loops over every query head of its GQA group and every query tile that can see
+//     the key tile: S = Q K^T, P = exp(scale S - LSE) (masked), dV += P^T dO, dP = dO V^T,
+//     dS = P (dP - D), dK += dS^T Q, dQ_tile = dS K. dK, dV are written once at the end (one CTA owns each
+//     key row, so no atomics; accumulate adds to the old values). dQ: fp32 atomicAdd into a zeroed
+//     [batch, heads, seq_q, d] scratch buffer (already scaled), then a small kernel writes (or, with
+//     accumulate, adds into) dq in the input dtype. atomicAdd is the simple choice: the cost is that dQ is
+//     not bit-for-bit deterministic (summation order of fp32 adds across key tiles varies run to run).
+//     Scratch (D and the dQ accumulator) is allocated with cudaMallocAsync / cudaFreeAsync on the stream.
+//   * merge: one warp per (batch, head, row); lane 0 reads both LSEs, the warp updates the row, lane 0
+//     writes the new LSE last (so no thread reads an LSE another already rewrote).
+//
+// Resource usage (nvcc 13.0 --resource-usage, -O3, 256 threads per CTA; no spills in any kernel, 0 B stack):
+//   registers        fwd f16 D=64/128/256   fwd bf16          bwd f16          bwd bf16   delta  dq  merge
+//     sm_80          128 / 55 / 48          64 / 64 / 74      177/177/178      128 (all)  32     28  -
+//     sm_90          121 / 48 / 63          58 / 58 / 64      178/190/194      128 (all)  40     32  66
+//   dynamic shared memory per CTA (opted in with cudaFuncSetAttribute on every launch):
+//     forward  D=64 (BQ 64, BK 64):  70.5 KiB   D=128 (64, 64): 110.5 KiB   D=256 (64, 32): 145.5 KiB
+//     backward D=64 (BQ 64, BK 64): 122.5 KiB   D=128 (32, 64): 143.3 KiB   D=256 (32, 32): 145.3 KiB
+//   All fit the 163 KiB opt-in limit of sm_80 and the 227 KiB of sm_90 (one CTA, 8 warps, per SM at most two);
+//   GPUs with less (sm_86/89: 99 KiB) get HEXISEQ_ERR_CUDA from cudaFuncSetAttribute for the larger configs.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <mma.h>
+
+#include <math.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+#include "attention.h"
+#include "launch.h"
+
+namespace {
+
+namespace wmma = nvcuda::wmma;
+
+constexpr int kThreads = 256; // threads per CTA of the forward and backward kernels
+constexpr int kWarps = kThreads / 32;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Largest element offset accepted (as the CPU kernels): byte offsets (x8) fit int64.
+constexpr int64_t kMaxOffset = INT64_MAX / 8;
+constexpr int64_t kMaxPos = (int64_t)1 << 62;
+
+// ------------------------------------------------------------------------------------------------
+// Element conversions
+
+template <typename T> __device__ __forceinline__ float to_f32(T x);
+template <> __device__ __forceinline__ float to_f32<__half>(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+// One element of any hexiseq_dtype as double / stored from double (merge only: it mixes dtypes).
+__device__ double load_any(const void *base, int32_t dtype, int64_t at) {
+    switch (dtype) {
+    case HEXISEQ_DTYPE_F64: return ((const double *)base)[at];
+    case HEXISEQ_DTYPE_F32: return (double)((const float *)base)[at];
+    case HEXISEQ_DTYPE_F16: return (double)__half2float(((const __half *)base)[at]);
+    default: return (double)__bfloat162float(((const __nv_bfloat16 *)base)[at]);
+    }
+}
+
+__device__ void store_any(void *base, int32_t dtype, int64_t at, double x) {
+    switch (dtype) {
+    case HEXISEQ_DTYPE_F64: ((double *)base)[at] = x; break;
+    case HEXISEQ_DTYPE_F32: ((float *)base)[at] = (float)x; break;
+    case HEXISEQ_DTYPE_F16: ((__half *)base)[at] = __float2half_rn((float)x); break; // as the CPU: via float
+    default: ((__nv_bfloat16 *)base)[at] = __float2bfloat16_rn((float)x); break;
+    }
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+    for (int o = 16; o > 0; o >>= 1)
+        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+    for (int o = 16; o > 0; o >>= 1)
+        x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Shared-memory building blocks
+
+// C[M][N] (fp32, row-major, ldc) = (accumulate ? C : 0) + A[M][K] B[K][N], all operands in shared memory.
+// A is row-major (a[m * lda + k]) or, with LayoutA = col_major, stored transposed (a[k * lda + m]); likewise B
+// (row_major: b[k * ldb + n]; col_major: b[n * ldb + k]). M, N, K multiples of 16; lda, ldb multiples of 8,
+// ldc a multiple of 4; every buffer 32-byte aligned (so every fragment pointer is, as WMMA requires).
+// Called by all threads of the CTA; the caller synchronises before (operands ready) and after (C ready).
+template <typename T, int M, int N, int K, typename LayoutA, typename LayoutB>
+__device__ void block_gemm(float *c, int ldc, const T *a, int lda, const T *b, int ldb, bool accumulate) {
+    constexpr bool a_row = std::is_same<LayoutA, wmma::row_major>::value;
+    constexpr bool b_row = std::is_same<LayoutB, wmma::row_major>::value;
+    constexpr int TM = M / 16, TN = N / 16, TK = K / 16;
+    const int warp = threadIdx.x / 32;
+    for (int t = warp; t < TM * TN; t += kWarps) {
+        const int i = t / TN, j = t % TN;
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+        float *pc = c + i * 16 * ldc + j * 16;
+        if (accumulate)
+            wmma::load_matrix_sync(acc, pc, ldc, wmma::mem_row_major);
+        else
+            wmma::fill_fragment(acc, 0.0f);
+#pragma unroll 4
+        for (int kk = 0; kk < TK; ++kk) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, LayoutA> fa;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, LayoutB> fb;
+            const T *pa = a_row ? a + i * 16 * lda + kk * 16 : a + kk * 16 * lda + i * 16;
+            const T *pb = b_row ? b + kk * 16 * ldb + j * 16 : b + j * 16 * ldb + kk * 16;
+            wmma::load_matrix_sync(fa, pa, lda);
+            wmma::load_matrix_sync(fb, pb, ldb);
+            wmma::mma_sync(acc, fa, fb, acc);
+        }
+        wmma::store_matrix_sync(pc, acc, ldc, wmma::mem_row_major);
+    }
+}
+
+// dst[r][c] (ld LD) = src[r * row_stride + c * col_stride] for r < n_rows, c < d; 0 elsewhere in [ROWS][D].
+// src: row 0, column 0 of the tile in global memory. vec: 16-byte loads are legal (see the file comment).
+template <typename T, int ROWS, int D, int LD>
+__device__ void load_tile(T *dst /* [ROWS][LD] smem */, const T *src, int64_t row_stride, int64_t col_stride,
+                          int64_t n_rows, int d, bool vec) {
+    if (vec) {
+        constexpr int CH = D / 8; // 16-byte chunks per row
+        for (int idx = threadIdx.x; idx < ROWS * CH; idx += kThreads) {
+            const int r = idx / CH, c = idx % CH * 8;
+            uint4 val = make_uint4(0u, 0u, 0u, 0u);
+            if (r < n_rows && c < d)
+                val = *reinterpret_cast<const uint4 *>(src + r * row_stride + c);
+            *reinterpret_cast<uint4 *>(dst + r * LD + c) = val;
+        }
+    } else {
+        for (int idx = threadIdx.x; idx < ROWS * D; idx += kThreads) {
+            const int r = idx / D, c = idx % D;
+            T val = from_f32<T>(0.0f);
+            if (r < n_rows && c < d)
+                val = src[r * row_stride + c * col_stride];
+            dst[r * LD + c] = val;
+        }
+    }
+}
+
+// Byte size of a shared buffer rounded up to 128 bytes, so every buffer carved after it stays aligned.
+constexpr int smem_round(int bytes) { return (bytes + 127) / 128 * 128; }
+
+// ------------------------------------------------------------------------------------------------
+// Forward
+
+// Tile shapes of the forward for head dim D (see the shared-memory table in the file comment).
+template <int D> struct FwdTiles {
+    static constexpr int BQ = 64;
+    static constexpr int BK = D <= 128 ? 64 : 32;
+};
+
+template <int D, int BQ, int BK> struct FwdSmem {
+    static constexpr int LDT = D + 8;  // input-dtype tiles [rows][D]: row pitch 16 bytes past a multiple of 128
+    static constexpr int LDS = BK + 4; // fp32 scores [BQ][BK]
+    static constexpr int LDP = BK + 8; // input-dtype probabilities [BQ][BK]
+    static constexpr int LDO = D + 4;  // fp32 output accumulator [BQ][D]
+    static constexpr int q = 0;
+    static constexpr int k = q + smem_round(BQ * LDT * 2);
+    static constexpr int v = k + smem_round(BK * LDT * 2);
+    static constexpr int s = v + smem_round(BK * LDT * 2);
+    static constexpr int p = s + smem_round(BQ * LDS * 4);
+    static constexpr int o = p + smem_round(BQ * LDP * 2);
+    static constexpr int m = o + smem_round(BQ * LDO * 4);
+    static constexpr int l = m + smem_round(BQ * 4);
+    static constexpr int bytes = l + smem_round(BQ * 4);
+};
+
+// Everything a forward CTA needs; pointers are to element [0, 0, 0, 0] of each tensor.
+struct FwdArgs {
+    const void *q;   // [batch, seq_q, heads, head_dim]
+    const void *k;   // [batch, seq_k, kv_heads, head_dim]
+    const void *v;   // [batch, seq_k, kv_heads, head_dim]
+    void *o;         // [batch, seq_q, heads, head_dim]
+    float *lse;      // [batch, heads, seq_q]
+    int64_t qs[4], ks[4], vs[4], os[4], ls[3]; // element strides, order as in hexiseq_attn_params
+    int64_t seq_q, seq_k, q_pos0, k_pos0, n_qtiles;
+    int32_t heads, group, d, causal; // group = heads / kv_heads
+    int32_t vec_q, vec_k, vec_v;     // 16-byte loads allowed for that tensor
+    float scale_log2;                // scale * log2(e): scores go through exp2
+};
+
+template <typename T, int D, int BQ, int BK>
+__global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const FwdArgs a) {
+    using L = FwdSmem<D, BQ, BK>;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T *qs = reinterpret_cast<T *>(smem + L::q);         // [BQ][LDT] query tile
+    T *ks = reinterpret_cast<T *>(smem + L::k);         // [BK][LDT] key tile
+    T *vs = reinterpret_cast<T *>(smem + L::v);         // [BK][LDT] value tile
+    float *s = reinterpret_cast<float *>(smem + L::s);  // [BQ][LDS] raw scores Q K^T
+    T *p = reinterpret_cast<T *>(smem + L::p);          // [BQ][LDP] unnormalised probabilities
+    float *o = reinterpret_cast<float *>(smem + L::o);  // [BQ][LDO] unnormalised output
+    float *row_m = reinterpret_cast<float *>(smem + L::m); // [BQ] running max, log2 units
+    float *row_l = reinterpret_cast<float *>(smem + L::l); // [BQ] running sum of exp2(x - m)
+
+    // Last query tiles first: under the causal mask they have the most keys.
+    const int64_t bid = blockIdx.x;
+    const int64_t qt = a.n_qtiles - 1 - bid % a.n_qtiles;
+    const int32_t h = (int32_t)(bid / a.n_qtiles % a.heads);
+    const int64_t b = bid / a.n_qtiles / a.heads;
+    const int32_t hk = h / a.group;
+    const int64_t q0 = qt * BQ;
+    const int64_t nq = min((int64_t)BQ, a.seq_q - q0);
+
+    // Keys past the last one any query of this tile sees are skipped (they would be masked anyway).
+    int64_t kend = a.seq_k;
+    if (a.causal)
+        kend = min(a.seq_k, max((int64_t)0, a.q_pos0 + q0 + nq - 1 - a.k_pos0 + 1));
+
+    const T *qg = static_cast<const T *>(a.q) + b * a.qs[0] + q0 * a.qs[1] + h * a.qs[2];
+    load_tile<T, BQ, D, L::LDT>(qs, qg, a.qs[1], a.qs[3], nq, a.d, a.vec_q);
+    for (int idx = threadIdx.x; idx < BQ * L::LDO; idx += kThreads)
+        o[idx] = 0.0f;
+    for (int r = threadIdx.x; r < BQ; r += kThreads) {
+        row_m[r] = -INFINITY;
+        row_l[r] = 0.0f;
+    }
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const T *kg = static_cast<const T *>(a.k) + b * a.ks[0] + hk * a.ks[2];
+    const T *vg = static_cast<const T *>(a.v) + b * a.vs[0] + hk * a.vs[2];
+    for (int64_t k0 = 0; k0 < kend; k0 += BK) {
+        const int64_t nk = min((int64_t)BK, kend - k0);
+        load_tile<T, BK, D, L::LDT>(ks, kg + k0 * a.ks[1], a.ks[1], a.ks[3], nk, a.d, a.vec_k);
+        load_tile<T, BK, D, L::LDT>(vs, vg + k0 * a.vs[1], a.vs[1], a.vs[3], nk, a.d, a.vec_v);
+        __syncthreads(); // Q (first pass), K, V, O, m, l ready
+
+        block_gemm<T, BQ, BK, D, wmma::row_major, wmma::col_major>(s, L::LDS, qs, L::LDT, ks, L::LDT, false);
+        __syncthreads(); // S ready
+
+        // Online softmax: warp w owns rows w, w + kWarps, ...; lane owns columns lane, lane + 32, ...
+        for (int r = warp; r < BQ; r += kWarps) {
+            const int64_t qpos = a.q_pos0 + q0 + r;
+            float x[BK / 32];
+            float mx = -INFINITY;
+#pragma unroll
+            for (int u = 0; u < BK / 32; ++u) {
+                const int c = lane + 32 * u;
+                const bool ok = r < nq && c < nk && (!a.causal || a.k_pos0 + k0 + c <= qpos);
+                x[u] = ok ? s[r * L::LDS + c] * a.scale_log2 : -INFINITY;
+                mx = fmaxf(mx, x[u]);
+            }
+            mx = warp_max(mx);
+            const float m_old = row_m[r];
+            const float m_new = fmaxf(m_old, mx);
+            // Nothing seen yet (m_new = -inf): every p is 0 and O is still 0; use 0 to avoid inf - inf.
+            const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+            const float alpha = exp2f(m_old - m_use); // 0 when m_old = -inf
+            float sum = 0.0f;
+#pragma unroll
+            for (int u = 0; u < BK / 32; ++u) {
+                const int c = lane + 32 * u;
+                const float pv = exp2f(x[u] - m_use); // 0 for masked entries
+                p[r * L::LDP + c] = from_f32<T>(pv);
+                sum += pv;
+            }
+            sum = warp_sum(sum);
+            for (int c = lane; c < D; c += 32)
+                o[r * L::LDO + c] *= alpha;
+            __syncwarp(); // every lane has read row_m[r] before lane 0 rewrites it
+            if (lane == 0) {
+                row_m[r] = m_new;
+                row_l[r] = row_l[r] * alpha + sum;
+            }
+        }
+        __syncthreads(); // P ready, O rescaled
+
+        block_gemm<T, BQ, D, BK, wmma::row_major, wmma::row_major>(o, L::LDO, p, L::LDP, vs, L::LDT, true);
+        __syncthreads(); // O updated; K, V, S, P free for the next tile
+    }
+    if (kend <= 0)
+        __syncthreads(); // the loop did not run: the initialisation above still needs a barrier
+
+    // Epilogue: O / l and LSE = ln(l) + m ln 2, or O = 0 and LSE = -inf for a row that saw no key.
+    T *og = static_cast<T *>(a.o) + b * a.os[0] + q0 * a.os[1] + h * a.os[2];
+    for (int idx = threadIdx.x; idx < BQ * D; idx += kThreads) {
+        const int r = idx / D, c = idx % D;
+        if (r >= nq || c >= a.d)
+            continue;
+        const float l = row_l[r];
+        const float val = l > 0.0f ? o[r * L::LDO + c] / l : 0.0f;
+        og[r * a.os[1] + c * a.os[3]] = from_f32<T>(val);
+    }
+    for (int r = threadIdx.x; r < nq; r += kThreads) {
+        const float l = row_l[r];
+        const float lse = l > 0.0f ? (row_m[r] + log2f(l)) * kLn2 : -INFINITY;
+        a.lse[b * a.ls[0] + h * a.ls[1] + (q0 + r) * a.ls[2]] = lse;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Backward
+
+struct BwdArgs {
+    const void *q;    // [batch, seq_q, heads, head_dim]
+    const void *k;    // [batch, seq_k, kv_heads, head_dim]
+    const void *v;    // [batch, seq_k, kv_heads, head_dim]
+    const void *o;    // [batch, seq_q, heads, head_dim]
+    const float *lse; // [batch, heads, seq_q]
+    const void *do_;  // [batch, seq_q, heads, head_dim]
+    void *dq;         // [batch, seq_q, heads, head_dim]
+    void *dk;         // [batch, seq_k, kv_heads, head_dim]
+    void *dv;         // [batch, seq_k, kv_heads, head_dim]
+    float *delta;     // [batch, heads, seq_q] contiguous scratch: D = rowsum(dO * O)
+    float *dq_acc;    // [batch, heads, seq_q, d] contiguous scratch: fp32 dQ (already scaled)
+    int64_t qs[4], ks[4], vs[4], os[4], dos[4], dqs[4], dks[4], dvs[4], ls[3];
+    int64_t batch, seq_q, seq_k, q_pos0, k_pos0, n_ktiles;
+    int32_t heads, kv_heads, group, d, causal, accumulate;
+    int32_t vec_q, vec_k, vec_v, vec_do;
+    float scale, scale_log2;
+};
+
+// D[b, h, i] = sum_c dO[b, i, h, c] * O[b, i, h, c] in fp32; one warp per row.
+template <typename T> __global__ void attn_bwd_delta_kernel(const BwdArgs a) {
+    const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; // (b * heads + h) * seq_q + i
+    const int lane = threadIdx.x % 32;
+    if (row >= a.batch * a.heads * a.seq_q)
+        return;
+    const int64_t i = row % a.seq_q;
+    const int64_t h = row / a.seq_q % a.heads;
+    const int64_t b = row / a.seq_q / a.heads;
+    const T *og = static_cast<const T *>(a.o) + b * a.os[0] + i * a.os[1] + h * a.os[2];
+    const T *dog = static_cast<const T *>(a.do_) + b * a.dos[0] + i * a.dos[1] + h * a.dos[2];
+    float sum = 0.0f;
+    for (int c = lane; c < a.d; c += 32)
+        sum += to_f32(og[c * a.os[3]]) * to_f32(dog[c * a.dos[3]]);
+    sum = warp_sum(sum);
+    if (lane == 0)
+        a.delta[row] = sum;
+}
+
+template <int D> struct BwdTiles {
+    static constexpr int BQ = D <= 64 ? 64 : 32;
+    static constexpr int BK = D <= 128 ? 64 : 32;
+};
+
+template <int D, int BQ, int BK> struct BwdSmem {
+    static constexpr int LDT = D + 8;  // input-dtype tiles [rows][D]
+    static constexpr int LDS = BK + 4; // fp32 [BQ][BK]
+    static constexpr int LDP = BK + 8; // input-dtype [BQ][BK]
+    static constexpr int LDA = D + 4;  // fp32 [rows][D]
+    static constexpr int k = 0;
+    static constexpr int v = k + smem_round(BK * LDT * 2);
+    static constexpr int q = v + smem_round(BK * LDT * 2);
+    static constexpr int dO = q + smem_round(BQ * LDT * 2); // q and dO are adjacent: dQ staging reuses both
+    static constexpr int s = dO + smem_round(BQ * LDT * 2);
+    static constexpr int dp = s + smem_round(BQ * LDS * 4);
+    static constexpr int p = dp + smem_round(BQ * LDS * 4);
+    static constexpr int ds = p + smem_round(BQ * LDP * 2);
+    static constexpr int dk = ds + smem_round(BQ * LDP * 2);
+    static constexpr int dv = dk + smem_round(BK * LDA * 4);
+    static constexpr int lse = dv + smem_round(BK * LDA * 4);
+    static constexpr int delta = lse + smem_round(BQ * 4);
+    static constexpr int bytes = delta + smem_round(BQ * 4);
+    static_assert(BQ * LDA * 4 <= dO + smem_round(BQ * LDT * 2) - q, "dQ staging must fit over the Q and dO tiles");
+};
+
+template <typename T, int D, int BQ, int BK>
+__global__ void __launch_bounds__(kThreads) attn_bwd_kernel(const BwdArgs a) {
+    using L = BwdSmem<D, BQ, BK>;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T *ks = reinterpret_cast<T *>(smem + L::k);            // [BK][LDT] key tile
+    T *vs = reinterpret_cast<T *>(smem + L::v);            // [BK][LDT] value tile
+    T *qs = reinterpret_cast<T *>(smem + L::q);            // [BQ][LDT] query tile
+    T *dos = reinterpret_cast<T *>(smem + L::dO);          // [BQ][LDT] dO tile
+    float *dqs = reinterpret_cast<float *>(smem + L::q);   // [BQ][LDA] dQ tile, over qs and dos once both are dead
+    float *s = reinterpret_cast<float *>(smem + L::s);     // [BQ][LDS] scores Q K^T
+    float *dp = reinterpret_cast<float *>(smem + L::dp);   // [BQ][LDS] dP = dO V^T
+    T *p = reinterpret_cast<T *>(smem + L::p);             // [BQ][LDP] probabilities
+    T *ds = reinterpret_cast<T *>(smem + L::ds);           // [BQ][LDP] dS = P (dP - D), unscaled
+    float *dk = reinterpret_cast<float *>(smem + L::dk);   // [BK][LDA] dK accumulator, unscaled
+    float *dv = reinterpret_cast<float *>(smem + L::dv);   // [BK][LDA] dV accumulator
+    float *lse_s = reinterpret_cast<float *>(smem + L::lse);     // [BQ] LSE * log2(e); -inf: fully masked
+    float *delta_s = reinterpret_cast<float *>(smem + L::delta); // [BQ] D
+
+    const int64_t bid = blockIdx.x;
+    const int64_t kt = bid % a.n_ktiles;
+    const int32_t hk = (int32_t)(bid / a.n_ktiles % a.kv_heads);
+    const int64_t b = bid / a.n_ktiles / a.kv_heads;
+    const int64_t k0 = kt * BK;
+    const int64_t nk = min((int64_t)BK, a.seq_k - k0);
+
+    const T *kg = static_cast<const T *>(a.k) + b * a.ks[0] + k0 * a.ks[1] + hk * a.ks[2];
+    const T *vg = static_cast<const T *>(a.v) + b * a.vs[0] + k0 * a.vs[1] + hk * a.vs[2];
+    load_tile<T, BK, D, L::LDT>(ks, kg, a.ks[1], a.ks[3], nk, a.d, a.vec_k);
+    load_tile<T, BK, D, L::LDT>(vs, vg, a.vs[1], a.vs[3], nk, a.d, a.vec_v);
+    for (int idx = threadIdx.x; idx < BK * L::LDA; idx += kThreads) {
+        dk[idx] = 0.0f;
+        dv[idx] = 0.0f;
+    }
+
+    // Queries before the first key of the tile see none of it under the causal mask.
+    int64_t i_first = 0;
+    if (a.causal)
+        i_first = max((int64_t)0, a.k_pos0 + k0 - a.q_pos0);
+    const int64_t qt_first = i_first / BQ;
+
+    for (int32_t h = hk * a.group; h < (hk + 1) * a.group; ++h) {
+        const T *qg = static_cast<const T *>(a.q) + b * a.qs[0] + h * a.qs[2];
+        const T *dog = static_cast<const T *>(a.do_) + b * a.dos[0] + h * a.dos[2];
+        const float *lseg = a.lse + b * a.ls[0] + h * a.ls[1];
+        const float *deltag = a.delta + (b * a.heads + h) * a.seq_q;
+        float *dqg = a.dq_acc + (b * a.heads + h) * a.seq_q * a.d;
+        for (int64_t q0 = qt_first * BQ; q0 < a.seq_q; q0 += BQ) {
+            const int64_t nq = min((int64_t)BQ, a.seq_q - q0);
+            load_tile<T, BQ, D, L::LDT>(qs, qg + q0 * a.qs[1], a.qs[1], a.qs[3], nq, a.d, a.vec_q);
+            load_tile<T, BQ, D, L::LDT>(dos, dog + q0 * a.dos[1], a.dos[1], a.dos[3], nq, a.d, a.vec_do);
+            for (int r = threadIdx.x; r < BQ; r += kThreads) {
+                lse_s[r] = r < nq ? lseg[(q0 + r) * a.ls[2]] * kLog2e : -INFINITY;
+                delta_s[r] = r < nq ? deltag[q0 + r] : 0.0f;
+            }
+            __syncthreads(); // K, V, dK, dV (first pass), Q, dO, LSE, D ready
+
+            block_gemm<T, BQ, BK, D, wmma::row_major, wmma::col_major>(s, L::LDS, qs, L::LDT, ks, L::LDT, false);
+            __syncthreads(); // S ready
+
+            // P = exp2(scale log2(e) S - LSE log2(e)); 0 where masked, past the tile ends or fully masked.
+            for (int idx = threadIdx.x; idx < BQ * BK; idx += kThreads) {
+                const int r = idx / BK, c = idx % BK;
+                const bool ok = r < nq && c < nk && lse_s[r] != -INFINITY &&
+                                (!a.causal || a.k_pos0 + k0 + c <= a.q_pos0 + q0 + r);
+                const float pv = ok ? exp2f(s[r * L::LDS + c] * a.scale_log2 - lse_s[r]) : 0.0f;
+                p[r * L::LDP + c] = from_f32<T>(pv);
+            }
+            __syncthreads(); // P ready
+
+            // dV += P^T dO   [BK][D] = [BK][BQ] x [BQ][D]   (P^T read column-major from P)
+            block_gemm<T, BK, D, BQ, wmma::col_major, wmma::row_major>(dv, L::LDA, p, L::LDP, dos, L::LDT, true);
+            // dP = dO V^T    [BQ][BK] = [BQ][D] x [D][BK]
+            block_gemm<T, BQ, BK, D, wmma::row_major, wmma::col_major>(dp, L::LDS, dos, L::LDT, vs, L::LDT, false);
+            __syncthreads(); // dP ready
+
+            // dS = P (dP - D), with P recomputed in fp32 from S (not from its rounded copy).
+            for (int idx = threadIdx.x; idx < BQ * BK; idx += kThreads) {
+                const int r = idx / BK, c = idx % BK;
+                const bool ok = r < nq && c < nk && lse_s[r] != -INFINITY &&
+                                (!a.causal || a.k_pos0 + k0 + c <= a.q_pos0 + q0 + r);
+                const float pv = ok ? exp2f(s[r * L::LDS + c] * a.scale_log2 - lse_s[r]) : 0.0f;
+                ds[r * L::LDP + c] = from_f32<T>(pv * (dp[r * L::LDS + c] - delta_s[r]));
+            }
+            __syncthreads(); // dS ready
+
+            // dK += dS^T Q   [BK][D] = [BK][BQ] x [BQ][D]
+            block_gemm<T, BK, D, BQ, wmma::col_major, wmma::row_major>(dk, L::LDA, ds, L::LDP, qs, L::LDT, true);
+            __syncthreads(); // Q and dO no longer read: their space takes the dQ tile
+
+            // dQ tile = dS K   [BQ][D] = [BQ][BK] x [BK][D]
+            block_gemm<T, BQ, D, BK, wmma::row_major, wmma::row_major>(dqs, L::LDA, ds, L::LDP, ks, L::LDT, false);
+            __syncthreads(); // dQ tile ready
+
+            for (int idx = threadIdx.x; idx < BQ * D; idx += kThreads) {
+                const int r = idx / D, c = idx % D;
+                if (r < nq && c < a.d)
+                    atomicAdd(dqg + (q0 + r) * a.d + c, dqs[r * L::LDA + c] * a.scale);
+            }
+            __syncthreads(); // dQ tile read: the next pass may overwrite Q and dO
+        }
+    }
+    __syncthreads(); // (no query tile ran) the zeroed dK, dV are visible to every thread
+
+    // dK = scale dS^T Q and dV; one CTA owns these key rows, so plain stores (accumulate: add to old values).
+    T *dkg = static_cast<T *>(a.dk) + b * a.dks[0] + k0 * a.dks[1] + hk * a.dks[2];
+    T *dvg = static_cast<T *>(a.dv) + b * a.dvs[0] + k0 * a.dvs[1] + hk * a.dvs[2];
+    for (int idx = threadIdx.x; idx < BK * D; idx += kThreads) {
+        const int r = idx / D, c = idx % D;
+        if (r >= nk || c >= a.d)
+            continue;
+        T *pk = dkg + r * a.dks[1] + c * a.dks[3];
+        T *pv = dvg + r * a.dvs[1] + c * a.dvs[3];
+        float gk = dk[r * L::LDA + c] * a.scale;
+        float gv = dv[r * L::LDA + c];
+        if (a.accumulate) {
+            gk += to_f32(*pk);
+            gv += to_f32(*pv);
+        }
+        *pk = from_f32<T>(gk);
+        *pv = from_f32<T>(gv);
+    }
+}
+
+// dq[b, i, h, c] = (accumulate ? dq : 0) + dq_acc[b, h, i, c], one thread per element.
+template <typename T> __global__ void attn_bwd_dq_kernel(const BwdArgs a) {
+    const int64_t n = a.batch * a.heads * a.seq_q * a.d;
+    for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t c = idx % a.d;
+        const int64_t i = idx / a.d % a.seq_q;
+        const int64_t h = idx / a.d / a.seq_q % a.heads;
+        const int64_t b = idx / a.d / a.seq_q / a.heads;
+        T *pq = static_cast<T *>(a.dq) + b * a.dqs[0] + i * a.dqs[1] + h * a.dqs[2] + c * a.dqs[3];
+        float g = a.dq_acc[idx];
+        if (a.accumulate)
+            g += to_f32(*pq);
+        *pq = from_f32<T>(g);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Merge
+
+__global__ void attn_merge_kernel(const hexiseq_attn_merge_params m) {
+    const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; // (b * heads + h) * seq + s
+    const int lane = threadIdx.x % 32;
+    if (row >= m.batch * m.heads * m.seq)
+        return;
+    const int64_t s = row % m.seq;
+    const int64_t h = row / m.seq % m.heads;
+    const int64_t b = row / m.seq / m.heads;
+    const int64_t la_at = b * m.lse_acc_stride[0] + h * m.lse_acc_stride[1] + s * m.lse_acc_stride[2];
+    const int64_t lp_at = b * m.lse_part_stride[0] + h * m.lse_part_stride[1] + s * m.lse_part_stride[2];
+    const int64_t oa_at = b * m.o_acc_stride[0] + s * m.o_acc_stride[1] + h * m.o_acc_stride[2];
+    const int64_t op_at = b * m.o_part_stride[0] + s * m.o_part_stride[1] + h * m.o_part_stride[2];
+    const int32_t la_dt = m.acc_dtype == HEXISEQ_DTYPE_F64 ? HEXISEQ_DTYPE_F64 : HEXISEQ_DTYPE_F32;
+    const int32_t lp_dt = m.part_dtype == HEXISEQ_DTYPE_F64 ? HEXISEQ_DTYPE_F64 : HEXISEQ_DTYPE_F32;
+    const double la = load_any(m.lse_acc, la_dt, la_at);
+    const double lp = load_any(m.lse_part, lp_dt, lp_at);
+    if (lp == -INFINITY)
+        return; // the partial saw no key: exact no-op
+    double wa = 0.0, wp = 1.0, lnew = lp;
+    if (la != -INFINITY) { // logaddexp without overflow: the larger term factors out, the weights are <= 1
+        const double hi = la > lp ? la : lp;
+        lnew = hi + log1p(exp(-fabs(la - lp)));
+        wa = exp(la - lnew);
+        wp = exp(lp - lnew);
+    }
+    for (int32_t c = lane; c < m.head_dim; c += 32) {
+        const double op = load_any(m.o_part, m.part_dtype, op_at + c * m.o_part_stride[3]);
+        // la = -inf: the accumulator row is replaced (never read: it may hold anything, even NaN)
+        const double oa = la == -INFINITY ? 0.0 : load_any(m.o_acc, m.acc_dtype, oa_at + c * m.o_acc_stride[3]);
+        store_any(m.o_acc, m.acc_dtype, oa_at + c * m.o_acc_stride[3], wa * oa + wp * op);
+    }
+    __syncwarp(); // every lane read la before lane 0 rewrites it
+    if (lane == 0)
+        store_any(m.lse_acc, la_dt, la_at, lnew);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host side: validation (the rules of csrc/attention_cpu.c's check_params, same messages) and launches
+
+hexiseq_status check_extent(const char *field, const int64_t *stride, const int64_t *size, int ndim) {
+    int64_t extent = 0;
+    for (int i = 0; i < ndim; ++i) {
+        if (stride[i] == INT64_MIN || (stride[i] < 0 ? -stride[i] : stride[i]) > kMaxOffset)
+            return hexiseq_fail(HEXISEQ_ERR_INVALID, "%s_stride[%d] must be within +-2^60, got %lld", field, i,
+                                (long long)stride[i]);
+        const int64_t s = stride[i] < 0 ? -stride[i] : stride[i];
+        const int64_t n = size[i] - 1;
+        if (n > 0 && s > (kMaxOffset - extent) / n)
+            return hexiseq_fail(HEXISEQ_ERR_INVALID,
+                                "%s_stride[%d] = %lld with size %lld overflows the 2^60 element offset range", field,
+                                i, (long long)stride[i], (long long)size[i]);
+        extent += s * n;
+    }
+    return HEXISEQ_OK;
+}
+
+hexiseq_status check_pointer(const char *field, const void *ptr) {
+    if (ptr == nullptr)
+        return hexiseq_fail(HEXISEQ_ERR_NULL, "%s must not be NULL", field);
+    return HEXISEQ_OK;
+}
+
+hexiseq_status check_positive(const char *field, int64_t value) {
+    if (value < 1)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "%s must be >= 1, got %lld", field, (long long)value);
+    return HEXISEQ_OK;
+}
+
+hexiseq_status check_dtype(const char *field, int32_t dtype) {
+    if (dtype < HEXISEQ_DTYPE_F64 || dtype > HEXISEQ_DTYPE_BF16)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "%s must be a hexiseq_dtype (0..3), got %lld", field,
+                            (long long)dtype);
+    return HEXISEQ_OK;
+}
+
+hexiseq_status check_head_dim(const char *field, int32_t head_dim) {
+    if (head_dim < 1)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "%s must be >= 1, got %lld", field, (long long)head_dim);
+    if (head_dim > HEXISEQ_ATTN_MAX_HEAD_DIM)
+        return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED, "%s must be <= %d, got %lld", field, HEXISEQ_ATTN_MAX_HEAD_DIM,
+                            (long long)head_dim);
+    return HEXISEQ_OK;
+}
+
+hexiseq_status check_params(const hexiseq_attn_params *p, int backward) {
+    if (p == nullptr)
+        return hexiseq_fail(HEXISEQ_ERR_NULL, "params must not be NULL");
+    HEXISEQ_CHECK(check_pointer("q", p->q));
+    HEXISEQ_CHECK(check_pointer("k", p->k));
+    HEXISEQ_CHECK(check_pointer("v", p->v));
+    HEXISEQ_CHECK(check_pointer("o", p->o));
+    HEXISEQ_CHECK(check_pointer("lse", p->lse));
+    if (backward) {
+        HEXISEQ_CHECK(check_pointer("do_", p->do_));
+        HEXISEQ_CHECK(check_pointer("dq", p->dq));
+        HEXISEQ_CHECK(check_pointer("dk", p->dk));
+        HEXISEQ_CHECK(check_pointer("dv", p->dv));
+    }
+    HEXISEQ_CHECK(check_dtype("dtype", p->dtype));
+    HEXISEQ_CHECK(check_positive("batch", p->batch));
+    HEXISEQ_CHECK(check_positive("seq_q", p->seq_q));
+    HEXISEQ_CHECK(check_positive("seq_k", p->seq_k));
+    HEXISEQ_CHECK(check_positive("heads", p->heads));
+    HEXISEQ_CHECK(check_positive("kv_heads", p->kv_heads));
+    if (p->heads % p->kv_heads != 0)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "heads must be a multiple of kv_heads = %lld, got %lld",
+                            (long long)p->kv_heads, (long long)p->heads);
+    HEXISEQ_CHECK(check_head_dim("head_dim", p->head_dim));
+    if (p->causal != 0 && p->causal != 1)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "causal must be 0 or 1, got %lld", (long long)p->causal);
+    if (backward && p->accumulate != 0 && p->accumulate != 1)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "accumulate must be 0 or 1, got %lld", (long long)p->accumulate);
+    if (!isfinite(p->scale))
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "scale must be finite, got %g", p->scale);
+    if (p->q_pos0 < 0 || p->q_pos0 > kMaxPos - p->seq_q)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "q_pos0 must be in [0, 2^62 - seq_q], got %lld", (long long)p->q_pos0);
+    if (p->k_pos0 < 0 || p->k_pos0 > kMaxPos - p->seq_k)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "k_pos0 must be in [0, 2^62 - seq_k], got %lld", (long long)p->k_pos0);
+    if (p->batch > INT64_MAX / p->heads / p->seq_q || p->batch > INT64_MAX / p->heads / p->seq_k)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "batch * heads * seq overflows int64, batch = %lld",
+                            (long long)p->batch);
+    const int64_t qsize[4] = {p->batch, p->seq_q, p->heads, p->head_dim};
+    const int64_t ksize[4] = {p->batch, p->seq_k, p->kv_heads, p->head_dim};
+    const int64_t lsize[3] = {p->batch, p->heads, p->seq_q};
+    HEXISEQ_CHECK(check_extent("q", p->q_stride, qsize, 4));
+    HEXISEQ_CHECK(check_extent("k", p->k_stride, ksize, 4));
+    HEXISEQ_CHECK(check_extent("v", p->v_stride, ksize, 4));
+    HEXISEQ_CHECK(check_extent("o", p->o_stride, qsize, 4));
+    HEXISEQ_CHECK(check_extent("lse", p->lse_stride, lsize, 3));
+    if (backward) {
+        HEXISEQ_CHECK(check_extent("do", p->do_stride, qsize, 4));
+        HEXISEQ_CHECK(check_extent("dq", p->dq_stride, qsize, 4));
+        HEXISEQ_CHECK(check_extent("dk", p->dk_stride, ksize, 4));
+        HEXISEQ_CHECK(check_extent("dv", p->dv_stride, ksize, 4));
+    }
+    // What this CUDA build serves.
+    if (p->dtype != HEXISEQ_DTYPE_F16 && p->dtype != HEXISEQ_DTYPE_BF16)
+        return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED,
+                            "dtype %s: the CUDA attention kernels take float16 and bfloat16 only (fp32 accumulation); "
+                            "run float32/float64 on the CPU kernels",
+                            p->dtype == HEXISEQ_DTYPE_F64 ? "float64" : "float32");
+    return HEXISEQ_OK;
+}
+
+// 16-byte loads of rows of this tensor are legal (see the file comment).
+bool vec_ok(const void *base, const int64_t *stride, int32_t d) {
+    return stride[3] == 1 && d % 8 == 0 && (uintptr_t)base % 16 == 0 && stride[0] % 8 == 0 && stride[1] % 8 == 0 &&
+           stride[2] % 8 == 0;
+}
+
+hexiseq_status cuda_fail(cudaError_t e, const char *what) {
+    return hexiseq_fail(HEXISEQ_ERR_CUDA, "%s failed: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+// After a launch: a bad configuration or a missing kernel image shows up here.
+hexiseq_status check_launch(const char *kernel) {
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess)
+        return cuda_fail(e, kernel);
+    return HEXISEQ_OK;
+}
+
+// Smallest compiled head dim >= d.
+int padded_head_dim(int32_t d) { return d <= 64 ? 64 : d <= 128 ? 128 : 256; }
+
+template <typename T, int D> hexiseq_status launch_fwd(const FwdArgs &a, int64_t blocks, cudaStream_t stream) {
+    constexpr int BQ = FwdTiles<D>::BQ, BK = FwdTiles<D>::BK;
+    constexpr int bytes = FwdSmem<D, BQ, BK>::bytes;
+    auto kernel = attn_fwd_kernel<T, D, BQ, BK>;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess)
+        return cuda_fail(e, "cudaFuncSetAttribute(attn_fwd_kernel, MaxDynamicSharedMemorySize)");
+    kernel<<<(unsigned)blocks, kThreads, bytes, stream>>>(a);
+    return check_launch("attn_fwd_kernel launch");
+}
+
+template <typename T, int D> hexiseq_status launch_bwd_main(const BwdArgs &a, int64_t blocks, cudaStream_t stream) {
+    constexpr int BQ = BwdTiles<D>::BQ, BK = BwdTiles<D>::BK;
+    constexpr int bytes = BwdSmem<D, BQ, BK>::bytes;
+    auto kernel = attn_bwd_kernel<T, D, BQ, BK>;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess)
+        return cuda_fail(e, "cudaFuncSetAttribute(attn_bwd_kernel, MaxDynamicSharedMemorySize)");
+    kernel<<<(unsigned)blocks, kThreads, bytes, stream>>>(a);
+    return check_launch("attn_bwd_kernel launch");
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+template <typename T> hexiseq_status forward_typed(const hexiseq_attn_params *p, cudaStream_t stream) {
+    FwdArgs a;
+    memset(&a, 0, sizeof a);
+    a.q = p->q;
+    a.k = p->k;
+    a.v = p->v;
+    a.o = p->o;
+    a.lse = static_cast<float *>(p->lse);
+    memcpy(a.qs, p->q_stride, sizeof a.qs);
+    memcpy(a.ks, p->k_stride, sizeof a.ks);
+    memcpy(a.vs, p->v_stride, sizeof a.vs);
+    memcpy(a.os, p->o_stride, sizeof a.os);
+    memcpy(a.ls, p->lse_stride, sizeof a.ls);
+    a.seq_q = p->seq_q;
+    a.seq_k = p->seq_k;
+    a.q_pos0 = p->q_pos0;
+    a.k_pos0 = p->k_pos0;
+    a.n_qtiles = ceil_div(p->seq_q, 64); // FwdTiles<D>::BQ is 64 for every D
+    a.heads = p->heads;
+    a.group = p->heads / p->kv_heads;
+    a.d = p->head_dim;
+    a.causal = p->causal;
+    a.vec_q = vec_ok(p->q, p->q_stride, p->head_dim);
+    a.vec_k = vec_ok(p->k, p->k_stride, p->head_dim);
+    a.vec_v = vec_ok(p->v, p->v_stride, p->head_dim);
+    a.scale_log2 = (float)(p->scale * 1.4426950408889634);
+    const int64_t blocks = a.n_qtiles * p->heads * p->batch;
+    if (blocks > INT32_MAX)
+        return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED,
+                            "batch * heads * ceil(seq_q / 64) = %lld CTAs exceeds the CUDA grid limit 2^31 - 1",
+                            (long long)blocks);
+    switch (padded_head_dim(p->head_dim)) {
+    case 64: return launch_fwd<T, 64>(a, blocks, stream);
+    case 128: return launch_fwd<T, 128>(a, blocks, stream);
+    default: return launch_fwd<T, 256>(a, blocks, stream);
+    }
+}
+
+template <typename T>
+hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream) {
+    BwdArgs a;
+    memset(&a, 0, sizeof a);
+    a.q = p->q;
+    a.k = p->k;
+    a.v = p->v;
+    a.o = p->o;
+    a.lse = static_cast<const float *>(p->lse);
+    a.do_ = p->do_;
+    a.dq = p->dq;
+    a.dk = p->dk;
+    a.dv = p->dv;
+    memcpy(a.qs, p->q_stride, sizeof a.qs);
+    memcpy(a.ks, p->k_stride, sizeof a.ks);
+    memcpy(a.vs, p->v_stride, sizeof a.vs);
+    memcpy(a.os, p->o_stride, sizeof a.os);
+    memcpy(a.dos, p->do_stride, sizeof a.dos);
+    memcpy(a.dqs, p->dq_stride, sizeof a.dqs);
+    memcpy(a.dks, p->dk_stride, sizeof a.dks);
+    memcpy(a.dvs, p->dv_stride, sizeof a.dvs);
+    memcpy(a.ls, p->lse_stride, sizeof a.ls);
+    a.batch = p->batch;
+    a.seq_q = p->seq_q;
+    a.seq_k = p->seq_k;
+    a.q_pos0 = p->q_pos0;
+    a.k_pos0 = p->k_pos0;
+    a.heads = p->heads;
+    a.kv_heads = p->kv_heads;
+    a.group = p->heads / p->kv_heads;
+    a.d = p->head_dim;
+    a.causal = p->causal;
+    a.accumulate = p->accumulate;
+    a.vec_q = vec_ok(p->q, p->q_stride, p->head_dim);
+    a.vec_k = vec_ok(p->k, p->k_stride, p->head_dim);
+    a.vec_v = vec_ok(p->v, p->v_stride, p->head_dim);
+    a.vec_do = vec_ok(p->do_, p->do_stride, p->head_dim);
+    a.scale = (float)p->scale;
+    a.scale_log2 = (float)(p->scale * 1.4426950408889634);
+
+    const int D = padded_head_dim(p->head_dim);
+    const int BK = D <= 128 ? 64 : 32; // BwdTiles<D>::BK
+    a.n_ktiles = ceil_div(p->seq_k, BK);
+    const int64_t rows = p->batch * p->heads * p->seq_q;
+    const int64_t main_blocks = a.n_ktiles * p->kv_heads * p->batch;
+    const int64_t delta_blocks = ceil_div(rows, kThreads / 32);
+    if (main_blocks > INT32_MAX || delta_blocks > INT32_MAX || rows > INT64_MAX / 8 / p->head_dim)
+        return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED,
+                            "batch %lld x heads %d x seq_q %lld x seq_k %lld exceeds the CUDA grid limit 2^31 - 1",
+                            (long long)p->batch, (int)p->heads, (long long)p->seq_q, (long long)p->seq_k);
+
+    // Scratch: D [rows] and the fp32 dQ accumulator [rows][d], stream-ordered.
+    const size_t delta_bytes = (size_t)rows * sizeof(float);
+    const size_t acc_bytes = (size_t)rows * (size_t)p->head_dim * sizeof(float);
+    void *scratch = nullptr;
+    cudaError_t e = cudaMallocAsync(&scratch, delta_bytes + 256 + acc_bytes, stream);
+    if (e != cudaSuccess)
+        return cuda_fail(e, "cudaMallocAsync of the backward scratch (D and the fp32 dQ accumulator)");
+    a.delta = static_cast<float *>(scratch);
+    a.dq_acc = reinterpret_cast<float *>(static_cast<char *>(scratch) + (delta_bytes + 255) / 256 * 256);
+
+    hexiseq_status s = HEXISEQ_OK;
+    e = cudaMemsetAsync(a.dq_acc, 0, acc_bytes, stream);
+    if (e != cudaSuccess)
+        s = cuda_fail(e, "cudaMemsetAsync of the dQ accumulator");
+    if (s == HEXISEQ_OK) {
+        attn_bwd_delta_kernel<T><<<(unsigned)delta_blocks, kThreads, 0, stream>>>(a);
+        s = check_launch("attn_bwd_delta_kernel launch");
+    }
+    if (s == HEXISEQ_OK) {
+        switch (D) {
+        case 64: s = launch_bwd_main<T, 64>(a, main_blocks, stream); break;
+        case 128: s = launch_bwd_main<T, 128>(a, main_blocks, stream); break;
+        default: s = launch_bwd_main<T, 256>(a, main_blocks, stream); break;
+        }
+    }
+    if (s == HEXISEQ_OK) {
+        const int64_t n = rows * p->head_dim;
+        const int64_t blocks = ceil_div(n, kThreads) < (1 << 20) ? ceil_div(n, kThreads) : (1 << 20); // grid-stride
+        attn_bwd_dq_kernel<T><<<(unsigned)blocks, kThreads, 0, stream>>>(a);
+        s = check_launch("attn_bwd_dq_kernel launch");
+    }
+    e = cudaFreeAsync(scratch, stream);
+    if (e != cudaSuccess && s == HEXISEQ_OK)
+        s = cuda_fail(e, "cudaFreeAsync of the backward scratch");
+    return s;
+}
+
+hexiseq_status check_merge(const hexiseq_attn_merge_params *m) {
+    if (m == nullptr)
+        return hexiseq_fail(HEXISEQ_ERR_NULL, "merge params must not be NULL");
+    HEXISEQ_CHECK(check_pointer("o_acc", m->o_acc));
+    HEXISEQ_CHECK(check_pointer("lse_acc", m->lse_acc));
+    HEXISEQ_CHECK(check_pointer("o_part", m->o_part));
+    HEXISEQ_CHECK(check_pointer("lse_part", m->lse_part));
+    HEXISEQ_CHECK(check_dtype("acc_dtype", m->acc_dtype));
+    HEXISEQ_CHECK(check_dtype("part_dtype", m->part_dtype));
+    HEXISEQ_CHECK(check_positive("batch", m->batch));
+    HEXISEQ_CHECK(check_positive("seq", m->seq));
+    HEXISEQ_CHECK(check_positive("heads", m->heads));
+    HEXISEQ_CHECK(check_head_dim("head_dim", m->head_dim));
+    if (m->batch > INT64_MAX / m->heads / m->seq)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "batch * heads * seq overflows int64, batch = %lld",
+                            (long long)m->batch);
+    const int64_t osize[4] = {m->batch, m->seq, m->heads, m->head_dim};
+    const int64_t lsize[3] = {m->batch, m->heads, m->seq};
+    HEXISEQ_CHECK(check_extent("o_acc", m->o_acc_stride, osize, 4));
+    HEXISEQ_CHECK(check_extent("o_part", m->o_part_stride, osize, 4));
+    HEXISEQ_CHECK(check_extent("lse_acc", m->lse_acc_stride, lsize, 3));
+    HEXISEQ_CHECK(check_extent("lse_part", m->lse_part_stride, lsize, 3));
+    return HEXISEQ_OK;
+}
+
+} // namespace
+
+extern "C" hexiseq_status hexiseq_attn_forward_cuda(const hexiseq_attn_params *p, void *stream) {
+    hexiseq_clear_error();
+    HEXISEQ_CHECK(check_params(p, 0));
+    cudaStream_t st = static_cast<cudaStream_t>(stream);
+    if (p->dtype == HEXISEQ_DTYPE_F16)
+        return forward_typed<__half>(p, st);
+    return forward_typed<__nv_bfloat16>(p, st);
+}
+
+extern "C" hexiseq_status hexiseq_attn_backward_cuda(const hexiseq_attn_params *p, void *stream) {
+    hexiseq_clear_error();
+    HEXISEQ_CHECK(check_params(p, 1));
+    cudaStream_t st = static_cast<cudaStream_t>(stream);
+    if (p->dtype == HEXISEQ_DTYPE_F16)
+        return backward_typed<__half>(p, st);
+    return backward_typed<__nv_bfloat16>(p, st);
+}
+
+extern "C" hexiseq_status hexiseq_attn_merge_cuda(const hexiseq_attn_merge_params *m, void *stream) {
+    hexiseq_clear_error();
+    HEXISEQ_CHECK(check_merge(m));
+    const int64_t rows = m->batch * m->heads * m->seq;
+    const int64_t blocks = ceil_div(rows, 256 / 32);
+    if (blocks > INT32_MAX)
+        return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED, "batch * heads * seq = %lld rows exceeds the CUDA grid limit",
+                            (long long)rows);
+    attn_merge_kernel<<<(unsigned)blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(*m);
+    return check_launch("attn_merge_kernel launch");
+}
