@@ -20,7 +20,12 @@
  *
  * Speed: float (F32, F16, BF16) runs its gemm / softmax / backward-row kernels through a table chosen
  * at run time (AVX-512F, AVX2+FMA, or portable C; see the x86-64 SIMD section), so the production
- * build needs no -march flag. double always uses the portable kernels.
+ * build needs no -march flag. double always uses the portable kernels. The forward pads the leading
+ * dimension of Q^T and of the score tile to QLD = BQ + 16 (a 512-byte stride put the column slices the
+ * S GEMM streams onto a few L1 sets), starts each thread's scratch on a 64-byte boundary, runs its
+ * AVX-512 column softmax without masks on tiles every query sees whole (unrolled max, exp without the
+ * upper clamp), and hands out the longest causal query groups first. The AVX-512 GEMM uses 6 x 64
+ * register blocks (24 accumulators) where N allows, 8 x 32 / 8 x 16 for the rest.
  *
  * Determinism: every output element is produced by one task in a fixed order (dQ: per-chunk buffers,
  * nchunk chosen from the shape only, summed in chunk order), so results do not depend on the number of
@@ -296,10 +301,16 @@ enum { BWD_MAX_CHUNKS = 4, BWD_MIN_TASKS = 16 };
 /* Query tiles a forward task handles at most (it packs each K/V tile once for all of them). */
 enum { FWD_GROUP = 8 };
 
+/* Leading dimension of the forward's Q^T and score tiles: BQ plus 16 elements. A power-of-two row
+ * stride (512 bytes) maps the column slices the S GEMM streams onto a few L1 sets, which then evict each
+ * other (about 5% at d = 128). Padding the K / V / accumulator rows (dp) measured no gain. */
+enum { QLD = BQ + 16 };
+
 /* Forward per-thread scratch, in elements: K, V and score tiles plus, per query tile, Q^T, the output
  * accumulator and max / sum / alpha (see fwd_tiles). */
 static size_t fwd_scratch_elems(int32_t dp, int64_t group) {
-    return (size_t)2 * BK * (size_t)dp + (size_t)BK * BQ + (size_t)group * ((size_t)2 * BQ * (size_t)dp + 3 * BQ);
+    const size_t ld = (size_t)dp;
+    return (size_t)2 * BK * ld + (size_t)BK * QLD + (size_t)group * ((size_t)QLD * (size_t)dp + (size_t)BQ * ld + 3 * BQ);
 }
 
 /* Backward per-thread scratch, in elements of the accumulator type: the buffers bwd_kv_task carves. */
@@ -363,6 +374,25 @@ HX_INLINE HX_AVX512 __m512 hx_exp512(__m512 x) {
     return _mm512_scalef_ps(y, n);
 }
 
+/* exp(x) for x <= 0 or NaN (the shifted scores of the forward softmax): hx_exp512 without the upper
+ * clamp and with a Horner tail (1 + r (1 + r P(r))); -inf and x < -100 give ~0, NaN stays NaN. */
+HX_INLINE HX_AVX512 __m512 hx_exp512_neg(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-100.0f), x);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(HX_EXP_P0);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(HX_EXP_P1));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(HX_EXP_P2));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(HX_EXP_P3));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(HX_EXP_P4));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(HX_EXP_P5));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
 /* Lanes of the 16-wide chunk q of a BK row that lie below jmax. */
 HX_INLINE HX_AVX512 __mmask16 hx_mask16(int64_t jmax, int q) {
     const int64_t rem = jmax - 16 * q;
@@ -370,79 +400,105 @@ HX_INLINE HX_AVX512 __mmask16 hx_mask16(int64_t jmax, int q) {
 }
 
 /* MR rows x (16 * NV) columns of C in zmm registers over the k loop: per k, NV loads of B and MR
- * broadcasts of A feed MR * NV FMAs. MR and NV are constants after inlining. */
+ * broadcasts of A feed MR * NV FMAs. MR <= 8, NV <= 4, MR * NV <= 24; constants after inlining. */
 HX_INLINE HX_AVX512 void hx_mk512(const int MR, const int NV, float *restrict C, int64_t ldc,
                                   const float *restrict A, int64_t a_rs, int64_t a_ks, const float *restrict B,
                                   int64_t ldb, int64_t K, int accumulate, const float *restrict rs) {
-    __m512 c0[8], c1[8];
+    __m512 c[8][4];
 #pragma GCC unroll 8
     for (int r = 0; r < 8; ++r) {
-        c0[r] = _mm512_setzero_ps();
-        c1[r] = _mm512_setzero_ps();
-        if (r < MR && accumulate) {
-            c0[r] = _mm512_loadu_ps(C + r * ldc);
-            if (NV > 1)
-                c1[r] = _mm512_loadu_ps(C + r * ldc + 16);
-            if (rs != NULL) {
-                const __m512 f = _mm512_set1_ps(rs[r]);
-                c0[r] = _mm512_mul_ps(c0[r], f);
-                c1[r] = _mm512_mul_ps(c1[r], f);
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) {
+            c[r][v] = _mm512_setzero_ps();
+            if (r < MR && v < NV && accumulate) {
+                c[r][v] = _mm512_loadu_ps(C + r * ldc + 16 * v);
+                if (rs != NULL)
+                    c[r][v] = _mm512_mul_ps(c[r][v], _mm512_set1_ps(rs[r]));
             }
         }
     }
     for (int64_t k = 0; k < K; ++k) {
         const float *restrict bk = B + k * ldb;
         const float *restrict ak = A + k * a_ks;
-        const __m512 b0 = _mm512_loadu_ps(bk);
-        const __m512 b1 = NV > 1 ? _mm512_loadu_ps(bk + 16) : _mm512_setzero_ps();
+        __m512 b[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v)
+            b[v] = v < NV ? _mm512_loadu_ps(bk + 16 * v) : _mm512_setzero_ps();
 #pragma GCC unroll 8
         for (int r = 0; r < 8; ++r) {
             if (r < MR) {
                 const __m512 a = _mm512_set1_ps(ak[r * a_rs]);
-                c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);
-                if (NV > 1)
-                    c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);
+#pragma GCC unroll 4
+                for (int v = 0; v < 4; ++v)
+                    if (v < NV)
+                        c[r][v] = _mm512_fmadd_ps(a, b[v], c[r][v]);
             }
         }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < 8; ++r) {
-        if (r < MR) {
-            _mm512_storeu_ps(C + r * ldc, c0[r]);
-            if (NV > 1)
-                _mm512_storeu_ps(C + r * ldc + 16, c1[r]);
-        }
-    }
+    for (int r = 0; r < 8; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v)
+            if (r < MR && v < NV)
+                _mm512_storeu_ps(C + r * ldc + 16 * v, c[r][v]);
 }
 
-#define HX_MK512_CASE(mr)                                                                                   \
-    case mr:                                                                                                \
-        if (nv == 2)                                                                                        \
-            hx_mk512(mr, 2, c, ldc, a, a_rs, a_ks, B + n0, ldb, K, accumulate, r_s);                        \
-        else                                                                                                \
-            hx_mk512(mr, 1, c, ldc, a, a_rs, a_ks, B + n0, ldb, K, accumulate, r_s);                        \
-        break;
+#define HX_MK512_CASE(mr, nv)                                                                               \
+    case mr: hx_mk512(mr, nv, c, ldc, a, a_rs, a_ks, B + n0, ldb, K, accumulate, r_s); break;
 
-/* Same contract as the portable gemm; N must be a multiple of 16 (it is BK or dp). */
+/* Same contract as the portable gemm; N must be a multiple of 16 (it is BK or dp). Column blocks of 64
+ * (6 rows x 4 zmm: 10 loads per 24 FMAs) while they last, then of 32 or 16 (8 rows x 2 or 1 zmm). Every
+ * element of C is still one FMA chain over k in order, so the blocking does not change results. */
 static HX_AVX512 void gemm_f32_avx512(float *C, int64_t ldc, const float *A, int64_t a_rs, int64_t a_ks,
                                       const float *B, int64_t ldb, int64_t M, int64_t N, int64_t K, int accumulate,
                                       const float *rowscale) {
-    for (int64_t n0 = 0; n0 < N; n0 += 32) {
+    int64_t n0 = 0;
+    for (; n0 + 64 <= N; n0 += 64) {
+        for (int64_t m0 = 0; m0 < M; m0 += 6) {
+            float *c = C + m0 * ldc + n0;
+            const float *a = A + m0 * a_rs;
+            const float *r_s = rowscale != NULL ? rowscale + m0 : NULL;
+            switch (M - m0 >= 6 ? 6 : (int)(M - m0)) {
+                HX_MK512_CASE(6, 4)
+                HX_MK512_CASE(5, 4)
+                HX_MK512_CASE(4, 4)
+                HX_MK512_CASE(3, 4)
+                HX_MK512_CASE(2, 4)
+                HX_MK512_CASE(1, 4)
+            default: break;
+            }
+        }
+    }
+    for (; n0 < N; n0 += 32) {
         const int nv = N - n0 >= 32 ? 2 : 1;
         for (int64_t m0 = 0; m0 < M; m0 += 8) {
             float *c = C + m0 * ldc + n0;
             const float *a = A + m0 * a_rs;
             const float *r_s = rowscale != NULL ? rowscale + m0 : NULL;
-            switch (M - m0 >= 8 ? 8 : (int)(M - m0)) {
-                HX_MK512_CASE(8)
-                HX_MK512_CASE(7)
-                HX_MK512_CASE(6)
-                HX_MK512_CASE(5)
-                HX_MK512_CASE(4)
-                HX_MK512_CASE(3)
-                HX_MK512_CASE(2)
-                HX_MK512_CASE(1)
-            default: break;
+            if (nv == 2) {
+                switch (M - m0 >= 8 ? 8 : (int)(M - m0)) {
+                    HX_MK512_CASE(8, 2)
+                    HX_MK512_CASE(7, 2)
+                    HX_MK512_CASE(6, 2)
+                    HX_MK512_CASE(5, 2)
+                    HX_MK512_CASE(4, 2)
+                    HX_MK512_CASE(3, 2)
+                    HX_MK512_CASE(2, 2)
+                    HX_MK512_CASE(1, 2)
+                default: break;
+                }
+            } else {
+                switch (M - m0 >= 8 ? 8 : (int)(M - m0)) {
+                    HX_MK512_CASE(8, 1)
+                    HX_MK512_CASE(7, 1)
+                    HX_MK512_CASE(6, 1)
+                    HX_MK512_CASE(5, 1)
+                    HX_MK512_CASE(4, 1)
+                    HX_MK512_CASE(3, 1)
+                    HX_MK512_CASE(2, 1)
+                    HX_MK512_CASE(1, 1)
+                default: break;
+                }
             }
         }
     }
@@ -455,24 +511,50 @@ static HX_AVX512 void softmax_cols_f32_avx512(float *st, int64_t ld, int64_t nk,
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     for (int64_t i = 0; i < ncols; i += 16) {
         const __m512i lim = _mm512_loadu_si512((const void *)(jlim + i));
-        __m512 vmax = ninf;
-        for (int64_t j = 0; j < nk; ++j) {
-            const __mmask16 m = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32((int32_t)j));
-            vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_loadu_ps(st + j * ld + i));
+        /* every lane sees all nk keys (all but the diagonal tiles of a causal mask): no masks */
+        const int full = _mm512_cmplt_epi32_mask(lim, _mm512_set1_epi32((int32_t)nk)) == 0;
+        /* four independent max chains (max is exact, so the order does not matter) */
+        __m512 v0 = ninf, v1 = ninf, v2 = ninf, v3 = ninf;
+        int64_t j = 0;
+        if (full) {
+            for (; j + 4 <= nk; j += 4) {
+                v0 = _mm512_max_ps(v0, _mm512_loadu_ps(st + j * ld + i));
+                v1 = _mm512_max_ps(v1, _mm512_loadu_ps(st + (j + 1) * ld + i));
+                v2 = _mm512_max_ps(v2, _mm512_loadu_ps(st + (j + 2) * ld + i));
+                v3 = _mm512_max_ps(v3, _mm512_loadu_ps(st + (j + 3) * ld + i));
+            }
         }
+        for (; j < nk; ++j) {
+            const __mmask16 m = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32((int32_t)j));
+            v0 = _mm512_mask_max_ps(v0, m, v0, _mm512_loadu_ps(st + j * ld + i));
+        }
+        const __m512 vmax = _mm512_max_ps(_mm512_max_ps(v0, v1), _mm512_max_ps(v2, v3));
         const __m512 mold = _mm512_loadu_ps(mx + i);
         const __m512 mnew = _mm512_max_ps(mold, vmax);
         const __m512 shift = _mm512_mask_mov_ps(mnew, _mm512_cmp_ps_mask(mnew, ninf, _CMP_EQ_OQ), _mm512_setzero_ps());
         const __m512 a = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mold, ninf, _CMP_NEQ_UQ),
-                                             hx_exp512(_mm512_sub_ps(mold, mnew)));
-        __m512 vsum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < nk; ++j) {
+                                             hx_exp512_neg(_mm512_sub_ps(mold, mnew)));
+        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+        j = 0;
+        if (full) {
+            for (; j + 2 <= nk; j += 2) {
+                float *row0 = st + j * ld + i, *row1 = row0 + ld;
+                const __m512 e0 = hx_exp512_neg(_mm512_sub_ps(_mm512_loadu_ps(row0), shift));
+                const __m512 e1 = hx_exp512_neg(_mm512_sub_ps(_mm512_loadu_ps(row1), shift));
+                _mm512_storeu_ps(row0, e0);
+                _mm512_storeu_ps(row1, e1);
+                s0 = _mm512_add_ps(s0, e0);
+                s1 = _mm512_add_ps(s1, e1);
+            }
+        }
+        for (; j < nk; ++j) {
             const __mmask16 m = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32((int32_t)j));
             float *row = st + j * ld + i;
-            const __m512 e = _mm512_maskz_mov_ps(m, hx_exp512(_mm512_sub_ps(_mm512_loadu_ps(row), shift)));
+            const __m512 e = _mm512_maskz_mov_ps(m, hx_exp512_neg(_mm512_sub_ps(_mm512_loadu_ps(row), shift)));
             _mm512_storeu_ps(row, e);
-            vsum = _mm512_add_ps(vsum, e);
+            s0 = _mm512_add_ps(s0, e);
         }
+        const __m512 vsum = _mm512_add_ps(s0, s1);
         _mm512_storeu_ps(sum + i, _mm512_fmadd_ps(_mm512_loadu_ps(sum + i), a, vsum));
         _mm512_storeu_ps(mx + i, mnew);
         _mm512_storeu_ps(alpha + i, a);
@@ -687,18 +769,22 @@ hexiseq_status hexiseq_attn_forward_cpu(const hexiseq_attn_params *p) {
     const int64_t ngroups = (nqt + group - 1) / group;
     const int64_t ntasks = p->batch * p->heads * ngroups;
     const int f64 = p->dtype == HEXISEQ_DTYPE_F64;
-    const size_t per_thread = fwd_scratch_elems(dp, group) * (f64 ? sizeof(double) : sizeof(float));
-    char *scratch = malloc(per_thread * (size_t)nthreads);
-    if (scratch == NULL)
+    /* per-thread blocks start on 64-byte boundaries: a zmm row that straddles two cache lines costs two */
+    const size_t per_thread = (fwd_scratch_elems(dp, group) * (f64 ? sizeof(double) : sizeof(float)) + 63) / 64 * 64;
+    char *scratch_raw = malloc(per_thread * (size_t)nthreads + 64);
+    if (scratch_raw == NULL)
         return hexiseq_fail(HEXISEQ_ERR_NOMEM, "forward scratch of %zu bytes could not be allocated",
                             per_thread * (size_t)nthreads);
+    char *scratch = scratch_raw + (64 - (uintptr_t)scratch_raw % 64) % 64;
 
     HX_OMP("omp parallel for num_threads(nthreads) schedule(dynamic, 1)")
     for (int64_t t = 0; t < ntasks; ++t) {
-        const int64_t b = t / (p->heads * ngroups);
-        const int32_t h = (int32_t)(t / ngroups % p->heads);
-        /* Last query tiles first: under a causal mask they are the longest. */
-        const int64_t g = ngroups - 1 - t % ngroups;
+        /* The last query groups of every head first: under a causal mask they are the longest, and
+         * handing them out before the short ones balances the threads (dynamic schedule). */
+        const int64_t bh = t % (p->batch * p->heads);
+        const int64_t b = bh / p->heads;
+        const int32_t h = (int32_t)(bh % p->heads);
+        const int64_t g = ngroups - 1 - t / (p->batch * p->heads);
         const int64_t qt0 = g * group;
         const int64_t ntile = min64(group, nqt - qt0);
         char *mine = scratch + per_thread * (size_t)thread_id();
@@ -707,7 +793,7 @@ hexiseq_status hexiseq_attn_forward_cpu(const hexiseq_attn_params *p) {
         else
             fwd_tiles_f32(p, b, h, qt0, ntile, (float *)(void *)mine, dp);
     }
-    free(scratch);
+    free(scratch_raw);
     return HEXISEQ_OK;
 }
 
@@ -881,7 +967,20 @@ static void HX(load_rows)(T *restrict dst /* [rows_out][dp] */, const void *src,
  * Rows c >= d are not read by any kernel and are left as they are. */
 static void HX(load_cols)(T *restrict dst /* [dp][ld] */, int64_t ld, const void *src, int32_t dtype, int64_t off,
                           int64_t rs, int64_t cs, int64_t n, int32_t d, T mul) {
-    for (int64_t r = 0; r < n; ++r) {
+    int64_t r = 0;
+    if (dtype == HEXISEQ_DTYPE_F32 && cs == 1) {
+        /* 16 source rows at a time, so they stay in L1 while each destination row gets 16 contiguous
+         * elements (a row at a time would touch d destination lines per source row) */
+        for (; r + 16 <= n; r += 16) {
+            const float *restrict s = (const float *)src + off + r * rs;
+            for (int32_t c = 0; c < d; ++c) {
+                T *restrict out = dst + c * ld + r;
+                for (int rr = 0; rr < 16; ++rr)
+                    out[rr] = mul * (T)s[rr * rs + c];
+            }
+        }
+    }
+    for (; r < n; ++r) {
         const int64_t at = off + r * rs;
         if (dtype == HEXISEQ_DTYPE_F32 && cs == 1) {
             const float *restrict s = (const float *)src + at;
@@ -1018,6 +1117,12 @@ static void HX(store_rows)(void *dst, int32_t dtype, int64_t off, int64_t rs, in
     for (int64_t r = 0; r < n; ++r) {
         const int64_t at = off + r * rs;
         const T *restrict row = src + r * dp;
+        if (dtype == HEXISEQ_DTYPE_F32 && cs == 1 && !accumulate) {
+            float *restrict out = (float *)dst + at;
+            for (int32_t c = 0; c < d; ++c)
+                out[c] = (float)(mul * row[c]);
+            continue;
+        }
         for (int32_t c = 0; c < d; ++c) {
             T x = mul * row[c];
             if (accumulate)
@@ -1038,11 +1143,12 @@ static void HX(fwd_tiles)(const hexiseq_attn_params *p, int64_t b, int32_t h, in
     const HX(ops) *ops = HX(get_ops)();
     const int32_t d = p->head_dim;
     const int32_t hk = h / (p->heads / p->kv_heads);
-    T *restrict ks = scratch;         /* [BK][dp] k */
-    T *restrict vs = ks + BK * dp;    /* [BK][dp] v */
-    T *restrict st = vs + BK * dp;    /* [BK][BQ] scores, then probabilities */
-    T *restrict tiles = st + BK * BQ; /* per query tile: per_tile elements, carved below */
-    const size_t per_tile = (size_t)2 * BQ * (size_t)dp + 3 * BQ;
+    const int32_t ld = dp;             /* row stride of ks, vs and acc */
+    T *restrict ks = scratch;          /* [BK][ld] k */
+    T *restrict vs = ks + BK * ld;     /* [BK][ld] v */
+    T *restrict st = vs + BK * ld;     /* [BK][QLD] scores, then probabilities */
+    T *restrict tiles = st + BK * QLD; /* per query tile: per_tile elements, carved below */
+    const size_t per_tile = (size_t)QLD * (size_t)dp + (size_t)BQ * (size_t)ld + 3 * BQ;
     int32_t jlim[BQ];
 
     const int64_t *qst = p->q_stride, *kst = p->k_stride, *vst = p->v_stride;
@@ -1050,13 +1156,13 @@ static void HX(fwd_tiles)(const hexiseq_attn_params *p, int64_t b, int32_t h, in
     for (int64_t t = 0; t < ntile; ++t) {
         const int64_t q0 = (qt0 + t) * BQ;
         const int64_t nq = min64(BQ, p->seq_q - q0);
-        T *restrict qt = tiles + per_tile * (size_t)t; /* [dp][BQ] scale * q, transposed, zero past nq */
-        T *restrict acc = qt + dp * BQ;                 /* [BQ][dp] unnormalised o */
-        T *restrict mx = acc + BQ * dp;                 /* [BQ] running max of scores */
+        T *restrict qt = tiles + per_tile * (size_t)t; /* [dp][QLD] scale * q, transposed, zero past nq */
+        T *restrict acc = qt + dp * QLD;                /* [BQ][ld] unnormalised o */
+        T *restrict mx = acc + BQ * ld;                 /* [BQ] running max of scores */
         T *restrict sum = mx + BQ;                      /* [BQ] running sum of exp(score - mx) */
-        HX(load_cols)(qt, BQ, p->q, p->dtype, b * qst[0] + q0 * qst[1] + h * qst[2], qst[1], qst[3], nq, d,
+        HX(load_cols)(qt, QLD, p->q, p->dtype, b * qst[0] + q0 * qst[1] + h * qst[2], qst[1], qst[3], nq, d,
                       (T)p->scale);
-        memset(acc, 0, sizeof(T) * (size_t)(nq * dp));
+        memset(acc, 0, sizeof(T) * (size_t)(nq * ld));
         for (int64_t i = 0; i < BQ; ++i) {
             mx[i] = -INFINITY;
             sum[i] = 0;
@@ -1067,9 +1173,9 @@ static void HX(fwd_tiles)(const hexiseq_attn_params *p, int64_t b, int32_t h, in
         const int64_t nk_all = min64(BK, kend_all - k0);
         /* packed rows (ld dp): strided in-place rows of a [S, heads, d] tensor thrash L1 sets */
         HX(load_rows)(ks, p->k, p->dtype, b * kst[0] + k0 * kst[1] + hk * kst[2], kst[1], kst[3], nk_all, nk_all, d,
-                      dp, 1);
+                      ld, 1);
         HX(load_rows)(vs, p->v, p->dtype, b * vst[0] + k0 * vst[1] + hk * vst[2], vst[1], vst[3], nk_all, nk_all, d,
-                      dp, 1);
+                      ld, 1);
         for (int64_t t = 0; t < ntile; ++t) {
             const int64_t q0 = (qt0 + t) * BQ;
             const int64_t nq = min64(BQ, p->seq_q - q0);
@@ -1079,8 +1185,8 @@ static void HX(fwd_tiles)(const hexiseq_attn_params *p, int64_t b, int32_t h, in
                 continue;
             const int64_t nq16 = (nq + 15) / 16 * 16; /* SIMD kernels take whole groups of 16 queries */
             T *restrict qt = tiles + per_tile * (size_t)t;
-            T *restrict acc = qt + dp * BQ;
-            T *restrict mx = acc + BQ * dp;
+            T *restrict acc = qt + dp * QLD;
+            T *restrict mx = acc + BQ * ld;
             T *restrict sum = mx + BQ;
             T *restrict alpha = sum + BQ; /* [BQ] rescale factor of the current tile */
             const int64_t nk = min64(BK, kend - k0);
@@ -1090,17 +1196,17 @@ static void HX(fwd_tiles)(const hexiseq_attn_params *p, int64_t b, int32_t h, in
             const int64_t kmax = min64(nk, visible_keys(p, qpos + nq - 1) - k0);
             for (int64_t i = c0; i < nq16; ++i)
                 jlim[i] = i < nq ? (int32_t)max64(0, min64(nk, visible_keys(p, qpos + i) - k0)) : 0;
-            ops->gemm(st + c0, BQ, ks, dp, 1, qt + c0, BQ, nk, nq16 - c0, d, 0, NULL);
-            ops->softmax_cols(st + c0, BQ, nk, nq16 - c0, jlim + c0, mx + c0, sum + c0, alpha + c0);
-            ops->gemm(acc + i0 * dp, dp, st + i0, 1, BQ, vs, dp, nq - i0, dp, kmax, 1, alpha + i0);
+            ops->gemm(st + c0, QLD, ks, ld, 1, qt + c0, QLD, nk, nq16 - c0, d, 0, NULL);
+            ops->softmax_cols(st + c0, QLD, nk, nq16 - c0, jlim + c0, mx + c0, sum + c0, alpha + c0);
+            ops->gemm(acc + i0 * ld, ld, st + i0, 1, QLD, vs, ld, nq - i0, dp, kmax, 1, alpha + i0);
         }
     }
     const int64_t *ost = p->o_stride, *lst = p->lse_stride;
     for (int64_t t = 0; t < ntile; ++t) {
         const int64_t q0 = (qt0 + t) * BQ;
         const int64_t nq = min64(BQ, p->seq_q - q0);
-        const T *restrict acc = tiles + per_tile * (size_t)t + dp * BQ;
-        const T *restrict mx = acc + BQ * dp;
+        const T *restrict acc = tiles + per_tile * (size_t)t + dp * QLD;
+        const T *restrict mx = acc + BQ * ld;
         const T *restrict sum = mx + BQ;
         for (int64_t i = 0; i < nq; ++i) {
             const int64_t lse_at = b * lst[0] + h * lst[1] + (q0 + i) * lst[2];
@@ -1108,7 +1214,7 @@ static void HX(fwd_tiles)(const hexiseq_attn_params *p, int64_t b, int32_t h, in
             const T inv = sum[i] > 0 ? 1 / sum[i] : 0;
             put_lse(p->lse, p->dtype, lse_at, sum[i] > 0 ? (double)(mx[i] + HX_LOG(sum[i])) : -INFINITY);
             HX(store_rows)(p->o, p->dtype, b * ost[0] + (q0 + i) * ost[1] + h * ost[2], 0, ost[3], 1, d,
-                           acc + i * dp, dp, inv, 0);
+                           acc + i * ld, ld, inv, 0);
         }
     }
 }
