@@ -41,7 +41,35 @@ def compiler_accepts(compiler, flag):
         return subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
 
 
+CUDA_LIB = "libhexiseq_cuda.so"
+
+
 class BuildExt(build_ext):
+    """Builds the extension and, with nvcc, the CUDA kernels library beside it (and reports that library as an
+    output, so wheels and editable installs carry it)."""
+
+    cuda_lib = None  # path of the CUDA kernels library in the build tree, when built
+
+    def get_outputs(self):
+        outputs = super().get_outputs()
+        if self.cuda_lib:
+            outputs.append(self.cuda_lib)
+        return outputs
+
+    def get_output_mapping(self):  # setuptools' editable installs copy these build -> source paths
+        mapping = dict(super().get_output_mapping())
+        if self.cuda_lib:
+            for src, dst in list(mapping.items()):
+                if os.path.basename(src) == os.path.basename(self.get_ext_fullpath("hexiseq._core")):
+                    mapping[os.path.join(os.path.dirname(src), CUDA_LIB)] = os.path.join(os.path.dirname(dst), CUDA_LIB)
+        return mapping
+
+    def copy_extensions_to_source(self):  # editable installs: put the CUDA library beside the extension
+        super().copy_extensions_to_source()
+        if self.cuda_lib:
+            package_dir = self.get_finalized_command("build_py").get_package_dir("hexiseq")
+            self.copy_file(self.cuda_lib, os.path.join(package_dir, CUDA_LIB), level=self.verbose)
+
     def build_extensions(self):
         ext = self.extensions[0]
         cc = self.compiler.compiler_so[:1]
@@ -60,6 +88,8 @@ class BuildExt(build_ext):
         super().build_extensions()
 
     def build_cuda(self, ext, nvcc, sources):
+        """Compile kernels/*.cu into libhexiseq_cuda.so beside the extension. The extension opens it only when a
+        CUDA tensor arrives (dlopen), so processes that never use CUDA never load the CUDA runtime."""
         archs = os.environ.get("HEXISEQ_CUDA_ARCHS", "80;90").split(";")
         gencode = []
         for a in archs:
@@ -69,19 +99,35 @@ class BuildExt(build_ext):
         cuda_home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
         objdir = os.path.join(self.build_temp, "kernels")
         os.makedirs(objdir, exist_ok=True)
+        objects = []
         for src in sources:
             obj = os.path.join(objdir, os.path.basename(src) + ".o")
             cmd = [nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden",
                    "-Icsrc", "-Ikernels", "--expt-relaxed-constexpr", "-lineinfo"] + gencode
             print(" ".join(cmd), file=sys.stderr)
             subprocess.check_call(cmd)
-            ext.extra_objects.append(obj)
-        ext.define_macros.append(("HEXISEQ_WITH_CUDA", "1"))
-        for libdir in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib")):
-            if os.path.isdir(os.path.join(cuda_home, libdir)):
-                ext.library_dirs.append(os.path.join(cuda_home, libdir))
-        # Static runtime: the extension needs no libcudart at import; without a driver it reports 0 devices.
-        ext.libraries += ["cudart_static", "dl", "rt", "pthread", "stdc++"]
+            objects.append(obj)
+        # the status helpers, compiled into the library too (its error text is read through its own copy)
+        objects += self.compiler.compile([os.path.join("csrc", "status.c")], output_dir=os.path.join(objdir, "c"),
+                                         extra_postargs=["-std=c11", "-O2", "-fPIC", "-fvisibility=hidden"])
+        library_dirs = [os.path.join(cuda_home, d) for d in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"))
+                        if os.path.isdir(os.path.join(cuda_home, d))]
+        target = os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), CUDA_LIB)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        # Static runtime: the library needs no libcudart at load; without a driver it reports 0 devices.
+        self.compiler.link_shared_object(objects, target, library_dirs=library_dirs,
+                                         libraries=["cudart_static", "dl", "rt", "pthread", "stdc++"],
+                                         extra_postargs=["-Wl,-Bsymbolic"])
+        self.cuda_lib = target
+        ext.define_macros += [("HEXISEQ_WITH_CUDA", "1"), ("HEXISEQ_CUDA_RUNTIME", str(cuda_runtime_version(nvcc)))]
+        ext.libraries.append("dl")
+
+
+def cuda_runtime_version(nvcc):
+    """13000 for 'release 13.0' in `nvcc --version`, 0 when it cannot be read."""
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return int(m.group(1)) * 1000 + int(m.group(2)) * 10 if m else 0
 
 
 core = Extension(

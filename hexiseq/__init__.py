@@ -15,6 +15,7 @@ __version__ = _core.VERSION
 __all__ = [
     "__version__",
     "build_info",
+    "cuda_device_count",
     "gpu_catalog",
     "Cluster",
     "Node",
@@ -42,6 +43,12 @@ __all__ = [
 
 
 def build_info() -> dict:
-    """What this installation was built with: version, cuda (bool), cuda_runtime, cuda_devices, compiler,
-    openmp (bool)."""
+    """What this installation was built with: version, cuda (bool: CUDA kernels compiled), cuda_runtime (the CUDA
+    version they were compiled against, e.g. 13000; 0 without), compiler, openmp (bool)."""
     return _core.build_info()
+
+
+def cuda_device_count() -> int:
+    """CUDA devices the kernels can use (0 without a driver or GPU, or on a build without CUDA). Loads the CUDA
+    kernels library, which is otherwise loaded only when a CUDA tensor reaches hexiseq.ops."""
+    return _core.cuda_device_count()

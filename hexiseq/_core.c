@@ -12,7 +12,7 @@
 #include "hexiseq.h"
 
 #ifdef HEXISEQ_WITH_CUDA
-#include "launch.h"
+#include <dlfcn.h> /* the CUDA kernels are a separate library, opened on first use (see cuda_load) */
 #endif
 
 #define MAX_NODES 65536
@@ -210,11 +210,10 @@ static PyObject *core_build_info(PyObject *module, PyObject *Py_UNUSED(ignored))
 #endif
 #ifdef HEXISEQ_WITH_CUDA
     PyObject *cuda = Py_True;
-    int runtime = 0, devices = 0;
-    hexiseq_cuda_runtime_info(&runtime, &devices);
+    int runtime = HEXISEQ_CUDA_RUNTIME;
 #else
     PyObject *cuda = Py_False;
-    int runtime = 0, devices = 0;
+    int runtime = 0;
 #endif
 #if defined(__clang__)
     const char *compiler = "clang " __clang_version__;
@@ -223,8 +222,8 @@ static PyObject *core_build_info(PyObject *module, PyObject *Py_UNUSED(ignored))
 #else
     const char *compiler = "unknown";
 #endif
-    return Py_BuildValue("{s:s,s:O,s:i,s:i,s:s,s:O}", "version", HEXISEQ_VERSION, "cuda", cuda, "cuda_runtime", runtime,
-                         "cuda_devices", devices, "compiler", compiler, "openmp", openmp);
+    return Py_BuildValue("{s:s,s:O,s:i,s:s,s:O}", "version", HEXISEQ_VERSION, "cuda", cuda, "cuda_runtime", runtime,
+                         "compiler", compiler, "openmp", openmp);
 }
 
 static PyObject *core_gpu_catalog(PyObject *module, PyObject *Py_UNUSED(ignored)) {
@@ -571,11 +570,93 @@ static int dl_import_all(PyObject *module, const dl_arg *args, int n, int cuda, 
     return 0;
 }
 
-/* The CUDA launchers, or UnsupportedError on a build without them. `stream` is a cudaStream_t as an integer. */
+/* The CUDA launchers live in a separate shared library, libhexiseq_cuda.so beside this module, opened the first
+ * time a CUDA tensor arrives. A process that never touches CUDA never loads the CUDA runtime: linked into this
+ * module, its static teardown at interpreter exit raced with the threads of torch.distributed and now and then
+ * aborted the process. The library carries its own copy of the status helpers, so its error text is read
+ * through its own hexiseq_last_error. `stream` is a cudaStream_t as an integer. */
 #ifdef HEXISEQ_WITH_CUDA
 #define DL_HAVE_CUDA 1
+typedef hexiseq_status (*cuda_attn_fn)(const hexiseq_attn_params *, void *);
+typedef hexiseq_status (*cuda_merge_fn)(const hexiseq_attn_merge_params *, void *);
+typedef hexiseq_status (*cuda_info_fn)(int *, int *);
+typedef const char *(*cuda_error_fn)(void);
+
+static struct {
+    void *handle;
+    cuda_attn_fn forward, backward;
+    cuda_merge_fn merge;
+    cuda_info_fn info;
+    cuda_error_fn last_error;
+} cuda_lib;
+
+/* Open the library once (called with the GIL held, so no race). 0 on success, else an exception is set. */
+static int cuda_load(PyObject *module) {
+    if (cuda_lib.handle)
+        return 0;
+    PyObject *file = PyModule_GetFilenameObject(module);
+    if (!file)
+        return -1;
+    const char *so = PyUnicode_AsUTF8(file);
+    if (!so) {
+        Py_DECREF(file);
+        return -1;
+    }
+    const char *slash = strrchr(so, '/');
+    size_t dir = slash ? (size_t)(slash - so + 1) : 0;
+    static const char name[] = "libhexiseq_cuda.so";
+    char *path = PyMem_Malloc(dir + sizeof name);
+    if (!path) {
+        Py_DECREF(file);
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(path, so, dir);
+    memcpy(path + dir, name, sizeof name);
+    Py_DECREF(file);
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        PyErr_Format(get_state(module)->errors[HEXISEQ_ERR_UNSUPPORTED], "cannot load the CUDA kernels (%s): %s", path,
+                     dlerror());
+        PyMem_Free(path);
+        return -1;
+    }
+    PyMem_Free(path);
+    cuda_lib.forward = (cuda_attn_fn)dlsym(h, "hexiseq_attn_forward_cuda");
+    cuda_lib.backward = (cuda_attn_fn)dlsym(h, "hexiseq_attn_backward_cuda");
+    cuda_lib.merge = (cuda_merge_fn)dlsym(h, "hexiseq_attn_merge_cuda");
+    cuda_lib.info = (cuda_info_fn)dlsym(h, "hexiseq_cuda_runtime_info");
+    cuda_lib.last_error = (cuda_error_fn)dlsym(h, "hexiseq_last_error");
+    if (!cuda_lib.forward || !cuda_lib.backward || !cuda_lib.merge || !cuda_lib.info || !cuda_lib.last_error) {
+        PyErr_Format(get_state(module)->errors[HEXISEQ_ERR_INTERNAL], "the CUDA kernels library lacks a launcher: %s",
+                     dlerror());
+        dlclose(h);
+        memset(&cuda_lib, 0, sizeof cuda_lib);
+        return -1;
+    }
+    cuda_lib.handle = h;
+    return 0;
+}
+
+/* Copy the library's error text into ours so raise_status reports it. */
+static hexiseq_status cuda_status(hexiseq_status s) {
+    return s == HEXISEQ_OK ? s : hexiseq_fail(s, "%s", cuda_lib.last_error());
+}
+static hexiseq_status hexiseq_attn_forward_cuda(const hexiseq_attn_params *p, void *stream) {
+    return cuda_status(cuda_lib.forward(p, stream));
+}
+static hexiseq_status hexiseq_attn_backward_cuda(const hexiseq_attn_params *p, void *stream) {
+    return cuda_status(cuda_lib.backward(p, stream));
+}
+static hexiseq_status hexiseq_attn_merge_cuda(const hexiseq_attn_merge_params *m, void *stream) {
+    return cuda_status(cuda_lib.merge(m, stream));
+}
 #else
 #define DL_HAVE_CUDA 0
+static int cuda_load(PyObject *module) {
+    (void)module;
+    return 0;
+}
 static hexiseq_status hexiseq_attn_forward_cuda(const hexiseq_attn_params *p, void *stream) {
     (void)p;
     (void)stream;
@@ -591,9 +672,25 @@ static hexiseq_status hexiseq_attn_merge_cuda(const hexiseq_attn_merge_params *m
 }
 #endif
 
+/* cuda_device_count() -> devices the CUDA runtime sees (0 without a driver or GPU); loads the CUDA kernels. */
+static PyObject *core_cuda_device_count(PyObject *module, PyObject *Py_UNUSED(ignored)) {
+#ifdef HEXISEQ_WITH_CUDA
+    if (cuda_load(module) < 0)
+        return NULL;
+    int runtime = 0, devices = 0;
+    hexiseq_status s = cuda_lib.info(&runtime, &devices);
+    if (s != HEXISEQ_OK)
+        return raise_status(module, cuda_status(s));
+    return PyLong_FromLong(devices);
+#else
+    (void)module;
+    return PyLong_FromLong(0);
+#endif
+}
+
 static int dl_require_cuda_build(PyObject *module) {
     if (DL_HAVE_CUDA)
-        return 0;
+        return cuda_load(module);
     PyErr_SetString(get_state(module)->errors[HEXISEQ_ERR_UNSUPPORTED],
                     "this hexiseq was built without CUDA kernels (nvcc not found or HEXISEQ_CUDA=0 at build time); "
                     "reinstall with nvcc on PATH or move the tensors to the CPU");
@@ -815,6 +912,7 @@ static PyObject *core_attention_merge_cuda(PyObject *module, PyObject *args) {
 
 static PyMethodDef core_methods[] = {
     {"build_info", core_build_info, METH_NOARGS, "What this extension was built with."},
+    {"cuda_device_count", core_cuda_device_count, METH_NOARGS, "CUDA devices visible (loads the CUDA kernels)."},
     {"gpu_catalog", core_gpu_catalog, METH_NOARGS, "The built-in GPU catalog, a list of dicts."},
     {"gpu_find", core_gpu_find, METH_O, "Canonical catalog name of a GPU model name or alias."},
     {"check_cluster", core_check_cluster, METH_VARARGS, "Validate a cluster description; returns its device count."},
