@@ -107,8 +107,10 @@ class BuildExt(build_ext):
             print(" ".join(cmd), file=sys.stderr)
             subprocess.check_call(cmd)
             objects.append(obj)
-        # the status helpers, compiled into the library too (its error text is read through its own copy)
-        objects += self.compiler.compile([os.path.join("csrc", "status.c")], output_dir=os.path.join(objdir, "c"),
+        # the status helpers and the params validation, compiled into the library too (its error text is read
+        # through its own copy of the status helpers)
+        objects += self.compiler.compile([os.path.join("csrc", "status.c"), os.path.join("csrc", "attention_check.c")],
+                                         output_dir=os.path.join(objdir, "c"),
                                          extra_postargs=["-std=c11", "-O2", "-fPIC", "-fvisibility=hidden"])
         library_dirs = [os.path.join(cuda_home, d) for d in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"))
                         if os.path.isdir(os.path.join(cuda_home, d))]

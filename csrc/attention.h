@@ -186,6 +186,11 @@ static inline uint16_t hexiseq_f32_to_f16(float f) {
     return (uint16_t)(sign | h);
 }
 
+/* Check a params struct before launching (CPU or CUDA): pointers, sizes, dtype, positions, and that every
+ * addressed element stays within +-2^60 elements. backward: also do_, dq, dk, dv and accumulate. Internal. */
+hexiseq_status hexiseq_attn_check_params(const hexiseq_attn_params *p, int backward);
+hexiseq_status hexiseq_attn_check_merge(const hexiseq_attn_merge_params *m);
+
 #ifdef __cplusplus
 }
 #endif

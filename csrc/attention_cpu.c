@@ -52,10 +52,7 @@ enum { BQ = 128, BK = 64, DCHUNK = 32 };
 /* Register block of the score kernel: SR rows x SC columns. */
 enum { SR = 2, SC = 32 };
 
-/* Largest element offset we allow, so that byte offsets (x8) also fit in int64. */
-#define HX_MAX_OFFSET (INT64_MAX / 8)
-/* Positions up to 2^62 keep every position difference inside int64. */
-#define HX_MAX_POS ((int64_t)1 << 62)
+/* Offset and position limits: see csrc/attention_check.c, which validates every params struct. */
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -166,113 +163,6 @@ static inline int64_t visible_keys(const hexiseq_attn_params *p, int64_t qpos) {
     if (!p->causal)
         return p->seq_k;
     return min64(p->seq_k, max64(0, qpos - p->k_pos0 + 1));
-}
-
-/* --------------------------------------------------------------------------------------------- */
-/* Validation */
-
-static hexiseq_status check_dtype(const char *field, int32_t dtype) {
-    if (dtype < HEXISEQ_DTYPE_F64 || dtype > HEXISEQ_DTYPE_BF16)
-        return hexiseq_fail(HEXISEQ_ERR_INVALID, "%s must be a hexiseq_dtype (0..3), got %lld", field,
-                            (long long)dtype);
-    return HEXISEQ_OK;
-}
-
-static hexiseq_status check_head_dim(const char *field, int32_t head_dim) {
-    if (head_dim < 1)
-        return hexiseq_fail(HEXISEQ_ERR_INVALID, "%s must be >= 1, got %lld", field, (long long)head_dim);
-    if (head_dim > HEXISEQ_ATTN_MAX_HEAD_DIM)
-        return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED, "%s must be <= %d, got %lld", field,
-                            HEXISEQ_ATTN_MAX_HEAD_DIM, (long long)head_dim);
-    return HEXISEQ_OK;
-}
-
-static hexiseq_status check_positive(const char *field, int64_t value) {
-    if (value < 1)
-        return hexiseq_fail(HEXISEQ_ERR_INVALID, "%s must be >= 1, got %lld", field, (long long)value);
-    return HEXISEQ_OK;
-}
-
-/* sizes[i] >= 1. The farthest element, sum |stride_i| * (size_i - 1), must fit HX_MAX_OFFSET. */
-static hexiseq_status check_extent(const char *field, const int64_t *stride, const int64_t *size, int ndim) {
-    int64_t extent = 0;
-    for (int i = 0; i < ndim; ++i) {
-        if (stride[i] == INT64_MIN || (stride[i] < 0 ? -stride[i] : stride[i]) > HX_MAX_OFFSET)
-            return hexiseq_fail(HEXISEQ_ERR_INVALID, "%s_stride[%d] must be within +-2^60, got %lld", field, i,
-                                (long long)stride[i]);
-        int64_t s = stride[i] < 0 ? -stride[i] : stride[i];
-        int64_t n = size[i] - 1;
-        if (n > 0 && s > (HX_MAX_OFFSET - extent) / n)
-            return hexiseq_fail(HEXISEQ_ERR_INVALID,
-                                "%s_stride[%d] = %lld with size %lld overflows the 2^60 element offset range",
-                                field, i, (long long)stride[i], (long long)size[i]);
-        extent += s * n;
-    }
-    return HEXISEQ_OK;
-}
-
-static hexiseq_status check_pointer(const char *field, const void *ptr) {
-    if (ptr == NULL)
-        return hexiseq_fail(HEXISEQ_ERR_NULL, "%s must not be NULL", field);
-    return HEXISEQ_OK;
-}
-
-static hexiseq_status check_params(const hexiseq_attn_params *p, int backward) {
-    if (p == NULL)
-        return hexiseq_fail(HEXISEQ_ERR_NULL, "params must not be NULL");
-    HEXISEQ_CHECK(check_pointer("q", p->q));
-    HEXISEQ_CHECK(check_pointer("k", p->k));
-    HEXISEQ_CHECK(check_pointer("v", p->v));
-    HEXISEQ_CHECK(check_pointer("o", p->o));
-    HEXISEQ_CHECK(check_pointer("lse", p->lse));
-    if (backward) {
-        HEXISEQ_CHECK(check_pointer("do_", p->do_));
-        HEXISEQ_CHECK(check_pointer("dq", p->dq));
-        HEXISEQ_CHECK(check_pointer("dk", p->dk));
-        HEXISEQ_CHECK(check_pointer("dv", p->dv));
-    }
-    HEXISEQ_CHECK(check_dtype("dtype", p->dtype));
-    HEXISEQ_CHECK(check_positive("batch", p->batch));
-    HEXISEQ_CHECK(check_positive("seq_q", p->seq_q));
-    HEXISEQ_CHECK(check_positive("seq_k", p->seq_k));
-    HEXISEQ_CHECK(check_positive("heads", p->heads));
-    HEXISEQ_CHECK(check_positive("kv_heads", p->kv_heads));
-    if (p->heads % p->kv_heads != 0)
-        return hexiseq_fail(HEXISEQ_ERR_INVALID, "heads must be a multiple of kv_heads = %lld, got %lld",
-                            (long long)p->kv_heads, (long long)p->heads);
-    HEXISEQ_CHECK(check_head_dim("head_dim", p->head_dim));
-    if (p->causal != 0 && p->causal != 1)
-        return hexiseq_fail(HEXISEQ_ERR_INVALID, "causal must be 0 or 1, got %lld", (long long)p->causal);
-    if (backward && p->accumulate != 0 && p->accumulate != 1)
-        return hexiseq_fail(HEXISEQ_ERR_INVALID, "accumulate must be 0 or 1, got %lld", (long long)p->accumulate);
-    if (!isfinite(p->scale))
-        return hexiseq_fail(HEXISEQ_ERR_INVALID, "scale must be finite, got %g", p->scale);
-    if (p->q_pos0 < 0 || p->q_pos0 > HX_MAX_POS - p->seq_q)
-        return hexiseq_fail(HEXISEQ_ERR_INVALID, "q_pos0 must be in [0, 2^62 - seq_q], got %lld",
-                            (long long)p->q_pos0);
-    if (p->k_pos0 < 0 || p->k_pos0 > HX_MAX_POS - p->seq_k)
-        return hexiseq_fail(HEXISEQ_ERR_INVALID, "k_pos0 must be in [0, 2^62 - seq_k], got %lld",
-                            (long long)p->k_pos0);
-    /* Task counts and per-head row counts are products of these; keep them inside int64. */
-    if (p->batch > INT64_MAX / p->heads / p->seq_q || p->batch > INT64_MAX / p->heads / p->seq_k)
-        return hexiseq_fail(HEXISEQ_ERR_INVALID, "batch * heads * seq overflows int64, batch = %lld",
-                            (long long)p->batch);
-
-    const int64_t qsize[4] = {p->batch, p->seq_q, p->heads, p->head_dim};
-    const int64_t ksize[4] = {p->batch, p->seq_k, p->kv_heads, p->head_dim};
-    const int64_t lsize[3] = {p->batch, p->heads, p->seq_q};
-    HEXISEQ_CHECK(check_extent("q", p->q_stride, qsize, 4));
-    HEXISEQ_CHECK(check_extent("k", p->k_stride, ksize, 4));
-    HEXISEQ_CHECK(check_extent("v", p->v_stride, ksize, 4));
-    HEXISEQ_CHECK(check_extent("o", p->o_stride, qsize, 4));
-    HEXISEQ_CHECK(check_extent("lse", p->lse_stride, lsize, 3));
-    if (backward) {
-        HEXISEQ_CHECK(check_extent("do", p->do_stride, qsize, 4));
-        HEXISEQ_CHECK(check_extent("dq", p->dq_stride, qsize, 4));
-        HEXISEQ_CHECK(check_extent("dk", p->dk_stride, ksize, 4));
-        HEXISEQ_CHECK(check_extent("dv", p->dv_stride, ksize, 4));
-    }
-    return HEXISEQ_OK;
 }
 
 /* dp: head_dim rounded up to a whole number of DCHUNK columns. */
@@ -757,7 +647,7 @@ static HX_AVX2 void bwd_row_f32_avx2(float *s, float *ds, int64_t jmax, float ls
 
 hexiseq_status hexiseq_attn_forward_cpu(const hexiseq_attn_params *p) {
     hexiseq_clear_error();
-    HEXISEQ_CHECK(check_params(p, 0));
+    HEXISEQ_CHECK(hexiseq_attn_check_params(p, 0));
     const int32_t dp = padded_dim(p->head_dim);
     const int nthreads = max_threads();
     const int64_t nqt = (p->seq_q + BQ - 1) / BQ;
@@ -799,7 +689,7 @@ hexiseq_status hexiseq_attn_forward_cpu(const hexiseq_attn_params *p) {
 
 hexiseq_status hexiseq_attn_backward_cpu(const hexiseq_attn_params *p) {
     hexiseq_clear_error();
-    HEXISEQ_CHECK(check_params(p, 1));
+    HEXISEQ_CHECK(hexiseq_attn_check_params(p, 1));
     const int32_t dp = padded_dim(p->head_dim);
     const int nthreads = max_threads();
     const int f64 = p->dtype == HEXISEQ_DTYPE_F64;
@@ -868,34 +758,9 @@ hexiseq_status hexiseq_attn_backward_cpu(const hexiseq_attn_params *p) {
     return HEXISEQ_OK;
 }
 
-static hexiseq_status check_merge(const hexiseq_attn_merge_params *m) {
-    if (m == NULL)
-        return hexiseq_fail(HEXISEQ_ERR_NULL, "merge params must not be NULL");
-    HEXISEQ_CHECK(check_pointer("o_acc", m->o_acc));
-    HEXISEQ_CHECK(check_pointer("lse_acc", m->lse_acc));
-    HEXISEQ_CHECK(check_pointer("o_part", m->o_part));
-    HEXISEQ_CHECK(check_pointer("lse_part", m->lse_part));
-    HEXISEQ_CHECK(check_dtype("acc_dtype", m->acc_dtype));
-    HEXISEQ_CHECK(check_dtype("part_dtype", m->part_dtype));
-    HEXISEQ_CHECK(check_positive("batch", m->batch));
-    HEXISEQ_CHECK(check_positive("seq", m->seq));
-    HEXISEQ_CHECK(check_positive("heads", m->heads));
-    HEXISEQ_CHECK(check_head_dim("head_dim", m->head_dim));
-    if (m->batch > INT64_MAX / m->heads / m->seq)
-        return hexiseq_fail(HEXISEQ_ERR_INVALID, "batch * heads * seq overflows int64, batch = %lld",
-                            (long long)m->batch);
-    const int64_t osize[4] = {m->batch, m->seq, m->heads, m->head_dim};
-    const int64_t lsize[3] = {m->batch, m->heads, m->seq};
-    HEXISEQ_CHECK(check_extent("o_acc", m->o_acc_stride, osize, 4));
-    HEXISEQ_CHECK(check_extent("o_part", m->o_part_stride, osize, 4));
-    HEXISEQ_CHECK(check_extent("lse_acc", m->lse_acc_stride, lsize, 3));
-    HEXISEQ_CHECK(check_extent("lse_part", m->lse_part_stride, lsize, 3));
-    return HEXISEQ_OK;
-}
-
 hexiseq_status hexiseq_attn_merge_cpu(const hexiseq_attn_merge_params *m) {
     hexiseq_clear_error();
-    HEXISEQ_CHECK(check_merge(m));
+    HEXISEQ_CHECK(hexiseq_attn_check_merge(m));
     const int64_t rows = m->batch * m->heads * m->seq;
     HX_OMP("omp parallel for schedule(static)")
     for (int64_t r = 0; r < rows; ++r) {
