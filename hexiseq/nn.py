@@ -177,12 +177,14 @@ class HexiSeqContext:
         self.chunks = [plan.group_chunks(g) for g in range(self.n_groups)]
         # global ranks (for P2P) of every plan device
         self._global = [self._global_rank(r) for r in range(self.world)]
-        # HP subgroups: every rank creates every group, in ring order (new_group is collective)
+        # HP subgroups: every rank of `group` creates every HP group, in ring order. Local synchronisation: only
+        # the members of each subgroup wait for it, so ranks outside `group` (another data-parallel replica
+        # with its own plan, say) need not take part.
         self.hp_group = None
         self.hp_order = [0]
         for g in range(self.n_groups):
             ranks = [self._global[mb.rank] for mb in self.groups[g]]
-            pg = dist.new_group(ranks=ranks) if len(ranks) > 1 else None
+            pg = dist.new_group(ranks=ranks, use_local_synchronization=True) if len(ranks) > 1 else None
             if g == self.g and pg is not None:
                 self.hp_group = pg
                 # all_to_all_single orders its splits by rank inside the subgroup, not by our member order

@@ -94,6 +94,41 @@ def check_plan(rank, world, init, plan_json, dtype_name, head_dim, batch, result
         results.put((rank, "error", traceback.format_exc(), None))
 
 
+def check_plan_in_replicas(rank, world, init, plan_json, results):
+    """Two data-parallel replicas of two ranks each ({0, 1} and {2, 3}), each running the same 2-device plan
+    inside its own process group, with different data per replica; errors against the reference."""
+    try:
+        import hexiseq
+        from hexiseq.nn import HexiSeqAttention
+
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        replicas = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        mine = replicas[rank // 2]
+        local = dist.get_rank(mine)
+        plan = hexiseq.Plan.from_json(plan_json)
+        m = plan.model
+        g = torch.Generator().manual_seed(100 + rank // 2)  # each replica its own data
+        S, d = plan.seq_len, 8
+        q = torch.randn(1, S, m.heads, d, generator=g, dtype=torch.float64)
+        k = torch.randn(1, S, m.kv_heads, d, generator=g, dtype=torch.float64)
+        v = torch.randn(1, S, m.kv_heads, d, generator=g, dtype=torch.float64)
+        go = torch.randn(1, S, m.heads, d, generator=g, dtype=torch.float64)
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ref = reference_attention(qr, kr, vr, plan.causal, d ** -0.5)
+        ref.backward(go)
+        attn = HexiSeqAttention(plan, group=mine)
+        ql, kl, vl = (plan.shard(t, 1, local).requires_grad_() for t in (q, k, v))
+        o = attn(ql, kl, vl)
+        o.backward(plan.shard(go, 1, local))
+        errs = [_rel(o, plan.shard(ref.detach(), 1, local)), _rel(ql.grad, plan.shard(qr.grad, 1, local)),
+                _rel(kl.grad, plan.shard(kr.grad, 1, local)), _rel(vl.grad, plan.shard(vr.grad, 1, local))]
+        results.put((rank, "ok", errs, None))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc(), None))
+
+
 def check_plan_torch(rank, world, init, plan_json, dtype_name, head_dim, batch, results):
     """check_plan with the PyTorch block kernels instead of the C ones."""
     check_plan(rank, world, init, plan_json, dtype_name, head_dim, batch, results, kernels="torch")

@@ -101,6 +101,17 @@ def test_torch_block_kernels_path(case, tmp_path):
             assert e <= 1e-10, f"{case} torch kernels rank {rank}: {name} relative error {e:.3g}"
 
 
+def test_plan_inside_a_process_group_of_each_replica(tmp_path):
+    """Data parallelism over sequence-parallel replicas: world 4 = 2 replicas of the same 2-device plan, each
+    in its own process group (rank r of the group is device r of the plan)."""
+    plan = layout_plan((2,), tiny_model(6, 2), 45, [
+        {"devices": [0, 1], "seq": 45, "tokens": [30, 15], "heads": [4, 2]}])  # one HP group: a subgroup per replica
+    out = spawn(dist_worker.check_plan_in_replicas, 4, (plan.to_json(),), tmp_path, timeout_s=60)
+    for rank, (status, errs, _) in sorted(out.items()):
+        assert status == "ok", f"rank {rank}: {errs}"
+        assert max(errs) <= 1e-10, f"rank {rank}: errors {errs}"
+
+
 def test_fingerprint_mismatch_raises_on_every_rank(tmp_path):
     c = cluster(1, 1, 1)
     m = tiny_model(6, 2)
