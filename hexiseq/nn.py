@@ -454,10 +454,30 @@ class HexiSeqContext:
         kv_sends, kv_recvs = self._ring_routes("kv")
         acc_sends, acc_recvs = self._ring_routes("acc")
         cur = torch.stack([Kg, Vg])
-        acc = torch.zeros(2, B, Sg, me.first_n, d, dtype=acc_dt, device=dev)   # dK/dV of the block I first-hold
+        f = slice(me.first_lo - me.kv_lo, me.first_lo - me.kv_lo + me.first_n)
+
+        def assemble(pending, S):
+            """Wait for a posted accumulator exchange; the received dK/dV of my first-held heads [2, B, S, ., d]."""
+            reqs, got, _keep = pending
+            for r in reqs:
+                r.wait()
+            acc = torch.zeros(2, B, S, me.first_n, d, dtype=acc_dt, device=dev)
+            for lo, n, t in got:
+                acc[:, :, :, lo - me.first_lo:lo - me.first_lo + n] = t
+            return acc
+
+        # Both transfers of a step overlap the step's kernels: the next K/V block is posted before them, and the
+        # accumulator a step hands on is waited for only at the end of the next step (or after the loop).
+        acc_pending = None
         for step in range(G):
             src = (self.g - step) % G
             Ssrc = self.S[src]
+            nxt_src = (self.g - step - 1) % G
+            kv_pending = None
+            if step < G - 1:
+                kv_pending = self._exchange(
+                    kv_sends, kv_recvs, lambda lo, n, c=cur: c[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n],
+                    lambda lo, n, S=self.S[nxt_src]: (2, B, S, n, d), dt, dev)
             # my contributions to dK/dV of this block, for my whole kv range
             contrib = torch.zeros(2, B, Ssrc, h if not aligned else kv, d, dtype=acc_dt, device=dev)
             Kb = cur[0] if aligned else cur[0].index_select(2, kv_idx)
@@ -490,34 +510,28 @@ class HexiSeqContext:
                 contrib = folded
             # kv heads shared with another member: non-first holders hand their piece to the first holder
             contrib = self._reduce_shared(contrib, co_holders, B, Ssrc, d, acc_dt, dev)
-            f = slice(me.first_lo - me.kv_lo, me.first_lo - me.kv_lo + me.first_n)
-            acc = acc + contrib[:, :, :, f]
+            # the block's accumulator (posted by the previous group during the previous step), plus my part
+            if acc_pending is None:
+                acc = contrib[:, :, :, f].clone()
+            else:
+                acc = assemble(acc_pending, Ssrc) + contrib[:, :, :, f]
             if G == 1:
                 break
-            # forward the block (not after the last step) and its accumulator (always: the last hop is home)
-            nxt_src = (self.g - step - 1) % G
-            kv_pending = None
-            if step < G - 1:
-                kv_pending = self._exchange(
-                    kv_sends, kv_recvs, lambda lo, n, c=cur: c[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n],
-                    lambda lo, n, S=self.S[nxt_src]: (2, B, S, n, d), dt, dev)
+            # hand it on (after the last step this hop takes it home); receive the next block's accumulator
             acc_pending = self._exchange(
                 acc_sends, acc_recvs, lambda lo, n, a=acc: a[:, :, :, lo - me.first_lo:lo - me.first_lo + n],
                 lambda lo, n, S=self.S[nxt_src]: (2, B, S, n, d), acc_dt, dev)
-            for reqs, _got, _keep in [p for p in (kv_pending, acc_pending) if p is not None]:
-                for r in reqs:
-                    r.wait()
             if kv_pending is not None:
+                for r in kv_pending[0]:
+                    r.wait()
                 cur = torch.empty(2, B, self.S[nxt_src], kv, d, dtype=dt, device=dev)
                 for lo, n, t in kv_pending[1]:
                     cur[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n] = t
-            acc = torch.zeros(2, B, self.S[nxt_src], me.first_n, d, dtype=acc_dt, device=dev)
-            for lo, n, t in acc_pending[1]:
-                acc[:, :, :, lo - me.first_lo:lo - me.first_lo + n] = t
+        if G > 1:  # the last hop brought my own group's block home
+            acc = assemble(acc_pending, Sg)
         # acc now holds the full dK/dV of my own group's block for the kv heads I first-hold
         dK = torch.zeros(B, Sg, kv, d, dtype=dt, device=dev)
         dV = torch.zeros_like(dK)
-        f = slice(me.first_lo - me.kv_lo, me.first_lo - me.kv_lo + me.first_n)
         dK[:, :, f] = acc[0].to(dt)
         dV[:, :, f] = acc[1].to(dt)
         return dQ.to(dt), dK, dV
