@@ -98,16 +98,22 @@ def _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale):
 
 
 def _use_c_kernels(t):
-    """C kernels for CPU tensors; the PyTorch implementation for other devices, or everywhere when
-    HEXISEQ_RUNTIME_KERNELS=torch (used by the tests to check that path on CPU)."""
+    """Whether a block runs through hexiseq.ops: always for CPU tensors; for CUDA tensors only when the CUDA
+    kernels are enabled (HEXISEQ_CUDA_KERNELS=1, until they are validated on a GPU) and the dtype is one they
+    take (bf16, fp16). Otherwise the PyTorch implementation (warned once). HEXISEQ_RUNTIME_KERNELS=torch forces
+    the PyTorch implementation everywhere (the tests check that path on CPU)."""
     if os.environ.get("HEXISEQ_RUNTIME_KERNELS", "") == "torch":
         return False
     if t.device.type == "cpu":
         return True
+    if (t.device.type == "cuda" and os.environ.get("HEXISEQ_CUDA_KERNELS", "") == "1"
+            and t.dtype in (torch.bfloat16, torch.float16) and ops._cuda_built()):
+        return True
     global _warned_fallback
     if not _warned_fallback:
-        warnings.warn("hexiseq: CUDA attention kernels are not built into this version; using the PyTorch "
-                      "fallback (correct, returns LSE, not fast)", RuntimeWarning, stacklevel=3)
+        warnings.warn("hexiseq: using the PyTorch block attention for this device and dtype (correct, returns LSE, "
+                      "not fast); the CUDA kernels are opt-in until validated: HEXISEQ_CUDA_KERNELS=1",
+                      RuntimeWarning, stacklevel=3)
         _warned_fallback = True
     return False
 
@@ -393,7 +399,7 @@ class HexiSeqContext:
                 else:
                     o_p, l_p = _block_forward_torch(qc, kc, vc, self.causal, qp0, kp0, scale)
                 i = qoff.index(qo)
-                _merge(O[i], L[i], o_p.to(acc_dt), l_p.to(acc_dt))
+                _merge(O[i], L[i], o_p.to(acc_dt), l_p.to(acc_dt), use_c)
                 self.kernel_s += time.perf_counter() - t0
             if pending is not None:
                 reqs, got, _keep = pending
@@ -568,9 +574,9 @@ class HexiSeqContext:
         return contrib
 
 
-def _merge(o_acc, lse_acc, o_part, lse_part):
-    """Fold (o_part, lse_part) into the accumulator in place (the C merge for CPU tensors)."""
-    if o_acc.device.type == "cpu" and os.environ.get("HEXISEQ_RUNTIME_KERNELS", "") != "torch":
+def _merge(o_acc, lse_acc, o_part, lse_part, use_c):
+    """Fold (o_part, lse_part) into the accumulator in place: hexiseq.ops.merge_ on the kernel path, else torch."""
+    if use_c:
         ops.merge_(o_acc, lse_acc, o_part, lse_part)
         return
     new = torch.logaddexp(lse_acc, lse_part)
