@@ -163,6 +163,7 @@ def train_hexiseq(data, plan, rank, dtype, lr, seed):
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item())
+    attn.context.close()  # release the plan's process groups before the world is torn down
     return losses, model
 
 

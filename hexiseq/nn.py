@@ -19,10 +19,12 @@ The attention of one block pair runs in the C kernels (`hexiseq.ops`) for CPU te
 PyTorch implementation that also returns the LSE is used until the CUDA kernels land (it warns once).
 """
 
+import atexit
 import math
 import os
 import time
 import warnings
+import weakref
 from typing import List, Optional
 
 import numpy as np
@@ -120,6 +122,15 @@ def _use_c_kernels(t):
 
 # ---------------------------------------------------------------------------------------------- topology
 
+_live_contexts = weakref.WeakSet()
+
+
+@atexit.register
+def _close_contexts():
+    for context in list(_live_contexts):
+        context.close()
+
+
 class _Member:
     __slots__ = ("rank", "tokens", "tok_lo", "head_lo", "heads", "kv_lo", "kv_n", "first_lo", "first_n")
 
@@ -140,6 +151,7 @@ class HexiSeqContext:
         self.causal = bool(causal)
         self.scale = softmax_scale
         self.kernel_s = 0.0  # seconds spent inside attention kernels on this rank (for exposed-communication figures)
+        _live_contexts.add(self)
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self._check_fingerprint()
@@ -196,6 +208,17 @@ class HexiSeqContext:
                 # all_to_all_single orders its splits by rank inside the subgroup, not by our member order
                 pos = [dist.get_group_rank(pg, r) for r in ranks]
                 self.hp_order = sorted(range(len(ranks)), key=lambda i: pos[i])
+
+    def close(self):
+        """Release this context's HP subgroup. Call it before torch.distributed.destroy_process_group(); an exit
+        hook does it otherwise. A Gloo process group that is still referenced when the interpreter finalises is
+        torn down by the garbage collector with its threads running, which can abort the process."""
+        pg, self.hp_group = self.hp_group, None
+        if pg is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(pg)
+            except (RuntimeError, ValueError):
+                pass  # already destroyed with the whole world
 
     def _global_rank(self, r):
         if self.group is dist.group.WORLD:
