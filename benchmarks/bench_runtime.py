@@ -12,9 +12,7 @@ On a 2-core machine use --world 2: more processes than cores measure the schedul
 import argparse
 import datetime
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import hexiseq
+from _machine import machine
 
 
 def plans(world, seq, model):
@@ -91,17 +90,6 @@ def single_process_kernels(seq, model, reps):
         if it:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def machine():
-    model = platform.processor() or "unknown"
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores"
 
 
 def main(argv=None):

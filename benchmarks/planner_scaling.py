@@ -9,14 +9,13 @@ Each cluster is nodes of 8 GPUs (2 per node for the 8-GPU case), the four models
 time for comparison (9 s at 128 GPUs, 444 s at 1024)."""
 
 import argparse
-import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import hexiseq
+from _machine import machine
 
 GPUS = [("H100-SXM", 450.0), ("A100-80G", 300.0), ("A800", 200.0), ("L40S", 32.0)]
 PAPER_S = {128: 9.0, 1024: 444.0}
@@ -26,18 +25,6 @@ def cluster_of(n):
     per_node = 2 if n == 8 else 8
     nodes = [{"gpu": GPUS[i % 4][0], "count": per_node, "intra_gbps": GPUS[i % 4][1]} for i in range(n // per_node)]
     return hexiseq.Cluster.from_dict({"nodes": nodes, "inter_node_gbps": 25.0})
-
-
-def machine():
-    model = platform.processor() or "unknown"
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores, Python {platform.python_version()}, hexiseq {hexiseq.__version__}"
 
 
 def main(argv=None):
@@ -68,7 +55,7 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as f:
             f.write("# Planner scaling\n\n")
-            f.write(f"Machine: {machine()}.\n\n")
+            f.write(f"Machine: {machine()}, Python {platform.python_version()}, hexiseq {hexiseq.__version__}.\n\n")
             f.write(f"Command: `python benchmarks/planner_scaling.py --repeat {args.repeat} --out {args.out}`\n\n")
             f.write("Clusters: nodes of 8 GPUs (2 for the 8-GPU case) cycling H100-SXM, A100-80G, A800, L40S; "
                     "GPT-style 13B, activation checkpointing. Time: median wall time of "

@@ -23,19 +23,7 @@
 #include <omp.h>
 #endif
 
-static int n_passed, n_failed;
-
-#define EXPECT(cond, ...)                                                        \
-    do {                                                                         \
-        if (cond) {                                                              \
-            ++n_passed;                                                          \
-        } else {                                                                 \
-            ++n_failed;                                                          \
-            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                 \
-            fprintf(stderr, __VA_ARGS__);                                        \
-            fprintf(stderr, "\n");                                               \
-        }                                                                        \
-    } while (0)
+#include "check.h"
 
 /* ------------------------------------------------------------------------------------------------ */
 /* Random numbers and tensors */
