@@ -2,9 +2,15 @@
 //
 // STATUS (be honest): this file has been COMPILED (nvcc 13.0, sm_80 and sm_90, zero warnings) and its
 // resource usage read with `nvcc --resource-usage` (table below). It has NEVER BEEN RUN ON A GPU: the
-// machine it was written on has none. tests/test_cuda_ops.py checks it against the CPU kernels
-// (csrc/attention_cpu.c) and torch SDPA; benchmarks/run_gpu_checks.sh runs those tests, compute-sanitizer
-// and the benchmark on a GPU machine. Until that has passed, treat every kernel here as unverified.
+// machine it was written on has none. What has run is its logic: tests/c/test_cuda_emu.cpp compiles this
+// file unchanged as C++ against a CPU emulator of the CUDA subset used here (tests/c/cuda_emu/emu.h: blocks
+// of fiber threads, barriers, shuffles, WMMA with one legal fragment layout) and checks forward, backward
+// and merge against the CPU kernels in float64 (odd sizes, every causal offset case, GQA/MQA, padded head
+// dims, strides), under four thread schedules to expose missing barriers, with shared-memory bounds checked.
+// That cannot show speed, the hardware's fragment layout or memory ordering: tests/test_cuda_ops.py checks
+// against the CPU kernels and torch SDPA on a GPU; benchmarks/run_gpu_checks.sh runs those tests,
+// compute-sanitizer and the benchmark on a GPU machine. Until that has passed, treat the kernels as
+// verified in logic only.
 //
 // Semantics are those of csrc/attention.h and the CPU reference: causal means key_pos <= query_pos on
 // absolute positions (q_pos0 + i, k_pos0 + j); a fully masked row gives O = 0, LSE = -inf and no gradient;
@@ -63,6 +69,12 @@
 
 #include "attention.h"
 #include "launch.h"
+
+// Every launch goes through this macro so that tests/c/cuda_emu (a CPU emulator of the CUDA subset used
+// here, which compiles this file as plain C++) can substitute its own launcher for the <<<>>> syntax.
+#ifndef HEXISEQ_LAUNCH
+#define HEXISEQ_LAUNCH(kernel, grid, block, smem, stream, ...) kernel<<<grid, block, smem, stream>>>(__VA_ARGS__)
+#endif
 
 namespace {
 
@@ -617,7 +629,7 @@ template <typename T, int D> hexiseq_status launch_fwd(const FwdArgs &a, int64_t
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess)
         return cuda_fail(e, "cudaFuncSetAttribute(attn_fwd_kernel, MaxDynamicSharedMemorySize)");
-    kernel<<<(unsigned)blocks, kThreads, bytes, stream>>>(a);
+    HEXISEQ_LAUNCH(kernel, (unsigned)blocks, kThreads, bytes, stream, a);
     return check_launch("attn_fwd_kernel launch");
 }
 
@@ -628,7 +640,7 @@ template <typename T, int D> hexiseq_status launch_bwd_main(const BwdArgs &a, in
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess)
         return cuda_fail(e, "cudaFuncSetAttribute(attn_bwd_kernel, MaxDynamicSharedMemorySize)");
-    kernel<<<(unsigned)blocks, kThreads, bytes, stream>>>(a);
+    HEXISEQ_LAUNCH(kernel, (unsigned)blocks, kThreads, bytes, stream, a);
     return check_launch("attn_bwd_kernel launch");
 }
 
@@ -738,7 +750,7 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
     if (e != cudaSuccess)
         s = cuda_fail(e, "cudaMemsetAsync of the dQ accumulator");
     if (s == HEXISEQ_OK) {
-        attn_bwd_delta_kernel<T><<<(unsigned)delta_blocks, kThreads, 0, stream>>>(a);
+        HEXISEQ_LAUNCH(attn_bwd_delta_kernel<T>, (unsigned)delta_blocks, kThreads, 0, stream, a);
         s = check_launch("attn_bwd_delta_kernel launch");
     }
     if (s == HEXISEQ_OK) {
@@ -751,7 +763,7 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
     if (s == HEXISEQ_OK) {
         const int64_t n = rows * p->head_dim;
         const int64_t blocks = ceil_div(n, kThreads) < (1 << 20) ? ceil_div(n, kThreads) : (1 << 20); // grid-stride
-        attn_bwd_dq_kernel<T><<<(unsigned)blocks, kThreads, 0, stream>>>(a);
+        HEXISEQ_LAUNCH(attn_bwd_dq_kernel<T>, (unsigned)blocks, kThreads, 0, stream, a);
         s = check_launch("attn_bwd_dq_kernel launch");
     }
     e = cudaFreeAsync(scratch, stream);
@@ -788,6 +800,6 @@ extern "C" hexiseq_status hexiseq_attn_merge_cuda(const hexiseq_attn_merge_param
     if (blocks > INT32_MAX)
         return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED, "batch * heads * seq = %lld rows exceeds the CUDA grid limit",
                             (long long)rows);
-    attn_merge_kernel<<<(unsigned)blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(*m);
+    HEXISEQ_LAUNCH(attn_merge_kernel, (unsigned)blocks, 256, 0, static_cast<cudaStream_t>(stream), *m);
     return check_launch("attn_merge_kernel launch");
 }

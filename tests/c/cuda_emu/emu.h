@@ -1,0 +1,291 @@
+// A CPU emulator for the slice of CUDA that kernels/attention.cu uses, so the CUDA kernels' logic (tiling,
+// masking, causal offsets, GQA, strides, odd sizes, online softmax, the backward's accumulators, the merge)
+// is tested on machines without a GPU. It is a test tool, not a second implementation: the kernel source is
+// compiled unchanged as C++ (g++ -x c++) against these headers instead of the CUDA ones.
+//
+// How it runs a launch: the blocks of the grid run one after another; the threads of a block run as fibers
+// (cooperative user-level threads, each with its own stack) that switch only at synchronisation points:
+// __syncthreads, __syncwarp, warp shuffles and WMMA mma_sync. So a thread runs without interruption from one
+// synchronisation point to the next, and which thread runs next is a parameter (hexiseq_emu::set_schedule:
+// lockstep, run-ahead from either end, pseudo-random). A kernel whose result changes with the schedule has a
+// data race between two barriers; the tests run every case under all four and compare the outputs bit for bit.
+//
+// What it checks on top of the results:
+//   * deadlocks (threads waiting at barriers that can never complete, e.g. __syncthreads in divergent code);
+//   * warp collectives (shuffles, __syncwarp, mma_sync) with a lane that has exited, or a partial mask;
+//   * dynamic shared memory: the launch's size must not exceed the cudaFuncSetAttribute opt-in nor the sm_80
+//     opt-in limit (163 KiB, the smallest of the targets); it is filled with 0xFF bytes (NaN) before each
+//     block so reads of unwritten shared memory poison the result, and the bytes past the launch's size are
+//     checked after each block for stray writes (and poisoned for AddressSanitizer builds);
+//   * WMMA's rules: 16x16x16 fragments only, pointers 32-byte aligned, ldm a multiple of 16 bytes;
+//   * stream-ordered scratch (cudaMallocAsync) comes back filled with 0xFF bytes, not zeros.
+// A violation prints the kernel, block and thread and aborts the process: a test binary fails loudly.
+//
+// WMMA fragments are distributed over the warp as on the hardware: lane l holds elements 8l .. 8l + 7 of the
+// 16x16 tile in row-major order (A is M x K, B is K x N, C is M x N). The real layout is unspecified and code
+// must not depend on it; this layout is one legal choice. mma_sync gathers the warp's A and B through a
+// shared buffer and each lane computes its own 8 outputs in fp32 (products of 16-bit inputs are exact in
+// fp32; the summation order over k is 0..15, one legal order for the hardware).
+#ifndef HEXISEQ_CUDA_EMU_H
+#define HEXISEQ_CUDA_EMU_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <functional>
+#include <type_traits>
+
+#include "attention.h" // the project's fp16/bf16 conversions (round to nearest even)
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__
+#define __align__(n) __attribute__((aligned(n)))
+
+#define CUDART_VERSION 13000
+
+struct uint3 {
+    unsigned x, y, z;
+};
+struct dim3 {
+    unsigned x, y, z;
+    dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+
+template <typename T> inline T min(T a, T b) { return b < a ? b : a; }
+template <typename T> inline T max(T a, T b) { return a < b ? b : a; }
+
+// ------------------------------------------------------------------------------------------------
+// 16-bit floating-point types: the bit pattern, converted with the project's round-to-nearest-even helpers.
+
+struct __half {
+    uint16_t bits;
+};
+struct __nv_bfloat16 {
+    uint16_t bits;
+};
+inline float __half2float(__half h) { return hexiseq_f16_to_f32(h.bits); }
+inline __half __float2half_rn(float f) { return __half{hexiseq_f32_to_f16(f)}; }
+inline float __bfloat162float(__nv_bfloat16 h) { return hexiseq_bf16_to_f32(h.bits); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16{hexiseq_f32_to_bf16(f)}; }
+inline float emu_to_float(float x) { return x; }
+inline float emu_to_float(__half x) { return __half2float(x); }
+inline float emu_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// ------------------------------------------------------------------------------------------------
+// The scheduler (emu.cpp)
+
+namespace hexiseq_emu {
+
+// Which runnable thread of a block runs next (blocks always run in order, so fp32 atomics sum in one order):
+//   ROUND_ROBIN   every runnable thread once per pass, in index order: the block advances almost in lockstep;
+//   LOWEST_FIRST  always the lowest-numbered runnable thread: warp 0 runs ahead until it waits at a
+//                 __syncthreads, then warp 1, ... (the earliest warps run far ahead of the others);
+//   HIGHEST_FIRST the same from the last warp down;
+//   RANDOM        a pseudo-random runnable thread each time (seed below).
+// A missing barrier shows as a result that differs between schedules: lockstep hides it when the writer and
+// the reader are many synchronisation points apart, run-ahead exposes it.
+enum Schedule { SCHEDULE_ROUND_ROBIN = 0, SCHEDULE_LOWEST_FIRST = 1, SCHEDULE_HIGHEST_FIRST = 2, SCHEDULE_RANDOM = 3 };
+void set_schedule(Schedule s, uint64_t seed);
+
+// The dynamic shared memory every launch uses: defined next to the kernels (kernels_emu.cpp), where their
+// `extern __shared__` array can see it; *bytes receives its size.
+unsigned char *shared_memory(size_t *bytes);
+
+// Per-thread state the emulated built-ins read.
+struct ThreadState {
+    uint3 idx;          // threadIdx
+    int warp, lane;     // threadIdx.x / 32, threadIdx.x % 32
+    unsigned collective; // how many warp collectives this thread has entered (picks the exchange buffer)
+};
+ThreadState *current_thread();
+extern uint3 block_idx;
+extern dim3 block_dim, grid_dim;
+
+void sync_block();                                 // __syncthreads
+void sync_warp(unsigned mask, const char *what);   // __syncwarp and every warp collective
+void *warp_exchange_buffer(size_t bytes);          // this warp's exchange buffer for the current collective
+[[noreturn]] void fail(const char *fmt, ...);       // report a violation with the current kernel/block/thread
+
+// Runs body once per thread of every block of the grid (after the launch checks in emu.cpp).
+// name: the launch expression's kernel; where: the launching function (names the template instance).
+int launch(const void *kernel, const char *name, const char *where, dim3 grid, dim3 block, size_t smem,
+           const std::function<void()> &body);
+int max_dynamic_smem(const void *kernel);
+int set_max_dynamic_smem(const void *kernel, int bytes);
+
+} // namespace hexiseq_emu
+
+#define threadIdx (::hexiseq_emu::current_thread()->idx)
+#define blockIdx (::hexiseq_emu::block_idx)
+#define blockDim (::hexiseq_emu::block_dim)
+#define gridDim (::hexiseq_emu::grid_dim)
+
+inline void __syncthreads() { hexiseq_emu::sync_block(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { hexiseq_emu::sync_warp(mask, "__syncwarp"); }
+
+// Shuffle: every lane deposits its value, the warp meets, every lane reads its partner's. Each collective
+// uses one of two buffers by parity, so no lane can overwrite a value another lane has not read yet (it would
+// have to pass the next collective's barrier first, which waits for that lane).
+template <typename T> inline T __shfl_xor_sync(unsigned mask, T value, int lane_mask) {
+    static_assert(sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");
+    hexiseq_emu::ThreadState *t = hexiseq_emu::current_thread();
+    if (lane_mask < 0 || lane_mask > 31)
+        hexiseq_emu::fail("__shfl_xor_sync lane mask %d outside 0..31", lane_mask);
+    uint64_t *slots = static_cast<uint64_t *>(hexiseq_emu::warp_exchange_buffer(32 * sizeof(uint64_t)));
+    memcpy(&slots[t->lane], &value, sizeof(T));
+    hexiseq_emu::sync_warp(mask, "__shfl_xor_sync");
+    T out;
+    memcpy(&out, &slots[t->lane ^ lane_mask], sizeof(T));
+    return out;
+}
+
+template <typename T> inline T atomicAdd(T *address, T value) { // fibers never interleave inside a statement
+    T old = *address;
+    *address = old + value;
+    return old;
+}
+
+// ------------------------------------------------------------------------------------------------
+// WMMA (16x16x16 only)
+
+namespace nvcuda {
+namespace wmma {
+struct row_major {};
+struct col_major {};
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <typename Use, int M, int N, int K, typename T, typename Layout = void> struct fragment {
+    static_assert(M == 16 && N == 16 && K == 16, "the emulator has 16x16x16 fragments only");
+    static constexpr int num_elements = 8;
+    T x[8]; // lane l: elements 8l .. 8l + 7 of the tile, row-major
+};
+
+namespace detail {
+template <typename T> inline void check_ptr(const T *p, unsigned ldm, const char *what) {
+    if ((uintptr_t)p % 32 != 0)
+        hexiseq_emu::fail("%s: pointer %p is not 32-byte aligned", what, (const void *)p);
+    if ((ldm * sizeof(T)) % 16 != 0)
+        hexiseq_emu::fail("%s: ldm %u elements of %zu bytes is not a multiple of 16 bytes", what, ldm, sizeof(T));
+}
+// Memory offset of logical element (r, c) of a tile stored row- or column-major with leading dimension ldm.
+inline size_t at(int r, int c, unsigned ldm, bool row) { return row ? (size_t)r * ldm + c : (size_t)c * ldm + r; }
+} // namespace detail
+
+template <typename Use, typename T, typename Layout>
+inline void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout> &f, const T *p, unsigned ldm) {
+    static_assert(!std::is_same<Layout, void>::value, "matrix_a/matrix_b fragments carry their layout");
+    detail::check_ptr(p, ldm, "wmma::load_matrix_sync");
+    const int lane = hexiseq_emu::current_thread()->lane;
+    constexpr bool row = std::is_same<Layout, row_major>::value;
+    for (int e = 0; e < 8; ++e) {
+        const int idx = lane * 8 + e;
+        f.x[e] = p[detail::at(idx / 16, idx % 16, ldm, row)];
+    }
+}
+
+inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float> &f, const float *p, unsigned ldm,
+                             layout_t layout) {
+    detail::check_ptr(p, ldm, "wmma::load_matrix_sync(accumulator)");
+    const int lane = hexiseq_emu::current_thread()->lane;
+    for (int e = 0; e < 8; ++e) {
+        const int idx = lane * 8 + e;
+        f.x[e] = p[detail::at(idx / 16, idx % 16, ldm, layout == mem_row_major)];
+    }
+}
+
+inline void store_matrix_sync(float *p, const fragment<accumulator, 16, 16, 16, float> &f, unsigned ldm,
+                              layout_t layout) {
+    detail::check_ptr(p, ldm, "wmma::store_matrix_sync");
+    const int lane = hexiseq_emu::current_thread()->lane;
+    for (int e = 0; e < 8; ++e) {
+        const int idx = lane * 8 + e;
+        p[detail::at(idx / 16, idx % 16, ldm, layout == mem_row_major)] = f.x[e];
+    }
+}
+
+template <typename Use, typename T, typename Layout>
+inline void fill_fragment(fragment<Use, 16, 16, 16, T, Layout> &f, T value) {
+    for (int e = 0; e < 8; ++e)
+        f.x[e] = value;
+}
+
+// D = A B + C for the warp: A and B go through the warp's exchange buffer (fp32 copies of the 16-bit inputs).
+template <typename T, typename LA, typename LB>
+inline void mma_sync(fragment<accumulator, 16, 16, 16, float> &d, const fragment<matrix_a, 16, 16, 16, T, LA> &a,
+                     const fragment<matrix_b, 16, 16, 16, T, LB> &b,
+                     const fragment<accumulator, 16, 16, 16, float> &c) {
+    hexiseq_emu::ThreadState *t = hexiseq_emu::current_thread();
+    float *buf = static_cast<float *>(hexiseq_emu::warp_exchange_buffer(512 * sizeof(float)));
+    float *ga = buf, *gb = buf + 256; // A[m][k] at ga[16 m + k], B[k][n] at gb[16 k + n]
+    for (int e = 0; e < 8; ++e) {
+        ga[t->lane * 8 + e] = emu_to_float(a.x[e]);
+        gb[t->lane * 8 + e] = emu_to_float(b.x[e]);
+    }
+    hexiseq_emu::sync_warp(0xffffffffu, "wmma::mma_sync");
+    for (int e = 0; e < 8; ++e) {
+        const int idx = t->lane * 8 + e, m = idx / 16, n = idx % 16;
+        float acc = c.x[e];
+        for (int k = 0; k < 16; ++k)
+            acc += ga[16 * m + k] * gb[16 * k + n];
+        d.x[e] = acc;
+    }
+}
+} // namespace wmma
+} // namespace nvcuda
+
+// ------------------------------------------------------------------------------------------------
+// Runtime API: the calls kernels/attention.cu makes, on host memory.
+
+typedef enum cudaError {
+    cudaSuccess = 0,
+    cudaErrorInvalidValue = 1,
+    cudaErrorMemoryAllocation = 2,
+    cudaErrorInvalidConfiguration = 9,
+} cudaError_t;
+typedef struct CUstream_st *cudaStream_t;
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+
+cudaError_t cudaGetLastError();
+const char *cudaGetErrorString(cudaError_t e);
+const char *cudaGetErrorName(cudaError_t e);
+cudaError_t cudaMallocAsync(void **p, size_t bytes, cudaStream_t stream);
+cudaError_t cudaFreeAsync(void *p, cudaStream_t stream);
+cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t stream);
+namespace hexiseq_emu {
+void set_last_error(cudaError_t e);
+}
+
+template <typename... P> cudaError_t cudaFuncSetAttribute(void (*kernel)(P...), cudaFuncAttribute attr, int value) {
+    if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize)
+        return cudaErrorInvalidValue;
+    return (cudaError_t)hexiseq_emu::set_max_dynamic_smem((const void *)kernel, value);
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...) for the emulator (kernels/attention.cu launches through
+// HEXISEQ_LAUNCH so that it compiles as plain C++ here).
+template <typename... P, typename... A>
+void hexiseq_emu_launch(void (*kernel)(P...), const char *name, const char *where, dim3 grid, dim3 block, size_t smem,
+                        cudaStream_t, A &&...args) {
+    const int e = hexiseq_emu::launch((const void *)kernel, name, where, grid, block, smem, [&] { kernel(args...); });
+    if (e != 0)
+        hexiseq_emu::set_last_error((cudaError_t)e);
+}
+#define HEXISEQ_LAUNCH(kernel, grid, block, smem, stream, ...) \
+    hexiseq_emu_launch(kernel, #kernel, __PRETTY_FUNCTION__, grid, block, smem, stream, __VA_ARGS__)
+
+#endif // HEXISEQ_CUDA_EMU_H

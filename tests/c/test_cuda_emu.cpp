@@ -1,0 +1,451 @@
+// The CUDA attention kernels (kernels/attention.cu) run on the CPU emulator (tests/c/cuda_emu/emu.h) and
+// checked against the CPU kernels (csrc/attention_cpu.c) in float64 on the same rounded inputs.
+//
+// This tests the kernels' logic on machines without a GPU: tiling and tile tails, causal masking by absolute
+// positions (every offset case, fully masked rows and blocks), GQA/MQA, padded head dims, the vector-load and
+// element-by-element paths, strides (heads-major, strided head_dim, negative, misaligned), the online softmax
+// and LSE, the backward's accumulators and dQ atomics, accumulate, and the merge. Every case runs under four
+// thread schedules (lockstep, run-ahead from either end, pseudo-random; see emu.h) and must give bit-identical
+// outputs: a difference is a race between two barriers. What it cannot test: speed, the real WMMA fragment
+// layout (the emulator uses one legal layout), hardware memory ordering, and anything only a GPU does
+// (tests/test_cuda_ops.py, on a GPU).
+//
+// Error measure: max |x - ref| / max |ref| over a tensor (see rel_err). Tolerances, with u the unit roundoff
+// of the storage type (bf16 2^-8, fp16 2^-11): the kernels keep P and dS in the storage type before the
+// tensor-core products (as FlashAttention does), so each output carries that rounding (relative u/2 per term,
+// partly averaging out) plus its own final rounding (u/2): the forward must be within 3u, the gradients (two
+// rounded operands per product, and D = rowsum(dO O) taken from the rounded O) within 6u. LSE is fp32 from
+// fp32 scores: within 1e-4 of max(1, |lse|). A masking off-by-one moves whole rows by O(1) and fails these by
+// far; the observed errors are 0.5u to 1.5u.
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "attention.h"
+#include "check.h"
+#include "cuda_emu/emu.h"
+#include "launch.h"
+
+namespace {
+
+uint64_t rng_state = 0x243f6a8885a308d3ull;
+double urand() { // uniform in [-1, 1)
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (double)(rng_state >> 11) * 0x1.0p-52 - 1.0;
+}
+
+uint16_t to_bits(int dtype, double x) {
+    return dtype == HEXISEQ_DTYPE_F16 ? hexiseq_f32_to_f16((float)x) : hexiseq_f32_to_bf16((float)x);
+}
+double from_bits(int dtype, uint16_t b) {
+    return dtype == HEXISEQ_DTYPE_F16 ? hexiseq_f16_to_f32(b) : hexiseq_bf16_to_f32(b);
+}
+double unit_roundoff(int dtype) { return dtype == HEXISEQ_DTYPE_F16 ? 0x1.0p-11 : 0x1.0p-8; }
+
+// How a [B, S, H, D] tensor lies in memory.
+enum Layout { CONTIG, HEADS_MAJOR, COL_STRIDE2, NEG_SEQ, MISALIGNED };
+const char *layout_name(Layout l) {
+    static const char *names[] = {"contig", "heads-major", "col-stride-2", "neg-seq", "misaligned"};
+    return names[l];
+}
+
+// A 16-bit [B, S, H, D] tensor in some layout; `ref` holds its values (as stored) contiguously in float64.
+struct Half4 {
+    int dtype;
+    int64_t n[4];
+    int64_t st[4];
+    int64_t off = 0;
+    std::vector<uint16_t> mem;
+    uint16_t *base() { return mem.data() + off; }
+    int64_t at(int64_t b, int64_t s, int64_t h, int64_t c) const {
+        return off + b * st[0] + s * st[1] + h * st[2] + c * st[3];
+    }
+    int64_t count() const { return n[0] * n[1] * n[2] * n[3]; }
+    int64_t lin(int64_t b, int64_t s, int64_t h, int64_t c) const { return ((b * n[1] + s) * n[2] + h) * n[3] + c; }
+
+    Half4(int dtype_, int64_t B, int64_t S, int64_t H, int64_t D, Layout layout) : dtype(dtype_), n{B, S, H, D} {
+        int64_t total = B * S * H * D;
+        switch (layout) {
+        case HEADS_MAJOR: st[0] = H * S * D, st[1] = D, st[2] = S * D, st[3] = 1; break;
+        case COL_STRIDE2: st[0] = 2 * S * H * D, st[1] = 2 * H * D, st[2] = 2 * D, st[3] = 2, total *= 2; break;
+        case NEG_SEQ: st[0] = S * H * D, st[1] = -H * D, st[2] = D, st[3] = 1, off = (S - 1) * H * D; break;
+        case MISALIGNED: st[0] = S * H * D, st[1] = H * D, st[2] = D, st[3] = 1, off = 1, total += 1; break;
+        default: st[0] = S * H * D, st[1] = H * D, st[2] = D, st[3] = 1; break;
+        }
+        mem.assign((size_t)std::max<int64_t>(total, 1), to_bits(dtype, NAN)); // untouched elements are NaN
+    }
+    void fill_random(std::vector<double> &ref) {
+        ref.resize((size_t)count());
+        for (int64_t b = 0; b < n[0]; ++b)
+            for (int64_t s = 0; s < n[1]; ++s)
+                for (int64_t h = 0; h < n[2]; ++h)
+                    for (int64_t c = 0; c < n[3]; ++c) {
+                        const uint16_t bits = to_bits(dtype, urand());
+                        mem[(size_t)at(b, s, h, c)] = bits;
+                        ref[(size_t)lin(b, s, h, c)] = from_bits(dtype, bits);
+                    }
+    }
+    std::vector<double> values() const {
+        std::vector<double> out((size_t)count());
+        for (int64_t b = 0; b < n[0]; ++b)
+            for (int64_t s = 0; s < n[1]; ++s)
+                for (int64_t h = 0; h < n[2]; ++h)
+                    for (int64_t c = 0; c < n[3]; ++c)
+                        out[(size_t)lin(b, s, h, c)] = from_bits(dtype, mem[(size_t)at(b, s, h, c)]);
+        return out;
+    }
+};
+
+void contiguous_strides(int64_t st[4], int64_t S, int64_t H, int64_t D) {
+    st[3] = 1, st[2] = D, st[1] = H * D, st[0] = S * H * D;
+}
+
+// max |x - ref| / max(max |ref|, 1e-3); NaN anywhere gives +inf. The floor keeps tensors whose exact value
+// is zero but whose float64 reference is not quite (one key: dS = P (dP - D) = 0 up to rounding) meaningful;
+// the inputs are O(1), so 1e-3 is far below any real gradient. Exact zeros are checked separately.
+double rel_err(const std::vector<double> &x, const std::vector<double> &ref) {
+    double num = 0, den = 1e-3;
+    for (size_t i = 0; i < ref.size(); ++i) {
+        if (std::isnan(x[i]))
+            return INFINITY;
+        num = std::max(num, fabs(x[i] - ref[i]));
+        den = std::max(den, fabs(ref[i]));
+    }
+    return num / den;
+}
+
+struct Case {
+    int dtype;
+    int64_t batch, seq_q, seq_k;
+    int heads, kv_heads, head_dim;
+    int causal;
+    int64_t q_pos0, k_pos0;
+    Layout layout;
+    int lse_transposed; // LSE stored [batch][seq][heads] instead of [batch][heads][seq]
+    int accumulate;     // backward adds into preset gradients
+};
+
+std::string describe(const Case &c) {
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s B%lld Sq%lld Sk%lld H%d/%d d%d %s qp%lld kp%lld %s%s%s",
+             c.dtype == HEXISEQ_DTYPE_F16 ? "f16" : "bf16", (long long)c.batch, (long long)c.seq_q,
+             (long long)c.seq_k, c.heads, c.kv_heads, c.head_dim, c.causal ? "causal" : "full", (long long)c.q_pos0,
+             (long long)c.k_pos0, layout_name(c.layout), c.lse_transposed ? " lse-T" : "",
+             c.accumulate ? " acc" : "");
+    return buf;
+}
+
+// Everything one emulated run produces, as float64 (LSE as stored, in [batch][heads][seq] order).
+struct Outputs {
+    std::vector<double> o, lse, dq, dk, dv;
+    std::vector<uint16_t> raw_o, raw_dq, raw_dk, raw_dv;
+    std::vector<float> raw_lse;
+};
+
+struct Problem {
+    Case c;
+    Half4 q, k, v, dout;
+    std::vector<double> rq, rk, rv, rdo, rg_q, rg_k, rg_v; // values; preset gradients for accumulate
+    Problem(const Case &c_)
+        : c(c_), q(c.dtype, c.batch, c.seq_q, c.heads, c.head_dim, c.layout),
+          k(c.dtype, c.batch, c.seq_k, c.kv_heads, c.head_dim, c.layout),
+          v(c.dtype, c.batch, c.seq_k, c.kv_heads, c.head_dim, c.layout),
+          dout(c.dtype, c.batch, c.seq_q, c.heads, c.head_dim, c.layout) {
+        q.fill_random(rq);
+        k.fill_random(rk);
+        v.fill_random(rv);
+        dout.fill_random(rdo);
+        // stretch the scores so the softmax is peaked, not uniform (scale below is 1/sqrt(d) times 2)
+    }
+
+    double scale() const { return 2.0 / sqrt((double)c.head_dim); }
+
+    int64_t lse_at(int64_t b, int64_t h, int64_t s) const {
+        return c.lse_transposed ? (b * c.seq_q + s) * c.heads + h : (b * c.heads + h) * c.seq_q + s;
+    }
+    void lse_strides(int64_t ls[3]) const {
+        if (c.lse_transposed)
+            ls[0] = c.seq_q * c.heads, ls[1] = 1, ls[2] = c.heads;
+        else
+            ls[0] = c.heads * c.seq_q, ls[1] = c.seq_q, ls[2] = 1;
+    }
+
+    hexiseq_attn_params base_params() const {
+        hexiseq_attn_params p;
+        memset(&p, 0, sizeof p);
+        p.batch = c.batch, p.seq_q = c.seq_q, p.seq_k = c.seq_k, p.q_pos0 = c.q_pos0, p.k_pos0 = c.k_pos0;
+        p.scale = scale(), p.heads = c.heads, p.kv_heads = c.kv_heads, p.head_dim = c.head_dim;
+        p.causal = c.causal;
+        return p;
+    }
+
+    // float64 reference through the CPU kernels: O, LSE, and the gradients given dO (accumulate adds presets).
+    void reference(Outputs &r) {
+        const int64_t nq = c.batch * c.seq_q * c.heads * c.head_dim, nk = c.batch * c.seq_k * c.kv_heads * c.head_dim;
+        r.o.assign((size_t)nq, 0);
+        r.lse.assign((size_t)(c.batch * c.heads * c.seq_q), 0);
+        hexiseq_attn_params p = base_params();
+        p.dtype = HEXISEQ_DTYPE_F64;
+        p.q = rq.data(), p.k = rk.data(), p.v = rv.data(), p.o = r.o.data(), p.lse = r.lse.data();
+        contiguous_strides(p.q_stride, c.seq_q, c.heads, c.head_dim);
+        contiguous_strides(p.k_stride, c.seq_k, c.kv_heads, c.head_dim);
+        memcpy(p.v_stride, p.k_stride, sizeof p.k_stride);
+        memcpy(p.o_stride, p.q_stride, sizeof p.q_stride);
+        memcpy(p.do_stride, p.q_stride, sizeof p.q_stride);
+        memcpy(p.dq_stride, p.q_stride, sizeof p.q_stride);
+        memcpy(p.dk_stride, p.k_stride, sizeof p.k_stride);
+        memcpy(p.dv_stride, p.k_stride, sizeof p.k_stride);
+        p.lse_stride[0] = c.heads * c.seq_q, p.lse_stride[1] = c.seq_q, p.lse_stride[2] = 1;
+        EXPECT(hexiseq_attn_forward_cpu(&p) == HEXISEQ_OK, "reference forward: %s", hexiseq_last_error());
+        r.dq = c.accumulate ? rg_q : std::vector<double>((size_t)nq, 0.0);
+        r.dk = c.accumulate ? rg_k : std::vector<double>((size_t)nk, 0.0);
+        r.dv = c.accumulate ? rg_v : std::vector<double>((size_t)nk, 0.0);
+        p.do_ = rdo.data(), p.dq = r.dq.data(), p.dk = r.dk.data(), p.dv = r.dv.data();
+        p.accumulate = c.accumulate;
+        EXPECT(hexiseq_attn_backward_cpu(&p) == HEXISEQ_OK, "reference backward: %s", hexiseq_last_error());
+    }
+
+    // The emulated CUDA forward, then the backward from that forward's own O and LSE (as in training).
+    // Gradient presets for accumulate are drawn once (first call) and reused.
+    void emulated(Outputs &r) {
+        Half4 o(c.dtype, c.batch, c.seq_q, c.heads, c.head_dim, c.layout);
+        Half4 dq(c.dtype, c.batch, c.seq_q, c.heads, c.head_dim, c.layout);
+        Half4 dk(c.dtype, c.batch, c.seq_k, c.kv_heads, c.head_dim, c.layout);
+        Half4 dv(c.dtype, c.batch, c.seq_k, c.kv_heads, c.head_dim, c.layout);
+        std::vector<float> lse((size_t)(c.batch * c.heads * c.seq_q), NAN);
+        hexiseq_attn_params p = base_params();
+        p.dtype = c.dtype;
+        p.q = q.base(), p.k = k.base(), p.v = v.base(), p.o = o.base(), p.lse = lse.data();
+        memcpy(p.q_stride, q.st, sizeof q.st);
+        memcpy(p.k_stride, k.st, sizeof k.st);
+        memcpy(p.v_stride, v.st, sizeof v.st);
+        memcpy(p.o_stride, o.st, sizeof o.st);
+        memcpy(p.do_stride, dout.st, sizeof dout.st);
+        memcpy(p.dq_stride, dq.st, sizeof dq.st);
+        memcpy(p.dk_stride, dk.st, sizeof dk.st);
+        memcpy(p.dv_stride, dv.st, sizeof dv.st);
+        lse_strides(p.lse_stride);
+        EXPECT(hexiseq_attn_forward_cuda(&p, nullptr) == HEXISEQ_OK, "emulated forward %s: %s",
+               describe(c).c_str(), hexiseq_last_error());
+        if (c.accumulate) {
+            if (rg_q.empty()) {
+                std::vector<double> tmp;
+                dq.fill_random(rg_q);
+                dk.fill_random(rg_k);
+                dv.fill_random(rg_v);
+                (void)tmp;
+            } else {
+                for (Half4 *t : {&dq, &dk, &dv}) {
+                    const std::vector<double> &src = t == &dq ? rg_q : t == &dk ? rg_k : rg_v;
+                    for (int64_t b = 0; b < t->n[0]; ++b)
+                        for (int64_t s = 0; s < t->n[1]; ++s)
+                            for (int64_t h = 0; h < t->n[2]; ++h)
+                                for (int64_t x = 0; x < t->n[3]; ++x)
+                                    t->mem[(size_t)t->at(b, s, h, x)] = to_bits(c.dtype, src[(size_t)t->lin(b, s, h, x)]);
+                }
+            }
+        }
+        p.do_ = dout.base(), p.dq = dq.base(), p.dk = dk.base(), p.dv = dv.base();
+        p.accumulate = c.accumulate;
+        EXPECT(hexiseq_attn_backward_cuda(&p, nullptr) == HEXISEQ_OK, "emulated backward %s: %s",
+               describe(c).c_str(), hexiseq_last_error());
+        r.o = o.values(), r.dq = dq.values(), r.dk = dk.values(), r.dv = dv.values();
+        r.lse.assign(lse.size(), 0);
+        for (int64_t b = 0; b < c.batch; ++b)
+            for (int64_t h = 0; h < c.heads; ++h)
+                for (int64_t s = 0; s < c.seq_q; ++s)
+                    r.lse[(size_t)((b * c.heads + h) * c.seq_q + s)] = lse[(size_t)lse_at(b, h, s)];
+        r.raw_o = o.mem, r.raw_dq = dq.mem, r.raw_dk = dk.mem, r.raw_dv = dv.mem, r.raw_lse = lse;
+    }
+};
+
+double lse_err(const std::vector<double> &x, const std::vector<double> &ref) {
+    double worst = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+        if (ref[i] == -INFINITY) {
+            if (x[i] != -INFINITY)
+                return INFINITY; // a fully masked row must say so exactly
+            continue;
+        }
+        if (!std::isfinite(x[i]))
+            return INFINITY;
+        worst = std::max(worst, fabs(x[i] - ref[i]) / std::max(1.0, fabs(ref[i])));
+    }
+    return worst;
+}
+
+bool verbose = false;
+
+void run_case(const Case &c) {
+    Problem pr(c);
+    Outputs ref, a, b;
+    hexiseq_emu::set_schedule(hexiseq_emu::SCHEDULE_ROUND_ROBIN, 0);
+    pr.emulated(a); // first: draws the accumulate presets the reference needs
+    pr.reference(ref);
+    const double u = unit_roundoff(c.dtype);
+    const double eo = rel_err(a.o, ref.o), el = lse_err(a.lse, ref.lse);
+    const double eq = rel_err(a.dq, ref.dq), ek = rel_err(a.dk, ref.dk), ev = rel_err(a.dv, ref.dv);
+    const std::string name = describe(c);
+    if (verbose)
+        printf("  %-64s o %.2fu lse %.1e dq %.2fu dk %.2fu dv %.2fu\n", name.c_str(), eo / u, el, eq / u, ek / u,
+               ev / u);
+    EXPECT(eo <= 3 * u, "%s: forward O error %.3g > 3u = %.3g", name.c_str(), eo, 3 * u);
+    EXPECT(el <= 1e-4, "%s: LSE error %.3g > 1e-4", name.c_str(), el);
+    EXPECT(eq <= 6 * u, "%s: dQ error %.3g > 6u = %.3g", name.c_str(), eq, 6 * u);
+    EXPECT(ek <= 6 * u, "%s: dK error %.3g > 6u = %.3g", name.c_str(), ek, 6 * u);
+    EXPECT(ev <= 6 * u, "%s: dV error %.3g > 6u = %.3g", name.c_str(), ev, 6 * u);
+
+    // Fully masked rows: O exactly 0 (or the preset, for gradients nothing flows).
+    for (size_t i = 0; i < ref.lse.size(); ++i)
+        if (ref.lse[i] == -INFINITY) {
+            const int64_t s = (int64_t)(i % (size_t)c.seq_q), h = (int64_t)(i / (size_t)c.seq_q % (size_t)c.heads),
+                          bb = (int64_t)(i / (size_t)c.seq_q / (size_t)c.heads);
+            bool zero = true;
+            for (int64_t x = 0; x < c.head_dim; ++x)
+                zero = zero && a.o[(size_t)pr.q.lin(bb, s, h, x)] == 0.0;
+            EXPECT(zero, "%s: fully masked row b%lld h%lld s%lld has O != 0", name.c_str(), (long long)bb,
+                   (long long)h, (long long)s);
+        }
+
+    // Nothing visible at all: no gradient may flow, exactly (or the presets stay exactly as they were).
+    bool all_masked = true;
+    for (double l : ref.lse)
+        all_masked = all_masked && l == -INFINITY;
+    if (all_masked)
+        EXPECT(a.dq == ref.dq && a.dk == ref.dk && a.dv == ref.dv, "%s: gradients of a fully masked block are not zero",
+               name.c_str());
+
+    // The other thread schedules must give the same bits (else: a race between barriers, see emu.h).
+    static const char *names[] = {"round-robin", "lowest-first", "highest-first", "random"};
+#if defined(__SANITIZE_ADDRESS__) // the sanitizer build is there for memory errors: one more schedule is enough
+    const int first_schedule = hexiseq_emu::SCHEDULE_RANDOM;
+#else
+    const int first_schedule = hexiseq_emu::SCHEDULE_LOWEST_FIRST;
+#endif
+    for (int sch = first_schedule; sch <= hexiseq_emu::SCHEDULE_RANDOM; ++sch) {
+        hexiseq_emu::set_schedule((hexiseq_emu::Schedule)sch, 0x5eed0000ull + (uint64_t)c.seq_q * 131 + c.head_dim);
+        pr.emulated(b);
+        EXPECT(a.raw_o == b.raw_o &&
+                   memcmp(a.raw_lse.data(), b.raw_lse.data(), a.raw_lse.size() * sizeof(float)) == 0,
+               "%s: forward differs between the round-robin and %s schedules (a race)", name.c_str(), names[sch]);
+        EXPECT(a.raw_dq == b.raw_dq && a.raw_dk == b.raw_dk && a.raw_dv == b.raw_dv,
+               "%s: backward differs between the round-robin and %s schedules (a race)", name.c_str(), names[sch]);
+    }
+    hexiseq_emu::set_schedule(hexiseq_emu::SCHEDULE_ROUND_ROBIN, 0);
+}
+
+void test_attention_cases() {
+    const int BF = HEXISEQ_DTYPE_BF16, F16 = HEXISEQ_DTYPE_F16;
+    const Case cases[] = {
+        // dtype B  Sq   Sk  H  Hkv d  causal qp kp  layout  lseT acc
+        {BF, 1, 97, 97, 2, 1, 64, 1, 0, 0, CONTIG, 0, 0},          // odd size, GQA 2:1, vector loads
+        {BF, 1, 150, 150, 6, 2, 64, 1, 0, 0, CONTIG, 0, 0},        // GQA 3:1 over two kv heads
+        {F16, 1, 130, 130, 3, 3, 128, 0, 0, 0, HEADS_MAJOR, 0, 0}, // non-causal, heads-major, D=128
+        {BF, 1, 1, 1, 1, 1, 64, 1, 0, 0, CONTIG, 0, 0},            // one token
+        {BF, 2, 1, 77, 2, 2, 64, 1, 76, 0, CONTIG, 1, 0},          // decode-like: one query at the end
+        {BF, 1, 65, 200, 2, 1, 80, 1, 150, 0, CONTIG, 0, 0},       // keys before the queries (ring: earlier block)
+        {F16, 1, 97, 70, 2, 2, 20, 1, 0, 40, COL_STRIDE2, 0, 0},   // keys start inside: 40 fully masked rows
+        {F16, 1, 33, 50, 1, 1, 64, 1, 0, 100, CONTIG, 0, 0},       // keys all after the queries: all masked
+        {BF, 1, 130, 100, 2, 1, 64, 1, 0, 63, CONTIG, 0, 0},       // first visible row 63: last of a query tile
+        {F16, 1, 100, 70, 2, 2, 128, 1, 1, 32, CONTIG, 0, 0},      // same at the 32-row tiles of the D=128 backward
+        {BF, 1, 70, 45, 2, 2, 256, 1, 30, 10, NEG_SEQ, 0, 0},      // D=256, negative sequence stride
+        {F16, 2, 129, 129, 4, 1, 32, 1, 0, 0, MISALIGNED, 1, 0},   // MQA, batch 2, misaligned base
+        {BF, 1, 97, 161, 2, 1, 128, 1, 64, 0, CONTIG, 0, 1},       // accumulate into preset gradients
+        {F16, 1, 200, 90, 2, 1, 100, 0, 0, 0, HEADS_MAJOR, 0, 1},  // non-causal accumulate, d=100 (pad to 128)
+        {BF, 1, 1025, 1025, 1, 1, 128, 1, 0, 0, CONTIG, 0, 0},     // many tiles, causal diagonal
+    };
+    for (const Case &c : cases)
+        run_case(c);
+}
+
+// The merge against the CPU merge: fp32 accumulator + bf16 partials, bf16 both sides, -inf on either side.
+void test_merge() {
+    const int64_t B = 2, S = 37, H = 3, D = 72;
+    for (int variant = 0; variant < 2; ++variant) {
+        const int acc_dt = variant == 0 ? HEXISEQ_DTYPE_F32 : HEXISEQ_DTYPE_BF16, part_dt = HEXISEQ_DTYPE_BF16;
+        const size_t n = (size_t)(B * S * H * D), nl = (size_t)(B * H * S);
+        std::vector<float> acc32(n), lacc(nl), lpart(nl);
+        std::vector<uint16_t> acc16(n), part(n);
+        for (size_t i = 0; i < n; ++i) {
+            acc32[i] = (float)urand();
+            acc16[i] = hexiseq_f32_to_bf16(acc32[i]);
+            part[i] = hexiseq_f32_to_bf16((float)urand());
+        }
+        for (size_t i = 0; i < nl; ++i) {
+            lacc[i] = i % 7 == 0 ? -INFINITY : (float)(3 * urand());
+            lpart[i] = i % 5 == 0 ? -INFINITY : (float)(3 * urand());
+        }
+        if (variant == 0)
+            for (size_t i = 0; i < n; ++i)
+                if (lacc[i / (size_t)D % nl] == -INFINITY && i % 3 == 0)
+                    acc32[i] = NAN; // never read: a -inf accumulator row is replaced
+        hexiseq_attn_merge_params m;
+        memset(&m, 0, sizeof m);
+        m.batch = B, m.seq = S, m.heads = H, m.head_dim = D, m.acc_dtype = acc_dt, m.part_dtype = part_dt;
+        contiguous_strides(m.o_acc_stride, S, H, D);
+        contiguous_strides(m.o_part_stride, S, H, D);
+        m.lse_acc_stride[0] = m.lse_part_stride[0] = H * S;
+        m.lse_acc_stride[1] = m.lse_part_stride[1] = S;
+        m.lse_acc_stride[2] = m.lse_part_stride[2] = 1;
+        std::vector<float> acc32_cpu = acc32, lacc_cpu = lacc;
+        std::vector<uint16_t> acc16_cpu = acc16;
+        m.o_part = part.data(), m.lse_part = lpart.data();
+        m.o_acc = variant == 0 ? (void *)acc32_cpu.data() : (void *)acc16_cpu.data(), m.lse_acc = lacc_cpu.data();
+        EXPECT(hexiseq_attn_merge_cpu(&m) == HEXISEQ_OK, "cpu merge: %s", hexiseq_last_error());
+        m.o_acc = variant == 0 ? (void *)acc32.data() : (void *)acc16.data(), m.lse_acc = lacc.data();
+        EXPECT(hexiseq_attn_merge_cuda(&m, nullptr) == HEXISEQ_OK, "emulated merge: %s", hexiseq_last_error());
+        // Same formula in double on both: equal up to the last bit of the (float or bf16) result.
+        bool same = memcmp(lacc.data(), lacc_cpu.data(), nl * sizeof(float)) == 0;
+        same = same && (variant == 0 ? memcmp(acc32.data(), acc32_cpu.data(), n * sizeof(float)) == 0
+                                     : acc16 == acc16_cpu);
+        if (!same && variant == 0) { // allow one ulp of float (exp/log1p implementations may differ)
+            same = true;
+            for (size_t i = 0; i < n && same; ++i)
+                same = (std::isnan(acc32[i]) && std::isnan(acc32_cpu[i])) ||
+                       fabsf(acc32[i] - acc32_cpu[i]) <= 1.2e-7f * std::max(1.0f, fabsf(acc32_cpu[i]));
+            for (size_t i = 0; i < nl && same; ++i)
+                same = lacc[i] == lacc_cpu[i] || fabsf(lacc[i] - lacc_cpu[i]) <= 1.2e-7f * std::max(1.0f, fabsf(lacc_cpu[i]));
+        }
+        EXPECT(same, "merge (%s accumulator) differs from the CPU merge", variant == 0 ? "f32" : "bf16");
+    }
+}
+
+// The launchers validate like the CPU entry points and refuse what the CUDA build does not serve.
+void test_refusals() {
+    std::vector<float> x(64 * 4, 0.0f), lse(64, 0.0f);
+    hexiseq_attn_params p;
+    memset(&p, 0, sizeof p);
+    p.q = p.k = p.v = x.data(), p.o = x.data() + 64, p.lse = lse.data();
+    p.batch = 1, p.seq_q = p.seq_k = 1, p.heads = p.kv_heads = 1, p.head_dim = 64, p.scale = 0.125;
+    contiguous_strides(p.q_stride, 1, 1, 64);
+    memcpy(p.k_stride, p.q_stride, sizeof p.q_stride);
+    memcpy(p.v_stride, p.q_stride, sizeof p.q_stride);
+    memcpy(p.o_stride, p.q_stride, sizeof p.q_stride);
+    p.lse_stride[0] = p.lse_stride[1] = p.lse_stride[2] = 1;
+    p.dtype = HEXISEQ_DTYPE_F32;
+    EXPECT(hexiseq_attn_forward_cuda(&p, nullptr) == HEXISEQ_ERR_UNSUPPORTED &&
+               strstr(hexiseq_last_error(), "float32") != nullptr,
+           "float32 forward must be refused naming the dtype: %s", hexiseq_last_error());
+    p.dtype = HEXISEQ_DTYPE_BF16;
+    p.head_dim = 300;
+    EXPECT(hexiseq_attn_forward_cuda(&p, nullptr) != HEXISEQ_OK && strstr(hexiseq_last_error(), "head_dim") != nullptr,
+           "head_dim 300 must be refused naming the field: %s", hexiseq_last_error());
+}
+
+} // namespace
+
+int main(int argc, char **argv) {
+    verbose = argc > 1 && strcmp(argv[1], "-v") == 0;
+    test_refusals();
+    test_merge();
+    test_attention_cases();
+    printf("%d passed, %d failed\n", n_passed, n_failed);
+    return n_failed ? 1 : 0;
+}
