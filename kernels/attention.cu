@@ -4,9 +4,11 @@
 // resource usage read with `nvcc --resource-usage` (table below). It has NEVER BEEN RUN ON A GPU: the
 // machine it was written on has none. What has run is its logic: tests/c/test_cuda_emu.cpp compiles this
 // file unchanged as C++ against a CPU emulator of the CUDA subset used here (tests/c/cuda_emu/emu.h: blocks
-// of fiber threads, barriers, shuffles, WMMA with one legal fragment layout) and checks forward, backward
-// and merge against the CPU kernels in float64 (odd sizes, every causal offset case, GQA/MQA, padded head
-// dims, strides), under four thread schedules to expose missing barriers, with shared-memory bounds checked.
+// of fiber threads, barriers, shuffles, WMMA with one legal fragment layout, mma.sync and ldmatrix with the
+// PTX ISA's documented layouts) and checks forward, backward and merge against the CPU kernels in float64
+// (odd sizes, every causal offset case, GQA/MQA, padded head dims, strides), under four thread schedules to
+// expose missing barriers, with shared-memory bounds checked. If the emulator and this file misread the PTX
+// layouts the same way, only a GPU run shows it.
 // That cannot show speed, the hardware's fragment layout or memory ordering: tests/test_cuda_ops.py checks
 // against the CPU kernels and torch SDPA on a GPU; benchmarks/run_gpu_checks.sh runs those tests,
 // compute-sanitizer and the benchmark on a GPU machine. Until that has passed, treat the kernels as
@@ -17,7 +19,7 @@
 // the backward takes O and LSE as given and computes D = rowsum(dO * O) itself; the merge is computed in
 // double and is an exact no-op for lse_part = -inf.
 //
-// Design (FlashAttention-2 structure, written for readability, tensor cores through WMMA):
+// Design (FlashAttention-2 structure, written for readability):
 //   * dtypes: float16 and bfloat16 inputs, fp32 accumulation everywhere (S, P, O, dK, dV, dQ). float32 and
 //     float64 forward/backward return HEXISEQ_ERR_UNSUPPORTED (use the CPU kernels); the merge takes all four.
 //   * head_dim 1..256: the kernels are compiled for D = 64, 128, 256; a head_dim d is served by the smallest
@@ -25,16 +27,19 @@
 //   * strides: any element strides (negative too). Tiles are loaded with 16-byte vector loads when the
 //     head_dim stride is 1, d % 8 == 0, the base is 16-byte aligned and the other strides are multiples of 8;
 //     otherwise element by element (correct, slower).
-//   * all matrix products are done by one helper, block_gemm: C[M][N] (+)= A[M][K] B[K][N] on operands in
-//     shared memory, 16x16x16 WMMA fragments handed round-robin to the warps of the CTA, the fp32 accumulator
-//     read from / written back to shared memory. Accumulators that need per-row rescaling (O) therefore live
-//     in shared memory, where every thread knows which row an element belongs to (WMMA fragment layouts are
-//     unspecified). This costs shared-memory bandwidth, not correctness; it is the first thing to change
-//     (mma.sync with register accumulators) once the tests pass on a GPU.
-//   * forward: one CTA per (query tile of BQ = 64 rows, head, batch), 256 threads. K/V tiles of BK rows are
-//     staged in shared memory; S = Q K^T, then each warp runs the online softmax (base-2, max-subtracted) on
-//     its rows, rescales its O rows, writes P in the input dtype; then O += P V. Under the causal mask the key
-//     loop stops after the last key any query of the tile sees; the mask is applied element-wise.
+//   * forward: register-level tensor cores (mma.sync m16n8k16 + ldmatrix, layouts documented at the
+//     primitives below). One CTA of 4 warps per (query tile of 64 rows, head, batch); each warp owns 16 rows.
+//     Q and each K/V tile (64 keys, 32 at D = 256) are staged in shared memory; S = Q K^T lands in registers,
+//     the online softmax (base 2, max-subtracted) runs on registers with two quad shuffles per row, the O
+//     accumulator stays in registers and P goes from the score registers straight into O += P V as the A
+//     operand. Under the causal mask the key loop stops after the last key any query of the tile sees.
+//     Not yet done (next steps for speed): cp.async double buffering of K/V, Hopper wgmma/TMA.
+//   * the backward still uses one helper, block_gemm: C[M][N] (+)= A[M][K] B[K][N] on operands in shared
+//     memory, 16x16x16 WMMA fragments handed round-robin to the warps of the CTA, the fp32 accumulator read
+//     from / written back to shared memory. Its accumulators (dK, dV) and operands (P, dS) therefore live in
+//     shared memory, where every thread knows which row an element belongs to (WMMA fragment layouts are
+//     unspecified). This costs shared-memory bandwidth, not correctness; moving it to the forward's register
+//     design is the next step.
 //   * backward: a preprocessing kernel writes D = rowsum(dO * O) (fp32, [batch, heads, seq_q]). The main
 //     kernel has one CTA per (key tile, kv head, batch): it keeps its K, V tile and fp32 dK, dV accumulators
 //     in shared memory and loops over every query head of its GQA group and every query tile that can see
@@ -48,15 +53,17 @@
 //   * merge: one warp per (batch, head, row); lane 0 reads both LSEs, the warp updates the row, lane 0
 //     writes the new LSE last (so no thread reads an LSE another already rewrote).
 //
-// Resource usage (nvcc 13.0 --resource-usage, -O3, 256 threads per CTA; no spills in any kernel, 0 B stack):
-//   registers        fwd f16 D=64/128/256   fwd bf16          bwd f16          bwd bf16   delta  dq  merge
-//     sm_80          128 / 55 / 48          64 / 64 / 74      177/177/178      128 (all)  32     28  -
-//     sm_90          121 / 48 / 63          58 / 58 / 64      178/190/194      128 (all)  40     32  66
+// Resource usage (nvcc 13.0 --resource-usage, -O3):
+//   forward (128 threads), registers f16 = bf16, D = 64 / 128 / 256:
+//     sm_80  138 / 168 / 238   sm_90  133 / 168 / 240   (D = 128 spills 4 B (sm_80) / 16 B (sm_90), else none)
+//   backward (256 threads), registers:
+//     sm_80  f16 177/177/178, bf16 128 (all)   sm_90  f16 178/190/194, bf16 128 (all); delta 32-40, dq 28-32,
+//     merge 66; no spills, 0 B stack
 //   dynamic shared memory per CTA (opted in with cudaFuncSetAttribute on every launch):
-//     forward  D=64 (BQ 64, BK 64):  70.5 KiB   D=128 (64, 64): 110.5 KiB   D=256 (64, 32): 145.5 KiB
+//     forward  D=64: 27 KiB   D=128: 51 KiB   D=256: 66 KiB (Q [64][D+8], K and V [BK][D+8], 16-bit)
 //     backward D=64 (BQ 64, BK 64): 122.5 KiB   D=128 (32, 64): 143.3 KiB   D=256 (32, 32): 145.3 KiB
-//   All fit the 163 KiB opt-in limit of sm_80 and the 227 KiB of sm_90 (one CTA, 8 warps, per SM at most two);
-//   GPUs with less (sm_86/89: 99 KiB) get HEXISEQ_ERR_CUDA from cudaFuncSetAttribute for the larger configs.
+//   All fit the 163 KiB opt-in limit of sm_80 and the 227 KiB of sm_90; GPUs with less (sm_86/89: 99 KiB) get
+//   HEXISEQ_ERR_CUDA from cudaFuncSetAttribute for the backward.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -167,12 +174,12 @@ __device__ void block_gemm(float *c, int ldc, const T *a, int lda, const T *b, i
 
 // dst[r][c] (ld LD) = src[r * row_stride + c * col_stride] for r < n_rows, c < d; 0 elsewhere in [ROWS][D].
 // src: row 0, column 0 of the tile in global memory. vec: 16-byte loads are legal (see the file comment).
-template <typename T, int ROWS, int D, int LD>
+template <typename T, int ROWS, int D, int LD, int NT = kThreads>
 __device__ void load_tile(T *dst /* [ROWS][LD] smem */, const T *src, int64_t row_stride, int64_t col_stride,
                           int64_t n_rows, int d, bool vec) {
     if (vec) {
         constexpr int CH = D / 8; // 16-byte chunks per row
-        for (int idx = threadIdx.x; idx < ROWS * CH; idx += kThreads) {
+        for (int idx = threadIdx.x; idx < ROWS * CH; idx += NT) {
             const int r = idx / CH, c = idx % CH * 8;
             uint4 val = make_uint4(0u, 0u, 0u, 0u);
             if (r < n_rows && c < d)
@@ -180,7 +187,7 @@ __device__ void load_tile(T *dst /* [ROWS][LD] smem */, const T *src, int64_t ro
             *reinterpret_cast<uint4 *>(dst + r * LD + c) = val;
         }
     } else {
-        for (int idx = threadIdx.x; idx < ROWS * D; idx += kThreads) {
+        for (int idx = threadIdx.x; idx < ROWS * D; idx += NT) {
             const int r = idx / D, c = idx % D;
             T val = from_f32<T>(0.0f);
             if (r < n_rows && c < d)
@@ -194,28 +201,73 @@ __device__ void load_tile(T *dst /* [ROWS][LD] smem */, const T *src, int64_t ro
 constexpr int smem_round(int bytes) { return (bytes + 127) / 128 * 128; }
 
 // ------------------------------------------------------------------------------------------------
+// Register-level tensor-core primitives (the forward): mma.sync m16n8k16 with fp32 accumulators and ldmatrix.
+// Fragment layouts, g = lane / 4, t = lane % 4, two 16-bit elements per register (lower index in the low half):
+//   A (16x16): reg 0 = (row g, cols 2t, 2t+1), reg 1 = (row g+8, same), reg 2 = (row g, cols 2t+8, 2t+9),
+//              reg 3 = (row g+8, cols 2t+8, 2t+9);   B (16x8): reg 0 = (rows 2t, 2t+1; col g), reg 1 = rows + 8;
+//   C (16x8, fp32): c0, c1 = (row g, cols 2t, 2t+1), c2, c3 = (row g+8, cols 2t, 2t+1).
+// So the C fragments of two adjacent 16x8 score tiles, converted to 16 bits, are exactly the A fragment of the
+// next product (P V): the probabilities never leave registers. The CPU emulator (tests/c/cuda_emu) implements
+// the same two instructions from the same layouts.
+
+#ifdef HEXISEQ_CUDA_EMU
+template <typename T> __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                              uint32_t b1) {
+    hexiseq_emu_mma16816<std::is_same<T, __nv_bfloat16>::value>(d, a, b0, b1);
+}
+template <bool TRANS> __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void *row_address) {
+    hexiseq_emu_ldmatrix_x4<TRANS>(r, row_address);
+}
+#else
+template <typename T> __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                              uint32_t b1) {
+    if constexpr (std::is_same<T, __nv_bfloat16>::value)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                     "{%0,%1,%2,%3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                     "{%0,%1,%2,%3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// Lanes 8i .. 8i+7 give the (16-byte aligned, shared) row addresses of 8x8 matrix i, which lands in r[i].
+template <bool TRANS> __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void *row_address) {
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(row_address);
+    if constexpr (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(addr));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(addr));
+}
+#endif
+
+__device__ __forceinline__ uint32_t bits16(__half x) { return __half_as_ushort(x); }
+__device__ __forceinline__ uint32_t bits16(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
+// Two floats rounded to T and packed as one register (lo in the low half).
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    return bits16(from_f32<T>(lo)) | (bits16(from_f32<T>(hi)) << 16);
+}
+
+// ------------------------------------------------------------------------------------------------
 // Forward
 
-// Tile shapes of the forward for head dim D (see the shared-memory table in the file comment).
+// Forward tiles: 4 warps, each owning 16 query rows of the CTA's BQ = 64; K/V tiles of BK keys (32 at D = 256 to
+// keep the per-thread O accumulator, D / 2 floats, and the scores, BK / 2 floats, within the register budget).
+constexpr int kFwdThreads = 128;
+constexpr int kFwdBQ = 64;
 template <int D> struct FwdTiles {
-    static constexpr int BQ = 64;
     static constexpr int BK = D <= 128 ? 64 : 32;
-};
-
-template <int D, int BQ, int BK> struct FwdSmem {
-    static constexpr int LDT = D + 8;  // input-dtype tiles [rows][D]: row pitch 16 bytes past a multiple of 128
-    static constexpr int LDS = BK + 4; // fp32 scores [BQ][BK]
-    static constexpr int LDP = BK + 8; // input-dtype probabilities [BQ][BK]
-    static constexpr int LDO = D + 4;  // fp32 output accumulator [BQ][D]
+    static constexpr int LDT = D + 8; // row pitch of the Q, K, V tiles: 16 bytes past a multiple of 128, so the
+                                      // 8 rows an ldmatrix reads fall in different banks
     static constexpr int q = 0;
-    static constexpr int k = q + smem_round(BQ * LDT * 2);
+    static constexpr int k = q + smem_round(kFwdBQ * LDT * 2);
     static constexpr int v = k + smem_round(BK * LDT * 2);
-    static constexpr int s = v + smem_round(BK * LDT * 2);
-    static constexpr int p = s + smem_round(BQ * LDS * 4);
-    static constexpr int o = p + smem_round(BQ * LDP * 2);
-    static constexpr int m = o + smem_round(BQ * LDO * 4);
-    static constexpr int l = m + smem_round(BQ * 4);
-    static constexpr int bytes = l + smem_round(BQ * 4);
+    static constexpr int bytes = v + smem_round(BK * LDT * 2);
 };
 
 // Everything a forward CTA needs; pointers are to element [0, 0, 0, 0] of each tensor.
@@ -232,18 +284,19 @@ struct FwdArgs {
     float scale_log2;                // scale * log2(e): scores go through exp2
 };
 
-template <typename T, int D, int BQ, int BK>
-__global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const FwdArgs a) {
-    using L = FwdSmem<D, BQ, BK>;
+// One CTA per (query tile of 64 rows, head, batch). Q, then each K/V tile, are staged in shared memory; every
+// warp computes S = Q K^T for its 16 rows into registers (mma.sync), masks and scales it, runs the online softmax
+// on its registers (a row's 4 owners are the 4 lanes of a quad: max and sum need two shuffles), rescales its O
+// accumulator (registers) and adds P V with P taken straight from the score registers.
+template <typename T, int D>
+__global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) {
+    using L = FwdTiles<D>;
+    constexpr int BK = L::BK, LDT = L::LDT;
+    static_assert(D % 16 == 0 && BK % 16 == 0, "tiles are whole 16x16 mma blocks");
     extern __shared__ __align__(128) unsigned char smem[];
-    T *qs = reinterpret_cast<T *>(smem + L::q);         // [BQ][LDT] query tile
-    T *ks = reinterpret_cast<T *>(smem + L::k);         // [BK][LDT] key tile
-    T *vs = reinterpret_cast<T *>(smem + L::v);         // [BK][LDT] value tile
-    float *s = reinterpret_cast<float *>(smem + L::s);  // [BQ][LDS] raw scores Q K^T
-    T *p = reinterpret_cast<T *>(smem + L::p);          // [BQ][LDP] unnormalised probabilities
-    float *o = reinterpret_cast<float *>(smem + L::o);  // [BQ][LDO] unnormalised output
-    float *row_m = reinterpret_cast<float *>(smem + L::m); // [BQ] running max, log2 units
-    float *row_l = reinterpret_cast<float *>(smem + L::l); // [BQ] running sum of exp2(x - m)
+    T *qs = reinterpret_cast<T *>(smem + L::q); // [BQ][LDT]
+    T *ks = reinterpret_cast<T *>(smem + L::k); // [BK][LDT]
+    T *vs = reinterpret_cast<T *>(smem + L::v); // [BK][LDT]
 
     // Last query tiles first: under the causal mask they have the most keys.
     const int64_t bid = blockIdx.x;
@@ -251,92 +304,129 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const FwdArgs a) {
     const int32_t h = (int32_t)(bid / a.n_qtiles % a.heads);
     const int64_t b = bid / a.n_qtiles / a.heads;
     const int32_t hk = h / a.group;
-    const int64_t q0 = qt * BQ;
-    const int64_t nq = min((int64_t)BQ, a.seq_q - q0);
+    const int64_t q0 = qt * kFwdBQ;
+    const int64_t nq = min((int64_t)kFwdBQ, a.seq_q - q0);
 
     // Keys past the last one any query of this tile sees are skipped (they would be masked anyway).
     int64_t kend = a.seq_k;
     if (a.causal)
         kend = min(a.seq_k, max((int64_t)0, a.q_pos0 + q0 + nq - 1 - a.k_pos0 + 1));
 
-    const T *qg = static_cast<const T *>(a.q) + b * a.qs[0] + q0 * a.qs[1] + h * a.qs[2];
-    load_tile<T, BQ, D, L::LDT>(qs, qg, a.qs[1], a.qs[3], nq, a.d, a.vec_q);
-    for (int idx = threadIdx.x; idx < BQ * L::LDO; idx += kThreads)
-        o[idx] = 0.0f;
-    for (int r = threadIdx.x; r < BQ; r += kThreads) {
-        row_m[r] = -INFINITY;
-        row_l[r] = 0.0f;
-    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int row0 = warp * 16 + g;                 // this thread's rows in the tile: row0 and row0 + 8
+    const int64_t qpos0 = a.q_pos0 + q0 + row0;     // their absolute positions: qpos0 and qpos0 + 8
 
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const T *qg = static_cast<const T *>(a.q) + b * a.qs[0] + q0 * a.qs[1] + h * a.qs[2];
+    load_tile<T, kFwdBQ, D, LDT, kFwdThreads>(qs, qg, a.qs[1], a.qs[3], nq, a.d, a.vec_q);
+
+    float o[D / 8][4]; // O rows (row0, row0 + 8) x columns 8j + 2t + {0, 1}, unnormalised
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+        o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}; // running max (log2 units) of rows row0, row0 + 8
+    float l[2] = {0.0f, 0.0f};           // this thread's part of the running sum of exp2(x - m)
+
     const T *kg = static_cast<const T *>(a.k) + b * a.ks[0] + hk * a.ks[2];
     const T *vg = static_cast<const T *>(a.v) + b * a.vs[0] + hk * a.vs[2];
     for (int64_t k0 = 0; k0 < kend; k0 += BK) {
         const int64_t nk = min((int64_t)BK, kend - k0);
-        load_tile<T, BK, D, L::LDT>(ks, kg + k0 * a.ks[1], a.ks[1], a.ks[3], nk, a.d, a.vec_k);
-        load_tile<T, BK, D, L::LDT>(vs, vg + k0 * a.vs[1], a.vs[1], a.vs[3], nk, a.d, a.vec_v);
-        __syncthreads(); // Q (first pass), K, V, O, m, l ready
+        __syncthreads(); // every warp is done with the previous K, V tiles
+        load_tile<T, BK, D, LDT, kFwdThreads>(ks, kg + k0 * a.ks[1], a.ks[1], a.ks[3], nk, a.d, a.vec_k);
+        load_tile<T, BK, D, LDT, kFwdThreads>(vs, vg + k0 * a.vs[1], a.vs[1], a.vs[3], nk, a.d, a.vec_v);
+        __syncthreads(); // Q (first pass), K, V ready
 
-        block_gemm<T, BQ, BK, D, wmma::row_major, wmma::col_major>(s, L::LDS, qs, L::LDT, ks, L::LDT, false);
-        __syncthreads(); // S ready
-
-        // Online softmax: warp w owns rows w, w + kWarps, ...; lane owns columns lane, lane + 32, ...
-        for (int r = warp; r < BQ; r += kWarps) {
-            const int64_t qpos = a.q_pos0 + q0 + r;
-            float x[BK / 32];
-            float mx = -INFINITY;
+        // S = Q K^T for rows warp*16 .. +15: s[j] is the 16x8 block of keys 8j .. 8j+7.
+        float s[BK / 8][4];
 #pragma unroll
-            for (int u = 0; u < BK / 32; ++u) {
-                const int c = lane + 32 * u;
-                const bool ok = r < nq && c < nk && (!a.causal || a.k_pos0 + k0 + c <= qpos);
-                x[u] = ok ? s[r * L::LDS + c] * a.scale_log2 : -INFINITY;
-                mx = fmaxf(mx, x[u]);
-            }
-            mx = warp_max(mx);
-            const float m_old = row_m[r];
-            const float m_new = fmaxf(m_old, mx);
-            // Nothing seen yet (m_new = -inf): every p is 0 and O is still 0; use 0 to avoid inf - inf.
-            const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-            const float alpha = exp2f(m_old - m_use); // 0 when m_old = -inf
-            float sum = 0.0f;
+        for (int j = 0; j < BK / 8; ++j)
+            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
 #pragma unroll
-            for (int u = 0; u < BK / 32; ++u) {
-                const int c = lane + 32 * u;
-                const float pv = exp2f(x[u] - m_use); // 0 for masked entries
-                p[r * L::LDP + c] = from_f32<T>(pv);
-                sum += pv;
-            }
-            sum = warp_sum(sum);
-            for (int c = lane; c < D; c += 32)
-                o[r * L::LDO + c] *= alpha;
-            __syncwarp(); // every lane has read row_m[r] before lane 0 rewrites it
-            if (lane == 0) {
-                row_m[r] = m_new;
-                row_l[r] = row_l[r] * alpha + sum;
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t qa[4]; // matrices: rows 0-7 / 8-15 x columns 0-7 / 8-15 of this 16x16 block
+            ldmatrix_x4<false>(qa, qs + (warp * 16 + lane % 16) * LDT + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+            for (int j = 0; j < BK / 8; j += 2) {
+                uint32_t kb[4]; // B fragments (keys as columns) of key blocks j and j + 1
+                ldmatrix_x4<false>(kb, ks + (8 * j + 8 * (lane / 16) + lane % 8) * LDT + kk * 16 + 8 * ((lane / 8) % 2));
+                mma16816<T>(s[j], qa, kb[0], kb[1]);
+                mma16816<T>(s[j + 1], qa, kb[2], kb[3]);
             }
         }
-        __syncthreads(); // P ready, O rescaled
 
-        block_gemm<T, BQ, D, BK, wmma::row_major, wmma::row_major>(o, L::LDO, p, L::LDP, vs, L::LDT, true);
-        __syncthreads(); // O updated; K, V, S, P free for the next tile
+        // Mask and scale; row maxima over the quad (the 4 lanes holding a row).
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int j = 0; j < BK / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = 8 * j + 2 * t + (e & 1);
+                const bool ok = c < nk && (!a.causal || a.k_pos0 + k0 + c <= qpos0 + 8 * (e / 2));
+                s[j][e] = ok ? s[j][e] * a.scale_log2 : -INFINITY;
+                mx[e / 2] = fmaxf(mx[e / 2], s[j][e]);
+            }
+        float alpha[2], m_use[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+            const float m_new = fmaxf(m[i], mx[i]);
+            // Nothing seen yet (m_new = -inf): every p is 0 and O is still 0; use 0 to avoid inf - inf.
+            m_use[i] = m_new == -INFINITY ? 0.0f : m_new;
+            alpha[i] = exp2f(m[i] - m_use[i]); // 0 when m = -inf
+            m[i] = m_new;
+            l[i] *= alpha[i];
+        }
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            o[j][0] *= alpha[0], o[j][1] *= alpha[0];
+            o[j][2] *= alpha[1], o[j][3] *= alpha[1];
+        }
+#pragma unroll
+        for (int j = 0; j < BK / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[j][e] = exp2f(s[j][e] - m_use[e / 2]); // 0 where masked
+                l[e / 2] += s[j][e];
+            }
+
+        // O += P V: key block pair (2c, 2c + 1) of the scores is the A fragment of keys 16c .. 16c + 15.
+#pragma unroll
+        for (int c = 0; c < BK / 16; ++c) {
+            const uint32_t pa[4] = {pack2<T>(s[2 * c][0], s[2 * c][1]), pack2<T>(s[2 * c][2], s[2 * c][3]),
+                                    pack2<T>(s[2 * c + 1][0], s[2 * c + 1][1]),
+                                    pack2<T>(s[2 * c + 1][2], s[2 * c + 1][3])};
+#pragma unroll
+            for (int j = 0; j < D / 8; j += 2) {
+                uint32_t vb[4]; // B fragments (transposed V) of output column blocks j and j + 1
+                ldmatrix_x4<true>(vb, vs + (16 * c + 8 * ((lane / 8) % 2) + lane % 8) * LDT + 8 * j + 8 * (lane / 16));
+                mma16816<T>(o[j], pa, vb[0], vb[1]);
+                mma16816<T>(o[j + 1], pa, vb[2], vb[3]);
+            }
+        }
     }
-    if (kend <= 0)
-        __syncthreads(); // the loop did not run: the initialisation above still needs a barrier
 
-    // Epilogue: O / l and LSE = ln(l) + m ln 2, or O = 0 and LSE = -inf for a row that saw no key.
+    // Epilogue: the quad's partial sums, then O / l and LSE = (m + log2 l) ln 2, or O = 0, LSE = -inf for a row
+    // that saw no key.
     T *og = static_cast<T *>(a.o) + b * a.os[0] + q0 * a.os[1] + h * a.os[2];
-    for (int idx = threadIdx.x; idx < BQ * D; idx += kThreads) {
-        const int r = idx / D, c = idx % D;
-        if (r >= nq || c >= a.d)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+        const int r = row0 + 8 * i;
+        if (r >= nq)
             continue;
-        const float l = row_l[r];
-        const float val = l > 0.0f ? o[r * L::LDO + c] / l : 0.0f;
-        og[r * a.os[1] + c * a.os[3]] = from_f32<T>(val);
-    }
-    for (int r = threadIdx.x; r < nq; r += kThreads) {
-        const float l = row_l[r];
-        const float lse = l > 0.0f ? (row_m[r] + log2f(l)) * kLn2 : -INFINITY;
-        a.lse[b * a.ls[0] + h * a.ls[1] + (q0 + r) * a.ls[2]] = lse;
+        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int c = 8 * j + 2 * t + e;
+                if (c < a.d)
+                    og[r * a.os[1] + c * a.os[3]] = from_f32<T>(o[j][2 * i + e] * inv);
+            }
+        if (t == 0)
+            a.lse[b * a.ls[0] + h * a.ls[1] + (q0 + r) * a.ls[2]] =
+                l[i] > 0.0f ? (m[i] + log2f(l[i])) * kLn2 : -INFINITY;
     }
 }
 
@@ -623,13 +713,12 @@ hexiseq_status check_launch(const char *kernel) {
 int padded_head_dim(int32_t d) { return d <= 64 ? 64 : d <= 128 ? 128 : 256; }
 
 template <typename T, int D> hexiseq_status launch_fwd(const FwdArgs &a, int64_t blocks, cudaStream_t stream) {
-    constexpr int BQ = FwdTiles<D>::BQ, BK = FwdTiles<D>::BK;
-    constexpr int bytes = FwdSmem<D, BQ, BK>::bytes;
-    auto kernel = attn_fwd_kernel<T, D, BQ, BK>;
+    constexpr int bytes = FwdTiles<D>::bytes;
+    auto kernel = attn_fwd_kernel<T, D>;
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess)
         return cuda_fail(e, "cudaFuncSetAttribute(attn_fwd_kernel, MaxDynamicSharedMemorySize)");
-    HEXISEQ_LAUNCH(kernel, (unsigned)blocks, kThreads, bytes, stream, a);
+    HEXISEQ_LAUNCH(kernel, (unsigned)blocks, kFwdThreads, bytes, stream, a);
     return check_launch("attn_fwd_kernel launch");
 }
 
@@ -663,7 +752,7 @@ template <typename T> hexiseq_status forward_typed(const hexiseq_attn_params *p,
     a.seq_k = p->seq_k;
     a.q_pos0 = p->q_pos0;
     a.k_pos0 = p->k_pos0;
-    a.n_qtiles = ceil_div(p->seq_q, 64); // FwdTiles<D>::BQ is 64 for every D
+    a.n_qtiles = ceil_div(p->seq_q, kFwdBQ);
     a.heads = p->heads;
     a.group = p->heads / p->kv_heads;
     a.d = p->head_dim;

@@ -93,7 +93,7 @@ struct Emu {
     Schedule schedule = SCHEDULE_ROUND_ROBIN;
     uint64_t rng = 0x9e3779b97f4a7c15ull;
     unsigned char *smem = nullptr;
-    size_t smem_cap = 0;
+    size_t smem_cap = 0, smem_launch = 0; // the array's size; the running launch's dynamic size
     std::map<const void *, int> max_smem;
     cudaError_t last_error = cudaSuccess;
     ~Emu() {
@@ -341,6 +341,13 @@ void *warp_exchange_buffer(size_t bytes) {
     return &g.exchange[((size_t)f->ts.warp * 2 + (f->ts.collective & 1u)) * kExchangeBytes];
 }
 
+float half_bits_to_float(uint16_t bits, bool bf16) { return bf16 ? hexiseq_bf16_to_f32(bits) : hexiseq_f16_to_f32(bits); }
+
+bool in_shared_memory(const void *p, size_t bytes) { // within the running launch's dynamic shared memory
+    const unsigned char *q = static_cast<const unsigned char *>(p);
+    return g.smem && q >= g.smem && q + bytes <= g.smem + g.smem_launch;
+}
+
 int max_dynamic_smem(const void *kernel) {
     auto it = g.max_smem.find(kernel);
     return it == g.max_smem.end() ? kSmemDefaultLimit : it->second;
@@ -378,6 +385,7 @@ int launch(const void *kernel, const char *name, const char *where, dim3 grid, d
     g.kernel = label.c_str();
     g.body = &body;
     g.smem = shared_memory(&g.smem_cap);
+    g.smem_launch = smem;
     block_dim = block;
     grid_dim = grid;
     const uint64_t nblocks = (uint64_t)grid.x * grid.y * grid.z;

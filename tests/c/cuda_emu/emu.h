@@ -48,6 +48,7 @@
 #define __launch_bounds__(...)
 #define __shared__
 #define __align__(n) __attribute__((aligned(n)))
+#define HEXISEQ_CUDA_EMU 1 // kernels/attention.cu: use the emulator's versions of its inline-PTX wrappers
 
 #define CUDART_VERSION 13000
 
@@ -247,6 +248,74 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float> &d, const fragment
 }
 } // namespace wmma
 } // namespace nvcuda
+
+// ------------------------------------------------------------------------------------------------
+// Register-level tensor-core instructions (kernels/attention.cu calls them through small wrappers that are
+// inline PTX on the GPU and these functions here). Fragment layouts are the PTX ISA's ("Matrix Fragments for
+// mma.m16n8k16 with floating point type", "ldmatrix"), with g = lane / 4 and t = lane % 4 and 16-bit
+// elements packed two per 32-bit register, the lower-indexed element in the low half:
+//   A (16x16, row): reg 0 = (row g, cols 2t, 2t+1), reg 1 = (row g+8, same cols), reg 2 = (row g, cols 2t+8,
+//                   2t+9), reg 3 = (row g+8, cols 2t+8, 2t+9)
+//   B (16x8, col):  reg 0 = (rows 2t, 2t+1; col g), reg 1 = (rows 2t+8, 2t+9; col g)
+//   C (16x8, fp32): c0, c1 = (row g, cols 2t, 2t+1), c2, c3 = (row g+8, cols 2t, 2t+1)
+//   ldmatrix .x4: lanes 8i .. 8i+7 give the row addresses of 8x8 matrix i (16 bytes each, 16-byte aligned, in
+//                 shared memory); lane l receives in reg i the elements (row l/4, cols 2(l%4), 2(l%4)+1) of
+//                 matrix i, or with .trans those of its transpose (rows 2(l%4), 2(l%4)+1 of column l/4).
+
+namespace hexiseq_emu {
+float half_bits_to_float(uint16_t bits, bool bf16);
+bool in_shared_memory(const void *p, size_t bytes);
+} // namespace hexiseq_emu
+
+// d += A B on the warp (one m16n8k16 tile). BF16 selects the input type (else float16).
+template <bool BF16> inline void hexiseq_emu_mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    hexiseq_emu::ThreadState *th = hexiseq_emu::current_thread();
+    uint32_t *x = static_cast<uint32_t *>(hexiseq_emu::warp_exchange_buffer(32 * 6 * sizeof(uint32_t)));
+    uint32_t *mine = x + th->lane * 6;
+    mine[0] = a[0], mine[1] = a[1], mine[2] = a[2], mine[3] = a[3], mine[4] = b0, mine[5] = b1;
+    hexiseq_emu::sync_warp(0xffffffffu, "mma.sync.m16n8k16");
+    auto elem = [&](int lane, int reg, int half) {
+        const uint32_t w = x[lane * 6 + reg];
+        return hexiseq_emu::half_bits_to_float((uint16_t)(half ? w >> 16 : w & 0xffffu), BF16);
+    };
+    auto a_at = [&](int row, int col) { // owner lane, register and half of A(row, col)
+        return elem((row % 8) * 4 + (col % 8) / 2, row / 8 + 2 * (col / 8), col % 2);
+    };
+    auto b_at = [&](int k, int n) { return elem(n * 4 + (k % 8) / 2, 4 + k / 8, k % 2); };
+    const int g = th->lane / 4, t = th->lane % 4;
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+        float acc = d[i];
+        for (int k = 0; k < 16; ++k)
+            acc += a_at(row, k) * b_at(k, col);
+        d[i] = acc;
+    }
+}
+
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16
+template <bool TRANS> inline void hexiseq_emu_ldmatrix_x4(uint32_t (&r)[4], const void *row_address) {
+    hexiseq_emu::ThreadState *th = hexiseq_emu::current_thread();
+    if ((uintptr_t)row_address % 16 != 0 || !hexiseq_emu::in_shared_memory(row_address, 16))
+        hexiseq_emu::fail("ldmatrix row address %p is not a 16-byte aligned shared-memory row", row_address);
+    const uint16_t **rows = static_cast<const uint16_t **>(hexiseq_emu::warp_exchange_buffer(32 * sizeof(void *)));
+    rows[th->lane] = static_cast<const uint16_t *>(row_address);
+    hexiseq_emu::sync_warp(0xffffffffu, TRANS ? "ldmatrix.x4.trans" : "ldmatrix.x4");
+    const int l = th->lane;
+    for (int i = 0; i < 4; ++i) {
+        uint16_t lo, hi;
+        if (!TRANS) {
+            lo = rows[8 * i + l / 4][2 * (l % 4)];
+            hi = rows[8 * i + l / 4][2 * (l % 4) + 1];
+        } else {
+            lo = rows[8 * i + 2 * (l % 4)][l / 4];
+            hi = rows[8 * i + 2 * (l % 4) + 1][l / 4];
+        }
+        r[i] = (uint32_t)lo | ((uint32_t)hi << 16);
+    }
+}
+
+inline unsigned short __half_as_ushort(__half h) { return h.bits; }
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.bits; }
 
 // ------------------------------------------------------------------------------------------------
 // Runtime API: the calls kernels/attention.cu makes, on host memory.
