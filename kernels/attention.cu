@@ -124,12 +124,6 @@ __device__ void store_any(void *base, int32_t dtype, int64_t at, double x) {
     }
 }
 
-__device__ __forceinline__ float warp_max(float x) {
-    for (int o = 16; o > 0; o >>= 1)
-        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-    return x;
-}
-
 __device__ __forceinline__ float warp_sum(float x) {
     for (int o = 16; o > 0; o >>= 1)
         x += __shfl_xor_sync(0xffffffffu, x, o);
