@@ -33,7 +33,8 @@
 //     the online softmax (base 2, max-subtracted) runs on registers with two quad shuffles per row, the O
 //     accumulator stays in registers and P goes from the score registers straight into O += P V as the A
 //     operand. Under the causal mask the key loop stops after the last key any query of the tile sees.
-//     Not yet done (next steps for speed): cp.async double buffering of K/V, Hopper wgmma/TMA.
+//     K/V tiles are double-buffered with cp.async when their rows allow 16-byte copies (else loaded element by
+//     element). Not done: Hopper wgmma/TMA/warp specialisation (FlashAttention-3's techniques).
 //   * the backward still uses one helper, block_gemm: C[M][N] (+)= A[M][K] B[K][N] on operands in shared
 //     memory, 16x16x16 WMMA fragments handed round-robin to the warps of the CTA, the fp32 accumulator read
 //     from / written back to shared memory. Its accumulators (dK, dV) and operands (P, dS) therefore live in
@@ -55,12 +56,12 @@
 //
 // Resource usage (nvcc 13.0 --resource-usage, -O3):
 //   forward (128 threads), registers f16 = bf16, D = 64 / 128 / 256:
-//     sm_80  138 / 168 / 238   sm_90  133 / 168 / 240   (D = 128 spills 4 B (sm_80) / 16 B (sm_90), else none)
+//     sm_80  165 / 182 / 250   sm_90  161 / 176 / 248   (no spills, 0 B stack)
 //   backward (256 threads), registers:
 //     sm_80  f16 177/177/178, bf16 128 (all)   sm_90  f16 178/190/194, bf16 128 (all); delta 32-40, dq 28-32,
 //     merge 66; no spills, 0 B stack
 //   dynamic shared memory per CTA (opted in with cudaFuncSetAttribute on every launch):
-//     forward  D=64: 27 KiB   D=128: 51 KiB   D=256: 66 KiB (Q [64][D+8], K and V [BK][D+8], 16-bit)
+//     forward  D=64: 45 KiB   D=128: 85 KiB   D=256: 99 KiB (Q [64][D+8], 2 x K and V [BK][D+8], 16-bit)
 //     backward D=64 (BQ 64, BK 64): 122.5 KiB   D=128 (32, 64): 143.3 KiB   D=256 (32, 32): 145.3 KiB
 //   All fit the 163 KiB opt-in limit of sm_80 and the 227 KiB of sm_90; GPUs with less (sm_86/89: 99 KiB) get
 //   HEXISEQ_ERR_CUDA from cudaFuncSetAttribute for the backward.
@@ -240,6 +241,36 @@ template <bool TRANS> __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[
 }
 #endif
 
+// cp.async: 16 bytes global -> shared without passing through registers (valid = false: zero-fill, no read);
+// the copies of a thread complete by commit group, cp_async_wait<N> waiting until at most N groups are pending.
+#ifdef HEXISEQ_CUDA_EMU
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
+    hexiseq_emu::cp_async16(dst, src, valid);
+}
+__device__ __forceinline__ void cp_async_commit() { hexiseq_emu::cp_async_commit(); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { hexiseq_emu::cp_async_wait(N); }
+#else
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+#endif
+
+// load_tile's vector path through cp.async (the caller commits and waits): same zero fill, same legality rule.
+template <typename T, int ROWS, int D, int LD, int NT>
+__device__ void load_tile_async(T *dst /* [ROWS][LD] smem */, const T *src, int64_t row_stride, int64_t n_rows, int d) {
+    constexpr int CH = D / 8;
+    for (int idx = threadIdx.x; idx < ROWS * CH; idx += NT) {
+        const int r = idx / CH, c = idx % CH * 8;
+        const bool ok = r < n_rows && c < d;
+        cp_async16(dst + r * LD + c, ok ? src + r * row_stride + c : src, ok);
+    }
+}
+
 __device__ __forceinline__ uint32_t bits16(__half x) { return __half_as_ushort(x); }
 __device__ __forceinline__ uint32_t bits16(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
 // Two floats rounded to T and packed as one register (lo in the low half).
@@ -259,9 +290,10 @@ template <int D> struct FwdTiles {
     static constexpr int LDT = D + 8; // row pitch of the Q, K, V tiles: 16 bytes past a multiple of 128, so the
                                       // 8 rows an ldmatrix reads fall in different banks
     static constexpr int q = 0;
-    static constexpr int k = q + smem_round(kFwdBQ * LDT * 2);
-    static constexpr int v = k + smem_round(BK * LDT * 2);
-    static constexpr int bytes = v + smem_round(BK * LDT * 2);
+    static constexpr int kv = smem_round(BK * LDT * 2);  // one K or V tile
+    static constexpr int k = q + smem_round(kFwdBQ * LDT * 2); // K tiles 0 and 1 (double buffer), then V 0, 1
+    static constexpr int v = k + 2 * kv;
+    static constexpr int bytes = v + 2 * kv;
 };
 
 // Everything a forward CTA needs; pointers are to element [0, 0, 0, 0] of each tensor.
@@ -289,8 +321,6 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
     static_assert(D % 16 == 0 && BK % 16 == 0, "tiles are whole 16x16 mma blocks");
     extern __shared__ __align__(128) unsigned char smem[];
     T *qs = reinterpret_cast<T *>(smem + L::q); // [BQ][LDT]
-    T *ks = reinterpret_cast<T *>(smem + L::k); // [BK][LDT]
-    T *vs = reinterpret_cast<T *>(smem + L::v); // [BK][LDT]
 
     // Last query tiles first: under the causal mask they have the most keys.
     const int64_t bid = blockIdx.x;
@@ -320,14 +350,39 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
     float m[2] = {-INFINITY, -INFINITY}; // running max (log2 units) of rows row0, row0 + 8
     float l[2] = {0.0f, 0.0f};           // this thread's part of the running sum of exp2(x - m)
 
+    // K/V tiles: with 16-byte-legal rows (the usual contiguous case) they are double-buffered with cp.async, the
+    // next tile in flight while this one is used; otherwise loaded element by element into buffer 0.
     const T *kg = static_cast<const T *>(a.k) + b * a.ks[0] + hk * a.ks[2];
     const T *vg = static_cast<const T *>(a.v) + b * a.vs[0] + hk * a.vs[2];
-    for (int64_t k0 = 0; k0 < kend; k0 += BK) {
+    const bool async = a.vec_k && a.vec_v;
+    auto issue = [&](int64_t k0, int buf) {
+        const int64_t n = min((int64_t)BK, kend - k0);
+        T *kb = reinterpret_cast<T *>(smem + L::k + buf * L::kv), *vb = reinterpret_cast<T *>(smem + L::v + buf * L::kv);
+        load_tile_async<T, BK, D, LDT, kFwdThreads>(kb, kg + k0 * a.ks[1], a.ks[1], n, a.d);
+        load_tile_async<T, BK, D, LDT, kFwdThreads>(vb, vg + k0 * a.vs[1], a.vs[1], n, a.d);
+        cp_async_commit();
+    };
+    if (async && kend > 0)
+        issue(0, 0);
+    int buf = 0;
+    for (int64_t k0 = 0; k0 < kend; k0 += BK, buf ^= async ? 1 : 0) {
         const int64_t nk = min((int64_t)BK, kend - k0);
-        __syncthreads(); // every warp is done with the previous K, V tiles
-        load_tile<T, BK, D, LDT, kFwdThreads>(ks, kg + k0 * a.ks[1], a.ks[1], a.ks[3], nk, a.d, a.vec_k);
-        load_tile<T, BK, D, LDT, kFwdThreads>(vs, vg + k0 * a.vs[1], a.vs[1], a.vs[3], nk, a.d, a.vec_v);
-        __syncthreads(); // Q (first pass), K, V ready
+        const T *ks = reinterpret_cast<const T *>(smem + L::k + buf * L::kv); // [BK][LDT]
+        const T *vs = reinterpret_cast<const T *>(smem + L::v + buf * L::kv); // [BK][LDT]
+        if (async) {
+            if (k0 + BK < kend) {
+                issue(k0 + BK, buf ^ 1); // into the buffer every warp finished with last iteration
+                cp_async_wait<1>();      // this thread's copies of tile k0 are done
+            } else {
+                cp_async_wait<0>();
+            }
+        } else {
+            load_tile<T, BK, D, LDT, kFwdThreads>(const_cast<T *>(ks), kg + k0 * a.ks[1], a.ks[1], a.ks[3], nk, a.d,
+                                                  false);
+            load_tile<T, BK, D, LDT, kFwdThreads>(const_cast<T *>(vs), vg + k0 * a.vs[1], a.vs[1], a.vs[3], nk, a.d,
+                                                  false);
+        }
+        __syncthreads(); // Q (first pass), K, V of this tile visible to every thread
 
         // S = Q K^T for rows warp*16 .. +15: s[j] is the 16x8 block of keys 8j .. 8j+7.
         float s[BK / 8][4];
@@ -397,6 +452,7 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
                 mma16816<T>(o[j + 1], pa, vb[2], vb[3]);
             }
         }
+        __syncthreads(); // every warp is done with this buffer before it is refilled
     }
 
     // Epilogue: the quad's partial sums, then O / l and LSE = (m + log2 l) ln 2, or O = 0, LSE = -inf for a row

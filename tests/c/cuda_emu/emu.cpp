@@ -59,7 +59,14 @@ constexpr int kSmemOptInLimit = 166912;      // sm_80's opt-in maximum (163 KiB)
 constexpr int kSmemDefaultLimit = 48 * 1024; // without cudaFuncSetAttribute
 constexpr size_t kExchangeBytes = 2048;      // per warp and parity: mma_sync needs 512 floats
 
+struct AsyncCopy {
+    void *dst;
+    const void *src; // nullptr: zero-fill
+};
+
 struct Fiber {
+    std::vector<std::vector<AsyncCopy>> groups; // committed cp.async groups, oldest first
+    std::vector<AsyncCopy> open_group;         // issued since the last commit
     void *sp = nullptr;
     unsigned char *stack = nullptr;
     ThreadState ts{};
@@ -138,6 +145,8 @@ void fiber_main() {
 #endif
     Fiber *f = g.cur;
     (*g.body)();
+    if (!f->groups.empty() || !f->open_group.empty())
+        fail("thread exited with cp.async copies in flight (no cp.async.wait_group 0)");
     f->state = DONE;
     g.live--;
     const int w = f->ts.warp;
@@ -155,6 +164,8 @@ void fiber_main_uc() { fiber_main(); }
 #endif
 
 void start_fiber(Fiber &f) {
+    f.groups.clear();
+    f.open_group.clear();
 #if EMU_ASAN
     __asan_unpoison_memory_region(f.stack, kStackBytes); // frames left by the previous block's thread
 #endif
@@ -346,6 +357,36 @@ float half_bits_to_float(uint16_t bits, bool bf16) { return bf16 ? hexiseq_bf16_
 bool in_shared_memory(const void *p, size_t bytes) { // within the running launch's dynamic shared memory
     const unsigned char *q = static_cast<const unsigned char *>(p);
     return g.smem && q >= g.smem && q + bytes <= g.smem + g.smem_launch;
+}
+
+void cp_async16(void *dst, const void *src, bool valid) {
+    Fiber *f = g.cur;
+    if (!f)
+        fail("cp.async outside a kernel");
+    if ((uintptr_t)dst % 16 != 0 || !in_shared_memory(dst, 16))
+        fail("cp.async destination %p is not a 16-byte aligned shared-memory address", dst);
+    if (valid && (uintptr_t)src % 16 != 0)
+        fail("cp.async source %p is not 16-byte aligned", src);
+    f->open_group.push_back(AsyncCopy{dst, valid ? src : nullptr});
+}
+
+void cp_async_commit() {
+    Fiber *f = g.cur;
+    f->groups.push_back(std::move(f->open_group)); // an empty group is legal
+    f->open_group.clear();
+}
+
+void cp_async_wait(int allowed) {
+    Fiber *f = g.cur;
+    while ((int)f->groups.size() > allowed) {
+        for (const AsyncCopy &c : f->groups.front()) {
+            if (c.src)
+                memcpy(c.dst, c.src, 16);
+            else
+                memset(c.dst, 0, 16);
+        }
+        f->groups.erase(f->groups.begin());
+    }
 }
 
 int max_dynamic_smem(const void *kernel) {

@@ -314,6 +314,16 @@ template <bool TRANS> inline void hexiseq_emu_ldmatrix_x4(uint32_t (&r)[4], cons
     }
 }
 
+// cp.async (16 bytes, global -> shared; with valid = false the 16 bytes are zero-filled and nothing is read).
+// The copy is not done when issued: it is done when a cp.async.wait_group lets its group complete, so a kernel
+// that reads the destination before waiting reads stale bytes (and fails the tests). A thread may not exit
+// with copies in flight.
+namespace hexiseq_emu {
+void cp_async16(void *dst, const void *src, bool valid);
+void cp_async_commit();
+void cp_async_wait(int pending_groups_allowed);
+} // namespace hexiseq_emu
+
 inline unsigned short __half_as_ushort(__half h) { return h.bits; }
 inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.bits; }
 
