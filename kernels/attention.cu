@@ -35,36 +35,38 @@
 //     operand. Under the causal mask the key loop stops after the last key any query of the tile sees.
 //     K/V tiles are double-buffered with cp.async when their rows allow 16-byte copies (else loaded element by
 //     element). Not done: Hopper wgmma/TMA/warp specialisation (FlashAttention-3's techniques).
-//   * the backward still uses one helper, block_gemm: C[M][N] (+)= A[M][K] B[K][N] on operands in shared
-//     memory, 16x16x16 WMMA fragments handed round-robin to the warps of the CTA, the fp32 accumulator read
-//     from / written back to shared memory. Its accumulators (dK, dV) and operands (P, dS) therefore live in
-//     shared memory, where every thread knows which row an element belongs to (WMMA fragment layouts are
-//     unspecified). This costs shared-memory bandwidth, not correctness; moving it to the forward's register
-//     design is the next step.
-//   * backward: a preprocessing kernel writes D = rowsum(dO * O) (fp32, [batch, heads, seq_q]). The main
-//     kernel has one CTA per (key tile, kv head, batch): it keeps its K, V tile and fp32 dK, dV accumulators
-//     in shared memory and loops over every query head of its GQA group and every query tile that can see
-//     the key tile: S = Q K^T, P = exp(scale S - LSE) (masked), dV += P^T dO, dP = dO V^T,
-//     dS = P (dP - D), dK += dS^T Q, dQ_tile = dS K. dK, dV are written once at the end (one CTA owns each
-//     key row, so no atomics; accumulate adds to the old values). dQ: fp32 atomicAdd into a zeroed
-//     [batch, heads, seq_q, d] scratch buffer (already scaled), then a small kernel writes (or, with
-//     accumulate, adds into) dq in the input dtype. atomicAdd is the simple choice: the cost is that dQ is
-//     not bit-for-bit deterministic (summation order of fp32 adds across key tiles varies run to run).
-//     Scratch (D and the dQ accumulator) is allocated with cudaMallocAsync / cudaFreeAsync on the stream.
+//   * backward, head dims up to 128 (attn_bwd_mma_kernel): the same register design on the transposed
+//     problem. A preprocessing kernel writes D = rowsum(dO * O) (fp32, [batch, heads, seq_q]). One CTA of 4
+//     warps per (key tile of 64, kv head, batch); each warp owns 16 keys and their dK, dV accumulators in
+//     registers, and loops over every query head of its GQA group and every query tile that can see the key
+//     tile: S^T = K Q^T, P^T = exp(scale S^T - LSE) (masked), dP^T = V dO^T, dV += P^T dO,
+//     dS^T = P^T (dP^T - D), dK += dS^T Q (P^T and dS^T go from registers into the products as A operands);
+//     dS^T goes through shared memory so the 4 warps can compute dQ_tile = dS K. dK, dV are written once at
+//     the end (one thread owns each element, so no atomics; accumulate adds to the old values). dQ: fp32
+//     atomicAdd into a zeroed [batch, heads, seq_q, d] scratch buffer (already scaled), then a small kernel
+//     writes (or, with accumulate, adds into) dq in the input dtype. atomicAdd is the simple choice: the cost
+//     is that dQ is not bit-for-bit deterministic (summation order of fp32 adds across key tiles varies run to
+//     run). Scratch (D and the dQ accumulator) is allocated with cudaMallocAsync / cudaFreeAsync on the stream.
+//   * backward, head dim 256 (attn_bwd_kernel): dK and dV for 16 keys x 256 columns would not fit in
+//     registers, so this one keeps them in shared memory and does every product with block_gemm: 16x16x16
+//     WMMA fragments handed round-robin to the 8 warps, fp32 accumulators read from / written back to shared
+//     memory (WMMA fragment layouts are unspecified, so rows can only be rescaled or masked there). Same
+//     algorithm and scratch as above, with key tiles of 32 and query tiles of 32.
 //   * merge: one warp per (batch, head, row); lane 0 reads both LSEs, the warp updates the row, lane 0
 //     writes the new LSE last (so no thread reads an LSE another already rewrote).
 //
 // Resource usage (nvcc 13.0 --resource-usage, -O3):
 //   forward (128 threads), registers f16 = bf16, D = 64 / 128 / 256:
 //     sm_80  165 / 182 / 250   sm_90  161 / 176 / 248   (no spills, 0 B stack)
-//   backward (256 threads), registers:
-//     sm_80  f16 177/177/178, bf16 128 (all)   sm_90  f16 178/190/194, bf16 128 (all); delta 32-40, dq 28-32,
+//   backward D <= 128 (128 threads), registers f16 = bf16: D = 64: 240 (sm_80, sm_90, no spill);
+//     D = 128: 255 with a 20 B (sm_80) / 16 B (sm_90) spill
+//   backward D = 256 (256 threads): sm_80 f16 178, bf16 128; sm_90 f16 194, bf16 128; delta 32-40, dq 28-32,
 //     merge 66; no spills, 0 B stack
 //   dynamic shared memory per CTA (opted in with cudaFuncSetAttribute on every launch):
 //     forward  D=64: 45 KiB   D=128: 85 KiB   D=256: 99 KiB (Q [64][D+8], 2 x K and V [BK][D+8], 16-bit)
-//     backward D=64 (BQ 64, BK 64): 122.5 KiB   D=128 (32, 64): 143.3 KiB   D=256 (32, 32): 145.3 KiB
+//     backward D=64 (BQ 64): 45.5 KiB   D=128 (BQ 32): 56.3 KiB   D=256 (shared-memory kernel): 145.3 KiB
 //   All fit the 163 KiB opt-in limit of sm_80 and the 227 KiB of sm_90; GPUs with less (sm_86/89: 99 KiB) get
-//   HEXISEQ_ERR_CUDA from cudaFuncSetAttribute for the backward.
+//   HEXISEQ_ERR_CUDA from cudaFuncSetAttribute for the D = 256 backward.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -521,6 +523,7 @@ template <typename T> __global__ void attn_bwd_delta_kernel(const BwdArgs a) {
         a.delta[row] = sum;
 }
 
+// Tiles of the shared-memory backward (used for D = 256; D <= 128 goes to attn_bwd_mma_kernel below).
 template <int D> struct BwdTiles {
     static constexpr int BQ = D <= 64 ? 64 : 32;
     static constexpr int BK = D <= 128 ? 64 : 32;
@@ -670,6 +673,215 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_kernel(const BwdArgs a) {
     }
 }
 
+// Backward on register-level tensor cores (head dims up to 128; D = 256 keeps the shared-memory kernel above,
+// whose dK and dV accumulators would not fit in registers). One CTA of 4 warps per (key tile of 64, kv head,
+// batch); warp w owns keys 16w .. 16w + 15 and keeps their dK and dV in registers for the whole CTA. For every
+// query head of the GQA group and every query tile (BQ rows) that can see the key tile, each warp computes, with
+// keys as rows (the transposed problem, so that P^T and dS^T are A operands straight from registers):
+//   S^T = K Q^T, P^T = exp2(scale log2(e) S^T - LSE log2(e)) masked, dP^T = V dO^T, dV += P^T dO,
+//   dS^T = P^T (dP^T - D), dK += dS^T Q,
+// then writes dS^T (16-bit) to shared memory, and after a barrier the 4 warps compute dQ_tile = dS K (each a
+// quarter of the tile, summing over all 64 keys) and add it, scaled, into the fp32 dQ scratch with atomics.
+constexpr int kBwdThreads = 128;
+constexpr int kBwdBK = 64;
+template <int D> struct BwdMmaTiles {
+    static_assert(D == 64 || D == 128, "the register backward serves D = 64 and 128");
+    static constexpr int BQ = D == 64 ? 64 : 32; // query rows per step (the score tiles are BQ / 2 floats)
+    static constexpr int LDT = D + 8;            // Q, dO, K, V rows: 16 bytes past a multiple of 128
+    static constexpr int LDS = BQ + 8;           // dS^T rows (keys), same padding rule
+    static constexpr int k = 0;
+    static constexpr int v = k + smem_round(kBwdBK * LDT * 2);
+    static constexpr int q = v + smem_round(kBwdBK * LDT * 2);
+    static constexpr int dO = q + smem_round(BQ * LDT * 2);
+    static constexpr int ds = dO + smem_round(BQ * LDT * 2);
+    static constexpr int lse = ds + smem_round(kBwdBK * LDS * 2);
+    static constexpr int delta = lse + smem_round(BQ * 4);
+    static constexpr int bytes = delta + smem_round(BQ * 4);
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kBwdThreads) attn_bwd_mma_kernel(const BwdArgs a) {
+    using L = BwdMmaTiles<D>;
+    constexpr int BQ = L::BQ, BK = kBwdBK, LDT = L::LDT, LDS = L::LDS;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T *ks = reinterpret_cast<T *>(smem + L::k);                  // [BK][LDT]
+    T *vs = reinterpret_cast<T *>(smem + L::v);                  // [BK][LDT]
+    T *qs = reinterpret_cast<T *>(smem + L::q);                  // [BQ][LDT]
+    T *dos = reinterpret_cast<T *>(smem + L::dO);                // [BQ][LDT]
+    T *dst = reinterpret_cast<T *>(smem + L::ds);                // [BK][LDS] dS^T, unscaled
+    float *lse_s = reinterpret_cast<float *>(smem + L::lse);     // [BQ] LSE * log2(e); -inf: no key seen / past nq
+    float *delta_s = reinterpret_cast<float *>(smem + L::delta); // [BQ] D
+
+    const int64_t bid = blockIdx.x;
+    const int64_t kt = bid % a.n_ktiles;
+    const int32_t hk = (int32_t)(bid / a.n_ktiles % a.kv_heads);
+    const int64_t b = bid / a.n_ktiles / a.kv_heads;
+    const int64_t k0 = kt * BK;
+    const int64_t nk = min((int64_t)BK, a.seq_k - k0);
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int key0 = warp * 16 + g; // this thread's key rows in the tile: key0 and key0 + 8
+
+    const T *kg = static_cast<const T *>(a.k) + b * a.ks[0] + k0 * a.ks[1] + hk * a.ks[2];
+    const T *vg = static_cast<const T *>(a.v) + b * a.vs[0] + k0 * a.vs[1] + hk * a.vs[2];
+    load_tile<T, BK, D, LDT, kBwdThreads>(ks, kg, a.ks[1], a.ks[3], nk, a.d, a.vec_k);
+    load_tile<T, BK, D, LDT, kBwdThreads>(vs, vg, a.vs[1], a.vs[3], nk, a.d, a.vec_v);
+
+    float dk[D / 8][4], dv[D / 8][4]; // rows key0, key0 + 8 x columns 8j + 2t + {0, 1}; dK unscaled
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            dk[j][e] = dv[j][e] = 0.0f;
+
+    // Queries before the first key of the tile see none of it under the causal mask.
+    int64_t i_first = 0;
+    if (a.causal)
+        i_first = max((int64_t)0, a.k_pos0 + k0 - a.q_pos0);
+    const int64_t qt_first = i_first / BQ;
+
+    // The dQ quarter of this warp: query rows 16 qm .. +15, columns [dc0, dc0 + DQ).
+    constexpr int QM = BQ / 16, DQ = D / (4 / QM);
+    const int qm = warp % QM, dc0 = warp / QM * DQ;
+
+    for (int32_t h = hk * a.group; h < (hk + 1) * a.group; ++h) {
+        const T *qg = static_cast<const T *>(a.q) + b * a.qs[0] + h * a.qs[2];
+        const T *dog = static_cast<const T *>(a.do_) + b * a.dos[0] + h * a.dos[2];
+        const float *lseg = a.lse + b * a.ls[0] + h * a.ls[1];
+        const float *deltag = a.delta + (b * a.heads + h) * a.seq_q;
+        float *dqg = a.dq_acc + (b * a.heads + h) * a.seq_q * a.d;
+        for (int64_t q0 = qt_first * BQ; q0 < a.seq_q; q0 += BQ) {
+            const int64_t nq = min((int64_t)BQ, a.seq_q - q0);
+            // No barrier needed before overwriting Q, dO, LSE, D: their last readers (the previous step's dV/dK
+            // phase) are behind the previous "dS^T complete" barrier, and dS^T is rewritten only after the
+            // "ready" barrier below, which every warp reaches only after its previous dQ phase.
+            load_tile<T, BQ, D, LDT, kBwdThreads>(qs, qg + q0 * a.qs[1], a.qs[1], a.qs[3], nq, a.d, a.vec_q);
+            load_tile<T, BQ, D, LDT, kBwdThreads>(dos, dog + q0 * a.dos[1], a.dos[1], a.dos[3], nq, a.d, a.vec_do);
+            for (int r = threadIdx.x; r < BQ; r += kBwdThreads) {
+                lse_s[r] = r < nq ? lseg[(q0 + r) * a.ls[2]] * kLog2e : -INFINITY;
+                delta_s[r] = r < nq ? deltag[q0 + r] : 0.0f;
+            }
+            __syncthreads(); // K, V (first step), Q, dO, LSE, D ready
+
+            // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x BQ queries (query block j: 8j .. 8j+7).
+            float st[BQ / 8][4], dpt[BQ / 8][4];
+#pragma unroll
+            for (int j = 0; j < BQ / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    st[j][e] = dpt[j][e] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                uint32_t ka[4], va[4];
+                ldmatrix_x4<false>(ka, ks + (warp * 16 + lane % 16) * LDT + kk * 16 + (lane / 16) * 8);
+                ldmatrix_x4<false>(va, vs + (warp * 16 + lane % 16) * LDT + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+                for (int j = 0; j < BQ / 8; j += 2) {
+                    const int row = 8 * j + 8 * (lane / 16) + lane % 8, col = kk * 16 + 8 * ((lane / 8) % 2);
+                    uint32_t qb[4], db[4]; // B fragments (queries as columns) of query blocks j and j + 1
+                    ldmatrix_x4<false>(qb, qs + row * LDT + col);
+                    ldmatrix_x4<false>(db, dos + row * LDT + col);
+                    mma16816<T>(st[j], ka, qb[0], qb[1]);
+                    mma16816<T>(st[j + 1], ka, qb[2], qb[3]);
+                    mma16816<T>(dpt[j], va, db[0], db[1]);
+                    mma16816<T>(dpt[j + 1], va, db[2], db[3]);
+                }
+            }
+
+            // P^T, then dS^T = P^T (dP^T - D), in place; masked and out-of-range entries are 0.
+#pragma unroll
+            for (int j = 0; j < BQ / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int kr = key0 + 8 * (e / 2), qc = 8 * j + 2 * t + (e & 1);
+                    const float l2 = lse_s[qc];
+                    const bool ok = kr < nk && l2 != -INFINITY &&
+                                    (!a.causal || a.k_pos0 + k0 + kr <= a.q_pos0 + q0 + qc);
+                    const float pv = ok ? exp2f(st[j][e] * a.scale_log2 - l2) : 0.0f;
+                    st[j][e] = pv;
+                    dpt[j][e] = pv * (dpt[j][e] - delta_s[qc]);
+                }
+
+            // dV += P^T dO and dK += dS^T Q: query block pair (2c, 2c + 1) is the A fragment of queries 16c .. +15.
+#pragma unroll
+            for (int c = 0; c < BQ / 16; ++c) {
+                const uint32_t pa[4] = {pack2<T>(st[2 * c][0], st[2 * c][1]), pack2<T>(st[2 * c][2], st[2 * c][3]),
+                                        pack2<T>(st[2 * c + 1][0], st[2 * c + 1][1]),
+                                        pack2<T>(st[2 * c + 1][2], st[2 * c + 1][3])};
+                const uint32_t sa[4] = {pack2<T>(dpt[2 * c][0], dpt[2 * c][1]), pack2<T>(dpt[2 * c][2], dpt[2 * c][3]),
+                                        pack2<T>(dpt[2 * c + 1][0], dpt[2 * c + 1][1]),
+                                        pack2<T>(dpt[2 * c + 1][2], dpt[2 * c + 1][3])};
+#pragma unroll
+                for (int j = 0; j < D / 8; j += 2) {
+                    const int row = 16 * c + 8 * ((lane / 8) % 2) + lane % 8, col = 8 * j + 8 * (lane / 16);
+                    uint32_t db[4], qb[4]; // B fragments (transposed dO, Q) of output column blocks j and j + 1
+                    ldmatrix_x4<true>(db, dos + row * LDT + col);
+                    ldmatrix_x4<true>(qb, qs + row * LDT + col);
+                    mma16816<T>(dv[j], pa, db[0], db[1]);
+                    mma16816<T>(dv[j + 1], pa, db[2], db[3]);
+                    mma16816<T>(dk[j], sa, qb[0], qb[1]);
+                    mma16816<T>(dk[j + 1], sa, qb[2], qb[3]);
+                }
+                // dS^T to shared memory for dQ (the same rounded values that went into dK).
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int kr = key0 + 8 * (e & 1), qc = 16 * c + 8 * (e / 2) + 2 * t;
+                    *reinterpret_cast<uint32_t *>(dst + kr * LDS + qc) = sa[e];
+                }
+            }
+            __syncthreads(); // dS^T complete
+
+            // dQ quarter = dS K over the 64 keys: A[q][key] = dS^T[key][q] (ldmatrix.trans of dS^T), B = K.
+            float dq[DQ / 8][4];
+#pragma unroll
+            for (int j = 0; j < DQ / 8; ++j)
+                dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < BK / 16; ++c) {
+                uint32_t da[4]; // matrices: (keys 0-7 / 8-15) x (queries 0-7 / 8-15), landing as A regs 0..3
+                ldmatrix_x4<true>(da, dst + (16 * c + 8 * (lane / 16) + lane % 8) * LDS + 16 * qm + 8 * ((lane / 8) % 2));
+#pragma unroll
+                for (int j = 0; j < DQ / 8; j += 2) {
+                    uint32_t kb[4];
+                    ldmatrix_x4<true>(kb, ks + (16 * c + 8 * ((lane / 8) % 2) + lane % 8) * LDT + dc0 + 8 * j +
+                                              8 * (lane / 16));
+                    mma16816<T>(dq[j], da, kb[0], kb[1]);
+                    mma16816<T>(dq[j + 1], da, kb[2], kb[3]);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < DQ / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = 16 * qm + g + 8 * (e / 2), col = dc0 + 8 * j + 2 * t + (e & 1);
+                    if (r < nq && col < a.d)
+                        atomicAdd(dqg + (q0 + r) * a.d + col, dq[j][e] * a.scale);
+                }
+        }
+    }
+
+    // dK = scale dS^T Q and dV; one thread owns each element, so plain stores (accumulate: add to old values).
+    T *dkg = static_cast<T *>(a.dk) + b * a.dks[0] + k0 * a.dks[1] + hk * a.dks[2];
+    T *dvg = static_cast<T *>(a.dv) + b * a.dvs[0] + k0 * a.dvs[1] + hk * a.dvs[2];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = key0 + 8 * (e / 2), col = 8 * j + 2 * t + (e & 1);
+            if (r >= nk || col >= a.d)
+                continue;
+            T *pk = dkg + r * a.dks[1] + col * a.dks[3];
+            T *pv = dvg + r * a.dvs[1] + col * a.dvs[3];
+            float gk = dk[j][e] * a.scale, gv = dv[j][e];
+            if (a.accumulate) {
+                gk += to_f32(*pk);
+                gv += to_f32(*pv);
+            }
+            *pk = from_f32<T>(gk);
+            *pv = from_f32<T>(gv);
+        }
+}
+
 // dq[b, i, h, c] = (accumulate ? dq : 0) + dq_acc[b, h, i, c], one thread per element.
 template <typename T> __global__ void attn_bwd_dq_kernel(const BwdArgs a) {
     const int64_t n = a.batch * a.heads * a.seq_q * a.d;
@@ -772,6 +984,16 @@ template <typename T, int D> hexiseq_status launch_fwd(const FwdArgs &a, int64_t
     return check_launch("attn_fwd_kernel launch");
 }
 
+template <typename T, int D> hexiseq_status launch_bwd_mma(const BwdArgs &a, int64_t blocks, cudaStream_t stream) {
+    constexpr int bytes = BwdMmaTiles<D>::bytes;
+    auto kernel = attn_bwd_mma_kernel<T, D>;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess)
+        return cuda_fail(e, "cudaFuncSetAttribute(attn_bwd_mma_kernel, MaxDynamicSharedMemorySize)");
+    HEXISEQ_LAUNCH(kernel, (unsigned)blocks, kBwdThreads, bytes, stream, a);
+    return check_launch("attn_bwd_mma_kernel launch");
+}
+
 template <typename T, int D> hexiseq_status launch_bwd_main(const BwdArgs &a, int64_t blocks, cudaStream_t stream) {
     constexpr int BQ = BwdTiles<D>::BQ, BK = BwdTiles<D>::BK;
     constexpr int bytes = BwdSmem<D, BQ, BK>::bytes;
@@ -864,7 +1086,7 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
     a.scale_log2 = (float)(p->scale * 1.4426950408889634);
 
     const int D = padded_head_dim(p->head_dim);
-    const int BK = D <= 128 ? 64 : 32; // BwdTiles<D>::BK
+    const int BK = D <= 128 ? kBwdBK : BwdTiles<256>::BK;
     a.n_ktiles = ceil_div(p->seq_k, BK);
     const int64_t rows = p->batch * p->heads * p->seq_q;
     const int64_t main_blocks = a.n_ktiles * p->kv_heads * p->batch;
@@ -894,8 +1116,8 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
     }
     if (s == HEXISEQ_OK) {
         switch (D) {
-        case 64: s = launch_bwd_main<T, 64>(a, main_blocks, stream); break;
-        case 128: s = launch_bwd_main<T, 128>(a, main_blocks, stream); break;
+        case 64: s = launch_bwd_mma<T, 64>(a, main_blocks, stream); break;
+        case 128: s = launch_bwd_mma<T, 128>(a, main_blocks, stream); break;
         default: s = launch_bwd_main<T, 256>(a, main_blocks, stream); break;
         }
     }
