@@ -446,6 +446,11 @@ int main(int argc, char **argv) {
     test_refusals();
     test_merge();
     test_attention_cases();
+    // The tile pitches (row length + 16 bytes) are chosen so that no ldmatrix pays a bank conflict.
+    printf("ldmatrix: %llu warp calls, %llu extra passes from bank conflicts\n",
+           (unsigned long long)hexiseq_emu::ldmatrix_calls, (unsigned long long)hexiseq_emu::ldmatrix_extra_passes);
+    EXPECT(hexiseq_emu::ldmatrix_calls > 0 && hexiseq_emu::ldmatrix_extra_passes == 0,
+           "ldmatrix bank conflicts: %llu extra passes", (unsigned long long)hexiseq_emu::ldmatrix_extra_passes);
     printf("%d passed, %d failed\n", n_passed, n_failed);
     return n_failed ? 1 : 0;
 }

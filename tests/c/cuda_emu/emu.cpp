@@ -41,6 +41,7 @@ namespace hexiseq_emu {
 
 uint3 block_idx;
 dim3 block_dim, grid_dim;
+uint64_t ldmatrix_calls = 0, ldmatrix_extra_passes = 0;
 
 namespace {
 

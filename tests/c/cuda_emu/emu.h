@@ -265,6 +265,10 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float> &d, const fragment
 namespace hexiseq_emu {
 float half_bits_to_float(uint16_t bits, bool bf16);
 bool in_shared_memory(const void *p, size_t bytes);
+// Shared-memory bank conflicts of the ldmatrix calls so far: the hardware reads each 8x8 matrix (8 rows of 16
+// bytes) in one pass over the 32 four-byte banks when the 8 rows fall in distinct banks; every extra pass a
+// matrix needs is counted here (a performance defect, not a correctness one).
+extern uint64_t ldmatrix_calls, ldmatrix_extra_passes;
 } // namespace hexiseq_emu
 
 // d += A B on the warp (one m16n8k16 tile). BF16 selects the input type (else float16).
@@ -301,6 +305,19 @@ template <bool TRANS> inline void hexiseq_emu_ldmatrix_x4(uint32_t (&r)[4], cons
     rows[th->lane] = static_cast<const uint16_t *>(row_address);
     hexiseq_emu::sync_warp(0xffffffffu, TRANS ? "ldmatrix.x4.trans" : "ldmatrix.x4");
     const int l = th->lane;
+    if (l == 0) { // bank conflicts, counted once per warp
+        hexiseq_emu::ldmatrix_calls++;
+        for (int i = 0; i < 4; ++i) {
+            int use[32] = {0}, passes = 1;
+            for (int r = 0; r < 8; ++r)
+                for (int w = 0; w < 4; ++w) {
+                    const int bank = (int)(((uintptr_t)rows[8 * i + r] / 4 + w) % 32);
+                    passes = use[bank] + 1 > passes ? use[bank] + 1 : passes;
+                    use[bank]++;
+                }
+            hexiseq_emu::ldmatrix_extra_passes += (uint64_t)(passes - 1);
+        }
+    }
     for (int i = 0; i < 4; ++i) {
         uint16_t lo, hi;
         if (!TRANS) {
