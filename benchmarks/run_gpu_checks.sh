@@ -35,7 +35,8 @@ import torch
 from hexiseq import ops
 for dtype, D, causal, sq, sk, qp, kp in ((torch.bfloat16, 64, True, 97, 130, 40, 0),
                                          (torch.float16, 128, False, 33, 65, 0, 0),
-                                         (torch.bfloat16, 80, True, 70, 40, 0, 10)):
+                                         (torch.bfloat16, 80, True, 70, 40, 0, 10),
+                                         (torch.float16, 256, True, 40, 50, 10, 0)):
     q = torch.randn(2, sq, 4, D, device="cuda", dtype=dtype)
     k = torch.randn(2, sk, 2, D, device="cuda", dtype=dtype)
     v = torch.randn(2, sk, 2, D, device="cuda", dtype=dtype)
