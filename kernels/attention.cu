@@ -280,6 +280,43 @@ template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float 
     return bits16(from_f32<T>(lo)) | (bits16(from_f32<T>(hi)) << 16);
 }
 
+// The C fragments of two adjacent 16x8 blocks (columns 0-7 and 8-15), rounded to T: the A fragment of the 16x16
+// block they form.
+template <typename T>
+__device__ __forceinline__ void a_from_c(uint32_t (&a)[4], const float (&c0)[4], const float (&c1)[4]) {
+    a[0] = pack2<T>(c0[0], c0[1]);
+    a[1] = pack2<T>(c0[2], c0[3]);
+    a[2] = pack2<T>(c1[0], c1[1]);
+    a[3] = pack2<T>(c1[2], c1[3]);
+}
+
+// Fragments from 16-bit tiles in shared memory (tile[row * ld + col]), one ldmatrix.x4 each; this lane's row
+// address picks which 8x8 matrix lands in which register.
+// A fragment of the 16x16 block A[m][k] = tile[m0 + m][k0 + k].
+template <typename T> __device__ __forceinline__ void load_a(uint32_t (&a)[4], const T *tile, int ld, int m0, int k0) {
+    const int lane = threadIdx.x % 32;
+    ldmatrix_x4<false>(a, tile + (m0 + lane % 16) * ld + k0 + (lane / 16) * 8);
+}
+// A fragment of A[m][k] = tile[k0 + k][m0 + m] (the tile holds A transposed).
+template <typename T>
+__device__ __forceinline__ void load_a_trans(uint32_t (&a)[4], const T *tile, int ld, int m0, int k0) {
+    const int lane = threadIdx.x % 32;
+    ldmatrix_x4<true>(a, tile + (k0 + 8 * (lane / 16) + lane % 8) * ld + m0 + 8 * ((lane / 8) % 2));
+}
+// B fragments of the two 16x8 blocks B[k][n0 .. n0+15] when B[k][n] = tile[n][k0 + k] (tile rows are B's
+// columns, e.g. K in Q K^T): b[0], b[1] for columns n0 .. n0+7, b[2], b[3] for n0+8 .. n0+15.
+template <typename T>
+__device__ __forceinline__ void load_b_cols(uint32_t (&b)[4], const T *tile, int ld, int n0, int k0) {
+    const int lane = threadIdx.x % 32;
+    ldmatrix_x4<false>(b, tile + (n0 + 8 * (lane / 16) + lane % 8) * ld + k0 + 8 * ((lane / 8) % 2));
+}
+// The same when B[k][n] = tile[k0 + k][n] (tile rows are B's rows, e.g. V in P V).
+template <typename T>
+__device__ __forceinline__ void load_b_rows(uint32_t (&b)[4], const T *tile, int ld, int k0, int n0) {
+    const int lane = threadIdx.x % 32;
+    ldmatrix_x4<true>(b, tile + (k0 + 8 * ((lane / 8) % 2) + lane % 8) * ld + n0 + 8 * (lane / 16));
+}
+
 // ------------------------------------------------------------------------------------------------
 // Forward
 
@@ -393,12 +430,12 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
             s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-            uint32_t qa[4]; // matrices: rows 0-7 / 8-15 x columns 0-7 / 8-15 of this 16x16 block
-            ldmatrix_x4<false>(qa, qs + (warp * 16 + lane % 16) * LDT + kk * 16 + (lane / 16) * 8);
+            uint32_t qa[4];
+            load_a(qa, qs, LDT, warp * 16, kk * 16);
 #pragma unroll
             for (int j = 0; j < BK / 8; j += 2) {
-                uint32_t kb[4]; // B fragments (keys as columns) of key blocks j and j + 1
-                ldmatrix_x4<false>(kb, ks + (8 * j + 8 * (lane / 16) + lane % 8) * LDT + kk * 16 + 8 * ((lane / 8) % 2));
+                uint32_t kb[4]; // keys as columns: key blocks j and j + 1
+                load_b_cols(kb, ks, LDT, 8 * j, kk * 16);
                 mma16816<T>(s[j], qa, kb[0], kb[1]);
                 mma16816<T>(s[j + 1], qa, kb[2], kb[3]);
             }
@@ -443,13 +480,12 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
         // O += P V: key block pair (2c, 2c + 1) of the scores is the A fragment of keys 16c .. 16c + 15.
 #pragma unroll
         for (int c = 0; c < BK / 16; ++c) {
-            const uint32_t pa[4] = {pack2<T>(s[2 * c][0], s[2 * c][1]), pack2<T>(s[2 * c][2], s[2 * c][3]),
-                                    pack2<T>(s[2 * c + 1][0], s[2 * c + 1][1]),
-                                    pack2<T>(s[2 * c + 1][2], s[2 * c + 1][3])};
+            uint32_t pa[4];
+            a_from_c<T>(pa, s[2 * c], s[2 * c + 1]);
 #pragma unroll
             for (int j = 0; j < D / 8; j += 2) {
-                uint32_t vb[4]; // B fragments (transposed V) of output column blocks j and j + 1
-                ldmatrix_x4<true>(vb, vs + (16 * c + 8 * ((lane / 8) % 2) + lane % 8) * LDT + 8 * j + 8 * (lane / 16));
+                uint32_t vb[4]; // output column blocks j and j + 1
+                load_b_rows(vb, vs, LDT, 16 * c, 8 * j);
                 mma16816<T>(o[j], pa, vb[0], vb[1]);
                 mma16816<T>(o[j + 1], pa, vb[2], vb[3]);
             }
@@ -773,14 +809,13 @@ __global__ void __launch_bounds__(kBwdThreads) attn_bwd_mma_kernel(const BwdArgs
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
                 uint32_t ka[4], va[4];
-                ldmatrix_x4<false>(ka, ks + (warp * 16 + lane % 16) * LDT + kk * 16 + (lane / 16) * 8);
-                ldmatrix_x4<false>(va, vs + (warp * 16 + lane % 16) * LDT + kk * 16 + (lane / 16) * 8);
+                load_a(ka, ks, LDT, warp * 16, kk * 16);
+                load_a(va, vs, LDT, warp * 16, kk * 16);
 #pragma unroll
                 for (int j = 0; j < BQ / 8; j += 2) {
-                    const int row = 8 * j + 8 * (lane / 16) + lane % 8, col = kk * 16 + 8 * ((lane / 8) % 2);
-                    uint32_t qb[4], db[4]; // B fragments (queries as columns) of query blocks j and j + 1
-                    ldmatrix_x4<false>(qb, qs + row * LDT + col);
-                    ldmatrix_x4<false>(db, dos + row * LDT + col);
+                    uint32_t qb[4], db[4]; // queries as columns: query blocks j and j + 1
+                    load_b_cols(qb, qs, LDT, 8 * j, kk * 16);
+                    load_b_cols(db, dos, LDT, 8 * j, kk * 16);
                     mma16816<T>(st[j], ka, qb[0], qb[1]);
                     mma16816<T>(st[j + 1], ka, qb[2], qb[3]);
                     mma16816<T>(dpt[j], va, db[0], db[1]);
@@ -805,18 +840,14 @@ __global__ void __launch_bounds__(kBwdThreads) attn_bwd_mma_kernel(const BwdArgs
             // dV += P^T dO and dK += dS^T Q: query block pair (2c, 2c + 1) is the A fragment of queries 16c .. +15.
 #pragma unroll
             for (int c = 0; c < BQ / 16; ++c) {
-                const uint32_t pa[4] = {pack2<T>(st[2 * c][0], st[2 * c][1]), pack2<T>(st[2 * c][2], st[2 * c][3]),
-                                        pack2<T>(st[2 * c + 1][0], st[2 * c + 1][1]),
-                                        pack2<T>(st[2 * c + 1][2], st[2 * c + 1][3])};
-                const uint32_t sa[4] = {pack2<T>(dpt[2 * c][0], dpt[2 * c][1]), pack2<T>(dpt[2 * c][2], dpt[2 * c][3]),
-                                        pack2<T>(dpt[2 * c + 1][0], dpt[2 * c + 1][1]),
-                                        pack2<T>(dpt[2 * c + 1][2], dpt[2 * c + 1][3])};
+                uint32_t pa[4], sa[4];
+                a_from_c<T>(pa, st[2 * c], st[2 * c + 1]);
+                a_from_c<T>(sa, dpt[2 * c], dpt[2 * c + 1]);
 #pragma unroll
                 for (int j = 0; j < D / 8; j += 2) {
-                    const int row = 16 * c + 8 * ((lane / 8) % 2) + lane % 8, col = 8 * j + 8 * (lane / 16);
-                    uint32_t db[4], qb[4]; // B fragments (transposed dO, Q) of output column blocks j and j + 1
-                    ldmatrix_x4<true>(db, dos + row * LDT + col);
-                    ldmatrix_x4<true>(qb, qs + row * LDT + col);
+                    uint32_t db[4], qb[4]; // output column blocks j and j + 1
+                    load_b_rows(db, dos, LDT, 16 * c, 8 * j);
+                    load_b_rows(qb, qs, LDT, 16 * c, 8 * j);
                     mma16816<T>(dv[j], pa, db[0], db[1]);
                     mma16816<T>(dv[j + 1], pa, db[2], db[3]);
                     mma16816<T>(dk[j], sa, qb[0], qb[1]);
@@ -838,13 +869,12 @@ __global__ void __launch_bounds__(kBwdThreads) attn_bwd_mma_kernel(const BwdArgs
                 dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.0f;
 #pragma unroll
             for (int c = 0; c < BK / 16; ++c) {
-                uint32_t da[4]; // matrices: (keys 0-7 / 8-15) x (queries 0-7 / 8-15), landing as A regs 0..3
-                ldmatrix_x4<true>(da, dst + (16 * c + 8 * (lane / 16) + lane % 8) * LDS + 16 * qm + 8 * ((lane / 8) % 2));
+                uint32_t da[4];
+                load_a_trans(da, dst, LDS, 16 * qm, 16 * c);
 #pragma unroll
                 for (int j = 0; j < DQ / 8; j += 2) {
                     uint32_t kb[4];
-                    ldmatrix_x4<true>(kb, ks + (16 * c + 8 * ((lane / 8) % 2) + lane % 8) * LDT + dc0 + 8 * j +
-                                              8 * (lane / 16));
+                    load_b_rows(kb, ks, LDT, 16 * c, dc0 + 8 * j);
                     mma16816<T>(dq[j], da, kb[0], kb[1]);
                     mma16816<T>(dq[j + 1], da, kb[2], kb[3]);
                 }

@@ -162,9 +162,9 @@ struct Problem {
         k.fill_random(rk);
         v.fill_random(rv);
         dout.fill_random(rdo);
-        // stretch the scores so the softmax is peaked, not uniform (scale below is 1/sqrt(d) times 2)
     }
 
+    // twice the usual 1/sqrt(d): peaked softmax rows, so a wrong max or rescale shows
     double scale() const { return 2.0 / sqrt((double)c.head_dim); }
 
     int64_t lse_at(int64_t b, int64_t h, int64_t s) const {
@@ -236,11 +236,9 @@ struct Problem {
                describe(c).c_str(), hexiseq_last_error());
         if (c.accumulate) {
             if (rg_q.empty()) {
-                std::vector<double> tmp;
                 dq.fill_random(rg_q);
                 dk.fill_random(rg_k);
                 dv.fill_random(rg_v);
-                (void)tmp;
             } else {
                 for (Half4 *t : {&dq, &dk, &dv}) {
                     const std::vector<double> &src = t == &dq ? rg_q : t == &dk ? rg_k : rg_v;
