@@ -49,11 +49,19 @@ double from_bits(int dtype, uint16_t b) {
 }
 double unit_roundoff(int dtype) { return dtype == HEXISEQ_DTYPE_F16 ? 0x1.0p-11 : 0x1.0p-8; }
 
-// How a [B, S, H, D] tensor lies in memory.
-enum Layout { CONTIG, HEADS_MAJOR, COL_STRIDE2, NEG_SEQ, MISALIGNED };
+// How a [B, S, H, D] tensor lies in memory. MIXED_K and MIXED_Q give each tensor its own layout (see for_role):
+// the kernels decide per tensor whether 16-byte (and cp.async) loads are legal.
+enum Layout { CONTIG, HEADS_MAJOR, COL_STRIDE2, NEG_SEQ, MISALIGNED, MIXED_K, MIXED_Q };
 const char *layout_name(Layout l) {
-    static const char *names[] = {"contig", "heads-major", "col-stride-2", "neg-seq", "misaligned"};
+    static const char *names[] = {"contig", "heads-major", "col-stride-2", "neg-seq", "misaligned", "mixed-k",
+                                  "mixed-q"};
     return names[l];
+}
+enum Role { Q, K, V, DO, O, DQ, DK, DV };
+Layout for_role(Layout l, Role r) {
+    static const Layout mixed_k[] = {CONTIG, COL_STRIDE2, CONTIG, HEADS_MAJOR, NEG_SEQ, MISALIGNED, HEADS_MAJOR, CONTIG};
+    static const Layout mixed_q[] = {MISALIGNED, HEADS_MAJOR, NEG_SEQ, COL_STRIDE2, CONTIG, CONTIG, NEG_SEQ, MISALIGNED};
+    return l == MIXED_K ? mixed_k[r] : l == MIXED_Q ? mixed_q[r] : l;
 }
 
 // A 16-bit [B, S, H, D] tensor in some layout; `ref` holds its values (as stored) contiguously in float64.
@@ -154,10 +162,10 @@ struct Problem {
     Half4 q, k, v, dout;
     std::vector<double> rq, rk, rv, rdo, rg_q, rg_k, rg_v; // values; preset gradients for accumulate
     Problem(const Case &c_)
-        : c(c_), q(c.dtype, c.batch, c.seq_q, c.heads, c.head_dim, c.layout),
-          k(c.dtype, c.batch, c.seq_k, c.kv_heads, c.head_dim, c.layout),
-          v(c.dtype, c.batch, c.seq_k, c.kv_heads, c.head_dim, c.layout),
-          dout(c.dtype, c.batch, c.seq_q, c.heads, c.head_dim, c.layout) {
+        : c(c_), q(c.dtype, c.batch, c.seq_q, c.heads, c.head_dim, for_role(c.layout, Q)),
+          k(c.dtype, c.batch, c.seq_k, c.kv_heads, c.head_dim, for_role(c.layout, K)),
+          v(c.dtype, c.batch, c.seq_k, c.kv_heads, c.head_dim, for_role(c.layout, V)),
+          dout(c.dtype, c.batch, c.seq_q, c.heads, c.head_dim, for_role(c.layout, DO)) {
         q.fill_random(rq);
         k.fill_random(rk);
         v.fill_random(rv);
@@ -215,10 +223,10 @@ struct Problem {
     // The emulated CUDA forward, then the backward from that forward's own O and LSE (as in training).
     // Gradient presets for accumulate are drawn once (first call) and reused.
     void emulated(Outputs &r) {
-        Half4 o(c.dtype, c.batch, c.seq_q, c.heads, c.head_dim, c.layout);
-        Half4 dq(c.dtype, c.batch, c.seq_q, c.heads, c.head_dim, c.layout);
-        Half4 dk(c.dtype, c.batch, c.seq_k, c.kv_heads, c.head_dim, c.layout);
-        Half4 dv(c.dtype, c.batch, c.seq_k, c.kv_heads, c.head_dim, c.layout);
+        Half4 o(c.dtype, c.batch, c.seq_q, c.heads, c.head_dim, for_role(c.layout, O));
+        Half4 dq(c.dtype, c.batch, c.seq_q, c.heads, c.head_dim, for_role(c.layout, DQ));
+        Half4 dk(c.dtype, c.batch, c.seq_k, c.kv_heads, c.head_dim, for_role(c.layout, DK));
+        Half4 dv(c.dtype, c.batch, c.seq_k, c.kv_heads, c.head_dim, for_role(c.layout, DV));
         std::vector<float> lse((size_t)(c.batch * c.heads * c.seq_q), NAN);
         hexiseq_attn_params p = base_params();
         p.dtype = c.dtype;
@@ -358,6 +366,8 @@ void test_attention_cases() {
         {BF, 1, 97, 161, 2, 1, 128, 1, 64, 0, CONTIG, 0, 1},       // accumulate into preset gradients
         {F16, 1, 200, 90, 2, 1, 100, 0, 0, 0, HEADS_MAJOR, 0, 1},  // non-causal accumulate, d=100 (pad to 128)
         {BF, 1, 1025, 1025, 1, 1, 128, 1, 0, 0, CONTIG, 0, 0},     // many tiles, causal diagonal
+        {BF, 2, 150, 140, 4, 2, 64, 1, 20, 0, MIXED_K, 1, 1},      // K element loads, V / Q cp.async-legal
+        {F16, 1, 150, 140, 4, 2, 128, 0, 0, 0, MIXED_Q, 0, 0},     // Q, dO element loads, K legal
     };
     for (const Case &c : cases)
         run_case(c);
