@@ -41,7 +41,8 @@
 //     registers, and loops over every query head of its GQA group and every query tile that can see the key
 //     tile: S^T = K Q^T, P^T = exp(scale S^T - LSE) (masked), dP^T = V dO^T, dV += P^T dO,
 //     dS^T = P^T (dP^T - D), dK += dS^T Q (P^T and dS^T go from registers into the products as A operands);
-//     dS^T goes through shared memory so the 4 warps can compute dQ_tile = dS K. dK, dV are written once at
+//     dS^T goes through shared memory so the 4 warps can compute dQ_tile = dS K. Q and dO tiles are
+//     double-buffered with cp.async when legal, the next step's in flight. dK, dV are written once at
 //     the end (one thread owns each element, so no atomics; accumulate adds to the old values). dQ: fp32
 //     atomicAdd into a zeroed [batch, heads, seq_q, d] scratch buffer (already scaled), then a small kernel
 //     writes (or, with accumulate, adds into) dq in the input dtype. atomicAdd is the simple choice: the cost
@@ -58,13 +59,13 @@
 // Resource usage (nvcc 13.0 --resource-usage, -O3):
 //   forward (128 threads), registers f16 = bf16, D = 64 / 128 / 256:
 //     sm_80  165 / 182 / 250   sm_90  161 / 176 / 248   (no spills, 0 B stack)
-//   backward D <= 128 (128 threads), registers f16 = bf16: D = 64: 240 (sm_80, sm_90, no spill);
-//     D = 128: 255 with a 20 B (sm_80) / 16 B (sm_90) spill
+//   backward D <= 128 (128 threads), registers f16 = bf16: 244 to 255, spills of at most 8 B (D = 128 on sm_80,
+//     D = 64 on sm_90; the dK, dV accumulators take D floats per thread)
 //   backward D = 256 (256 threads): sm_80 f16 178, bf16 128; sm_90 f16 194, bf16 128; delta 32-40, dq 28-32,
 //     merge 66; no spills, 0 B stack
 //   dynamic shared memory per CTA (opted in with cudaFuncSetAttribute on every launch):
 //     forward  D=64: 45 KiB   D=128: 85 KiB   D=256: 99 KiB (Q [64][D+8], 2 x K and V [BK][D+8], 16-bit)
-//     backward D=64 (BQ 64): 45.5 KiB   D=128 (BQ 32): 56.3 KiB   D=256 (shared-memory kernel): 145.3 KiB
+//     backward D=64 (BQ 64): 63.5 KiB   D=128 (BQ 32): 73.3 KiB (2 x Q and dO tiles)   D=256: 145.3 KiB
 //   All fit the 163 KiB opt-in limit of sm_80 and the 227 KiB of sm_90; GPUs with less (sm_86/89: 99 KiB) get
 //   HEXISEQ_ERR_CUDA from cudaFuncSetAttribute for the D = 256 backward.
 #include <cuda_bf16.h>
@@ -725,11 +726,12 @@ template <int D> struct BwdMmaTiles {
     static constexpr int BQ = D == 64 ? 64 : 32; // query rows per step (the score tiles are BQ / 2 floats)
     static constexpr int LDT = D + 8;            // Q, dO, K, V rows: 16 bytes past a multiple of 128
     static constexpr int LDS = BQ + 8;           // dS^T rows (keys), same padding rule
+    static constexpr int qt = smem_round(BQ * LDT * 2); // one Q or dO tile
     static constexpr int k = 0;
     static constexpr int v = k + smem_round(kBwdBK * LDT * 2);
-    static constexpr int q = v + smem_round(kBwdBK * LDT * 2);
-    static constexpr int dO = q + smem_round(BQ * LDT * 2);
-    static constexpr int ds = dO + smem_round(BQ * LDT * 2);
+    static constexpr int q = v + smem_round(kBwdBK * LDT * 2); // Q tiles 0 and 1 (double buffer), then dO 0, 1
+    static constexpr int dO = q + 2 * qt;
+    static constexpr int ds = dO + 2 * qt;
     static constexpr int lse = ds + smem_round(kBwdBK * LDS * 2);
     static constexpr int delta = lse + smem_round(BQ * 4);
     static constexpr int bytes = delta + smem_round(BQ * 4);
@@ -742,8 +744,6 @@ __global__ void __launch_bounds__(kBwdThreads) attn_bwd_mma_kernel(const BwdArgs
     extern __shared__ __align__(128) unsigned char smem[];
     T *ks = reinterpret_cast<T *>(smem + L::k);                  // [BK][LDT]
     T *vs = reinterpret_cast<T *>(smem + L::v);                  // [BK][LDT]
-    T *qs = reinterpret_cast<T *>(smem + L::q);                  // [BQ][LDT]
-    T *dos = reinterpret_cast<T *>(smem + L::dO);                // [BQ][LDT]
     T *dst = reinterpret_cast<T *>(smem + L::ds);                // [BK][LDS] dS^T, unscaled
     float *lse_s = reinterpret_cast<float *>(smem + L::lse);     // [BQ] LSE * log2(e); -inf: no key seen / past nq
     float *delta_s = reinterpret_cast<float *>(smem + L::delta); // [BQ] D
@@ -780,19 +780,53 @@ __global__ void __launch_bounds__(kBwdThreads) attn_bwd_mma_kernel(const BwdArgs
     constexpr int QM = BQ / 16, DQ = D / (4 / QM);
     const int qm = warp % QM, dc0 = warp / QM * DQ;
 
-    for (int32_t h = hk * a.group; h < (hk + 1) * a.group; ++h) {
-        const T *qg = static_cast<const T *>(a.q) + b * a.qs[0] + h * a.qs[2];
-        const T *dog = static_cast<const T *>(a.do_) + b * a.dos[0] + h * a.dos[2];
-        const float *lseg = a.lse + b * a.ls[0] + h * a.ls[1];
-        const float *deltag = a.delta + (b * a.heads + h) * a.seq_q;
-        float *dqg = a.dq_acc + (b * a.heads + h) * a.seq_q * a.d;
-        for (int64_t q0 = qt_first * BQ; q0 < a.seq_q; q0 += BQ) {
+    // The steps: every query head of the group x every query tile from qt_first on. Q and dO tiles are
+    // double-buffered with cp.async when their rows allow 16-byte copies (the next step's tiles load during this
+    // one, across head boundaries too); otherwise loaded element by element into buffer 0.
+    const int64_t n_qt = max((int64_t)0, (a.seq_q + BQ - 1) / BQ - qt_first);
+    const int64_t n_steps = (int64_t)a.group * n_qt;
+    const bool async = a.vec_q && a.vec_do;
+    auto q_tile = [&](int buf) { return reinterpret_cast<T *>(smem + L::q + buf * L::qt); };   // [BQ][LDT]
+    auto do_tile = [&](int buf) { return reinterpret_cast<T *>(smem + L::dO + buf * L::qt); }; // [BQ][LDT]
+    auto q_src = [&](int32_t h, int64_t q0) {
+        return static_cast<const T *>(a.q) + b * a.qs[0] + h * a.qs[2] + q0 * a.qs[1];
+    };
+    auto do_src = [&](int32_t h, int64_t q0) {
+        return static_cast<const T *>(a.do_) + b * a.dos[0] + h * a.dos[2] + q0 * a.dos[1];
+    };
+    auto prefetch = [&](int64_t step, int buf) {
+        const int32_t h = hk * a.group + (int32_t)(step / n_qt);
+        const int64_t q0 = (qt_first + step % n_qt) * BQ, nq = min((int64_t)BQ, a.seq_q - q0);
+        load_tile_async<T, BQ, D, LDT, kBwdThreads>(q_tile(buf), q_src(h, q0), a.qs[1], nq, a.d);
+        load_tile_async<T, BQ, D, LDT, kBwdThreads>(do_tile(buf), do_src(h, q0), a.dos[1], nq, a.d);
+        cp_async_commit();
+    };
+    if (async && n_steps > 0)
+        prefetch(0, 0);
+    int buf = 0;
+    for (int64_t step = 0; step < n_steps; ++step, buf ^= async ? 1 : 0) {
+        {
+            const int32_t h = hk * a.group + (int32_t)(step / n_qt);
+            const int64_t q0 = (qt_first + step % n_qt) * BQ;
             const int64_t nq = min((int64_t)BQ, a.seq_q - q0);
-            // No barrier needed before overwriting Q, dO, LSE, D: their last readers (the previous step's dV/dK
-            // phase) are behind the previous "dS^T complete" barrier, and dS^T is rewritten only after the
-            // "ready" barrier below, which every warp reaches only after its previous dQ phase.
-            load_tile<T, BQ, D, LDT, kBwdThreads>(qs, qg + q0 * a.qs[1], a.qs[1], a.qs[3], nq, a.d, a.vec_q);
-            load_tile<T, BQ, D, LDT, kBwdThreads>(dos, dog + q0 * a.dos[1], a.dos[1], a.dos[3], nq, a.d, a.vec_do);
+            const float *lseg = a.lse + b * a.ls[0] + h * a.ls[1];
+            const float *deltag = a.delta + (b * a.heads + h) * a.seq_q;
+            float *dqg = a.dq_acc + (b * a.heads + h) * a.seq_q * a.d;
+            const T *qs = q_tile(buf), *dos = do_tile(buf);
+            // No barrier is needed before refilling a Q/dO buffer or LSE, D: their last readers (the dV/dK phase
+            // of an earlier step) are behind that step's "dS^T complete" barrier, and dS^T is rewritten only
+            // after the "ready" barrier below, which every warp reaches only after its previous dQ phase.
+            if (async) {
+                if (step + 1 < n_steps) {
+                    prefetch(step + 1, buf ^ 1);
+                    cp_async_wait<1>(); // this thread's copies for this step are done
+                } else {
+                    cp_async_wait<0>();
+                }
+            } else {
+                load_tile<T, BQ, D, LDT, kBwdThreads>(q_tile(0), q_src(h, q0), a.qs[1], a.qs[3], nq, a.d, false);
+                load_tile<T, BQ, D, LDT, kBwdThreads>(do_tile(0), do_src(h, q0), a.dos[1], a.dos[3], nq, a.d, false);
+            }
             for (int r = threadIdx.x; r < BQ; r += kBwdThreads) {
                 lse_s[r] = r < nq ? lseg[(q0 + r) * a.ls[2]] * kLog2e : -INFINITY;
                 delta_s[r] = r < nq ? deltag[q0 + r] : 0.0f;
