@@ -709,50 +709,51 @@ static int check_positions(long long q_pos0, long long k_pos0) {
     return 0;
 }
 
-/* attention_forward(q, k, v, out, lse, causal, q_pos0, k_pos0, scale) -> None; writes out and lse.
- * attention_forward_cuda(..., scale, stream): the same on CUDA tensors, enqueued on the cudaStream_t `stream`. */
-static PyObject *attention_forward_impl(PyObject *module, PyObject *args, int cuda) {
-    PyObject *q, *k, *v, *o, *lse;
-    int causal;
+/* The part forward and backward share once their arguments are parsed: import the tensors a[0 .. n) (their
+ * views land in *views), build the params, run the CPU or CUDA kernel with the GIL released, release every
+ * import exactly once. Returns None or NULL with an exception set. */
+typedef struct {
+    int causal, accumulate;
     long long q_pos0, k_pos0;
     double scale;
-    unsigned long long stream = 0;
-    if (cuda ? !PyArg_ParseTuple(args, "OOOOOpLLdK:attention_forward_cuda", &q, &k, &v, &o, &lse, &causal, &q_pos0,
-                                 &k_pos0, &scale, &stream)
-             : !PyArg_ParseTuple(args, "OOOOOpLLd:attention_forward", &q, &k, &v, &o, &lse, &causal, &q_pos0, &k_pos0,
-                                 &scale))
-        return NULL;
+    unsigned long long stream;
+} attn_call;
+
+static PyObject *run_attention(PyObject *module, const dl_arg *a, int n, hexiseq_attn_views *views, int cuda,
+                               int backward, const attn_call *c) {
     if (cuda && dl_require_cuda_build(module) < 0)
         return NULL;
-    if (check_positions(q_pos0, k_pos0) < 0)
+    if (check_positions(c->q_pos0, c->k_pos0) < 0)
         return NULL;
-    hexiseq_attn_views views;
-    memset(&views, 0, sizeof views);
-    const dl_arg a[] = {
-        {q, "q", 4, DL_QKV, 0, &views.q},     {k, "k", 4, DL_QKV, 0, &views.k},
-        {v, "v", 4, DL_QKV, 0, &views.v},     {o, "out", 4, DL_QKV, 1, &views.o},
-        {lse, "lse", 3, DL_LSE, 1, &views.lse},
-    };
-    enum { N = sizeof a / sizeof a[0] };
-    dl_held held[N];
+    enum { MAX_TENSORS = 9 }; /* the backward's q, k, v, out, lse, dout, dq, dk, dv */
+    dl_held held[MAX_TENSORS];
+    if (n > MAX_TENSORS) {
+        PyErr_Format(PyExc_SystemError, "run_attention: %d tensors, at most %d", n, (int)MAX_TENSORS);
+        return NULL;
+    }
     memset(held, 0, sizeof held);
     PyObject *ret = NULL;
-    if (dl_import_all(module, a, N, cuda, held) < 0)
+    if (dl_import_all(module, a, n, cuda, held) < 0)
         goto done;
     hexiseq_attn_params p;
     int empty = 0;
-    hexiseq_status s = hexiseq_attn_params_from_views(&views, 0, &p, &empty);
+    hexiseq_status s = hexiseq_attn_params_from_views(views, backward, &p, &empty);
     if (s != HEXISEQ_OK) {
         raise_status(module, s);
         goto done;
     }
-    p.causal = causal;
-    p.q_pos0 = q_pos0;
-    p.k_pos0 = k_pos0;
-    p.scale = scale;
+    p.causal = c->causal;
+    p.q_pos0 = c->q_pos0;
+    p.k_pos0 = c->k_pos0;
+    p.scale = c->scale;
+    p.accumulate = backward ? c->accumulate : 0;
     if (!empty) {
-        Py_BEGIN_ALLOW_THREADS s = cuda ? hexiseq_attn_forward_cuda(&p, (void *)(uintptr_t)stream)
-                                        : hexiseq_attn_forward_cpu(&p);
+        void *stream = (void *)(uintptr_t)c->stream;
+        Py_BEGIN_ALLOW_THREADS
+        if (backward)
+            s = cuda ? hexiseq_attn_backward_cuda(&p, stream) : hexiseq_attn_backward_cpu(&p);
+        else
+            s = cuda ? hexiseq_attn_forward_cuda(&p, stream) : hexiseq_attn_forward_cpu(&p);
         Py_END_ALLOW_THREADS
         if (s != HEXISEQ_OK) {
             raise_status(module, s);
@@ -762,26 +763,39 @@ static PyObject *attention_forward_impl(PyObject *module, PyObject *args, int cu
     Py_INCREF(Py_None);
     ret = Py_None;
 done:
-    dl_release_all(held, N);
+    dl_release_all(held, n);
     return ret;
+}
+
+/* attention_forward(q, k, v, out, lse, causal, q_pos0, k_pos0, scale) -> None; writes out and lse.
+ * attention_forward_cuda(..., scale, stream): the same on CUDA tensors, enqueued on the cudaStream_t `stream`. */
+static PyObject *attention_forward_impl(PyObject *module, PyObject *args, int cuda) {
+    PyObject *q, *k, *v, *o, *lse;
+    attn_call c = {0, 0, 0, 0, 0.0, 0};
+    if (cuda ? !PyArg_ParseTuple(args, "OOOOOpLLdK:attention_forward_cuda", &q, &k, &v, &o, &lse, &c.causal,
+                                 &c.q_pos0, &c.k_pos0, &c.scale, &c.stream)
+             : !PyArg_ParseTuple(args, "OOOOOpLLd:attention_forward", &q, &k, &v, &o, &lse, &c.causal, &c.q_pos0,
+                                 &c.k_pos0, &c.scale))
+        return NULL;
+    hexiseq_attn_views views;
+    memset(&views, 0, sizeof views);
+    const dl_arg a[] = {
+        {q, "q", 4, DL_QKV, 0, &views.q},     {k, "k", 4, DL_QKV, 0, &views.k},
+        {v, "v", 4, DL_QKV, 0, &views.v},     {o, "out", 4, DL_QKV, 1, &views.o},
+        {lse, "lse", 3, DL_LSE, 1, &views.lse},
+    };
+    return run_attention(module, a, (int)(sizeof a / sizeof a[0]), &views, cuda, 0, &c);
 }
 
 /* attention_backward(q, k, v, out, lse, dout, dq, dk, dv, causal, q_pos0, k_pos0, scale, accumulate) -> None;
  * writes (or adds into) dq, dk, dv. attention_backward_cuda(..., accumulate, stream): the same on CUDA tensors. */
 static PyObject *attention_backward_impl(PyObject *module, PyObject *args, int cuda) {
     PyObject *q, *k, *v, *o, *lse, *dout, *dq, *dk, *dv;
-    int causal, accumulate;
-    long long q_pos0, k_pos0;
-    double scale;
-    unsigned long long stream = 0;
+    attn_call c = {0, 0, 0, 0, 0.0, 0};
     if (cuda ? !PyArg_ParseTuple(args, "OOOOOOOOOpLLdpK:attention_backward_cuda", &q, &k, &v, &o, &lse, &dout, &dq,
-                                 &dk, &dv, &causal, &q_pos0, &k_pos0, &scale, &accumulate, &stream)
+                                 &dk, &dv, &c.causal, &c.q_pos0, &c.k_pos0, &c.scale, &c.accumulate, &c.stream)
              : !PyArg_ParseTuple(args, "OOOOOOOOOpLLdp:attention_backward", &q, &k, &v, &o, &lse, &dout, &dq, &dk,
-                                 &dv, &causal, &q_pos0, &k_pos0, &scale, &accumulate))
-        return NULL;
-    if (cuda && dl_require_cuda_build(module) < 0)
-        return NULL;
-    if (check_positions(q_pos0, k_pos0) < 0)
+                                 &dv, &c.causal, &c.q_pos0, &c.k_pos0, &c.scale, &c.accumulate))
         return NULL;
     hexiseq_attn_views views;
     memset(&views, 0, sizeof views);
@@ -792,38 +806,7 @@ static PyObject *attention_backward_impl(PyObject *module, PyObject *args, int c
         {dq, "dq", 4, DL_QKV, 1, &views.dq},      {dk, "dk", 4, DL_QKV, 1, &views.dk},
         {dv, "dv", 4, DL_QKV, 1, &views.dv},
     };
-    enum { N = sizeof a / sizeof a[0] };
-    dl_held held[N];
-    memset(held, 0, sizeof held);
-    PyObject *ret = NULL;
-    if (dl_import_all(module, a, N, cuda, held) < 0)
-        goto done;
-    hexiseq_attn_params p;
-    int empty = 0;
-    hexiseq_status s = hexiseq_attn_params_from_views(&views, 1, &p, &empty);
-    if (s != HEXISEQ_OK) {
-        raise_status(module, s);
-        goto done;
-    }
-    p.causal = causal;
-    p.q_pos0 = q_pos0;
-    p.k_pos0 = k_pos0;
-    p.scale = scale;
-    p.accumulate = accumulate;
-    if (!empty) {
-        Py_BEGIN_ALLOW_THREADS s = cuda ? hexiseq_attn_backward_cuda(&p, (void *)(uintptr_t)stream)
-                                        : hexiseq_attn_backward_cpu(&p);
-        Py_END_ALLOW_THREADS
-        if (s != HEXISEQ_OK) {
-            raise_status(module, s);
-            goto done;
-        }
-    }
-    Py_INCREF(Py_None);
-    ret = Py_None;
-done:
-    dl_release_all(held, N);
-    return ret;
+    return run_attention(module, a, (int)(sizeof a / sizeof a[0]), &views, cuda, 1, &c);
 }
 
 /* attention_merge(out_acc, lse_acc, out_part, lse_part) -> None; updates out_acc and lse_acc in place.
