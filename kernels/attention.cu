@@ -75,6 +75,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include <type_traits>
 
@@ -1038,35 +1039,36 @@ hexiseq_status check_launch(const char *kernel) {
 // Smallest compiled head dim >= d.
 int padded_head_dim(int32_t d) { return d <= 64 ? 64 : d <= 128 ? 128 : 256; }
 
-template <typename T, int D> hexiseq_status launch_fwd(const FwdArgs &a, int64_t blocks, cudaStream_t stream) {
-    constexpr int bytes = FwdTiles<D>::bytes;
-    auto kernel = attn_fwd_kernel<T, D>;
+// Launch a kernel that needs more than the default 48 KiB of dynamic shared memory: opt in, launch, check.
+template <typename Args>
+hexiseq_status launch_with_smem(void (*kernel)(Args), const char *name, int64_t blocks, int threads, int bytes,
+                                cudaStream_t stream, const Args &a) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (e != cudaSuccess)
-        return cuda_fail(e, "cudaFuncSetAttribute(attn_fwd_kernel, MaxDynamicSharedMemorySize)");
-    HEXISEQ_LAUNCH(kernel, (unsigned)blocks, kFwdThreads, bytes, stream, a);
-    return check_launch("attn_fwd_kernel launch");
+    if (e != cudaSuccess) {
+        char what[160];
+        snprintf(what, sizeof what, "cudaFuncSetAttribute(%s, MaxDynamicSharedMemorySize = %d bytes)", name, bytes);
+        return cuda_fail(e, what);
+    }
+    HEXISEQ_LAUNCH(kernel, (unsigned)blocks, threads, bytes, stream, a);
+    char what[96];
+    snprintf(what, sizeof what, "%s launch", name);
+    return check_launch(what);
+}
+
+template <typename T, int D> hexiseq_status launch_fwd(const FwdArgs &a, int64_t blocks, cudaStream_t stream) {
+    return launch_with_smem(attn_fwd_kernel<T, D>, "attn_fwd_kernel", blocks, kFwdThreads, FwdTiles<D>::bytes, stream,
+                            a);
 }
 
 template <typename T, int D> hexiseq_status launch_bwd_mma(const BwdArgs &a, int64_t blocks, cudaStream_t stream) {
-    constexpr int bytes = BwdMmaTiles<D>::bytes;
-    auto kernel = attn_bwd_mma_kernel<T, D>;
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (e != cudaSuccess)
-        return cuda_fail(e, "cudaFuncSetAttribute(attn_bwd_mma_kernel, MaxDynamicSharedMemorySize)");
-    HEXISEQ_LAUNCH(kernel, (unsigned)blocks, kBwdThreads, bytes, stream, a);
-    return check_launch("attn_bwd_mma_kernel launch");
+    return launch_with_smem(attn_bwd_mma_kernel<T, D>, "attn_bwd_mma_kernel", blocks, kBwdThreads,
+                            BwdMmaTiles<D>::bytes, stream, a);
 }
 
 template <typename T, int D> hexiseq_status launch_bwd_main(const BwdArgs &a, int64_t blocks, cudaStream_t stream) {
     constexpr int BQ = BwdTiles<D>::BQ, BK = BwdTiles<D>::BK;
-    constexpr int bytes = BwdSmem<D, BQ, BK>::bytes;
-    auto kernel = attn_bwd_kernel<T, D, BQ, BK>;
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (e != cudaSuccess)
-        return cuda_fail(e, "cudaFuncSetAttribute(attn_bwd_kernel, MaxDynamicSharedMemorySize)");
-    HEXISEQ_LAUNCH(kernel, (unsigned)blocks, kThreads, bytes, stream, a);
-    return check_launch("attn_bwd_kernel launch");
+    return launch_with_smem(attn_bwd_kernel<T, D, BQ, BK>, "attn_bwd_kernel", blocks, kThreads,
+                            BwdSmem<D, BQ, BK>::bytes, stream, a);
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
