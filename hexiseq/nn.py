@@ -305,7 +305,13 @@ class HexiSeqContext:
                 sends.append((dst.rank, a, b - a))
         return sends, recvs
 
-    def _exchange(self, sends, recvs, send_tensor_of, recv_shape_of, dtype, device):
+    # Message kinds, as P2P tags: K/V blocks, dK/dV accumulators, shared-kv-head reductions. Between one pair of
+    # ranks a K/V block and an accumulator can have the same shape; posting order alone keeps them apart, so the
+    # tags make a future reordering on one side fail to match (Gloo matches by tag) instead of swapping them.
+    # NCCL ignores tags and matches in posting order, which both sides keep.
+    TAG_KV, TAG_ACC, TAG_REDUCE = 1, 2, 3
+
+    def _exchange(self, sends, recvs, send_tensor_of, recv_shape_of, dtype, device, tag):
         """Post a batch of asynchronous sends and receives; returns (requests, received tensors)."""
         ops_ = []
         keep = []
@@ -313,13 +319,13 @@ class HexiSeqContext:
             t = send_tensor_of(lo, n).contiguous()
             if t.numel():
                 keep.append(t)
-                ops_.append(dist.P2POp(dist.isend, t, self._global[peer]))
+                ops_.append(dist.P2POp(dist.isend, t, self._global[peer], tag=tag))
         out = []
         for peer, lo, n in recvs:
             t = torch.empty(recv_shape_of(lo, n), dtype=dtype, device=device)
             out.append((lo, n, t))
             if t.numel():
-                ops_.append(dist.P2POp(dist.irecv, t, self._global[peer]))
+                ops_.append(dist.P2POp(dist.irecv, t, self._global[peer], tag=tag))
         reqs = dist.batch_isend_irecv(ops_) if ops_ else []
         return reqs, out, keep
 
@@ -412,7 +418,7 @@ class HexiSeqContext:
                 nxt_src = (self.g - step - 1) % G
                 pending = self._exchange(
                     sends, recvs, lambda lo, n, c=cur: c[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n],
-                    lambda lo, n, S=self.S[nxt_src]: (2, B, S, n, d), dt, dev)
+                    lambda lo, n, S=self.S[nxt_src]: (2, B, S, n, d), dt, dev, self.TAG_KV)
             Kb, Vb = self._heads_view(cur[0]), self._heads_view(cur[1])
             for qo, qp0, qn, ko, kp0, kn in self._block_pairs(self.g, src):
                 qc, kc, vc = Qg[:, qo:qo + qn], Kb[:, ko:ko + kn], Vb[:, ko:ko + kn]
@@ -506,7 +512,7 @@ class HexiSeqContext:
             if step < G - 1:
                 kv_pending = self._exchange(
                     kv_sends, kv_recvs, lambda lo, n, c=cur: c[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n],
-                    lambda lo, n, S=self.S[nxt_src]: (2, B, S, n, d), dt, dev)
+                    lambda lo, n, S=self.S[nxt_src]: (2, B, S, n, d), dt, dev, self.TAG_KV)
             # my contributions to dK/dV of this block, for my whole kv range
             contrib = torch.zeros(2, B, Ssrc, h if not aligned else kv, d, dtype=acc_dt, device=dev)
             Kb = cur[0] if aligned else cur[0].index_select(2, kv_idx)
@@ -549,7 +555,7 @@ class HexiSeqContext:
             # hand it on (after the last step this hop takes it home); receive the next block's accumulator
             acc_pending = self._exchange(
                 acc_sends, acc_recvs, lambda lo, n, a=acc: a[:, :, :, lo - me.first_lo:lo - me.first_lo + n],
-                lambda lo, n, S=self.S[nxt_src]: (2, B, S, n, d), acc_dt, dev)
+                lambda lo, n, S=self.S[nxt_src]: (2, B, S, n, d), acc_dt, dev, self.TAG_ACC)
             if kv_pending is not None:
                 for r in kv_pending[0]:
                     r.wait()
@@ -589,7 +595,7 @@ class HexiSeqContext:
         me = self.me
         reqs, got, _keep = self._exchange(
             send, recv, lambda lo, n: contrib[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n],
-            lambda lo, n: (2, B, S, n, d), acc_dt, dev)
+            lambda lo, n: (2, B, S, n, d), acc_dt, dev, self.TAG_REDUCE)
         for r in reqs:
             r.wait()
         for lo, n, t in got:
