@@ -46,9 +46,59 @@ __all__ = ["HexiSeqAttention", "HexiSeqContext", "hexiseq_attn_func", "gather_se
 _warned_fallback = False
 
 
-def _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale):
+# The PyTorch block path materialises scores one [B, H, tile, tile] piece at a time: a block of any length then
+# fits in memory (the whole block at once would take B * H * Sq * Sk floats, 8 GiB for 16K x 16K x 8 heads),
+# at the price of merging the pieces' (out, lse) like ring steps. Small blocks are one piece.
+_TORCH_TILE = 1024
+
+
+def _tiles(n, tile):
+    return [(s, min(tile, n - s)) for s in range(0, n, tile)]
+
+
+def _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, tile=None):
     """PyTorch fallback for one block pair: (out [B, Sq, H, d], lse [B, H, Sq] fp32/fp64). Same contract
     as hexiseq.ops.attention_forward: K/V heads already expanded to H or in GQA ratio."""
+    tile = tile or _TORCH_TILE
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, Sq, H, d = q.shape
+    outs, lses = [], []
+    for qs, qn in _tiles(Sq, tile):
+        o_acc = torch.zeros(B, qn, H, d, dtype=acc, device=q.device)
+        l_acc = torch.full((B, H, qn), float("-inf"), dtype=acc, device=q.device)
+        for ks, kn in _tiles(k.shape[1], tile):
+            if causal and k_pos0 + ks > q_pos0 + qs + qn - 1:
+                break  # this key piece and the later ones are after every query of the piece
+            o_p, l_p = _tile_forward_torch(q[:, qs:qs + qn], k[:, ks:ks + kn], v[:, ks:ks + kn], causal,
+                                           q_pos0 + qs, k_pos0 + ks, scale)
+            _merge(o_acc, l_acc, o_p, l_p, False)
+        outs.append(o_acc)
+        lses.append(l_acc)
+    return torch.cat(outs, 1).to(q.dtype), torch.cat(lses, 2)
+
+
+def _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, tile=None):
+    """PyTorch fallback backward of one block pair with the final (o, lse): (dq, dk, dv) in fp32/fp64."""
+    tile = tile or _TORCH_TILE
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    for qs, qn in _tiles(q.shape[1], tile):
+        for ks, kn in _tiles(k.shape[1], tile):
+            if causal and k_pos0 + ks > q_pos0 + qs + qn - 1:
+                break
+            dq_p, dk_p, dv_p = _tile_backward_torch(
+                q[:, qs:qs + qn], k[:, ks:ks + kn], v[:, ks:ks + kn], o[:, qs:qs + qn], lse[:, :, qs:qs + qn],
+                do[:, qs:qs + qn], causal, q_pos0 + qs, k_pos0 + ks, scale)
+            dq[:, qs:qs + qn] += dq_p
+            dk[:, ks:ks + kn] += dk_p
+            dv[:, ks:ks + kn] += dv_p
+    return dq, dk, dv
+
+
+def _tile_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale):
+    """One piece of _block_forward_torch, scores materialised: (out in fp32/fp64, lse)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, Sq, H, d = q.shape
     Hk = k.shape[2]
@@ -65,11 +115,11 @@ def _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale):
     p = torch.exp(s - lse[..., None].masked_fill(torch.isinf(lse[..., None]), 0.0))
     p = torch.nan_to_num(p, nan=0.0)
     o = torch.matmul(p, vf).permute(0, 2, 1, 3)
-    return o.to(q.dtype), lse
+    return o, lse
 
 
-def _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale):
-    """PyTorch fallback backward of one block pair with the final (o, lse): (dq, dk, dv) in fp32/fp64."""
+def _tile_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale):
+    """One piece of _block_backward_torch, scores materialised, with the block's final (o, lse)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, Sq, H, d = q.shape
     Hk = k.shape[2]
