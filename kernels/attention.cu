@@ -4,15 +4,14 @@
 // resource usage read with `nvcc --resource-usage` (table below). It has NEVER BEEN RUN ON A GPU: the
 // machine it was written on has none. What has run is its logic: tests/c/test_cuda_emu.cpp compiles this
 // file unchanged as C++ against a CPU emulator of the CUDA subset used here (tests/c/cuda_emu/emu.h: blocks
-// of fiber threads, barriers, shuffles, WMMA with one legal fragment layout, mma.sync and ldmatrix with the
-// PTX ISA's documented layouts) and checks forward, backward and merge against the CPU kernels in float64
-// (odd sizes, every causal offset case, GQA/MQA, padded head dims, strides), under four thread schedules to
-// expose missing barriers, with shared-memory bounds checked. If the emulator and this file misread the PTX
-// layouts the same way, only a GPU run shows it.
-// That cannot show speed, the hardware's fragment layout or memory ordering: tests/test_cuda_ops.py checks
-// against the CPU kernels and torch SDPA on a GPU; benchmarks/run_gpu_checks.sh runs those tests,
-// compute-sanitizer and the benchmark on a GPU machine. Until that has passed, treat the kernels as
-// verified in logic only.
+// of fiber threads, barriers, shuffles, mma.sync and ldmatrix with the PTX ISA's documented layouts,
+// cp.async) and checks forward, backward and merge against the CPU kernels in float64 (odd sizes, every
+// causal offset case, GQA/MQA, padded head dims, strides), under four thread schedules to expose missing
+// barriers, with shared-memory bounds and ldmatrix bank conflicts checked. That cannot show speed or the
+// hardware's memory ordering, and if the emulator and this file misread the PTX layouts the same way, only a
+// GPU run shows it: tests/test_cuda_ops.py checks against the CPU kernels and torch SDPA on a GPU;
+// benchmarks/run_gpu_checks.sh runs those tests, compute-sanitizer and the benchmark on a GPU machine. Until
+// that has passed, treat the kernels as verified in logic only.
 //
 // Semantics are those of csrc/attention.h and the CPU reference: causal means key_pos <= query_pos on
 // absolute positions (q_pos0 + i, k_pos0 + j); a fully masked row gives O = 0, LSE = -inf and no gradient;
@@ -35,43 +34,38 @@
 //     operand. Under the causal mask the key loop stops after the last key any query of the tile sees.
 //     K/V tiles are double-buffered with cp.async when their rows allow 16-byte copies (else loaded element by
 //     element). Not done: Hopper wgmma/TMA/warp specialisation (FlashAttention-3's techniques).
-//   * backward, head dims up to 128 (attn_bwd_mma_kernel): the same register design on the transposed
-//     problem. A preprocessing kernel writes D = rowsum(dO * O) (fp32, [batch, heads, seq_q]). One CTA of 4
-//     warps per (key tile of 64, kv head, batch); each warp owns 16 keys and their dK, dV accumulators in
-//     registers, and loops over every query head of its GQA group and every query tile that can see the key
-//     tile: S^T = K Q^T, P^T = exp(scale S^T - LSE) (masked), dP^T = V dO^T, dV += P^T dO,
+//   * backward (attn_bwd_mma_kernel): the same register design on the transposed problem. A preprocessing
+//     kernel writes D = rowsum(dO * O) (fp32, [batch, heads, seq_q]). One CTA per (key tile of 64, kv head,
+//     batch), 4 warps (8 at D = 256); each warp owns 16 keys and their dK, dV accumulators in registers (at
+//     D = 256 two warps split a key block's head dim and swap partial scores through shared memory), and loops
+//     over every query head of its GQA group and every query tile that can see the key tile:
+//     S^T = K Q^T, P^T = exp(scale S^T - LSE) (masked), dP^T = V dO^T, dV += P^T dO,
 //     dS^T = P^T (dP^T - D), dK += dS^T Q (P^T and dS^T go from registers into the products as A operands);
-//     dS^T goes through shared memory so the 4 warps can compute dQ_tile = dS K. Q and dO tiles are
+//     dS^T goes through shared memory so the warps can compute dQ_tile = dS K. Q and dO tiles are
 //     double-buffered with cp.async when legal, the next step's in flight. dK, dV are written once at
 //     the end (one thread owns each element, so no atomics; accumulate adds to the old values). dQ: fp32
 //     atomicAdd into a zeroed [batch, heads, seq_q, d] scratch buffer (already scaled), then a small kernel
 //     writes (or, with accumulate, adds into) dq in the input dtype. atomicAdd is the simple choice: the cost
 //     is that dQ is not bit-for-bit deterministic (summation order of fp32 adds across key tiles varies run to
 //     run). Scratch (D and the dQ accumulator) is allocated with cudaMallocAsync / cudaFreeAsync on the stream.
-//   * backward, head dim 256 (attn_bwd_kernel): dK and dV for 16 keys x 256 columns would not fit in
-//     registers, so this one keeps them in shared memory and does every product with block_gemm: 16x16x16
-//     WMMA fragments handed round-robin to the 8 warps, fp32 accumulators read from / written back to shared
-//     memory (WMMA fragment layouts are unspecified, so rows can only be rescaled or masked there). Same
-//     algorithm and scratch as above, with key tiles of 32 and query tiles of 32.
 //   * merge: one warp per (batch, head, row); lane 0 reads both LSEs, the warp updates the row, lane 0
 //     writes the new LSE last (so no thread reads an LSE another already rewrote).
 //
 // Resource usage (nvcc 13.0 --resource-usage, -O3):
 //   forward (128 threads), registers f16 = bf16, D = 64 / 128 / 256:
-//     sm_80  165 / 182 / 250   sm_90  161 / 176 / 248   (no spills, 0 B stack)
-//   backward D <= 128 (128 threads), registers f16 = bf16: 244 to 255, spills of at most 8 B (D = 128 on sm_80,
-//     D = 64 on sm_90; the dK, dV accumulators take D floats per thread)
-//   backward D = 256 (256 threads): sm_80 f16 178, bf16 128; sm_90 f16 194, bf16 128; delta 32-40, dq 28-32,
-//     merge 66; no spills, 0 B stack
+//     sm_80  165 / 182 / 251   sm_90  159 / 176 / 248   (no spills, 0 B stack)
+//   backward (128 threads; 256 at D = 256), registers f16 = bf16: 254-255 for every D; spills: sm_80 16 B at
+//     D = 64, sm_90 64 B at D = 128, none elsewhere (the dK, dV accumulators take 2 x 64 floats per thread)
+//   delta 32-40, dq 28-32, merge 66-68 registers; no spills
 //   dynamic shared memory per CTA (opted in with cudaFuncSetAttribute on every launch):
 //     forward  D=64: 45 KiB   D=128: 85 KiB   D=256: 99 KiB (Q [64][D+8], 2 x K and V [BK][D+8], 16-bit)
-//     backward D=64 (BQ 64): 63.5 KiB   D=128 (BQ 32): 73.3 KiB (2 x Q and dO tiles)   D=256: 145.3 KiB
+//     backward D=64 (BQ 64): 63.5 KiB   D=128 (BQ 32): 73.3 KiB   D=256 (BQ 16): 118.3 KiB (K, V, 2 x Q and dO,
+//     dS^T, at D = 256 the partial-score exchange)
 //   All fit the 163 KiB opt-in limit of sm_80 and the 227 KiB of sm_90; GPUs with less (sm_86/89: 99 KiB) get
 //   HEXISEQ_ERR_CUDA from cudaFuncSetAttribute for the D = 256 backward.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#include <mma.h>
 
 #include <math.h>
 #include <stdint.h>
@@ -90,10 +84,7 @@
 
 namespace {
 
-namespace wmma = nvcuda::wmma;
-
-constexpr int kThreads = 256; // threads per CTA of the forward and backward kernels
-constexpr int kWarps = kThreads / 32;
+constexpr int kThreads = 256; // threads per CTA of the small kernels (delta, dq, merge) and tile-loader default
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -137,39 +128,6 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 // ------------------------------------------------------------------------------------------------
 // Shared-memory building blocks
-
-// C[M][N] (fp32, row-major, ldc) = (accumulate ? C : 0) + A[M][K] B[K][N], all operands in shared memory.
-// A is row-major (a[m * lda + k]) or, with LayoutA = col_major, stored transposed (a[k * lda + m]); likewise B
-// (row_major: b[k * ldb + n]; col_major: b[n * ldb + k]). M, N, K multiples of 16; lda, ldb multiples of 8,
-// ldc a multiple of 4; every buffer 32-byte aligned (so every fragment pointer is, as WMMA requires).
-// Called by all threads of the CTA; the caller synchronises before (operands ready) and after (C ready).
-template <typename T, int M, int N, int K, typename LayoutA, typename LayoutB>
-__device__ void block_gemm(float *c, int ldc, const T *a, int lda, const T *b, int ldb, bool accumulate) {
-    constexpr bool a_row = std::is_same<LayoutA, wmma::row_major>::value;
-    constexpr bool b_row = std::is_same<LayoutB, wmma::row_major>::value;
-    constexpr int TM = M / 16, TN = N / 16, TK = K / 16;
-    const int warp = threadIdx.x / 32;
-    for (int t = warp; t < TM * TN; t += kWarps) {
-        const int i = t / TN, j = t % TN;
-        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-        float *pc = c + i * 16 * ldc + j * 16;
-        if (accumulate)
-            wmma::load_matrix_sync(acc, pc, ldc, wmma::mem_row_major);
-        else
-            wmma::fill_fragment(acc, 0.0f);
-#pragma unroll 4
-        for (int kk = 0; kk < TK; ++kk) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, LayoutA> fa;
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, LayoutB> fb;
-            const T *pa = a_row ? a + i * 16 * lda + kk * 16 : a + kk * 16 * lda + i * 16;
-            const T *pb = b_row ? b + kk * 16 * ldb + j * 16 : b + j * 16 * ldb + kk * 16;
-            wmma::load_matrix_sync(fa, pa, lda);
-            wmma::load_matrix_sync(fb, pb, ldb);
-            wmma::mma_sync(acc, fa, fb, acc);
-        }
-        wmma::store_matrix_sync(pc, acc, ldc, wmma::mem_row_major);
-    }
-}
 
 // dst[r][c] (ld LD) = src[r * row_stride + c * col_stride] for r < n_rows, c < d; 0 elsewhere in [ROWS][D].
 // src: row 0, column 0 of the tile in global memory. vec: 16-byte loads are legal (see the file comment).
@@ -561,173 +519,28 @@ template <typename T> __global__ void attn_bwd_delta_kernel(const BwdArgs a) {
         a.delta[row] = sum;
 }
 
-// Tiles of the shared-memory backward (used for D = 256; D <= 128 goes to attn_bwd_mma_kernel below).
-template <int D> struct BwdTiles {
-    static constexpr int BQ = D <= 64 ? 64 : 32;
-    static constexpr int BK = D <= 128 ? 64 : 32;
-};
-
-template <int D, int BQ, int BK> struct BwdSmem {
-    static constexpr int LDT = D + 8;  // input-dtype tiles [rows][D]
-    static constexpr int LDS = BK + 4; // fp32 [BQ][BK]
-    static constexpr int LDP = BK + 8; // input-dtype [BQ][BK]
-    static constexpr int LDA = D + 4;  // fp32 [rows][D]
-    static constexpr int k = 0;
-    static constexpr int v = k + smem_round(BK * LDT * 2);
-    static constexpr int q = v + smem_round(BK * LDT * 2);
-    static constexpr int dO = q + smem_round(BQ * LDT * 2); // q and dO are adjacent: dQ staging reuses both
-    static constexpr int s = dO + smem_round(BQ * LDT * 2);
-    static constexpr int dp = s + smem_round(BQ * LDS * 4);
-    static constexpr int p = dp + smem_round(BQ * LDS * 4);
-    static constexpr int ds = p + smem_round(BQ * LDP * 2);
-    static constexpr int dk = ds + smem_round(BQ * LDP * 2);
-    static constexpr int dv = dk + smem_round(BK * LDA * 4);
-    static constexpr int lse = dv + smem_round(BK * LDA * 4);
-    static constexpr int delta = lse + smem_round(BQ * 4);
-    static constexpr int bytes = delta + smem_round(BQ * 4);
-    static_assert(BQ * LDA * 4 <= dO + smem_round(BQ * LDT * 2) - q, "dQ staging must fit over the Q and dO tiles");
-};
-
-template <typename T, int D, int BQ, int BK>
-__global__ void __launch_bounds__(kThreads) attn_bwd_kernel(const BwdArgs a) {
-    using L = BwdSmem<D, BQ, BK>;
-    extern __shared__ __align__(128) unsigned char smem[];
-    T *ks = reinterpret_cast<T *>(smem + L::k);            // [BK][LDT] key tile
-    T *vs = reinterpret_cast<T *>(smem + L::v);            // [BK][LDT] value tile
-    T *qs = reinterpret_cast<T *>(smem + L::q);            // [BQ][LDT] query tile
-    T *dos = reinterpret_cast<T *>(smem + L::dO);          // [BQ][LDT] dO tile
-    float *dqs = reinterpret_cast<float *>(smem + L::q);   // [BQ][LDA] dQ tile, over qs and dos once both are dead
-    float *s = reinterpret_cast<float *>(smem + L::s);     // [BQ][LDS] scores Q K^T
-    float *dp = reinterpret_cast<float *>(smem + L::dp);   // [BQ][LDS] dP = dO V^T
-    T *p = reinterpret_cast<T *>(smem + L::p);             // [BQ][LDP] probabilities
-    T *ds = reinterpret_cast<T *>(smem + L::ds);           // [BQ][LDP] dS = P (dP - D), unscaled
-    float *dk = reinterpret_cast<float *>(smem + L::dk);   // [BK][LDA] dK accumulator, unscaled
-    float *dv = reinterpret_cast<float *>(smem + L::dv);   // [BK][LDA] dV accumulator
-    float *lse_s = reinterpret_cast<float *>(smem + L::lse);     // [BQ] LSE * log2(e); -inf: fully masked
-    float *delta_s = reinterpret_cast<float *>(smem + L::delta); // [BQ] D
-
-    const int64_t bid = blockIdx.x;
-    const int64_t kt = bid % a.n_ktiles;
-    const int32_t hk = (int32_t)(bid / a.n_ktiles % a.kv_heads);
-    const int64_t b = bid / a.n_ktiles / a.kv_heads;
-    const int64_t k0 = kt * BK;
-    const int64_t nk = min((int64_t)BK, a.seq_k - k0);
-
-    const T *kg = static_cast<const T *>(a.k) + b * a.ks[0] + k0 * a.ks[1] + hk * a.ks[2];
-    const T *vg = static_cast<const T *>(a.v) + b * a.vs[0] + k0 * a.vs[1] + hk * a.vs[2];
-    load_tile<T, BK, D, L::LDT>(ks, kg, a.ks[1], a.ks[3], nk, a.d, a.vec_k);
-    load_tile<T, BK, D, L::LDT>(vs, vg, a.vs[1], a.vs[3], nk, a.d, a.vec_v);
-    for (int idx = threadIdx.x; idx < BK * L::LDA; idx += kThreads) {
-        dk[idx] = 0.0f;
-        dv[idx] = 0.0f;
-    }
-
-    // Queries before the first key of the tile see none of it under the causal mask.
-    int64_t i_first = 0;
-    if (a.causal)
-        i_first = max((int64_t)0, a.k_pos0 + k0 - a.q_pos0);
-    const int64_t qt_first = i_first / BQ;
-
-    for (int32_t h = hk * a.group; h < (hk + 1) * a.group; ++h) {
-        const T *qg = static_cast<const T *>(a.q) + b * a.qs[0] + h * a.qs[2];
-        const T *dog = static_cast<const T *>(a.do_) + b * a.dos[0] + h * a.dos[2];
-        const float *lseg = a.lse + b * a.ls[0] + h * a.ls[1];
-        const float *deltag = a.delta + (b * a.heads + h) * a.seq_q;
-        float *dqg = a.dq_acc + (b * a.heads + h) * a.seq_q * a.d;
-        for (int64_t q0 = qt_first * BQ; q0 < a.seq_q; q0 += BQ) {
-            const int64_t nq = min((int64_t)BQ, a.seq_q - q0);
-            load_tile<T, BQ, D, L::LDT>(qs, qg + q0 * a.qs[1], a.qs[1], a.qs[3], nq, a.d, a.vec_q);
-            load_tile<T, BQ, D, L::LDT>(dos, dog + q0 * a.dos[1], a.dos[1], a.dos[3], nq, a.d, a.vec_do);
-            for (int r = threadIdx.x; r < BQ; r += kThreads) {
-                lse_s[r] = r < nq ? lseg[(q0 + r) * a.ls[2]] * kLog2e : -INFINITY;
-                delta_s[r] = r < nq ? deltag[q0 + r] : 0.0f;
-            }
-            __syncthreads(); // K, V, dK, dV (first pass), Q, dO, LSE, D ready
-
-            block_gemm<T, BQ, BK, D, wmma::row_major, wmma::col_major>(s, L::LDS, qs, L::LDT, ks, L::LDT, false);
-            __syncthreads(); // S ready
-
-            // P = exp2(scale log2(e) S - LSE log2(e)); 0 where masked, past the tile ends or fully masked.
-            for (int idx = threadIdx.x; idx < BQ * BK; idx += kThreads) {
-                const int r = idx / BK, c = idx % BK;
-                const bool ok = r < nq && c < nk && lse_s[r] != -INFINITY &&
-                                (!a.causal || a.k_pos0 + k0 + c <= a.q_pos0 + q0 + r);
-                const float pv = ok ? exp2f(s[r * L::LDS + c] * a.scale_log2 - lse_s[r]) : 0.0f;
-                p[r * L::LDP + c] = from_f32<T>(pv);
-            }
-            __syncthreads(); // P ready
-
-            // dV += P^T dO   [BK][D] = [BK][BQ] x [BQ][D]   (P^T read column-major from P)
-            block_gemm<T, BK, D, BQ, wmma::col_major, wmma::row_major>(dv, L::LDA, p, L::LDP, dos, L::LDT, true);
-            // dP = dO V^T    [BQ][BK] = [BQ][D] x [D][BK]
-            block_gemm<T, BQ, BK, D, wmma::row_major, wmma::col_major>(dp, L::LDS, dos, L::LDT, vs, L::LDT, false);
-            __syncthreads(); // dP ready
-
-            // dS = P (dP - D), with P recomputed in fp32 from S (not from its rounded copy).
-            for (int idx = threadIdx.x; idx < BQ * BK; idx += kThreads) {
-                const int r = idx / BK, c = idx % BK;
-                const bool ok = r < nq && c < nk && lse_s[r] != -INFINITY &&
-                                (!a.causal || a.k_pos0 + k0 + c <= a.q_pos0 + q0 + r);
-                const float pv = ok ? exp2f(s[r * L::LDS + c] * a.scale_log2 - lse_s[r]) : 0.0f;
-                ds[r * L::LDP + c] = from_f32<T>(pv * (dp[r * L::LDS + c] - delta_s[r]));
-            }
-            __syncthreads(); // dS ready
-
-            // dK += dS^T Q   [BK][D] = [BK][BQ] x [BQ][D]
-            block_gemm<T, BK, D, BQ, wmma::col_major, wmma::row_major>(dk, L::LDA, ds, L::LDP, qs, L::LDT, true);
-            __syncthreads(); // Q and dO no longer read: their space takes the dQ tile
-
-            // dQ tile = dS K   [BQ][D] = [BQ][BK] x [BK][D]
-            block_gemm<T, BQ, D, BK, wmma::row_major, wmma::row_major>(dqs, L::LDA, ds, L::LDP, ks, L::LDT, false);
-            __syncthreads(); // dQ tile ready
-
-            for (int idx = threadIdx.x; idx < BQ * D; idx += kThreads) {
-                const int r = idx / D, c = idx % D;
-                if (r < nq && c < a.d)
-                    atomicAdd(dqg + (q0 + r) * a.d + c, dqs[r * L::LDA + c] * a.scale);
-            }
-            __syncthreads(); // dQ tile read: the next pass may overwrite Q and dO
-        }
-    }
-    __syncthreads(); // (no query tile ran) the zeroed dK, dV are visible to every thread
-
-    // dK = scale dS^T Q and dV; one CTA owns these key rows, so plain stores (accumulate: add to old values).
-    T *dkg = static_cast<T *>(a.dk) + b * a.dks[0] + k0 * a.dks[1] + hk * a.dks[2];
-    T *dvg = static_cast<T *>(a.dv) + b * a.dvs[0] + k0 * a.dvs[1] + hk * a.dvs[2];
-    for (int idx = threadIdx.x; idx < BK * D; idx += kThreads) {
-        const int r = idx / D, c = idx % D;
-        if (r >= nk || c >= a.d)
-            continue;
-        T *pk = dkg + r * a.dks[1] + c * a.dks[3];
-        T *pv = dvg + r * a.dvs[1] + c * a.dvs[3];
-        float gk = dk[r * L::LDA + c] * a.scale;
-        float gv = dv[r * L::LDA + c];
-        if (a.accumulate) {
-            gk += to_f32(*pk);
-            gv += to_f32(*pv);
-        }
-        *pk = from_f32<T>(gk);
-        *pv = from_f32<T>(gv);
-    }
-}
-
-// Backward on register-level tensor cores (head dims up to 128; D = 256 keeps the shared-memory kernel above,
-// whose dK and dV accumulators would not fit in registers). One CTA of 4 warps per (key tile of 64, kv head,
-// batch); warp w owns keys 16w .. 16w + 15 and keeps their dK and dV in registers for the whole CTA. For every
-// query head of the GQA group and every query tile (BQ rows) that can see the key tile, each warp computes, with
-// keys as rows (the transposed problem, so that P^T and dS^T are A operands straight from registers):
+// Backward on register-level tensor cores. One CTA per (key tile of 64, kv head, batch) with 4 x DS warps: warp w
+// owns keys 16 (w % 4) .. +15 and head-dim columns [(w / 4) D / DS, +D / DS) of their dK and dV, in registers for
+// the whole CTA (DS = 1 up to D = 128; DS = 2 at D = 256, where 16 keys x 256 columns of dK and dV would not fit
+// one warp's registers). For every query head of the GQA group and every query tile (BQ rows) that can see the
+// key tile, each warp computes, with keys as rows (the transposed problem, so that P^T and dS^T are A operands
+// straight from registers):
 //   S^T = K Q^T, P^T = exp2(scale log2(e) S^T - LSE log2(e)) masked, dP^T = V dO^T, dV += P^T dO,
-//   dS^T = P^T (dP^T - D), dK += dS^T Q,
-// then writes dS^T (16-bit) to shared memory, and after a barrier the 4 warps compute dQ_tile = dS K (each a
-// quarter of the tile, summing over all 64 keys) and add it, scaled, into the fp32 dQ scratch with atomics.
-constexpr int kBwdThreads = 128;
+//   dS^T = P^T (dP^T - D), dK += dS^T Q.
+// With DS = 2 a warp computes S^T and dP^T over its half of the head dim and the two warps of a key block swap
+// their partial sums through shared memory (both then hold the same full sums: a + b = b + a exactly). Then dS^T
+// (16-bit) goes to shared memory, and after a barrier the warps compute dQ_tile = dS K (each a part of the tile,
+// summing over all 64 keys) and add it, scaled, into the fp32 dQ scratch with atomics.
 constexpr int kBwdBK = 64;
 template <int D> struct BwdMmaTiles {
-    static_assert(D == 64 || D == 128, "the register backward serves D = 64 and 128");
-    static constexpr int BQ = D == 64 ? 64 : 32; // query rows per step (the score tiles are BQ / 2 floats)
-    static constexpr int LDT = D + 8;            // Q, dO, K, V rows: 16 bytes past a multiple of 128
-    static constexpr int LDS = BQ + 8;           // dS^T rows (keys), same padding rule
-    static constexpr int qt = smem_round(BQ * LDT * 2); // one Q or dO tile
+    static_assert(D == 64 || D == 128 || D == 256, "the register backward serves D = 64, 128 and 256");
+    static constexpr int DS = D <= 128 ? 1 : 2;          // warps sharing a key block's head dim
+    static constexpr int THREADS = 128 * DS;
+    static constexpr int DW = D / DS;                    // head-dim columns of dK, dV per warp
+    static constexpr int BQ = D == 64 ? 64 : D == 128 ? 32 : 16; // query rows per step
+    static constexpr int LDT = D + 8;                    // Q, dO, K, V rows: 16 bytes past a multiple of 128
+    static constexpr int LDS = BQ + 8;                   // dS^T rows (keys), same padding rule
+    static constexpr int qt = smem_round(BQ * LDT * 2);  // one Q or dO tile
     static constexpr int k = 0;
     static constexpr int v = k + smem_round(kBwdBK * LDT * 2);
     static constexpr int q = v + smem_round(kBwdBK * LDT * 2); // Q tiles 0 and 1 (double buffer), then dO 0, 1
@@ -735,13 +548,15 @@ template <int D> struct BwdMmaTiles {
     static constexpr int ds = dO + 2 * qt;
     static constexpr int lse = ds + smem_round(kBwdBK * LDS * 2);
     static constexpr int delta = lse + smem_round(BQ * 4);
-    static constexpr int bytes = delta + smem_round(BQ * 4);
+    static constexpr int xch = delta + smem_round(BQ * 4); // DS = 2: per warp, its partial S^T and dP^T
+    static constexpr int xch_warp = 2 * 16 * BQ * 4;         // bytes per warp
+    static constexpr int bytes = xch + (DS > 1 ? THREADS / 32 * xch_warp : 0);
 };
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kBwdThreads) attn_bwd_mma_kernel(const BwdArgs a) {
+__global__ void __launch_bounds__(BwdMmaTiles<D>::THREADS) attn_bwd_mma_kernel(const BwdArgs a) {
     using L = BwdMmaTiles<D>;
-    constexpr int BQ = L::BQ, BK = kBwdBK, LDT = L::LDT, LDS = L::LDS;
+    constexpr int BQ = L::BQ, BK = kBwdBK, LDT = L::LDT, LDS = L::LDS, DS = L::DS, DW = L::DW, NT = L::THREADS;
     extern __shared__ __align__(128) unsigned char smem[];
     T *ks = reinterpret_cast<T *>(smem + L::k);                  // [BK][LDT]
     T *vs = reinterpret_cast<T *>(smem + L::v);                  // [BK][LDT]
@@ -757,16 +572,18 @@ __global__ void __launch_bounds__(kBwdThreads) attn_bwd_mma_kernel(const BwdArgs
     const int64_t nk = min((int64_t)BK, a.seq_k - k0);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int key0 = warp * 16 + g; // this thread's key rows in the tile: key0 and key0 + 8
+    const int kb = warp % 4, dh = warp / 4; // key block kb, head-dim part dh
+    const int key0 = kb * 16 + g;           // this thread's key rows in the tile: key0 and key0 + 8
+    const int c0 = dh * DW;                 // first head-dim column of this warp's dK, dV
 
     const T *kg = static_cast<const T *>(a.k) + b * a.ks[0] + k0 * a.ks[1] + hk * a.ks[2];
     const T *vg = static_cast<const T *>(a.v) + b * a.vs[0] + k0 * a.vs[1] + hk * a.vs[2];
-    load_tile<T, BK, D, LDT, kBwdThreads>(ks, kg, a.ks[1], a.ks[3], nk, a.d, a.vec_k);
-    load_tile<T, BK, D, LDT, kBwdThreads>(vs, vg, a.vs[1], a.vs[3], nk, a.d, a.vec_v);
+    load_tile<T, BK, D, LDT, NT>(ks, kg, a.ks[1], a.ks[3], nk, a.d, a.vec_k);
+    load_tile<T, BK, D, LDT, NT>(vs, vg, a.vs[1], a.vs[3], nk, a.d, a.vec_v);
 
-    float dk[D / 8][4], dv[D / 8][4]; // rows key0, key0 + 8 x columns 8j + 2t + {0, 1}; dK unscaled
+    float dk[DW / 8][4], dv[DW / 8][4]; // rows key0, key0 + 8 x columns c0 + 8j + 2t + {0, 1}; dK unscaled
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j)
+    for (int j = 0; j < DW / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
             dk[j][e] = dv[j][e] = 0.0f;
@@ -777,8 +594,8 @@ __global__ void __launch_bounds__(kBwdThreads) attn_bwd_mma_kernel(const BwdArgs
         i_first = max((int64_t)0, a.k_pos0 + k0 - a.q_pos0);
     const int64_t qt_first = i_first / BQ;
 
-    // The dQ quarter of this warp: query rows 16 qm .. +15, columns [dc0, dc0 + DQ).
-    constexpr int QM = BQ / 16, DQ = D / (4 / QM);
+    // The dQ part of this warp: query rows 16 qm .. +15, columns [dc0, dc0 + DQ).
+    constexpr int QM = BQ / 16, DQ = D / (NT / 32 / QM);
     const int qm = warp % QM, dc0 = warp / QM * DQ;
 
     // The steps: every query head of the group x every query tile from qt_first on. Q and dO tiles are
@@ -798,8 +615,8 @@ __global__ void __launch_bounds__(kBwdThreads) attn_bwd_mma_kernel(const BwdArgs
     auto prefetch = [&](int64_t step, int buf) {
         const int32_t h = hk * a.group + (int32_t)(step / n_qt);
         const int64_t q0 = (qt_first + step % n_qt) * BQ, nq = min((int64_t)BQ, a.seq_q - q0);
-        load_tile_async<T, BQ, D, LDT, kBwdThreads>(q_tile(buf), q_src(h, q0), a.qs[1], nq, a.d);
-        load_tile_async<T, BQ, D, LDT, kBwdThreads>(do_tile(buf), do_src(h, q0), a.dos[1], nq, a.d);
+        load_tile_async<T, BQ, D, LDT, NT>(q_tile(buf), q_src(h, q0), a.qs[1], nq, a.d);
+        load_tile_async<T, BQ, D, LDT, NT>(do_tile(buf), do_src(h, q0), a.dos[1], nq, a.d);
         cp_async_commit();
     };
     if (async && n_steps > 0)
@@ -825,16 +642,17 @@ __global__ void __launch_bounds__(kBwdThreads) attn_bwd_mma_kernel(const BwdArgs
                     cp_async_wait<0>();
                 }
             } else {
-                load_tile<T, BQ, D, LDT, kBwdThreads>(q_tile(0), q_src(h, q0), a.qs[1], a.qs[3], nq, a.d, false);
-                load_tile<T, BQ, D, LDT, kBwdThreads>(do_tile(0), do_src(h, q0), a.dos[1], a.dos[3], nq, a.d, false);
+                load_tile<T, BQ, D, LDT, NT>(q_tile(0), q_src(h, q0), a.qs[1], a.qs[3], nq, a.d, false);
+                load_tile<T, BQ, D, LDT, NT>(do_tile(0), do_src(h, q0), a.dos[1], a.dos[3], nq, a.d, false);
             }
-            for (int r = threadIdx.x; r < BQ; r += kBwdThreads) {
+            for (int r = threadIdx.x; r < BQ; r += NT) {
                 lse_s[r] = r < nq ? lseg[(q0 + r) * a.ls[2]] * kLog2e : -INFINITY;
                 delta_s[r] = r < nq ? deltag[q0 + r] : 0.0f;
             }
             __syncthreads(); // K, V (first step), Q, dO, LSE, D ready
 
-            // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x BQ queries (query block j: 8j .. 8j+7).
+            // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x BQ queries (query block j: 8j .. 8j+7),
+            // over this warp's head-dim columns (all of them when DS = 1).
             float st[BQ / 8][4], dpt[BQ / 8][4];
 #pragma unroll
             for (int j = 0; j < BQ / 8; ++j)
@@ -842,10 +660,10 @@ __global__ void __launch_bounds__(kBwdThreads) attn_bwd_mma_kernel(const BwdArgs
                 for (int e = 0; e < 4; ++e)
                     st[j][e] = dpt[j][e] = 0.0f;
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
+            for (int kk = c0 / 16; kk < (c0 + DW) / 16; ++kk) {
                 uint32_t ka[4], va[4];
-                load_a(ka, ks, LDT, warp * 16, kk * 16);
-                load_a(va, vs, LDT, warp * 16, kk * 16);
+                load_a(ka, ks, LDT, kb * 16, kk * 16);
+                load_a(va, vs, LDT, kb * 16, kk * 16);
 #pragma unroll
                 for (int j = 0; j < BQ / 8; j += 2) {
                     uint32_t qb[4], db[4]; // queries as columns: query blocks j and j + 1
@@ -856,6 +674,26 @@ __global__ void __launch_bounds__(kBwdThreads) attn_bwd_mma_kernel(const BwdArgs
                     mma16816<T>(dpt[j], va, db[0], db[1]);
                     mma16816<T>(dpt[j + 1], va, db[2], db[3]);
                 }
+            }
+
+            if constexpr (DS > 1) { // add the partner warp's partial sums (the other half of the head dim)
+                float *mine = reinterpret_cast<float *>(smem + L::xch + warp * L::xch_warp);
+                const float *theirs = reinterpret_cast<const float *>(smem + L::xch + (warp ^ 4) * L::xch_warp);
+#pragma unroll
+                for (int j = 0; j < BQ / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        mine[(j * 4 + e) * 32 + lane] = st[j][e];
+                        mine[(BQ / 2 + j * 4 + e) * 32 + lane] = dpt[j][e];
+                    }
+                __syncthreads(); // both halves written
+#pragma unroll
+                for (int j = 0; j < BQ / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        st[j][e] += theirs[(j * 4 + e) * 32 + lane];
+                        dpt[j][e] += theirs[(BQ / 2 + j * 4 + e) * 32 + lane];
+                    }
             }
 
             // P^T, then dS^T = P^T (dP^T - D), in place; masked and out-of-range entries are 0.
@@ -879,20 +717,22 @@ __global__ void __launch_bounds__(kBwdThreads) attn_bwd_mma_kernel(const BwdArgs
                 a_from_c<T>(pa, st[2 * c], st[2 * c + 1]);
                 a_from_c<T>(sa, dpt[2 * c], dpt[2 * c + 1]);
 #pragma unroll
-                for (int j = 0; j < D / 8; j += 2) {
-                    uint32_t db[4], qb[4]; // output column blocks j and j + 1
-                    load_b_rows(db, dos, LDT, 16 * c, 8 * j);
-                    load_b_rows(qb, qs, LDT, 16 * c, 8 * j);
+                for (int j = 0; j < DW / 8; j += 2) {
+                    uint32_t db[4], qb[4]; // output column blocks j and j + 1 of this warp's columns
+                    load_b_rows(db, dos, LDT, 16 * c, c0 + 8 * j);
+                    load_b_rows(qb, qs, LDT, 16 * c, c0 + 8 * j);
                     mma16816<T>(dv[j], pa, db[0], db[1]);
                     mma16816<T>(dv[j + 1], pa, db[2], db[3]);
                     mma16816<T>(dk[j], sa, qb[0], qb[1]);
                     mma16816<T>(dk[j + 1], sa, qb[2], qb[3]);
                 }
-                // dS^T to shared memory for dQ (the same rounded values that went into dK).
+                // dS^T to shared memory for dQ (the same rounded values that went into dK; one warp per key block).
+                if (dh == 0) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int kr = key0 + 8 * (e & 1), qc = 16 * c + 8 * (e / 2) + 2 * t;
-                    *reinterpret_cast<uint32_t *>(dst + kr * LDS + qc) = sa[e];
+                    for (int e = 0; e < 4; ++e) {
+                        const int kr = key0 + 8 * (e & 1), qc = 16 * c + 8 * (e / 2) + 2 * t;
+                        *reinterpret_cast<uint32_t *>(dst + kr * LDS + qc) = sa[e];
+                    }
                 }
             }
             __syncthreads(); // dS^T complete
@@ -929,10 +769,10 @@ __global__ void __launch_bounds__(kBwdThreads) attn_bwd_mma_kernel(const BwdArgs
     T *dkg = static_cast<T *>(a.dk) + b * a.dks[0] + k0 * a.dks[1] + hk * a.dks[2];
     T *dvg = static_cast<T *>(a.dv) + b * a.dvs[0] + k0 * a.dvs[1] + hk * a.dvs[2];
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j)
+    for (int j = 0; j < DW / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int r = key0 + 8 * (e / 2), col = 8 * j + 2 * t + (e & 1);
+            const int r = key0 + 8 * (e / 2), col = c0 + 8 * j + 2 * t + (e & 1);
             if (r >= nk || col >= a.d)
                 continue;
             T *pk = dkg + r * a.dks[1] + col * a.dks[3];
@@ -1061,14 +901,8 @@ template <typename T, int D> hexiseq_status launch_fwd(const FwdArgs &a, int64_t
 }
 
 template <typename T, int D> hexiseq_status launch_bwd_mma(const BwdArgs &a, int64_t blocks, cudaStream_t stream) {
-    return launch_with_smem(attn_bwd_mma_kernel<T, D>, "attn_bwd_mma_kernel", blocks, kBwdThreads,
+    return launch_with_smem(attn_bwd_mma_kernel<T, D>, "attn_bwd_mma_kernel", blocks, BwdMmaTiles<D>::THREADS,
                             BwdMmaTiles<D>::bytes, stream, a);
-}
-
-template <typename T, int D> hexiseq_status launch_bwd_main(const BwdArgs &a, int64_t blocks, cudaStream_t stream) {
-    constexpr int BQ = BwdTiles<D>::BQ, BK = BwdTiles<D>::BK;
-    return launch_with_smem(attn_bwd_kernel<T, D, BQ, BK>, "attn_bwd_kernel", blocks, kThreads,
-                            BwdSmem<D, BQ, BK>::bytes, stream, a);
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -1152,8 +986,7 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
     a.scale_log2 = (float)(p->scale * 1.4426950408889634);
 
     const int D = padded_head_dim(p->head_dim);
-    const int BK = D <= 128 ? kBwdBK : BwdTiles<256>::BK;
-    a.n_ktiles = ceil_div(p->seq_k, BK);
+    a.n_ktiles = ceil_div(p->seq_k, kBwdBK);
     const int64_t rows = p->batch * p->heads * p->seq_q;
     const int64_t main_blocks = a.n_ktiles * p->kv_heads * p->batch;
     const int64_t delta_blocks = ceil_div(rows, kThreads / 32);
@@ -1184,7 +1017,7 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
         switch (D) {
         case 64: s = launch_bwd_mma<T, 64>(a, main_blocks, stream); break;
         case 128: s = launch_bwd_mma<T, 128>(a, main_blocks, stream); break;
-        default: s = launch_bwd_main<T, 256>(a, main_blocks, stream); break;
+        default: s = launch_bwd_mma<T, 256>(a, main_blocks, stream); break;
         }
     }
     if (s == HEXISEQ_OK) {

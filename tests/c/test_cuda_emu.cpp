@@ -6,9 +6,9 @@
 // element-by-element paths, strides (heads-major, strided head_dim, negative, misaligned), the online softmax
 // and LSE, the backward's accumulators and dQ atomics, accumulate, and the merge. Every case runs under four
 // thread schedules (lockstep, run-ahead from either end, pseudo-random; see emu.h) and must give bit-identical
-// outputs: a difference is a race between two barriers. What it cannot test: speed, the real WMMA fragment
-// layout (the emulator uses one legal layout), hardware memory ordering, and anything only a GPU does
-// (tests/test_cuda_ops.py, on a GPU).
+// outputs: a difference is a race between two barriers. What it cannot test: speed, hardware memory ordering,
+// a misreading of the PTX fragment layouts shared by the kernels and the emulator, and anything only a GPU
+// does (tests/test_cuda_ops.py, on a GPU).
 //
 // Error measure: max |x - ref| / max |ref| over a tensor (see rel_err). Tolerances, with u the unit roundoff
 // of the storage type (bf16 2^-8, fp16 2^-11): the kernels keep P and dS in the storage type before the
@@ -362,6 +362,8 @@ void test_attention_cases() {
         {BF, 1, 130, 100, 2, 1, 64, 1, 0, 63, CONTIG, 0, 0},       // first visible row 63: last of a query tile
         {F16, 1, 100, 70, 2, 2, 128, 1, 1, 32, CONTIG, 0, 0},      // same at the 32-row tiles of the D=128 backward
         {BF, 1, 70, 45, 2, 2, 256, 1, 30, 10, NEG_SEQ, 0, 0},      // D=256, negative sequence stride
+        {F16, 1, 100, 90, 4, 2, 256, 0, 0, 0, CONTIG, 0, 1},       // D=256 non-causal, GQA, cp.async, accumulate
+        {BF, 1, 130, 130, 2, 1, 200, 1, 0, 0, HEADS_MAJOR, 1, 0},  // d=200 padded to 256, causal diagonal
         {F16, 2, 129, 129, 4, 1, 32, 1, 0, 0, MISALIGNED, 1, 0},   // MQA, batch 2, misaligned base
         {BF, 1, 97, 161, 2, 1, 128, 1, 64, 0, CONTIG, 0, 1},       // accumulate into preset gradients
         {F16, 1, 200, 90, 2, 1, 100, 0, 0, 0, HEADS_MAJOR, 0, 1},  // non-causal accumulate, d=100 (pad to 128)

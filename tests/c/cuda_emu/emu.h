@@ -1,31 +1,30 @@
 // A CPU emulator for the slice of CUDA that kernels/attention.cu uses, so the CUDA kernels' logic (tiling,
 // masking, causal offsets, GQA, strides, odd sizes, online softmax, the backward's accumulators, the merge)
 // is tested on machines without a GPU. It is a test tool, not a second implementation: the kernel source is
-// compiled unchanged as C++ (g++ -x c++) against these headers instead of the CUDA ones.
+// compiled unchanged as C++ against these headers (and cuda_*.h here) instead of the CUDA ones.
 //
 // How it runs a launch: the blocks of the grid run one after another; the threads of a block run as fibers
 // (cooperative user-level threads, each with its own stack) that switch only at synchronisation points:
-// __syncthreads, __syncwarp, warp shuffles and WMMA mma_sync. So a thread runs without interruption from one
+// __syncthreads, __syncwarp, warp shuffles, mma.sync and ldmatrix. So a thread runs without interruption from one
 // synchronisation point to the next, and which thread runs next is a parameter (hexiseq_emu::set_schedule:
 // lockstep, run-ahead from either end, pseudo-random). A kernel whose result changes with the schedule has a
 // data race between two barriers; the tests run every case under all four and compare the outputs bit for bit.
 //
 // What it checks on top of the results:
 //   * deadlocks (threads waiting at barriers that can never complete, e.g. __syncthreads in divergent code);
-//   * warp collectives (shuffles, __syncwarp, mma_sync) with a lane that has exited, or a partial mask;
+//   * warp collectives (shuffles, __syncwarp, mma.sync, ldmatrix) with a lane that has exited, or a partial
+//     mask;
 //   * dynamic shared memory: the launch's size must not exceed the cudaFuncSetAttribute opt-in nor the sm_80
 //     opt-in limit (163 KiB, the smallest of the targets); it is filled with 0xFF bytes (NaN) before each
 //     block so reads of unwritten shared memory poison the result, and the bytes past the launch's size are
 //     checked after each block for stray writes (and poisoned for AddressSanitizer builds);
-//   * WMMA's rules: 16x16x16 fragments only, pointers 32-byte aligned, ldm a multiple of 16 bytes;
+//   * ldmatrix and cp.async addresses: 16-byte aligned, inside the launch's shared memory; cp.async copies
+//     land only when a wait lets them (so reading early reads stale bytes); ldmatrix bank conflicts counted;
 //   * stream-ordered scratch (cudaMallocAsync) comes back filled with 0xFF bytes, not zeros.
 // A violation prints the kernel, block and thread and aborts the process: a test binary fails loudly.
 //
-// WMMA fragments are distributed over the warp as on the hardware: lane l holds elements 8l .. 8l + 7 of the
-// 16x16 tile in row-major order (A is M x K, B is K x N, C is M x N). The real layout is unspecified and code
-// must not depend on it; this layout is one legal choice. mma_sync gathers the warp's A and B through a
-// shared buffer and each lane computes its own 8 outputs in fp32 (products of 16-bit inputs are exact in
-// fp32; the summation order over k is 0..15, one legal order for the hardware).
+// mma.sync gathers the warp's fragments through a shared buffer and each lane computes its own 4 outputs in
+// fp32 (products of 16-bit inputs are exact in fp32; the summation order over k is 0..15, one legal order).
 #ifndef HEXISEQ_CUDA_EMU_H
 #define HEXISEQ_CUDA_EMU_H
 
@@ -157,97 +156,6 @@ template <typename T> inline T atomicAdd(T *address, T value) { // fibers never 
     *address = old + value;
     return old;
 }
-
-// ------------------------------------------------------------------------------------------------
-// WMMA (16x16x16 only)
-
-namespace nvcuda {
-namespace wmma {
-struct row_major {};
-struct col_major {};
-struct matrix_a {};
-struct matrix_b {};
-struct accumulator {};
-enum layout_t { mem_row_major, mem_col_major };
-
-template <typename Use, int M, int N, int K, typename T, typename Layout = void> struct fragment {
-    static_assert(M == 16 && N == 16 && K == 16, "the emulator has 16x16x16 fragments only");
-    static constexpr int num_elements = 8;
-    T x[8]; // lane l: elements 8l .. 8l + 7 of the tile, row-major
-};
-
-namespace detail {
-template <typename T> inline void check_ptr(const T *p, unsigned ldm, const char *what) {
-    if ((uintptr_t)p % 32 != 0)
-        hexiseq_emu::fail("%s: pointer %p is not 32-byte aligned", what, (const void *)p);
-    if ((ldm * sizeof(T)) % 16 != 0)
-        hexiseq_emu::fail("%s: ldm %u elements of %zu bytes is not a multiple of 16 bytes", what, ldm, sizeof(T));
-}
-// Memory offset of logical element (r, c) of a tile stored row- or column-major with leading dimension ldm.
-inline size_t at(int r, int c, unsigned ldm, bool row) { return row ? (size_t)r * ldm + c : (size_t)c * ldm + r; }
-} // namespace detail
-
-template <typename Use, typename T, typename Layout>
-inline void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout> &f, const T *p, unsigned ldm) {
-    static_assert(!std::is_same<Layout, void>::value, "matrix_a/matrix_b fragments carry their layout");
-    detail::check_ptr(p, ldm, "wmma::load_matrix_sync");
-    const int lane = hexiseq_emu::current_thread()->lane;
-    constexpr bool row = std::is_same<Layout, row_major>::value;
-    for (int e = 0; e < 8; ++e) {
-        const int idx = lane * 8 + e;
-        f.x[e] = p[detail::at(idx / 16, idx % 16, ldm, row)];
-    }
-}
-
-inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float> &f, const float *p, unsigned ldm,
-                             layout_t layout) {
-    detail::check_ptr(p, ldm, "wmma::load_matrix_sync(accumulator)");
-    const int lane = hexiseq_emu::current_thread()->lane;
-    for (int e = 0; e < 8; ++e) {
-        const int idx = lane * 8 + e;
-        f.x[e] = p[detail::at(idx / 16, idx % 16, ldm, layout == mem_row_major)];
-    }
-}
-
-inline void store_matrix_sync(float *p, const fragment<accumulator, 16, 16, 16, float> &f, unsigned ldm,
-                              layout_t layout) {
-    detail::check_ptr(p, ldm, "wmma::store_matrix_sync");
-    const int lane = hexiseq_emu::current_thread()->lane;
-    for (int e = 0; e < 8; ++e) {
-        const int idx = lane * 8 + e;
-        p[detail::at(idx / 16, idx % 16, ldm, layout == mem_row_major)] = f.x[e];
-    }
-}
-
-template <typename Use, typename T, typename Layout>
-inline void fill_fragment(fragment<Use, 16, 16, 16, T, Layout> &f, T value) {
-    for (int e = 0; e < 8; ++e)
-        f.x[e] = value;
-}
-
-// D = A B + C for the warp: A and B go through the warp's exchange buffer (fp32 copies of the 16-bit inputs).
-template <typename T, typename LA, typename LB>
-inline void mma_sync(fragment<accumulator, 16, 16, 16, float> &d, const fragment<matrix_a, 16, 16, 16, T, LA> &a,
-                     const fragment<matrix_b, 16, 16, 16, T, LB> &b,
-                     const fragment<accumulator, 16, 16, 16, float> &c) {
-    hexiseq_emu::ThreadState *t = hexiseq_emu::current_thread();
-    float *buf = static_cast<float *>(hexiseq_emu::warp_exchange_buffer(512 * sizeof(float)));
-    float *ga = buf, *gb = buf + 256; // A[m][k] at ga[16 m + k], B[k][n] at gb[16 k + n]
-    for (int e = 0; e < 8; ++e) {
-        ga[t->lane * 8 + e] = emu_to_float(a.x[e]);
-        gb[t->lane * 8 + e] = emu_to_float(b.x[e]);
-    }
-    hexiseq_emu::sync_warp(0xffffffffu, "wmma::mma_sync");
-    for (int e = 0; e < 8; ++e) {
-        const int idx = t->lane * 8 + e, m = idx / 16, n = idx % 16;
-        float acc = c.x[e];
-        for (int k = 0; k < 16; ++k)
-            acc += ga[16 * m + k] * gb[16 * k + n];
-        d.x[e] = acc;
-    }
-}
-} // namespace wmma
-} // namespace nvcuda
 
 // ------------------------------------------------------------------------------------------------
 // Register-level tensor-core instructions (kernels/attention.cu calls them through small wrappers that are

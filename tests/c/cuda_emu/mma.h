@@ -1,2 +1,0 @@
-// Emulator stand-in for the CUDA header of the same name: see emu.h.
-#include "emu.h"
