@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include <algorithm>
 #include <string>
@@ -290,6 +291,7 @@ double lse_err(const std::vector<double> &x, const std::vector<double> &ref) {
 bool verbose = false;
 
 void run_case(const Case &c) {
+    const clock_t started = clock();
     Problem pr(c);
     Outputs ref, a, b;
     hexiseq_emu::set_schedule(hexiseq_emu::SCHEDULE_ROUND_ROBIN, 0);
@@ -300,8 +302,8 @@ void run_case(const Case &c) {
     const double eq = rel_err(a.dq, ref.dq), ek = rel_err(a.dk, ref.dk), ev = rel_err(a.dv, ref.dv);
     const std::string name = describe(c);
     if (verbose)
-        printf("  %-64s o %.2fu lse %.1e dq %.2fu dk %.2fu dv %.2fu\n", name.c_str(), eo / u, el, eq / u, ek / u,
-               ev / u);
+        printf("  %-64s o %.2fu lse %.1e dq %.2fu dk %.2fu dv %.2fu (%.1f s)\n", name.c_str(), eo / u, el, eq / u,
+               ek / u, ev / u, (double)(clock() - started) / CLOCKS_PER_SEC);
     EXPECT(eo <= 3 * u, "%s: forward O error %.3g > 3u = %.3g", name.c_str(), eo, 3 * u);
     EXPECT(el <= 1e-4, "%s: LSE error %.3g > 1e-4", name.c_str(), el);
     EXPECT(eq <= 6 * u, "%s: dQ error %.3g > 6u = %.3g", name.c_str(), eq, 6 * u);

@@ -104,6 +104,7 @@ struct Emu {
     size_t smem_cap = 0, smem_launch = 0; // the array's size; the running launch's dynamic size
     std::map<const void *, int> max_smem;
     cudaError_t last_error = cudaSuccess;
+    uint64_t ready[1024 / 64] = {0}; // bit i: thread i is RUNNABLE (the scheduler's picks in O(words))
     ~Emu() {
         for (Fiber &f : fibers)
             free(f.stack);
@@ -133,10 +134,39 @@ void switch_to_scheduler(Fiber *f, bool exiting) {
 #endif
 }
 
+void set_state(Fiber &f, State st) {
+    const size_t i = (size_t)(&f - g.fibers.data());
+    f.state = st;
+    if (st == RUNNABLE)
+        g.ready[i / 64] |= 1ull << (i % 64);
+    else
+        g.ready[i / 64] &= ~(1ull << (i % 64));
+}
+
+// Lowest runnable thread >= from, or -1.
+int next_ready(int from, int n) {
+    for (int w = from / 64; w * 64 < n; ++w) {
+        uint64_t bits = g.ready[w];
+        if (w == from / 64)
+            bits &= ~0ull << (from % 64);
+        if (bits)
+            return w * 64 + __builtin_ctzll(bits);
+    }
+    return -1;
+}
+
+// Highest runnable thread < n, or -1.
+int last_ready(int n) {
+    for (int w = (n - 1) / 64; w >= 0; --w)
+        if (g.ready[w])
+            return w * 64 + 63 - __builtin_clzll(g.ready[w]);
+    return -1;
+}
+
 void release_block() {
     for (Fiber &f : g.fibers)
         if (f.state == AT_BLOCK_BARRIER)
-            f.state = RUNNABLE;
+            set_state(f, RUNNABLE);
     g.at_block = 0;
 }
 
@@ -148,7 +178,7 @@ void fiber_main() {
     (*g.body)();
     if (!f->groups.empty() || !f->open_group.empty())
         fail("thread exited with cp.async copies in flight (no cp.async.wait_group 0)");
-    f->state = DONE;
+    set_state(*f, DONE);
     g.live--;
     const int w = f->ts.warp;
     g.warp_live[w]--;
@@ -187,7 +217,7 @@ void start_fiber(Fiber &f) {
     f.uc.uc_link = nullptr;
     makecontext(&f.uc, fiber_main_uc, 0);
 #endif
-    f.state = RUNNABLE;
+    set_state(f, RUNNABLE);
 }
 
 void resume(Fiber &f) {
@@ -233,34 +263,27 @@ void run_block(int nthreads) {
     }
     g.live = nthreads;
     g.at_block = 0;
-    std::vector<int> runnable;
-    runnable.reserve(nthreads);
     while (g.live > 0) {
         bool ran = false;
-        if (g.schedule == SCHEDULE_ROUND_ROBIN) {
-            for (int i = 0; i < nthreads; ++i)
-                if (g.fibers[i].state == RUNNABLE) {
-                    resume(g.fibers[i]);
-                    ran = true;
-                }
-        } else if (g.schedule == SCHEDULE_RANDOM) {
-            runnable.clear();
-            for (int i = 0; i < nthreads; ++i)
-                if (g.fibers[i].state == RUNNABLE)
-                    runnable.push_back(i);
-            if (!runnable.empty()) {
-                resume(g.fibers[runnable[next_random() % runnable.size()]]);
+        if (g.schedule == SCHEDULE_ROUND_ROBIN) { // one pass in index order
+            for (int i = next_ready(0, nthreads); i >= 0; i = i + 1 < nthreads ? next_ready(i + 1, nthreads) : -1) {
+                resume(g.fibers[i]);
                 ran = true;
             }
         } else {
-            const bool up = g.schedule == SCHEDULE_LOWEST_FIRST;
-            for (int n = 0; n < nthreads; ++n) {
-                const int i = up ? n : nthreads - 1 - n;
-                if (g.fibers[i].state == RUNNABLE) {
-                    resume(g.fibers[i]);
-                    ran = true;
-                    break;
-                }
+            int i;
+            if (g.schedule == SCHEDULE_LOWEST_FIRST) {
+                i = next_ready(0, nthreads);
+            } else if (g.schedule == SCHEDULE_HIGHEST_FIRST) {
+                i = last_ready(nthreads);
+            } else { // the first runnable thread at or after a random one, wrapping around
+                i = next_ready((int)(next_random() % (uint64_t)nthreads), nthreads);
+                if (i < 0)
+                    i = next_ready(0, nthreads);
+            }
+            if (i >= 0) {
+                resume(g.fibers[i]);
+                ran = true;
             }
         }
         if (!ran && g.live > 0) {
@@ -316,7 +339,7 @@ void sync_block() {
         release_block();
         return;
     }
-    f->state = AT_BLOCK_BARRIER;
+    set_state(*f, AT_BLOCK_BARRIER);
     f->waiting_in = "__syncthreads";
     switch_to_scheduler(f, false);
 }
@@ -338,10 +361,10 @@ void sync_warp(unsigned mask, const char *what) {
         const int first = w * 32;
         for (int i = first; i < first + g.warp_size[w]; ++i)
             if (g.fibers[i].state == AT_WARP_BARRIER)
-                g.fibers[i].state = RUNNABLE;
+                set_state(g.fibers[i], RUNNABLE);
         return;
     }
-    f->state = AT_WARP_BARRIER;
+    set_state(*f, AT_WARP_BARRIER);
     f->waiting_in = what;
     switch_to_scheduler(f, false);
 }
@@ -352,8 +375,6 @@ void *warp_exchange_buffer(size_t bytes) {
         fail("warp exchange of %zu bytes exceeds the emulator's %zu", bytes, kExchangeBytes);
     return &g.exchange[((size_t)f->ts.warp * 2 + (f->ts.collective & 1u)) * kExchangeBytes];
 }
-
-float half_bits_to_float(uint16_t bits, bool bf16) { return bf16 ? hexiseq_bf16_to_f32(bits) : hexiseq_f16_to_f32(bits); }
 
 bool in_shared_memory(const void *p, size_t bytes) { // within the running launch's dynamic shared memory
     const unsigned char *q = static_cast<const unsigned char *>(p);

@@ -171,7 +171,9 @@ template <typename T> inline T atomicAdd(T *address, T value) { // fibers never 
 //                 matrix i, or with .trans those of its transpose (rows 2(l%4), 2(l%4)+1 of column l/4).
 
 namespace hexiseq_emu {
-float half_bits_to_float(uint16_t bits, bool bf16);
+inline float half_bits_to_float(uint16_t bits, bool bf16) {
+    return bf16 ? hexiseq_bf16_to_f32(bits) : hexiseq_f16_to_f32(bits);
+}
 bool in_shared_memory(const void *p, size_t bytes);
 // Shared-memory bank conflicts of the ldmatrix calls so far: the hardware reads each 8x8 matrix (8 rows of 16
 // bytes) in one pass over the 32 four-byte banks when the 8 rows fall in distinct banks; every extra pass a
