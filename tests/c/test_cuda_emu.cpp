@@ -116,6 +116,15 @@ void contiguous_strides(int64_t st[4], int64_t S, int64_t H, int64_t D) {
     st[3] = 1, st[2] = D, st[1] = H * D, st[0] = S * H * D;
 }
 
+// The eight [b, s, h, d] stride arrays of a params struct, in its field order.
+void set_strides(hexiseq_attn_params &p, const int64_t *q, const int64_t *k, const int64_t *v, const int64_t *o,
+                 const int64_t *dout, const int64_t *dq, const int64_t *dk, const int64_t *dv) {
+    int64_t *dst[] = {p.q_stride, p.k_stride, p.v_stride, p.o_stride, p.do_stride, p.dq_stride, p.dk_stride, p.dv_stride};
+    const int64_t *src[] = {q, k, v, o, dout, dq, dk, dv};
+    for (int i = 0; i < 8; ++i)
+        memcpy(dst[i], src[i], 4 * sizeof(int64_t));
+}
+
 // max |x - ref| / max(max |ref|, 1e-3); NaN anywhere gives +inf. The floor keeps tensors whose exact value
 // is zero but whose float64 reference is not quite (one key: dS = P (dP - D) = 0 up to rounding) meaningful;
 // the inputs are O(1), so 1e-3 is far below any real gradient. Exact zeros are checked separately.
@@ -203,14 +212,10 @@ struct Problem {
         hexiseq_attn_params p = base_params();
         p.dtype = HEXISEQ_DTYPE_F64;
         p.q = rq.data(), p.k = rk.data(), p.v = rv.data(), p.o = r.o.data(), p.lse = r.lse.data();
-        contiguous_strides(p.q_stride, c.seq_q, c.heads, c.head_dim);
-        contiguous_strides(p.k_stride, c.seq_k, c.kv_heads, c.head_dim);
-        memcpy(p.v_stride, p.k_stride, sizeof p.k_stride);
-        memcpy(p.o_stride, p.q_stride, sizeof p.q_stride);
-        memcpy(p.do_stride, p.q_stride, sizeof p.q_stride);
-        memcpy(p.dq_stride, p.q_stride, sizeof p.q_stride);
-        memcpy(p.dk_stride, p.k_stride, sizeof p.k_stride);
-        memcpy(p.dv_stride, p.k_stride, sizeof p.k_stride);
+        int64_t qst[4], kst[4];
+        contiguous_strides(qst, c.seq_q, c.heads, c.head_dim);
+        contiguous_strides(kst, c.seq_k, c.kv_heads, c.head_dim);
+        set_strides(p, qst, kst, kst, qst, qst, qst, kst, kst);
         p.lse_stride[0] = c.heads * c.seq_q, p.lse_stride[1] = c.seq_q, p.lse_stride[2] = 1;
         EXPECT(hexiseq_attn_forward_cpu(&p) == HEXISEQ_OK, "reference forward: %s", hexiseq_last_error());
         r.dq = c.accumulate ? rg_q : std::vector<double>((size_t)nq, 0.0);
@@ -232,14 +237,7 @@ struct Problem {
         hexiseq_attn_params p = base_params();
         p.dtype = c.dtype;
         p.q = q.base(), p.k = k.base(), p.v = v.base(), p.o = o.base(), p.lse = lse.data();
-        memcpy(p.q_stride, q.st, sizeof q.st);
-        memcpy(p.k_stride, k.st, sizeof k.st);
-        memcpy(p.v_stride, v.st, sizeof v.st);
-        memcpy(p.o_stride, o.st, sizeof o.st);
-        memcpy(p.do_stride, dout.st, sizeof dout.st);
-        memcpy(p.dq_stride, dq.st, sizeof dq.st);
-        memcpy(p.dk_stride, dk.st, sizeof dk.st);
-        memcpy(p.dv_stride, dv.st, sizeof dv.st);
+        set_strides(p, q.st, k.st, v.st, o.st, dout.st, dq.st, dk.st, dv.st);
         lse_strides(p.lse_stride);
         EXPECT(hexiseq_attn_forward_cuda(&p, nullptr) == HEXISEQ_OK, "emulated forward %s: %s",
                describe(c).c_str(), hexiseq_last_error());
@@ -436,10 +434,9 @@ void test_refusals() {
     memset(&p, 0, sizeof p);
     p.q = p.k = p.v = x.data(), p.o = x.data() + 64, p.lse = lse.data();
     p.batch = 1, p.seq_q = p.seq_k = 1, p.heads = p.kv_heads = 1, p.head_dim = 64, p.scale = 0.125;
-    contiguous_strides(p.q_stride, 1, 1, 64);
-    memcpy(p.k_stride, p.q_stride, sizeof p.q_stride);
-    memcpy(p.v_stride, p.q_stride, sizeof p.q_stride);
-    memcpy(p.o_stride, p.q_stride, sizeof p.q_stride);
+    int64_t st[4];
+    contiguous_strides(st, 1, 1, 64);
+    set_strides(p, st, st, st, st, st, st, st, st);
     p.lse_stride[0] = p.lse_stride[1] = p.lse_stride[2] = 1;
     p.dtype = HEXISEQ_DTYPE_F32;
     EXPECT(hexiseq_attn_forward_cuda(&p, nullptr) == HEXISEQ_ERR_UNSUPPORTED &&
