@@ -16,9 +16,10 @@
 #endif
 
 // Fiber switch: save the callee-saved registers on the current stack, store its pointer in *save, load the
-// other stack's pointer and restore its registers. x86-64 System V only; elsewhere the build falls back to
-// ucontext (slower: it saves the signal mask with a system call on every switch).
-#if defined(__x86_64__)
+// other stack's pointer and restore its registers. x86-64 System V only; elsewhere (or with
+// -DHEXISEQ_EMU_UCONTEXT, to test that path) the build falls back to ucontext (slower: it saves the signal mask
+// with a system call on every switch).
+#if defined(__x86_64__) && !defined(HEXISEQ_EMU_UCONTEXT)
 extern "C" void hexiseq_emu_switch(void **save, void *load);
 __asm__(".text\n"
         ".globl hexiseq_emu_switch\n"
