@@ -246,10 +246,11 @@ static int hx_simd_level(void) {
 
 /* ---- AVX-512F ---- */
 
-/* exp(x), relative error ~1e-7; -inf and x < -100 give 0 (via scalef), NaN stays NaN. */
-HX_INLINE HX_AVX512 __m512 hx_exp512(__m512 x) {
+/* exp(x) for x <= 88 or NaN, no upper clamp (the forward's shifted scores are <= 0): range reduction by ln 2,
+ * Cephes polynomial, Horner tail 1 + r (1 + r P(r)); relative error ~1e-7; -inf and x < -100 give ~0, NaN
+ * stays NaN. */
+HX_INLINE HX_AVX512 __m512 hx_exp512_neg(__m512 x) {
     x = _mm512_max_ps(_mm512_set1_ps(-100.0f), x); /* max(c, NaN) = NaN */
-    x = _mm512_min_ps(_mm512_set1_ps(88.0f), x);
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -260,27 +261,14 @@ HX_INLINE HX_AVX512 __m512 hx_exp512(__m512 x) {
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(HX_EXP_P3));
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(HX_EXP_P4));
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(HX_EXP_P5));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(y, n);
 }
 
-/* exp(x) for x <= 0 or NaN (the shifted scores of the forward softmax): hx_exp512 without the upper
- * clamp and with a Horner tail (1 + r (1 + r P(r))); -inf and x < -100 give ~0, NaN stays NaN. */
-HX_INLINE HX_AVX512 __m512 hx_exp512_neg(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-100.0f), x);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(HX_EXP_P0);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(HX_EXP_P1));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(HX_EXP_P2));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(HX_EXP_P3));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(HX_EXP_P4));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(HX_EXP_P5));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, n);
+/* exp(x) for any x: clamped at 88 (exp overflows float just above), then as hx_exp512_neg. */
+HX_INLINE HX_AVX512 __m512 hx_exp512(__m512 x) {
+    return hx_exp512_neg(_mm512_min_ps(_mm512_set1_ps(88.0f), x)); /* min(c, NaN) = NaN */
 }
 
 /* Lanes of the 16-wide chunk q of a BK row that lie below jmax. */
