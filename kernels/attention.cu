@@ -84,7 +84,7 @@
 
 namespace {
 
-constexpr int kThreads = 256; // threads per CTA of the small kernels (delta, dq, merge) and tile-loader default
+constexpr int kThreads = 256; // threads per CTA of the small kernels (delta, dq, merge)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -131,7 +131,7 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 // dst[r][c] (ld LD) = src[r * row_stride + c * col_stride] for r < n_rows, c < d; 0 elsewhere in [ROWS][D].
 // src: row 0, column 0 of the tile in global memory. vec: 16-byte loads are legal (see the file comment).
-template <typename T, int ROWS, int D, int LD, int NT = kThreads>
+template <typename T, int ROWS, int D, int LD, int NT>
 __device__ void load_tile(T *dst /* [ROWS][LD] smem */, const T *src, int64_t row_stride, int64_t col_stride,
                           int64_t n_rows, int d, bool vec) {
     if (vec) {
@@ -366,8 +366,8 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
     int buf = 0;
     for (int64_t k0 = 0; k0 < kend; k0 += BK, buf ^= async ? 1 : 0) {
         const int64_t nk = min((int64_t)BK, kend - k0);
-        const T *ks = reinterpret_cast<const T *>(smem + L::k + buf * L::kv); // [BK][LDT]
-        const T *vs = reinterpret_cast<const T *>(smem + L::v + buf * L::kv); // [BK][LDT]
+        T *ks = reinterpret_cast<T *>(smem + L::k + buf * L::kv); // [BK][LDT]
+        T *vs = reinterpret_cast<T *>(smem + L::v + buf * L::kv); // [BK][LDT]
         if (async) {
             if (k0 + BK < kend) {
                 issue(k0 + BK, buf ^ 1); // into the buffer every warp finished with last iteration
@@ -376,10 +376,8 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
                 cp_async_wait<0>();
             }
         } else {
-            load_tile<T, BK, D, LDT, kFwdThreads>(const_cast<T *>(ks), kg + k0 * a.ks[1], a.ks[1], a.ks[3], nk, a.d,
-                                                  false);
-            load_tile<T, BK, D, LDT, kFwdThreads>(const_cast<T *>(vs), vg + k0 * a.vs[1], a.vs[1], a.vs[3], nk, a.d,
-                                                  false);
+            load_tile<T, BK, D, LDT, kFwdThreads>(ks, kg + k0 * a.ks[1], a.ks[1], a.ks[3], nk, a.d, false);
+            load_tile<T, BK, D, LDT, kFwdThreads>(vs, vg + k0 * a.vs[1], a.vs[1], a.vs[3], nk, a.d, false);
         }
         __syncthreads(); // Q (first pass), K, V of this tile visible to every thread
 
@@ -623,146 +621,144 @@ __global__ void __launch_bounds__(BwdMmaTiles<D>::THREADS) attn_bwd_mma_kernel(c
         prefetch(0, 0);
     int buf = 0;
     for (int64_t step = 0; step < n_steps; ++step, buf ^= async ? 1 : 0) {
-        {
-            const int32_t h = hk * a.group + (int32_t)(step / n_qt);
-            const int64_t q0 = (qt_first + step % n_qt) * BQ;
-            const int64_t nq = min((int64_t)BQ, a.seq_q - q0);
-            const float *lseg = a.lse + b * a.ls[0] + h * a.ls[1];
-            const float *deltag = a.delta + (b * a.heads + h) * a.seq_q;
-            float *dqg = a.dq_acc + (b * a.heads + h) * a.seq_q * a.d;
-            const T *qs = q_tile(buf), *dos = do_tile(buf);
-            // No barrier is needed before refilling a Q/dO buffer or LSE, D: their last readers (the dV/dK phase
-            // of an earlier step) are behind that step's "dS^T complete" barrier, and dS^T is rewritten only
-            // after the "ready" barrier below, which every warp reaches only after its previous dQ phase.
-            if (async) {
-                if (step + 1 < n_steps) {
-                    prefetch(step + 1, buf ^ 1);
-                    cp_async_wait<1>(); // this thread's copies for this step are done
-                } else {
-                    cp_async_wait<0>();
-                }
+        const int32_t h = hk * a.group + (int32_t)(step / n_qt);
+        const int64_t q0 = (qt_first + step % n_qt) * BQ;
+        const int64_t nq = min((int64_t)BQ, a.seq_q - q0);
+        const float *lseg = a.lse + b * a.ls[0] + h * a.ls[1];
+        const float *deltag = a.delta + (b * a.heads + h) * a.seq_q;
+        float *dqg = a.dq_acc + (b * a.heads + h) * a.seq_q * a.d;
+        const T *qs = q_tile(buf), *dos = do_tile(buf);
+        // No barrier is needed before refilling a Q/dO buffer or LSE, D: their last readers (the dV/dK phase
+        // of an earlier step) are behind that step's "dS^T complete" barrier, and dS^T is rewritten only
+        // after the "ready" barrier below, which every warp reaches only after its previous dQ phase.
+        if (async) {
+            if (step + 1 < n_steps) {
+                prefetch(step + 1, buf ^ 1);
+                cp_async_wait<1>(); // this thread's copies for this step are done
             } else {
-                load_tile<T, BQ, D, LDT, NT>(q_tile(0), q_src(h, q0), a.qs[1], a.qs[3], nq, a.d, false);
-                load_tile<T, BQ, D, LDT, NT>(do_tile(0), do_src(h, q0), a.dos[1], a.dos[3], nq, a.d, false);
+                cp_async_wait<0>();
             }
-            for (int r = threadIdx.x; r < BQ; r += NT) {
-                lse_s[r] = r < nq ? lseg[(q0 + r) * a.ls[2]] * kLog2e : -INFINITY;
-                delta_s[r] = r < nq ? deltag[q0 + r] : 0.0f;
-            }
-            __syncthreads(); // K, V (first step), Q, dO, LSE, D ready
+        } else {
+            load_tile<T, BQ, D, LDT, NT>(q_tile(0), q_src(h, q0), a.qs[1], a.qs[3], nq, a.d, false);
+            load_tile<T, BQ, D, LDT, NT>(do_tile(0), do_src(h, q0), a.dos[1], a.dos[3], nq, a.d, false);
+        }
+        for (int r = threadIdx.x; r < BQ; r += NT) {
+            lse_s[r] = r < nq ? lseg[(q0 + r) * a.ls[2]] * kLog2e : -INFINITY;
+            delta_s[r] = r < nq ? deltag[q0 + r] : 0.0f;
+        }
+        __syncthreads(); // K, V (first step), Q, dO, LSE, D ready
 
-            // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x BQ queries (query block j: 8j .. 8j+7),
-            // over this warp's head-dim columns (all of them when DS = 1).
-            float st[BQ / 8][4], dpt[BQ / 8][4];
+        // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x BQ queries (query block j: 8j .. 8j+7),
+        // over this warp's head-dim columns (all of them when DS = 1).
+        float st[BQ / 8][4], dpt[BQ / 8][4];
 #pragma unroll
-            for (int j = 0; j < BQ / 8; ++j)
+        for (int j = 0; j < BQ / 8; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    st[j][e] = dpt[j][e] = 0.0f;
+            for (int e = 0; e < 4; ++e)
+                st[j][e] = dpt[j][e] = 0.0f;
 #pragma unroll
-            for (int kk = c0 / 16; kk < (c0 + DW) / 16; ++kk) {
-                uint32_t ka[4], va[4];
-                load_a(ka, ks, LDT, kb * 16, kk * 16);
-                load_a(va, vs, LDT, kb * 16, kk * 16);
+        for (int kk = c0 / 16; kk < (c0 + DW) / 16; ++kk) {
+            uint32_t ka[4], va[4];
+            load_a(ka, ks, LDT, kb * 16, kk * 16);
+            load_a(va, vs, LDT, kb * 16, kk * 16);
 #pragma unroll
-                for (int j = 0; j < BQ / 8; j += 2) {
-                    uint32_t qb[4], db[4]; // queries as columns: query blocks j and j + 1
-                    load_b_cols(qb, qs, LDT, 8 * j, kk * 16);
-                    load_b_cols(db, dos, LDT, 8 * j, kk * 16);
-                    mma16816<T>(st[j], ka, qb[0], qb[1]);
-                    mma16816<T>(st[j + 1], ka, qb[2], qb[3]);
-                    mma16816<T>(dpt[j], va, db[0], db[1]);
-                    mma16816<T>(dpt[j + 1], va, db[2], db[3]);
-                }
+            for (int j = 0; j < BQ / 8; j += 2) {
+                uint32_t qb[4], db[4]; // queries as columns: query blocks j and j + 1
+                load_b_cols(qb, qs, LDT, 8 * j, kk * 16);
+                load_b_cols(db, dos, LDT, 8 * j, kk * 16);
+                mma16816<T>(st[j], ka, qb[0], qb[1]);
+                mma16816<T>(st[j + 1], ka, qb[2], qb[3]);
+                mma16816<T>(dpt[j], va, db[0], db[1]);
+                mma16816<T>(dpt[j + 1], va, db[2], db[3]);
             }
+        }
 
-            if constexpr (DS > 1) { // add the partner warp's partial sums (the other half of the head dim)
-                float *mine = reinterpret_cast<float *>(smem + L::xch + warp * L::xch_warp);
-                const float *theirs = reinterpret_cast<const float *>(smem + L::xch + (warp ^ 4) * L::xch_warp);
-#pragma unroll
-                for (int j = 0; j < BQ / 8; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        mine[(j * 4 + e) * 32 + lane] = st[j][e];
-                        mine[(BQ / 2 + j * 4 + e) * 32 + lane] = dpt[j][e];
-                    }
-                __syncthreads(); // both halves written
-#pragma unroll
-                for (int j = 0; j < BQ / 8; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        st[j][e] += theirs[(j * 4 + e) * 32 + lane];
-                        dpt[j][e] += theirs[(BQ / 2 + j * 4 + e) * 32 + lane];
-                    }
-            }
-
-            // P^T, then dS^T = P^T (dP^T - D), in place; masked and out-of-range entries are 0.
+        if constexpr (DS > 1) { // add the partner warp's partial sums (the other half of the head dim)
+            float *mine = reinterpret_cast<float *>(smem + L::xch + warp * L::xch_warp);
+            const float *theirs = reinterpret_cast<const float *>(smem + L::xch + (warp ^ 4) * L::xch_warp);
 #pragma unroll
             for (int j = 0; j < BQ / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int kr = key0 + 8 * (e / 2), qc = 8 * j + 2 * t + (e & 1);
-                    const float l2 = lse_s[qc];
-                    const bool ok = kr < nk && l2 != -INFINITY &&
-                                    (!a.causal || a.k_pos0 + k0 + kr <= a.q_pos0 + q0 + qc);
-                    const float pv = ok ? exp2f(st[j][e] * a.scale_log2 - l2) : 0.0f;
-                    st[j][e] = pv;
-                    dpt[j][e] = pv * (dpt[j][e] - delta_s[qc]);
+                    mine[(j * 4 + e) * 32 + lane] = st[j][e];
+                    mine[(BQ / 2 + j * 4 + e) * 32 + lane] = dpt[j][e];
                 }
-
-            // dV += P^T dO and dK += dS^T Q: query block pair (2c, 2c + 1) is the A fragment of queries 16c .. +15.
+            __syncthreads(); // both halves written
 #pragma unroll
-            for (int c = 0; c < BQ / 16; ++c) {
-                uint32_t pa[4], sa[4];
-                a_from_c<T>(pa, st[2 * c], st[2 * c + 1]);
-                a_from_c<T>(sa, dpt[2 * c], dpt[2 * c + 1]);
-#pragma unroll
-                for (int j = 0; j < DW / 8; j += 2) {
-                    uint32_t db[4], qb[4]; // output column blocks j and j + 1 of this warp's columns
-                    load_b_rows(db, dos, LDT, 16 * c, c0 + 8 * j);
-                    load_b_rows(qb, qs, LDT, 16 * c, c0 + 8 * j);
-                    mma16816<T>(dv[j], pa, db[0], db[1]);
-                    mma16816<T>(dv[j + 1], pa, db[2], db[3]);
-                    mma16816<T>(dk[j], sa, qb[0], qb[1]);
-                    mma16816<T>(dk[j + 1], sa, qb[2], qb[3]);
-                }
-                // dS^T to shared memory for dQ (the same rounded values that went into dK; one warp per key block).
-                if (dh == 0) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int kr = key0 + 8 * (e & 1), qc = 16 * c + 8 * (e / 2) + 2 * t;
-                        *reinterpret_cast<uint32_t *>(dst + kr * LDS + qc) = sa[e];
-                    }
-                }
-            }
-            __syncthreads(); // dS^T complete
-
-            // dQ quarter = dS K over the 64 keys: A[q][key] = dS^T[key][q] (ldmatrix.trans of dS^T), B = K.
-            float dq[DQ / 8][4];
-#pragma unroll
-            for (int j = 0; j < DQ / 8; ++j)
-                dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.0f;
-#pragma unroll
-            for (int c = 0; c < BK / 16; ++c) {
-                uint32_t da[4];
-                load_a_trans(da, dst, LDS, 16 * qm, 16 * c);
-#pragma unroll
-                for (int j = 0; j < DQ / 8; j += 2) {
-                    uint32_t kb[4];
-                    load_b_rows(kb, ks, LDT, 16 * c, dc0 + 8 * j);
-                    mma16816<T>(dq[j], da, kb[0], kb[1]);
-                    mma16816<T>(dq[j + 1], da, kb[2], kb[3]);
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < DQ / 8; ++j)
+            for (int j = 0; j < BQ / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int r = 16 * qm + g + 8 * (e / 2), col = dc0 + 8 * j + 2 * t + (e & 1);
-                    if (r < nq && col < a.d)
-                        atomicAdd(dqg + (q0 + r) * a.d + col, dq[j][e] * a.scale);
+                    st[j][e] += theirs[(j * 4 + e) * 32 + lane];
+                    dpt[j][e] += theirs[(BQ / 2 + j * 4 + e) * 32 + lane];
                 }
         }
+
+        // P^T, then dS^T = P^T (dP^T - D), in place; masked and out-of-range entries are 0.
+#pragma unroll
+        for (int j = 0; j < BQ / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int kr = key0 + 8 * (e / 2), qc = 8 * j + 2 * t + (e & 1);
+                const float l2 = lse_s[qc];
+                const bool ok = kr < nk && l2 != -INFINITY &&
+                                (!a.causal || a.k_pos0 + k0 + kr <= a.q_pos0 + q0 + qc);
+                const float pv = ok ? exp2f(st[j][e] * a.scale_log2 - l2) : 0.0f;
+                st[j][e] = pv;
+                dpt[j][e] = pv * (dpt[j][e] - delta_s[qc]);
+            }
+
+        // dV += P^T dO and dK += dS^T Q: query block pair (2c, 2c + 1) is the A fragment of queries 16c .. +15.
+#pragma unroll
+        for (int c = 0; c < BQ / 16; ++c) {
+            uint32_t pa[4], sa[4];
+            a_from_c<T>(pa, st[2 * c], st[2 * c + 1]);
+            a_from_c<T>(sa, dpt[2 * c], dpt[2 * c + 1]);
+#pragma unroll
+            for (int j = 0; j < DW / 8; j += 2) {
+                uint32_t db[4], qb[4]; // output column blocks j and j + 1 of this warp's columns
+                load_b_rows(db, dos, LDT, 16 * c, c0 + 8 * j);
+                load_b_rows(qb, qs, LDT, 16 * c, c0 + 8 * j);
+                mma16816<T>(dv[j], pa, db[0], db[1]);
+                mma16816<T>(dv[j + 1], pa, db[2], db[3]);
+                mma16816<T>(dk[j], sa, qb[0], qb[1]);
+                mma16816<T>(dk[j + 1], sa, qb[2], qb[3]);
+            }
+            // dS^T to shared memory for dQ (the same rounded values that went into dK; one warp per key block).
+            if (dh == 0) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int kr = key0 + 8 * (e & 1), qc = 16 * c + 8 * (e / 2) + 2 * t;
+                    *reinterpret_cast<uint32_t *>(dst + kr * LDS + qc) = sa[e];
+                }
+            }
+        }
+        __syncthreads(); // dS^T complete
+
+        // dQ quarter = dS K over the 64 keys: A[q][key] = dS^T[key][q] (ldmatrix.trans of dS^T), B = K.
+        float dq[DQ / 8][4];
+#pragma unroll
+        for (int j = 0; j < DQ / 8; ++j)
+            dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < BK / 16; ++c) {
+            uint32_t da[4];
+            load_a_trans(da, dst, LDS, 16 * qm, 16 * c);
+#pragma unroll
+            for (int j = 0; j < DQ / 8; j += 2) {
+                uint32_t kb[4];
+                load_b_rows(kb, ks, LDT, 16 * c, dc0 + 8 * j);
+                mma16816<T>(dq[j], da, kb[0], kb[1]);
+                mma16816<T>(dq[j + 1], da, kb[2], kb[3]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < DQ / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = 16 * qm + g + 8 * (e / 2), col = dc0 + 8 * j + 2 * t + (e & 1);
+                if (r < nq && col < a.d)
+                    atomicAdd(dqg + (q0 + r) * a.d + col, dq[j][e] * a.scale);
+            }
     }
 
     // dK = scale dS^T Q and dV; one thread owns each element, so plain stores (accumulate: add to old values).
@@ -1034,32 +1030,34 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
 
 } // namespace
 
-extern "C" hexiseq_status hexiseq_attn_forward_cuda(const hexiseq_attn_params *p, void *stream) {
+namespace {
+// Forward or backward: the shared checks, then the kernels for the dtype.
+hexiseq_status attention_cuda(const hexiseq_attn_params *p, void *stream, int backward) {
     hexiseq_clear_error();
-    HEXISEQ_CHECK(check_params(p, 0));
+    HEXISEQ_CHECK(check_params(p, backward));
     cudaStream_t st = static_cast<cudaStream_t>(stream);
     if (p->dtype == HEXISEQ_DTYPE_F16)
-        return forward_typed<__half>(p, st);
-    return forward_typed<__nv_bfloat16>(p, st);
+        return backward ? backward_typed<__half>(p, st) : forward_typed<__half>(p, st);
+    return backward ? backward_typed<__nv_bfloat16>(p, st) : forward_typed<__nv_bfloat16>(p, st);
+}
+} // namespace
+
+extern "C" hexiseq_status hexiseq_attn_forward_cuda(const hexiseq_attn_params *p, void *stream) {
+    return attention_cuda(p, stream, 0);
 }
 
 extern "C" hexiseq_status hexiseq_attn_backward_cuda(const hexiseq_attn_params *p, void *stream) {
-    hexiseq_clear_error();
-    HEXISEQ_CHECK(check_params(p, 1));
-    cudaStream_t st = static_cast<cudaStream_t>(stream);
-    if (p->dtype == HEXISEQ_DTYPE_F16)
-        return backward_typed<__half>(p, st);
-    return backward_typed<__nv_bfloat16>(p, st);
+    return attention_cuda(p, stream, 1);
 }
 
 extern "C" hexiseq_status hexiseq_attn_merge_cuda(const hexiseq_attn_merge_params *m, void *stream) {
     hexiseq_clear_error();
     HEXISEQ_CHECK(hexiseq_attn_check_merge(m));
     const int64_t rows = m->batch * m->heads * m->seq;
-    const int64_t blocks = ceil_div(rows, 256 / 32);
+    const int64_t blocks = ceil_div(rows, kThreads / 32);
     if (blocks > INT32_MAX)
         return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED, "batch * heads * seq = %lld rows exceeds the CUDA grid limit",
                             (long long)rows);
-    HEXISEQ_LAUNCH(attn_merge_kernel, (unsigned)blocks, 256, 0, static_cast<cudaStream_t>(stream), *m);
+    HEXISEQ_LAUNCH(attn_merge_kernel, (unsigned)blocks, kThreads, 0, static_cast<cudaStream_t>(stream), *m);
     return check_launch("attn_merge_kernel launch");
 }
