@@ -135,6 +135,11 @@ void switch_to_scheduler(Fiber *f, bool exiting) {
 #endif
 }
 
+int max_dynamic_smem(const void *kernel) {
+    auto it = g.max_smem.find(kernel);
+    return it == g.max_smem.end() ? kSmemDefaultLimit : it->second;
+}
+
 void set_state(Fiber &f, State st) {
     const size_t i = (size_t)(&f - g.fibers.data());
     f.state = st;
@@ -410,11 +415,6 @@ void cp_async_wait(int allowed) {
         }
         f->groups.erase(f->groups.begin());
     }
-}
-
-int max_dynamic_smem(const void *kernel) {
-    auto it = g.max_smem.find(kernel);
-    return it == g.max_smem.end() ? kSmemDefaultLimit : it->second;
 }
 
 int set_max_dynamic_smem(const void *kernel, int bytes) {

@@ -36,7 +36,6 @@
 #include <string.h>
 
 #include <functional>
-#include <type_traits>
 
 #include "attention.h" // the project's fp16/bf16 conversions (round to nearest even)
 
@@ -79,9 +78,6 @@ inline float __half2float(__half h) { return hexiseq_f16_to_f32(h.bits); }
 inline __half __float2half_rn(float f) { return __half{hexiseq_f32_to_f16(f)}; }
 inline float __bfloat162float(__nv_bfloat16 h) { return hexiseq_bf16_to_f32(h.bits); }
 inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16{hexiseq_f32_to_bf16(f)}; }
-inline float emu_to_float(float x) { return x; }
-inline float emu_to_float(__half x) { return __half2float(x); }
-inline float emu_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 // ------------------------------------------------------------------------------------------------
 // The scheduler (emu.cpp)
@@ -122,7 +118,6 @@ void *warp_exchange_buffer(size_t bytes);          // this warp's exchange buffe
 // name: the launch expression's kernel; where: the launching function (names the template instance).
 int launch(const void *kernel, const char *name, const char *where, dim3 grid, dim3 block, size_t smem,
            const std::function<void()> &body);
-int max_dynamic_smem(const void *kernel);
 int set_max_dynamic_smem(const void *kernel, int bytes);
 
 } // namespace hexiseq_emu
