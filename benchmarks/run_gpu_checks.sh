@@ -1,42 +1,64 @@
 #!/usr/bin/env bash
-# GPU session checks of the CUDA attention kernels, run from the repo root on a GPU machine:
-#   bash benchmarks/run_gpu_checks.sh
-# Builds hexiseq with nvcc (no package index needed), runs the CUDA and CPU op tests, compute-sanitizer memcheck
-# on one small forward+backward, and the benchmark (Markdown to $OUT if set, else benchmarks/results/).
-# Budget: ~9 minutes (build ~1, tests ~3-4, sanitizer <1, benchmark ~3). Every step runs even if one fails;
-# the exit status is that of the first failure.
+# GPU session checks of the CUDA attention kernels and the NCCL runtime, run from the repo root on a GPU machine:
+#   bash benchmarks/run_gpu_checks.sh [steps]      steps: any of build tests sanitize accept bench profile
+#                                                 (default: all, in that order)
+# Builds hexiseq in place with nvcc (no package index needed), runs the CUDA, CPU-op and block-path tests (the runtime on a
+# one-rank NCCL group among them), compute-sanitizer memcheck/racecheck/synccheck on forward, backward and merge at
+# head dims 64, 128 and 256, an external acceptance check when one is present at .gpu/acceptance.py, the
+# benchmark against torch SDPA's flash backend, and an Nsight Compute profile of one forward and one backward.
+# Everything lands in $OUT (or benchmarks/results/gpu/ when unset); the full log is $OUT/gpu_checks.log.
+# Every step runs even if one fails; the exit status is that of the first failure. Budget: under 10 minutes.
 set -u
 cd "$(dirname "$0")/.."
-# the CUDA kernels are opt-in until these checks pass on a GPU
+RESULTS=${OUT:-benchmarks/results/gpu}
+mkdir -p "$RESULTS"
+exec > >(tee "$RESULTS/gpu_checks.log") 2>&1
+STEPS=${*:-build tests sanitize accept bench profile}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export HEXISEQ_CUDA_KERNELS=1
+want() { [[ " $STEPS " == *" $1 "* ]]; }
 status=0
-step() { echo; echo "=== $* ==="; }
+T0=$SECONDS
+step() { echo; echo "=== $* ($((SECONDS - T0)) s) ==="; }
 note_fail() { local rc=$1; echo "!!! step failed with status $rc"; [ "$status" -eq 0 ] && status=$rc; }
 
 step "device"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv || true
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 ARCH=$(python -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'{m}{n}')")
 echo "compute capability: $ARCH"
 
-step "build (HEXISEQ_CUDA_ARCHS=${HEXISEQ_CUDA_ARCHS:-80;90})"
-timeout 300 pip install --no-build-isolation --no-deps -v -e . > /tmp/hexiseq_build.log 2>&1 || note_fail $?
-grep -E "nvcc|error|warning" /tmp/hexiseq_build.log | grep -v "^ *$" | tail -20
+if want build; then
+    step "build (HEXISEQ_CUDA_ARCHS=${HEXISEQ_CUDA_ARCHS:=$ARCH})"
+    export HEXISEQ_CUDA_ARCHS
+    # in place with the interpreter that holds torch (a bare `pip` may belong to another Python)
+    timeout 300 python setup.py build_ext --inplace > "$RESULTS/build.log" 2>&1 || note_fail $?
+    grep -E "error|warning" "$RESULTS/build.log" | tail -20
+fi
 python -c "import hexiseq; info = hexiseq.build_info(); n = hexiseq.cuda_device_count(); print(info, 'devices', n); assert info['cuda'] and n > 0" \
     || note_fail $?
 
-step "tests: tests/test_cuda_ops.py tests/test_ops.py"
-timeout 300 python -m pytest -q -x -rs tests/test_cuda_ops.py tests/test_ops.py 2>&1 | tail -40
-rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || note_fail "$rc"
+if want tests; then
+    step "tests: tests/test_cuda_ops.py tests/test_ops.py tests/test_torch_blocks.py"
+    timeout 300 python -m pytest -q -rfEs -p no:cacheprovider --durations=5 \
+        tests/test_cuda_ops.py tests/test_ops.py tests/test_torch_blocks.py > "$RESULTS/pytest.log" 2>&1
+    rc=$?; [ "$rc" -eq 0 ] || note_fail "$rc"
+    sed -n '/short test summary/,$p' "$RESULTS/pytest.log"; tail -1 "$RESULTS/pytest.log"
+fi
 
-step "compute-sanitizer memcheck (small forward + backward)"
-cat > /tmp/hexiseq_sanitize.py <<'EOF'
+if want sanitize; then
+    step "compute-sanitizer: memcheck, racecheck, synccheck; forward, backward, merge at head dims 64/128/256"
+    cat > /tmp/hexiseq_sanitize.py <<'PY'
 import torch
 from hexiseq import ops
+# odd lengths, GQA, ring offsets (partly visible and fully masked rows), both dtypes, every head-dim kernel
 for dtype, D, causal, sq, sk, qp, kp in ((torch.bfloat16, 64, True, 97, 130, 40, 0),
+                                         (torch.float16, 64, False, 65, 33, 0, 0),
                                          (torch.float16, 128, False, 33, 65, 0, 0),
+                                         (torch.bfloat16, 128, True, 130, 97, 0, 20),
                                          (torch.bfloat16, 80, True, 70, 40, 0, 10),
-                                         (torch.float16, 256, True, 40, 50, 10, 0)):
+                                         (torch.float16, 256, True, 40, 50, 10, 0),
+                                         (torch.bfloat16, 256, False, 71, 129, 0, 0)):
     q = torch.randn(2, sq, 4, D, device="cuda", dtype=dtype)
     k = torch.randn(2, sk, 2, D, device="cuda", dtype=dtype)
     v = torch.randn(2, sk, 2, D, device="cuda", dtype=dtype)
@@ -45,22 +67,52 @@ for dtype, D, causal, sq, sk, qp, kp in ((torch.bfloat16, 64, True, 97, 130, 40,
     acc, acc_lse = out.float(), lse.clone()
     ops.merge_(acc, acc_lse, out, lse)
 torch.cuda.synchronize()
-print("sanitizer case ran")
-EOF
-SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
-if [ -n "$SAN" ]; then
-    for tool in memcheck racecheck; do
-        timeout 180 "$SAN" --tool $tool --error-exitcode 3 python /tmp/hexiseq_sanitize.py 2>&1 | tail -15
-        rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || note_fail "$rc"
-    done
-else
-    echo "compute-sanitizer not found"; note_fail 4
+print("sanitizer cases ran")
+PY
+    SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
+    if [ -n "$SAN" ]; then
+        for tool in memcheck racecheck synccheck; do
+            echo "--- $tool"
+            timeout 200 "$SAN" --tool $tool --error-exitcode 3 python /tmp/hexiseq_sanitize.py 2>&1 | tail -8
+            rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || note_fail "$rc"
+        done
+    else
+        echo "compute-sanitizer not found"; note_fail 4
+    fi
 fi
 
-step "benchmark"
-RESULTS=${OUT:-benchmarks/results}
-mkdir -p "$RESULTS"
-timeout 240 python benchmarks/bench_cuda_attention.py --out "$RESULTS/cuda_attention.md" || note_fail $?
+if want accept && [ -f .gpu/acceptance.py ]; then
+    step "acceptance check (.gpu/acceptance.py)"
+    OUT=$RESULTS timeout 240 python .gpu/acceptance.py > "$RESULTS/acceptance.log" 2>&1 || note_fail $?
+    grep -E "FAILED|ok': False|error" "$RESULTS/acceptance.log" | head -20
+    grep SPEED "$RESULTS/acceptance.log"
+    tail -1 "$RESULTS/acceptance.log"
+fi
 
-echo; echo "=== done: status $status ==="
+if want bench; then
+    step "benchmark vs torch SDPA flash"
+    timeout 300 python benchmarks/bench_cuda_attention.py --out "$RESULTS/cuda_attention.md" || note_fail $?
+fi
+
+if want profile; then
+    step "Nsight Compute: one forward and one backward (B=1 H=16 S=8192 D=128 causal)"
+    cat > /tmp/hexiseq_profile.py <<'PY'
+import torch
+from hexiseq import ops
+q, k, v = (torch.randn(1, 8192, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+out, lse = ops.attention_forward(q, k, v, causal=True)
+ops.attention_backward(q, k, v, out, lse, torch.randn_like(q), causal=True)
+torch.cuda.synchronize()
+PY
+    NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
+    if [ -n "$NCU" ]; then
+        timeout 200 "$NCU" --clock-control none --set full -k "regex:attn_(fwd|bwd_mma)_kernel" \
+            python /tmp/hexiseq_profile.py > "$RESULTS/ncu.txt" 2>&1 || note_fail $?
+        grep -E "^  attn|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Theoretical Occ|Block Limit|Warp Cycles Per Issued|Issue Slots Busy|L1/TEX Hit|L2 Hit|Local" "$RESULTS/ncu.txt" | head -60
+    else
+        echo "ncu not found"
+    fi
+fi
+
+echo; echo "=== done: status $status ($((SECONDS - T0)) s) ==="
 exit $status

@@ -71,15 +71,16 @@ def sdpa(q, k, v, *, causal, q_pos0, k_pos0, scale):
     return out.transpose(1, 2)
 
 
-def assert_close_2x(ours, base, ref, what, rows=None):
-    """max |ours - ref| <= 2 max |base - ref| + 1e-3 max |ref|; rows: bool [.., Sq] selector for base's error."""
+def assert_close_2x(ours, base, ref, what, rows=None, floor=0.0):
+    """max |ours - ref| <= 2 max |base - ref| + 1e-3 max |ref| + floor; rows: bool [.., Sq] selector for base's
+    error; floor: an extra absolute allowance where the caller can bound a rounding residue."""
     ref = ref.double()
     err = (ours.double() - ref).abs().max().item()
     diff = (base.double() - ref).abs()
     if rows is not None:
         diff = diff[:, rows]
     err_base = diff.max().item() if diff.numel() else 0.0
-    floor = 1e-3 * max(ref.abs().max().item(), 1e-6)
+    floor = 1e-3 * max(ref.abs().max().item(), 1e-6) + floor
     assert math.isfinite(err), f"{what}: non-finite output"
     assert err <= 2 * err_base + floor, f"{what}: error {err:.3g} > 2 x torch's {err_base:.3g} + {floor:.3g}"
 
@@ -174,8 +175,15 @@ def check_backward(q, k, v, causal, q_pos0, k_pos0, accumulate=False):
         o, _ = ref_attention(qq, kk, vv, dtype=dtype, **kw)
         o.backward(dout.to(dtype))
         grads[dtype] = (qq.grad, kk.grad, vv.grad)
-    for name, ours, ref, base in zip(("dq", "dk", "dv"), (dq, dk, dv), grads[torch.float64], grads[q.dtype]):
-        assert_close_2x(ours, base, ref, name)
+    # dS = P (dP - D) subtracts two fp32 sums of the same products (dO_i . V_j and dO_i . O_i) that the kernel and
+    # the reference add in different orders. Where they cancel exactly (one key: P = 1 and O = V) the float64
+    # reference is exactly 0 and so is torch's, but a correct fp32 kernel leaves a rounding residue (seen on an
+    # H100: 7e-7). Bound: 2^-20 of the largest |dO_i| |V_j| (a few fp32 ulps of those sums), carried through
+    # scale and |K| into dQ, through scale and |Q| into dK; it is far under 1e-3 of any non-degenerate gradient.
+    cancel = 2.0 ** -20 * dout.double().norm(dim=-1).max().item() * v.double().norm(dim=-1).max().item() * scale
+    floors = (cancel * k.double().abs().max().item(), cancel * q.double().abs().max().item(), 0.0)
+    for name, ours, ref, base, fl in zip(("dq", "dk", "dv"), (dq, dk, dv), grads[torch.float64], grads[q.dtype], floors):
+        assert_close_2x(ours, base, ref, name, floor=fl)
 
 
 @pytest.mark.parametrize("dtype", LOW)
