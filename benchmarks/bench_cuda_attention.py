@@ -16,8 +16,6 @@ import sys
 
 import torch
 
-# the CUDA kernels are opt-in until their tests pass on a GPU; this benchmark is part of that check
-os.environ.setdefault("HEXISEQ_CUDA_KERNELS", "1")
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hexiseq import ops

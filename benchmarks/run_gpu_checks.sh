@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU session checks of the CUDA attention kernels and the NCCL runtime, run from the repo root on a GPU machine:
-#   bash benchmarks/run_gpu_checks.sh [steps]      steps: any of build tests sanitize accept bench profile
+#   bash benchmarks/run_gpu_checks.sh [steps]      steps: any of build tests sanitize accept bench runtime profile
 #                                                 (default: all, in that order)
 # Builds hexiseq in place with nvcc (no package index needed), runs the CUDA, CPU-op and block-path tests (the runtime on a
 # one-rank NCCL group among them), compute-sanitizer memcheck/racecheck/synccheck on forward, backward and merge at
@@ -13,9 +13,8 @@ cd "$(dirname "$0")/.."
 RESULTS=${OUT:-benchmarks/results/gpu}
 mkdir -p "$RESULTS"
 exec > >(tee "$RESULTS/gpu_checks.log") 2>&1
-STEPS=${*:-build tests sanitize accept bench profile}
+STEPS=${*:-build tests sanitize accept bench runtime profile}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export HEXISEQ_CUDA_KERNELS=1
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 status=0
 T0=$SECONDS
@@ -92,6 +91,11 @@ fi
 if want bench; then
     step "benchmark vs torch SDPA flash"
     timeout 300 python benchmarks/bench_cuda_attention.py --out "$RESULTS/cuda_attention.md" || note_fail $?
+fi
+
+if want runtime; then
+    step "the runtime on a one-rank NCCL group, per block implementation, vs SDPA flash"
+    timeout 200 python benchmarks/bench_runtime_gpu.py --out "$RESULTS/runtime_gpu.md" || note_fail $?
 fi
 
 if want profile; then

@@ -15,8 +15,8 @@ and carries their dK/dV accumulators along (a kv head held by two devices of a g
 by its first holder), the accumulators arrive home after one extra hop, and dQ, dK, dV go back through the
 reverse all-to-all.
 
-The attention of one block pair runs in the C kernels (`hexiseq.ops`) for CPU tensors; for CUDA tensors a
-PyTorch implementation that also returns the LSE is used until the CUDA kernels land (it warns once).
+The attention of one block pair runs in the C kernels (`hexiseq.ops`) for CPU tensors, and in torch's fused
+flash attention op for CUDA tensors (measured faster than hexiseq's CUDA kernels; see _use_c_kernels).
 """
 
 import atexit
@@ -57,8 +57,15 @@ def _tiles(n, tile):
 
 
 def _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, tile=None):
-    """PyTorch fallback for one block pair: (out [B, Sq, H, d], lse [B, H, Sq] fp32/fp64). Same contract
-    as hexiseq.ops.attention_forward: K/V heads already expanded to H or in GQA ratio."""
+    """PyTorch path for one block pair: (out [B, Sq, H, d], lse [B, H, Sq] fp32/fp64). Same contract as
+    hexiseq.ops.attention_forward: K/V heads already expanded to H or in GQA ratio. torch's fused flash op where
+    it applies (see _flash_causal); else tiled matmuls (tile: force those, with this tile size)."""
+    is_causal = _flash_causal(q, k, causal, q_pos0, k_pos0) if tile is None else None
+    if is_causal is not None:
+        return _flash_forward(q, k, v, is_causal, scale)
+    if q.device.type == "cuda":
+        _warn_once(f"no fused attention for this block pair ({q.dtype}, head dim {q.shape[3]}); using tiled "
+                   "matmuls (correct, slow)")
     tile = tile or _TORCH_TILE
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, Sq, H, d = q.shape
@@ -78,7 +85,11 @@ def _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, tile=None):
 
 
 def _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, tile=None):
-    """PyTorch fallback backward of one block pair with the final (o, lse): (dq, dk, dv) in fp32/fp64."""
+    """PyTorch backward of one block pair with the final (o, lse): (dq, dk, dv) in q's dtype from torch's flash op
+    where it applies (see _flash_causal), else in fp32/fp64 from tiled matmuls."""
+    is_causal = _flash_causal(q, k, causal, q_pos0, k_pos0) if tile is None else None
+    if is_causal is not None:
+        return _flash_backward(q, k, v, o, lse, do, is_causal, scale)
     tile = tile or _TORCH_TILE
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -149,25 +160,86 @@ def _tile_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale):
     return dq.permute(0, 2, 1, 3), dk.permute(0, 2, 1, 3), dv.permute(0, 2, 1, 3)
 
 
+_RUNTIME_KERNELS = ("hexiseq", "torch")
+
+
 def _use_c_kernels(t):
-    """Whether a block runs through hexiseq.ops: always for CPU tensors; for CUDA tensors only when the CUDA
-    kernels are enabled (HEXISEQ_CUDA_KERNELS=1, until they are validated on a GPU) and the dtype is one they
-    take (bf16, fp16). Otherwise the PyTorch implementation (warned once). HEXISEQ_RUNTIME_KERNELS=torch forces
-    the PyTorch implementation everywhere (the tests check that path on CPU)."""
-    if os.environ.get("HEXISEQ_RUNTIME_KERNELS", "") == "torch":
-        return False
+    """Which implementation runs the block pairs of one ring pass (decided once per pass): True for hexiseq.ops
+    (the C kernels for CPU tensors, the CUDA kernels for bf16/fp16 CUDA tensors), False for the PyTorch path
+    (_block_forward_torch: torch's fused flash attention for the full and diagonal block pairs of bf16/fp16 CUDA
+    tensors, tiled matmuls otherwise).
+
+    Default: hexiseq.ops on CPU; the PyTorch path for CUDA tensors, because on an H100 torch's flash kernels ran
+    2.0-2.1x (forward) and 2.8-3.0x (backward) faster than hexiseq's CUDA kernels on the same inputs
+    (benchmarks/results/cuda_attention.md), and the ring only produces full and diagonal block pairs.
+    HEXISEQ_RUNTIME_KERNELS=hexiseq or =torch forces one (the tests run both)."""
+    forced = os.environ.get("HEXISEQ_RUNTIME_KERNELS", "")
+    if forced and forced not in _RUNTIME_KERNELS:
+        raise InvalidArgumentError(f"HEXISEQ_RUNTIME_KERNELS={forced!r}: expected one of {', '.join(_RUNTIME_KERNELS)} "
+                                   "or unset")
     if t.device.type == "cpu":
-        return True
-    if (t.device.type == "cuda" and os.environ.get("HEXISEQ_CUDA_KERNELS", "") == "1"
-            and t.dtype in (torch.bfloat16, torch.float16) and ops._cuda_built()):
-        return True
+        return forced != "torch"
+    if forced == "hexiseq":
+        if t.device.type == "cuda" and t.dtype in (torch.bfloat16, torch.float16) and ops._cuda_built():
+            return True
+        _warn_once(f"HEXISEQ_RUNTIME_KERNELS=hexiseq: hexiseq has no kernel for {t.dtype} on {t.device.type} "
+                   f"(CUDA kernels: bf16/fp16{'' if ops._cuda_built() else ', and this build has none'}); using the "
+                   "PyTorch block attention")
+    return False
+
+
+def _warn_once(message):
     global _warned_fallback
     if not _warned_fallback:
-        warnings.warn("hexiseq: using the PyTorch block attention for this device and dtype (correct, returns LSE, "
-                      "not fast); the CUDA kernels are opt-in until validated: HEXISEQ_CUDA_KERNELS=1",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn("hexiseq: " + message, RuntimeWarning, stacklevel=3)
         _warned_fallback = True
-    return False
+
+
+# torch's fused flash attention op, where it computes a block pair exactly: it returns the LSE the ring merges
+# with and its backward takes the ring's final (out, LSE), so one block pair is one call each way.
+_flash_capable = {}
+
+
+def _flash_causal(q, k, causal, q_pos0, k_pos0):
+    """is_causal for torch's flash op when it computes this block pair exactly, else None. Exact cases: CUDA,
+    bf16/fp16, head dim a multiple of 8 up to 256, and either every key visible to every query (not causal, or
+    all keys at or before the first query) or the causal square on the diagonal (same positions, same length:
+    flash's mask is then key j <= query i, ours)."""
+    if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    Sq, Sk, d = q.shape[1], k.shape[1], q.shape[3]
+    if d % 8 or d > 256 or Sq == 0 or Sk == 0 or not torch.backends.cuda.flash_sdp_enabled():
+        return None
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if dev not in _flash_capable:
+        _flash_capable[dev] = (torch.cuda.get_device_capability(dev) >= (8, 0)
+                               and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_backward"))
+    if not _flash_capable[dev]:
+        return None
+    if not causal or k_pos0 + Sk - 1 <= q_pos0:
+        return False
+    if q_pos0 == k_pos0 and Sq == Sk:
+        return True
+    return None
+
+
+def _flash_forward(q, k, v, is_causal, scale):
+    """(out [B, Sq, H, d], lse [B, H, Sq] fp32) through torch's flash op ([B, H, S, d] views; GQA native)."""
+    r = torch.ops.aten._scaled_dot_product_flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                           0.0, is_causal, False, scale=scale)
+    return r[0].transpose(1, 2), r[1]
+
+
+def _flash_backward(q, k, v, o, lse, do, is_causal, scale):
+    """(dq, dk, dv) in q's dtype through torch's flash backward with the ring's final (o, lse). Without dropout
+    the op reads no random state: the seed and offset tensors are placeholders."""
+    seed = torch.zeros(2, dtype=torch.int64, device=q.device)
+    offset = torch.zeros((), dtype=torch.int64, device=q.device)
+    qt, kt, vt, ot, dot = (x.transpose(1, 2) for x in (q, k, v, o, do))
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dot, qt, kt, vt, ot, lse.to(torch.float32).contiguous(), None, None, q.shape[1], k.shape[1], 0.0, is_causal,
+        seed, offset, scale=scale)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 # ---------------------------------------------------------------------------------------------- topology
@@ -455,6 +527,7 @@ class HexiSeqContext:
         scale = self._scale(d)
         acc_dt = torch.float64 if dt == torch.float64 else torch.float32
         use_c = _use_c_kernels(Qg)
+        merge_c = use_c or (dev.type == "cuda" and ops._cuda_built())  # one kernel instead of eight torch ops
         chunks = self.chunks[self.g]
         O = [torch.zeros(B, n, h, d, dtype=acc_dt, device=dev) for _, n in chunks]
         L = [torch.full((B, h, n), float("-inf"), dtype=acc_dt, device=dev) for _, n in chunks]
@@ -478,7 +551,7 @@ class HexiSeqContext:
                 else:
                     o_p, l_p = _block_forward_torch(qc, kc, vc, self.causal, qp0, kp0, scale)
                 i = qoff.index(qo)
-                _merge(O[i], L[i], o_p.to(acc_dt), l_p.to(acc_dt), use_c)
+                _merge(O[i], L[i], o_p.to(acc_dt), l_p.to(acc_dt), merge_c)
                 self.kernel_s += time.perf_counter() - t0
             if pending is not None:
                 reqs, got, _keep = pending

@@ -14,7 +14,6 @@ without CUDA (no nvcc at install time, or HEXISEQ_CUDA=0) raises UnsupportedErro
 """
 
 import math
-import os
 import sys
 
 import numpy as np
@@ -60,12 +59,6 @@ def _device_of(tensors):
         raise UnsupportedError(f"{name} is on device '{device}': this hexiseq was built without CUDA kernels (nvcc "
                                "not found or HEXISEQ_CUDA=0 at install time); reinstall with nvcc on PATH or move "
                                "the tensors to the CPU")
-    if os.environ.get("HEXISEQ_CUDA_KERNELS", "") != "1":
-        # The CUDA kernels of this version compile for sm_80/sm_90 but have not yet been run against the CPU
-        # reference on a GPU (benchmarks/run_gpu_checks.sh does that). Until they have, using them is opt-in.
-        raise UnsupportedError(f"{name} is on device '{device}': the CUDA kernels of this version have not been "
-                               "validated on a GPU yet; set HEXISEQ_CUDA_KERNELS=1 to use them anyway, or move the "
-                               "tensors to the CPU")
     return device
 
 

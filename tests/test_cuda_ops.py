@@ -11,7 +11,6 @@ through fully masked rows.
 """
 
 import math
-import os
 
 import pytest
 
@@ -24,9 +23,6 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device visible to torch (torch.cuda.is_available() is False)", allow_module_level=True)
 if not hexiseq.build_info()["cuda"]:
     pytest.skip("hexiseq was built without CUDA kernels (no nvcc or HEXISEQ_CUDA=0)", allow_module_level=True)
-
-# These tests are what validates the CUDA kernels, which are opt-in until they pass on a GPU.
-os.environ["HEXISEQ_CUDA_KERNELS"] = "1"
 
 DEV = torch.device("cuda")
 LOW = [torch.bfloat16, torch.float16]
@@ -347,15 +343,49 @@ def test_errors():
         ops.attention_forward(*make(1, 8, 8, 2, 2, 264, torch.bfloat16))
 
 
+@pytest.mark.parametrize("case", ["full_noncausal", "full_causal", "diagonal", "partial"])
+@pytest.mark.parametrize("D", [64, 96, 128])
+def test_runtime_torch_blocks(case, D):
+    """The runtime's PyTorch block path on CUDA: torch's fused flash op for full and diagonal block pairs (the ones
+    a ring produces), tiled matmuls for a partly visible one; forward and backward (with the pair's own out and
+    LSE) against float64, GQA 6:2, odd lengths."""
+    from hexiseq import nn as hnn
+
+    sq, sk = (333, 333) if case == "diagonal" else (333, 517)
+    causal, qp, kp = {"full_noncausal": (False, 0, 0), "full_causal": (True, 600, 83), "diagonal": (True, 77, 77),
+                      "partial": (True, 200, 0)}[case]
+    q, k, v = make(2, sq, sk, 6, 2, D, torch.bfloat16, seed=11)
+    scale = D ** -0.5
+    fused = hnn._flash_causal(q, k, causal, qp, kp)
+    assert (fused is None) == (case == "partial"), f"{case}: flash op applies = {fused is not None}"
+    out, lse = hnn._block_forward_torch(q, k, v, causal, qp, kp, scale)
+    kw = dict(causal=causal, q_pos0=qp, k_pos0=kp, scale=scale)
+    ref_out, ref_lse = ref_attention(q, k, v, dtype=torch.float64, **kw)
+    base_out, base_lse = ref_attention(q, k, v, dtype=torch.bfloat16, **kw)
+    assert_close_2x(out, base_out, ref_out, "out")
+    assert_close_2x(lse, base_lse, ref_lse, "lse")
+    g = torch.Generator(device=DEV).manual_seed(12)
+    dout = torch.randn(q.shape, device=DEV, generator=g).to(q.dtype)
+    grads = hnn._block_backward_torch(q, k, v, out, lse, dout, causal, qp, kp, scale)
+    refs = {}
+    for dtype in (torch.float64, torch.bfloat16):
+        qq, kk, vv = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
+        ref_attention(qq, kk, vv, dtype=dtype, **kw)[0].backward(dout.to(dtype))
+        refs[dtype] = (qq.grad, kk.grad, vv.grad)
+    for name, ours, ref, base in zip(("dq", "dk", "dv"), grads, refs[torch.float64], refs[torch.bfloat16]):
+        assert ours.shape == ref.shape, f"{name}: shape {list(ours.shape)} != {list(ref.shape)}"
+        assert_close_2x(ours, base, ref, name)
+
+
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("kernels", ["cuda", "torch"])
+@pytest.mark.parametrize("kernels", ["hexiseq", "torch"])
 def test_runtime_on_one_gpu(causal, kernels, tmp_path, monkeypatch):
     """The distributed runtime with CUDA tensors on a one-rank NCCL group (the machine has one GPU), through the
-    CUDA kernels and through the PyTorch block path (what CUDA tensors get without the opt-in), forward and
-    backward, against float64 attention; GQA 8:2, odd length."""
+    CUDA kernels and through the PyTorch block path (the default for CUDA tensors: torch's fused flash op), forward
+    and backward, against float64 attention; GQA 8:2, odd length."""
     import torch.distributed as dist
 
-    monkeypatch.setenv("HEXISEQ_RUNTIME_KERNELS", "torch" if kernels == "torch" else "")
+    monkeypatch.setenv("HEXISEQ_RUNTIME_KERNELS", kernels)
 
     from hexiseq.nn import HexiSeqAttention
 

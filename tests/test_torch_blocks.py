@@ -53,3 +53,19 @@ def test_tiled_float32_within_rounding():
     tiled = hnn._block_forward_torch(q, k, v, True, 0, 0, 0.2, tile=64)
     assert (whole[0] - tiled[0]).abs().max().item() <= 1e-5
     assert (whole[1] - tiled[1]).abs().max().item() <= 1e-5
+
+
+def test_runtime_kernels_setting(monkeypatch):
+    """HEXISEQ_RUNTIME_KERNELS picks the block implementation; an unknown value is refused by name and value."""
+    from hexiseq.errors import InvalidArgumentError
+
+    t = torch.zeros(1, 2, 1, 8, dtype=torch.float64)
+    monkeypatch.delenv("HEXISEQ_RUNTIME_KERNELS", raising=False)
+    assert hnn._use_c_kernels(t)  # CPU: the C kernels
+    monkeypatch.setenv("HEXISEQ_RUNTIME_KERNELS", "torch")
+    assert not hnn._use_c_kernels(t)
+    monkeypatch.setenv("HEXISEQ_RUNTIME_KERNELS", "hexiseq")
+    assert hnn._use_c_kernels(t)
+    monkeypatch.setenv("HEXISEQ_RUNTIME_KERNELS", "cuda")
+    with pytest.raises(InvalidArgumentError, match="HEXISEQ_RUNTIME_KERNELS='cuda'"):
+        hnn._use_c_kernels(t)

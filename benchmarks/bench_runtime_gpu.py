@@ -1,0 +1,103 @@
+"""The runtime's attention layer on one GPU (a one-rank NCCL group), per block implementation, next to torch SDPA's
+flash backend on the same inputs: what the ring's bookkeeping (all-to-all, merges, accumulators) costs on top of
+the kernels, and which block implementation the runtime should default to on CUDA tensors.
+
+Usage: python benchmarks/bench_runtime_gpu.py [--out runtime_gpu.md] [--seqs 8192,32768] [--iters 10]
+Times are CUDA-event medians of forward+backward (HexiSeqAttention; SDPA with autograd) after warm-up.
+Implementations: 'torch' (the default for CUDA tensors: torch's fused flash op per block pair), 'hexiseq' (the
+CUDA kernels of kernels/attention.cu). bf16, causal, GQA 4:1."""
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import hexiseq
+from hexiseq.nn import HexiSeqAttention
+
+
+def time_ms(fn, iters, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--seqs", default="8192,32768")
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("no CUDA device")
+    H, Hkv, D = 16, 4, 128
+    store = tempfile.mkdtemp()
+    dist.init_process_group("nccl", init_method=f"file://{os.path.join(store, 'store')}", rank=0, world_size=1)
+    rows = []
+    try:
+        for S in (int(x) for x in args.seqs.split(",")):
+            model = hexiseq.Model(layers=1, hidden=H * D, heads=H, kv_heads=Hkv, head_dim=D, ffn=4 * H * D, vocab=1000)
+            cluster = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 1, "intra_gbps": 300.0}]})
+            plan = hexiseq.evaluate(cluster, model=model, seq_len=S, causal=True,
+                                    layout={"groups": [{"devices": [0], "seq": S, "tokens": [S], "heads": [H]}]})
+            q = torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            k = torch.randn(1, S, Hkv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            v = torch.randn(1, S, Hkv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            do = torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16)
+            row = {"S": S}
+            for impl in ("torch", "hexiseq"):
+                os.environ["HEXISEQ_RUNTIME_KERNELS"] = impl
+                attn = HexiSeqAttention(plan, causal=True)
+
+                def step():
+                    attn(q, k, v).backward(do)
+                row[impl] = time_ms(step, args.iters)
+                attn.context.close()
+            # SDPA's flash backend takes equal head counts: K, V expanded once, outside the timed region (in the
+            # baseline's favour)
+            qt = q.detach().transpose(1, 2).requires_grad_()
+            kt, vt = (x.detach().repeat_interleave(H // Hkv, dim=2).transpose(1, 2).requires_grad_() for x in (k, v))
+
+            def sdpa_step():
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+                o.backward(do.transpose(1, 2))
+            row["sdpa"] = time_ms(sdpa_step, args.iters)
+            rows.append(row)
+            print(row, flush=True)
+            del q, k, v, do, qt, kt, vt
+            torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+    lines = ["| S | runtime, torch blocks (ms) | runtime, hexiseq kernels (ms) | SDPA flash alone (ms) | "
+             "torch blocks / SDPA | hexiseq kernels / SDPA |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['S']} | {r['torch']:.2f} | {r['hexiseq']:.2f} | {r['sdpa']:.2f} | "
+                     f"{r['torch'] / r['sdpa']:.2f} | {r['hexiseq'] / r['sdpa']:.2f} |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"# The runtime on one GPU: forward+backward per block implementation vs SDPA flash\n\n"
+                    f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}; bf16, causal, batch 1, "
+                    f"{H} query heads, {Hkv} kv heads, head dim {D}; one-rank NCCL group; CUDA-event medians of "
+                    f"{args.iters} forward+backward steps (measured).\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
