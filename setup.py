@@ -1,5 +1,6 @@
 """Build of the hexiseq C extension: the C core in csrc/, the binding, and, when nvcc is found, the CUDA
-kernels in kernels/. Set HEXISEQ_CUDA=0 to skip CUDA, HEXISEQ_CUDA_ARCHS="80;90a" to choose targets."""
+kernels in kernels/. Set HEXISEQ_CUDA=0 to skip CUDA, HEXISEQ_CUDA_ARCHS="80;90a" to choose targets,
+HEXISEQ_NVCC_FLAGS to add nvcc flags."""
 
 import glob
 import os
@@ -104,6 +105,7 @@ class BuildExt(build_ext):
             obj = os.path.join(objdir, os.path.basename(src) + ".o")
             cmd = [nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden",
                    "-Icsrc", "-Ikernels", "--expt-relaxed-constexpr", "-lineinfo"] + gencode
+            cmd += os.environ.get("HEXISEQ_NVCC_FLAGS", "").split()  # extra flags, e.g. -DHEXISEQ_FWD_BK_D128=32
             print(" ".join(cmd), file=sys.stderr)
             subprocess.check_call(cmd)
             objects.append(obj)

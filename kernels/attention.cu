@@ -1,17 +1,16 @@
 // CUDA attention kernels (forward, backward, merge) behind the C launchers of kernels/launch.h.
 //
-// STATUS (be honest): this file has been COMPILED (nvcc 13.0, sm_80 and sm_90, zero warnings) and its
-// resource usage read with `nvcc --resource-usage` (table below). It has NEVER BEEN RUN ON A GPU: the
-// machine it was written on has none. What has run is its logic: tests/c/test_cuda_emu.cpp compiles this
-// file unchanged as C++ against a CPU emulator of the CUDA subset used here (tests/c/cuda_emu/emu.h: blocks
-// of fiber threads, barriers, shuffles, mma.sync and ldmatrix with the PTX ISA's documented layouts,
-// cp.async) and checks forward, backward and merge against the CPU kernels in float64 (odd sizes, every
-// causal offset case, GQA/MQA, padded head dims, strides), under four thread schedules to expose missing
-// barriers, with shared-memory bounds and ldmatrix bank conflicts checked. That cannot show speed or the
-// hardware's memory ordering, and if the emulator and this file misread the PTX layouts the same way, only a
-// GPU run shows it: tests/test_cuda_ops.py checks against the CPU kernels and torch SDPA on a GPU;
-// benchmarks/run_gpu_checks.sh runs those tests, compute-sanitizer and the benchmark on a GPU machine. Until
-// that has passed, treat the kernels as verified in logic only.
+// STATUS: run on an NVIDIA H100 80GB HBM3 (torch 2.11, CUDA 13.0; benchmarks/run_gpu_checks.sh):
+// tests/test_cuda_ops.py (against float64 references, torch SDPA and the CPU kernels) passes, compute-sanitizer
+// memcheck, racecheck and synccheck report nothing at head dims 64/80/128/256, and the speed next to torch's
+// FlashAttention-2 backend is in benchmarks/results/cuda_attention.md (forward close to it at D = 128, backward
+// about a third of it). The logic is also tested without a GPU: tests/c/test_cuda_emu.cpp compiles this file
+// unchanged as C++ against a CPU emulator of the CUDA subset used here (tests/c/cuda_emu/emu.h: blocks of fiber
+// threads, barriers, shuffles, mma.sync and ldmatrix with the PTX ISA's documented layouts, cp.async) and checks
+// forward, backward and merge against the CPU kernels in float64 (odd sizes, every causal offset case, GQA/MQA,
+// padded head dims, strides, a 99 KiB shared-memory device), under four thread schedules to expose missing
+// barriers, with shared-memory bounds and ldmatrix bank conflicts checked. CI runs that; a change here should
+// also be run on a GPU before its speed or its memory ordering is claimed.
 //
 // Semantics are those of csrc/attention.h and the CPU reference: causal means key_pos <= query_pos on
 // absolute positions (q_pos0 + i, k_pos0 + j); a fully masked row gives O = 0, LSE = -inf and no gradient;
@@ -27,11 +26,14 @@
 //     head_dim stride is 1, d % 8 == 0, the base is 16-byte aligned and the other strides are multiples of 8;
 //     otherwise element by element (correct, slower).
 //   * forward: register-level tensor cores (mma.sync m16n8k16 + ldmatrix, layouts documented at the
-//     primitives below). One CTA of 4 warps per (query tile of 64 rows, head, batch); each warp owns 16 rows.
-//     Q and each K/V tile (64 keys, 32 at D = 256) are staged in shared memory; S = Q K^T lands in registers,
-//     the online softmax (base 2, max-subtracted) runs on registers with two quad shuffles per row, the O
-//     accumulator stays in registers and P goes from the score registers straight into O += P V as the A
-//     operand. Under the causal mask the key loop stops after the last key any query of the tile sees.
+//     primitives below). One CTA of 4 warps per (query tile of BQ rows, head, batch); each warp owns MW blocks
+//     of 16 rows (MW = 2, BQ = 128 at D = 64 and 128; MW = 1, BQ = 64 at D = 256, where registers allow no
+//     more), so each K and V fragment read from shared memory feeds MW independent mma chains. Q and each K/V
+//     tile (64 keys, 32 at D = 256) are staged in shared memory; S = Q K^T lands in registers, the online
+//     softmax (base 2, max-subtracted) runs on registers with two quad shuffles per row, the O accumulator
+//     stays in registers and P goes from the score registers straight into O += P V as the A operand. Under
+//     the causal mask the key loop stops after the last key any query of the tile sees, and the mask is
+//     applied only to the key tiles that need it (the last, partial one and those crossing the diagonal).
 //     K/V tiles are double-buffered with cp.async when their rows allow 16-byte copies (else loaded element by
 //     element). Not done: Hopper wgmma/TMA/warp specialisation (FlashAttention-3's techniques).
 //   * backward (attn_bwd_mma_kernel): the same register design on the transposed problem. A preprocessing
@@ -53,16 +55,17 @@
 //
 // Resource usage (nvcc 13.0 --resource-usage, -O3):
 //   forward (128 threads), registers f16 = bf16, D = 64 / 128 / 256:
-//     sm_80  165 / 182 / 251   sm_90  159 / 176 / 248   (no spills, 0 B stack)
+//     sm_80  222 / 255 / 237   sm_90  222 / 255 / 237   (no spills, 0 B stack; D = 128 is at the limit)
 //   backward (128 threads; 256 at D = 256), registers f16 = bf16: 254-255 for every D; spills: sm_80 16 B at
 //     D = 64, sm_90 64 B at D = 128, none elsewhere (the dK, dV accumulators take 2 x 64 floats per thread)
 //   delta 32-40, dq 28-32, merge 66-68 registers; no spills
 //   dynamic shared memory per CTA (opted in with cudaFuncSetAttribute on every launch):
-//     forward  D=64: 45 KiB   D=128: 85 KiB   D=256: 99 KiB (Q [64][D+8], 2 x K and V [BK][D+8], 16-bit)
+//     forward  D=64: 54 KiB   D=128: 102 KiB   D=256: 99 KiB (Q [BQ][D+8], 2 x K and V [BK][D+8], 16-bit)
 //     backward D=64 (BQ 64): 63.5 KiB   D=128 (BQ 32): 73.3 KiB   D=256 (BQ 16): 118.3 KiB (K, V, 2 x Q and dO,
 //     dS^T, at D = 256 the partial-score exchange)
-//   All fit the 163 KiB opt-in limit of sm_80 and the 227 KiB of sm_90; GPUs with less (sm_86/89: 99 KiB) get
-//   HEXISEQ_ERR_CUDA from cudaFuncSetAttribute for the D = 256 backward.
+//   All fit the 163 KiB opt-in limit of sm_80 and the 227 KiB of sm_90. On GPUs with less (sm_86/89: 99 KiB) the
+//   D = 128 forward runs its BK = 32 instance (68 KiB; chosen at launch from the device's limit) and the D = 256
+//   backward gets HEXISEQ_ERR_CUDA from cudaFuncSetAttribute.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -280,17 +283,24 @@ __device__ __forceinline__ void load_b_rows(uint32_t (&b)[4], const T *tile, int
 // ------------------------------------------------------------------------------------------------
 // Forward
 
-// Forward tiles: 4 warps, each owning 16 query rows of the CTA's BQ = 64; K/V tiles of BK keys (32 at D = 256 to
-// keep the per-thread O accumulator, D / 2 floats, and the scores, BK / 2 floats, within the register budget).
+// Forward tiles: 4 warps, each owning MW m-blocks of 16 query rows (warp w: rows 16 MW w .. 16 MW w + 16 MW - 1),
+// so the CTA's query tile is BQ = 64 MW rows. Each K and V fragment read from shared memory then feeds MW
+// independent mma chains: MW = 2 at D <= 128 halves the K and V fragment reads per mma and gives the scheduler
+// two chains to interleave; at D = 256 the O accumulator (MW x D / 2 floats per thread) leaves no room for a second
+// m-block. K/V tiles of BK keys (32 at D = 256 to keep the scores, MW x BK / 2 floats, within the budget too).
 constexpr int kFwdThreads = 128;
-constexpr int kFwdBQ = 64;
-template <int D> struct FwdTiles {
-    static constexpr int BK = D <= 128 ? 64 : 32;
+// BK = 64 at D = 128 measured 6-12% faster than 32 on an H100 (bf16, 4K-32K tokens), but needs 102 KiB of shared
+// memory: GPUs whose opt-in limit is lower (sm_86/89: 99 KiB) get the BK = 32 instance (68 KiB), see forward_typed.
+constexpr int fwd_default_bk(int D) { return D <= 128 ? 64 : 32; }
+template <int D, int BK_ = fwd_default_bk(D)> struct FwdTiles {
+    static constexpr int MW = D <= 128 ? 2 : 1;
+    static constexpr int BQ = kFwdThreads / 32 * 16 * MW;
+    static constexpr int BK = BK_;
     static constexpr int LDT = D + 8; // row pitch of the Q, K, V tiles: 16 bytes past a multiple of 128, so the
                                       // 8 rows an ldmatrix reads fall in different banks
     static constexpr int q = 0;
     static constexpr int kv = smem_round(BK * LDT * 2);  // one K or V tile
-    static constexpr int k = q + smem_round(kFwdBQ * LDT * 2); // K tiles 0 and 1 (double buffer), then V 0, 1
+    static constexpr int k = q + smem_round(BQ * LDT * 2); // K tiles 0 and 1 (double buffer), then V 0, 1
     static constexpr int v = k + 2 * kv;
     static constexpr int bytes = v + 2 * kv;
 };
@@ -309,14 +319,14 @@ struct FwdArgs {
     float scale_log2;                // scale * log2(e): scores go through exp2
 };
 
-// One CTA per (query tile of 64 rows, head, batch). Q, then each K/V tile, are staged in shared memory; every
-// warp computes S = Q K^T for its 16 rows into registers (mma.sync), masks and scales it, runs the online softmax
-// on its registers (a row's 4 owners are the 4 lanes of a quad: max and sum need two shuffles), rescales its O
-// accumulator (registers) and adds P V with P taken straight from the score registers.
-template <typename T, int D>
+// One CTA per (query tile of BQ rows, head, batch). Q, then each K/V tile, are staged in shared memory; every
+// warp computes S = Q K^T for its MW x 16 rows into registers (mma.sync), masks and scales it, runs the online
+// softmax on its registers (a row's 4 owners are the 4 lanes of a quad: max and sum need two shuffles), rescales
+// its O accumulator (registers) and adds P V with P taken straight from the score registers.
+template <typename T, int D, int BK_>
 __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) {
-    using L = FwdTiles<D>;
-    constexpr int BK = L::BK, LDT = L::LDT;
+    using L = FwdTiles<D, BK_>;
+    constexpr int MW = L::MW, BQ = L::BQ, BK = L::BK, LDT = L::LDT;
     static_assert(D % 16 == 0 && BK % 16 == 0, "tiles are whole 16x16 mma blocks");
     extern __shared__ __align__(128) unsigned char smem[];
     T *qs = reinterpret_cast<T *>(smem + L::q); // [BQ][LDT]
@@ -327,8 +337,8 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
     const int32_t h = (int32_t)(bid / a.n_qtiles % a.heads);
     const int64_t b = bid / a.n_qtiles / a.heads;
     const int32_t hk = h / a.group;
-    const int64_t q0 = qt * kFwdBQ;
-    const int64_t nq = min((int64_t)kFwdBQ, a.seq_q - q0);
+    const int64_t q0 = qt * BQ;
+    const int64_t nq = min((int64_t)BQ, a.seq_q - q0);
 
     // Keys past the last one any query of this tile sees are skipped (they would be masked anyway).
     int64_t kend = a.seq_k;
@@ -336,29 +346,44 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
         kend = min(a.seq_k, max((int64_t)0, a.q_pos0 + q0 + nq - 1 - a.k_pos0 + 1));
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int row0 = warp * 16 + g;                 // this thread's rows in the tile: row0 and row0 + 8
-    const int64_t qpos0 = a.q_pos0 + q0 + row0;     // their absolute positions: qpos0 and qpos0 + 8
+    const int row0 = warp * 16 * MW + g; // this thread's rows in the tile: row0 + 16 mb + 8 i (m-block mb, i = 0, 1)
 
     const T *qg = static_cast<const T *>(a.q) + b * a.qs[0] + q0 * a.qs[1] + h * a.qs[2];
-    load_tile<T, kFwdBQ, D, LDT, kFwdThreads>(qs, qg, a.qs[1], a.qs[3], nq, a.d, a.vec_q);
+    load_tile<T, BQ, D, LDT, kFwdThreads>(qs, qg, a.qs[1], a.qs[3], nq, a.d, a.vec_q);
 
-    float o[D / 8][4]; // O rows (row0, row0 + 8) x columns 8j + 2t + {0, 1}, unnormalised
+    float o[MW][D / 8][4]; // O rows (row0 + 16 mb, + 8) x columns 8j + 2t + {0, 1}, unnormalised
+    float m[MW][2], l[MW][2]; // per row: running max (log2 units), this thread's part of the sum of exp2(x - m)
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j)
-        o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-    float m[2] = {-INFINITY, -INFINITY}; // running max (log2 units) of rows row0, row0 + 8
-    float l[2] = {0.0f, 0.0f};           // this thread's part of the running sum of exp2(x - m)
+    for (int mb = 0; mb < MW; ++mb) {
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+            o[mb][j][0] = o[mb][j][1] = o[mb][j][2] = o[mb][j][3] = 0.0f;
+        m[mb][0] = m[mb][1] = -INFINITY;
+        l[mb][0] = l[mb][1] = 0.0f;
+    }
 
     // K/V tiles: with 16-byte-legal rows (the usual contiguous case) they are double-buffered with cp.async, the
     // next tile in flight while this one is used; otherwise loaded element by element into buffer 0.
     const T *kg = static_cast<const T *>(a.k) + b * a.ks[0] + hk * a.ks[2];
     const T *vg = static_cast<const T *>(a.v) + b * a.vs[0] + hk * a.vs[2];
     const bool async = a.vec_k && a.vec_v;
+    // load_tile_async's copies, written out: a thread copies the 16-byte chunk at column lc of rows lr, lr + RS, ...
+    // of both tiles, its source pointers advancing by one add per row. (As src + r * row_stride per chunk, the
+    // compiler keeps every chunk's 64-bit offset in registers across the key loop, which MW = 2 cannot afford.)
+    constexpr int CH = D / 8, RS = kFwdThreads / CH; // 16-byte chunks per row; rows per pass of the CTA
+    static_assert(kFwdThreads % CH == 0 && BK % RS == 0, "every thread copies the same chunk column of BK / RS rows");
     auto issue = [&](int64_t k0, int buf) {
         const int64_t n = min((int64_t)BK, kend - k0);
+        const int lr = threadIdx.x / CH, lc = threadIdx.x % CH * 8;
         T *kb = reinterpret_cast<T *>(smem + L::k + buf * L::kv), *vb = reinterpret_cast<T *>(smem + L::v + buf * L::kv);
-        load_tile_async<T, BK, D, LDT, kFwdThreads>(kb, kg + k0 * a.ks[1], a.ks[1], n, a.d);
-        load_tile_async<T, BK, D, LDT, kFwdThreads>(vb, vg + k0 * a.vs[1], a.vs[1], n, a.d);
+        const T *kp = kg + (k0 + lr) * a.ks[1] + lc, *vp = vg + (k0 + lr) * a.vs[1] + lc;
+#pragma unroll
+        for (int i = 0; i < BK / RS; ++i, kp += RS * a.ks[1], vp += RS * a.vs[1]) {
+            const int r = lr + i * RS;
+            const bool ok = r < n && lc < a.d; // else zero-filled, nothing read
+            cp_async16(kb + r * LDT + lc, ok ? kp : kg, ok);
+            cp_async16(vb + r * LDT + lc, ok ? vp : vg, ok);
+        }
         cp_async_commit();
     };
     if (async && kend > 0)
@@ -381,71 +406,116 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
         }
         __syncthreads(); // Q (first pass), K, V of this tile visible to every thread
 
-        // S = Q K^T for rows warp*16 .. +15: s[j] is the 16x8 block of keys 8j .. 8j+7.
-        float s[BK / 8][4];
+        // S = Q K^T for the warp's rows: s[mb][j] is the 16x8 block of m-block mb and keys 8j .. 8j+7. Each K
+        // fragment is read once for all MW m-blocks; the Q fragments are re-read from shared memory per step
+        // (holding all of Q's would take MW x D / 4 more registers).
+        float s[MW][BK / 8][4];
 #pragma unroll
-        for (int j = 0; j < BK / 8; ++j)
-            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+        for (int mb = 0; mb < MW; ++mb)
+#pragma unroll
+            for (int j = 0; j < BK / 8; ++j)
+                s[mb][j][0] = s[mb][j][1] = s[mb][j][2] = s[mb][j][3] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-            uint32_t qa[4];
-            load_a(qa, qs, LDT, warp * 16, kk * 16);
+            uint32_t qa[MW][4];
+#pragma unroll
+            for (int mb = 0; mb < MW; ++mb)
+                load_a(qa[mb], qs, LDT, (warp * MW + mb) * 16, kk * 16);
 #pragma unroll
             for (int j = 0; j < BK / 8; j += 2) {
                 uint32_t kb[4]; // keys as columns: key blocks j and j + 1
                 load_b_cols(kb, ks, LDT, 8 * j, kk * 16);
-                mma16816<T>(s[j], qa, kb[0], kb[1]);
-                mma16816<T>(s[j + 1], qa, kb[2], kb[3]);
+#pragma unroll
+                for (int mb = 0; mb < MW; ++mb) {
+                    mma16816<T>(s[mb][j], qa[mb], kb[0], kb[1]);
+                    mma16816<T>(s[mb][j + 1], qa[mb], kb[2], kb[3]);
+                }
             }
         }
 
-        // Mask and scale; row maxima over the quad (the 4 lanes holding a row).
-        float mx[2] = {-INFINITY, -INFINITY};
+        // Scale, then mask. Only the last, partial key tile and the tiles crossing the causal diagonal need the mask:
+        // a tile whose every key is present and at or before the CTA's first query position is visible to every row
+        // (rows past nq hold zero-filled Q and are never stored). The test is CTA-uniform.
 #pragma unroll
-        for (int j = 0; j < BK / 8; ++j)
+        for (int mb = 0; mb < MW; ++mb)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int c = 8 * j + 2 * t + (e & 1);
-                const bool ok = c < nk && (!a.causal || a.k_pos0 + k0 + c <= qpos0 + 8 * (e / 2));
-                s[j][e] = ok ? s[j][e] * a.scale_log2 : -INFINITY;
-                mx[e / 2] = fmaxf(mx[e / 2], s[j][e]);
-            }
-        float alpha[2], m_use[2];
+            for (int j = 0; j < BK / 8; ++j)
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-            const float m_new = fmaxf(m[i], mx[i]);
-            // Nothing seen yet (m_new = -inf): every p is 0 and O is still 0; use 0 to avoid inf - inf.
-            m_use[i] = m_new == -INFINITY ? 0.0f : m_new;
-            alpha[i] = exp2f(m[i] - m_use[i]); // 0 when m = -inf
-            m[i] = m_new;
-            l[i] *= alpha[i];
+                for (int e = 0; e < 4; ++e)
+                    s[mb][j][e] *= a.scale_log2;
+        const bool all_visible = nk == BK && (!a.causal || a.k_pos0 + k0 + BK - 1 <= a.q_pos0 + q0);
+        if (!all_visible) {
+            // Key c of the tile is visible to tile row r iff c < nk and (causal) k_pos0 + k0 + c <= q_pos0 + q0 + r,
+            // i.e. c <= diag + r. diag is clamped to [-BQ, BK] so the rest is 32-bit: with 0 <= r < BQ and
+            // 0 <= c < BK the clamp changes no comparison.
+            const int diag = a.causal ? (int)max((int64_t)-BQ, min((int64_t)BK, a.q_pos0 + q0 - a.k_pos0 - k0)) : BK;
+#pragma unroll
+            for (int mb = 0; mb < MW; ++mb)
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    // This thread's columns are 8j + 2t + e: visible iff 8j + e <= last, a compare with a constant.
+                    const int last = min((int)nk - 1, diag + row0 + 16 * mb + 8 * i) - 2 * t;
+#pragma unroll
+                    for (int j = 0; j < BK / 8; ++j)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            if (8 * j + e > last)
+                                s[mb][j][2 * i + e] = -INFINITY;
+                }
         }
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            o[j][0] *= alpha[0], o[j][1] *= alpha[0];
-            o[j][2] *= alpha[1], o[j][3] *= alpha[1];
-        }
-#pragma unroll
-        for (int j = 0; j < BK / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[j][e] = exp2f(s[j][e] - m_use[e / 2]); // 0 where masked
-                l[e / 2] += s[j][e];
-            }
 
-        // O += P V: key block pair (2c, 2c + 1) of the scores is the A fragment of keys 16c .. 16c + 15.
+        // Online softmax per row: maxima over the quad (the 4 lanes holding a row), rescale l and O, exponentiate.
+#pragma unroll
+        for (int mb = 0; mb < MW; ++mb) {
+            float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+            for (int j = 0; j < BK / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    mx[e / 2] = fmaxf(mx[e / 2], s[mb][j][e]);
+            float alpha[2], m_use[2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+                const float m_new = fmaxf(m[mb][i], mx[i]);
+                // Nothing seen yet (m_new = -inf): every p is 0 and O is still 0; use 0 to avoid inf - inf.
+                m_use[i] = m_new == -INFINITY ? 0.0f : m_new;
+                alpha[i] = exp2f(m[mb][i] - m_use[i]); // 0 when m = -inf
+                m[mb][i] = m_new;
+                l[mb][i] *= alpha[i];
+            }
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j) {
+                o[mb][j][0] *= alpha[0], o[mb][j][1] *= alpha[0];
+                o[mb][j][2] *= alpha[1], o[mb][j][3] *= alpha[1];
+            }
+#pragma unroll
+            for (int j = 0; j < BK / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[mb][j][e] = exp2f(s[mb][j][e] - m_use[e / 2]); // 0 where masked
+                    l[mb][e / 2] += s[mb][j][e];
+                }
+        }
+
+        // O += P V: key block pair (2c, 2c + 1) of an m-block's scores is the A fragment of keys 16c .. 16c + 15;
+        // each V fragment is read once for all MW m-blocks.
 #pragma unroll
         for (int c = 0; c < BK / 16; ++c) {
-            uint32_t pa[4];
-            a_from_c<T>(pa, s[2 * c], s[2 * c + 1]);
+            uint32_t pa[MW][4];
+#pragma unroll
+            for (int mb = 0; mb < MW; ++mb)
+                a_from_c<T>(pa[mb], s[mb][2 * c], s[mb][2 * c + 1]);
 #pragma unroll
             for (int j = 0; j < D / 8; j += 2) {
                 uint32_t vb[4]; // output column blocks j and j + 1
                 load_b_rows(vb, vs, LDT, 16 * c, 8 * j);
-                mma16816<T>(o[j], pa, vb[0], vb[1]);
-                mma16816<T>(o[j + 1], pa, vb[2], vb[3]);
+#pragma unroll
+                for (int mb = 0; mb < MW; ++mb) {
+                    mma16816<T>(o[mb][j], pa[mb], vb[0], vb[1]);
+                    mma16816<T>(o[mb][j + 1], pa[mb], vb[2], vb[3]);
+                }
             }
         }
         __syncthreads(); // every warp is done with this buffer before it is refilled
@@ -455,25 +525,27 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
     // that saw no key.
     T *og = static_cast<T *>(a.o) + b * a.os[0] + q0 * a.os[1] + h * a.os[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-        const int r = row0 + 8 * i;
-        if (r >= nq)
-            continue;
-        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+    for (int mb = 0; mb < MW; ++mb)
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j)
+        for (int i = 0; i < 2; ++i) {
+            l[mb][i] += __shfl_xor_sync(0xffffffffu, l[mb][i], 1);
+            l[mb][i] += __shfl_xor_sync(0xffffffffu, l[mb][i], 2);
+            const int r = row0 + 16 * mb + 8 * i;
+            if (r >= nq)
+                continue;
+            const float inv = l[mb][i] > 0.0f ? 1.0f / l[mb][i] : 0.0f;
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int c = 8 * j + 2 * t + e;
-                if (c < a.d)
-                    og[r * a.os[1] + c * a.os[3]] = from_f32<T>(o[j][2 * i + e] * inv);
-            }
-        if (t == 0)
-            a.lse[b * a.ls[0] + h * a.ls[1] + (q0 + r) * a.ls[2]] =
-                l[i] > 0.0f ? (m[i] + log2f(l[i])) * kLn2 : -INFINITY;
-    }
+            for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int c = 8 * j + 2 * t + e;
+                    if (c < a.d)
+                        og[r * a.os[1] + c * a.os[3]] = from_f32<T>(o[mb][j][2 * i + e] * inv);
+                }
+            if (t == 0)
+                a.lse[b * a.ls[0] + h * a.ls[1] + (q0 + r) * a.ls[2]] =
+                    l[mb][i] > 0.0f ? (m[mb][i] + log2f(l[mb][i])) * kLn2 : -INFINITY;
+        }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -891,17 +963,35 @@ hexiseq_status launch_with_smem(void (*kernel)(Args), const char *name, int64_t 
     return check_launch(what);
 }
 
-template <typename T, int D> hexiseq_status launch_fwd(const FwdArgs &a, int64_t blocks, cudaStream_t stream) {
-    return launch_with_smem(attn_fwd_kernel<T, D>, "attn_fwd_kernel", blocks, kFwdThreads, FwdTiles<D>::bytes, stream,
-                            a);
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The current device's opt-in shared-memory limit per block (227 KiB on sm_90, 163 on sm_80, 99 on sm_86/89);
+// 0 if it cannot be read (the smaller kernel variant is then chosen, and its launch reports any real error).
+int smem_optin_limit() {
+    int dev = 0, bytes = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+        return 0;
+    return bytes;
+}
+
+// The query tile (BQ rows) depends on D, so the grid is sized here.
+template <typename T, int D, int BK = fwd_default_bk(D)>
+hexiseq_status launch_fwd(FwdArgs a, int64_t batch, cudaStream_t stream) {
+    using L = FwdTiles<D, BK>;
+    a.n_qtiles = ceil_div(a.seq_q, L::BQ);
+    const int64_t blocks = a.n_qtiles * a.heads * batch;
+    if (blocks > INT32_MAX)
+        return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED,
+                            "batch * heads * ceil(seq_q / %d) = %lld CTAs exceeds the CUDA grid limit 2^31 - 1", L::BQ,
+                            (long long)blocks);
+    return launch_with_smem(attn_fwd_kernel<T, D, BK>, "attn_fwd_kernel", blocks, kFwdThreads, L::bytes, stream, a);
 }
 
 template <typename T, int D> hexiseq_status launch_bwd_mma(const BwdArgs &a, int64_t blocks, cudaStream_t stream) {
     return launch_with_smem(attn_bwd_mma_kernel<T, D>, "attn_bwd_mma_kernel", blocks, BwdMmaTiles<D>::THREADS,
                             BwdMmaTiles<D>::bytes, stream, a);
 }
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 template <typename T> hexiseq_status forward_typed(const hexiseq_attn_params *p, cudaStream_t stream) {
     FwdArgs a;
@@ -920,7 +1010,6 @@ template <typename T> hexiseq_status forward_typed(const hexiseq_attn_params *p,
     a.seq_k = p->seq_k;
     a.q_pos0 = p->q_pos0;
     a.k_pos0 = p->k_pos0;
-    a.n_qtiles = ceil_div(p->seq_q, kFwdBQ);
     a.heads = p->heads;
     a.group = p->heads / p->kv_heads;
     a.d = p->head_dim;
@@ -929,15 +1018,13 @@ template <typename T> hexiseq_status forward_typed(const hexiseq_attn_params *p,
     a.vec_k = vec_ok(p->k, p->k_stride, p->head_dim);
     a.vec_v = vec_ok(p->v, p->v_stride, p->head_dim);
     a.scale_log2 = (float)(p->scale * 1.4426950408889634);
-    const int64_t blocks = a.n_qtiles * p->heads * p->batch;
-    if (blocks > INT32_MAX)
-        return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED,
-                            "batch * heads * ceil(seq_q / 64) = %lld CTAs exceeds the CUDA grid limit 2^31 - 1",
-                            (long long)blocks);
     switch (padded_head_dim(p->head_dim)) {
-    case 64: return launch_fwd<T, 64>(a, blocks, stream);
-    case 128: return launch_fwd<T, 128>(a, blocks, stream);
-    default: return launch_fwd<T, 256>(a, blocks, stream);
+    case 64: return launch_fwd<T, 64>(a, p->batch, stream);
+    case 128:
+        if (smem_optin_limit() >= FwdTiles<128>::bytes)
+            return launch_fwd<T, 128>(a, p->batch, stream);
+        return launch_fwd<T, 128, 32>(a, p->batch, stream);
+    default: return launch_fwd<T, 256>(a, p->batch, stream);
     }
 }
 

@@ -370,9 +370,29 @@ void test_attention_cases() {
         {BF, 1, 1025, 1025, 1, 1, 128, 1, 0, 0, CONTIG, 0, 0},     // many tiles, causal diagonal
         {BF, 2, 150, 140, 4, 2, 64, 1, 20, 0, MIXED_K, 1, 1},      // K element loads, V / Q cp.async-legal
         {F16, 1, 150, 140, 4, 2, 128, 0, 0, 0, MIXED_Q, 0, 0},     // Q, dO element loads, K legal
+        // a full key tile whose last key is one past a query tile's first row: the forward's unmasked-tile test
+        // must send it down the masked path (an off-by-one there passes every case above)
+        {BF, 1, 200, 200, 2, 1, 64, 1, 0, 2, CONTIG, 0, 0},
+        {F16, 1, 200, 200, 2, 1, 128, 1, 0, 2, CONTIG, 0, 0},
+        {BF, 1, 100, 100, 1, 1, 256, 1, 0, 2, CONTIG, 0, 0},
     };
     for (const Case &c : cases)
         run_case(c);
+}
+
+// A GPU with 99 KiB of opt-in shared memory per block (sm_86/89, e.g. L40S): the D = 128 forward must fall back to
+// its smaller-tile instance (68 KiB) instead of failing the launch; forward and backward as above.
+void test_small_smem_device() {
+    const int BF = HEXISEQ_DTYPE_BF16, F16 = HEXISEQ_DTYPE_F16;
+    const Case cases[] = {
+        {F16, 1, 200, 200, 2, 1, 128, 1, 0, 2, CONTIG, 0, 0},
+        {BF, 1, 150, 140, 4, 2, 128, 1, 20, 0, MIXED_K, 0, 0},
+        {BF, 1, 97, 97, 2, 1, 64, 1, 0, 0, CONTIG, 0, 0},
+    };
+    hexiseq_emu::set_smem_optin_limit(99 * 1024);
+    for (const Case &c : cases)
+        run_case(c);
+    hexiseq_emu::set_smem_optin_limit(166912);
 }
 
 // The merge against the CPU merge: fp32 accumulator + bf16 partials, bf16 both sides, -inf on either side.
@@ -455,6 +475,7 @@ int main(int argc, char **argv) {
     test_refusals();
     test_merge();
     test_attention_cases();
+    test_small_smem_device();
     // The tile pitches (row length + 16 bytes) are chosen so that no ldmatrix pays a bank conflict.
     printf("ldmatrix: %llu warp calls, %llu extra passes from bank conflicts\n",
            (unsigned long long)hexiseq_emu::ldmatrix_calls, (unsigned long long)hexiseq_emu::ldmatrix_extra_passes);

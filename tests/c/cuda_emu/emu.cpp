@@ -58,6 +58,7 @@ const char *state_name(State s) {
 
 constexpr size_t kStackBytes = 128 * 1024;  // per thread: the kernels keep small arrays on the stack
 constexpr int kSmemOptInLimit = 166912;      // sm_80's opt-in maximum (163 KiB); sm_90 allows 227 KiB
+int smem_optin_limit = kSmemOptInLimit;       // the emulated device's (set_smem_optin_limit)
 constexpr int kSmemDefaultLimit = 48 * 1024; // without cudaFuncSetAttribute
 constexpr size_t kExchangeBytes = 2048;      // per warp and parity: mma_sync needs 512 floats
 
@@ -418,10 +419,15 @@ void cp_async_wait(int allowed) {
 }
 
 int set_max_dynamic_smem(const void *kernel, int bytes) {
-    if (bytes < 0 || bytes > kSmemOptInLimit)
+    if (bytes < 0 || bytes > smem_optin_limit)
         return cudaErrorInvalidValue;
     g.max_smem[kernel] = bytes;
     return cudaSuccess;
+}
+
+void set_smem_optin_limit(int bytes) {
+    smem_optin_limit = bytes;
+    g.max_smem.clear(); // opt-ins made for a device with more are void
 }
 
 void set_last_error(cudaError_t e) {
@@ -519,5 +525,17 @@ cudaError_t cudaFreeAsync(void *p, cudaStream_t) {
 
 cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t) {
     memset(p, value, bytes);
+    return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int *device) {
+    *device = 0;
+    return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device) {
+    if (attr != cudaDevAttrMaxSharedMemoryPerBlockOptin || device != 0)
+        return cudaErrorInvalidValue;
+    *value = hexiseq_emu::smem_optin_limit;
     return cudaSuccess;
 }

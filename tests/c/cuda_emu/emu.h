@@ -260,6 +260,7 @@ typedef enum cudaError {
 } cudaError_t;
 typedef struct CUstream_st *cudaStream_t;
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };
 
 cudaError_t cudaGetLastError();
 const char *cudaGetErrorString(cudaError_t e);
@@ -267,8 +268,12 @@ const char *cudaGetErrorName(cudaError_t e);
 cudaError_t cudaMallocAsync(void **p, size_t bytes, cudaStream_t stream);
 cudaError_t cudaFreeAsync(void *p, cudaStream_t stream);
 cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t stream);
+cudaError_t cudaGetDevice(int *device);
+cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device);
 namespace hexiseq_emu {
 void set_last_error(cudaError_t e);
+// The emulated device's opt-in shared-memory limit per block: sm_80's 163 KiB unless set (an sm_86/89 GPU: 99 KiB).
+void set_smem_optin_limit(int bytes);
 }
 
 template <typename... P> cudaError_t cudaFuncSetAttribute(void (*kernel)(P...), cudaFuncAttribute attr, int value) {
