@@ -170,8 +170,9 @@ def _use_c_kernels(t):
     tensors, tiled matmuls otherwise).
 
     Default: hexiseq.ops on CPU; the PyTorch path for CUDA tensors, because on an H100 torch's flash kernels ran
-    2.0-2.1x (forward) and 2.8-3.0x (backward) faster than hexiseq's CUDA kernels on the same inputs
-    (benchmarks/results/cuda_attention.md), and the ring only produces full and diagonal block pairs.
+    1.04-1.19x (forward) and 1.7-2.0x (backward) faster than hexiseq's CUDA kernels on the same inputs
+    (benchmarks/results/cuda_attention.md; a one-rank layer: benchmarks/results/runtime_gpu.md), and the ring
+    only produces full and diagonal block pairs.
     HEXISEQ_RUNTIME_KERNELS=hexiseq or =torch forces one (the tests run both)."""
     forced = os.environ.get("HEXISEQ_RUNTIME_KERNELS", "")
     if forced and forced not in _RUNTIME_KERNELS:

@@ -3,8 +3,8 @@
 // STATUS: run on an NVIDIA H100 80GB HBM3 (torch 2.11, CUDA 13.0; benchmarks/run_gpu_checks.sh):
 // tests/test_cuda_ops.py (against float64 references, torch SDPA and the CPU kernels) passes, compute-sanitizer
 // memcheck, racecheck and synccheck report nothing at head dims 64/80/128/256, and the speed next to torch's
-// FlashAttention-2 backend is in benchmarks/results/cuda_attention.md (forward close to it at D = 128, backward
-// about a third of it). The logic is also tested without a GPU: tests/c/test_cuda_emu.cpp compiles this file
+// FlashAttention-2 backend is in benchmarks/results/cuda_attention.md (forward 0.84-0.96x of it, backward
+// 0.51-0.60x, bf16, 4K-32K tokens). The logic is also tested without a GPU: tests/c/test_cuda_emu.cpp compiles this file
 // unchanged as C++ against a CPU emulator of the CUDA subset used here (tests/c/cuda_emu/emu.h: blocks of fiber
 // threads, barriers, shuffles, mma.sync and ldmatrix with the PTX ISA's documented layouts, cp.async) and checks
 // forward, backward and merge against the CPU kernels in float64 (odd sizes, every causal offset case, GQA/MQA,
@@ -46,18 +46,21 @@
 //     dS^T goes through shared memory so the warps can compute dQ_tile = dS K. Q and dO tiles are
 //     double-buffered with cp.async when legal, the next step's in flight. dK, dV are written once at
 //     the end (one thread owns each element, so no atomics; accumulate adds to the old values). dQ: fp32
-//     atomicAdd into a zeroed [batch, heads, seq_q, d] scratch buffer (already scaled), then a small kernel
-//     writes (or, with accumulate, adds into) dq in the input dtype. atomicAdd is the simple choice: the cost
-//     is that dQ is not bit-for-bit deterministic (summation order of fp32 adds across key tiles varies run to
-//     run). Scratch (D and the dQ accumulator) is allocated with cudaMallocAsync / cudaFreeAsync on the stream.
+//     atomic adds into a zeroed [batch, heads, seq_q, d] scratch buffer (already scaled), then a small kernel
+//     writes (or, with accumulate, adds into) dq in the input dtype. Each thread's two adjacent columns of a row
+//     go as one pair: on sm_90 one vector reduction (red.global.add.v2.f32), elsewhere two atomicAdd; an odd d
+//     (pairs not 8-byte aligned) adds float by float. Atomics are the simple choice: the cost is that dQ is not
+//     bit-for-bit deterministic (summation order of fp32 adds across key tiles varies run to run). Scratch (D
+//     and the dQ accumulator) is allocated with cudaMallocAsync / cudaFreeAsync on the stream.
 //   * merge: one warp per (batch, head, row); lane 0 reads both LSEs, the warp updates the row, lane 0
 //     writes the new LSE last (so no thread reads an LSE another already rewrote).
 //
 // Resource usage (nvcc 13.0 --resource-usage, -O3):
-//   forward (128 threads), registers f16 = bf16, D = 64 / 128 / 256:
-//     sm_80  222 / 255 / 237   sm_90  222 / 255 / 237   (no spills, 0 B stack; D = 128 is at the limit)
-//   backward (128 threads; 256 at D = 256), registers f16 = bf16: 254-255 for every D; spills: sm_80 16 B at
-//     D = 64, sm_90 64 B at D = 128, none elsewhere (the dK, dV accumulators take 2 x 64 floats per thread)
+//   forward (128 threads), registers f16 = bf16, D = 64 / 128 / 256 (D = 128 with BK = 32 in brackets):
+//     sm_80  236 / 255 (245) / 237   sm_90  222 / 255 (242) / 237   (no spills, 0 B stack; D = 128 at the limit)
+//   backward (128 threads; 256 at D = 256), registers f16 = bf16, D = 64 / 128 / 256:
+//     sm_80  179 / 254 / 243   sm_90  240 / 253 / 244   (no spills, 0 B stack; the dK, dV accumulators take
+//     2 x 64 floats per thread at D = 128 and 256, 2 x 32 at D = 64)
 //   delta 32-40, dq 28-32, merge 66-68 registers; no spills
 //   dynamic shared memory per CTA (opted in with cudaFuncSetAttribute on every launch):
 //     forward  D=64: 54 KiB   D=128: 102 KiB   D=256: 99 KiB (Q [BQ][D+8], 2 x K and V [BK][D+8], 16-bit)
@@ -225,14 +228,24 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 }
 #endif
 
-// load_tile's vector path through cp.async (the caller commits and waits): same zero fill, same legality rule.
+// Two tiles with the same rows (K and V, or Q and dO) through cp.async, the caller committing and waiting; load_tile's
+// zero fill and 16-byte legality rule. A thread copies the chunk at column lc of rows lr, lr + RS, ... of both, its
+// source pointers advancing by one add per row: written as src + r * row_stride per chunk, the compiler kept every
+// chunk's 64-bit offset in registers across the caller's loop, and the forward (two m-blocks per warp) and the
+// backward spilled.
 template <typename T, int ROWS, int D, int LD, int NT>
-__device__ void load_tile_async(T *dst /* [ROWS][LD] smem */, const T *src, int64_t row_stride, int64_t n_rows, int d) {
-    constexpr int CH = D / 8;
-    for (int idx = threadIdx.x; idx < ROWS * CH; idx += NT) {
-        const int r = idx / CH, c = idx % CH * 8;
-        const bool ok = r < n_rows && c < d;
-        cp_async16(dst + r * LD + c, ok ? src + r * row_stride + c : src, ok);
+__device__ __forceinline__ void load_tile_pair_async(T *dst0, const T *src0, int64_t stride0, T *dst1, const T *src1,
+                                                     int64_t stride1, int64_t n_rows, int d) {
+    constexpr int CH = D / 8, RS = NT / CH; // 16-byte chunks per row; rows per pass of the CTA
+    static_assert(NT % CH == 0 && ROWS % RS == 0, "every thread copies the same chunk column of ROWS / RS rows");
+    const int lr = threadIdx.x / CH, lc = threadIdx.x % CH * 8;
+    const T *p0 = src0 + lr * stride0 + lc, *p1 = src1 + lr * stride1 + lc;
+#pragma unroll
+    for (int i = 0; i < ROWS / RS; ++i, p0 += RS * stride0, p1 += RS * stride1) {
+        const int r = lr + i * RS;
+        const bool ok = r < n_rows && lc < d; // else zero-filled, nothing read
+        cp_async16(dst0 + r * LD + lc, ok ? p0 : src0, ok);
+        cp_async16(dst1 + r * LD + lc, ok ? p1 : src1, ok);
     }
 }
 
@@ -367,23 +380,10 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
     const T *kg = static_cast<const T *>(a.k) + b * a.ks[0] + hk * a.ks[2];
     const T *vg = static_cast<const T *>(a.v) + b * a.vs[0] + hk * a.vs[2];
     const bool async = a.vec_k && a.vec_v;
-    // load_tile_async's copies, written out: a thread copies the 16-byte chunk at column lc of rows lr, lr + RS, ...
-    // of both tiles, its source pointers advancing by one add per row. (As src + r * row_stride per chunk, the
-    // compiler keeps every chunk's 64-bit offset in registers across the key loop, which MW = 2 cannot afford.)
-    constexpr int CH = D / 8, RS = kFwdThreads / CH; // 16-byte chunks per row; rows per pass of the CTA
-    static_assert(kFwdThreads % CH == 0 && BK % RS == 0, "every thread copies the same chunk column of BK / RS rows");
     auto issue = [&](int64_t k0, int buf) {
-        const int64_t n = min((int64_t)BK, kend - k0);
-        const int lr = threadIdx.x / CH, lc = threadIdx.x % CH * 8;
         T *kb = reinterpret_cast<T *>(smem + L::k + buf * L::kv), *vb = reinterpret_cast<T *>(smem + L::v + buf * L::kv);
-        const T *kp = kg + (k0 + lr) * a.ks[1] + lc, *vp = vg + (k0 + lr) * a.vs[1] + lc;
-#pragma unroll
-        for (int i = 0; i < BK / RS; ++i, kp += RS * a.ks[1], vp += RS * a.vs[1]) {
-            const int r = lr + i * RS;
-            const bool ok = r < n && lc < a.d; // else zero-filled, nothing read
-            cp_async16(kb + r * LDT + lc, ok ? kp : kg, ok);
-            cp_async16(vb + r * LDT + lc, ok ? vp : vg, ok);
-        }
+        load_tile_pair_async<T, BK, D, LDT, kFwdThreads>(kb, kg + k0 * a.ks[1], a.ks[1], vb, vg + k0 * a.vs[1], a.vs[1],
+                                                         min((int64_t)BK, kend - k0), a.d);
         cp_async_commit();
     };
     if (async && kend > 0)
@@ -602,6 +602,25 @@ template <typename T> __global__ void attn_bwd_delta_kernel(const BwdArgs a) {
 // (16-bit) goes to shared memory, and after a barrier the warps compute dQ_tile = dS K (each a part of the tile,
 // summing over all 64 keys) and add it, scaled, into the fp32 dQ scratch with atomics.
 constexpr int kBwdBK = 64;
+
+// dQ accumulation: p[0] += x, p[1] += y in global memory, atomically per float (p 8-byte aligned). On sm_90 one
+// vector reduction (red.global.add.v2.f32, PTX ISA 8.1) instead of two atomicAdd: half the atomic instructions,
+// and the 4 lanes of a quad write 8 consecutive floats of a row (one whole 32-byte sector when d % 8 == 0)
+// instead of every other float of them. Other targets: two atomicAdd. The CPU emulator checks the alignment
+// and adds the two floats.
+#ifdef HEXISEQ_CUDA_EMU
+__device__ __forceinline__ void red_add_f32x2(float *p, float x, float y) { hexiseq_emu::red_add_f32x2(p, x, y); }
+#else
+__device__ __forceinline__ void red_add_f32x2(float *p, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
+#else
+    atomicAdd(p, x);
+    atomicAdd(p + 1, y);
+#endif
+}
+#endif
+
 template <int D> struct BwdMmaTiles {
     static_assert(D == 64 || D == 128 || D == 256, "the register backward serves D = 64, 128 and 256");
     static constexpr int DS = D <= 128 ? 1 : 2;          // warps sharing a key block's head dim
@@ -682,30 +701,40 @@ __global__ void __launch_bounds__(BwdMmaTiles<D>::THREADS) attn_bwd_mma_kernel(c
     auto do_src = [&](int32_t h, int64_t q0) {
         return static_cast<const T *>(a.do_) + b * a.dos[0] + h * a.dos[2] + q0 * a.dos[1];
     };
-    auto prefetch = [&](int64_t step, int buf) {
-        const int32_t h = hk * a.group + (int32_t)(step / n_qt);
-        const int64_t q0 = (qt_first + step % n_qt) * BQ, nq = min((int64_t)BQ, a.seq_q - q0);
-        load_tile_async<T, BQ, D, LDT, NT>(q_tile(buf), q_src(h, q0), a.qs[1], nq, a.d);
-        load_tile_async<T, BQ, D, LDT, NT>(do_tile(buf), do_src(h, q0), a.dos[1], nq, a.d);
+    auto prefetch = [&](int32_t h, int64_t q0, int buf) { // the tiles of query head h, rows q0 ..
+        load_tile_pair_async<T, BQ, D, LDT, NT>(q_tile(buf), q_src(h, q0), a.qs[1], do_tile(buf), do_src(h, q0), a.dos[1],
+                                                min((int64_t)BQ, a.seq_q - q0), a.d);
         cp_async_commit();
     };
+    // The step's query head h and first query row q0 advance by counting (no 64-bit divisions per step): the next
+    // query tile of the head, after its last tile the first tile of the next head.
+    const int64_t q0_first = qt_first * BQ;
+    int32_t h = hk * a.group;
+    int64_t q0 = q0_first;
     if (async && n_steps > 0)
-        prefetch(0, 0);
+        prefetch(h, q0, 0);
     int buf = 0;
     for (int64_t step = 0; step < n_steps; ++step, buf ^= async ? 1 : 0) {
-        const int32_t h = hk * a.group + (int32_t)(step / n_qt);
-        const int64_t q0 = (qt_first + step % n_qt) * BQ;
-        const int64_t nq = min((int64_t)BQ, a.seq_q - q0);
+        int32_t h_next = h;
+        int64_t q0_next = q0 + BQ;
+        if (q0_next >= a.seq_q) {
+            q0_next = q0_first;
+            ++h_next;
+        }
+        const int nq = (int)min((int64_t)BQ, a.seq_q - q0); // query rows of this tile
         const float *lseg = a.lse + b * a.ls[0] + h * a.ls[1];
         const float *deltag = a.delta + (b * a.heads + h) * a.seq_q;
-        float *dqg = a.dq_acc + (b * a.heads + h) * a.seq_q * a.d;
+        float *dqg = a.dq_acc + ((b * a.heads + h) * a.seq_q + q0) * a.d; // row q0 of the tile
+        // Causal: key kr sees query qc iff k_pos0 + k0 + kr <= q_pos0 + q0 + qc, i.e. kr - qc <= the diagonal offset,
+        // clamped here to [-BQ, BK] (kr - qc lies in (-BQ, BK)) so the per-element test is 32-bit.
+        const int diag = a.causal ? (int)max((int64_t)-BQ, min((int64_t)BK, a.q_pos0 + q0 - a.k_pos0 - k0)) : BK;
         const T *qs = q_tile(buf), *dos = do_tile(buf);
         // No barrier is needed before refilling a Q/dO buffer or LSE, D: their last readers (the dV/dK phase
         // of an earlier step) are behind that step's "dS^T complete" barrier, and dS^T is rewritten only
         // after the "ready" barrier below, which every warp reaches only after its previous dQ phase.
         if (async) {
             if (step + 1 < n_steps) {
-                prefetch(step + 1, buf ^ 1);
+                prefetch(h_next, q0_next, buf ^ 1);
                 cp_async_wait<1>(); // this thread's copies for this step are done
             } else {
                 cp_async_wait<0>();
@@ -772,8 +801,7 @@ __global__ void __launch_bounds__(BwdMmaTiles<D>::THREADS) attn_bwd_mma_kernel(c
             for (int e = 0; e < 4; ++e) {
                 const int kr = key0 + 8 * (e / 2), qc = 8 * j + 2 * t + (e & 1);
                 const float l2 = lse_s[qc];
-                const bool ok = kr < nk && l2 != -INFINITY &&
-                                (!a.causal || a.k_pos0 + k0 + kr <= a.q_pos0 + q0 + qc);
+                const bool ok = kr < nk && l2 != -INFINITY && kr - qc <= diag;
                 const float pv = ok ? exp2f(st[j][e] * a.scale_log2 - l2) : 0.0f;
                 st[j][e] = pv;
                 dpt[j][e] = pv * (dpt[j][e] - delta_s[qc]);
@@ -823,14 +851,29 @@ __global__ void __launch_bounds__(BwdMmaTiles<D>::THREADS) attn_bwd_mma_kernel(c
                 mma16816<T>(dq[j + 1], da, kb[2], kb[3]);
             }
         }
+        // dq[j][2i], dq[j][2i + 1] are columns col, col + 1 of one row (col even). With an even row length a.d each
+        // pair is 8-byte aligned in dq_acc (a 256-byte aligned carve of the scratch) and col < a.d implies
+        // col + 1 < a.d: one red_add_f32x2 per pair. An odd a.d (a uniform branch) takes one atomicAdd per float.
+        const bool pairs = a.d % 2 == 0;
 #pragma unroll
         for (int j = 0; j < DQ / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = 16 * qm + g + 8 * (e / 2), col = dc0 + 8 * j + 2 * t + (e & 1);
-                if (r < nq && col < a.d)
-                    atomicAdd(dqg + (q0 + r) * a.d + col, dq[j][e] * a.scale);
+            for (int i = 0; i < 2; ++i) {
+                const int r = 16 * qm + g + 8 * i, col = dc0 + 8 * j + 2 * t;
+                if (r < nq && col < a.d) {
+                    float *p = dqg + (r * a.d + col);
+                    const float x = dq[j][2 * i] * a.scale, y = dq[j][2 * i + 1] * a.scale;
+                    if (pairs) {
+                        red_add_f32x2(p, x, y);
+                    } else {
+                        atomicAdd(p, x);
+                        if (col + 1 < a.d)
+                            atomicAdd(p + 1, y);
+                    }
+                }
             }
+        h = h_next;
+        q0 = q0_next;
     }
 
     // dK = scale dS^T Q and dV; one thread owns each element, so plain stores (accumulate: add to old values).

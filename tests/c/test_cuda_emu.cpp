@@ -375,6 +375,9 @@ void test_attention_cases() {
         {BF, 1, 200, 200, 2, 1, 64, 1, 0, 2, CONTIG, 0, 0},
         {F16, 1, 200, 200, 2, 1, 128, 1, 0, 2, CONTIG, 0, 0},
         {BF, 1, 100, 100, 1, 1, 256, 1, 0, 2, CONTIG, 0, 0},
+        // odd head_dim: dQ accumulator rows of odd length, so the backward adds dQ one float at a time (even
+        // head_dims add column pairs with one 8-byte reduction)
+        {F16, 1, 75, 70, 2, 1, 45, 1, 0, 0, CONTIG, 0, 1},
     };
     for (const Case &c : cases)
         run_case(c);

@@ -152,6 +152,18 @@ template <typename T> inline T atomicAdd(T *address, T value) { // fibers never 
     return old;
 }
 
+namespace hexiseq_emu {
+bool in_shared_memory(const void *p, size_t bytes);
+// red.relaxed.gpu.global.add.v2.f32 (kernels/attention.cu's red_add_f32x2): p[0] += x, p[1] += y, each float
+// atomically, as two atomicAdd; the address must be 8-byte aligned and global (not shared).
+inline void red_add_f32x2(float *p, float x, float y) {
+    if ((uintptr_t)p % 8 != 0 || in_shared_memory(p, 1))
+        fail("red.global.add.v2.f32 address %p is not an 8-byte aligned global address", (void *)p);
+    atomicAdd(p, x);
+    atomicAdd(p + 1, y);
+}
+} // namespace hexiseq_emu
+
 // ------------------------------------------------------------------------------------------------
 // Register-level tensor-core instructions (kernels/attention.cu calls them through small wrappers that are
 // inline PTX on the GPU and these functions here). Fragment layouts are the PTX ISA's ("Matrix Fragments for
@@ -169,7 +181,6 @@ namespace hexiseq_emu {
 inline float half_bits_to_float(uint16_t bits, bool bf16) {
     return bf16 ? hexiseq_bf16_to_f32(bits) : hexiseq_f16_to_f32(bits);
 }
-bool in_shared_memory(const void *p, size_t bytes);
 // Shared-memory bank conflicts of the ldmatrix calls so far: the hardware reads each 8x8 matrix (8 rows of 16
 // bytes) in one pass over the 32 four-byte banks when the 8 rows fall in distinct banks; every extra pass a
 // matrix needs is counted here (a performance defect, not a correctness one).
