@@ -28,7 +28,12 @@ chunk)::
     for p in model.parameters():                          # each rank's gradients cover its own tokens:
         dist.all_reduce(p.grad)                           # SUM them (under DDP, which averages, use loss * world)
 
-Tested with transformers 5.23.0 on LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM (float64, CPU, Gloo).
+A rank the plan parks (no tokens: the scheduler leaves a slow device out of a short sequence) runs the same loop:
+shard_inputs gives it one placeholder token whose attention output is 0 and whose logits the loss ignores, so its
+attention layers take part in every collective, forward and backward.
+
+Tested with transformers 5.23.0 on LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM (float64, CPU, Gloo),
+with and without a parked rank.
 Other models whose attention modules call `ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)`
 with the Llama signature and scale by `module.scaling` should work the same way.
 
@@ -105,6 +110,13 @@ def hexiseq_attention_forward(module, query, key, value, attention_mask, scaling
         raise UnsupportedError(f"hexiseq: {type(module).__name__} scales by {scaling}, the model's HexiSeq context "
                                f"by {context.scale}; every layer must use the same softmax scale")
     tokens = context.me.tokens
+    if tokens == 0 and query.shape[2] == 1 and key.shape[2] == 1:
+        # a parked rank's placeholder token (see shard_inputs): attention runs its collectives with no tokens, and
+        # the placeholder's output, 0, is tied to that empty output so that the backward's collectives run too
+        from .nn import hexiseq_attn_func
+
+        out = hexiseq_attn_func(*(x.transpose(1, 2)[:, :0] for x in (query, key, value)), context)
+        return out.new_zeros(out.shape[0], 1, out.shape[2], out.shape[3]) + out.sum(), None
     if query.shape[2] != tokens or key.shape[2] != tokens:
         if key.shape[2] != query.shape[2]:
             raise UnsupportedError("hexiseq: KV caches / generation are not supported (keys cover "
@@ -263,11 +275,21 @@ def _rank(plan, rank, group):
 
 
 def shard_inputs(input_ids, plan, rank=None, group=None):
-    """{"input_ids": this rank's shard of `input_ids` [batch, seq_len], "position_ids": [1, s_r] absolute positions}
-    to call a patched model with: `model(**shard_inputs(input_ids, plan, rank))`."""
+    """{"input_ids": this rank's shard of `input_ids` [batch, seq_len], "position_ids": [1, s_r] absolute positions,
+    "attention_mask": [batch, s_r] all ones} to call a patched model with: `model(**shard_inputs(input_ids, plan,
+    rank))`.
+
+    A rank the plan parks (no tokens) must still run the model, so that its attention layers take part in the
+    collectives; transformers' attention modules cannot reshape an empty sequence, so such a rank gets one
+    placeholder token (s_r = 1): its attention output is 0 and sharded_causal_lm_loss ignores its logits.
+    The all-ones mask masks nothing (HexiSeq masks causally by absolute position); without a mask transformers
+    inspects position_ids for packed sequences, which only finds the shard's chunk boundary (HexiSeq ignores it)."""
     rank = _rank(plan, rank, group)
     pos = torch.as_tensor(plan.positions(rank), dtype=torch.long, device=input_ids.device).unsqueeze(0)
-    return {"input_ids": plan.shard(input_ids, 1, rank), "position_ids": pos}
+    ids = plan.shard(input_ids, 1, rank)
+    if ids.shape[1] == 0:
+        ids, pos = input_ids[:, :1], torch.zeros(1, 1, dtype=torch.long, device=input_ids.device)
+    return {"input_ids": ids, "position_ids": pos, "attention_mask": torch.ones_like(ids, dtype=torch.long)}
 
 
 def sharded_causal_lm_loss(logits, labels_full, plan, rank=None, group=None, ignore_index: int = -100):
@@ -294,6 +316,8 @@ def sharded_causal_lm_loss(logits, labels_full, plan, rank=None, group=None, ign
     labels_full = labels_full.to(logits.device)
     shifted = F.pad(labels_full, (0, 1), value=ignore_index)[:, 1:]
     mine = plan.shard(shifted, 1, rank)
+    if mine.shape[1] == 0 and logits.dim() == 3 and logits.shape[1] == 1:
+        logits = logits[:, :0] + logits.sum() * 0   # a parked rank's placeholder (shard_inputs), kept in the graph
     if logits.dim() != 3 or logits.shape[:2] != mine.shape:
         raise InvalidArgumentError(f"logits must be [batch, tokens, vocab] = [{mine.shape[0]}, {mine.shape[1]}, "
                                    f"vocab] on rank {rank}, got {list(logits.shape)}")

@@ -61,7 +61,7 @@ def test_patched_models_match_full_sequence(tmp_path):
     plan = asymmetric_plan()
     world = plan.cluster.num_devices
     assert world == 4 and plan.seq_len % world != 0
-    out = spawn(hf_worker.check_models, world, (plan.to_json(), FAMILIES, 2), tmp_path)
+    out = spawn(hf_worker.check_models, world, (plan.to_json(), FAMILIES, 2, True), tmp_path)
     for rank, (status, per_family) in sorted(out.items()):
         assert status == "ok", f"rank {rank}: {per_family}"
         for family in FAMILIES:
@@ -78,11 +78,35 @@ def test_patched_models_match_full_sequence(tmp_path):
             assert m["checkpointing"] == (family == "qwen2")
             assert m["grad"] <= 1e-8, f"{where}: gradient of {m['grad_worst_param']} off by {m['grad']:.3g}"
         m = per_family[FAMILIES[0]]
-        assert m["ones_mask_logits"] <= 1e-10
+        assert m["no_mask_logits"] <= 1e-10
         for key in ("err_padding", "err_positions", "err_heads"):
             assert m[key] is True, f"rank {rank}: {key}: {m[key]}"
         assert m["unpatched_impl"] == "sdpa"
         assert m["unpatched_logits"] <= 1e-12
+
+
+def test_parked_rank_runs_every_model(tmp_path):
+    """A plan that parks a device (no tokens, no heads: what the scheduler does with a slow device on a short
+    sequence) runs every supported model: the parked rank runs the model on an empty shard and takes part in the
+    collectives, and the result equals the full-sequence reference."""
+    cluster = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 1, "intra_gbps": 300.0},
+                                                   {"gpu": "A100-80G", "count": 1, "intra_gbps": 300.0}],
+                                         "inter_node_gbps": 25.0})
+    model = hexiseq.Model(layers=2, hidden=64, heads=8, kv_heads=2, head_dim=8, ffn=128, vocab=97, gated_mlp=True)
+    plan = hexiseq.evaluate(cluster, model=model, seq_len=61, layout={"groups": [
+        {"devices": [0, 1], "seq": 61, "tokens": [61, 0], "heads": [8, 0]}]})
+    assert len(plan.positions(1)) == 0
+    out = spawn(hf_worker.check_models, 2, (plan.to_json(), FAMILIES, 1, False), tmp_path)
+    for rank, (status, per_family) in sorted(out.items()):
+        assert status == "ok", f"rank {rank}: {per_family}"
+        for family in FAMILIES:
+            m = per_family[family]
+            where = f"{family} rank {rank}"
+            assert m["loss_vs_ref64"] <= 1e-10, f"{where}: loss {m['loss_vs_ref64']:.3g}"
+            assert not m["grad_missing"], f"{where}: no gradient for {m['grad_missing']}"
+            assert m["grad"] <= 1e-8, f"{where}: gradient of {m['grad_worst_param']} off by {m['grad']:.3g}"
+            if rank == 0:
+                assert m["logits"] <= 1e-10, f"{where}: logits {m['logits']:.3g}"
 
 
 def test_importable_without_distributed_setup():
