@@ -2,7 +2,6 @@
 
 import argparse
 import json
-import os
 import sys
 
 from . import __version__, build_info
@@ -15,14 +14,7 @@ DESCRIPTION = "Plan asymmetric sequence and head parallelism for a heterogeneous
 
 
 def _load_model(text: str) -> Model:
-    if os.path.isfile(text):
-        with open(text) as f:
-            try:
-                cfg = json.load(f)
-            except json.JSONDecodeError as e:
-                raise HexiseqError(f"--model {text}: not a JSON config ({e})") from None
-        return Model.from_hf_config(cfg)
-    return Model.preset(text)
+    return Model.from_name_or_path(text)
 
 
 def _comparison_table(results, chosen: Plan) -> str:

@@ -1,6 +1,8 @@
 """Model shapes and the training setting the cost model needs."""
 
 import enum
+import json
+import os
 from dataclasses import asdict, dataclass, fields
 
 from . import _core
@@ -62,6 +64,13 @@ class Model:
         return cls(**d)
 
     @classmethod
+    def from_name_or_path(cls, text) -> "Model":
+        """A preset name ("llama3-70b", "7b", ...) or the path of a Hugging Face config.json (or its folder)."""
+        if isinstance(text, os.PathLike) or os.path.exists(str(text)) or str(text).endswith(".json"):
+            return cls.from_hf_config(text)
+        return cls.preset(text)
+
+    @classmethod
     def preset(cls, name: str) -> "Model":
         """A built-in model: gpt-3b, gpt-7b, gpt-13b, gpt-30b, llama3-8b, llama3-70b (short forms 3b, 7b, 13b,
         30b, 8b, 70b)."""
@@ -73,7 +82,10 @@ class Model:
 
     @classmethod
     def from_hf_config(cls, config) -> "Model":
-        """From a Hugging Face config object or dict (Llama/Mistral/Qwen-style or GPT-2/NeoX-style keys)."""
+        """From a Hugging Face config: an object, a dict, or the path of its config.json (or of the folder holding
+        it). Llama/Mistral/Qwen-style or GPT-2/NeoX-style keys."""
+        if isinstance(config, (str, os.PathLike)):
+            config = _read_hf_config(config)
         get = (lambda k, default=None: config.get(k, default)) if isinstance(config, dict) else (
             lambda k, default=None: getattr(config, k, default))
 
@@ -177,3 +189,20 @@ class Training:
         if unknown:
             raise InvalidArgumentError(f"unknown training field(s) {sorted(unknown)}; expected {sorted(known)}")
         return cls(**d)
+
+
+def _read_hf_config(path) -> dict:
+    """The dict of a Hugging Face config.json, given the file or the folder holding it."""
+    path = os.fspath(path)
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise InvalidArgumentError(f"model config {path!r}: no such file" +
+                                   (" (the folder has no config.json)" if os.path.isdir(path) else ""))
+    with open(file) as f:
+        try:
+            cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise InvalidArgumentError(f"model config {file!r} is not JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise InvalidArgumentError(f"model config {file!r} holds a {type(cfg).__name__}, not a JSON object")
+    return cfg

@@ -4,6 +4,7 @@ cost; the strategies that produce them; scoring a layout the caller writes down.
 import enum
 import hashlib
 import json
+import os
 from typing import Dict, List, Optional, Union
 
 import numpy as np
@@ -450,12 +451,13 @@ def _inputs(cluster, model, training, seq_len):
         cluster = Cluster.from_file(cluster)
     if not isinstance(cluster, Cluster):
         raise InvalidArgumentError(f"cluster must be a Cluster, a dict or a file path, got {cluster!r}")
-    if isinstance(model, str):
-        model = Model.preset(model)
+    if isinstance(model, (str, os.PathLike)):
+        model = Model.from_name_or_path(model)
     elif isinstance(model, dict):
         model = Model.from_dict(model)
     if not isinstance(model, Model):
-        raise InvalidArgumentError(f"model must be a Model, a preset name or a dict, got {model!r}")
+        raise InvalidArgumentError(f"model must be a Model, a preset name, a dict or the path of a Hugging Face "
+                                   f"config.json, got {model!r}")
     if training is None:
         training = Training()
     elif isinstance(training, dict):
@@ -500,7 +502,8 @@ def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=N
     """The best plan of `strategy` for training `model` on sequences of `seq_len` tokens.
 
     cluster: a Cluster, a dict (Cluster.from_dict) or a YAML/JSON file path.
-    model: a Model, a preset name ("gpt-7b", "llama3-70b", "7b", ...) or a dict.
+    model: a Model, a preset name ("gpt-7b", "llama3-70b", "7b", ...), a dict, or the path of a Hugging Face
+    config.json (or of its folder).
     seq_len: tokens per sequence (an int, or "128k", "1m").
     strategy: "auto" (best of all; the scheduler's plan unless a baseline is strictly faster), "hexiseq"
         (the asymmetric scheduler), "ring", "ulysses" or "usp".

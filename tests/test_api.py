@@ -160,6 +160,31 @@ def test_from_hf_config_gpt2_dict():
     assert abs(m.params - (124.4e6 + 768 * 50257)) < 0.02 * m.params
 
 
+def test_hf_config_path_in_python_as_in_the_cli(tmp_path, example):
+    """A config.json path (or its folder) works wherever a model is taken: Model.from_hf_config, hexiseq.plan and
+    the CLI's --model give the same model; a missing or non-JSON file is named in the error."""
+    cfg = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256, "hidden_act": "silu"}
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    ref = Model.from_hf_config(cfg)
+    for where in (folder / "config.json", str(folder / "config.json"), folder, str(folder)):
+        assert Model.from_hf_config(where)._as_core() == ref._as_core(), where
+    p = hexiseq.plan(example, model=str(folder / "config.json"), seq_len=32768)
+    assert p.model._as_core() == ref._as_core()
+    assert hexiseq.plan(example, model=folder, seq_len=32768).model._as_core() == ref._as_core()
+    with pytest.raises(hexiseq.InvalidArgumentError, match="nope.json.*no such file"):
+        hexiseq.plan(example, model=str(tmp_path / "nope.json"), seq_len=32768)
+    with pytest.raises(hexiseq.InvalidArgumentError, match="no config.json"):
+        Model.from_hf_config(tmp_path)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(hexiseq.InvalidArgumentError, match="bad.json.*not JSON"):
+        Model.from_hf_config(tmp_path / "bad.json")
+    with pytest.raises(hexiseq.InvalidArgumentError, match="unknown model preset 'gpt-9z'"):
+        hexiseq.plan(example, model="gpt-9z", seq_len=32768)
+
+
 def test_from_hf_config_object():
     cfg = types.SimpleNamespace(num_hidden_layers=4, hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
                                 intermediate_size=1376, vocab_size=1000, hidden_act="silu", torch_dtype="float32",
