@@ -3,8 +3,8 @@
 // STATUS: run on an NVIDIA H100 80GB HBM3 (torch 2.11, CUDA 13.0; benchmarks/run_gpu_checks.sh):
 // tests/test_cuda_ops.py (against float64 references, torch SDPA and the CPU kernels) passes, compute-sanitizer
 // memcheck, racecheck and synccheck report nothing at head dims 64/80/128/256, and the speed next to torch's
-// FlashAttention-2 backend is in benchmarks/results/cuda_attention.md (forward 0.84-0.96x of it, backward
-// 0.51-0.60x, bf16, 4K-32K tokens). The logic is also tested without a GPU: tests/c/test_cuda_emu.cpp compiles this file
+// FlashAttention-2 backend is in benchmarks/results/cuda_attention.md (forward 0.83-0.96x of it, backward
+// 0.56-0.62x, bf16, 4K-32K tokens). The logic is also tested without a GPU: tests/c/test_cuda_emu.cpp compiles this file
 // unchanged as C++ against a CPU emulator of the CUDA subset used here (tests/c/cuda_emu/emu.h: blocks of fiber
 // threads, barriers, shuffles, mma.sync and ldmatrix with the PTX ISA's documented layouts, cp.async) and checks
 // forward, backward and merge against the CPU kernels in float64 (odd sizes, every causal offset case, GQA/MQA,
@@ -37,15 +37,17 @@
 //     K/V tiles are double-buffered with cp.async when their rows allow 16-byte copies (else loaded element by
 //     element). Not done: Hopper wgmma/TMA/warp specialisation (FlashAttention-3's techniques).
 //   * backward (attn_bwd_mma_kernel): the same register design on the transposed problem. A preprocessing
-//     kernel writes D = rowsum(dO * O) (fp32, [batch, heads, seq_q]). One CTA per (key tile of 64, kv head,
-//     batch), 4 warps (8 at D = 256); each warp owns 16 keys and their dK, dV accumulators in registers (at
-//     D = 256 two warps split a key block's head dim and swap partial scores through shared memory), and loops
+//     kernel writes D = rowsum(dO * O) (fp32, [batch, heads, seq_q]). One CTA per (key tile, kv head, batch):
+//     128 keys and 8 warps at D = 64 and 128 (64 keys and 4 warps for D = 128 on GPUs with 99 KiB of shared
+//     memory), 64 keys and 8 warps at D = 256; each warp owns 16 keys and their dK, dV accumulators in registers
+//     (at D = 256 two warps split a key block's head dim and swap partial scores through shared memory), and loops
 //     over every query head of its GQA group and every query tile that can see the key tile:
 //     S^T = K Q^T, P^T = exp(scale S^T - LSE) (masked), dP^T = V dO^T, dV += P^T dO,
 //     dS^T = P^T (dP^T - D), dK += dS^T Q (P^T and dS^T go from registers into the products as A operands);
-//     dS^T goes through shared memory so the warps can compute dQ_tile = dS K. Q and dO tiles are
-//     double-buffered with cp.async when legal, the next step's in flight. dK, dV are written once at
-//     the end (one thread owns each element, so no atomics; accumulate adds to the old values). dQ: fp32
+//     dS^T goes through shared memory so the warps can compute dQ_tile = dS K, summed over the CTA's keys
+//     before it leaves the CTA (the wider the key tile, the fewer dQ atomic adds and Q, dO tile reads per key).
+//     Q and dO tiles are double-buffered with cp.async when legal, the next step's in flight. dK, dV are written
+//     once at the end (one thread owns each element, so no atomics; accumulate adds to the old values). dQ: fp32
 //     atomic adds into a zeroed [batch, heads, seq_q, d] scratch buffer (already scaled), then a small kernel
 //     writes (or, with accumulate, adds into) dq in the input dtype. Each thread's two adjacent columns of a row
 //     go as one pair: on sm_90 one vector reduction (red.global.add.v2.f32), elsewhere two atomicAdd; an odd d
@@ -58,17 +60,20 @@
 // Resource usage (nvcc 13.0 --resource-usage, -O3):
 //   forward (128 threads), registers f16 = bf16, D = 64 / 128 / 256 (D = 128 with BK = 32 in brackets):
 //     sm_80  236 / 255 (245) / 237   sm_90  222 / 255 (242) / 237   (no spills, 0 B stack; D = 128 at the limit)
-//   backward (128 threads; 256 at D = 256), registers f16 = bf16, D = 64 / 128 / 256:
-//     sm_80  179 / 254 / 243   sm_90  240 / 253 / 244   (no spills, 0 B stack; the dK, dV accumulators take
-//     2 x 64 floats per thread at D = 128 and 256, 2 x 32 at D = 64)
+//   backward (256 threads; the D = 128 instance with 64-key tiles, 128 threads, in brackets), registers
+//   f16 = bf16, D = 64 / 128 / 256:
+//     sm_80  242 / 244 (254) / 243   sm_90  243 / 246 (253) / 244   (no spills, 0 B stack; the dK, dV
+//     accumulators take 2 x 64 floats per thread at D = 128 and 256, 2 x 32 at D = 64)
 //   delta 32-40, dq 28-32, merge 66-68 registers; no spills
 //   dynamic shared memory per CTA (opted in with cudaFuncSetAttribute on every launch):
 //     forward  D=64: 54 KiB   D=128: 102 KiB   D=256: 99 KiB (Q [BQ][D+8], 2 x K and V [BK][D+8], 16-bit)
-//     backward D=64 (BQ 64): 63.5 KiB   D=128 (BQ 32): 73.3 KiB   D=256 (BQ 16): 118.3 KiB (K, V, 2 x Q and dO,
-//     dS^T, at D = 256 the partial-score exchange)
+//     backward D=64 (BQ 64, BK 128): 90.5 KiB   D=128 (BQ 32, BK 128): 112.3 KiB (BK 64: 73.3 KiB)
+//              D=256 (BQ 16, BK 64): 118.3 KiB (K, V [BK][D+8], 2 x Q and dO, dS^T, at D = 256 the partial-score
+//              exchange)
 //   All fit the 163 KiB opt-in limit of sm_80 and the 227 KiB of sm_90. On GPUs with less (sm_86/89: 99 KiB) the
-//   D = 128 forward runs its BK = 32 instance (68 KiB; chosen at launch from the device's limit) and the D = 256
-//   backward gets HEXISEQ_ERR_CUDA from cudaFuncSetAttribute.
+//   D = 128 forward runs its BK = 32 instance (68 KiB) and the D = 128 backward its BK = 64 instance (73.3 KiB; both
+//   chosen at launch from the device's limit), and the D = 256 backward gets HEXISEQ_ERR_CUDA from
+//   cudaFuncSetAttribute.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -589,19 +594,23 @@ template <typename T> __global__ void attn_bwd_delta_kernel(const BwdArgs a) {
         a.delta[row] = sum;
 }
 
-// Backward on register-level tensor cores. One CTA per (key tile of 64, kv head, batch) with 4 x DS warps: warp w
-// owns keys 16 (w % 4) .. +15 and head-dim columns [(w / 4) D / DS, +D / DS) of their dK and dV, in registers for
-// the whole CTA (DS = 1 up to D = 128; DS = 2 at D = 256, where 16 keys x 256 columns of dK and dV would not fit
-// one warp's registers). For every query head of the GQA group and every query tile (BQ rows) that can see the
-// key tile, each warp computes, with keys as rows (the transposed problem, so that P^T and dS^T are A operands
-// straight from registers):
+// Backward on register-level tensor cores. One CTA per (key tile of BK keys, kv head, batch) with KB x DS warps,
+// KB = BK / 16 key blocks: warp w owns keys 16 (w % KB) .. +15 and head-dim columns [(w / KB) D / DS, +D / DS) of
+// their dK and dV, in registers for the whole CTA (DS = 1 up to D = 128; DS = 2 at D = 256, where 16 keys x 256
+// columns of dK and dV would not fit one warp's registers). BK = 128 (8 warps) at D = 64 and 128, 64 (8 warps) at
+// D = 256: a wider key tile sums each query tile's dQ over more keys before its one set of atomic adds and reads
+// each Q and dO tile from L2 fewer times per key (both halve from BK = 64 to 128). For every query head of the GQA
+// group and every query tile (BQ rows) that can see the key tile, each warp computes, with keys as rows (the
+// transposed problem, so that P^T and dS^T are A operands straight from registers):
 //   S^T = K Q^T, P^T = exp2(scale log2(e) S^T - LSE log2(e)) masked, dP^T = V dO^T, dV += P^T dO,
 //   dS^T = P^T (dP^T - D), dK += dS^T Q.
 // With DS = 2 a warp computes S^T and dP^T over its half of the head dim and the two warps of a key block swap
 // their partial sums through shared memory (both then hold the same full sums: a + b = b + a exactly). Then dS^T
 // (16-bit) goes to shared memory, and after a barrier the warps compute dQ_tile = dS K (each a part of the tile,
-// summing over all 64 keys) and add it, scaled, into the fp32 dQ scratch with atomics.
-constexpr int kBwdBK = 64;
+// summing over all BK keys) and add it, scaled, into the fp32 dQ scratch with atomics.
+// The D = 128 instance with BK = 128 needs 112.3 KiB of shared memory: GPUs whose opt-in limit is lower (sm_86/89:
+// 99 KiB) get the BK = 64 instance (4 warps, 73.3 KiB), see backward_typed.
+constexpr int bwd_default_bk(int D) { return D <= 128 ? 128 : 64; }
 
 // dQ accumulation: p[0] += x, p[1] += y in global memory, atomically per float (p 8-byte aligned). On sm_90 one
 // vector reduction (red.global.add.v2.f32, PTX ISA 8.1) instead of two atomicAdd: half the atomic instructions,
@@ -621,31 +630,41 @@ __device__ __forceinline__ void red_add_f32x2(float *p, float x, float y) {
 }
 #endif
 
-template <int D> struct BwdMmaTiles {
+template <int D, int BK_ = bwd_default_bk(D)> struct BwdMmaTiles {
     static_assert(D == 64 || D == 128 || D == 256, "the register backward serves D = 64, 128 and 256");
+    static constexpr int BK = BK_;                       // keys per CTA
+    static_assert(BK == 64 || BK == 128, "key tiles of 64 or 128 keys");
+    static constexpr int KB = BK / 16;                   // key blocks of 16 keys, one per warp (per DS warps)
     static constexpr int DS = D <= 128 ? 1 : 2;          // warps sharing a key block's head dim
-    static constexpr int THREADS = 128 * DS;
+    static constexpr int THREADS = 32 * KB * DS;
     static constexpr int DW = D / DS;                    // head-dim columns of dK, dV per warp
     static constexpr int BQ = D == 64 ? 64 : D == 128 ? 32 : 16; // query rows per step
     static constexpr int LDT = D + 8;                    // Q, dO, K, V rows: 16 bytes past a multiple of 128
     static constexpr int LDS = BQ + 8;                   // dS^T rows (keys), same padding rule
     static constexpr int qt = smem_round(BQ * LDT * 2);  // one Q or dO tile
     static constexpr int k = 0;
-    static constexpr int v = k + smem_round(kBwdBK * LDT * 2);
-    static constexpr int q = v + smem_round(kBwdBK * LDT * 2); // Q tiles 0 and 1 (double buffer), then dO 0, 1
+    static constexpr int v = k + smem_round(BK * LDT * 2);
+    static constexpr int q = v + smem_round(BK * LDT * 2); // Q tiles 0 and 1 (double buffer), then dO 0, 1
     static constexpr int dO = q + 2 * qt;
     static constexpr int ds = dO + 2 * qt;
-    static constexpr int lse = ds + smem_round(kBwdBK * LDS * 2);
+    static constexpr int lse = ds + smem_round(BK * LDS * 2);
     static constexpr int delta = lse + smem_round(BQ * 4);
     static constexpr int xch = delta + smem_round(BQ * 4); // DS = 2: per warp, its partial S^T and dP^T
     static constexpr int xch_warp = 2 * 16 * BQ * 4;         // bytes per warp
     static constexpr int bytes = xch + (DS > 1 ? THREADS / 32 * xch_warp : 0);
+    // The dQ phase: THREADS / 32 warps over QM blocks of 16 query rows x (warps / QM) parts of DQ head-dim columns.
+    static constexpr int QM = BQ / 16, DQ = D / (THREADS / 32 / QM);
+    static_assert(THREADS / 32 % QM == 0 && D % (THREADS / 32 / QM) == 0 && DQ % 16 == 0,
+                  "every warp gets a 16-row block and a multiple of 16 head-dim columns of dQ");
 };
+// Only the D = 128 instance has a smaller-tile fallback: D = 64 with BK = 128 fits every target (99 KiB and up).
+static_assert(BwdMmaTiles<64>::bytes <= 99 * 1024, "the D = 64 backward must fit a 99 KiB device");
 
-template <typename T, int D>
-__global__ void __launch_bounds__(BwdMmaTiles<D>::THREADS) attn_bwd_mma_kernel(const BwdArgs a) {
-    using L = BwdMmaTiles<D>;
-    constexpr int BQ = L::BQ, BK = kBwdBK, LDT = L::LDT, LDS = L::LDS, DS = L::DS, DW = L::DW, NT = L::THREADS;
+template <typename T, int D, int BK_>
+__global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_kernel(const BwdArgs a) {
+    using L = BwdMmaTiles<D, BK_>;
+    constexpr int BQ = L::BQ, BK = L::BK, KB = L::KB, LDT = L::LDT, LDS = L::LDS, DS = L::DS, DW = L::DW;
+    constexpr int NT = L::THREADS;
     extern __shared__ __align__(128) unsigned char smem[];
     T *ks = reinterpret_cast<T *>(smem + L::k);                  // [BK][LDT]
     T *vs = reinterpret_cast<T *>(smem + L::v);                  // [BK][LDT]
@@ -661,9 +680,9 @@ __global__ void __launch_bounds__(BwdMmaTiles<D>::THREADS) attn_bwd_mma_kernel(c
     const int64_t nk = min((int64_t)BK, a.seq_k - k0);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int kb = warp % 4, dh = warp / 4; // key block kb, head-dim part dh
-    const int key0 = kb * 16 + g;           // this thread's key rows in the tile: key0 and key0 + 8
-    const int c0 = dh * DW;                 // first head-dim column of this warp's dK, dV
+    const int kb = warp % KB, dh = warp / KB; // key block kb, head-dim part dh
+    const int key0 = kb * 16 + g;             // this thread's key rows in the tile: key0 and key0 + 8
+    const int c0 = dh * DW;                   // first head-dim column of this warp's dK, dV
 
     const T *kg = static_cast<const T *>(a.k) + b * a.ks[0] + k0 * a.ks[1] + hk * a.ks[2];
     const T *vg = static_cast<const T *>(a.v) + b * a.vs[0] + k0 * a.vs[1] + hk * a.vs[2];
@@ -683,8 +702,9 @@ __global__ void __launch_bounds__(BwdMmaTiles<D>::THREADS) attn_bwd_mma_kernel(c
         i_first = max((int64_t)0, a.k_pos0 + k0 - a.q_pos0);
     const int64_t qt_first = i_first / BQ;
 
-    // The dQ part of this warp: query rows 16 qm .. +15, columns [dc0, dc0 + DQ).
-    constexpr int QM = BQ / 16, DQ = D / (NT / 32 / QM);
+    // The dQ part of this warp: query rows 16 qm .. +15, columns [dc0, dc0 + DQ) (QM x NT / 32 / QM warps; DQ = 32
+    // at BK = 128 and at D = 256, 64 in the D = 128 BK = 64 fallback).
+    constexpr int QM = L::QM, DQ = L::DQ;
     const int qm = warp % QM, dc0 = warp / QM * DQ;
 
     // The steps: every query head of the group x every query tile from qt_first on. Q and dO tiles are
@@ -775,8 +795,10 @@ __global__ void __launch_bounds__(BwdMmaTiles<D>::THREADS) attn_bwd_mma_kernel(c
         }
 
         if constexpr (DS > 1) { // add the partner warp's partial sums (the other half of the head dim)
+            static_assert(DS == 2, "one partner warp: the same key block kb, the other head-dim part");
+            const int partner = kb + KB * (dh ^ 1);
             float *mine = reinterpret_cast<float *>(smem + L::xch + warp * L::xch_warp);
-            const float *theirs = reinterpret_cast<const float *>(smem + L::xch + (warp ^ 4) * L::xch_warp);
+            const float *theirs = reinterpret_cast<const float *>(smem + L::xch + partner * L::xch_warp);
 #pragma unroll
             for (int j = 0; j < BQ / 8; ++j)
 #pragma unroll
@@ -834,12 +856,14 @@ __global__ void __launch_bounds__(BwdMmaTiles<D>::THREADS) attn_bwd_mma_kernel(c
         }
         __syncthreads(); // dS^T complete
 
-        // dQ quarter = dS K over the 64 keys: A[q][key] = dS^T[key][q] (ldmatrix.trans of dS^T), B = K.
+        // This warp's part of dQ = dS K over the BK keys: A[q][key] = dS^T[key][q] (ldmatrix.trans of dS^T), B = K.
         float dq[DQ / 8][4];
 #pragma unroll
         for (int j = 0; j < DQ / 8; ++j)
             dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.0f;
-#pragma unroll
+        // Unrolled by 4 key blocks, not all BK / 16: fully unrolled over 128 keys, the sm_90 build hoisted loads
+        // until it hit 255 registers and spilled (16 to 20 bytes).
+#pragma unroll 4
         for (int c = 0; c < BK / 16; ++c) {
             uint32_t da[4];
             load_a_trans(da, dst, LDS, 16 * qm, 16 * c);
@@ -1031,9 +1055,14 @@ hexiseq_status launch_fwd(FwdArgs a, int64_t batch, cudaStream_t stream) {
     return launch_with_smem(attn_fwd_kernel<T, D, BK>, "attn_fwd_kernel", blocks, kFwdThreads, L::bytes, stream, a);
 }
 
-template <typename T, int D> hexiseq_status launch_bwd_mma(const BwdArgs &a, int64_t blocks, cudaStream_t stream) {
-    return launch_with_smem(attn_bwd_mma_kernel<T, D>, "attn_bwd_mma_kernel", blocks, BwdMmaTiles<D>::THREADS,
-                            BwdMmaTiles<D>::bytes, stream, a);
+// The key tile (BK keys per CTA) depends on the instance, so the grid is sized here (backward_typed has checked
+// it against the grid limit for the smallest key tile).
+template <typename T, int D, int BK = bwd_default_bk(D)> hexiseq_status launch_bwd_mma(BwdArgs a, cudaStream_t stream) {
+    using L = BwdMmaTiles<D, BK>;
+    a.n_ktiles = ceil_div(a.seq_k, BK);
+    const int64_t blocks = a.n_ktiles * a.kv_heads * a.batch;
+    return launch_with_smem(attn_bwd_mma_kernel<T, D, BK>, "attn_bwd_mma_kernel", blocks, L::THREADS, L::bytes, stream,
+                            a);
 }
 
 template <typename T> hexiseq_status forward_typed(const hexiseq_attn_params *p, cudaStream_t stream) {
@@ -1112,9 +1141,8 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
     a.scale_log2 = (float)(p->scale * 1.4426950408889634);
 
     const int D = padded_head_dim(p->head_dim);
-    a.n_ktiles = ceil_div(p->seq_k, kBwdBK);
     const int64_t rows = p->batch * p->heads * p->seq_q;
-    const int64_t main_blocks = a.n_ktiles * p->kv_heads * p->batch;
+    const int64_t main_blocks = ceil_div(p->seq_k, 64) * p->kv_heads * p->batch; // the most: 64-key tiles
     const int64_t delta_blocks = ceil_div(rows, kThreads / 32);
     if (main_blocks > INT32_MAX || delta_blocks > INT32_MAX || rows > INT64_MAX / 8 / p->head_dim)
         return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED,
@@ -1141,9 +1169,14 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
     }
     if (s == HEXISEQ_OK) {
         switch (D) {
-        case 64: s = launch_bwd_mma<T, 64>(a, main_blocks, stream); break;
-        case 128: s = launch_bwd_mma<T, 128>(a, main_blocks, stream); break;
-        default: s = launch_bwd_mma<T, 256>(a, main_blocks, stream); break;
+        case 64: s = launch_bwd_mma<T, 64>(a, stream); break;
+        case 128:
+            if (smem_optin_limit() >= BwdMmaTiles<128>::bytes)
+                s = launch_bwd_mma<T, 128>(a, stream);
+            else
+                s = launch_bwd_mma<T, 128, 64>(a, stream);
+            break;
+        default: s = launch_bwd_mma<T, 256>(a, stream); break;
         }
     }
     if (s == HEXISEQ_OK) {

@@ -378,19 +378,30 @@ void test_attention_cases() {
         // odd head_dim: dQ accumulator rows of odd length, so the backward adds dQ one float at a time (even
         // head_dims add column pairs with one 8-byte reduction)
         {F16, 1, 75, 70, 2, 1, 45, 1, 0, 0, CONTIG, 0, 1},
+        // the backward's 128-key tiles at D = 64 and 128 (8 warps, warp w: keys 16 w .. +15): partial last tiles
+        // (72 keys, one key), causal diagonals inside a tile's second half (kp 100: the first row that sees any key
+        // is row 100, and no query sees the second tile; qp 90: query row 0 sees keys 0 .. 90, the second tile from
+        // row 38 on; qp 100 kp 80: key j from row j - 20 on, the second tile from row 108), GQA 2:1 and 3:1
+        {BF, 1, 90, 200, 2, 1, 64, 0, 0, 0, CONTIG, 0, 0},
+        {F16, 1, 70, 129, 2, 2, 128, 1, 60, 0, CONTIG, 0, 0},
+        {BF, 1, 140, 260, 2, 1, 64, 1, 0, 100, CONTIG, 0, 0},
+        {F16, 1, 100, 250, 2, 2, 128, 1, 90, 0, HEADS_MAJOR, 0, 1},
+        {BF, 1, 150, 180, 6, 2, 128, 1, 100, 80, MIXED_Q, 1, 0},
     };
     for (const Case &c : cases)
         run_case(c);
 }
 
-// A GPU with 99 KiB of opt-in shared memory per block (sm_86/89, e.g. L40S): the D = 128 forward must fall back to
-// its smaller-tile instance (68 KiB) instead of failing the launch; forward and backward as above.
+// A GPU with 99 KiB of opt-in shared memory per block (sm_86/89, e.g. L40S): the D = 128 forward and backward must
+// fall back to their smaller-tile instances (forward BK = 32, 68 KiB; backward BK = 64, 73.3 KiB) instead of failing
+// the launch, and the D = 64 backward (BK = 128, 90.5 KiB) fits as it is; forward and backward as above.
 void test_small_smem_device() {
     const int BF = HEXISEQ_DTYPE_BF16, F16 = HEXISEQ_DTYPE_F16;
     const Case cases[] = {
         {F16, 1, 200, 200, 2, 1, 128, 1, 0, 2, CONTIG, 0, 0},
         {BF, 1, 150, 140, 4, 2, 128, 1, 20, 0, MIXED_K, 0, 0},
         {BF, 1, 97, 97, 2, 1, 64, 1, 0, 0, CONTIG, 0, 0},
+        {F16, 1, 100, 200, 2, 1, 64, 1, 110, 0, CONTIG, 0, 0},
     };
     hexiseq_emu::set_smem_optin_limit(99 * 1024);
     for (const Case &c : cases)
