@@ -105,7 +105,7 @@ class BuildExt(build_ext):
             obj = os.path.join(objdir, os.path.basename(src) + ".o")
             cmd = [nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden",
                    "-Icsrc", "-Ikernels", "--expt-relaxed-constexpr", "-lineinfo"] + gencode
-            cmd += os.environ.get("HEXISEQ_NVCC_FLAGS", "").split()  # extra flags, e.g. -DHEXISEQ_FWD_BK_D128=32
+            cmd += os.environ.get("HEXISEQ_NVCC_FLAGS", "").split()  # extra flags, e.g. -Xptxas=-v
             print(" ".join(cmd), file=sys.stderr)
             subprocess.check_call(cmd)
             objects.append(obj)

@@ -8,9 +8,7 @@ Implementations: 'torch' (the default for CUDA tensors: torch's fused flash op p
 CUDA kernels of kernels/attention.cu). bf16, causal, GQA 4:1."""
 
 import argparse
-import math
 import os
-import statistics
 import sys
 import tempfile
 
@@ -19,22 +17,8 @@ import torch.distributed as dist
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import hexiseq
+from bench_cuda_attention import time_ms  # CUDA-event median after warm-up, as the kernel benchmark
 from hexiseq.nn import HexiSeqAttention
-
-
-def time_ms(fn, iters, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 def main():
