@@ -2,7 +2,7 @@
 #include <ctype.h>
 #include <string.h>
 
-#include "hexiseq.h"
+#include "internal.h"
 
 /* Peaks are dense (no sparsity) tensor-core rates for bf16 inputs with fp32 accumulation, from NVIDIA's
  * datasheets and architecture whitepapers; memory is what the driver reports, in GiB.
@@ -87,26 +87,33 @@ int hexiseq_gpu_index(const char *name) {
     return -1;
 }
 
+void hexiseq_gpu_known_list(char *buf, size_t cap) {
+    size_t used = 0;
+    if (cap == 0)
+        return;
+    buf[0] = '\0';
+    for (int k = 0; k < CATALOG_SIZE; ++k) {
+        size_t n = strlen(catalog[k].name);
+        if (used + n + 3 >= cap)
+            break;
+        if (k) {
+            memcpy(buf + used, ", ", 2);
+            used += 2;
+        }
+        memcpy(buf + used, catalog[k].name, n);
+        used += n;
+        buf[used] = '\0';
+    }
+}
+
 hexiseq_status hexiseq_gpu_find(const char *name, hexiseq_gpu_spec *out) {
     hexiseq_clear_error();
     if (!name || !out)
         return hexiseq_fail(HEXISEQ_ERR_NULL, "name and out must not be NULL");
     int i = hexiseq_gpu_index(name);
     if (i < 0) {
-        char known[512] = "";
-        size_t used = 0;
-        for (int k = 0; k < CATALOG_SIZE && used + 16 < sizeof known; ++k) {
-            size_t n = strlen(catalog[k].name);
-            if (used + n + 3 >= sizeof known)
-                break;
-            if (k) {
-                memcpy(known + used, ", ", 2);
-                used += 2;
-            }
-            memcpy(known + used, catalog[k].name, n);
-            used += n;
-            known[used] = '\0';
-        }
+        char known[512];
+        hexiseq_gpu_known_list(known, sizeof known);
         return hexiseq_fail(HEXISEQ_ERR_UNKNOWN_GPU, "unknown GPU model '%.64s'; known models: %s", name, known);
     }
     *out = catalog[i];

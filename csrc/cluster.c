@@ -16,12 +16,65 @@ static hexiseq_status check_override(double x, int32_t node, const char *field, 
     return HEXISEQ_OK;
 }
 
+/* A measured curve: at most HEXISEQ_MAX_CURVE points, sizes > 0 strictly increasing, rates > 0. */
+static hexiseq_status check_curve(const hexiseq_rate_curve *cv, int32_t dev, const char *field) {
+    if (cv->n < 0 || cv->n > HEXISEQ_MAX_CURVE)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "devices[%d].%s must have between 0 and %d points, got %d", dev,
+                            field, HEXISEQ_MAX_CURVE, cv->n);
+    for (int32_t i = 0; i < cv->n; ++i) {
+        if (!finite_positive(cv->size[i]))
+            return hexiseq_fail(HEXISEQ_ERR_INVALID, "devices[%d].%s[%d]: size must be a positive finite number, got %g",
+                                dev, field, i, cv->size[i]);
+        if (!finite_positive(cv->tflops[i]))
+            return hexiseq_fail(HEXISEQ_ERR_INVALID,
+                                "devices[%d].%s[%d]: tflops must be a positive finite number, got %g", dev, field, i,
+                                cv->tflops[i]);
+        if (i > 0 && !(cv->size[i] > cv->size[i - 1]))
+            return hexiseq_fail(HEXISEQ_ERR_INVALID, "devices[%d].%s[%d]: sizes must increase, got %g after %g", dev,
+                                field, i, cv->size[i], cv->size[i - 1]);
+    }
+    return HEXISEQ_OK;
+}
+
+/* A node of a model outside the catalog needs, on every device, a memory size, a matmul rate and an
+ * attention rate, from the node's overrides or the device's measurements. */
+static hexiseq_status check_described(const hexiseq_node_desc *nd, int32_t node, int32_t first,
+                                      const hexiseq_device_desc *devices) {
+    const char *missing = NULL;
+    int32_t dev = first;
+    for (int32_t k = 0; k < nd->count && !missing; ++k, ++dev) {
+        const hexiseq_device_desc *dd = devices ? &devices[dev] : NULL;
+        if (!(nd->memory_gib > 0) && !(dd && dd->memory_gib > 0))
+            missing = "memory_gib";
+        else if (!(nd->peak_tflops > 0 && nd->gemm_eff > 0) && !(dd && dd->gemm.n > 0))
+            missing = "matmul rate";
+        else if (!(nd->peak_tflops > 0 && nd->attn_eff > 0) && !(dd && dd->attn.n > 0))
+            missing = "attention rate";
+    }
+    if (!missing)
+        return HEXISEQ_OK;
+    char known[400];
+    hexiseq_gpu_known_list(known, sizeof known);
+    return hexiseq_fail(HEXISEQ_ERR_UNKNOWN_GPU,
+                        "nodes[%d].gpu '%.64s' is not in the GPU catalog: describe it with memory_gib, peak_tflops, "
+                        "gemm_eff and attn_eff (or measured rates per device; device %d has no %s), or use one of: %s",
+                        node, nd->gpu, dev - 1, missing, known);
+}
+
 hexiseq_status hexiseq_cluster_create(int32_t n_nodes, const hexiseq_node_desc *nodes, double inter_node_gbps,
                                       const double *bandwidth_gbps, hexiseq_cluster **out) {
+    return hexiseq_cluster_create_ex(n_nodes, nodes, inter_node_gbps, bandwidth_gbps, NULL, out);
+}
+
+hexiseq_status hexiseq_cluster_create_ex(int32_t n_nodes, const hexiseq_node_desc *nodes, double inter_node_gbps,
+                                         const double *bandwidth_gbps, const hexiseq_cluster_options *options,
+                                         hexiseq_cluster **out) {
     hexiseq_clear_error();
     if (!nodes || !out)
         return hexiseq_fail(HEXISEQ_ERR_NULL, "nodes and out must not be NULL");
     *out = NULL;
+    const hexiseq_device_desc *devices = options ? options->devices : NULL;
+    const double *latency_us = options ? options->latency_us : NULL;
     if (n_nodes < 1 || n_nodes > HEXISEQ_MAX_DEVICES)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "nodes: need between 1 and %d nodes, got %d", HEXISEQ_MAX_DEVICES,
                             n_nodes);
@@ -32,14 +85,6 @@ hexiseq_status hexiseq_cluster_create(int32_t n_nodes, const hexiseq_node_desc *
         const hexiseq_node_desc *nd = &nodes[i];
         if (!nd->gpu)
             return hexiseq_fail(HEXISEQ_ERR_NULL, "nodes[%d].gpu must not be NULL", i);
-        if (hexiseq_gpu_index(nd->gpu) < 0) {
-            hexiseq_gpu_spec tmp;
-            hexiseq_status s = hexiseq_gpu_find(nd->gpu, &tmp); /* builds the message listing known models */
-            char msg[600];
-            strncpy(msg, hexiseq_last_error(), sizeof msg - 1);
-            msg[sizeof msg - 1] = '\0';
-            return hexiseq_fail(s, "nodes[%d].gpu: %s", i, msg);
-        }
         if (nd->count < 1 || nd->count > HEXISEQ_MAX_DEVICES)
             return hexiseq_fail(HEXISEQ_ERR_INVALID, "nodes[%d].count must be in [1, %d], got %d", i,
                                 HEXISEQ_MAX_DEVICES, nd->count);
@@ -65,6 +110,29 @@ hexiseq_status hexiseq_cluster_create(int32_t n_nodes, const hexiseq_node_desc *
                     return hexiseq_fail(HEXISEQ_ERR_INVALID, "bandwidth_gbps[%lld][%lld] must be a positive number, got %g",
                                         (long long)a, (long long)b, bandwidth_gbps[a * n + b]);
     }
+    if (latency_us) {
+        for (int64_t a = 0; a < n; ++a)
+            for (int64_t b = 0; b < n; ++b) {
+                double v = latency_us[a * n + b];
+                if (a != b && !(isfinite(v) && v >= 0.0))
+                    return hexiseq_fail(HEXISEQ_ERR_INVALID, "latency_us[%lld][%lld] must be a finite number >= 0, got %g",
+                                        (long long)a, (long long)b, v);
+            }
+    }
+    if (devices) {
+        for (int32_t d = 0; d < n; ++d) {
+            const hexiseq_device_desc *dd = &devices[d];
+            if (!isfinite(dd->memory_gib))
+                return hexiseq_fail(HEXISEQ_ERR_INVALID, "devices[%d].memory_gib must be a finite number, got %g", d,
+                                    dd->memory_gib);
+            HEXISEQ_CHECK(check_curve(&dd->gemm, d, "gemm_tflops"));
+            HEXISEQ_CHECK(check_curve(&dd->attn, d, "attn_tflops"));
+            HEXISEQ_CHECK(check_curve(&dd->attn_causal, d, "attn_causal_tflops"));
+        }
+    }
+    for (int32_t i = 0, first = 0; i < n_nodes; first += nodes[i].count, ++i)
+        if (hexiseq_gpu_index(nodes[i].gpu) < 0)
+            HEXISEQ_CHECK(check_described(&nodes[i], i, first, devices));
 
     hexiseq_cluster *c = calloc(1, sizeof *c);
     if (!c)
@@ -74,29 +142,58 @@ hexiseq_status hexiseq_cluster_create(int32_t n_nodes, const hexiseq_node_desc *
     c->inter_gbps = inter_node_gbps;
     c->dev = calloc((size_t)n, sizeof *c->dev);
     c->intra_gbps = calloc((size_t)n_nodes, sizeof *c->intra_gbps);
+    c->node_gpu = calloc((size_t)n_nodes, sizeof *c->node_gpu);
     if (bandwidth_gbps)
         c->bw = malloc((size_t)n * (size_t)n * sizeof *c->bw);
-    if (!c->dev || !c->intra_gbps || (bandwidth_gbps && !c->bw)) {
+    if (latency_us)
+        c->lat = malloc((size_t)n * (size_t)n * sizeof *c->lat);
+    int ok = c->dev && c->intra_gbps && c->node_gpu && (!bandwidth_gbps || c->bw) && (!latency_us || c->lat);
+    for (int32_t i = 0; ok && i < n_nodes; ++i)
+        if (hexiseq_gpu_index(nodes[i].gpu) < 0) {
+            size_t len = strlen(nodes[i].gpu);
+            c->node_gpu[i] = malloc(len + 1);
+            if (c->node_gpu[i])
+                memcpy(c->node_gpu[i], nodes[i].gpu, len + 1);
+            else
+                ok = 0;
+        }
+    if (!ok) {
         hexiseq_cluster_destroy(c);
         return hexiseq_fail(HEXISEQ_ERR_NOMEM, "cannot allocate a cluster of %d devices", n);
     }
     if (bandwidth_gbps)
         memcpy(c->bw, bandwidth_gbps, (size_t)n * (size_t)n * sizeof *c->bw);
+    if (latency_us)
+        memcpy(c->lat, latency_us, (size_t)n * (size_t)n * sizeof *c->lat);
     int32_t d = 0;
     for (int32_t i = 0; i < n_nodes; ++i) {
         const hexiseq_node_desc *nd = &nodes[i];
         hexiseq_gpu_spec spec;
         int gi = hexiseq_gpu_index(nd->gpu);
-        hexiseq_gpu_catalog_get(gi, &spec);
+        if (gi >= 0) {
+            hexiseq_gpu_catalog_get(gi, &spec);
+        } else { /* fully described (checked above): nothing comes from a catalog entry */
+            memset(&spec, 0, sizeof spec);
+            spec.name = c->node_gpu[i];
+        }
         c->intra_gbps[i] = nd->intra_gbps;
         for (int32_t k = 0; k < nd->count; ++k, ++d) {
             hexiseq_device_info *di = &c->dev[d];
+            const hexiseq_device_desc *dd = devices ? &devices[d] : NULL;
             di->node = i;
             di->gpu_index = gi;
+            di->gpu_name = spec.name;
             di->memory_gib = nd->memory_gib > 0 ? nd->memory_gib : spec.memory_gib;
+            if (dd && dd->memory_gib > 0)
+                di->memory_gib = dd->memory_gib;
             di->peak_tflops = nd->peak_tflops > 0 ? nd->peak_tflops : spec.peak_tflops;
             di->gemm_eff = nd->gemm_eff > 0 ? nd->gemm_eff : spec.gemm_eff;
             di->attn_eff = nd->attn_eff > 0 ? nd->attn_eff : spec.attn_eff;
+            if (dd) {
+                di->gemm_curve = dd->gemm;
+                di->attn_curve = dd->attn;
+                di->attn_causal_curve = dd->attn_causal;
+            }
         }
     }
     *out = c;
@@ -106,9 +203,14 @@ hexiseq_status hexiseq_cluster_create(int32_t n_nodes, const hexiseq_node_desc *
 void hexiseq_cluster_destroy(hexiseq_cluster *c) {
     if (!c)
         return;
+    if (c->node_gpu)
+        for (int32_t i = 0; i < c->n_nodes; ++i)
+            free(c->node_gpu[i]);
+    free(c->node_gpu);
     free(c->dev);
     free(c->intra_gbps);
     free(c->bw);
+    free(c->lat);
     free(c);
 }
 
@@ -125,14 +227,26 @@ hexiseq_status hexiseq_cluster_device(const hexiseq_cluster *c, int32_t device, 
     return HEXISEQ_OK;
 }
 
-hexiseq_status hexiseq_cluster_bandwidth(const hexiseq_cluster *c, int32_t a, int32_t b, double *gbps) {
-    hexiseq_clear_error();
-    if (!c || !gbps)
-        return hexiseq_fail(HEXISEQ_ERR_NULL, "cluster and gbps must not be NULL");
+static hexiseq_status check_pair(const hexiseq_cluster *c, int32_t a, int32_t b, const void *out, const char *what) {
+    if (!c || !out)
+        return hexiseq_fail(HEXISEQ_ERR_NULL, "cluster and %s must not be NULL", what);
     if (a < 0 || a >= c->n_devices || b < 0 || b >= c->n_devices || a == b)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "devices must be two different ids in [0, %d), got %d and %d",
                             c->n_devices, a, b);
+    return HEXISEQ_OK;
+}
+
+hexiseq_status hexiseq_cluster_bandwidth(const hexiseq_cluster *c, int32_t a, int32_t b, double *gbps) {
+    hexiseq_clear_error();
+    HEXISEQ_CHECK(check_pair(c, a, b, gbps, "gbps"));
     *gbps = hexiseq_bw_bytes(c, a, b) / 1e9;
+    return HEXISEQ_OK;
+}
+
+hexiseq_status hexiseq_cluster_latency(const hexiseq_cluster *c, int32_t a, int32_t b, double *us) {
+    hexiseq_clear_error();
+    HEXISEQ_CHECK(check_pair(c, a, b, us, "us"));
+    *us = hexiseq_lat_us(c, a, b);
     return HEXISEQ_OK;
 }
 

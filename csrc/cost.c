@@ -238,14 +238,61 @@ static double head_gemm_flops_per_token(const hexiseq_model *m) { return 2.0 * (
 static double gemm_passes(const hexiseq_training *t) { return 1.0 + GEMM_BWD_FACTOR + (t->checkpointing ? 1.0 : 0.0); }
 static double attn_passes(const hexiseq_training *t) { return 1.0 + ATTN_BWD_FACTOR + (t->checkpointing ? 1.0 : 0.0); }
 
-/* Achieved matmul rate (FLOP/s) of a device running an m-row problem. */
+/* ------------------------------------------------------------------ measured curves */
+
+double hexiseq_curve_tflops(const hexiseq_rate_curve *cv, double size) {
+    int32_t n = cv->n;
+    if (!(size > cv->size[0]))
+        return cv->tflops[0];
+    if (size >= cv->size[n - 1])
+        return cv->tflops[n - 1];
+    int32_t i = 1;
+    while (cv->size[i] < size) /* size[i - 1] < size <= size[i] */
+        ++i;
+    double t = (log(size) - log(cv->size[i - 1])) / (log(cv->size[i]) - log(cv->size[i - 1]));
+    return cv->tflops[i - 1] + t * (cv->tflops[i] - cv->tflops[i - 1]);
+}
+
+static double curve_max_tflops(const hexiseq_rate_curve *cv) {
+    double m = 0.0;
+    for (int32_t i = 0; i < cv->n; ++i)
+        m = fmax(m, cv->tflops[i]);
+    return m;
+}
+
+double hexiseq_gemm_plateau(const hexiseq_device_info *d) {
+    if (d->gemm_curve.n > 0)
+        return curve_max_tflops(&d->gemm_curve) * 1e12;
+    return d->peak_tflops * 1e12 * d->gemm_eff;
+}
+
+double hexiseq_attn_plateau(const hexiseq_device_info *d, int32_t causal) {
+    double r = d->attn_curve.n > 0 ? curve_max_tflops(&d->attn_curve) * 1e12 : d->peak_tflops * 1e12 * d->attn_eff;
+    if (causal && d->attn_causal_curve.n > 0) /* the diagonal blocks run at the causal curve's rates */
+        r = fmax(r, curve_max_tflops(&d->attn_causal_curve) * 1e12);
+    return r;
+}
+
+/* Achieved matmul rate (FLOP/s) of a device running an m-row problem: the measured curve when there is
+ * one, else the catalog's size curve. */
 static double gemm_rate_flops(const hexiseq_device_info *d, double rows) {
+    if (d->gemm_curve.n > 0)
+        return hexiseq_curve_tflops(&d->gemm_curve, rows) * 1e12;
     return d->peak_tflops * 1e12 * d->gemm_eff * rows / (rows + GEMM_HALF_TOKENS);
 }
 
 /* Achieved attention rate (FLOP/s) for a block whose shorter side is n tokens. */
 static double attn_rate_flops(const hexiseq_device_info *d, double n) {
+    if (d->attn_curve.n > 0)
+        return hexiseq_curve_tflops(&d->attn_curve, n) * 1e12;
     return d->peak_tflops * 1e12 * d->attn_eff * n / (n + ATTN_HALF_TOKENS);
+}
+
+/* Rate on a causal diagonal block of n tokens (n (n + 1) / 2 pairs): the causal curve, else the full-block
+ * curve at n. Only called when the device has one of the two. */
+static double attn_diag_rate_flops(const hexiseq_device_info *d, double n) {
+    const hexiseq_rate_curve *cv = d->attn_causal_curve.n > 0 ? &d->attn_causal_curve : &d->attn_curve;
+    return hexiseq_curve_tflops(cv, n) * 1e12;
 }
 
 /* Token-parallel compute of a device over the whole step, seconds. */
@@ -255,6 +302,13 @@ static double gemm_time_s(const cost_ctx *x, const hexiseq_device_info *d, int64
     double flops_per_token = x->m->layers * layer_gemm_flops_per_token(x->m) * gemm_passes(x->t) +
                              head_gemm_flops_per_token(x->m) * (1.0 + GEMM_BWD_FACTOR);
     return x->t->sequences * (double)tokens * flops_per_token / gemm_rate_flops(d, (double)tokens);
+}
+
+/* Token-parallel compute of one layer's forward for one sequence, seconds. */
+static double layer_gemm_fwd_s(const cost_ctx *x, const hexiseq_device_info *d, int64_t tokens) {
+    if (tokens == 0)
+        return 0.0;
+    return (double)tokens * layer_gemm_flops_per_token(x->m) / gemm_rate_flops(d, (double)tokens);
 }
 
 /* Forward attention FLOPs for `pairs` visible pairs and h query heads (QK^T and PV: 2 + 2 per dim). */
@@ -283,48 +337,76 @@ static int32_t kv_holder(const cost_ctx *x, int32_t g, int32_t h) {
     return -1; /* unreachable for a validated layout: every group covers all heads */
 }
 
-/* Seconds per token of a block for device slot r to receive its kv heads from the previous group in
- * the ring and to send what the next group takes from it. Receive and send overlap (full duplex);
- * transfers to or from several peers are serialised. */
-static double ring_seconds_per_token(const cost_ctx *x, int32_t r) {
+/* Ring transfers of device slot r: it receives its kv heads from the previous group in the ring (from the
+ * first holder of each) and sends what the next group takes from it. Receive and send overlap (full
+ * duplex); transfers to or from several peers are serialised, and each peer's transfer is one message
+ * that pays the link's fixed latency. */
+typedef struct {
+    double recv_pt, send_pt;   /* seconds per token of a block, bytes / bandwidth summed over peers */
+    double recv_lat, send_lat; /* seconds of message latency per block: one message per peer */
+    double sync;               /* the largest latency among the messages received: a step's fixed cost */
+} ring_link;
+
+static void ring_link_of(const cost_ctx *x, int32_t r, ring_link *out) {
+    memset(out, 0, sizeof *out);
     int32_t G = x->l->n_groups, g = x->group_of[r];
     if (G == 1)
-        return 0.0;
+        return;
     double bytes_per_head_token = 2.0 * x->m->head_dim * x->m->dtype_bytes; /* K and V */
     int32_t prev = (g + G - 1) % G, next = (g + 1) % G;
     int32_t me = x->l->device[r];
     int32_t lo, n;
     hexiseq_kv_range(x->m, x->l->head_lo[r], x->l->head_count[r], &lo, &n);
-    double recv_s = 0.0, send_s = 0.0;
-    for (int32_t h = lo; h < lo + n; ++h) {
-        int32_t src = kv_holder(x, prev, h);
-        recv_s += bytes_per_head_token / hexiseq_bw_bytes(x->c, x->l->device[src], me);
+    /* holders of consecutive kv heads are in rank order, so each source is one run of heads */
+    for (int32_t h = lo, last = -1; h < lo + n; ++h) {
+        int32_t src = x->l->device[kv_holder(x, prev, h)];
+        out->recv_pt += bytes_per_head_token / hexiseq_bw_bytes(x->c, src, me);
+        if (src != last) {
+            double lat = hexiseq_lat_s(x->c, src, me);
+            out->recv_lat += lat;
+            out->sync = fmax(out->sync, lat);
+            last = src;
+        }
     }
     for (int32_t s = x->offset[next]; s < x->offset[next + 1]; ++s) {
-        int32_t slo, sn;
+        int32_t slo, sn, any = 0;
         hexiseq_kv_range(x->m, x->l->head_lo[s], x->l->head_count[s], &slo, &sn);
         for (int32_t h = slo; h < slo + sn; ++h)
-            if (kv_holder(x, g, h) == r)
-                send_s += bytes_per_head_token / hexiseq_bw_bytes(x->c, me, x->l->device[s]);
+            if (kv_holder(x, g, h) == r) {
+                out->send_pt += bytes_per_head_token / hexiseq_bw_bytes(x->c, me, x->l->device[s]);
+                any = 1;
+            }
+        if (any)
+            out->send_lat += hexiseq_lat_s(x->c, me, x->l->device[s]);
     }
-    return recv_s > send_s ? recv_s : send_s;
+}
+
+/* Transfer time of one ring step moving `tokens` tokens' worth of blocks in `msgs` messages per peer. */
+static double ring_transfer_s(const ring_link *k, double tokens, double msgs) {
+    return fmax(k->recv_pt * tokens + k->recv_lat * msgs, k->send_pt * tokens + k->send_lat * msgs);
 }
 
 /* Attention and exposed ring time of slot r over the whole step. Ring step k attends the group's queries
  * to the block of the group k places back in the ring while the next block arrives; a step costs
- * max(compute, transfer). Backward moves K, V forward and dK, dV along with them (accumulated in fp32, so
- * 4/dtype_bytes times the bytes of K, V), and the last dK, dV back to their owner. Causal blocks run as
- * zigzag half-chunks, so the kernel efficiency is taken at half the shorter block. */
-static void ring_time_s(const cost_ctx *x, int32_t r, double *attn_s, double *exposed_s) {
+ * max(compute, transfer) plus a synchronisation that compute cannot hide (the largest latency among the
+ * messages received in the step). Backward moves K, V forward and dK, dV along with them (accumulated in
+ * fp32, so 4/dtype_bytes times the bytes of K, V, in messages of their own), and the last dK, dV back to
+ * their owner. Causal blocks run as zigzag half-chunks, so the kernel efficiency is taken at half the
+ * shorter block; with measured curves, the two diagonal chunk blocks of step 0 run at the causal curve.
+ * `fwd_layer_s` gets one forward pass of one layer and one sequence (no communication). */
+static void ring_time_s(const cost_ctx *x, int32_t r, double *attn_s, double *exposed_s, double *fwd_layer_s) {
     const hexiseq_device_info *d = &x->c->dev[x->l->device[r]];
     int32_t G = x->l->n_groups, g = x->group_of[r], h = x->l->head_count[r];
     *attn_s = 0.0;
     *exposed_s = 0.0;
+    *fwd_layer_s = 0.0;
     if (h == 0)
         return;
-    double per_token = ring_seconds_per_token(x, r);
+    ring_link link;
+    ring_link_of(x, r, &link);
+    int split_diag = x->causal && (d->attn_causal_curve.n > 0 || d->attn_curve.n > 0);
     double fwd_passes = 1.0 + (x->t->checkpointing ? 1.0 : 0.0);
-    double compute = 0.0, exposed = 0.0;
+    double compute = 0.0, exposed = 0.0, fwd_sum = 0.0;
     double sq = (double)x->l->group_seq[g];
     for (int32_t k = 0; k < G; ++k) {
         int32_t src = (g - k + G) % G, nxt = (g - k - 1 + 2 * G) % G;
@@ -332,21 +414,41 @@ static void ring_time_s(const cost_ctx *x, int32_t r, double *attn_s, double *ex
         double pairs = x->step_pairs[k]; /* pairs of this group's queries with step k's block */
         /* causal blocks run as zigzag half-chunks: the kernel sees blocks half as long */
         double block = (sq < sk ? sq : sk) * (x->causal ? 0.5 : 1.0);
-        double fwd = pairs > 0 ? attn_fwd_flops(x->m, pairs, h) / attn_rate_flops(d, block) : 0.0;
-        double fwd_comm = k < G - 1 ? per_token * (double)x->l->group_seq[nxt] : 0.0;
+        double fwd = 0.0;
+        if (pairs > 0 && split_diag && k == 0) {
+            /* own positions: front x front and back x back are causal diagonal blocks, back x front full */
+            double fl = (double)x->span[g].front_len, bl = (double)x->span[g].back_len;
+            double diag_f = fl * (fl + 1.0) / 2.0, diag_b = bl * (bl + 1.0) / 2.0, rest = pairs - diag_f - diag_b;
+            double pair_time = 0.0; /* sum over blocks of pairs / rate; times FLOPs per pair = seconds */
+            if (fl > 0)
+                pair_time += diag_f / attn_diag_rate_flops(d, fl);
+            if (bl > 0)
+                pair_time += diag_b / attn_diag_rate_flops(d, bl);
+            if (rest > 0)
+                pair_time += rest / attn_rate_flops(d, block);
+            fwd = attn_fwd_flops(x->m, 1.0, h) * pair_time;
+        } else if (pairs > 0) {
+            fwd = attn_fwd_flops(x->m, pairs, h) / attn_rate_flops(d, block);
+        }
+        int more = k < G - 1; /* the next block arrives during this step */
+        double next_tokens = more ? (double)x->l->group_seq[nxt] : 0.0;
+        double fwd_comm = more ? ring_transfer_s(&link, next_tokens, 1.0) : 0.0;
         double bwd = fwd * ATTN_BWD_FACTOR;
         /* dK, dV of this step's block move on, accumulated and sent in fp32 */
-        double bwd_comm = fwd_comm + per_token * sk * (4.0 / x->m->dtype_bytes);
+        double bwd_comm = ring_transfer_s(&link, next_tokens + sk * (4.0 / x->m->dtype_bytes), more ? 2.0 : 1.0);
+        double fwd_sync = more ? link.sync : 0.0, bwd_sync = link.sync;
         compute += fwd * fwd_passes + bwd;
-        exposed += fwd_passes * fmax(0.0, fwd_comm - fwd) + fmax(0.0, bwd_comm - bwd);
+        fwd_sum += fwd;
+        exposed += fwd_passes * (fmax(0.0, fwd_comm - fwd) + fwd_sync) + fmax(0.0, bwd_comm - bwd) + bwd_sync;
     }
     double reps = (double)x->m->layers * x->t->sequences;
     *attn_s = compute * reps;
     *exposed_s = exposed * reps;
+    *fwd_layer_s = fwd_sum;
 }
 
 /* All-to-all of slot r over the whole step, seconds; each of the layer's exchanges is timed as
- * max(send, receive) with peers serialised: forward Q/K/V in and O out, backward dO in and dQ/dK/dV out,
+ * max(send, receive) with peers serialised, each peer message paying its link's latency: forward Q/K/V in and O out, backward dO in and dQ/dK/dV out,
  * and the forward pair again when checkpointing recomputes. */
 static double a2a_time_s(const cost_ctx *x, int32_t r) {
     int32_t g = x->group_of[r];
@@ -366,10 +468,13 @@ static double a2a_time_s(const cost_ctx *x, int32_t r) {
         double h_j = x->l->head_count[j], s_j = (double)x->l->tokens[j];
         double out_bw = hexiseq_bw_bytes(x->c, me, x->l->device[j]);
         double in_bw = hexiseq_bw_bytes(x->c, x->l->device[j], me);
-        qkv_send += s_r * (h_j + 2.0 * jn) * elem / out_bw; /* my tokens, their heads */
-        qkv_recv += s_j * (h_r + 2.0 * kv_n) * elem / in_bw; /* their tokens, my heads */
-        o_send += s_j * h_r * elem / out_bw;                 /* attention output of their tokens */
-        o_recv += s_r * h_j * elem / in_bw;
+        double out_lat = hexiseq_lat_s(x->c, me, x->l->device[j]), in_lat = hexiseq_lat_s(x->c, x->l->device[j], me);
+        /* bytes over bandwidth, plus one message latency per peer that has anything to exchange */
+        double qkv_out = s_r * (h_j + 2.0 * jn), qkv_in = s_j * (h_r + 2.0 * kv_n), o_out = s_j * h_r, o_in = s_r * h_j;
+        qkv_send += qkv_out * elem / out_bw + (qkv_out > 0 ? out_lat : 0.0); /* my tokens, their heads */
+        qkv_recv += qkv_in * elem / in_bw + (qkv_in > 0 ? in_lat : 0.0);     /* their tokens, my heads */
+        o_send += o_out * elem / out_bw + (o_out > 0 ? out_lat : 0.0);       /* attention output of their tokens */
+        o_recv += o_in * elem / in_bw + (o_in > 0 ? in_lat : 0.0);
     }
     double qkv = fmax(qkv_send, qkv_recv), o = fmax(o_send, o_recv);
     /* forward: qkv + o; backward: dO (the o pattern reversed, same volume) + dQ/dK/dV (qkv reversed) */
@@ -429,9 +534,8 @@ static void memory_terms(const cost_ctx *x, int32_t r, int32_t kv_n, hexiseq_dev
 static double lower_bound_s(const cost_ctx *x) {
     double gemm_rate = 0, attn_rate = 0;
     for (int32_t i = 0; i < x->c->n_devices; ++i) {
-        const hexiseq_device_info *d = &x->c->dev[i];
-        gemm_rate += d->peak_tflops * 1e12 * d->gemm_eff;
-        attn_rate += d->peak_tflops * 1e12 * d->attn_eff;
+        gemm_rate += hexiseq_gemm_plateau(&x->c->dev[i]);
+        attn_rate += hexiseq_attn_plateau(&x->c->dev[i], x->causal);
     }
     double S = (double)x->seq_len, seqs = x->t->sequences;
     double gemm_flops = seqs * S *
@@ -440,6 +544,59 @@ static double lower_bound_s(const cost_ctx *x) {
     double pairs = x->causal ? S * (S + 1.0) / 2.0 : S * S;
     double attn_flops = seqs * x->m->layers * attn_fwd_flops(x->m, pairs, x->m->heads) * attn_passes(x->t);
     return gemm_flops / gemm_rate + attn_flops / attn_rate;
+}
+
+/* Exposed time of L per-layer collectives of c seconds each that overlap L per-layer compute phases of b
+ * seconds each: collective l can start when compute l has finished and the previous collective is done.
+ * If the collective chain never waits for compute after the first layer, the last one ends at
+ * b + L c; if it always waits, at L b + c; in general at max_i (i b + (L - i + 1) c), which is attained at
+ * one of the ends, i = 1 or i = L. Compute ends at L b, so the exposed time is
+ * max(L b + c, b + L c) - L b = max(c, L c - (L - 1) b). */
+static double pipelined_exposed_s(double c, double b, double L) { return fmax(c, L * c - (L - 1.0) * b); }
+
+/* Gradient and parameter collectives of one step over all N devices, as rings in device order 0 .. N-1
+ * (bandwidth: the slowest link of that ring, latency: its largest). Every collective runs layer by layer:
+ * a reduce-scatter or all-gather of all P parameters moves (N - 1) / N * P * b bytes per device and pays
+ * (N - 1) latencies per layer. `b_fwd`, `b_bwd`: one layer's forward and backward (with recompute)
+ * compute of the slowest device, one sequence. Gradients are reduced once per step, in the backward of
+ * the last sequence; ZeRO-3 gathers parameters for every sequence. */
+static void grad_sync_s(const cost_ctx *x, double b_fwd, double b_bwd, double *sync_s, double *exposed_s) {
+    *sync_s = 0.0;
+    *exposed_s = 0.0;
+    int32_t N = x->c->n_devices;
+    if (N == 1)
+        return;
+    double bw = INFINITY, lat = 0.0;
+    for (int32_t i = 0; i < N; ++i) {
+        int32_t j = (i + 1) % N;
+        bw = fmin(bw, hexiseq_bw_bytes(x->c, i, j));
+        lat = fmax(lat, hexiseq_lat_s(x->c, i, j));
+    }
+    double L = x->m->layers, seqs = x->t->sequences, ck = x->t->checkpointing ? 1.0 : 0.0;
+    double P = L * hexiseq_layer_params(x->m) + 2.0 * (double)x->m->vocab * x->m->hidden + x->m->hidden;
+    /* one reduce-scatter or all-gather of every parameter (A), and its per-layer part (a) */
+    double A = (N - 1.0) / N * P * x->m->dtype_bytes / bw + L * (N - 1.0) * lat;
+    double a = A / L;
+    switch (x->t->sharding) {
+    case HEXISEQ_SHARD_FULL:
+        /* per sequence: gather in the forward (hidden by forward compute), gather in the backward and again
+         * for the recompute; the last sequence's backward also reduce-scatters the gradients */
+        *sync_s = seqs * (2.0 + ck) * A + A;
+        *exposed_s = seqs * pipelined_exposed_s(a, b_fwd, L) +
+                     (seqs - 1.0) * pipelined_exposed_s((1.0 + ck) * a, b_bwd, L) +
+                     pipelined_exposed_s((2.0 + ck) * a, b_bwd, L);
+        break;
+    case HEXISEQ_SHARD_GRAD_OPT:
+        /* reduce-scatter of gradients behind the last backward, then an exposed gather of the parameters */
+        *sync_s = 2.0 * A;
+        *exposed_s = pipelined_exposed_s(a, b_bwd, L) + A;
+        break;
+    default:
+        /* all-reduce (reduce-scatter + all-gather) of gradients behind the last backward */
+        *sync_s = 2.0 * A;
+        *exposed_s = pipelined_exposed_s(2.0 * a, b_bwd, L);
+        break;
+    }
 }
 
 static hexiseq_status validate_training(const hexiseq_training *t) {
@@ -503,6 +660,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     memset(out, 0, sizeof *out);
     out->short_device = -1;
     out->fits = 1;
+    double b_fwd = 0.0, b_bwd = 0.0, ckpt = t->checkpointing ? 1.0 : 0.0;
     for (int32_t r = 0; r < l->n_devices; ++r) {
         hexiseq_device_cost *dc = &per_device[r];
         memset(dc, 0, sizeof *dc);
@@ -512,8 +670,13 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         const hexiseq_device_info *d = &c->dev[l->device[r]];
         hexiseq_kv_range(m, l->head_lo[r], l->head_count[r], &dc->kv_lo, &dc->kv_count);
         dc->gemm_s = gemm_time_s(&x, d, l->tokens[r]);
+        double gemm_fwd = layer_gemm_fwd_s(&x, d, l->tokens[r]), attn_fwd;
+        dc->layer_gemm_s = gemm_fwd * (1.0 + GEMM_BWD_FACTOR);
         dc->a2a_s = a2a_time_s(&x, r);
-        ring_time_s(&x, r, &dc->attn_s, &dc->ring_exposed_s);
+        ring_time_s(&x, r, &dc->attn_s, &dc->ring_exposed_s, &attn_fwd);
+        /* one layer's compute of this device, forward and backward (with recompute), one sequence */
+        b_fwd = fmax(b_fwd, gemm_fwd + attn_fwd);
+        b_bwd = fmax(b_bwd, gemm_fwd * (GEMM_BWD_FACTOR + ckpt) + attn_fwd * (ATTN_BWD_FACTOR + ckpt));
         memory_terms(&x, r, dc->kv_count, dc);
         group_a2a[x.group_of[r]] = fmax(group_a2a[x.group_of[r]], dc->a2a_s);
         double ring_s = dc->attn_s + dc->ring_exposed_s;
@@ -543,8 +706,10 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         }
     }
     /* Phases are separated by synchronisations (the all-to-all waits for the whole group, the ring for
-     * its neighbours), so the step costs the slowest device of each phase, summed. */
-    out->step_time_s = out->gemm_phase_s + out->a2a_phase_s + out->ring_phase_s;
+     * its neighbours), so the step costs the slowest device of each phase, summed; then what the
+     * gradient collectives add beyond the compute that hides them. */
+    grad_sync_s(&x, b_fwd, b_bwd, &out->grad_sync_s, &out->grad_exposed_s);
+    out->step_time_s = out->gemm_phase_s + out->a2a_phase_s + out->ring_phase_s + out->grad_exposed_s;
     out->lower_bound_s = lower_bound_s(&x);
     out->tokens_per_s = (double)t->sequences * (double)seq_len / out->step_time_s;
     free(x.group_of);

@@ -34,9 +34,11 @@ HEXISEQ_API hexiseq_status hexiseq_gpu_find(const char *name, hexiseq_gpu_spec *
 /* ------------------------------------------------------------------ cluster */
 
 /* One node: `count` GPUs of one model joined by a switch of `intra_gbps` per device and direction.
- * Overrides: a value <= 0 means "use the catalog". */
+ * Overrides: a value <= 0 means "use the catalog". A model that is not in the catalog is accepted when
+ * every device of the node is fully described: its memory (memory_gib here or per device) and its rates
+ * (peak_tflops with gemm_eff and attn_eff here, or measured gemm and attn curves per device). */
 typedef struct {
-    const char *gpu;         /* catalog name */
+    const char *gpu;         /* catalog name, or any name for a fully described model */
     int32_t count;           /* GPUs in the node, >= 1 */
     double intra_gbps;       /* device-to-device bandwidth inside the node, GB/s per direction, > 0 */
     double memory_gib;       /* override of the catalog memory, GiB */
@@ -44,6 +46,38 @@ typedef struct {
     double gemm_eff;         /* override of the matmul efficiency, (0, 1] */
     double attn_eff;         /* override of the attention efficiency, (0, 1] */
 } hexiseq_node_desc;
+
+/* A measured rate as a function of problem size: points (size[i], tflops[i]) with sizes strictly
+ * increasing and > 0, rates finite and > 0; n = 0 means "not measured". The cost model reads it by linear
+ * interpolation in log(size), clamped to the end points outside the measured range. */
+#define HEXISEQ_MAX_CURVE 16
+typedef struct {
+    int32_t n;
+    double size[HEXISEQ_MAX_CURVE];
+    double tflops[HEXISEQ_MAX_CURVE];
+} hexiseq_rate_curve;
+
+/* What was measured on one device. Rates are forward-equivalent TFLOP/s (1e12) over forward + backward:
+ *   gemm        size = rows (tokens) of the token-parallel matmuls;
+ *               tflops = forward FLOPs * (1 + 2.0) / (forward + backward seconds)
+ *   attn        size = n, the tokens of a square full (unmasked) block;
+ *               tflops = 4 * n * n * head_dim * heads * (1 + 2.5) / (forward + backward seconds)
+ *   attn_causal the same for a causal square block of n tokens, counting the n (n + 1) / 2 visible pairs.
+ * A curve replaces the catalog formula for that kind of work on that device. */
+typedef struct {
+    double memory_gib;       /* device memory, GiB; <= 0: the node's */
+    hexiseq_rate_curve gemm;
+    hexiseq_rate_curve attn;
+    hexiseq_rate_curve attn_causal;
+} hexiseq_device_desc;
+
+/* Optional parts of a cluster description; NULL pointers (or a NULL options pointer) mean "not given". */
+typedef struct {
+    const hexiseq_device_desc *devices; /* [n_devices], in device order */
+    /* n_devices x n_devices row-major microseconds per message from a to b (>= 0, diagonal ignored).
+     * Absent: 10 us between devices of one node, 20 us between nodes (assumptions until measured). */
+    const double *latency_us;
+} hexiseq_cluster_options;
 
 typedef struct hexiseq_cluster hexiseq_cluster; /* opaque */
 
@@ -53,6 +87,11 @@ typedef struct hexiseq_cluster hexiseq_cluster; /* opaque */
 HEXISEQ_API hexiseq_status hexiseq_cluster_create(int32_t n_nodes, const hexiseq_node_desc *nodes,
                                                   double inter_node_gbps, const double *bandwidth_gbps,
                                                   hexiseq_cluster **out);
+/* The same with measured per-device rates and a latency matrix (`options` may be NULL). */
+HEXISEQ_API hexiseq_status hexiseq_cluster_create_ex(int32_t n_nodes, const hexiseq_node_desc *nodes,
+                                                     double inter_node_gbps, const double *bandwidth_gbps,
+                                                     const hexiseq_cluster_options *options,
+                                                     hexiseq_cluster **out);
 HEXISEQ_API void hexiseq_cluster_destroy(hexiseq_cluster *cluster);
 HEXISEQ_API int32_t hexiseq_cluster_num_devices(const hexiseq_cluster *cluster);
 HEXISEQ_API int32_t hexiseq_cluster_num_nodes(const hexiseq_cluster *cluster);
@@ -60,11 +99,15 @@ HEXISEQ_API int32_t hexiseq_cluster_num_nodes(const hexiseq_cluster *cluster);
 /* What the cost model sees of one device after overrides. */
 typedef struct {
     int32_t node;
-    int32_t gpu_index;       /* index into the catalog */
+    int32_t gpu_index;       /* index into the catalog; -1 for a model that is not in it */
+    const char *gpu_name;    /* canonical catalog name, or the node's name; valid while the cluster lives */
     double memory_gib;
-    double peak_tflops;
+    double peak_tflops;      /* 0 for a model outside the catalog described by curves only */
     double gemm_eff;
     double attn_eff;
+    hexiseq_rate_curve gemm_curve;        /* measured rates (n = 0: none), see hexiseq_device_desc */
+    hexiseq_rate_curve attn_curve;
+    hexiseq_rate_curve attn_causal_curve;
 } hexiseq_device_info;
 
 HEXISEQ_API hexiseq_status hexiseq_cluster_device(const hexiseq_cluster *cluster, int32_t device,
@@ -72,6 +115,9 @@ HEXISEQ_API hexiseq_status hexiseq_cluster_device(const hexiseq_cluster *cluster
 /* Bandwidth from device a to device b, GB/s per direction (a != b). */
 HEXISEQ_API hexiseq_status hexiseq_cluster_bandwidth(const hexiseq_cluster *cluster, int32_t a, int32_t b,
                                                      double *gbps);
+/* Fixed cost of one message from device a to device b, microseconds (a != b). */
+HEXISEQ_API hexiseq_status hexiseq_cluster_latency(const hexiseq_cluster *cluster, int32_t a, int32_t b,
+                                                   double *us);
 
 /* ------------------------------------------------------------------ model and training setting */
 
@@ -142,9 +188,10 @@ HEXISEQ_API hexiseq_status hexiseq_layout_spans(const hexiseq_layout *layout, he
 /* Per device, whole training step (all layers, forward + backward, all sequences). */
 typedef struct {
     double gemm_s;           /* token-parallel compute: projections, MLP, output head */
+    double layer_gemm_s;     /* of which one layer, forward + backward, one sequence (no recompute, no head) */
     double attn_s;           /* attention kernels over all ring steps */
     double a2a_s;            /* this device's all-to-all transfers, serialised */
-    double ring_exposed_s;   /* ring receive/send time not hidden behind attention */
+    double ring_exposed_s;   /* ring receive/send time not hidden behind attention, plus per-step sync */
     double busy_s;           /* gemm_s + max(a2a of its group) + attn_s + ring_exposed_s */
     double mem_states_gib;   /* parameters, gradients, optimizer states, gathered layer weights */
     double mem_act_gib;      /* token-parallel activations (incl. logits) */
@@ -157,10 +204,13 @@ typedef struct {
 } hexiseq_device_cost;
 
 typedef struct {
-    double step_time_s;      /* predicted step time: sum over phases of the slowest device's phase time */
+    double step_time_s;      /* predicted step time: sum over phases of the slowest device's phase time,
+                                plus the exposed gradient collectives */
     double gemm_phase_s;     /* slowest device's token-parallel compute */
     double a2a_phase_s;      /* slowest group's all-to-all */
     double ring_phase_s;     /* slowest device's attention + exposed ring communication */
+    double grad_sync_s;      /* parameter and gradient collectives over all devices, whole step */
+    double grad_exposed_s;   /* the part of grad_sync_s that compute does not hide */
     double lower_bound_s;    /* total work / total effective rate; no layout can beat it under this model */
     double tokens_per_s;     /* sequences * seq_len / step_time_s */
     int32_t gemm_bottleneck; /* device ids of the slowest device in each phase */

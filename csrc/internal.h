@@ -2,6 +2,8 @@
 #ifndef HEXISEQ_INTERNAL_H
 #define HEXISEQ_INTERNAL_H
 
+#include <stddef.h>
+
 #include "hexiseq.h"
 
 struct hexiseq_cluster {
@@ -11,7 +13,13 @@ struct hexiseq_cluster {
     double *intra_gbps;       /* [n_nodes] */
     double inter_gbps;
     double *bw;               /* [n_devices * n_devices] or NULL: explicit matrix, GB/s */
+    double *lat;              /* [n_devices * n_devices] or NULL: explicit latencies, microseconds */
+    char **node_gpu;          /* [n_nodes] copies of the names of models outside the catalog (else NULL) */
 };
+
+/* Latencies assumed when none are given, microseconds per message (see docs/cost_model.md). */
+#define HEXISEQ_LATENCY_INTRA_US 10.0
+#define HEXISEQ_LATENCY_INTER_US 20.0
 
 /* Limits that keep every integer product in the cost model inside int64 and doubles exact enough. */
 #define HEXISEQ_MAX_DEVICES 65536
@@ -28,6 +36,26 @@ static inline double hexiseq_bw_bytes(const hexiseq_cluster *c, int32_t a, int32
         return c->intra_gbps[c->dev[a].node] * 1e9;
     return c->inter_gbps * 1e9;
 }
+
+/* Fixed cost of one message a -> b in microseconds, and in seconds; no validation (a != b). */
+static inline double hexiseq_lat_us(const hexiseq_cluster *c, int32_t a, int32_t b) {
+    if (c->lat)
+        return c->lat[(int64_t)a * c->n_devices + b];
+    return c->dev[a].node == c->dev[b].node ? HEXISEQ_LATENCY_INTRA_US : HEXISEQ_LATENCY_INTER_US;
+}
+static inline double hexiseq_lat_s(const hexiseq_cluster *c, int32_t a, int32_t b) {
+    return hexiseq_lat_us(c, a, b) * 1e-6;
+}
+
+/* A measured curve read at `size` (TFLOP/s): linear in log(size) between points, clamped at the ends.
+ * The curve must have n >= 1. */
+double hexiseq_curve_tflops(const hexiseq_rate_curve *curve, double size);
+/* Plateau rates (FLOP/s) of a device: the largest its matmuls / attention reach under the cost model
+ * (with a curve, the curve's largest rate; else peak * eff). For causal attention a causal curve counts. */
+double hexiseq_gemm_plateau(const hexiseq_device_info *d);
+double hexiseq_attn_plateau(const hexiseq_device_info *d, int32_t causal);
+/* The catalog's names as "H100-SXM, H100-PCIe, ..." into buf (always terminated). */
+void hexiseq_gpu_known_list(char *buf, size_t cap);
 
 /* Number of (query, key) pairs with key <= query for queries in [q0, q1) and keys in [k0, k1). */
 int64_t hexiseq_causal_pairs(int64_t q0, int64_t q1, int64_t k0, int64_t k1);

@@ -760,9 +760,29 @@ typedef struct {
     int32_t *choice;         /* [n_classes] current option: node split into 2^choice parts (capped) */
 } topo;
 
+static int same_curve(const hexiseq_rate_curve *a, const hexiseq_rate_curve *b) {
+    if (a->n != b->n)
+        return 0;
+    for (int32_t i = 0; i < a->n; ++i)
+        if (a->size[i] != b->size[i] || a->tflops[i] != b->tflops[i])
+            return 0;
+    return 1;
+}
+
+/* Same model, memory, rates and measured curves: devices the cost model cannot tell apart. */
 static int same_device(const hexiseq_device_info *a, const hexiseq_device_info *b) {
-    return a->gpu_index == b->gpu_index && a->memory_gib == b->memory_gib && a->peak_tflops == b->peak_tflops &&
-           a->gemm_eff == b->gemm_eff && a->attn_eff == b->attn_eff;
+    return a->gpu_index == b->gpu_index && strcmp(a->gpu_name, b->gpu_name) == 0 && a->memory_gib == b->memory_gib &&
+           a->peak_tflops == b->peak_tflops && a->gemm_eff == b->gemm_eff && a->attn_eff == b->attn_eff &&
+           same_curve(&a->gemm_curve, &b->gemm_curve) && same_curve(&a->attn_curve, &b->attn_curve) &&
+           same_curve(&a->attn_causal_curve, &b->attn_causal_curve);
+}
+
+/* Devices a .. a + count and b .. b + count alike one by one (measured curves may differ per device). */
+static int same_devices(const hexiseq_cluster *c, int32_t a, int32_t b, int32_t count) {
+    for (int32_t i = 0; i < count; ++i)
+        if (!same_device(&c->dev[a + i], &c->dev[b + i]))
+            return 0;
+    return 1;
 }
 
 /* Parts of a node of `count` devices under option o: min(2^o, count). */
@@ -944,7 +964,7 @@ static hexiseq_status run_topology(sched *s) {
         int32_t cls = -1;
         for (int32_t j = 0; j < k && cls < 0; ++j)
             if (tp.node_count[j] == tp.node_count[k] && c->intra_gbps[j] == c->intra_gbps[k] &&
-                same_device(&c->dev[tp.node_first[j]], &c->dev[tp.node_first[k]]))
+                same_devices(c, tp.node_first[j], tp.node_first[k], tp.node_count[k]))
                 cls = tp.node_class[j];
         if (cls < 0) {
             cls = tp.n_classes++;
@@ -1033,8 +1053,8 @@ hexiseq_status hexiseq_schedule(const hexiseq_cluster *c, const hexiseq_model *m
         goto out;
     }
     for (int32_t r = 0; r < s.n; ++r) {
-        s.fgemm[r] = c->dev[r].peak_tflops * 1e12 * c->dev[r].gemm_eff;
-        s.fattn[r] = c->dev[r].peak_tflops * 1e12 * c->dev[r].attn_eff;
+        s.fgemm[r] = hexiseq_gemm_plateau(&c->dev[r]);
+        s.fattn[r] = hexiseq_attn_plateau(&c->dev[r], causal);
         s.fgemm0[r] = s.fgemm[r];
         s.fattn0[r] = s.fattn[r];
     }

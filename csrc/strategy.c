@@ -34,12 +34,9 @@ static void uniform_layout(int32_t n, int32_t heads, int64_t seq_len, int32_t hp
 
 /* The error for a best candidate that still does not fit: which device is short, by how much. */
 static hexiseq_status memory_error(const hexiseq_cluster *c, const char *strategy, const hexiseq_plan_cost *cost) {
-    hexiseq_device_info di;
-    hexiseq_gpu_spec spec;
-    hexiseq_cluster_device(c, cost->short_device, &di);
-    hexiseq_gpu_catalog_get(di.gpu_index, &spec);
-    return hexiseq_fail(HEXISEQ_ERR_MEMORY, "%s: no layout fits in memory; device %d (%s, %.1f GiB) is short by %.2f GiB",
-                        strategy, cost->short_device, spec.name, di.memory_gib, cost->short_gib);
+    const hexiseq_device_info *di = &c->dev[cost->short_device];
+    return hexiseq_fail(HEXISEQ_ERR_MEMORY, "%s: no layout fits in memory; device %d (%.64s, %.1f GiB) is short by %.2f GiB",
+                        strategy, cost->short_device, di->gpu_name, di->memory_gib, cost->short_gib);
 }
 
 /* Is candidate a better than b? Fitting beats not fitting; then faster; among non-fitting, less short. */

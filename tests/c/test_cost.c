@@ -8,8 +8,13 @@
  *   backward    = 2.0 forwards (matmuls), 2.5 forwards (attention); checkpointing adds one forward
  *   attention   = 4 * visible pairs * head_dim * h_r FLOPs forward
  *   all-to-all  = per exchange max(send, receive), peers serialised; per layer (qkv + o) * (1 + ckpt) + (o + qkv)
- *   ring step   = max(compute, transfer); backward moves K, V and dK, dV (the block just used; dK, dV in
- *                 fp32, so 4 / dtype_bytes times the bytes of K, V)
+ *   ring step   = max(compute, transfer) + sync; backward moves K, V and dK, dV (the block just used; dK, dV
+ *                 in fp32, so 4 / dtype_bytes times the bytes of K, V, in messages of their own)
+ *   latency     = per message, one message per peer and exchange, serialised like the bytes; default 10 us
+ *                 inside a node, 20 us between nodes; a ring step's sync = the largest latency received
+ *   gradients   = rings over devices 0..N-1 (slowest link, largest latency), layer by layer; a per-layer
+ *                 collective c hidden behind per-layer compute x exposes max(c, L c - (L - 1) x)
+ *   curves      = measured TFLOP/s, linear in log(size) between points, clamped outside
  * Tolerance: relative 1e-12. Each expected value is a few dozen IEEE double operations done in a different
  * order than the library's, so the two can differ by a few ulps (~1e-15 relative); 1e-12 leaves three
  * orders of headroom while any real formula difference (a missing factor, an off-by-one token) shows up
@@ -112,6 +117,31 @@ static double tiny_layer_params(void) {
 }
 static double tiny_params(void) { return L * tiny_layer_params() + 2.0 * V * H + H; }
 
+/* The gradient and parameter collectives of one step, from cost.c's comments. The ring over devices
+ * 0..N-1 has slowest link bw (bytes/s) and largest latency lat (s). One reduce-scatter or all-gather of all
+ * P parameters, run layer by layer, costs A = (N-1)/N * P * b / bw + L * (N-1) * lat, a = A / L per layer.
+ * A per-layer collective c behind per-layer compute x (slowest device, one sequence) exposes
+ * max(c, L c - (L-1) x). ZeRO-3 gathers in every sequence's forward (behind b_fwd) and backward (+1 with
+ * checkpointing, behind b_bwd) and reduce-scatters in the last backward; ZeRO-2 reduce-scatters behind the
+ * last backward and then gathers the parameters in the open; ZeRO-1 and DDP all-reduce (2 a per layer)
+ * behind the last backward. */
+static double pipelined(double c, double x) { return fmax(c, L * c - (L - 1.0) * x); }
+static void grad_by_hand(int32_t sharding, double N, double bw, double lat, double seqs, double ckpt, double b_fwd,
+                         double b_bwd, double *sync, double *exposed) {
+    const double A = (N - 1.0) / N * tiny_params() * b / bw + L * (N - 1.0) * lat, a = A / L;
+    if (sharding == HEXISEQ_SHARD_FULL) {
+        *sync = seqs * (2.0 + ckpt) * A + A;
+        *exposed = seqs * pipelined(a, b_fwd) + (seqs - 1.0) * pipelined((1.0 + ckpt) * a, b_bwd) +
+                   pipelined((2.0 + ckpt) * a, b_bwd);
+    } else if (sharding == HEXISEQ_SHARD_GRAD_OPT) {
+        *sync = 2.0 * A;
+        *exposed = pipelined(a, b_bwd) + A;
+    } else {
+        *sync = 2.0 * A;
+        *exposed = pipelined(2.0 * a, b_bwd);
+    }
+}
+
 /* ------------------------------------------------------------------------------------------------ */
 /* 1 device, 1 group: only token-parallel compute and attention; no communication at all. */
 
@@ -163,6 +193,9 @@ static void test_one_device(void) {
     NEAR(per[0].ring_exposed_s, 0.0, "1dev ring_exposed_s");
     NEAR(per[0].busy_s, gemm_s + attn_s, "1dev busy_s");
     NEAR(pc.step_time_s, gemm_s + attn_s, "1dev step_time_s");
+    NEAR(pc.grad_sync_s, 0.0, "1dev grad_sync_s (nothing to synchronise)");
+    NEAR(pc.grad_exposed_s, 0.0, "1dev grad_exposed_s");
+    NEAR(per[0].layer_gemm_s, s0 * tiny_layer_fpt() * 3.0 / gemm_rate(peak, ge, s0), "1dev layer_gemm_s");
     NEAR(pc.gemm_phase_s, gemm_s, "1dev gemm_phase_s");
     NEAR(pc.a2a_phase_s, 0.0, "1dev a2a_phase_s");
     NEAR(pc.ring_phase_s, attn_s, "1dev ring_phase_s");
@@ -240,6 +273,10 @@ static void test_two_devices(void) {
     EXPECT_OK(hexiseq_cluster_bandwidth(c, 1, 0, &g10));
     EXPECT(g01 == 0.5 && g10 == 2.0, "matrix bandwidths %g %g", g01, g10);
     const double bw01 = 0.5e9, bw10 = 2.0e9; /* bytes/s */
+    const double lat = 20 * 1e-6; /* no latency matrix: the default between two nodes, per message */
+    double lus = 0;
+    EXPECT_OK(hexiseq_cluster_latency(c, 1, 0, &lus));
+    EXPECT(lus == 20.0, "default latency between nodes %g us", lus);
     const double pk[2] = {2.0, 4.0}, ge[2] = {0.5, 0.75}, ae[2] = {0.25, 0.5};
     hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0};
     const double S = 10, N = 2, P = tiny_params(), opt = 12.0;
@@ -265,20 +302,28 @@ static void test_two_devices(void) {
                "1 group kv ranges %d+%d %d+%d", per[0].kv_lo, per[0].kv_count, per[1].kv_lo, per[1].kv_count);
         const double elem = d * b; /* bytes per head and token */
         /* device 0: sends its 7 tokens' Q of device 1's head and K, V of its kv head; receives 3 tokens of its
-         * 3 heads + 2 kv heads; O goes back the other way. */
-        const double qkv_send0 = s[0] * (h[1] + 2 * kv[1]) * elem / bw01, qkv_recv0 = s[1] * (h[0] + 2 * kv[0]) * elem / bw10;
-        const double o_send0 = s[1] * h[0] * elem / bw01, o_recv0 = s[0] * h[1] * elem / bw10;
-        const double qkv_send1 = s[1] * (h[0] + 2 * kv[0]) * elem / bw10, qkv_recv1 = s[0] * (h[1] + 2 * kv[1]) * elem / bw01;
-        const double o_send1 = s[0] * h[1] * elem / bw10, o_recv1 = s[1] * h[0] * elem / bw01;
+         * 3 heads + 2 kv heads; O goes back the other way. Every exchange is one message to the one peer. */
+        const double qkv_send0 = s[0] * (h[1] + 2 * kv[1]) * elem / bw01 + lat,
+                     qkv_recv0 = s[1] * (h[0] + 2 * kv[0]) * elem / bw10 + lat;
+        const double o_send0 = s[1] * h[0] * elem / bw01 + lat, o_recv0 = s[0] * h[1] * elem / bw10 + lat;
+        const double qkv_send1 = s[1] * (h[0] + 2 * kv[0]) * elem / bw10 + lat,
+                     qkv_recv1 = s[0] * (h[1] + 2 * kv[1]) * elem / bw01 + lat;
+        const double o_send1 = s[0] * h[1] * elem / bw10 + lat, o_recv1 = s[1] * h[0] * elem / bw01 + lat;
         /* per layer: forward (qkv + o) and backward (o + qkv), no checkpointing; times L layers, 1 sequence */
         const double a2a0 = 2.0 * (fmax(qkv_send0, qkv_recv0) + fmax(o_send0, o_recv0)) * L;
         const double a2a1 = 2.0 * (fmax(qkv_send1, qkv_recv1) + fmax(o_send1, o_recv1)) * L;
         const double group_a2a = fmax(a2a0, a2a1);
-        double gemm[2], attn[2], mem_act[2], mem_attn[2];
+        double gemm[2], attn[2], mem_act[2], mem_attn[2], b_fwd = 0, b_bwd = 0;
         const double pairs = brute_pairs(all, 10, all, 10, 1);
         for (int r = 0; r < 2; ++r) {
             gemm[r] = s[r] * fpt / gemm_rate(pk[r], ge[r], s[r]);
             attn[r] = 3.5 * (4.0 * pairs * d * h[r] / attn_rate(pk[r], ae[r], S / 2)) * L; /* all 10 tokens, my heads */
+            /* one layer, one sequence: forward, and backward at 2 (matmuls) and 2.5 (attention) forwards */
+            double gf = s[r] * tiny_layer_fpt() / gemm_rate(pk[r], ge[r], s[r]);
+            double af = 4.0 * pairs * d * h[r] / attn_rate(pk[r], ae[r], S / 2);
+            b_fwd = fmax(b_fwd, gf + af);
+            b_bwd = fmax(b_bwd, 2.0 * gf + 2.5 * af);
+            NEAR(per[r].layer_gemm_s, 3.0 * gf, "1 group layer_gemm_s");
             mem_act[r] = s[r] * L * act_layer + s[r] * V * (b + 4.0);
             mem_attn[r] = (S * (2.0 * h[r] + 2.0 * kv[r]) * d * b + S * h[r] * 4.0) * (L + 1.0);
             NEAR(per[r].gemm_s, gemm[r], "1 group gemm_s");
@@ -296,7 +341,14 @@ static void test_two_devices(void) {
         NEAR(pc.gemm_phase_s, fmax(gemm[0], gemm[1]), "1 group gemm_phase_s");
         NEAR(pc.a2a_phase_s, group_a2a, "1 group a2a_phase_s");
         NEAR(pc.ring_phase_s, fmax(attn[0], attn[1]), "1 group ring_phase_s");
-        NEAR(pc.step_time_s, fmax(gemm[0], gemm[1]) + group_a2a + fmax(attn[0], attn[1]), "1 group step_time_s");
+        /* ZeRO-3 over the ring 0 -> 1 -> 0: slowest link 0.5 GB/s, 20 us; with this tiny model the per-layer
+         * collective outlasts the per-layer compute (the L c - (L-1) x branch) */
+        double gsync, gexp;
+        grad_by_hand(HEXISEQ_SHARD_FULL, N, bw01, lat, 1, 0, b_fwd, b_bwd, &gsync, &gexp);
+        EXPECT(gexp > (1.0 / N) * P * b / bw01, "1 group: the collectives are mostly exposed");
+        NEAR(pc.grad_sync_s, gsync, "1 group grad_sync_s");
+        NEAR(pc.grad_exposed_s, gexp, "1 group grad_exposed_s");
+        NEAR(pc.step_time_s, fmax(gemm[0], gemm[1]) + group_a2a + fmax(attn[0], attn[1]) + gexp, "1 group step_time_s");
         NEAR(pc.lower_bound_s, lb, "1 group lower_bound_s");
         EXPECT(pc.gemm_bottleneck == (gemm[0] >= gemm[1] ? 0 : 1), "gemm bottleneck %d", pc.gemm_bottleneck);
         EXPECT(pc.ring_bottleneck == (attn[0] >= attn[1] ? 0 : 1), "ring bottleneck %d", pc.ring_bottleneck);
@@ -324,25 +376,32 @@ static void test_two_devices(void) {
         const double p11 = brute_pairs(pos1, 4, pos1, 4, 1), p10 = brute_pairs(pos1, 4, pos0, 6, 1);
         EXPECT(p00 + p01 + p11 + p10 == 55.0, "pairs add up to 55: %g", p00 + p01 + p11 + p10);
         /* Ring bytes per token of a block: K and V (2 x d x b) for each of the 2 kv heads. Device 0 receives
-         * from 1 over 1->0 and sends to 1 over 0->1; the slower direction (0->1) sets both devices' pace. */
+         * from 1 over 1->0 and sends to 1 over 0->1; the slower direction (0->1) sets both devices' pace.
+         * Each direction is one message per step to or from the one peer, 20 us each; the backward sends
+         * K, V and dK, dV as two messages. */
         const double kvb = 2.0 * d * b * 2;
         const double per_tok0 = fmax(kvb / bw10, kvb / bw01), per_tok1 = fmax(kvb / bw01, kvb / bw10);
         const double pt[2] = {per_tok0, per_tok1};
-        double attn[2], exposed[2];
+        double attn[2], exposed[2], b_fwd = 0, b_bwd = 0;
         for (int g = 0; g < 2; ++g) {
             int o = 1 - g;
             /* step 0: own block (pairs gg), next block (the other group's, S_o tokens) arrives meanwhile */
             double pairs0 = g == 0 ? p00 : p11, pairs1 = g == 0 ? p01 : p10;
             double fwd0 = 4.0 * pairs0 * d * A / attn_rate(pk[g], ae[g], Sg[g] / 2);
-            double comm0 = pt[g] * Sg[o];
-            double bwd0 = 2.5 * fwd0, bcomm0 = comm0 + pt[g] * Sg[g] * (4.0 / b); /* + fp32 dK, dV of the own block */
+            double comm0 = pt[g] * Sg[o] + lat;
+            /* + fp32 dK, dV of the own block, a second message */
+            double bwd0 = 2.5 * fwd0, bcomm0 = pt[g] * Sg[o] + pt[g] * Sg[g] * (4.0 / b) + 2.0 * lat;
             /* step 1 (last): the other group's block; nothing more arrives; its dK, dV go back home */
             double fwd1 = 4.0 * pairs1 * d * A / attn_rate(pk[g], ae[g], fmin(Sg[g], Sg[o]) / 2);
             double comm1 = 0.0;
-            double bwd1 = 2.5 * fwd1, bcomm1 = comm1 + pt[g] * Sg[o] * (4.0 / b);
+            double bwd1 = 2.5 * fwd1, bcomm1 = pt[g] * Sg[o] * (4.0 / b) + lat;
             attn[g] = (fwd0 + bwd0 + fwd1 + bwd1) * L;
-            exposed[g] = (fmax(0, comm0 - fwd0) + fmax(0, bcomm0 - bwd0) + fmax(0, comm1 - fwd1) +
-                          fmax(0, bcomm1 - bwd1)) * L;
+            /* sync: step 0 forward and both backward steps receive a message (20 us); step 1's forward does not */
+            exposed[g] = (fmax(0, comm0 - fwd0) + lat + fmax(0, bcomm0 - bwd0) + lat + fmax(0, comm1 - fwd1) +
+                          fmax(0, bcomm1 - bwd1) + lat) * L;
+            double gf = Sg[g] * tiny_layer_fpt() / gemm_rate(pk[g], ge[g], Sg[g]);
+            b_fwd = fmax(b_fwd, gf + fwd0 + fwd1);
+            b_bwd = fmax(b_bwd, 2.0 * gf + bwd0 + bwd1);
             double mem_attn = (Sg[g] * (2.0 * 4 + 2.0 * 2) * d * b + Sg[g] * 4 * 4.0) * (L + 1.0);
             double mem_ring = 2.0 * 6 /* largest block */ * 2.0 * 2 /* kv heads */ * d * (b + 4.0);
             double mem_act = Sg[g] * L * act_layer + Sg[g] * V * (b + 4.0);
@@ -356,17 +415,24 @@ static void test_two_devices(void) {
         }
         EXPECT(exposed[0] > 0 && exposed[1] > 0, "slow links should expose ring time: %g %g", exposed[0], exposed[1]);
         NEAR(pc.ring_phase_s, fmax(attn[0] + exposed[0], attn[1] + exposed[1]), "ring ring_phase_s");
+        double gsync, gexp;
+        grad_by_hand(HEXISEQ_SHARD_FULL, N, bw01, lat, 1, 0, b_fwd, b_bwd, &gsync, &gexp);
+        NEAR(pc.grad_sync_s, gsync, "ring grad_sync_s");
+        NEAR(pc.grad_exposed_s, gexp, "ring grad_exposed_s");
         NEAR(pc.step_time_s,
              fmax(6 * fpt / gemm_rate(pk[0], ge[0], 6), 4 * fpt / gemm_rate(pk[1], ge[1], 4)) +
-                 fmax(attn[0] + exposed[0], attn[1] + exposed[1]),
+                 fmax(attn[0] + exposed[0], attn[1] + exposed[1]) + gexp,
              "ring step_time_s");
         NEAR(pc.lower_bound_s, lb, "ring lower_bound_s (layout-independent)");
         EXPECT(pc.step_time_s >= pc.lower_bound_s, "ring step below bound");
 
-        /* Same layout on fast links (default node links, 1e4 GB/s between nodes): nothing exposed. */
+        /* Same layout on fast links (default node links, 1e4 GB/s between nodes) without latency: nothing
+         * exposed. */
         hexiseq_node_desc fast[2] = {nd[0], nd[1]};
         hexiseq_cluster *cf = NULL;
-        EXPECT_OK(hexiseq_cluster_create(2, fast, 1e4, NULL, &cf));
+        const double zero_lat[4] = {0, 0, 0, 0};
+        const hexiseq_cluster_options no_lat = {NULL, zero_lat};
+        EXPECT_OK(hexiseq_cluster_create_ex(2, fast, 1e4, NULL, &no_lat, &cf));
         EXPECT_OK(hexiseq_evaluate(cf, &TINY, &t, 10, 1, &l, per, &pc));
         NEAR(per[0].ring_exposed_s, 0.0, "fast ring exposed dev0");
         NEAR(per[1].ring_exposed_s, 0.0, "fast ring exposed dev1");
@@ -411,12 +477,13 @@ static void test_three_devices(void) {
         gemm[r] = seqs * s[r] * fpt / gemm_rate(pk[r], ge[r], s[r]);
         NEAR(per[r].gemm_s, gemm[r], "3dev gemm_s");
     }
-    /* all-to-all in group 0 over the 50 GB/s link, elem = d * b = 4 bytes */
-    const double elem = d * b;
-    const double qs0 = s[0] * (h[1] + 2 * kv[1]) * elem / intra, qr0 = s[1] * (h[0] + 2 * kv[0]) * elem / intra;
-    const double os0 = s[1] * h[0] * elem / intra, or0 = s[0] * h[1] * elem / intra;
-    const double qs1 = s[1] * (h[0] + 2 * kv[0]) * elem / intra, qr1 = s[0] * (h[1] + 2 * kv[1]) * elem / intra;
-    const double os1 = s[0] * h[1] * elem / intra, or1 = s[1] * h[0] * elem / intra;
+    /* all-to-all in group 0 over the 50 GB/s link, elem = d * b = 4 bytes; one message per exchange to the
+     * one peer, 10 us inside a node (no latency matrix) */
+    const double elem = d * b, lat_in = 10 * 1e-6, lat_x = 20 * 1e-6;
+    const double qs0 = s[0] * (h[1] + 2 * kv[1]) * elem / intra + lat_in, qr0 = s[1] * (h[0] + 2 * kv[0]) * elem / intra + lat_in;
+    const double os0 = s[1] * h[0] * elem / intra + lat_in, or0 = s[0] * h[1] * elem / intra + lat_in;
+    const double qs1 = s[1] * (h[0] + 2 * kv[0]) * elem / intra + lat_in, qr1 = s[0] * (h[1] + 2 * kv[1]) * elem / intra + lat_in;
+    const double os1 = s[0] * h[1] * elem / intra + lat_in, or1 = s[1] * h[0] * elem / intra + lat_in;
     /* per layer: forward exchange twice (checkpointing recomputes it) + backward once */
     const double a2a0 = (fmax(qs0, qr0) + fmax(os0, or0)) * 3.0 * L * seqs;
     const double a2a1 = (fmax(qs1, qr1) + fmax(os1, or1)) * 3.0 * L * seqs;
@@ -425,33 +492,45 @@ static void test_three_devices(void) {
     NEAR(per[2].a2a_s, 0.0, "3dev a2a dev2 (alone in its group)");
     const double ga[3] = {fmax(a2a0, a2a1), fmax(a2a0, a2a1), 0.0};
 
-    /* ring bytes per token: K and V of one kv head = 8 bytes.
-     * dev0 receives kv 0, 1 from dev2 (holder in group 1) and sends kv 0, 1 to dev2 (dev0 is the first
-     *   holder of both in group 0): max(16/inter, 16/inter).
-     * dev1 receives kv 1 from dev2, sends nothing (dev0 holds kv 1 first): 8/inter.
-     * dev2 receives kv 0, 1 from dev0; sends kv 0, 1 to dev0 and kv 1 to dev1: max(16, 24)/inter. */
+    /* ring bytes per token: K and V of one kv head = 8 bytes; every ring message crosses nodes (20 us).
+     * dev0 receives kv 0, 1 from dev2 (holder in group 1; one message) and sends kv 0, 1 to dev2 (dev0 is
+     *   the first holder of both in group 0; one message).
+     * dev1 receives kv 1 from dev2 (one message), sends nothing (dev0 holds kv 1 first).
+     * dev2 receives kv 0, 1 from dev0 (one message); sends kv 0, 1 to dev0 and kv 1 to dev1 (two messages).
+     * A step moving T tokens' worth in m messages per peer takes max(recv_pt T + recv_lat m, send_pt T +
+     * send_lat m); every message received adds a 20 us sync to its step. */
     const double hb = 2.0 * d * b;
-    const double pt[3] = {fmax(2 * hb / inter, 2 * hb / inter), fmax(hb / inter, 0.0), fmax(2 * hb / inter, 3 * hb / inter)};
+    const double recv_pt[3] = {2 * hb / inter, hb / inter, 2 * hb / inter}, send_pt[3] = {2 * hb / inter, 0.0, 3 * hb / inter};
+    const double recv_lat[3] = {lat_x, lat_x, lat_x}, send_lat[3] = {lat_x, 0.0, 2 * lat_x};
     /* zigzag positions: group 0 front [0,4) back [9,12); group 1 front [4,7) back [7,9) */
     const int64_t pos0[] = {0, 1, 2, 3, 9, 10, 11}, pos1[] = {4, 5, 6, 7, 8};
     const double p[2][2] = {{brute_pairs(pos0, 7, pos0, 7, 1), brute_pairs(pos0, 7, pos1, 5, 1)},
                             {brute_pairs(pos1, 5, pos0, 7, 1), brute_pairs(pos1, 5, pos1, 5, 1)}};
     const double GS[2] = {7, 5};
-    double attn[3], exposed[3];
+    double attn[3], exposed[3], b_fwd = 0, b_bwd = 0;
     for (int r = 0; r < 3; ++r) {
         int g = r < 2 ? 0 : 1, o = 1 - g;
         /* step 0: own block, the other group's block arrives; step 1: the other block, last */
         double fwd0 = 4.0 * p[g][g] * d * h[r] / attn_rate(pk[r], ae[r], GS[g] / 2);
         double fwd1 = 4.0 * p[g][o] * d * h[r] / attn_rate(pk[r], ae[r], fmin(GS[g], GS[o]) / 2);
-        double comm0 = pt[r] * GS[o], comm1 = 0.0;
-        double bcomm0 = comm0 + pt[r] * GS[g] * (4.0 / b), bcomm1 = comm1 + pt[r] * GS[o] * (4.0 / b);
+        double comm0 = fmax(recv_pt[r] * GS[o] + recv_lat[r], send_pt[r] * GS[o] + send_lat[r]), comm1 = 0.0;
+        /* backward: K, V of the next block and fp32 dK, dV of this one, two messages; the last step only dK, dV */
+        double t0 = GS[o] + GS[g] * (4.0 / b), t1 = GS[o] * (4.0 / b);
+        double bcomm0 = fmax(recv_pt[r] * t0 + 2 * recv_lat[r], send_pt[r] * t0 + 2 * send_lat[r]);
+        double bcomm1 = fmax(recv_pt[r] * t1 + recv_lat[r], send_pt[r] * t1 + send_lat[r]);
         /* forward runs twice with checkpointing (2 forward passes), backward 2.5 forwards */
         attn[r] = (fwd0 * 2.0 + 2.5 * fwd0 + fwd1 * 2.0 + 2.5 * fwd1) * L * seqs;
-        exposed[r] = (2.0 * fmax(0, comm0 - fwd0) + fmax(0, bcomm0 - 2.5 * fwd0) + 2.0 * fmax(0, comm1 - fwd1) +
-                      fmax(0, bcomm1 - 2.5 * fwd1)) * L * seqs;
+        /* syncs: step 0's two forward passes and both backward steps */
+        exposed[r] = (2.0 * (fmax(0, comm0 - fwd0) + lat_x) + fmax(0, bcomm0 - 2.5 * fwd0) + lat_x +
+                      2.0 * fmax(0, comm1 - fwd1) + fmax(0, bcomm1 - 2.5 * fwd1) + lat_x) * L * seqs;
         NEAR(per[r].attn_s, attn[r], "3dev attn_s");
         NEAR(per[r].ring_exposed_s, exposed[r], "3dev ring_exposed_s");
         NEAR(per[r].busy_s, gemm[r] + ga[r] + attn[r] + exposed[r], "3dev busy_s");
+        /* per layer and sequence: forward; backward 2 + 1 recompute (matmuls), 2.5 + 1 (attention) */
+        double gf = s[r] * tiny_layer_fpt() / gemm_rate(pk[r], ge[r], s[r]);
+        b_fwd = fmax(b_fwd, gf + fwd0 + fwd1);
+        b_bwd = fmax(b_bwd, 3.0 * gf + 3.5 * (fwd0 + fwd1));
+        NEAR(per[r].layer_gemm_s, 3.0 * gf, "3dev layer_gemm_s (no recompute)");
     }
     /* memory: ZeRO-2 = replicated bf16 params + sharded grads and optimizer + one gathered bucket */
     const double gathered = fmax(tiny_layer_params(), V * H) * b;
@@ -473,7 +552,12 @@ static void test_three_devices(void) {
     NEAR(pc.a2a_phase_s, ga[0], "3dev a2a_phase_s");
     const double ring_phase = fmax(attn[0] + exposed[0], fmax(attn[1] + exposed[1], attn[2] + exposed[2]));
     NEAR(pc.ring_phase_s, ring_phase, "3dev ring_phase_s");
-    NEAR(pc.step_time_s, pc.gemm_phase_s + ga[0] + ring_phase, "3dev step_time_s");
+    /* ZeRO-2 over the ring 0 -> 1 -> 2 -> 0: slowest link 5 GB/s, largest latency 20 us */
+    double gsync, gexp;
+    grad_by_hand(HEXISEQ_SHARD_GRAD_OPT, N, inter, lat_x, seqs, 1, b_fwd, b_bwd, &gsync, &gexp);
+    NEAR(pc.grad_sync_s, gsync, "3dev grad_sync_s");
+    NEAR(pc.grad_exposed_s, gexp, "3dev grad_exposed_s");
+    NEAR(pc.step_time_s, pc.gemm_phase_s + ga[0] + ring_phase + gexp, "3dev step_time_s");
     NEAR(pc.tokens_per_s, seqs * S / pc.step_time_s, "3dev tokens_per_s");
     const double gemm_flops = seqs * S * fpt, attn_flops = seqs * L * 4.0 * (S * (S + 1) / 2) * d * A * 4.5;
     const double lb = gemm_flops / ((2 * 2 * 0.5 + 4 * 0.75) * 1e12) + attn_flops / ((2 * 2 * 0.25 + 4 * 0.5) * 1e12);
@@ -520,31 +604,45 @@ static void test_four_devices(void) {
     const double Sg[4] = {3, 1, 2, 2};
     /* link into device g from its ring predecessor and out to its successor, bytes/s */
     const double in_bw[4] = {10e9, 100e9, 10e9, 100e9}, out_bw[4] = {100e9, 10e9, 100e9, 10e9};
+    /* and the default latencies of those links: 20 us between nodes, 10 us inside one */
+    const double in_lat[4] = {20e-6, 10e-6, 20e-6, 10e-6}, out_lat[4] = {10e-6, 20e-6, 10e-6, 20e-6};
     const double kvb = 2.0 * d * b * 2; /* K, V of both kv heads per token */
     const double fpt = L * tiny_layer_fpt() * 3.0 + tiny_head_fpt() * 3.0;
-    double ring_phase = 0, gemm_phase = 0;
+    double ring_phase = 0, gemm_phase = 0, b_fwd = 0, b_bwd = 0;
     for (int g = 0; g < 4; ++g) {
-        double pt = fmax(kvb / in_bw[g], kvb / out_bw[g]);
-        double attn = 0, exposed = 0;
+        double attn = 0, exposed = 0, fwd_sum = 0;
         for (int k = 0; k < 4; ++k) {
             int src = (g - k + 4) % 4, nxt = (g - k - 1 + 8) % 4;
             double pairs = Sg[g] * Sg[src]; /* non-causal: every query sees every key */
             double fwd = 4.0 * pairs * d * A / attn_rate(pk[g], ae[g], fmin(Sg[g], Sg[src])); /* non-causal: whole blocks */
-            double comm = k < 3 ? pt * Sg[nxt] : 0.0;
-            double bcomm = comm + pt * Sg[src] * (4.0 / b);
+            /* one message each way per step (two in the backward: K, V and dK, dV; one at the last step) */
+            double t = k < 3 ? Sg[nxt] : 0.0, m = k < 3 ? 1.0 : 0.0;
+            double comm = k < 3 ? fmax(kvb / in_bw[g] * t + in_lat[g], kvb / out_bw[g] * t + out_lat[g]) : 0.0;
+            double bt = t + Sg[src] * (4.0 / b);
+            double bcomm = fmax(kvb / in_bw[g] * bt + in_lat[g] * (m + 1), kvb / out_bw[g] * bt + out_lat[g] * (m + 1));
             attn += fwd + 2.5 * fwd;
-            exposed += fmax(0, comm - fwd) + fmax(0, bcomm - 2.5 * fwd);
+            fwd_sum += fwd;
+            /* syncs: the largest latency received, in every step that receives (the last forward step does not) */
+            exposed += fmax(0, comm - fwd) + m * in_lat[g] + fmax(0, bcomm - 2.5 * fwd) + in_lat[g];
         }
         attn *= L;
         exposed *= L;
         double gemm = Sg[g] * fpt / gemm_rate(pk[g], ge[g], Sg[g]);
+        double gf = Sg[g] * tiny_layer_fpt() / gemm_rate(pk[g], ge[g], Sg[g]);
+        b_fwd = fmax(b_fwd, gf + fwd_sum);
+        b_bwd = fmax(b_bwd, 2.0 * gf + 2.5 * fwd_sum);
         NEAR(per[g].attn_s, attn, "4dev attn_s");
         NEAR(per[g].ring_exposed_s, exposed, "4dev ring_exposed_s");
         NEAR(per[g].gemm_s, gemm, "4dev gemm_s");
         ring_phase = fmax(ring_phase, attn + exposed);
         gemm_phase = fmax(gemm_phase, gemm);
     }
-    NEAR(pc.step_time_s, gemm_phase + ring_phase, "4dev step_time_s");
+    /* ZeRO-3 over the ring 0 -> 1 -> 2 -> 3 -> 0: slowest link 10 GB/s, largest latency 20 us */
+    double gsync, gexp;
+    grad_by_hand(HEXISEQ_SHARD_FULL, 4, 10e9, 20e-6, 1, 0, b_fwd, b_bwd, &gsync, &gexp);
+    NEAR(pc.grad_sync_s, gsync, "4dev grad_sync_s");
+    NEAR(pc.grad_exposed_s, gexp, "4dev grad_exposed_s");
+    NEAR(pc.step_time_s, gemm_phase + ring_phase + gexp, "4dev step_time_s");
     double gsum = 0, asum = 0;
     for (int r = 0; r < 4; ++r) {
         gsum += pk[r] * 1e12 * ge[r];
@@ -1131,11 +1229,453 @@ static void test_garbage_overflow(void) {
     hexiseq_cluster_destroy(f.c);
 }
 
+/* ------------------------------------------------------------------------------------------------ */
+/* Measured rate curves. Curves (size -> TFLOP/s), read linearly in log(size) between points and clamped
+ * outside:  gemm {10: 1, 40: 3},  attn {1: 0.25, 4: 0.5, 16: 1.5},  attn_causal {1: 0.125, 4: 0.25, 16: 0.75}. */
+
+static hexiseq_rate_curve curve2(double s0, double t0, double s1, double t1) {
+    hexiseq_rate_curve c;
+    memset(&c, 0, sizeof c);
+    c.n = 2;
+    c.size[0] = s0, c.tflops[0] = t0, c.size[1] = s1, c.tflops[1] = t1;
+    return c;
+}
+static hexiseq_rate_curve curve3(double s0, double t0, double s1, double t1, double s2, double t2) {
+    hexiseq_rate_curve c = curve2(s0, t0, s1, t1);
+    c.n = 3;
+    c.size[2] = s2, c.tflops[2] = t2;
+    return c;
+}
+/* y at x on the straight line through (x0, y0), (x1, y1) in log(x) */
+static double lerp_log(double x, double x0, double y0, double x1, double y1) {
+    return y0 + (y1 - y0) * log(x / x0) / log(x1 / x0);
+}
+/* A one-group, one-device layout of S tokens and all 4 heads. */
+static void one_device_layout(hexiseq_layout *l, int64_t S) {
+    l->group_size[0] = 1, l->group_seq[0] = S, l->device[0] = 0, l->tokens[0] = S, l->head_lo[0] = 0,
+    l->head_count[0] = 4;
+}
+
+static void test_curves(void) {
+    hexiseq_node_desc nd = node("A100-80G", 1, 100.0, 10.0, 2.0, 0.5, 0.25);
+    hexiseq_device_desc dd;
+    memset(&dd, 0, sizeof dd);
+    dd.memory_gib = 7.0; /* replaces the node's 10 GiB */
+    dd.gemm = curve2(10, 1.0, 40, 3.0);
+    dd.attn = curve3(1, 0.25, 4, 0.5, 16, 1.5);
+    dd.attn_causal = curve3(1, 0.125, 4, 0.25, 16, 0.75);
+    const hexiseq_cluster_options opt = {&dd, NULL};
+    hexiseq_cluster *c = NULL;
+    EXPECT_OK(hexiseq_cluster_create_ex(1, &nd, 10.0, NULL, &opt, &c));
+    hexiseq_device_info di;
+    EXPECT_OK(hexiseq_cluster_device(c, 0, &di));
+    EXPECT(di.gemm_curve.n == 2 && di.attn_curve.n == 3 && di.attn_causal_curve.n == 3 && di.attn_curve.size[2] == 16 &&
+               di.memory_gib == 7.0 && di.gpu_index >= 0 && strcmp(di.gpu_name, "A100-80G") == 0,
+           "device info carries the curves and the device's memory");
+    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0};
+    const double fpt = L * tiny_layer_fpt() * 3.0 + tiny_head_fpt() * 3.0;
+    hexiseq_device_cost per[2];
+    hexiseq_plan_cost pc;
+    hexiseq_layout l;
+    EXPECT_OK(hexiseq_layout_alloc(1, 1, &l));
+
+    /* non-causal: the matmuls run at gemm(S), the one S x S block at attn(S) */
+    const struct {
+        int64_t S;
+        double gemm_tflops, attn_tflops;
+        const char *what;
+    } pts[] = {
+        {4, 1.0, 0.5, "below the gemm curve (clamped), on an inner attn point"},
+        {10, 1.0, lerp_log(10, 4, 0.5, 16, 1.5), "on the first gemm point, between attn points"},
+        {16, lerp_log(16, 10, 1.0, 40, 3.0), 1.5, "between gemm points (log, not linear), on the last attn point"},
+        {20, 2.0, 1.5, "halfway in log(size) between 10 and 40; attn clamped above"},
+        {80, 3.0, 1.5, "above both curves (clamped)"},
+    };
+    for (size_t i = 0; i < sizeof pts / sizeof pts[0]; ++i) {
+        double S = (double)pts[i].S;
+        one_device_layout(&l, pts[i].S);
+        EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, pts[i].S, 0, &l, per, &pc));
+        NEAR(per[0].gemm_s, S * fpt / (pts[i].gemm_tflops * 1e12), pts[i].what);
+        NEAR(per[0].layer_gemm_s, S * tiny_layer_fpt() * 3.0 / (pts[i].gemm_tflops * 1e12), pts[i].what);
+        NEAR(per[0].attn_s, 3.5 * 4.0 * S * S * d * A * L / (pts[i].attn_tflops * 1e12), pts[i].what);
+        /* lower bound: the curves' largest rates */
+        NEAR(pc.lower_bound_s, S * fpt / 3e12 + L * 4.0 * S * S * d * A * 3.5 / 1.5e12, "curve lower bound");
+        NEAR(per[0].mem_cap_gib, 7.0, "device memory from the device description");
+    }
+    EXPECT(lerp_log(16, 10, 1.0, 40, 3.0) > 1.6, "log interpolation differs from linear (1.4) at 16");
+
+    /* causal, one group: front chunk [0, fl), back chunk [fl, S). The two diagonal blocks (fl (fl+1)/2 and
+     * bl (bl+1)/2 pairs) run at the causal curve at their own lengths; the back x front block (fl * bl pairs)
+     * at the attn curve at the half-chunk block S / 2. */
+    const int64_t sizes[] = {20, 21};
+    for (int i = 0; i < 2; ++i) {
+        double S = (double)sizes[i], fl = S - floor(S / 2), bl = floor(S / 2);
+        double diag_f = fl * (fl + 1) / 2, diag_b = bl * (bl + 1) / 2, rest = fl * bl;
+        EXPECT(diag_f + diag_b + rest == S * (S + 1) / 2, "causal pairs split");
+        double t_causal = diag_f / (lerp_log(fl, 4, 0.25, 16, 0.75) * 1e12) + diag_b / (lerp_log(bl, 4, 0.25, 16, 0.75) * 1e12) +
+                          rest / (lerp_log(S / 2, 4, 0.5, 16, 1.5) * 1e12);
+        one_device_layout(&l, sizes[i]);
+        EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, sizes[i], 1, &l, per, &pc));
+        NEAR(per[0].attn_s, 3.5 * 4.0 * d * A * t_causal * L, "causal diagonal at the causal curve");
+        NEAR(pc.lower_bound_s, S * fpt / 3e12 + L * 4.0 * (S * (S + 1) / 2) * d * A * 3.5 / 1.5e12, "causal lower bound");
+    }
+    hexiseq_cluster_destroy(c);
+
+    /* No causal curve: the diagonal falls back to the attn curve at the chunk length. */
+    dd.attn_causal.n = 0;
+    EXPECT_OK(hexiseq_cluster_create_ex(1, &nd, 10.0, NULL, &opt, &c));
+    one_device_layout(&l, 20);
+    EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 20, 1, &l, per, &pc));
+    NEAR(per[0].attn_s, 3.5 * 4.0 * d * A * 210.0 / (lerp_log(10, 4, 0.5, 16, 1.5) * 1e12) * L, "diagonal at the attn curve");
+    hexiseq_cluster_destroy(c);
+
+    /* Only a causal curve: the diagonal at it, the rest by the catalog formula (peak 2, attn_eff 0.25). The
+     * attention plateau is the larger of peak * attn_eff (0.5) and the causal curve's best (0.75) when causal,
+     * peak * attn_eff without a mask. The gemm curve stays (plateau 3 TFLOP/s). */
+    dd.attn.n = 0;
+    dd.attn_causal = curve3(1, 0.125, 4, 0.25, 16, 0.75);
+    EXPECT_OK(hexiseq_cluster_create_ex(1, &nd, 10.0, NULL, &opt, &c));
+    EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 20, 1, &l, per, &pc));
+    double t_mixed = 110.0 / (lerp_log(10, 4, 0.25, 16, 0.75) * 1e12) + 100.0 / attn_rate(2.0, 0.25, 10);
+    NEAR(per[0].attn_s, 3.5 * 4.0 * d * A * t_mixed * L, "causal curve + catalog formula");
+    NEAR(pc.lower_bound_s, 20 * fpt / 3e12 + L * 4.0 * 210.0 * d * A * 3.5 / 0.75e12, "mixed causal lower bound");
+    EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 20, 0, &l, per, &pc));
+    NEAR(per[0].attn_s, 3.5 * 4.0 * d * A * 400.0 / attn_rate(2.0, 0.25, 20) * L, "non-causal ignores the causal curve");
+    NEAR(pc.lower_bound_s, 20 * fpt / 3e12 + L * 4.0 * 400.0 * d * A * 3.5 / 0.5e12, "non-causal lower bound");
+    hexiseq_cluster_destroy(c);
+    hexiseq_layout_free(&l);
+
+    /* A 2-group ring (S = 10 as 6 | 4, as in test_two_devices): only ring step 0 splits off the diagonal.
+     * Group 0 front [0,3) back [7,10): step 0 = 6 + 6 diagonal pairs at causal(3), 3 * 3 at attn(3);
+     * step 1 = p01 pairs against group 1 at attn(min(6, 4) / 2 = 2). Group 1 front [3,5) back [5,7):
+     * step 0 = 3 + 3 at causal(2), 2 * 2 at attn(2); step 1 = p10 at attn(2). */
+    hexiseq_node_desc two[2] = {nd, nd};
+    hexiseq_device_desc dd2[2];
+    memset(dd2, 0, sizeof dd2);
+    dd2[0].attn = dd2[1].attn = curve3(1, 0.25, 4, 0.5, 16, 1.5);
+    dd2[0].attn_causal = dd2[1].attn_causal = curve3(1, 0.125, 4, 0.25, 16, 0.75);
+    const hexiseq_cluster_options opt2 = {dd2, NULL};
+    EXPECT_OK(hexiseq_cluster_create_ex(2, two, 10.0, NULL, &opt2, &c));
+    EXPECT_OK(hexiseq_layout_alloc(2, 2, &l));
+    const int32_t gs[] = {1, 1}, dv[] = {0, 1}, lo[] = {0, 0}, cnt[] = {4, 4};
+    const int64_t gq[] = {6, 4}, tk[] = {6, 4};
+    fill_layout(&l, gs, gq, dv, tk, lo, cnt);
+    EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 10, 1, &l, per, &pc));
+    const int64_t pos0[] = {0, 1, 2, 7, 8, 9}, pos1[] = {3, 4, 5, 6};
+    const double p00 = brute_pairs(pos0, 6, pos0, 6, 1), p01 = brute_pairs(pos0, 6, pos1, 4, 1);
+    const double p11 = brute_pairs(pos1, 4, pos1, 4, 1), p10 = brute_pairs(pos1, 4, pos0, 6, 1);
+    EXPECT(p00 == 21 && p11 == 10, "own-position pairs %g %g", p00, p11);
+    const double c3 = lerp_log(3, 1, 0.125, 4, 0.25) * 1e12, c2 = lerp_log(2, 1, 0.125, 4, 0.25) * 1e12;
+    const double a3 = lerp_log(3, 1, 0.25, 4, 0.5) * 1e12, a2 = lerp_log(2, 1, 0.25, 4, 0.5) * 1e12;
+    const double t0 = 12.0 / c3 + 9.0 / a3 + p01 / a2, t1 = 6.0 / c2 + 4.0 / a2 + p10 / a2;
+    NEAR(per[0].attn_s, 3.5 * 4.0 * d * A * t0 * L, "ring group 0 attn_s with curves");
+    NEAR(per[1].attn_s, 3.5 * 4.0 * d * A * t1 * L, "ring group 1 attn_s with curves");
+    hexiseq_layout_free(&l);
+    hexiseq_cluster_destroy(c);
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Latency: per message (a2a, ring) and per ring step. Three devices in one node, peak 1e-6 TFLOP/s so
+ * that attention outlasts every transfer and only the per-step syncs are exposed. Latency matrix (us):
+ * lat[a][b] = 1 + a + 3 b off the diagonal. */
+
+static void test_latency(void) {
+    hexiseq_node_desc nd = node("A100-80G", 3, 100.0, 10.0, 1e-6, 0.5, 0.25);
+    double lat_us[9];
+    for (int a = 0; a < 3; ++a)
+        for (int bb = 0; bb < 3; ++bb)
+            lat_us[a * 3 + bb] = a == bb ? NAN /* ignored */ : 1.0 + a + 3.0 * bb;
+#define LAT(a, bb) ((1.0 + (a) + 3.0 * (bb)) * 1e-6)
+    const hexiseq_cluster_options opt = {NULL, lat_us};
+    hexiseq_cluster *c = NULL;
+    EXPECT_OK(hexiseq_cluster_create_ex(1, &nd, 10.0, NULL, &opt, &c));
+    double us = 0;
+    EXPECT_OK(hexiseq_cluster_latency(c, 2, 1, &us));
+    EXPECT(us == 6.0, "latency 2 -> 1: %g us", us);
+    EXPECT_ERR(hexiseq_cluster_latency(c, 1, 1, &us), HEXISEQ_ERR_INVALID, "devices");
+    EXPECT_ERR(hexiseq_cluster_latency(c, 0, 3, &us), HEXISEQ_ERR_INVALID, "devices");
+    EXPECT_ERR(hexiseq_cluster_latency(NULL, 0, 1, &us), HEXISEQ_ERR_NULL, "cluster");
+    EXPECT_ERR(hexiseq_cluster_latency(c, 0, 1, NULL), HEXISEQ_ERR_NULL, "us");
+    hexiseq_device_cost per[3];
+    hexiseq_plan_cost pc;
+
+    /* Ring of 3 single-device groups (0 -> 1 -> 2 -> 0) against a ring of 2 (group {0, 2 parked}, group
+     * {1}). Every transfer hides, so a device's exposed ring time is its syncs: the largest latency it
+     * receives, in every forward step but the last (times 2 with checkpointing) and every backward step:
+     * per layer and sequence ((G - 1) * fwd_passes + G) * lat(prev -> me). */
+    for (int ck = 0; ck <= 1; ++ck) {
+        hexiseq_training t = {2, ck, HEXISEQ_SHARD_FULL, 0.0};
+        const double reps = L * 2.0, fp = 1.0 + ck;
+        hexiseq_layout l3, l2;
+        EXPECT_OK(hexiseq_layout_alloc(3, 3, &l3));
+        const int32_t gs3[] = {1, 1, 1}, dv3[] = {0, 1, 2}, lo3[] = {0, 0, 0}, cnt3[] = {4, 4, 4};
+        const int64_t gq3[] = {4, 4, 4}, tk3[] = {4, 4, 4};
+        fill_layout(&l3, gs3, gq3, dv3, tk3, lo3, cnt3);
+        EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 12, 1, &l3, per, &pc));
+        const double ex3[3] = {(2 * fp + 3) * LAT(2, 0) * reps, (2 * fp + 3) * LAT(0, 1) * reps, (2 * fp + 3) * LAT(1, 2) * reps};
+        for (int r = 0; r < 3; ++r)
+            NEAR(per[r].ring_exposed_s, ex3[r], "3-group ring: only the syncs are exposed");
+        EXPECT_OK(hexiseq_layout_alloc(2, 3, &l2));
+        const int32_t gs2[] = {2, 1}, dv2[] = {0, 2, 1}, lo2[] = {0, 4, 0}, cnt2[] = {4, 0, 4};
+        const int64_t gq2[] = {6, 6}, tk2[] = {6, 0, 6};
+        fill_layout(&l2, gs2, gq2, dv2, tk2, lo2, cnt2);
+        EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 12, 1, &l2, per, &pc));
+        NEAR(per[0].ring_exposed_s, (fp + 2) * LAT(1, 0) * reps, "2-group ring dev0 syncs");
+        NEAR(per[2].ring_exposed_s, (fp + 2) * LAT(0, 1) * reps, "2-group ring dev1 syncs");
+        NEAR(per[1].ring_exposed_s, 0.0, "parked device: no ring");
+        NEAR(per[0].a2a_s, 0.0, "a parked peer exchanges no messages");
+        /* With one latency for all links (5 us) the 3-group ring pays (fp + 1) more syncs per layer and
+         * sequence on every device. */
+        double flat[9];
+        for (int i = 0; i < 9; ++i)
+            flat[i] = 5.0;
+        const hexiseq_cluster_options fo = {NULL, flat};
+        hexiseq_cluster *cf = NULL;
+        EXPECT_OK(hexiseq_cluster_create_ex(1, &nd, 10.0, NULL, &fo, &cf));
+        double e2, e3;
+        EXPECT_OK(hexiseq_evaluate(cf, &TINY, &t, 12, 1, &l2, per, &pc));
+        e2 = per[0].ring_exposed_s;
+        EXPECT_OK(hexiseq_evaluate(cf, &TINY, &t, 12, 1, &l3, per, &pc));
+        e3 = per[0].ring_exposed_s;
+        NEAR(e3 - e2, (fp + 1) * 5e-6 * reps, "a 3-group ring costs (fp + 1) syncs more than a 2-group ring");
+        hexiseq_cluster_destroy(cf);
+        hexiseq_layout_free(&l3);
+        hexiseq_layout_free(&l2);
+    }
+
+    /* Group {0 (heads 0-1: kv 0), 1 (heads 2-3: kv 1)} and group {2}: device 2 receives kv 0 from 0 and kv 1
+     * from 1 (two messages; its sync is the larger latency); sends kv 0 to 0 and kv 1 to 1. The all-to-all
+     * inside group 0 pays lat(0 -> 1) per message device 0 sends and lat(1 -> 0) per message it receives. */
+    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0};
+    hexiseq_layout l;
+    EXPECT_OK(hexiseq_layout_alloc(2, 3, &l));
+    const int32_t gs[] = {2, 1}, dv[] = {0, 1, 2}, lo[] = {0, 2, 0}, cnt[] = {2, 2, 4};
+    const int64_t gq[] = {6, 6}, tk[] = {4, 2, 6};
+    fill_layout(&l, gs, gq, dv, tk, lo, cnt);
+    EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 12, 1, &l, per, &pc));
+    NEAR(per[2].ring_exposed_s, (1 + 2) * fmax(LAT(0, 2), LAT(1, 2)) * L, "sync = largest latency received");
+    const double bw = 100e9, elem = d * b;
+    const double s0 = 4, s1 = 2, h0 = 2, h1 = 2, kv0 = 1, kv1 = 1;
+    const double qs0 = s0 * (h1 + 2 * kv1) * elem / bw + LAT(0, 1), qr0 = s1 * (h0 + 2 * kv0) * elem / bw + LAT(1, 0);
+    const double os0 = s1 * h0 * elem / bw + LAT(0, 1), or0 = s0 * h1 * elem / bw + LAT(1, 0);
+    NEAR(per[0].a2a_s, 2.0 * (fmax(qs0, qr0) + fmax(os0, or0)) * L, "a2a latency per message");
+    hexiseq_layout_free(&l);
+    hexiseq_cluster_destroy(c);
+#undef LAT
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Gradient collectives, every sharding, in both regimes of the pipelined overlap: collectives longer than
+ * a layer's compute (fast devices) and shorter (peak 1e-6 TFLOP/s). Two devices of one node, bandwidth
+ * 0 -> 1 at 50 GB/s and 1 -> 0 at 80, latency 3 us and 7 us: the ring's slowest link is 50 GB/s and its
+ * largest latency 7 us. One group of both devices, non-causal, tokens 5 | 5, heads 2 | 2. */
+
+static void test_grad_collectives(void) {
+    const double bwm[4] = {0, 50, 80, 0}, latm[4] = {0, 3, 7, 0};
+    const hexiseq_cluster_options opt = {NULL, latm};
+    const double peaks[2] = {1000.0, 1e-6};
+    hexiseq_layout l;
+    EXPECT_OK(hexiseq_layout_alloc(1, 2, &l));
+    const int32_t gs[] = {2}, dv[] = {0, 1}, lo[] = {0, 2}, cnt[] = {2, 2};
+    const int64_t gq[] = {10}, tk[] = {5, 5};
+    fill_layout(&l, gs, gq, dv, tk, lo, cnt);
+    for (int pi = 0; pi < 2; ++pi) {
+        hexiseq_node_desc nd = node("H100", 2, 100.0, 10.0, peaks[pi], 0.5, 0.25);
+        hexiseq_cluster *c = NULL;
+        EXPECT_OK(hexiseq_cluster_create_ex(1, &nd, 10.0, bwm, &opt, &c));
+        /* one layer, one sequence, either device (they are alike): matmuls of 5 rows, attention of 10 x 10
+         * pairs for 2 heads on the whole 10-token block */
+        const double gf = 5 * tiny_layer_fpt() / gemm_rate(peaks[pi], 0.5, 5);
+        const double af = 4.0 * 100 * d * 2 / attn_rate(peaks[pi], 0.25, 10);
+        const double a = 0.5 * tiny_params() * b / 50e9 / L + 7e-6; /* one layer's reduce-scatter or gather */
+        EXPECT(pi == 0 ? a > 4.5 * (gf + af) : 3 * a < gf + af, "regime %d: per-layer collective vs compute", pi);
+        for (int32_t sh = HEXISEQ_SHARD_FULL; sh <= HEXISEQ_SHARD_NONE; ++sh)
+            for (int ck = 0; ck <= 1; ++ck)
+                for (int seqs = 1; seqs <= 3; seqs += 2) {
+                    hexiseq_training t = {seqs, ck, sh, 0.0};
+                    hexiseq_device_cost per[2];
+                    hexiseq_plan_cost pc;
+                    EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 10, 0, &l, per, &pc));
+                    double gsync, gexp;
+                    grad_by_hand(sh, 2, 50e9, 7e-6, seqs, ck, gf + af, (2.0 + ck) * gf + (2.5 + ck) * af, &gsync, &gexp);
+                    char what[96];
+                    snprintf(what, sizeof what, "grad sharding %d ckpt %d seqs %d peak %g", sh, ck, seqs, peaks[pi]);
+                    NEAR(pc.grad_sync_s, gsync, what);
+                    NEAR(pc.grad_exposed_s, gexp, what);
+                    NEAR(pc.step_time_s, pc.gemm_phase_s + pc.a2a_phase_s + pc.ring_phase_s + gexp, what);
+                    if (pi == 1) { /* compute hides all but the last layer's collective */
+                        double A = a * L, last;
+                        if (sh == HEXISEQ_SHARD_FULL)
+                            last = seqs * a + (seqs - 1) * (1 + ck) * a + (2 + ck) * a;
+                        else if (sh == HEXISEQ_SHARD_GRAD_OPT)
+                            last = a + A;
+                        else
+                            last = 2 * a;
+                        NEAR(pc.grad_exposed_s, last, what);
+                    }
+                }
+        hexiseq_cluster_destroy(c);
+    }
+    hexiseq_layout_free(&l);
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* A GPU model outside the catalog, fully described by the node's overrides or by measured curves. */
+
+static void test_unknown_gpu(void) {
+    char name[16] = "MI300X";
+    hexiseq_node_desc nd = node(name, 2, 100.0, 64.0, 500.0, 0.6, 0.4);
+    hexiseq_cluster *c = NULL;
+    EXPECT_OK(hexiseq_cluster_create(1, &nd, 10.0, NULL, &c));
+    strcpy(name, "XXXXX"); /* the cluster keeps its own copy of the name */
+    hexiseq_device_info di;
+    EXPECT_OK(hexiseq_cluster_device(c, 1, &di));
+    EXPECT(di.gpu_index == -1 && strcmp(di.gpu_name, "MI300X") == 0 && di.memory_gib == 64.0 && di.peak_tflops == 500.0 &&
+               di.gemm_eff == 0.6 && di.attn_eff == 0.4,
+           "unknown GPU device: index %d name %s", di.gpu_index, di.gpu_name);
+    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0};
+    hexiseq_layout l;
+    EXPECT_OK(hexiseq_layout_alloc(1, 2, &l));
+    const int32_t gs[] = {2}, dv[] = {0, 1}, lo[] = {0, 2}, cnt[] = {2, 2};
+    const int64_t gq[] = {10}, tk[] = {6, 4};
+    fill_layout(&l, gs, gq, dv, tk, lo, cnt);
+    hexiseq_device_cost per[2];
+    hexiseq_plan_cost pc;
+    const double fpt = L * tiny_layer_fpt() * 3.0 + tiny_head_fpt() * 3.0;
+    EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 10, 1, &l, per, &pc));
+    NEAR(per[0].gemm_s, 6 * fpt / gemm_rate(500.0, 0.6, 6), "unknown GPU gemm_s from the node's rates");
+    hexiseq_layout out;
+    EXPECT_OK(hexiseq_plan_strategy(c, &TINY, &t, 1000, 1, HEXISEQ_STRATEGY_HEXISEQ, &out, &pc));
+    hexiseq_layout_free(&out);
+    hexiseq_cluster_destroy(c);
+    /* too little memory: the error names the model */
+    strcpy(name, "MI300X");
+    nd.memory_gib = 1e-6;
+    EXPECT_OK(hexiseq_cluster_create(1, &nd, 10.0, NULL, &c));
+    EXPECT_ERR(hexiseq_plan_strategy(c, &TINY, &t, 1000, 1, HEXISEQ_STRATEGY_RING, &out, &pc), HEXISEQ_ERR_MEMORY, "MI300X");
+    hexiseq_layout_free(&out);
+    EXPECT_ERR(hexiseq_plan_strategy(c, &TINY, &t, 1000, 1, HEXISEQ_STRATEGY_HEXISEQ, &out, &pc), HEXISEQ_ERR_MEMORY, "MI300X");
+    hexiseq_layout_free(&out);
+    hexiseq_cluster_destroy(c);
+
+    /* Not fully described: the error names the node, the model, what to give, and the catalog. */
+    hexiseq_node_desc bad = node("MI300X", 2, 100.0, 0.0, 500.0, 0.6, 0.4);
+    EXPECT_ERR(hexiseq_cluster_create(1, &bad, 10.0, NULL, &c), HEXISEQ_ERR_UNKNOWN_GPU, "nodes[0].gpu 'MI300X'");
+    EXPECT(strstr(hexiseq_last_error(), "memory_gib, peak_tflops, gemm_eff and attn_eff") &&
+               strstr(hexiseq_last_error(), "H100-SXM") && strstr(hexiseq_last_error(), "device 0 has no memory_gib"),
+           "unknown GPU message: '%s'", hexiseq_last_error());
+    EXPECT(c == NULL, "no cluster on failure");
+    bad = node("MI300X", 2, 100.0, 64.0, 500.0, 0.6, 0.0);
+    EXPECT_ERR(hexiseq_cluster_create(1, &bad, 10.0, NULL, &c), HEXISEQ_ERR_UNKNOWN_GPU, "attention rate");
+    bad = node("MI300X", 2, 100.0, 64.0, 0.0, 0.6, 0.4);
+    EXPECT_ERR(hexiseq_cluster_create(1, &bad, 10.0, NULL, &c), HEXISEQ_ERR_UNKNOWN_GPU, "matmul rate");
+
+    /* Described by measurements only: each device's memory and gemm, attn curves. */
+    hexiseq_node_desc nodes[2] = {node("A100-80G", 1, 100.0, 0, 0, 0, 0), node("MI300X", 2, 100.0, 0, 0, 0, 0)};
+    hexiseq_device_desc dd[3];
+    memset(dd, 0, sizeof dd);
+    for (int i = 1; i < 3; ++i) {
+        dd[i].memory_gib = 100.0 + i;
+        dd[i].gemm = curve2(10, 1.0, 40, 3.0);
+        dd[i].attn = curve2(1, 0.25, 16, 1.5);
+    }
+    const hexiseq_cluster_options opt = {dd, NULL};
+    EXPECT_OK(hexiseq_cluster_create_ex(2, nodes, 10.0, NULL, &opt, &c));
+    EXPECT_OK(hexiseq_cluster_device(c, 2, &di));
+    EXPECT(di.gpu_index == -1 && strcmp(di.gpu_name, "MI300X") == 0 && di.memory_gib == 102.0 && di.peak_tflops == 0.0,
+           "curve-described device: index %d name %s memory %g peak %g", di.gpu_index, di.gpu_name, di.memory_gib,
+           di.peak_tflops);
+    EXPECT_OK(hexiseq_cluster_device(c, 0, &di));
+    EXPECT(di.gpu_index >= 0 && strcmp(di.gpu_name, "A100-80G") == 0, "catalog device next to it");
+    hexiseq_layout l3;
+    EXPECT_OK(hexiseq_layout_alloc(3, 3, &l3));
+    const int32_t gs3[] = {1, 1, 1}, dv3[] = {0, 1, 2}, lo3[] = {0, 0, 0}, cnt3[] = {4, 4, 4};
+    const int64_t gq3[] = {10, 20, 10}, tk3[] = {10, 20, 10};
+    fill_layout(&l3, gs3, gq3, dv3, tk3, lo3, cnt3);
+    hexiseq_device_cost per3[3];
+    EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 40, 1, &l3, per3, &pc));
+    NEAR(per3[1].gemm_s, 20 * fpt / 2e12, "curve-described gemm_s (halfway in log between 10 and 40)");
+    NEAR(per3[2].mem_cap_gib, 102.0, "curve-described memory");
+    EXPECT_OK(hexiseq_plan_strategy(c, &TINY, &t, 4000, 1, HEXISEQ_STRATEGY_HEXISEQ, &out, &pc));
+    hexiseq_layout_free(&out);
+    hexiseq_layout_free(&l3);
+    hexiseq_cluster_destroy(c);
+    dd[2].attn.n = 0; /* device 2 without an attention rate */
+    EXPECT_ERR(hexiseq_cluster_create_ex(2, nodes, 10.0, NULL, &opt, &c), HEXISEQ_ERR_UNKNOWN_GPU, "nodes[1].gpu 'MI300X'");
+    EXPECT(strstr(hexiseq_last_error(), "device 2 has no attention rate"), "names the device: '%s'", hexiseq_last_error());
+    dd[2].attn = curve2(1, 0.25, 16, 1.5);
+    dd[2].memory_gib = 0; /* nor memory */
+    EXPECT_ERR(hexiseq_cluster_create_ex(2, nodes, 10.0, NULL, &opt, &c), HEXISEQ_ERR_UNKNOWN_GPU, "device 2 has no memory_gib");
+    EXPECT_ERR(hexiseq_cluster_create(2, nodes, 10.0, NULL, &c), HEXISEQ_ERR_UNKNOWN_GPU, "device 1 has no memory_gib");
+    hexiseq_layout_free(&l);
+}
+
+/* Bad curves, device memories and latencies are named by field and index. */
+static void test_garbage_measurements(void) {
+    hexiseq_node_desc nd = node("H100", 3, 450, 0, 0, 0, 0);
+    hexiseq_device_desc dd[3];
+    hexiseq_cluster_options opt = {dd, NULL};
+    hexiseq_cluster *c = (hexiseq_cluster *)(uintptr_t)1;
+    memset(dd, 0, sizeof dd);
+    EXPECT_OK(hexiseq_cluster_create_ex(1, &nd, 25, NULL, &opt, &c)); /* all-empty descriptions are fine */
+    hexiseq_cluster_destroy(c);
+    EXPECT_OK(hexiseq_cluster_create_ex(1, &nd, 25, NULL, NULL, &c));
+    hexiseq_cluster_destroy(c);
+
+    dd[2].attn = curve2(1024, 100, 512, 200);
+    EXPECT_ERR(hexiseq_cluster_create_ex(1, &nd, 25, NULL, &opt, &c), HEXISEQ_ERR_INVALID,
+               "devices[2].attn_tflops[1]: sizes must increase, got 512 after 1024");
+    EXPECT(c == NULL, "out set to NULL on failure");
+    dd[2].attn = curve2(512, 100, 512, 200);
+    EXPECT_ERR(hexiseq_cluster_create_ex(1, &nd, 25, NULL, &opt, &c), HEXISEQ_ERR_INVALID, "devices[2].attn_tflops[1]");
+    memset(dd, 0, sizeof dd);
+    const double bad[] = {0.0, -1.0, NAN, INFINITY, -INFINITY};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; ++i) {
+        memset(dd, 0, sizeof dd);
+        dd[1].attn_causal = curve2(bad[i], 100, 512, 200);
+        EXPECT_ERR(hexiseq_cluster_create_ex(1, &nd, 25, NULL, &opt, &c), HEXISEQ_ERR_INVALID,
+                   "devices[1].attn_causal_tflops[0]: size");
+        memset(dd, 0, sizeof dd);
+        dd[0].gemm = curve2(256, 100, 512, bad[i]);
+        EXPECT_ERR(hexiseq_cluster_create_ex(1, &nd, 25, NULL, &opt, &c), HEXISEQ_ERR_INVALID, "devices[0].gemm_tflops[1]: tflops");
+    }
+    const int32_t bad_n[] = {-1, HEXISEQ_MAX_CURVE + 1, INT32_MIN, INT32_MAX};
+    for (size_t i = 0; i < sizeof bad_n / sizeof bad_n[0]; ++i) {
+        memset(dd, 0, sizeof dd);
+        dd[0].gemm.n = bad_n[i];
+        EXPECT_ERR(hexiseq_cluster_create_ex(1, &nd, 25, NULL, &opt, &c), HEXISEQ_ERR_INVALID, "devices[0].gemm_tflops");
+    }
+    const double nonfinite[] = {NAN, INFINITY, -INFINITY};
+    for (size_t i = 0; i < 3; ++i) {
+        memset(dd, 0, sizeof dd);
+        dd[1].memory_gib = nonfinite[i];
+        EXPECT_ERR(hexiseq_cluster_create_ex(1, &nd, 25, NULL, &opt, &c), HEXISEQ_ERR_INVALID, "devices[1].memory_gib");
+    }
+    /* latency: finite and >= 0 off the diagonal; the diagonal is ignored */
+    opt.devices = NULL;
+    const double bad_lat[] = {-1.0, NAN, INFINITY, -INFINITY};
+    for (size_t i = 0; i < sizeof bad_lat / sizeof bad_lat[0]; ++i) {
+        double m9[9] = {0, 1, 1, 1, 0, 1, 1, 1, 0};
+        m9[5] = bad_lat[i];
+        opt.latency_us = m9;
+        EXPECT_ERR(hexiseq_cluster_create_ex(1, &nd, 25, NULL, &opt, &c), HEXISEQ_ERR_INVALID, "latency_us[1][2]");
+        double diag[9] = {bad_lat[i], 0, 0, 0, bad_lat[i], 0, 0, 0, bad_lat[i]};
+        opt.latency_us = diag;
+        EXPECT_OK(hexiseq_cluster_create_ex(1, &nd, 25, NULL, &opt, &c));
+        hexiseq_cluster_destroy(c);
+    }
+}
+
 int main(void) {
     test_one_device();
     test_two_devices();
     test_three_devices();
     test_four_devices();
+    test_curves();
+    test_latency();
+    test_grad_collectives();
+    test_unknown_gpu();
+    test_garbage_measurements();
     test_causal_pairs();
     test_spans();
     test_strategies_odd_sizes();
