@@ -273,7 +273,12 @@ class HexiSeqContext:
         self.group = group if group is not None else dist.group.WORLD
         self.causal = bool(causal)
         self.scale = softmax_scale
-        self.kernel_s = 0.0  # seconds spent inside attention kernels on this rank (for exposed-communication figures)
+        # Seconds this rank spent per phase since the last reset_timers(): "attn" (block kernels and merges),
+        # "a2a" (the all-to-all calls), "ring_wait" (waiting for ring transfers and shared-head reductions the
+        # kernels did not hide). hexiseq.measure reads them; with sync_timing set, CUDA work is synchronised at
+        # every phase boundary so the clock sees the device, not the launches (slower: for measurement only).
+        self.phase_s = {"attn": 0.0, "a2a": 0.0, "ring_wait": 0.0}
+        self.sync_timing = False
         _live_contexts.add(self)
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -331,6 +336,31 @@ class HexiSeqContext:
                 # all_to_all_single orders its splits by rank inside the subgroup, not by our member order
                 pos = [dist.get_group_rank(pg, r) for r in ranks]
                 self.hp_order = sorted(range(len(ranks)), key=lambda i: pos[i])
+
+    @property
+    def kernel_s(self):
+        """Seconds spent inside attention kernels on this rank since the last reset (phase_s["attn"])."""
+        return self.phase_s["attn"]
+
+    @kernel_s.setter
+    def kernel_s(self, value):
+        self.phase_s["attn"] = float(value)
+
+    def reset_timers(self):
+        for key in self.phase_s:
+            self.phase_s[key] = 0.0
+
+    def _clock(self, device=None):
+        if self.sync_timing and device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    def _wait(self, reqs, device):
+        """Wait for posted P2P requests; the time counts as exposed ring communication."""
+        t0 = self._clock(device)
+        for r in reqs:
+            r.wait()
+        self.phase_s["ring_wait"] += self._clock(device) - t0
 
     def close(self):
         """Release this context's HP subgroup. Call it before torch.distributed.destroy_process_group(); an exit
@@ -390,8 +420,10 @@ class HexiSeqContext:
         recv_numels = [recv_numels[i] for i in order]
         send = torch.cat(send_parts)
         recv = torch.empty(sum(recv_numels), dtype=dtype, device=device)
+        t0 = self._clock(device)
         dist.all_to_all_single(recv, send, output_split_sizes=recv_numels,
                                input_split_sizes=[p.numel() for p in send_parts], group=self.hp_group)
+        self.phase_s["a2a"] += self._clock(device) - t0
         got = torch.split(recv, recv_numels)
         out = [None] * len(order)
         for j, i in enumerate(order):
@@ -546,18 +578,17 @@ class HexiSeqContext:
             Kb, Vb = self._heads_view(cur[0]), self._heads_view(cur[1])
             for qo, qp0, qn, ko, kp0, kn in self._block_pairs(self.g, src):
                 qc, kc, vc = Qg[:, qo:qo + qn], Kb[:, ko:ko + kn], Vb[:, ko:ko + kn]
-                t0 = time.perf_counter()
+                t0 = self._clock(dev)
                 if use_c:
                     o_p, l_p = ops.attention_forward(qc, kc, vc, causal=self.causal, q_pos0=qp0, k_pos0=kp0, scale=scale)
                 else:
                     o_p, l_p = _block_forward_torch(qc, kc, vc, self.causal, qp0, kp0, scale)
                 i = qoff.index(qo)
                 _merge(O[i], L[i], o_p.to(acc_dt), l_p.to(acc_dt), merge_c)
-                self.kernel_s += time.perf_counter() - t0
+                self.phase_s["attn"] += self._clock(dev) - t0
             if pending is not None:
                 reqs, got, _keep = pending
-                for r in reqs:
-                    r.wait()
+                self._wait(reqs, dev)
                 cur = torch.empty(2, B, self.S[nxt_src], me.kv_n, d, dtype=dt, device=dev)
                 for lo, n, t in got:
                     cur[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n] = t
@@ -618,8 +649,7 @@ class HexiSeqContext:
         def assemble(pending, S):
             """Wait for a posted accumulator exchange; the received dK/dV of my first-held heads [2, B, S, ., d]."""
             reqs, got, _keep = pending
-            for r in reqs:
-                r.wait()
+            self._wait(reqs, dev)
             acc = torch.zeros(2, B, S, me.first_n, d, dtype=acc_dt, device=dev)
             for lo, n, t in got:
                 acc[:, :, :, lo - me.first_lo:lo - me.first_lo + n] = t
@@ -645,7 +675,7 @@ class HexiSeqContext:
                 i = qoff.index(qo)
                 qc, oc, doc, lc = Qg[:, qo:qo + qn], Og[:, qo:qo + qn], dOg[:, qo:qo + qn], lses[i]
                 kc, vc = Kb[:, ko:ko + kn], Vb[:, ko:ko + kn]
-                t0 = time.perf_counter()
+                t0 = self._clock(dev)
                 if use_c and acc_dt == dt:
                     ops.attention_backward(qc, kc, vc, oc, lc.to(acc_dt), doc, causal=self.causal, q_pos0=qp0,
                                            k_pos0=kp0, scale=scale, dq=dQ[:, qo:qo + qn],
@@ -662,7 +692,7 @@ class HexiSeqContext:
                     dQ[:, qo:qo + qn] += dq_p.to(acc_dt)
                     contrib[0, :, ko:ko + kn] += dk_p.to(acc_dt)
                     contrib[1, :, ko:ko + kn] += dv_p.to(acc_dt)
-                self.kernel_s += time.perf_counter() - t0
+                self.phase_s["attn"] += self._clock(dev) - t0
             if not aligned:  # fold per-query-head pieces back onto my kv heads
                 folded = torch.zeros(2, B, Ssrc, kv, d, dtype=acc_dt, device=dev)
                 folded.index_add_(3, kv_idx, contrib)
@@ -681,8 +711,7 @@ class HexiSeqContext:
                 acc_sends, acc_recvs, lambda lo, n, a=acc: a[:, :, :, lo - me.first_lo:lo - me.first_lo + n],
                 lambda lo, n, S=self.S[nxt_src]: (2, B, S, n, d), acc_dt, dev, self.TAG_ACC)
             if kv_pending is not None:
-                for r in kv_pending[0]:
-                    r.wait()
+                self._wait(kv_pending[0], dev)
                 cur = torch.empty(2, B, self.S[nxt_src], kv, d, dtype=dt, device=dev)
                 for lo, n, t in kv_pending[1]:
                     cur[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n] = t
@@ -720,8 +749,7 @@ class HexiSeqContext:
         reqs, got, _keep = self._exchange(
             send, recv, lambda lo, n: contrib[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n],
             lambda lo, n: (2, B, S, n, d), acc_dt, dev, self.TAG_REDUCE)
-        for r in reqs:
-            r.wait()
+        self._wait(reqs, dev)
         for lo, n, t in got:
             contrib[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n] += t
         return contrib
