@@ -6,6 +6,7 @@
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include <numpy/arrayobject.h>
 
+#include <stdarg.h>
 #include <stddef.h>
 #include <string.h>
 
@@ -16,6 +17,7 @@
 #endif
 
 #define MAX_NODES 65536
+#define HEXISEQ_MAX_DEVICES_BINDING 65536 /* the core rejects larger clusters by itself */
 
 /* ------------------------------------------------------------------ module state and errors */
 
@@ -59,9 +61,101 @@ static PyArrayObject *as_array(PyObject *obj, int typenum, npy_intp n, const cha
     return arr;
 }
 
-/* A cluster from (nodes, inter_node_gbps, bandwidth matrix or None), nodes being tuples
- * (gpu, count, intra_gbps, memory_gib, peak_tflops, gemm_eff, attn_eff). */
-static hexiseq_cluster *make_cluster(PyObject *module, PyObject *nodes, double inter, PyObject *bw_obj) {
+/* Raise InvalidArgumentError with a formatted message; returns -1. */
+static int invalid(PyObject *module, const char *fmt, ...) {
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    PyOS_vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    PyErr_SetString(get_state(module)->errors[HEXISEQ_ERR_INVALID], msg);
+    return -1;
+}
+
+/* A measured curve from None or a sequence of (size, tflops) pairs. */
+static int parse_curve(PyObject *module, PyObject *obj, Py_ssize_t dev, const char *field, hexiseq_rate_curve *out) {
+    memset(out, 0, sizeof *out);
+    if (obj == Py_None)
+        return 0;
+    PyObject *seq = PySequence_Fast(obj, "");
+    if (!seq) {
+        PyErr_Clear();
+        return invalid(module, "devices[%zd].%s must be a list of [size, tflops] pairs", dev, field);
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > HEXISEQ_MAX_CURVE) {
+        Py_DECREF(seq);
+        return invalid(module, "devices[%zd].%s has %zd points, at most %d", dev, field, n, HEXISEQ_MAX_CURVE);
+    }
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyArg_ParseTuple(pair, "dd", &out->size[i], &out->tflops[i])) {
+            PyErr_Clear();
+            Py_DECREF(seq);
+            return invalid(module, "devices[%zd].%s[%zd] must be a [size, tflops] pair of numbers", dev, field, i);
+        }
+    }
+    out->n = (int32_t)n;
+    Py_DECREF(seq);
+    return 0;
+}
+
+/* Per-device descriptions from None or a list of n entries, each None or (memory_gib, gemm, attn, attn_causal)
+ * with curves as above. Returns a PyMem block (NULL with *none set when not given) or NULL on error. */
+static hexiseq_device_desc *parse_devices(PyObject *module, PyObject *obj, int64_t n, int *none) {
+    *none = obj == Py_None;
+    if (*none)
+        return NULL;
+    if (!PyList_Check(obj)) {
+        invalid(module, "devices must be a list with one entry per device");
+        return NULL;
+    }
+    if (PyList_GET_SIZE(obj) != n) {
+        invalid(module, "devices must have one entry per device (%lld), got %zd", (long long)n, PyList_GET_SIZE(obj));
+        return NULL;
+    }
+    hexiseq_device_desc *dd = PyMem_Calloc(n ? (size_t)n : 1, sizeof *dd);
+    if (!dd) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < (Py_ssize_t)n; ++i) {
+        PyObject *item = PyList_GET_ITEM(obj, i), *g, *a, *ac;
+        if (item == Py_None)
+            continue;
+        if (!PyArg_ParseTuple(item, "dOOO;devices entries are (memory_gib, gemm, attn, attn_causal)", &dd[i].memory_gib,
+                              &g, &a, &ac) ||
+            parse_curve(module, g, i, "gemm_tflops", &dd[i].gemm) < 0 ||
+            parse_curve(module, a, i, "attn_tflops", &dd[i].attn) < 0 ||
+            parse_curve(module, ac, i, "attn_causal_tflops", &dd[i].attn_causal) < 0) {
+            PyMem_Free(dd);
+            return NULL;
+        }
+    }
+    return dd;
+}
+
+/* A square matrix of the cluster's size from None or a 2-D sequence; *arr stays NULL for None. */
+static int parse_matrix(PyObject *obj, int64_t n, const char *name, PyArrayObject **arr) {
+    *arr = NULL;
+    if (obj == Py_None)
+        return 0;
+    *arr = (PyArrayObject *)PyArray_FROMANY(obj, NPY_DOUBLE, 2, 2, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
+    if (!*arr)
+        return -1;
+    if (PyArray_DIM(*arr, 0) != n || PyArray_DIM(*arr, 1) != n) {
+        PyErr_Format(PyExc_ValueError, "%s must be a %lld x %lld matrix (one row per device), got %zd x %zd", name,
+                     (long long)n, (long long)n, (Py_ssize_t)PyArray_DIM(*arr, 0), (Py_ssize_t)PyArray_DIM(*arr, 1));
+        Py_CLEAR(*arr);
+        return -1;
+    }
+    return 0;
+}
+
+/* A cluster from (nodes, inter_node_gbps, bandwidth matrix or None, latency matrix or None, devices or None),
+ * nodes being tuples (gpu, count, intra_gbps, memory_gib, peak_tflops, gemm_eff, attn_eff). */
+static hexiseq_cluster *make_cluster(PyObject *module, PyObject *nodes, double inter, PyObject *bw_obj,
+                                     PyObject *lat_obj, PyObject *dev_obj) {
     if (!PyList_Check(nodes)) {
         PyErr_SetString(PyExc_TypeError, "nodes must be a list of tuples");
         return NULL;
@@ -83,34 +177,35 @@ static hexiseq_cluster *make_cluster(PyObject *module, PyObject *nodes, double i
             return NULL;
         }
     }
-    PyArrayObject *bw = NULL;
-    if (bw_obj != Py_None) {
-        bw = (PyArrayObject *)PyArray_FROMANY(bw_obj, NPY_DOUBLE, 2, 2, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
-        if (!bw) {
-            PyMem_Free(desc);
-            return NULL;
-        }
-    }
-    if (bw) {
-        int64_t total = 0;
-        for (Py_ssize_t i = 0; i < n_nodes; ++i)
-            total += desc[i].count > 0 ? desc[i].count : 0;
-        if (PyArray_DIM(bw, 0) != total || PyArray_DIM(bw, 1) != total) {
-            PyErr_Format(PyExc_ValueError, "bandwidth_gbps must be a %lld x %lld matrix (one row per device), got %zd x %zd",
-                         (long long)total, (long long)total, (Py_ssize_t)PyArray_DIM(bw, 0), (Py_ssize_t)PyArray_DIM(bw, 1));
-            Py_DECREF(bw);
-            PyMem_Free(desc);
-            return NULL;
-        }
-    }
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < n_nodes; ++i)
+        total += desc[i].count > 0 ? desc[i].count : 0;
+    PyArrayObject *bw = NULL, *lat = NULL;
+    hexiseq_device_desc *devices = NULL;
     hexiseq_cluster *c = NULL;
-    hexiseq_status s = hexiseq_cluster_create((int32_t)n_nodes, desc, inter, bw ? (const double *)PyArray_DATA(bw) : NULL, &c);
-    Py_XDECREF(bw);
-    PyMem_Free(desc);
+    hexiseq_cluster_options opt = {NULL, NULL};
+    hexiseq_status s;
+    int no_devices = 1;
+    if (parse_matrix(bw_obj, total, "bandwidth_gbps", &bw) < 0 || parse_matrix(lat_obj, total, "latency_us", &lat) < 0)
+        goto done;
+    if (total <= HEXISEQ_MAX_DEVICES_BINDING) {
+        devices = parse_devices(module, dev_obj, total, &no_devices);
+        if (!devices && !no_devices)
+            goto done;
+    }
+    opt.devices = devices;
+    opt.latency_us = lat ? (const double *)PyArray_DATA(lat) : NULL;
+    s = hexiseq_cluster_create_ex((int32_t)n_nodes, desc, inter, bw ? (const double *)PyArray_DATA(bw) : NULL,
+                                                 &opt, &c);
     if (s != HEXISEQ_OK) {
         raise_status(module, s);
-        return NULL;
+        c = NULL;
     }
+done:
+    Py_XDECREF(bw);
+    Py_XDECREF(lat);
+    PyMem_Free(devices);
+    PyMem_Free(desc);
     return c;
 }
 
@@ -136,10 +231,11 @@ static PyObject *layout_to_dict(const hexiseq_layout *l) {
 }
 
 static PyObject *plan_cost_to_dict(const hexiseq_plan_cost *p) {
-    return Py_BuildValue("{s:d,s:d,s:d,s:d,s:d,s:d,s:i,s:i,s:i,s:O,s:i,s:d}", "step_time_s", p->step_time_s,
+    return Py_BuildValue("{s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:i,s:i,s:i,s:O,s:i,s:d}", "step_time_s", p->step_time_s,
                          "gemm_phase_s", p->gemm_phase_s, "a2a_phase_s", p->a2a_phase_s, "ring_phase_s",
-                         p->ring_phase_s, "lower_bound_s", p->lower_bound_s, "tokens_per_s", p->tokens_per_s,
-                         "gemm_bottleneck", p->gemm_bottleneck, "a2a_bottleneck", p->a2a_bottleneck, "ring_bottleneck",
+                         p->ring_phase_s, "grad_sync_s", p->grad_sync_s, "grad_exposed_s", p->grad_exposed_s,
+                         "lower_bound_s", p->lower_bound_s, "tokens_per_s", p->tokens_per_s, "gemm_bottleneck",
+                         p->gemm_bottleneck, "a2a_bottleneck", p->a2a_bottleneck, "ring_bottleneck",
                          p->ring_bottleneck, "fits", p->fits ? Py_True : Py_False, "short_device", p->short_device,
                          "short_gib", p->short_gib);
 }
@@ -151,6 +247,7 @@ static PyObject *device_costs_to_dict(const hexiseq_device_cost *dc, npy_intp n)
         size_t offset;
     } cols[] = {
         {"gemm_s", offsetof(hexiseq_device_cost, gemm_s)},
+        {"layer_gemm_s", offsetof(hexiseq_device_cost, layer_gemm_s)},
         {"attn_s", offsetof(hexiseq_device_cost, attn_s)},
         {"a2a_s", offsetof(hexiseq_device_cost, a2a_s)},
         {"ring_exposed_s", offsetof(hexiseq_device_cost, ring_exposed_s)},
@@ -262,13 +359,13 @@ static PyObject *core_gpu_find(PyObject *module, PyObject *arg) {
     return PyUnicode_FromString(g.name);
 }
 
-/* check_cluster(nodes, inter_gbps, bandwidth) -> number of devices; validates through the core. */
+/* check_cluster(nodes, inter_gbps, bandwidth, latency, devices) -> number of devices; validates through the core. */
 static PyObject *core_check_cluster(PyObject *module, PyObject *args) {
-    PyObject *nodes, *bw;
+    PyObject *nodes, *bw, *lat, *dev;
     double inter;
-    if (!PyArg_ParseTuple(args, "OdO:check_cluster", &nodes, &inter, &bw))
+    if (!PyArg_ParseTuple(args, "OdOOO:check_cluster", &nodes, &inter, &bw, &lat, &dev))
         return NULL;
-    hexiseq_cluster *c = make_cluster(module, nodes, inter, bw);
+    hexiseq_cluster *c = make_cluster(module, nodes, inter, bw, lat, dev);
     if (!c)
         return NULL;
     int32_t n = hexiseq_cluster_num_devices(c);
@@ -288,15 +385,15 @@ static PyObject *core_model_params(PyObject *module, PyObject *arg) {
     return PyFloat_FromDouble(p);
 }
 
-/* evaluate(nodes, inter_gbps, bandwidth, model, training, seq_len, causal, layout_dict)
+/* evaluate(nodes, inter_gbps, bandwidth, latency, devices, model, training, seq_len, causal, layout_dict)
  *   -> (per_device dict of arrays, plan dict) */
 static PyObject *core_evaluate(PyObject *module, PyObject *args) {
-    PyObject *nodes, *bw, *model_obj, *train_obj, *layout_obj;
+    PyObject *nodes, *bw, *lat, *dev, *model_obj, *train_obj, *layout_obj;
     double inter;
     long long seq_len;
     int causal;
-    if (!PyArg_ParseTuple(args, "OdOOOLpO!:evaluate", &nodes, &inter, &bw, &model_obj, &train_obj, &seq_len, &causal,
-                          &PyDict_Type, &layout_obj))
+    if (!PyArg_ParseTuple(args, "OdOOOOOLpO!:evaluate", &nodes, &inter, &bw, &lat, &dev, &model_obj, &train_obj,
+                          &seq_len, &causal, &PyDict_Type, &layout_obj))
         return NULL;
     hexiseq_model m;
     hexiseq_training t;
@@ -335,7 +432,7 @@ static PyObject *core_evaluate(PyObject *module, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "layout is too large");
         goto done;
     }
-    c = make_cluster(module, nodes, inter, bw);
+    c = make_cluster(module, nodes, inter, bw, lat, dev);
     if (!c)
         goto done;
     hexiseq_layout l = {(int32_t)n_groups, (int32_t)n_dev, PyArray_DATA(arr[0]), PyArray_DATA(arr[1]),
@@ -361,20 +458,21 @@ done:
     return result;
 }
 
-/* plan_strategy(nodes, inter_gbps, bandwidth, model, training, seq_len, causal, strategy) -> layout dict */
+/* plan_strategy(nodes, inter_gbps, bandwidth, latency, devices, model, training, seq_len, causal, strategy)
+ *   -> layout dict */
 static PyObject *core_plan_strategy(PyObject *module, PyObject *args) {
-    PyObject *nodes, *bw, *model_obj, *train_obj;
+    PyObject *nodes, *bw, *lat, *dev, *model_obj, *train_obj;
     double inter;
     long long seq_len;
     int causal, strategy;
-    if (!PyArg_ParseTuple(args, "OdOOOLpi:plan_strategy", &nodes, &inter, &bw, &model_obj, &train_obj, &seq_len, &causal,
-                          &strategy))
+    if (!PyArg_ParseTuple(args, "OdOOOOOLpi:plan_strategy", &nodes, &inter, &bw, &lat, &dev, &model_obj, &train_obj,
+                          &seq_len, &causal, &strategy))
         return NULL;
     hexiseq_model m;
     hexiseq_training t;
     if (!parse_model(model_obj, &m) || !parse_training(train_obj, &t))
         return NULL;
-    hexiseq_cluster *c = make_cluster(module, nodes, inter, bw);
+    hexiseq_cluster *c = make_cluster(module, nodes, inter, bw, lat, dev);
     if (!c)
         return NULL;
     hexiseq_layout l;

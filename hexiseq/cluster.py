@@ -1,17 +1,23 @@
-"""Cluster descriptions: nodes of GPUs, the links inside and between them."""
+"""Cluster descriptions: nodes of GPUs, the links inside and between them, and what was measured on them."""
 
+import copy
+import datetime
 import json
+import math
+import numbers
 import os
 from dataclasses import asdict, dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 
 from . import _core
 from ._validate import integer, number
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, UnknownGPUError
 
-__all__ = ["Node", "Cluster", "gpu_catalog"]
+__all__ = ["Node", "DeviceRates", "Cluster", "gpu_catalog"]
+
+MAX_CURVE_POINTS = 16  # the core's HEXISEQ_MAX_CURVE
 
 
 def gpu_catalog():
@@ -44,14 +50,122 @@ class Node:
 
 _NODE_KEYS = {"gpu", "count", "intra_gbps", "memory_gib", "peak_tflops", "gemm_eff", "attn_eff"}
 
+Curve = Tuple[Tuple[float, float], ...]
+_CURVES = ("gemm_tflops", "attn_tflops", "attn_causal_tflops")
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """What was measured on one device; every field is optional.
+
+    memory_gib: the device's memory (replaces the node's).
+    gemm_tflops: [(rows, TFLOP/s), ...] for the token-parallel matmuls, the rate counted as forward FLOPs
+        times 3 (forward + backward at 2 forwards) over the forward + backward seconds.
+    attn_tflops: [(n, TFLOP/s), ...] for a full (unmasked) n x n attention block, counted as
+        4 * n * n * head_dim * heads * 3.5 over the forward + backward seconds.
+    attn_causal_tflops: the same for a causal n x n block, counting its n (n + 1) / 2 visible pairs.
+    Sizes strictly increase; the cost model interpolates linearly in log(size) and clamps outside. A curve
+    replaces the catalog's (or the node's) rates for that kind of work on that device."""
+
+    memory_gib: Optional[float] = None
+    gemm_tflops: Optional[Curve] = None
+    attn_tflops: Optional[Curve] = None
+    attn_causal_tflops: Optional[Curve] = None
+
+    @classmethod
+    def from_dict(cls, d, where="device") -> "DeviceRates":
+        if isinstance(d, DeviceRates):
+            d = d.to_dict()
+        if not isinstance(d, dict):
+            raise InvalidArgumentError(f"{where} must be a mapping with memory_gib, gemm_tflops, attn_tflops, "
+                                       f"attn_causal_tflops, or null, got {d!r}")
+        unknown = set(d) - {"memory_gib", *_CURVES}
+        if unknown:
+            raise InvalidArgumentError(f"{where}: unknown field(s) {sorted(unknown)}; "
+                                       f"expected {sorted({'memory_gib', *_CURVES})}")
+        curves = {k: _curve(d.get(k), f"{where}.{k}") for k in _CURVES}
+        return cls(memory_gib=number(d.get("memory_gib"), f"{where}.memory_gib", positive=True, optional=True),
+                   **curves)
+
+    def to_dict(self) -> dict:
+        out = {}
+        if self.memory_gib is not None:
+            out["memory_gib"] = self.memory_gib
+        for k in _CURVES:
+            if getattr(self, k) is not None:
+                out[k] = [list(p) for p in getattr(self, k)]
+        return out
+
+    @property
+    def measured(self) -> bool:
+        """Whether any rate curve is given."""
+        return any(getattr(self, k) is not None for k in _CURVES)
+
+    def _as_core(self):
+        return (0.0 if self.memory_gib is None else self.memory_gib,
+                *(getattr(self, k) for k in _CURVES))
+
+
+def _curve(value, where) -> Optional[Curve]:
+    """A curve as a tuple of (size, tflops) float pairs; None or an empty list mean none. The core checks
+    that sizes increase and that every number is positive and names the point."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, (list, tuple, np.ndarray)):
+        raise InvalidArgumentError(f"{where} must be a list of [size, tflops] pairs, got {value!r}")
+    if len(value) > MAX_CURVE_POINTS:
+        raise InvalidArgumentError(f"{where} has {len(value)} points, at most {MAX_CURVE_POINTS}")
+    points = []
+    for k, pair in enumerate(value):
+        if isinstance(pair, (str, bytes, dict)) or not isinstance(pair, (list, tuple, np.ndarray)) or len(pair) != 2:
+            raise InvalidArgumentError(f"{where}[{k}] must be a [size, tflops] pair, got {pair!r}")
+        points.append((number(pair[0], f"{where}[{k}] size"), number(pair[1], f"{where}[{k}] tflops")))
+    return tuple(points) or None
+
+
+def _plain(value, where):
+    """A YAML- and JSON-safe copy of `value` (str, int, float, bool, None, lists, dicts with str keys). Dates and
+    times (what YAML makes of an unquoted 2025-06-01) become their ISO text."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, (datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        f = float(value)
+        if not math.isfinite(f):
+            raise InvalidArgumentError(f"{where} must be a finite number, got {value!r}")
+        return f
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise InvalidArgumentError(f"{where} keys must be strings, got {k!r}")
+            out[k] = _plain(v, f"{where}.{k}")
+        return out
+    raise InvalidArgumentError(f"{where} must hold only strings, numbers, booleans, lists and mappings, "
+                               f"got {value!r}")
+
 
 class Cluster:
     """A heterogeneous cluster. Devices are numbered node by node, in the order the nodes are listed.
 
     Bandwidths are GB/s (1e9 bytes/s) per device and direction. `bandwidth_gbps`, when given, is a full
-    device-by-device matrix that replaces the node-derived links (its diagonal is ignored)."""
+    device-by-device matrix that replaces the node-derived links (its diagonal is ignored).
+    `latency_us`: the fixed cost of one message, microseconds: one number for every pair or a full matrix
+    (diagonal ignored); default 10 us inside a node, 20 us between nodes.
+    `devices`: None or one entry per device, each None or a DeviceRates (or its dict) of measured rates.
+    `calibration`: None or a plain mapping carried along unchanged (what was measured, how, when).
 
-    def __init__(self, nodes: List[Node], inter_node_gbps: float = 25.0, bandwidth_gbps=None):
+    A GPU model outside the catalog is accepted when every device of its node is fully described: memory
+    (the node's memory_gib or each device's) and rates (the node's peak_tflops, gemm_eff and attn_eff, or
+    gemm and attn curves on each device)."""
+
+    def __init__(self, nodes: List[Node], inter_node_gbps: float = 25.0, bandwidth_gbps=None, latency_us=None,
+                 devices=None, calibration=None):
         if not isinstance(nodes, (list, tuple)) or not nodes:
             raise InvalidArgumentError(f"nodes must be a non-empty list, got {nodes!r}")
         checked = []
@@ -74,21 +188,31 @@ class Cluster:
             checked.append(node)
         self.nodes = tuple(checked)
         self.inter_node_gbps = number(inter_node_gbps, "inter_node_gbps")
+        n = sum(node.count for node in checked)
         if bandwidth_gbps is not None:
             try:
                 bandwidth_gbps = np.array(bandwidth_gbps, dtype=np.float64)
             except (TypeError, ValueError):
                 raise InvalidArgumentError("bandwidth_gbps must be a square matrix of numbers") from None
-            n = sum(node.count for node in checked)
             if bandwidth_gbps.shape != (n, n):
                 raise InvalidArgumentError(f"bandwidth_gbps must be a {n} x {n} matrix (one row per device), "
                                            f"got shape {bandwidth_gbps.shape}")
             bandwidth_gbps.setflags(write=False)
         self.bandwidth_gbps = bandwidth_gbps
-        # The core validates every value (counts, bandwidths, known GPU models) and names the field.
-        self.num_devices = _core.check_cluster(self._core_nodes(), self.inter_node_gbps, self.bandwidth_gbps)
-        # Canonical GPU names (aliases like "A100" resolved).
-        self.nodes = tuple(Node(**{**asdict(n), "gpu": _core.gpu_find(n.gpu)}) for n in self.nodes)
+        self.latency_us = _latency(latency_us, n)
+        self.devices = _devices(devices, n)
+        self._calibration = None if calibration is None else _plain(calibration, "calibration")
+        if self._calibration is not None and not isinstance(self._calibration, dict):
+            raise InvalidArgumentError(f"calibration must be a mapping, got {calibration!r}")
+        # The core validates every value (counts, bandwidths, latencies, curves, GPU models) and names the field.
+        self.num_devices = _core.check_cluster(*self._core_args())
+        # Canonical GPU names (aliases like "A100" resolved); models outside the catalog keep their name.
+        self.nodes = tuple(Node(**{**asdict(n), "gpu": _canonical_gpu(n.gpu)}) for n in self.nodes)
+
+    @property
+    def calibration(self) -> Optional[dict]:
+        """The calibration record given at construction (a copy), or None."""
+        return copy.deepcopy(self._calibration)
 
     # ------------------------------------------------------------------ construction
 
@@ -101,10 +225,10 @@ class Cluster:
     def from_dict(cls, spec: dict) -> "Cluster":
         if not isinstance(spec, dict):
             raise InvalidArgumentError(f"a cluster description must be a mapping, got {type(spec).__name__}")
-        unknown = set(spec) - {"nodes", "inter_node_gbps", "bandwidth_gbps"}
+        unknown = set(spec) - set(_CLUSTER_KEYS)
         if unknown:
             raise InvalidArgumentError(f"unknown cluster field(s) {sorted(unknown)}; "
-                                       "expected nodes, inter_node_gbps, bandwidth_gbps")
+                                       f"expected {', '.join(_CLUSTER_KEYS)}")
         if "nodes" not in spec:
             raise InvalidArgumentError("cluster description needs a 'nodes' list")
         nodes = spec["nodes"]
@@ -114,7 +238,8 @@ class Cluster:
         if len(nodes) > 1 and "inter_node_gbps" not in spec and spec.get("bandwidth_gbps") is None:
             raise InvalidArgumentError("inter_node_gbps is required for a cluster of several nodes")
         return cls([_node_from_dict(n, f"nodes[{i}]") for i, n in enumerate(nodes)], inter,
-                   spec.get("bandwidth_gbps"))
+                   spec.get("bandwidth_gbps"), latency_us=spec.get("latency_us"), devices=spec.get("devices"),
+                   calibration=spec.get("calibration"))
 
     @classmethod
     def from_file(cls, path) -> "Cluster":
@@ -150,7 +275,28 @@ class Cluster:
         out = {"nodes": nodes, "inter_node_gbps": self.inter_node_gbps}
         if self.bandwidth_gbps is not None:
             out["bandwidth_gbps"] = self.bandwidth_gbps.tolist()
+        if self.latency_us is not None:
+            out["latency_us"] = self.latency_us if isinstance(self.latency_us, float) else self.latency_us.tolist()
+        if self.devices is not None:
+            out["devices"] = [None if d is None else d.to_dict() for d in self.devices]
+        if self._calibration is not None:
+            out["calibration"] = copy.deepcopy(self._calibration)
         return out
+
+    def to_yaml(self, path=None) -> str:
+        """The description as YAML (the from_dict format), written to `path` when one is given. Floats are
+        written as Python's repr, so `Cluster.from_file(path)` gives back an equal cluster exactly."""
+        import yaml
+
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=120)
+        if path is not None:
+            path = os.fspath(path)
+            try:
+                with open(path, "w") as f:
+                    f.write(text)
+            except OSError as e:
+                raise InvalidArgumentError(f"cannot write cluster file {path!r}: {e.strerror}") from None
+        return text
 
     # ------------------------------------------------------------------ queries
 
@@ -158,7 +304,13 @@ class Cluster:
         return [n._as_core() for n in self.nodes]
 
     def _core_args(self):
-        return self._core_nodes(), self.inter_node_gbps, self.bandwidth_gbps
+        """The cluster as the core's functions take it: nodes, inter_node_gbps, bandwidth, latency, devices."""
+        lat = self.latency_us
+        if isinstance(lat, float):
+            n = sum(node.count for node in self.nodes)
+            lat = np.full((n, n), lat)
+        devices = None if self.devices is None else [None if d is None else d._as_core() for d in self.devices]
+        return self._core_nodes(), self.inter_node_gbps, self.bandwidth_gbps, lat, devices
 
     @property
     def device_gpus(self) -> np.ndarray:
@@ -170,9 +322,18 @@ class Cluster:
         """Node index of every device, in device order."""
         return np.repeat(np.arange(len(self.nodes), dtype=np.int32), [n.count for n in self.nodes])
 
+    @property
+    def measured(self) -> bool:
+        """Whether any device carries measured rate curves."""
+        return self.devices is not None and any(d is not None and d.measured for d in self.devices)
+
     def describe(self) -> str:
         parts = [f"{n.count}x {n.gpu}" for n in self.nodes]
-        return f"{self.num_devices} devices ({', '.join(parts)})"
+        text = f"{self.num_devices} devices ({', '.join(parts)})"
+        if self.measured:
+            k = sum(1 for d in self.devices if d is not None and d.measured)
+            text += f", measured rates on {k} of them" if k < self.num_devices else ", measured rates"
+        return text
 
     def __eq__(self, other):
         return isinstance(other, Cluster) and self.to_dict() == other.to_dict()
@@ -197,3 +358,58 @@ def _node_from_dict(d, where) -> Node:
     return Node(gpu=d["gpu"], count=d["count"], intra_gbps=d.get("intra_gbps", 1.0),
                 memory_gib=d.get("memory_gib"), peak_tflops=d.get("peak_tflops"),
                 gemm_eff=d.get("gemm_eff"), attn_eff=d.get("attn_eff"))
+
+
+_CLUSTER_KEYS = ("nodes", "inter_node_gbps", "bandwidth_gbps", "latency_us", "devices", "calibration")
+
+
+def _canonical_gpu(name: str) -> str:
+    try:
+        return _core.gpu_find(name)
+    except UnknownGPUError:  # a fully described model outside the catalog (the core checked it)
+        return name
+
+
+def _latency(value, n):
+    """None, one float for every pair, or a read-only n x n matrix with a zero diagonal."""
+    if value is None:
+        return None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        v = number(value, "latency_us")
+        if v < 0:
+            raise InvalidArgumentError(f"latency_us must be >= 0, got {value!r}")
+        return v
+    if isinstance(value, (str, bytes, bool, dict)):
+        raise InvalidArgumentError(f"latency_us must be a number or a {n} x {n} matrix of numbers, got {value!r}")
+    try:
+        m = np.array(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"latency_us must be a number or a {n} x {n} matrix of numbers, "
+                                   f"got {value!r}") from None
+    if m.shape != (n, n):
+        raise InvalidArgumentError(f"latency_us must be a {n} x {n} matrix (one row per device), got shape {m.shape}")
+    for a in range(n):
+        for b in range(n):
+            if a != b and not (math.isfinite(m[a, b]) and m[a, b] >= 0):
+                raise InvalidArgumentError(f"latency_us[{a}][{b}] must be a finite number >= 0, got {m[a, b]!r}")
+    np.fill_diagonal(m, 0.0)
+    m.setflags(write=False)
+    return m
+
+
+def _devices(value, n):
+    """None, or a tuple of n entries, each None or a DeviceRates; all-empty descriptions become None."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, (list, tuple)):
+        raise InvalidArgumentError(f"devices must be a list with one entry per device, got {value!r}")
+    if len(value) != n:
+        raise InvalidArgumentError(f"devices must have one entry per device ({n}), got {len(value)}")
+    out = []
+    for i, d in enumerate(value):
+        if d is not None:
+            d = DeviceRates.from_dict(d, f"devices[{i}]")
+            if d == DeviceRates():
+                d = None
+        out.append(d)
+    return None if all(d is None for d in out) else tuple(out)

@@ -152,9 +152,11 @@ class Layout:
 class DeviceTable:
     """Per-device columns of a plan, NumPy arrays in layout order (groups in ring order, ranks inside).
 
-    Columns: device, node, gpu, group, rank, tokens, head_lo, head_count, kv_lo, kv_count, gemm_s, attn_s,
-    a2a_s, ring_exposed_s, busy_s, mem_states_gib, mem_act_gib, mem_attn_gib, mem_ring_gib, mem_total_gib,
-    mem_cap_gib. Index by name (`table["tokens"]`) or attribute (`table.tokens`)."""
+    Columns: device, node, gpu, group, rank, tokens, head_lo, head_count, kv_lo, kv_count, gemm_s,
+    layer_gemm_s, attn_s, a2a_s, ring_exposed_s, busy_s, mem_states_gib, mem_act_gib, mem_attn_gib,
+    mem_ring_gib, mem_total_gib, mem_cap_gib. Index by name (`table["tokens"]`) or attribute (`table.tokens`).
+    layer_gemm_s is the token-parallel compute of one layer, forward + backward, one sequence (no recompute,
+    no output head): what a measured single layer's matmuls compare with."""
 
     def __init__(self, columns: Dict[str, np.ndarray]):
         self._columns = columns
@@ -243,9 +245,11 @@ class Plan:
 
     @property
     def phases(self) -> dict:
-        """The step time's terms: gemm_phase_s + a2a_phase_s + ring_phase_s, and each phase's slowest device."""
-        keys = ("gemm_phase_s", "a2a_phase_s", "ring_phase_s", "gemm_bottleneck", "a2a_bottleneck",
-                "ring_bottleneck")
+        """The step time's terms: gemm_phase_s + a2a_phase_s + ring_phase_s + grad_exposed_s, each phase's
+        slowest device, and grad_sync_s, the whole time of the gradient (and parameter) collectives of which
+        grad_exposed_s is what compute does not hide."""
+        keys = ("gemm_phase_s", "a2a_phase_s", "ring_phase_s", "grad_exposed_s", "grad_sync_s", "gemm_bottleneck",
+                "a2a_bottleneck", "ring_bottleneck")
         return {k: self._cost[k] for k in keys}
 
     @property
@@ -347,6 +351,8 @@ class Plan:
             f"    token-parallel {c['gemm_phase_s']:10.4f} s   slowest {dev(c['gemm_bottleneck'])}",
             f"    all-to-all     {c['a2a_phase_s']:10.4f} s   slowest group of {dev(c['a2a_bottleneck'])}",
             f"    attention+ring {c['ring_phase_s']:10.4f} s   slowest {dev(c['ring_bottleneck'])}",
+            f"    gradient sync  {c['grad_exposed_s']:10.4f} s   exposed of {c['grad_sync_s']:.4f} s of "
+            f"{_sharding_words(self.training)} over {self.cluster.num_devices} device(s)",
             f"  lower bound      {self.lower_bound_s:10.4f} s   (plan is {self.gap_to_bound:.3f}x the bound)",
             f"  memory           {'fits' if self.fits else 'DOES NOT FIT'}: peak "
             f"{float(t.mem_total_gib.max()):.1f} GiB (device {int(t.device[int(np.argmax(t.mem_total_gib))])})",
@@ -406,7 +412,8 @@ class Plan:
         doc = {"format": "hexiseq-plan", "format_version": 1, "hexiseq_version": _core.VERSION,
                "strategy": self.strategy, **self._identity(), "fingerprint": self.fingerprint,
                "predicted": {k: self._cost[k] for k in ("step_time_s", "tokens_per_s", "lower_bound_s",
-                                                         "gemm_phase_s", "a2a_phase_s", "ring_phase_s")}}
+                                                         "gemm_phase_s", "a2a_phase_s", "ring_phase_s",
+                                                         "grad_sync_s", "grad_exposed_s")}}
         return json.dumps(doc, indent=indent)
 
     @classmethod
@@ -430,6 +437,14 @@ class Plan:
             raise InvalidArgumentError(f"plan fingerprint mismatch: file says {doc['fingerprint']}, "
                                        f"contents hash to {p.fingerprint}")
         return p
+
+
+def _sharding_words(training) -> str:
+    """What the gradient collectives are under the plan's sharding."""
+    name = str(getattr(training.sharding, "value", training.sharding)).lower()
+    return {"full": "parameter gathers and gradient reduce-scatters",
+            "grad_opt": "gradient reduce-scatter and parameter gather",
+            "opt": "gradient all-reduce", "none": "gradient all-reduce"}.get(name, "collectives")
 
 
 def _ranges(ids: List[int]) -> str:
