@@ -4,11 +4,13 @@ heterogeneous GPU clusters, chosen by a cost model and executed exactly."""
 from . import errors  # noqa: F401  (the extension maps its status codes onto these classes)
 from . import _core
 from . import ops
-from .cluster import Cluster, Node, gpu_catalog
+from .cluster import Cluster, DeviceRates, Node, gpu_catalog
 from .errors import (CudaError, HexiseqError, InternalError, InvalidArgumentError, LayoutError, MemoryFitError,
                      UnknownGPUError, UnsupportedError)
 from .model import MODEL_PRESETS, Model, Sharding, Training
 from .plan import DeviceTable, Layout, Plan, Strategy, compare, evaluate, plan
+from .calibration import calibrate  # noqa: E402  (PyTorch is imported on the first call, not here)
+from .measurement import Measurement, measure
 
 __version__ = _core.VERSION
 
@@ -19,6 +21,7 @@ __all__ = [
     "gpu_catalog",
     "Cluster",
     "Node",
+    "DeviceRates",
     "Model",
     "MODEL_PRESETS",
     "Training",
@@ -30,6 +33,9 @@ __all__ = [
     "plan",
     "evaluate",
     "compare",
+    "calibrate",
+    "measure",
+    "Measurement",
     "HexiseqError",
     "InvalidArgumentError",
     "UnknownGPUError",

@@ -68,6 +68,111 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _init_distributed(backend: str):
+    """The process group of a collective command: torchrun's environment when present, else a world of one.
+    Returns (torch.distributed, rank, created) where created says this command must destroy it."""
+    import os
+
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        raise HexiseqError("this command needs PyTorch (pip install torch)") from None
+    if dist.is_initialized():
+        return dist, dist.get_rank(), False
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise HexiseqError("--backend nccl needs a CUDA device")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return dist, dist.get_rank(), True
+
+
+def _int_list(text: str, name: str):
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise HexiseqError(f"{name} must be comma-separated integers, got {text!r}") from None
+
+
+def _calibration_summary(cluster: Cluster) -> str:
+    lines = [f"calibrated {cluster.describe()}"]
+    lines.append(f"{'device':>6} {'gpu':<12} {'free GiB':>8} {'matmul TFLOP/s':>15} {'attention TFLOP/s':>18} "
+                 f"{'causal TFLOP/s':>15}")
+    for i, d in enumerate(cluster.devices or []):
+        gemm, attn, diag = d.gemm_tflops[-1], d.attn_tflops[-1], d.attn_causal_tflops[-1]
+        lines.append(f"{i:>6} {cluster.device_gpus[i]:<12} {d.memory_gib:>8.2f} "
+                     f"{gemm[1]:>8.4g} @{gemm[0]:<6} {attn[1]:>10.4g} @{attn[0]:<6} {diag[1]:>8.4g} @{diag[0]:<6}")
+    if cluster.bandwidth_gbps is not None:
+        import numpy as np
+
+        n = cluster.num_devices
+        off = ~np.eye(n, dtype=bool)
+        bw = cluster.bandwidth_gbps[off]
+        lat = np.asarray(cluster.latency_us, dtype=float)[off] if cluster.latency_us is not None else None
+        text = f"links: {bw.min():.3g}-{bw.max():.3g} GB/s per direction (median {np.median(bw):.3g})"
+        if lat is not None:
+            text += f", latency {lat.min():.3g}-{lat.max():.3g} us (median {np.median(lat):.3g})"
+        lines.append(text)
+    cal = cluster.calibration or {}
+    if cal.get("all_to_all"):
+        lines.append("all-to-all: " + ", ".join(f"{a['ranks']} ranks {a['seconds'] * 1e3:.3g} ms"
+                                                for a in cal["all_to_all"]) +
+                     f" ({cal['all_to_all'][0]['bytes_per_peer'] / 2**20:.3g} MiB per peer)")
+    lines.append("(measured on this machine; the rates are curves over size, the largest size shown)")
+    return "\n".join(lines)
+
+
+def cmd_calibrate(args) -> int:
+    from .calibration import calibrate
+
+    dist, rank, created = _init_distributed(args.backend)
+    try:
+        cluster = calibrate(_load_model(args.model), dtype=args.dtype, gemm_rows=_int_list(args.gemm_rows, "--gemm-rows"),
+                            attn_blocks=_int_list(args.attn_blocks, "--attn-blocks"), attn_heads=args.attn_heads,
+                            message_bytes=int(args.message_mib * 2**20) if args.message_mib else None,
+                            iters=args.iters, out=args.out, progress=not args.quiet)
+        if rank == 0:
+            print(_calibration_summary(cluster))
+            print(f"wrote {args.out}: plan with `hexiseq plan {args.out} --model {args.model}`")
+    finally:
+        if created:
+            dist.destroy_process_group()
+    return 0
+
+
+def cmd_measure(args) -> int:
+    from .measurement import measure
+
+    try:
+        with open(args.plan) as f:
+            text = f.read()
+    except OSError as e:
+        raise HexiseqError(f"cannot read plan file {args.plan!r}: {e.strerror}") from None
+    plan = Plan.from_json(text)
+    dist, rank, created = _init_distributed(args.backend)
+    try:
+        result = measure(plan, iters=args.iters, warmup=args.warmup, dtype=args.dtype, layer=args.layer)
+        if rank == 0:
+            print(result.to_json() if args.json else result.table())
+    finally:
+        if created:
+            dist.destroy_process_group()
+    return 0
+
+
 def cmd_gpus(args) -> int:
     print(f"{'model':<10} {'TFLOP/s':>8} {'GiB':>6} {'HBM GB/s':>9} {'gemm eff':>9} {'attn eff':>9}  source")
     for g in gpu_catalog():
@@ -100,6 +205,32 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print the chosen plan as JSON")
     pl.add_argument("--plot", metavar="FILE.png", help="draw per-device shares and time breakdown (needs matplotlib)")
     pl.set_defaults(func=cmd_plan)
+    ca = sub.add_parser("calibrate", help="measure this cluster's devices and links (a collective: run under "
+                                          "torchrun, one process per device) and write a cluster YAML")
+    ca.add_argument("--model", default="llama3-8b", help="model whose shapes are measured (preset or config.json)")
+    ca.add_argument("--out", default="cluster.yaml", help="cluster YAML to write (default cluster.yaml)")
+    ca.add_argument("--dtype", default=None, help="training dtype: bf16, fp16, fp32 (default bf16 on CUDA, fp32 on CPU)")
+    ca.add_argument("--gemm-rows", help="row counts of the matmul rate curve, e.g. 512,2048,8192")
+    ca.add_argument("--attn-blocks", help="block lengths of the attention rate curves, e.g. 256,1024,4096")
+    ca.add_argument("--attn-heads", type=int, help="query heads to time attention with (default: the model's on "
+                                                   "CUDA, a few on CPU)")
+    ca.add_argument("--message-mib", type=float, help="MiB per link measurement (default 64 on CUDA, 4 on CPU)")
+    ca.add_argument("--iters", type=int, help="timed repetitions per point (default 5 on CUDA, 3 on CPU)")
+    ca.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
+                    help="torch.distributed backend (default: nccl with CUDA, else gloo)")
+    ca.add_argument("--quiet", action="store_true", help="no progress lines")
+    ca.set_defaults(func=cmd_calibrate)
+    me = sub.add_parser("measure", help="run a plan's layer on this cluster (a collective: under torchrun) and "
+                                        "compare each phase with the cost model")
+    me.add_argument("plan", help="a plan as JSON (hexiseq plan ... --json > plan.json)")
+    me.add_argument("--iters", type=int, default=5, help="timed runs (default 5)")
+    me.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
+    me.add_argument("--layer", default="attention", choices=["attention", "llama"],
+                    help="the attention layer alone, or a whole Llama-style layer around it")
+    me.add_argument("--dtype", default=None, help="input dtype (default: the one of the plan's model dtype_bytes)")
+    me.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    me.add_argument("--json", action="store_true", help="print the measurement as JSON")
+    me.set_defaults(func=cmd_measure)
     g = sub.add_parser("gpus", help="list the built-in GPU catalog")
     g.set_defaults(func=cmd_gpus)
     i = sub.add_parser("info", help="what this installation was built with")

@@ -1,0 +1,581 @@
+"""Calibration: measure the devices and links of the cluster at hand and describe it as a `hexiseq.Cluster`.
+
+`calibrate()` is a collective: every rank of the process group calls it at the same time, as training would run
+them, so ranks that share a core, a PCIe switch or a NIC are measured sharing it. It measures, per rank:
+
+- the token-parallel rate on the model's own matmul shapes (q/k/v and output projections, the MLP), forward and
+  backward, at a few row counts (a rate curve);
+- the attention rate per block length, full blocks and causal-diagonal blocks, at the model's head_dim and GQA
+  ratio, with the block kernels the runtime uses for that device and dtype;
+- bandwidth (both directions at once, as the ring and the all-to-all use a link) and one-way latency between
+  ranks: every pair for worlds up to `all_pairs_up_to` ranks, else one pair per pair of nodes and one pair inside
+  each node, the rest filled in from those (the result says which);
+- the all-to-all time at the group sizes a plan can use (recorded with the calibration, for reference);
+- free memory (CUDA: free device memory; CPU: available memory shared evenly by the host's ranks).
+
+It returns a Cluster, equal on every rank, that carries the measured curves per device (one curve per node when
+the node's devices agree within `tolerance`), the measured bandwidth and latency matrices, and a `calibration`
+record of what was measured; `out=` writes it as a cluster YAML that `hexiseq plan` reads unchanged.
+
+Rates follow the cost model's convention (docs/cost_model.md): forward-equivalent TFLOP/s, i.e. forward FLOPs
+times the passes the model charges for forward + backward, divided by the measured forward + backward seconds.
+"""
+
+import datetime
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import List, Optional, Sequence
+
+from .cluster import Cluster, gpu_catalog
+from .errors import HexiseqError, InvalidArgumentError
+from .model import Model
+
+__all__ = ["calibrate"]
+
+# Passes the cost model charges per forward (csrc/cost.c: GEMM_BWD_FACTOR = 2, ATTN_BWD_FACTOR = 2.5): a measured
+# forward + backward time converts to a forward-equivalent rate with these.
+_GEMM_PASSES = 3.0
+_ATTN_PASSES = 3.5
+
+# CUDA device names (lower case substrings, first match wins) -> catalog names
+_CUDA_NAMES = (("h100 pcie", "H100-PCIe"), ("h100", "H100-SXM"), ("h200", "H200"), ("h800", "H800"),
+               ("a100-sxm4-40", "A100-40G"), ("a100-pcie-40", "A100-40G"), ("a100", "A100-80G"), ("a800", "A800"),
+               ("l40s", "L40S"), ("l40", "L40"), ("a6000", "A6000"), ("4090", "RTX4090"), ("3090", "RTX3090"),
+               ("v100", "V100"))
+
+
+def _torch():
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - the CPU test environment has torch
+        raise HexiseqError("hexiseq.calibrate needs PyTorch (pip install torch)") from None
+    return torch, dist
+
+
+def device_name(device) -> str:
+    """The catalog name of a torch device when the catalog knows it, else the device's own name ("CPU" for a
+    CPU): a measured device needs no catalog entry."""
+    torch, _ = _torch()
+    if device.type != "cuda":
+        return "CPU"
+    name = torch.cuda.get_device_name(device)
+    low = name.lower()
+    known = {g["name"] for g in gpu_catalog()}
+    for key, catalog_name in _CUDA_NAMES:
+        if key in low and catalog_name in known:
+            return catalog_name
+    return name.replace("NVIDIA ", "").replace(" ", "-")
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+class _Progress:
+    """Progress lines on rank 0: what is being measured and about how long is left."""
+
+    def __init__(self, enabled: bool, total_points: int):
+        self.enabled, self.total, self.done, self.t0 = enabled, max(1, total_points), 0, time.perf_counter()
+
+    def stage(self, text: str):
+        if not self.enabled:
+            return
+        elapsed = time.perf_counter() - self.t0
+        left = f", about {elapsed * (self.total - self.done) / self.done:.0f} s left" if self.done else ""
+        print(f"hexiseq calibrate: {text} ({elapsed:.0f} s elapsed{left})", file=sys.stderr, flush=True)
+
+    def tick(self, n: int = 1):
+        self.done += n
+
+
+def _seconds(fn, device, iters: int, warmup: int) -> float:
+    """Median wall seconds of fn() over iters runs after warmup runs, the device synchronised around each."""
+    torch, _ = _torch()
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _dtype(dtype, device):
+    torch, _ = _torch()
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        key = dtype.lower().replace("torch.", "")
+        names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+                 "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+                 "fp64": torch.float64, "float64": torch.float64, "double": torch.float64}
+        if key not in names:
+            raise InvalidArgumentError(f"dtype {dtype!r} is not one of bf16, fp16, fp32, fp64")
+        return names[key]
+    if isinstance(dtype, torch.dtype) and dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        return dtype
+    raise InvalidArgumentError(f"dtype must be a torch floating dtype or a name like 'bf16', got {dtype!r}")
+
+
+def _sizes(value, name, default) -> List[int]:
+    if value is None:
+        return list(default)
+    if isinstance(value, (str, bytes)):
+        raise InvalidArgumentError(f"{name} must be a list of positive integers, got {value!r}")
+    try:
+        out = [int(v) for v in value]
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{name} must be a list of positive integers, got {value!r}") from None
+    if not out or any(v < 1 for v in out) or any(b <= a for a, b in zip(out, out[1:])):
+        raise InvalidArgumentError(f"{name} must be a non-empty increasing list of positive integers, got {value!r}")
+    return out
+
+
+def _free_memory_gib(device, local_ranks: int) -> float:
+    torch, _ = _torch()
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free / 2**30
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 / 2**30 / max(1, local_ranks)
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") / 2**30 / max(1, local_ranks)
+
+
+# ---------------------------------------------------------------------------------------------- compute rates
+
+
+def _gemm_curve(model: Model, rows_list, device, dtype, iters, warmup, barrier, progress):
+    """(rows, TFLOP/s) on the model's projection and MLP shapes, forward + backward."""
+    torch, _ = _torch()
+    H, A, K, d, F = model.hidden, model.heads, model.kv_heads, model.head_dim, model.ffn
+    up = 2 * F if model.gated_mlp else F
+    g = torch.Generator(device=device).manual_seed(1234)
+    std = 1.0 / math.sqrt(H)
+    shapes = ((H, (A + 2 * K) * d), (A * d, H), (H, up), (F, H))
+    weights = [(torch.randn(a, b, generator=g, device=device, dtype=dtype) * std).requires_grad_() for a, b in shapes]
+
+    def layer(x):
+        qkv = x @ weights[0]
+        o = qkv[:, :A * d] @ weights[1]
+        h = o @ weights[2]
+        if model.gated_mlp:
+            h = torch.nn.functional.silu(h[:, :F]) * h[:, F:]
+        else:
+            h = torch.nn.functional.gelu(h)
+        return h @ weights[3]
+
+    fwd_flops_per_row = 2.0 * sum(a * b for a, b in shapes)
+    # a fresh process pays for lazy initialisation (allocator, thread pools, kernels) on its first calls
+    x0 = torch.randn(rows_list[0], H, device=device, dtype=dtype).requires_grad_()
+    for _ in range(2):
+        torch.autograd.grad(layer(x0).sum(), [x0] + weights)
+    curve = []
+    for rows in rows_list:
+        barrier()
+        x = torch.randn(rows, H, generator=g, device=device, dtype=dtype).requires_grad_()
+
+        def fwd():
+            with torch.no_grad():
+                layer(x)
+
+        y = layer(x)
+        dy = torch.randn_like(y)
+
+        def bwd():
+            torch.autograd.grad(y, [x] + weights, dy, retain_graph=True)
+
+        t = _seconds(fwd, device, iters, warmup) + _seconds(bwd, device, iters, warmup)
+        curve.append([rows, fwd_flops_per_row * rows * _GEMM_PASSES / t / 1e12])
+        progress.tick()
+    return curve
+
+
+def _attention_heads(model: Model, device, heads):
+    """Query and kv heads to measure with: the model's on CUDA (the kernels' parallelism depends on them); on a
+    CPU, where the kernels run heads one after another, the heads of at most a few kv heads."""
+    per = model.heads // model.kv_heads
+    if heads is not None:
+        h = int(heads)
+        if h < 1 or h > model.heads or h % per:
+            raise InvalidArgumentError(f"attn_heads must be a multiple of {per} (query heads per kv head) in "
+                                       f"[{per}, {model.heads}], got {heads!r}")
+        return h, h // per
+    if device.type == "cuda":
+        return model.heads, model.kv_heads
+    kv = max(1, min(model.kv_heads, 4 // per))
+    return kv * per, kv
+
+
+def _attention_curves(model: Model, blocks, device, dtype, heads, iters, warmup, barrier, progress):
+    """(block, TFLOP/s) for full blocks and causal-diagonal blocks, forward + backward, through the runtime's own
+    block kernels (hexiseq.nn chooses them exactly as a ring pass does)."""
+    torch, _ = _torch()
+    from . import nn as hnn
+    from . import ops
+
+    h, kv = _attention_heads(model, device, heads)
+    d = model.head_dim
+    scale = 1.0 / math.sqrt(d)
+    g = torch.Generator(device=device).manual_seed(4321)
+    full, diag = [], []
+    for n in blocks:
+        q = torch.randn(1, n, h, d, generator=g, device=device, dtype=dtype)
+        k = torch.randn(1, n, kv, d, generator=g, device=device, dtype=dtype)
+        v = torch.randn(1, n, kv, d, generator=g, device=device, dtype=dtype)
+        do = torch.randn_like(q)
+        use_c = hnn._use_c_kernels(q)
+        # a full block as the ring sees one (every key before every query), then the block on the diagonal
+        for q_pos0, target in ((n, full), (0, diag)):
+            barrier()
+
+            def fwd():
+                if use_c:
+                    return ops.attention_forward(q, k, v, causal=True, q_pos0=q_pos0, k_pos0=0, scale=scale)
+                return hnn._block_forward_torch(q, k, v, True, q_pos0, 0, scale)
+
+            o, lse = fwd()
+
+            def bwd():
+                if use_c:
+                    ops.attention_backward(q, k, v, o, lse, do, causal=True, q_pos0=q_pos0, k_pos0=0, scale=scale)
+                else:
+                    hnn._block_backward_torch(q, k, v, o, lse, do, True, q_pos0, 0, scale)
+
+            t = _seconds(fwd, device, iters, warmup) + _seconds(bwd, device, iters, warmup)
+            pairs = n * n if q_pos0 else n * (n + 1) / 2
+            target.append([n, 4.0 * pairs * d * h * _ATTN_PASSES / t / 1e12])
+            progress.tick()
+    return full, diag, h, kv
+
+
+# ---------------------------------------------------------------------------------------------- links
+
+
+def _rounds(pairs, world):
+    """Pairs grouped into rounds where every rank appears at most once (greedy, in order)."""
+    left, rounds = list(pairs), []
+    while left:
+        busy, this, rest = set(), [], []
+        for a, b in left:
+            if a in busy or b in busy:
+                rest.append((a, b))
+            else:
+                this.append((a, b))
+                busy.update((a, b))
+        rounds.append(this)
+        left = rest
+    return rounds
+
+
+def _link_pairs(world, node_of, all_pairs_up_to):
+    """The pairs to measure and what they stand for: every pair, or representatives per pair of nodes."""
+    if world <= all_pairs_up_to:
+        return [(a, b) for a in range(world) for b in range(a + 1, world)], "every pair"
+    first = {}
+    members = {}
+    for r, n in enumerate(node_of):
+        first.setdefault(n, r)
+        members.setdefault(n, []).append(r)
+    pairs = []
+    for n, rs in members.items():
+        if len(rs) > 1:
+            pairs.append((rs[0], rs[1]))
+    nodes = sorted(first)
+    for i, a in enumerate(nodes):
+        for b in nodes[i + 1:]:
+            pairs.append((first[a], first[b]))
+    return pairs, "one pair inside each node and one per pair of nodes (the first devices); the others copied"
+
+
+def _measure_pair(rank, peer, device, message_bytes, lat_iters, bw_iters, global_of):
+    """One-way latency (s) and receive bandwidth (bytes/s) with peer; both ranks call it at the same time."""
+    torch, dist = _torch()
+    lower = rank < peer
+    gpeer = global_of(peer)
+    small = torch.zeros(1, dtype=torch.float32, device=device)
+
+    def ping():
+        if lower:
+            dist.send(small, gpeer)
+            dist.recv(small, gpeer)
+        else:
+            dist.recv(small, gpeer)
+            dist.send(small, gpeer)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(3):
+        ping()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(lat_iters):
+        ping()
+    sync()
+    latency = (time.perf_counter() - t0) / lat_iters / 2
+    n = max(1, message_bytes // 4)
+    send = torch.ones(n, dtype=torch.float32, device=device)
+    recv = torch.empty_like(send)
+
+    def exchange():
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, gpeer), dist.P2POp(dist.irecv, recv, gpeer)])
+        for r in reqs:
+            r.wait()
+
+    exchange()
+    sync()
+    times = []
+    for _ in range(bw_iters):
+        t0 = time.perf_counter()
+        exchange()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return latency, n * 4 / statistics.median(times)
+
+
+def _all_to_all_times(world, device, message_bytes, iters, group, global_of):
+    """Seconds of an all-to-all of message_bytes per peer in the subgroup of the first k ranks, k = 2..world
+    (powers of two and the world beyond 8 ranks)."""
+    torch, dist = _torch()
+    rank = dist.get_rank(group)
+    sizes = list(range(2, world + 1)) if world <= 8 else sorted({2 ** i for i in range(1, world.bit_length())} | {world})
+    out = []
+    for k in sizes:
+        ranks = [global_of(r) for r in range(k)]
+        pg = dist.new_group(ranks=ranks) if k < world else group
+        if rank < k:
+            n = max(1, message_bytes // 4)
+            send = torch.ones(n * k, dtype=torch.float32, device=device)
+            recv = torch.empty_like(send)
+            t = _seconds(lambda: dist.all_to_all_single(recv, send, group=pg), device, iters, 1)
+        else:
+            t = None
+        if k < world:
+            dist.barrier(group=group)
+            dist.destroy_process_group(pg)
+        out.append((k, t))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the cluster
+
+
+def _median_curve(curves):
+    return [[curves[0][i][0], statistics.median(c[i][1] for c in curves)] for i in range(len(curves[0]))]
+
+
+def _agree(curves, tolerance):
+    med = _median_curve(curves)
+    return all(abs(c[i][1] - med[i][1]) <= tolerance * med[i][1] for c in curves for i in range(len(med)))
+
+
+def _build_cluster(rows, bw, lat, pairs_note, a2a, meta, tolerance) -> Cluster:
+    """The Cluster every rank builds from the gathered measurements (a pure function of them: equal everywhere)."""
+    world = len(rows)
+    # nodes: maximal runs of consecutive ranks on one host with one device model (devices are numbered node by node)
+    nodes, node_of = [], []
+    for r, row in enumerate(rows):
+        if nodes and nodes[-1]["host"] == row["host"] and nodes[-1]["gpu"] == row["gpu"]:
+            nodes[-1]["ranks"].append(r)
+        else:
+            nodes.append({"host": row["host"], "gpu": row["gpu"], "ranks": [r]})
+        node_of.append(len(nodes) - 1)
+    node_specs, devices, uniform = [], [None] * world, []
+    for i, n in enumerate(nodes):
+        rs = n["ranks"]
+        intra = [bw[a][b] for a in rs for b in rs if a != b]
+        spec = {"gpu": n["gpu"], "count": len(rs), "memory_gib": round(min(rows[r]["memory_gib"] for r in rs), 3)}
+        if intra:
+            spec["intra_gbps"] = round(statistics.median(intra), 3)
+        node_specs.append(spec)
+        same = all(_agree([rows[r][key] for r in rs], tolerance) for key in ("gemm", "attn", "attn_causal"))
+        if same:
+            uniform.append(i)
+        for r in rs:
+            entry = {}
+            for key, name in (("gemm", "gemm_tflops"), ("attn", "attn_tflops"), ("attn_causal", "attn_causal_tflops")):
+                curve = _median_curve([rows[x][key] for x in rs]) if same else rows[r][key]
+                entry[name] = [[int(s), round(float(v), 6)] for s, v in curve]
+            entry["memory_gib"] = spec["memory_gib"] if same else round(rows[r]["memory_gib"], 3)
+            devices[r] = entry
+    spec = {"nodes": node_specs, "devices": devices}
+    inter = [bw[a][b] for a in range(world) for b in range(world) if a != b and node_of[a] != node_of[b]]
+    if len(nodes) > 1:
+        spec["inter_node_gbps"] = round(statistics.median(inter), 3)
+    if world > 1:
+        spec["bandwidth_gbps"] = [[round(bw[a][b], 3) if a != b else 0.0 for b in range(world)] for a in range(world)]
+        spec["latency_us"] = [[round(lat[a][b], 2) if a != b else 0.0 for b in range(world)] for a in range(world)]
+    meta = dict(meta)
+    meta["links"] = pairs_note if world > 1 else "one device: no links"
+    meta["all_to_all"] = [{"ranks": k, "bytes_per_peer": meta["a2a_bytes"], "seconds": round(t, 6)} for k, t in a2a]
+    meta.pop("a2a_bytes")
+    meta["uniform_nodes"] = uniform
+    meta["tolerance"] = tolerance
+    spec["calibration"] = meta
+    return Cluster.from_dict(spec)
+
+
+def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[Sequence[int]] = None,
+              attn_blocks: Optional[Sequence[int]] = None, attn_heads: Optional[int] = None,
+              message_bytes: Optional[int] = None, iters: Optional[int] = None, warmup: int = 1,
+              all_pairs_up_to: int = 16, tolerance: float = 0.10, out=None, progress: bool = True) -> Cluster:
+    """Measure the devices and links of `group` (default: the world) and return the Cluster they make.
+
+    A collective: every rank calls it with the same arguments (under torchrun or any init_process_group; Gloo on
+    CPU, NCCL on GPU). Rank r becomes cluster device r, so ranks of one host must be consecutive to share a node.
+
+    model: a Model, preset name or Hugging Face config path: its matmul shapes, head_dim and GQA ratio are measured.
+    dtype: the training dtype (default bf16 on CUDA, fp32 on CPU).
+    gemm_rows, attn_blocks: the sizes of the rate curves (defaults suit the device type).
+    attn_heads: query heads to time attention with (default: the model's on CUDA, a few on CPU).
+    message_bytes: bytes per link measurement (default 64 MiB on CUDA, 4 MiB on CPU).
+    iters: timed repetitions per point (default 5 on CUDA, 3 on CPU), after `warmup`.
+    out: a path to write the cluster YAML to (rank 0 writes; every rank returns the Cluster).
+    progress: print what is being measured and about how long is left (rank 0, stderr)."""
+    torch, dist = _torch()
+    if not isinstance(model, Model):
+        model = Model.from_name_or_path(model)
+    gemm_rows = _sizes(gemm_rows, "gemm_rows", ())
+    attn_blocks = _sizes(attn_blocks, "attn_blocks", ())
+    if message_bytes is not None and (not isinstance(message_bytes, int) or message_bytes < 4):
+        raise InvalidArgumentError(f"message_bytes must be an int >= 4, got {message_bytes!r}")
+    if iters is not None and (not isinstance(iters, int) or iters < 1):
+        raise InvalidArgumentError(f"iters must be an int >= 1, got {iters!r}")
+    if not isinstance(warmup, int) or warmup < 0:
+        raise InvalidArgumentError(f"warmup must be an int >= 0, got {warmup!r}")
+    if not isinstance(tolerance, (int, float)) or not (0 <= tolerance < 1):
+        raise InvalidArgumentError(f"tolerance must be in [0, 1), got {tolerance!r}")
+    if not isinstance(all_pairs_up_to, int) or all_pairs_up_to < 2:
+        raise InvalidArgumentError(f"all_pairs_up_to must be an int >= 2, got {all_pairs_up_to!r}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise HexiseqError("torch.distributed is not initialised: call torch.distributed.init_process_group first "
+                           "(or run `torchrun --nproc_per_node N -m hexiseq calibrate ...`)")
+    group = group if group is not None else dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    dt = _dtype(dtype, device)
+    cuda = device.type == "cuda"
+    rows_list = gemm_rows or [512, 2048, 8192] if cuda else gemm_rows or [64, 256, 1024]
+    blocks = attn_blocks or [256, 1024, 4096, 16384] if cuda else attn_blocks or [64, 128, 256, 512, 1024]
+    message_bytes = message_bytes or (64 << 20 if cuda else 4 << 20)
+    iters = iters or (5 if cuda else 3)
+    _attention_heads(model, device, attn_heads)  # checks attn_heads before anything runs
+
+    def global_of(r):
+        return r if group is dist.group.WORLD else dist.get_global_rank(group, r)
+
+    def barrier():
+        dist.barrier(group=group) if not cuda else dist.barrier(group=group, device_ids=[device.index])
+
+    t_start = time.perf_counter()
+    host = socket.gethostname()
+    hosts = [None] * world
+    dist.all_gather_object(hosts, host, group=group)
+    node_of = []
+    for h in hosts:
+        node_of.append(node_of[-1] if node_of and hosts[len(node_of) - 1] == h else (node_of[-1] + 1 if node_of else 0))
+    pairs, pairs_note = _link_pairs(world, node_of, all_pairs_up_to)
+    rounds = _rounds(pairs, world)
+    a2a_sizes = (world - 1) if world <= 8 else len({2 ** i for i in range(1, world.bit_length())} | {world})
+    prog = _Progress(progress and rank == 0, len(rows_list) + 2 * len(blocks) + len(rounds) + a2a_sizes)
+
+    prog.stage(f"{world} rank(s), {device.type}, {str(dt).replace('torch.', '')}: matmul rates on {model.name}'s "
+               f"shapes at {', '.join(map(str, rows_list))} rows")
+    gemm = _gemm_curve(model, rows_list, device, dt, iters, warmup, barrier, prog)
+    prog.stage(f"attention rates, full and causal blocks of {', '.join(map(str, blocks))} tokens, "
+               f"head_dim {model.head_dim}")
+    full, diag, h_meas, kv_meas = _attention_curves(model, blocks, device, dt, attn_heads, iters, warmup, barrier, prog)
+    local = sum(1 for h in hosts if h == host)
+    memory = _free_memory_gib(device, local)
+
+    lat = [[0.0] * world for _ in range(world)]
+    bw = [[0.0] * world for _ in range(world)]
+    mine = {}
+    if world > 1:
+        prog.stage(f"links: {len(pairs)} pair(s) ({pairs_note}) in {len(rounds)} round(s), "
+                   f"{message_bytes / 2**20:.1f} MiB each way")
+        for rnd in rounds:
+            barrier()
+            for a, b in rnd:
+                if rank in (a, b):
+                    peer = b if rank == a else a
+                    mine[peer] = _measure_pair(rank, peer, device, message_bytes, 20 if cuda else 50, iters,
+                                               global_of)
+            prog.tick()
+        prog.stage("all-to-all at the group sizes a plan can use")
+        a2a_bytes = max(4, message_bytes // 16)
+        a2a = _all_to_all_times(world, device, a2a_bytes, iters, group, global_of)
+        prog.tick(a2a_sizes)
+    else:
+        a2a, a2a_bytes = [], 0
+    row = {"host": host, "gpu": device_name(device), "memory_gib": memory, "gemm": gemm, "attn": full,
+           "attn_causal": diag, "links": {p: (l, b) for p, (l, b) in mine.items()},
+           "a2a": [t for _, t in a2a]}
+    rows = [None] * world
+    dist.all_gather_object(rows, row, group=group)
+    # bandwidth a -> b is what b received per second; a pair's latency is the mean of both ends' figures
+    for r, rr in enumerate(rows):
+        for peer, (l, b) in rr["links"].items():
+            bw[peer][r] = b / 1e9
+            lat[r][peer] = lat[peer][r] = (l + rows[peer]["links"][r][0]) / 2 * 1e6
+    if world > all_pairs_up_to:  # copy the representatives to every pair of the same two nodes
+        rep = {}
+        for a, b in pairs:
+            rep[(node_of[a], node_of[b])] = (a, b)
+            rep[(node_of[b], node_of[a])] = (b, a)
+        for a in range(world):
+            for b in range(world):
+                if a != b and not bw[a][b]:
+                    x, y = rep[(node_of[a], node_of[b])]
+                    bw[a][b], lat[a][b] = bw[x][y], lat[x][y]
+    a2a_max = [(k, max(t for t in (rows[r]["a2a"][i] for r in range(k)) if t is not None))
+               for i, (k, _) in enumerate(a2a)]
+    meta = {"model": model.name, "dtype": str(dt).replace("torch.", ""), "head_dim": model.head_dim,
+            "attn_heads": h_meas, "attn_kv_heads": kv_meas, "backend": backend, "world": world,
+            "kernels": "hexiseq" if (device.type == "cpu" or _runtime_uses_c(device, dt)) else "torch",
+            "hosts": sorted(set(hosts)), "iters": iters, "message_bytes": message_bytes, "a2a_bytes": a2a_bytes,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "seconds": round(time.perf_counter() - t_start, 1)}
+    meta = _broadcast(meta, group)
+    cluster = _build_cluster(rows, bw, lat, pairs_note, a2a_max, meta, tolerance)
+    if out is not None and rank == 0:
+        cluster.to_yaml(out)
+    if out is not None:
+        barrier()
+    prog.stage(f"done: {cluster.describe()}" + (f", written to {out}" if out is not None else ""))
+    return cluster
+
+
+def _runtime_uses_c(device, dtype):
+    torch, _ = _torch()
+    from . import nn as hnn
+
+    return hnn._use_c_kernels(torch.empty(0, device=device, dtype=dtype))
+
+
+def _broadcast(obj, group):
+    """Rank 0's object on every rank (the calibration record must be equal everywhere)."""
+    _, dist = _torch()
+    box = [obj]
+    src = 0 if group is dist.group.WORLD else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]

@@ -1,0 +1,250 @@
+"""Measuring a plan: run its layer with the runtime and put the measured time of each phase next to the cost
+model's prediction.
+
+`measure(plan)` is a collective: every rank of the plan's process group calls it. It runs `HexiSeqAttention`
+forward and backward on random inputs of the plan's shapes (layer="attention"), or a whole Llama-style layer
+around it (layer="llama": RMSNorm, q/k/v and output projections, SwiGLU or GELU MLP, residuals), and times:
+
+- per rank, the phases the cost model predicts: attention kernels (block kernels and merges), all-to-all (the
+  collective calls, which include waiting for the group's slowest member), ring communication not hidden behind
+  the kernels (waits on ring transfers), and the rest (token-parallel matmuls for a whole layer; packing and
+  bookkeeping);
+- the step: from a common barrier to the last rank's end of backward, the median over `iters` runs.
+
+The prediction is the plan's layout scored for one layer of one sequence without recompute (the plan's step
+divided as the cost model charges it); the gradient collectives of a training step are not part of one layer.
+"""
+
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from .errors import HexiseqError, InvalidArgumentError
+from .model import Training
+from .plan import Plan, evaluate
+
+__all__ = ["measure", "Measurement"]
+
+_PHASES = ("attn", "a2a", "ring", "rest")
+
+
+@dataclass
+class Measurement:
+    """What `measure` found. Times are seconds of one layer, forward + backward, one sequence.
+
+    step_s: measured (median over iterations of the slowest rank's time from a common start);
+    predicted_step_s: the cost model's figure for the same work;
+    ranks: per rank {"rank", "gpu", "tokens", "heads", "total_s", "measured": {phase: s}, "predicted": {phase: s}}
+    with phases attn, a2a, ring (exposed ring communication) and rest (token-parallel compute for a whole layer,
+    else packing and bookkeeping, which the model does not predict: 0)."""
+
+    strategy: str
+    layer: str
+    dtype: str
+    iters: int
+    step_s: float
+    predicted_step_s: float
+    ranks: List[dict] = field(default_factory=list)
+    step_samples_s: List[float] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        """Measured over predicted step time (1.0: the model is exact; above 1: the model is optimistic)."""
+        return self.step_s / self.predicted_step_s if self.predicted_step_s > 0 else math.inf
+
+    def to_dict(self) -> dict:
+        return {"strategy": self.strategy, "layer": self.layer, "dtype": self.dtype, "iters": self.iters,
+                "step_s": self.step_s, "predicted_step_s": self.predicted_step_s, "ratio": self.ratio,
+                "step_samples_s": self.step_samples_s, "ranks": self.ranks}
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def table(self) -> str:
+        """Per rank, each phase measured / predicted (ms), and the step with its ratio."""
+        def ms(x):
+            return f"{x * 1e3:9.2f}"
+
+        head = (f"{'rank':>4} {'gpu':<10} {'tokens':>7} {'heads':>5}  " +
+                "  ".join(f"{p + ' meas':>9} {p + ' pred':>9}" for p in _PHASES) + f"  {'total':>9}")
+        lines = [f"one {self.layer} layer, forward + backward, {self.dtype}, {self.strategy} plan; ms, median of "
+                 f"{self.iters} runs (measured) next to the cost model (predicted)", head]
+        for r in self.ranks:
+            cells = "  ".join(f"{ms(r['measured'][p])} {ms(r['predicted'][p])}" for p in _PHASES)
+            lines.append(f"{r['rank']:>4} {r['gpu'][:10]:<10} {r['tokens']:>7} {r['heads']:>5}  {cells}  "
+                         f"{ms(r['total_s'])}")
+        lines.append(f"step: measured {self.step_s * 1e3:.2f} ms, predicted {self.predicted_step_s * 1e3:.2f} ms, "
+                     f"measured/predicted {self.ratio:.3f}")
+        lines.append("a2a measured includes waiting for the group's slowest member; ring = ring communication not "
+                     "hidden behind the kernels; rest (predicted) = token-parallel compute of the layer")
+        return "\n".join(lines)
+
+
+def predicted_layer(plan: Plan, layer: str = "attention"):
+    """The cost model's per-device phase times for one layer, forward + backward, one sequence, no recompute
+    (seconds; dicts keyed like Measurement.ranks[...]["predicted"], in device order) and the layer's step."""
+    t = plan.training
+    one = Training(sequences=1, checkpointing=False, sharding=t.sharding, reserved_gib=t.reserved_gib)
+    p = evaluate(plan.cluster, model=plan.model, seq_len=plan.seq_len, layout=plan.layout, training=one,
+                 causal=plan.causal)
+    L = plan.model.layers
+    dev = p.devices
+    out = {}
+    for i in range(len(dev)):
+        d = int(dev["device"][i])
+        gemm = float(dev["layer_gemm_s"][i]) if layer == "llama" and "layer_gemm_s" in dev.columns else 0.0
+        out[d] = {"attn": float(dev["attn_s"][i]) / L, "a2a": float(dev["a2a_s"][i]) / L,
+                  "ring": float(dev["ring_exposed_s"][i]) / L, "rest": gemm}
+    group = {}
+    for i in range(len(dev)):
+        g = int(dev["group"][i])
+        group[g] = max(group.get(g, 0.0), out[int(dev["device"][i])]["a2a"])
+    step = max(group.values()) + max(v["attn"] + v["ring"] for v in out.values())
+    if layer == "llama":
+        step += max(v["rest"] for v in out.values())
+    return out, step
+
+
+def _torch():
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        raise HexiseqError("hexiseq.measure needs PyTorch (pip install torch)") from None
+    return torch, dist
+
+
+def _dtype_for(plan: Plan, dtype):
+    torch, _ = _torch()
+    from .calibration import _dtype
+
+    by_bytes = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+    if dtype is None:
+        if plan.model.dtype_bytes not in by_bytes:
+            raise InvalidArgumentError(f"the plan's model has dtype_bytes={plan.model.dtype_bytes}: pass dtype=")
+        return by_bytes[plan.model.dtype_bytes]
+    dt = _dtype(dtype, torch.device("cpu"))
+    if dt.itemsize != plan.model.dtype_bytes:
+        raise InvalidArgumentError(
+            f"dtype {str(dt).replace('torch.', '')} has {dt.itemsize} bytes per element but the plan's model has "
+            f"dtype_bytes={plan.model.dtype_bytes}: plan with a model of dtype_bytes={dt.itemsize} so the "
+            "prediction moves the same bytes")
+    return dt
+
+
+def _llama_layer(model, attention, device, dtype, seed):
+    """A Llama-style block around the distributed attention (no rotary embedding: it costs no matmul)."""
+    torch, _ = _torch()
+    nn = torch.nn
+    H, A, K, d, F = model.hidden, model.heads, model.kv_heads, model.head_dim, model.ffn
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1 = nn.RMSNorm(H)
+            self.norm2 = nn.RMSNorm(H)
+            self.wqkv = nn.Linear(H, (A + 2 * K) * d, bias=False)
+            self.wo = nn.Linear(A * d, H, bias=False)
+            self.up = nn.Linear(H, 2 * F if model.gated_mlp else F, bias=False)
+            self.down = nn.Linear(F, H, bias=False)
+
+        def forward(self, x):
+            B, s, _ = x.shape
+            q, k, v = self.wqkv(self.norm1(x)).split([A * d, K * d, K * d], dim=-1)
+            o = attention(q.view(B, s, A, d), k.view(B, s, K, d), v.view(B, s, K, d))
+            x = x + self.wo(o.reshape(B, s, A * d))
+            h = self.up(self.norm2(x))
+            if model.gated_mlp:
+                a, b = h.chunk(2, dim=-1)
+                h = torch.nn.functional.silu(a) * b
+            else:
+                h = torch.nn.functional.gelu(h)
+            return x + self.down(h)
+
+    torch.manual_seed(seed)
+    return Layer().to(device=device, dtype=dtype)
+
+
+def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=None, layer: str = "attention",
+            seed: int = 0) -> Measurement:
+    """Run the plan's layer forward and backward `warmup + iters` times on every rank of `group` (default: the
+    world; rank r is cluster device r) and return the Measurement (equal on every rank).
+
+    layer: "attention" (HexiSeqAttention alone) or "llama" (a whole Llama-style layer around it).
+    dtype: the inputs' dtype; default the one of the plan's model.dtype_bytes (2: bf16, 4: fp32, 8: fp64). It
+    must have model.dtype_bytes bytes, so that the prediction moves the bytes the run moves."""
+    torch, dist = _torch()
+    from .nn import HexiSeqAttention
+
+    if not isinstance(plan, Plan):
+        raise InvalidArgumentError(f"plan must be a hexiseq.Plan, got {type(plan).__name__}")
+    if layer not in ("attention", "llama"):
+        raise InvalidArgumentError(f"layer must be 'attention' or 'llama', got {layer!r}")
+    if not isinstance(iters, int) or iters < 1 or not isinstance(warmup, int) or warmup < 0:
+        raise InvalidArgumentError(f"iters must be an int >= 1 and warmup an int >= 0, got iters={iters!r}, "
+                                   f"warmup={warmup!r}")
+    dt = _dtype_for(plan, dtype)
+    if not dist.is_available() or not dist.is_initialized():
+        raise HexiseqError("torch.distributed is not initialised: call torch.distributed.init_process_group first "
+                           "(or run `torchrun --nproc_per_node N -m hexiseq measure plan.json`)")
+    group = group if group is not None else dist.group.WORLD
+    rank = dist.get_rank(group)
+    cuda = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    attn = HexiSeqAttention(plan, group=group, causal=plan.causal)  # checks the plan and the world size
+    ctx = attn.context
+    ctx.sync_timing = cuda
+    m = plan.model
+    s = int(plan.devices.tokens[plan._slot(rank)])
+    g = torch.Generator(device=device).manual_seed(seed * 7919 + rank)
+    if layer == "llama":
+        block = _llama_layer(m, attn, device, dt, seed)
+        x = torch.randn(1, s, m.hidden, generator=g, device=device, dtype=dt).requires_grad_()
+        dy = torch.randn(1, s, m.hidden, generator=g, device=device, dtype=dt)
+
+        def run():
+            block(x).backward(dy)
+    else:
+        q = torch.randn(1, s, m.heads, m.head_dim, generator=g, device=device, dtype=dt).requires_grad_()
+        k = torch.randn(1, s, m.kv_heads, m.head_dim, generator=g, device=device, dtype=dt).requires_grad_()
+        v = torch.randn(1, s, m.kv_heads, m.head_dim, generator=g, device=device, dtype=dt).requires_grad_()
+        do = torch.randn(1, s, m.heads, m.head_dim, generator=g, device=device, dtype=dt)
+
+        def run():
+            attn(q, k, v).backward(do)
+
+    def barrier():
+        dist.barrier(group=group) if not cuda else dist.barrier(group=group, device_ids=[device.index])
+
+    samples = []
+    for i in range(warmup + iters):
+        barrier()
+        ctx.reset_timers()
+        t0 = time.perf_counter()
+        run()
+        if cuda:
+            torch.cuda.synchronize(device)
+        total = time.perf_counter() - t0
+        if i >= warmup:
+            samples.append((total, dict(ctx.phase_s)))
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, samples, group=group)
+    pred, pred_step = predicted_layer(plan, layer)
+    steps = [max(every[r][i][0] for r in range(len(every))) for i in range(iters)]
+    ranks = []
+    for r, rs in enumerate(every):
+        slot = plan._slot(r)
+        meas = {"attn": statistics.median(x[1]["attn"] for x in rs),
+                "a2a": statistics.median(x[1]["a2a"] for x in rs),
+                "ring": statistics.median(x[1]["ring_wait"] for x in rs)}
+        total = statistics.median(x[0] for x in rs)
+        meas["rest"] = max(0.0, total - meas["attn"] - meas["a2a"] - meas["ring"])
+        ranks.append({"rank": r, "gpu": str(plan.devices["gpu"][slot]), "tokens": int(plan.devices.tokens[slot]),
+                      "heads": int(plan.devices.head_count[slot]), "total_s": total, "measured": meas,
+                      "predicted": pred[r]})
+    return Measurement(strategy=plan.strategy, layer=layer, dtype=str(dt).replace("torch.", ""), iters=iters,
+                       step_s=statistics.median(steps), predicted_step_s=pred_step, ranks=ranks,
+                       step_samples_s=steps)

@@ -1,0 +1,49 @@
+"""Worker processes for the calibration and measurement tests (spawned children import this module)."""
+
+import datetime
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import hexiseq
+
+TINY = dict(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, ffn=256, vocab=512, dtype_bytes=4,
+            gated_mlp=True, name="tiny")
+
+
+def _init(rank, world, init):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=90))
+
+
+def calibrate_pinned(rank, world, init, cores, results):
+    """Calibrate with rank r pinned to cores[r] (None: not pinned); report the cluster as a dict."""
+    try:
+        if cores is not None:
+            os.sched_setaffinity(0, cores[rank])
+        _init(rank, world, init)
+        from hexiseq import calibrate
+
+        # sizes big enough that compute, not call overhead, dominates the largest point on a CPU
+        c = calibrate(hexiseq.Model(**TINY), gemm_rows=[64, 512], attn_blocks=[64, 256, 512], message_bytes=1 << 20,
+                      iters=3, progress=False)
+        results.put((rank, "ok", c.to_dict()))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def measure_plan(rank, world, init, plan_json, layers, results):
+    try:
+        _init(rank, world, init)
+        from hexiseq import measure
+
+        plan = hexiseq.Plan.from_json(plan_json)
+        out = {layer: measure(plan, iters=2, warmup=1, layer=layer).to_dict() for layer in layers}
+        results.put((rank, "ok", out))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc()))
