@@ -18,9 +18,10 @@
  *  4. ring order: exhaustive for up to 6 groups, node order beyond (groups of one node stay adjacent, so
  *     the ring crosses each slow link once). Clusters of up to 6 devices also try every partition into
  *     groups, not only the node-aligned ones.
- *  5. for clusters up to 64 devices: greedy parking (a device or a whole group keeps no tokens and no
- *     heads when the others are faster without it), then a bounded local search over single moves
- *     (tokens between groups, a head or tokens between two ranks of a group).
+ *  5. parking (a device or a whole group keeps no tokens and no heads when the others are faster without
+ *     it): clusters of up to 6 devices try every subset of active devices in every grouping; clusters up
+ *     to 64 devices park greedily. Then a bounded local search over single moves (tokens between groups,
+ *     a head or tokens between two ranks of a group).
  * Everything is deterministic: no randomness, ties broken by index. */
 #include <math.h>
 #include <stdlib.h>
@@ -644,6 +645,26 @@ static hexiseq_status local_search(sched *s, const hexiseq_layout *start, const 
 static hexiseq_status run_structure(sched *s, hexiseq_layout *l, double *score);
 static hexiseq_status run_all_partitions(sched *s);
 
+/* Small clusters: every proper subset of the devices as the active ones, each grouped every way (the parked
+ * ones join the first group). With run_all_partitions over all devices this covers every structure. */
+static hexiseq_status park_subsets(sched *s) {
+    int32_t n = s->n;
+    hexiseq_status st = HEXISEQ_OK;
+    for (uint32_t mask = 1; mask + 1 < (1u << n) && st == HEXISEQ_OK; ++mask) {
+        for (int32_t d = 0; d < n; ++d) {
+            int active = (mask >> d) & 1u;
+            s->fgemm[d] = active ? s->fgemm0[d] : 0.0;
+            s->fattn[d] = active ? s->fattn0[d] : 0.0;
+        }
+        st = run_all_partitions(s);
+    }
+    for (int32_t d = 0; d < n; ++d) {
+        s->fgemm[d] = s->fgemm0[d];
+        s->fattn[d] = s->fattn0[d];
+    }
+    return st;
+}
+
 /* A parked device holds no tokens and no heads: it only keeps its share of the model states. Parking a
  * slow device, or one behind a slow link, can shorten the step (the others stop waiting for it). Greedy:
  * starting from the best plan, try parking each active device alone and each group as a whole (its
@@ -698,12 +719,6 @@ static hexiseq_status park_search(sched *s) {
                 continue;
             double before = s->best_cost.step_time_s;
             int fit_before = s->best_cost.fits;
-            if (n <= EXACT_PARTITION_DEVICES) { /* small: every grouping of the devices left active */
-                st = run_all_partitions(s);
-                if (s->best_cost.fits != fit_before || s->best_cost.step_time_s < before)
-                    improved = 1;
-                continue;
-            }
             /* groups that keep an active member stay, in order; parked devices of vanished groups join the
              * first surviving group */
             int32_t keep = 0, first_keep = -1;
@@ -1084,9 +1099,9 @@ hexiseq_status hexiseq_schedule(const hexiseq_cluster *c, const hexiseq_model *m
     for (int32_t hp = max_node + 1; hp <= s.n && st == HEXISEQ_OK; ++hp)
         if (s.n % hp == 0)
             st = run_consecutive(&s, hp);
-    /* 5. polish: park devices that only slow the others down, then single moves */
+    /* 5. polish: park devices that only slow the others down (every subset when small), then single moves */
     if (st == HEXISEQ_OK)
-        st = park_search(&s);
+        st = s.n <= EXACT_PARTITION_DEVICES ? park_subsets(&s) : park_search(&s);
     if (st == HEXISEQ_OK && s.have_best) {
         hexiseq_layout start;
         st = hexiseq_layout_alloc(s.best.n_groups, s.n, &start);
