@@ -12,10 +12,10 @@ from hexiseq import Cluster, Layout, Model, Node, Plan, Training
 
 EXPECTED_ALL = [
     "__version__", "build_info",
-    "cuda_device_count", "gpu_catalog", "Cluster", "Node", "Model", "MODEL_PRESETS", "Training",
-    "Sharding", "Strategy", "Layout", "Plan", "DeviceTable", "plan", "evaluate", "compare", "HexiseqError",
-    "InvalidArgumentError", "UnknownGPUError", "LayoutError", "MemoryFitError", "UnsupportedError", "CudaError",
-    "InternalError", "ops",
+    "cuda_device_count", "gpu_catalog", "Cluster", "Node", "DeviceRates", "Model", "MODEL_PRESETS", "Training",
+    "Sharding", "Strategy", "Layout", "Plan", "DeviceTable", "plan", "evaluate", "compare", "calibrate", "measure",
+    "Measurement", "HexiseqError", "InvalidArgumentError", "UnknownGPUError", "LayoutError", "MemoryFitError",
+    "UnsupportedError", "CudaError", "InternalError", "ops",
 ]
 
 GPUS = ["H100-SXM", "H100-PCIe", "H200", "H800", "A100-40G", "A100-80G", "A800", "L40S", "L40", "A6000", "RTX4090",
