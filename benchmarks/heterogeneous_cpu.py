@@ -44,7 +44,8 @@ STRATEGIES = ("hexiseq", "ring", "ulysses", "usp")
 def layout_text(plan):
     parts = []
     for g in plan.layout.groups():
-        parts.append("[" + " ".join(f"d{d}:{t}t/{h}h" for d, t, h in zip(g["devices"], g["tokens"], g["heads"])) + "]")
+        parts.append("[" + " ".join(f"d{d}:{t}t/{hi - lo}h"
+                                    for d, t, (lo, hi) in zip(g["devices"], g["tokens"], g["head_ranges"])) + "]")
     return " ".join(parts)
 
 

@@ -220,16 +220,20 @@ def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=No
         dist.barrier(group=group) if not cuda else dist.barrier(group=group, device_ids=[device.index])
 
     samples = []
-    for i in range(warmup + iters):
+    try:
+        for i in range(warmup + iters):
+            barrier()
+            ctx.reset_timers()
+            t0 = time.perf_counter()
+            run()
+            if cuda:
+                torch.cuda.synchronize(device)
+            total = time.perf_counter() - t0
+            if i >= warmup:
+                samples.append((total, dict(ctx.phase_s)))
+    finally:
         barrier()
-        ctx.reset_timers()
-        t0 = time.perf_counter()
-        run()
-        if cuda:
-            torch.cuda.synchronize(device)
-        total = time.perf_counter() - t0
-        if i >= warmup:
-            samples.append((total, dict(ctx.phase_s)))
+        ctx.close()  # release the plan's HP subgroup: a measurement leaves no process group behind
     every = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, samples, group=group)
     pred, pred_step = predicted_layer(plan, layer)

@@ -323,14 +323,18 @@ class HexiSeqContext:
         self.chunks = [plan.group_chunks(g) for g in range(self.n_groups)]
         # global ranks (for P2P) of every plan device
         self._global = [self._global_rank(r) for r in range(self.world)]
-        # HP subgroups: every rank of `group` creates every HP group, in ring order. Local synchronisation: only
-        # the members of each subgroup wait for it, so ranks outside `group` (another data-parallel replica
-        # with its own plan, say) need not take part.
+        # HP subgroups: every rank of `group` creates every HP group, in ring order. On the world, plainly: every
+        # rank takes part in every creation, so the group names (a counter all ranks advance together) agree. On
+        # a smaller group (another data-parallel replica with its own plan, say), with local synchronisation, so
+        # ranks outside `group` need not take part. torch names a locally synchronised group by its ranks and by
+        # how many groups the creating process holds, which differs between the members of an earlier partial
+        # subgroup and the others: on the world that made a later all-ranks subgroup hang in its rendezvous.
         self.hp_group = None
         self.hp_order = [0]
+        local = self.group is not dist.group.WORLD
         for g in range(self.n_groups):
             ranks = [self._global[mb.rank] for mb in self.groups[g]]
-            pg = dist.new_group(ranks=ranks, use_local_synchronization=True) if len(ranks) > 1 else None
+            pg = dist.new_group(ranks=ranks, use_local_synchronization=local) if len(ranks) > 1 else None
             if g == self.g and pg is not None:
                 self.hp_group = pg
                 # all_to_all_single orders its splits by rank inside the subgroup, not by our member order

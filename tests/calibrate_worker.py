@@ -47,3 +47,22 @@ def measure_plan(rank, world, init, plan_json, layers, results):
         dist.destroy_process_group()
     except Exception:
         results.put((rank, "error", traceback.format_exc()))
+
+
+def contexts_in_sequence(rank, world, init, plan_jsons, results):
+    """Build one context per plan in turn, on the world, and run each layer once (forward + backward)."""
+    try:
+        _init(rank, world, init)
+        from hexiseq.nn import HexiSeqAttention
+
+        for text in plan_jsons:
+            plan = hexiseq.Plan.from_json(text)
+            m, s = plan.model, int(plan.devices.tokens[plan._slot(rank)])
+            q = torch.randn(1, s, m.heads, m.head_dim, requires_grad=True)
+            k = torch.randn(1, s, m.kv_heads, m.head_dim, requires_grad=True)
+            v = torch.randn(1, s, m.kv_heads, m.head_dim, requires_grad=True)
+            HexiSeqAttention(plan)(q, k, v).sum().backward()
+        results.put((rank, "ok", len(plan_jsons)))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc()))

@@ -207,3 +207,19 @@ def test_cli_calibrate_then_plan_then_measure(tmp_path):
     r = subprocess.run([sys.executable, "-m", "hexiseq", "measure", str(tmp_path / "missing.json")],
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 1 and "missing.json" in r.stderr
+
+
+def test_a_world_subgroup_after_a_partial_one(tmp_path):
+    """Plans measured one after another on the world: a plan whose HP group holds some ranks, then one whose HP
+    group holds all of them. Locally synchronised subgroups took their names from a per-process count that the
+    first plan left unequal across ranks, and the second plan's rendezvous hung."""
+    c = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 3, "intra_gbps": 300}]})
+    model = hexiseq.Model(**cw.TINY)
+    partial = hexiseq.evaluate(c, model=model, seq_len=64, layout={"groups": [
+        {"devices": [0, 1], "seq": 40, "tokens": [20, 20], "heads": [3, 1]},
+        {"devices": [2], "seq": 24, "tokens": [24], "heads": [4]}]})
+    whole = hexiseq.evaluate(c, model=model, seq_len=64, layout={"groups": [
+        {"devices": [0, 1, 2], "seq": 64, "tokens": [22, 21, 21], "heads": [2, 1, 1]}]})
+    out = dist_worker.spawn(cw.contexts_in_sequence, 3, ([partial.to_json(), whole.to_json()],), tmp_path,
+                            timeout_s=60)
+    assert all(v == ("ok", 2) for v in out.values()), out
