@@ -231,6 +231,7 @@ def _attention_curves(model: Model, blocks, device, dtype, heads, iters, warmup,
     from . import ops
 
     h, kv = _attention_heads(model, device, heads)
+    cuda = device.type == "cuda"
     d = model.head_dim
     scale = 1.0 / math.sqrt(d)
     g = torch.Generator(device=device).manual_seed(4321)
@@ -245,12 +246,19 @@ def _attention_curves(model: Model, blocks, device, dtype, heads, iters, warmup,
         for q_pos0, target in ((n, full), (0, diag)):
             barrier()
 
-            def fwd():
+            def block():
                 if use_c:
                     return ops.attention_forward(q, k, v, causal=True, q_pos0=q_pos0, k_pos0=0, scale=scale)
                 return hnn._block_forward_torch(q, k, v, True, q_pos0, 0, scale)
 
-            o, lse = fwd()
+            o, lse = block()
+            acc_dt = torch.float64 if dtype == torch.float64 else torch.float32
+            o_acc, lse_acc = o.to(acc_dt), lse.to(acc_dt).clone()
+
+            def fwd():
+                # the block and its merge into the fp32 accumulator, as a ring step runs them
+                o_p, l_p = block()
+                hnn._merge(o_acc, lse_acc, o_p.to(acc_dt), l_p.to(acc_dt), use_c or (cuda and ops._cuda_built()))
 
             def bwd():
                 if use_c:
