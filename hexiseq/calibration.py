@@ -208,19 +208,18 @@ def _gemm_curve(model: Model, rows_list, device, dtype, iters, warmup, barrier, 
 
 
 def _attention_heads(model: Model, device, heads):
-    """Query and kv heads to measure with: the model's on CUDA (the kernels' parallelism depends on them); on a
-    CPU, where the kernels run heads one after another, the heads of at most a few kv heads."""
+    """Query and kv heads to measure with: the model's by default. Fewer heads measure faster but can read high:
+    on a CPU, curves timed with 3 of a model's 12 heads (and without the merge, then) left the model 26-45%
+    optimistic about the attention layer, all 12 heads with the merge within 10%
+    (benchmarks/results/heterogeneous_cpu.md); on a GPU the kernels' parallelism depends on them."""
     per = model.heads // model.kv_heads
     if heads is not None:
-        h = int(heads)
+        h = heads if isinstance(heads, int) and not isinstance(heads, bool) else -1
         if h < 1 or h > model.heads or h % per:
             raise InvalidArgumentError(f"attn_heads must be a multiple of {per} (query heads per kv head) in "
                                        f"[{per}, {model.heads}], got {heads!r}")
         return h, h // per
-    if device.type == "cuda":
-        return model.heads, model.kv_heads
-    kv = max(1, min(model.kv_heads, 4 // per))
-    return kv * per, kv
+    return model.heads, model.kv_heads
 
 
 def _attention_curves(model: Model, blocks, device, dtype, heads, iters, warmup, barrier, progress):
@@ -453,7 +452,7 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
     model: a Model, preset name or Hugging Face config path: its matmul shapes, head_dim and GQA ratio are measured.
     dtype: the training dtype (default bf16 on CUDA, fp32 on CPU).
     gemm_rows, attn_blocks: the sizes of the rate curves (defaults suit the device type).
-    attn_heads: query heads to time attention with (default: the model's on CUDA, a few on CPU).
+    attn_heads: query heads to time attention with (default: the model's; fewer is quicker, less exact).
     message_bytes: bytes per link measurement (default 64 MiB on CUDA, 4 MiB on CPU).
     iters: timed repetitions per point (default 5 on CUDA, 3 on CPU), after `warmup`.
     out: a path to write the cluster YAML to (rank 0 writes; every rank returns the Cluster).

@@ -212,8 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--dtype", default=None, help="training dtype: bf16, fp16, fp32 (default bf16 on CUDA, fp32 on CPU)")
     ca.add_argument("--gemm-rows", help="row counts of the matmul rate curve, e.g. 512,2048,8192")
     ca.add_argument("--attn-blocks", help="block lengths of the attention rate curves, e.g. 256,1024,4096")
-    ca.add_argument("--attn-heads", type=int, help="query heads to time attention with (default: the model's on "
-                                                   "CUDA, a few on CPU)")
+    ca.add_argument("--attn-heads", type=int, help="query heads to time attention with (default: the model's; "
+                                                   "fewer is quicker, less exact)")
     ca.add_argument("--message-mib", type=float, help="MiB per link measurement (default 64 on CUDA, 4 on CPU)")
     ca.add_argument("--iters", type=int, help="timed repetitions per point (default 5 on CUDA, 3 on CPU)")
     ca.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
