@@ -57,6 +57,20 @@ static const struct {
 
 int hexiseq_gpu_catalog_size(void) { return CATALOG_SIZE; }
 
+int hexiseq_gpu_alias_count(void) { return (int)(sizeof aliases / sizeof aliases[0]); }
+
+hexiseq_status hexiseq_gpu_alias_get(int index, const char **alias, const char **name) {
+    hexiseq_clear_error();
+    if (!alias || !name)
+        return hexiseq_fail(HEXISEQ_ERR_NULL, "alias and name must not be NULL");
+    if (index < 0 || index >= hexiseq_gpu_alias_count())
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "alias index must be in [0, %d), got %d", hexiseq_gpu_alias_count(),
+                            index);
+    *alias = aliases[index].alias;
+    *name = aliases[index].name;
+    return HEXISEQ_OK;
+}
+
 hexiseq_status hexiseq_gpu_catalog_get(int index, hexiseq_gpu_spec *out) {
     hexiseq_clear_error();
     if (!out)

@@ -28,7 +28,11 @@ typedef struct {
 
 HEXISEQ_API int hexiseq_gpu_catalog_size(void);
 HEXISEQ_API hexiseq_status hexiseq_gpu_catalog_get(int index, hexiseq_gpu_spec *out);
-/* Case-insensitive lookup; also accepts a few aliases ("H100" = "H100-SXM", "A100" = "A100-80G"). */
+/* The short names lookup accepts for catalog models ("H100" = "H100-SXM", "A100" = "A100-80G", ...): alias
+ * `index` in [0, hexiseq_gpu_alias_count()) and the catalog name it stands for (static strings). */
+HEXISEQ_API int hexiseq_gpu_alias_count(void);
+HEXISEQ_API hexiseq_status hexiseq_gpu_alias_get(int index, const char **alias, const char **name);
+/* Case-insensitive lookup of a catalog name or an alias. */
 HEXISEQ_API hexiseq_status hexiseq_gpu_find(const char *name, hexiseq_gpu_spec *out);
 
 /* ------------------------------------------------------------------ cluster */

@@ -335,9 +335,24 @@ static PyObject *core_gpu_catalog(PyObject *module, PyObject *Py_UNUSED(ignored)
             Py_DECREF(out);
             return raise_status(module, s);
         }
-        PyObject *item = Py_BuildValue("{s:s,s:d,s:d,s:d,s:d,s:d,s:s}", "name", g.name, "peak_tflops", g.peak_tflops,
-                                       "memory_gib", g.memory_gib, "hbm_gbps", g.hbm_gbps, "gemm_eff", g.gemm_eff,
-                                       "attn_eff", g.attn_eff, "source", g.source);
+        PyObject *aliases = PyList_New(0);
+        for (int a = 0; aliases && a < hexiseq_gpu_alias_count(); ++a) {
+            const char *alias, *name;
+            if (hexiseq_gpu_alias_get(a, &alias, &name) != HEXISEQ_OK || strcmp(name, g.name) != 0)
+                continue;
+            PyObject *text = PyUnicode_FromString(alias);
+            if (!text || PyList_Append(aliases, text) < 0) {
+                Py_XDECREF(text);
+                Py_CLEAR(aliases);
+                break;
+            }
+            Py_DECREF(text);
+        }
+        PyObject *item = aliases ? Py_BuildValue("{s:s,s:d,s:d,s:d,s:d,s:d,s:s,s:N}", "name", g.name, "peak_tflops",
+                                                 g.peak_tflops, "memory_gib", g.memory_gib, "hbm_gbps", g.hbm_gbps,
+                                                 "gemm_eff", g.gemm_eff, "attn_eff", g.attn_eff, "source", g.source,
+                                                 "aliases", aliases)
+                                 : NULL;
         if (!item) {
             Py_DECREF(out);
             return NULL;

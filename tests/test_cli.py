@@ -83,8 +83,16 @@ def test_plan_json_round_trips(tmp_path):
 def test_gpus():
     proc = run("gpus")
     assert proc.returncode == 0, proc.stderr
-    names = [line.split()[0] for line in proc.stdout.splitlines()[1:] if line.strip()]
+    table = proc.stdout.split("\n\n")[0]
+    names = [line.split()[0] for line in table.splitlines()[1:] if line.strip()]
     assert names == [g["name"] for g in hexiseq.gpu_catalog()]
+    # every alias is listed on the line of the model it is read as, and is read as that model
+    for line in table.splitlines()[1:]:
+        name, also = line.split()[0], line[11:29].strip()
+        for alias in also.split(", ") if also != "-" else []:
+            assert hexiseq.Cluster.from_dict({"nodes": [{"gpu": alias, "count": 1}]}).nodes[0].gpu == name
+    catalog = {g["name"]: g["aliases"] for g in hexiseq.gpu_catalog()}
+    assert "H100" in catalog["H100-SXM"] and "A100" in catalog["A100-80G"] and catalog["A100-40G"] == []
 
 
 def test_info():
