@@ -275,7 +275,7 @@ def _attention_curves(model: Model, blocks, device, dtype, heads, iters, warmup,
 # ---------------------------------------------------------------------------------------------- links
 
 
-def _rounds(pairs, world):
+def _rounds(pairs):
     """Pairs grouped into rounds where every rank appears at most once (greedy, in order)."""
     left, rounds = list(pairs), []
     while left:
@@ -326,18 +326,6 @@ def _measure_pair(rank, peer, device, message_bytes, lat_iters, bw_iters, global
             dist.recv(small, gpeer)
             dist.send(small, gpeer)
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    for _ in range(3):
-        ping()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(lat_iters):
-        ping()
-    sync()
-    latency = (time.perf_counter() - t0) / lat_iters / 2
     n = max(1, message_bytes // 4)
     send = torch.ones(n, dtype=torch.float32, device=device)
     recv = torch.empty_like(send)
@@ -347,25 +335,24 @@ def _measure_pair(rank, peer, device, message_bytes, lat_iters, bw_iters, global
         for r in reqs:
             r.wait()
 
-    exchange()
-    sync()
-    times = []
-    for _ in range(bw_iters):
-        t0 = time.perf_counter()
-        exchange()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return latency, n * 4 / statistics.median(times)
+    latency = _seconds(ping, device, lat_iters, 3) / 2
+    return latency, n * 4 / _seconds(exchange, device, bw_iters, 1)
+
+
+def _a2a_sizes(world):
+    """Group sizes the all-to-all is timed at: every size up to 8 ranks, then powers of two and the world."""
+    if world <= 8:
+        return list(range(2, world + 1))
+    return sorted({2 ** i for i in range(1, world.bit_length())} | {world})
 
 
 def _all_to_all_times(world, device, message_bytes, iters, group, global_of):
-    """Seconds of an all-to-all of message_bytes per peer in the subgroup of the first k ranks, k = 2..world
-    (powers of two and the world beyond 8 ranks)."""
+    """Seconds of an all-to-all of message_bytes per peer in the subgroup of the first k ranks, k in
+    _a2a_sizes(world)."""
     torch, dist = _torch()
     rank = dist.get_rank(group)
-    sizes = list(range(2, world + 1)) if world <= 8 else sorted({2 ** i for i in range(1, world.bit_length())} | {world})
     out = []
-    for k in sizes:
+    for k in _a2a_sizes(world):
         ranks = [global_of(r) for r in range(k)]
         pg = dist.new_group(ranks=ranks) if k < world else group
         if rank < k:
@@ -491,18 +478,18 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
         return r if group is dist.group.WORLD else dist.get_global_rank(group, r)
 
     def barrier():
-        dist.barrier(group=group) if not cuda else dist.barrier(group=group, device_ids=[device.index])
+        _barrier(group, device)
 
     t_start = time.perf_counter()
     host = socket.gethostname()
     hosts = [None] * world
     dist.all_gather_object(hosts, host, group=group)
-    node_of = []
-    for h in hosts:
-        node_of.append(node_of[-1] if node_of and hosts[len(node_of) - 1] == h else (node_of[-1] + 1 if node_of else 0))
+    node_of = [0]  # a node: a run of consecutive ranks on one host
+    for prev, h in zip(hosts, hosts[1:]):
+        node_of.append(node_of[-1] + (h != prev))
     pairs, pairs_note = _link_pairs(world, node_of, all_pairs_up_to)
-    rounds = _rounds(pairs, world)
-    a2a_sizes = (world - 1) if world <= 8 else len({2 ** i for i in range(1, world.bit_length())} | {world})
+    rounds = _rounds(pairs)
+    a2a_sizes = len(_a2a_sizes(world)) if world > 1 else 0
     prog = _Progress(progress and rank == 0, len(rows_list) + 2 * len(blocks) + len(rounds) + a2a_sizes)
 
     prog.stage(f"{world} rank(s), {device.type}, {str(dt).replace('torch.', '')}: matmul rates on {model.name}'s "
@@ -570,6 +557,15 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
         barrier()
     prog.stage(f"done: {cluster.describe()}" + (f", written to {out}" if out is not None else ""))
     return cluster
+
+
+def _barrier(group, device):
+    """A barrier of `group`; on NCCL bound to this rank's device (else NCCL guesses one)."""
+    _, dist = _torch()
+    if device.type == "cuda":
+        dist.barrier(group=group, device_ids=[device.index])
+    else:
+        dist.barrier(group=group)
 
 
 def _runtime_uses_c(device, dtype):

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from .calibration import _barrier, _dtype, _torch
 from .errors import HexiseqError, InvalidArgumentError
 from .model import Training
 from .plan import Plan, evaluate
@@ -95,7 +96,7 @@ def predicted_layer(plan: Plan, layer: str = "attention"):
     out = {}
     for i in range(len(dev)):
         d = int(dev["device"][i])
-        gemm = float(dev["layer_gemm_s"][i]) if layer == "llama" and "layer_gemm_s" in dev.columns else 0.0
+        gemm = float(dev["layer_gemm_s"][i]) if layer == "llama" else 0.0
         out[d] = {"attn": float(dev["attn_s"][i]) / L, "a2a": float(dev["a2a_s"][i]) / L,
                   "ring": float(dev["ring_exposed_s"][i]) / L, "rest": gemm}
     group = {}
@@ -108,18 +109,8 @@ def predicted_layer(plan: Plan, layer: str = "attention"):
     return out, step
 
 
-def _torch():
-    try:
-        import torch
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover
-        raise HexiseqError("hexiseq.measure needs PyTorch (pip install torch)") from None
-    return torch, dist
-
-
 def _dtype_for(plan: Plan, dtype):
     torch, _ = _torch()
-    from .calibration import _dtype
 
     by_bytes = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
     if dtype is None:
@@ -217,7 +208,7 @@ def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=No
             attn(q, k, v).backward(do)
 
     def barrier():
-        dist.barrier(group=group) if not cuda else dist.barrier(group=group, device_ids=[device.index])
+        _barrier(group, device)
 
     samples = []
     try:
