@@ -1,16 +1,16 @@
 // CUDA attention kernels (forward, backward, merge) behind the C launchers of kernels/launch.h.
 //
-// STATUS: run on an NVIDIA H100 80GB HBM3 (torch 2.11, CUDA 13.0; benchmarks/run_gpu_checks.sh):
-// tests/test_cuda_ops.py (against float64 references, torch SDPA and the CPU kernels) passes, compute-sanitizer
-// memcheck, racecheck and synccheck report nothing at head dims 64/80/128/256, and the speed next to torch's
-// FlashAttention-2 backend is in benchmarks/results/cuda_attention.md (forward 0.83-0.96x of it, backward
-// 0.56-0.62x, bf16, 4K-32K tokens). The logic is also tested without a GPU: tests/c/test_cuda_emu.cpp compiles this file
-// unchanged as C++ against a CPU emulator of the CUDA subset used here (tests/c/cuda_emu/emu.h: blocks of fiber
-// threads, barriers, shuffles, mma.sync and ldmatrix with the PTX ISA's documented layouts, cp.async) and checks
-// forward, backward and merge against the CPU kernels in float64 (odd sizes, every causal offset case, GQA/MQA,
-// padded head dims, strides, a 99 KiB shared-memory device), under four thread schedules to expose missing
-// barriers, with shared-memory bounds and ldmatrix bank conflicts checked. CI runs that; a change here should
-// also be run on a GPU before its speed or its memory ordering is claimed.
+// STATUS: run on an NVIDIA H100 80GB HBM3 (torch 2.11, CUDA 13.0; benchmarks/run_gpu_checks.sh): tests/test_cuda_ops.py
+// (against float64 references, torch SDPA and the CPU kernels) passes, compute-sanitizer memcheck, racecheck and
+// synccheck report nothing at head dims 64/80/128/256, and the speed next to torch's FlashAttention-2 backend is in
+// benchmarks/results/cuda_attention.md (forward 0.85-1.01x of it, backward 0.64-0.76x, bf16, 4K-32K tokens, head dims
+// 64 and 128). The logic is also tested without a GPU: tests/c/test_cuda_emu.cpp compiles this file unchanged as C++
+// against a CPU emulator of the CUDA subset used here (tests/c/cuda_emu/emu.h: blocks of fiber threads, barriers,
+// shuffles, mma.sync and ldmatrix with the PTX ISA's documented layouts, cp.async) and checks forward, backward and
+// merge against the CPU kernels in float64 (odd sizes, every causal offset case, GQA/MQA, padded head dims, strides, a
+// 99 KiB shared-memory device), under four thread schedules to expose missing barriers, with shared-memory bounds and
+// ldmatrix bank conflicts checked. CI runs that; a change here should also be run on a GPU before its speed or its
+// memory ordering is claimed.
 //
 // Semantics are those of csrc/attention.h and the CPU reference: causal means key_pos <= query_pos on
 // absolute positions (q_pos0 + i, k_pos0 + j); a fully masked row gives O = 0, LSE = -inf and no gradient;
@@ -36,44 +36,54 @@
 //     applied only to the key tiles that need it (the last, partial one and those crossing the diagonal).
 //     K/V tiles are double-buffered with cp.async when their rows allow 16-byte copies (else loaded element by
 //     element). Not done: Hopper wgmma/TMA/warp specialisation (FlashAttention-3's techniques).
-//   * backward (attn_bwd_mma_kernel): the same register design on the transposed problem. A preprocessing
-//     kernel writes D = rowsum(dO * O) (fp32, [batch, heads, seq_q]). One CTA per (key tile, kv head, batch):
-//     128 keys and 8 warps at D = 64 and 128 (64 keys and 4 warps for D = 128 on GPUs with 99 KiB of shared
-//     memory), 64 keys and 8 warps at D = 256; each warp owns 16 keys and their dK, dV accumulators in registers
-//     (at D = 256 two warps split a key block's head dim and swap partial scores through shared memory), and loops
-//     over every query head of its GQA group and every query tile that can see the key tile:
-//     S^T = K Q^T, P^T = exp(scale S^T - LSE) (masked), dP^T = V dO^T, dV += P^T dO,
-//     dS^T = P^T (dP^T - D), dK += dS^T Q (P^T and dS^T go from registers into the products as A operands);
-//     dS^T goes through shared memory so the warps can compute dQ_tile = dS K, summed over the CTA's keys
-//     before it leaves the CTA (the wider the key tile, the fewer dQ atomic adds and Q, dO tile reads per key).
-//     Q and dO tiles are double-buffered with cp.async when legal, the next step's in flight. dK, dV are written
-//     once at the end (one thread owns each element, so no atomics; accumulate adds to the old values). dQ: fp32
-//     atomic adds into a zeroed [batch, heads, seq_q, d] scratch buffer (already scaled), then a small kernel
-//     writes (or, with accumulate, adds into) dq in the input dtype. Each thread's two adjacent columns of a row
-//     go as one pair: on sm_90 one vector reduction (red.global.add.v2.f32), elsewhere two atomicAdd; an odd d
-//     (pairs not 8-byte aligned) adds float by float. Atomics are the simple choice: the cost is that dQ is not
-//     bit-for-bit deterministic (summation order of fp32 adds across key tiles varies run to run). Scratch (D
-//     and the dQ accumulator) is allocated with cudaMallocAsync / cudaFreeAsync on the stream.
+//   * backward, D = 128 where shared memory allows (attn_bwd_staged_kernel, FlashAttention-2's backward layout):
+//     see the kernel's comment. P and dS are staged in shared memory so that each of the three products (S and
+//     dP; dV and dK; dQ) gets its own split of the 8 warps into 32-row tiles, which reads each shared-memory
+//     fragment for twice the tensor-core work of the register design below.
+//   * backward otherwise (attn_bwd_mma_kernel): the same register design as the forward on the transposed problem. A
+//     preprocessing kernel writes D = rowsum(dO * O) (fp32, [batch, heads, seq_q]). One CTA per (key tile, kv head,
+//     batch): 128 keys and 8 warps at D = 64 and 128 (64 keys and 4 warps for D = 128 on GPUs with 99 KiB of shared
+//     memory), 64 keys and 8 warps at D = 256; each warp owns 16 keys and their dK, dV accumulators in registers (at D
+//     = 256 two warps split a key block's head dim and swap partial scores through shared memory), and loops over every
+//     query head of its GQA group and every query tile that can see the key tile: S^T = K Q^T, P^T = exp(scale S^T -
+//     LSE) (masked), dP^T = V dO^T, dV += P^T dO, dS^T = P^T (dP^T - D), dK += dS^T Q (P^T and dS^T go from registers
+//     into the products as A operands); dS^T goes through shared memory so the warps can compute dQ_tile = dS K, summed
+//     over the CTA's keys before it leaves the CTA (the wider the key tile, the fewer dQ atomic adds and Q, dO tile
+//     reads per key). Q and dO tiles are double-buffered with cp.async when legal, the next step's in flight. dK, dV
+//     are written once at the end (one thread owns each element, so no atomics; accumulate adds to the old values). dQ:
+//     fp32 atomic adds into a zeroed [batch, heads, seq_q, d] scratch buffer (already scaled), then a small kernel
+//     writes (or, with accumulate, adds into) dq in the input dtype. Each thread's two adjacent columns of a row go as
+//     one pair: on sm_90 one vector reduction (red.global.add.v2.f32), elsewhere two atomicAdd; an odd d (pairs not
+//     8-byte aligned) adds float by float. Atomics are the simple choice: the cost is that dQ is not bit-for-bit
+//     deterministic (summation order of fp32 adds across key tiles varies run to run). Scratch (D and the dQ
+//     accumulator) is allocated with cudaMallocAsync / cudaFreeAsync on the stream.
 //   * merge: one warp per (batch, head, row); lane 0 reads both LSEs, the warp updates the row, lane 0
 //     writes the new LSE last (so no thread reads an LSE another already rewrote).
 //
-// Resource usage (nvcc 13.0 --resource-usage, -O3):
-//   forward (128 threads), registers f16 = bf16, D = 64 / 128 / 256 (D = 128 with BK = 32 in brackets):
-//     sm_80  236 / 255 (245) / 237   sm_90  222 / 255 (242) / 237   (no spills, 0 B stack; D = 128 at the limit)
-//   backward (256 threads; the D = 128 instance with 64-key tiles, 128 threads, in brackets), registers
-//   f16 = bf16, D = 64 / 128 / 256:
-//     sm_80  242 / 244 (254) / 243   sm_90  243 / 246 (253) / 244   (no spills, 0 B stack; the dK, dV
-//     accumulators take 2 x 64 floats per thread at D = 128 and 256, 2 x 32 at D = 64)
+// Resource usage (nvcc 13.0 --resource-usage, -O3; bf16 shown, f16 within a few registers):
+//   forward (128 threads), registers, D = 64 / 128 / 256 (D = 128 with BK = 32 in brackets):
+//     sm_80  210 / 255 (243) / 237   sm_90  221 / 255 (241) / 237   D = 128 with BK = 64 spills: 36 / 68 bytes
+//     (sm_80), 60 / 100 (sm_90) of stores / loads. It stays the default because on an H100 it still ran 0.97-1.10x
+//     the speed of the spill-free BK = 32 instance, median 1.03x (benchmarks/results/cuda_attention.md, one run).
+//   backward register kernel (256 threads; the D = 128 instance with 64-key tiles, 128 threads, in brackets),
+//   registers, D = 64 / 128 / 256:
+//     sm_80  242 / 246 (254) / 243   sm_90  250 / 246 (253) / 244   (no spills; the dK, dV accumulators take
+//     2 x 64 floats per thread at D = 128 and 256, 2 x 32 at D = 64)
+//   backward staged kernel (256 threads), D = 64 / 128: sm_80 214 / 242, sm_90 211 / 242 (no spills; its phase-1
+//     loops are unrolled by 2, not fully: fully unrolled, the D = 128 instance spilled 80 bytes)
 //   delta 32-40, dq 28-32, merge 66-68 registers; no spills
 //   dynamic shared memory per CTA (opted in with cudaFuncSetAttribute on every launch):
 //     forward  D=64: 54 KiB   D=128: 102 KiB   D=256: 99 KiB (Q [BQ][D+8], 2 x K and V [BK][D+8], 16-bit)
-//     backward D=64 (BQ 64, BK 128): 90.5 KiB   D=128 (BQ 32, BK 128): 112.3 KiB (BK 64: 73.3 KiB)
-//              D=256 (BQ 16, BK 64): 118.3 KiB (K, V [BK][D+8], 2 x Q and dO, dS^T, at D = 256 the partial-score
-//              exchange)
-//   All fit the 163 KiB opt-in limit of sm_80 and the 227 KiB of sm_90. On GPUs with less (sm_86/89: 99 KiB) the
-//   D = 128 forward runs its BK = 32 instance (68 KiB) and the D = 128 backward its BK = 64 instance (73.3 KiB; both
-//   chosen at launch from the device's limit), and the D = 256 backward gets HEXISEQ_ERR_CUDA from
-//   cudaFuncSetAttribute.
+//     backward, register kernel: D=64 (BQ 64, BK 128): 90.5 KiB   D=128 (BQ 32, BK 128): 112.3 KiB (BK 64:
+//              73.3 KiB)   D=256 (BQ 16, BK 64): 118.3 KiB (K, V [BK][D+8], 2 x Q and dO, dS^T, at D = 256 the
+//              partial-score exchange)
+//     backward, staged kernel (BQ 64, BK 128): D=64: 106.5 KiB   D=128: 170.5 KiB (K, V, 2 x Q and dO, P, dS)
+//   The staged D = 128 backward needs sm_90's 227 KiB; elsewhere the register kernel runs. Everything else fits
+//   the 163 KiB opt-in limit of sm_80. On GPUs with less (sm_86/89: 99 KiB) the D = 128 forward runs its BK = 32
+//   instance (68 KiB) and the D = 128 backward the register kernel's BK = 64 instance (73.3 KiB; all chosen at
+//   launch from the device's limit), and the D = 256 backward gets HEXISEQ_ERR_CUDA from cudaFuncSetAttribute.
+//   HEXISEQ_CUDA_BACKWARD=staged|register and HEXISEQ_CUDA_FORWARD_KEYS=64|32 force a variant where it fits (for
+//   timing one against the other; an unknown value is refused by name).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -81,6 +91,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include <type_traits>
 
@@ -136,6 +148,20 @@ __device__ __forceinline__ float warp_sum(float x) {
         x += __shfl_xor_sync(0xffffffffu, x, o);
     return x;
 }
+
+// 2^x by the special-function unit alone (ex2.approx.ftz: relative error about 2^-22, subnormal results flushed to
+// 0, 2^-inf = 0). exp2f without fast-math guards the subnormal range around it (a compare, two multiplies and
+// predicated moves per call: in the backward's SASS that was about a third of the P and dS code). The emulator
+// uses exp2f.
+#ifdef HEXISEQ_CUDA_EMU
+__device__ __forceinline__ float fast_exp2(float x) { return exp2f(x); }
+#else
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+#endif
 
 // ------------------------------------------------------------------------------------------------
 // Shared-memory building blocks
@@ -307,8 +333,10 @@ __device__ __forceinline__ void load_b_rows(uint32_t (&b)[4], const T *tile, int
 // two chains to interleave; at D = 256 the O accumulator (MW x D / 2 floats per thread) leaves no room for a second
 // m-block. K/V tiles of BK keys (32 at D = 256 to keep the scores, MW x BK / 2 floats, within the budget too).
 constexpr int kFwdThreads = 128;
-// BK = 64 at D = 128 measured 6-12% faster than 32 on an H100 (bf16, 4K-32K tokens), but needs 102 KiB of shared
-// memory: GPUs whose opt-in limit is lower (sm_86/89: 99 KiB) get the BK = 32 instance (68 KiB), see forward_typed.
+// BK = 64 at D = 128 ran 0.97-1.10x the speed of BK = 32 on an H100 (median 1.03x; bf16, 4K-32K tokens; 6-12% faster
+// before the exponent went to ex2.approx, which pushed this instance into a small spill), but needs 102 KiB of
+// shared memory: GPUs whose opt-in limit is lower (sm_86/89: 99 KiB) get the BK = 32 instance (68 KiB), see
+// forward_typed.
 constexpr int fwd_default_bk(int D) { return D <= 128 ? 64 : 32; }
 template <int D, int BK_ = fwd_default_bk(D)> struct FwdTiles {
     static constexpr int MW = D <= 128 ? 2 : 1;
@@ -438,16 +466,10 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
             }
         }
 
-        // Scale, then mask. Only the last, partial key tile and the tiles crossing the causal diagonal need the mask:
-        // a tile whose every key is present and at or before the CTA's first query position is visible to every row
-        // (rows past nq hold zero-filled Q and are never stored). The test is CTA-uniform.
-#pragma unroll
-        for (int mb = 0; mb < MW; ++mb)
-#pragma unroll
-            for (int j = 0; j < BK / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    s[mb][j][e] *= a.scale_log2;
+        // Mask (the scores stay unscaled: the scale is folded into the exponent's FFMA below). Only the last, partial
+        // key tile and the tiles crossing the causal diagonal need the mask: a tile whose every key is present and at
+        // or before the CTA's first query position is visible to every row (rows past nq hold zero-filled Q and are
+        // never stored). The test is CTA-uniform.
         const bool all_visible = nk == BK && (!a.causal || a.k_pos0 + k0 + BK - 1 <= a.q_pos0 + q0);
         if (!all_visible) {
             // Key c of the tile is visible to tile row r iff c < nk and (causal) k_pos0 + k0 + c <= q_pos0 + q0 + r,
@@ -469,7 +491,10 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
                 }
         }
 
-        // Online softmax per row: maxima over the quad (the 4 lanes holding a row), rescale l and O, exponentiate.
+        // Online softmax per row on scaled scores (s scale log2(e); the maximum of the unscaled scores, scaled, is
+        // the scaled maximum since the scale is positive): maxima over the quad (the 4 lanes holding a row),
+        // rescale l and O, exponentiate.
+        const float sl2 = a.scale_log2;
 #pragma unroll
         for (int mb = 0; mb < MW; ++mb) {
             float mx[2] = {-INFINITY, -INFINITY};
@@ -483,10 +508,10 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
             for (int i = 0; i < 2; ++i) {
                 mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
                 mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-                const float m_new = fmaxf(m[mb][i], mx[i]);
+                const float m_new = fmaxf(m[mb][i], mx[i] * sl2);
                 // Nothing seen yet (m_new = -inf): every p is 0 and O is still 0; use 0 to avoid inf - inf.
                 m_use[i] = m_new == -INFINITY ? 0.0f : m_new;
-                alpha[i] = exp2f(m[mb][i] - m_use[i]); // 0 when m = -inf
+                alpha[i] = fast_exp2(m[mb][i] - m_use[i]); // 0 when m = -inf
                 m[mb][i] = m_new;
                 l[mb][i] *= alpha[i];
             }
@@ -499,7 +524,7 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
             for (int j = 0; j < BK / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    s[mb][j][e] = exp2f(s[mb][j][e] - m_use[e / 2]); // 0 where masked
+                    s[mb][j][e] = fast_exp2(s[mb][j][e] * sl2 - m_use[e / 2]); // 0 where masked
                     l[mb][e / 2] += s[mb][j][e];
                 }
         }
@@ -677,7 +702,7 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
     const int32_t hk = (int32_t)(bid / a.n_ktiles % a.kv_heads);
     const int64_t b = bid / a.n_ktiles / a.kv_heads;
     const int64_t k0 = kt * BK;
-    const int64_t nk = min((int64_t)BK, a.seq_k - k0);
+    const int nk = (int)min((int64_t)BK, a.seq_k - k0); // keys in this tile (32-bit compares per element)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int kb = warp % KB, dh = warp / KB; // key block kb, head-dim part dh
@@ -824,7 +849,7 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
                 const int kr = key0 + 8 * (e / 2), qc = 8 * j + 2 * t + (e & 1);
                 const float l2 = lse_s[qc];
                 const bool ok = kr < nk && l2 != -INFINITY && kr - qc <= diag;
-                const float pv = ok ? exp2f(st[j][e] * a.scale_log2 - l2) : 0.0f;
+                const float pv = ok ? fast_exp2(st[j][e] * a.scale_log2 - l2) : 0.0f;
                 st[j][e] = pv;
                 dpt[j][e] = pv * (dpt[j][e] - delta_s[qc]);
             }
@@ -920,6 +945,304 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
             *pk = from_f32<T>(gk);
             *pv = from_f32<T>(gv);
         }
+}
+
+// Backward with the scores staged in shared memory (FlashAttention-2's backward layout): the D = 128 default where
+// shared memory allows (sm_90); D = 64 only when forced (HEXISEQ_CUDA_BACKWARD=staged: on an H100 it ran no faster than
+// the register kernel there, 0.65-0.70x of flash against 0.65-0.71x). One CTA of 8 warps per (key tile of BK = 128
+// keys, kv head, batch), looping like attn_bwd_mma_kernel over every query head of the GQA group and every query tile
+// (BQ = 64 rows) that can see the key tile. Each step runs three products, each with its own split of the 8 warps: 1. S
+// = Q K^T and dP = dO V^T (64 x 128): warps as 2 (32 query rows) x 4 (32 keys); P = exp2(S scale log2(e) - LSE log2(e))
+// masked and dS = P (dP - D) in registers, then both rounded to T into shared memory [BQ][BK]. 2. dV += P^T dO and dK
+// += dS^T Q (128 keys x D): warps as 4 (32 keys) x 2 (D / 2 columns); the dK, dV accumulators stay in registers for the
+// whole CTA (2 x 32 x D / 2 floats per warp). 3. dQ_tile = dS K (64 x D): warps as 2 (32 query rows) x 4 (D / 4
+// columns), added scaled into the fp32 dQ scratch (red_add_f32x2).
+// Why it beats the register design at D = 128 (attn_bwd_mma_kernel, one warp per 16 keys for all three products;
+// 0.68-0.76x of flash against 0.60-0.64x, both in one run on an H100): each warp's
+// tile there is 16 rows tall, so every warp reads the whole Q and dO tile from shared memory for every product
+// (0.65 ldmatrix.x4 per mma.sync over a step); with 32 x 32 and 32 x D / 2 warp tiles it is 0.45, and shared-memory
+// bandwidth, not the tensor cores, bounded that kernel on an H100. The query tile also doubles (64 rows against
+// 32), halving the per-step barriers, LSE and D loads. The price is shared memory: 170.5 KiB at D = 128 (sm_90's
+// 227 KiB limit; other devices run attn_bwd_mma_kernel there), 106.5 KiB at D = 64.
+// Barriers per step: one after Q, dO, LSE and D are in place (every warp is then also done with the previous step's
+// products 2 and 3, so P and dS may be rewritten), one after P and dS are written (every warp is then done with
+// product 1, so LSE and D may be rewritten at the next step's start, and with the previous step's Q and dO, whose
+// buffer the next step's tiles are then prefetched into, overlapping products 2 and 3).
+template <int D> struct BwdStagedTiles {
+    static_assert(D == 64 || D == 128, "the staged backward serves D = 64 and 128");
+    static constexpr int BQ = 64, BK = 128, THREADS = 256;
+    static constexpr int LDT = D + 8;  // Q, dO, K, V rows: 16 bytes past a multiple of 128 (no ldmatrix conflicts)
+    static constexpr int LDP = BK + 8; // P and dS rows (one query each), same rule
+    static constexpr int DV = D / 2;   // dK, dV columns per warp (product 2)
+    static constexpr int DQ = D / 4;   // dQ columns per warp (product 3)
+    static constexpr int qt = smem_round(BQ * LDT * 2); // one Q or dO tile
+    static constexpr int pt = smem_round(BQ * LDP * 2); // P or dS
+    static constexpr int k = 0;
+    static constexpr int v = k + smem_round(BK * LDT * 2);
+    static constexpr int q = v + smem_round(BK * LDT * 2); // Q tiles 0 and 1 (double buffer), then dO 0, 1
+    static constexpr int dO = q + 2 * qt;
+    static constexpr int p = dO + 2 * qt;
+    static constexpr int ds = p + pt;
+    static constexpr int lse = ds + pt;
+    static constexpr int delta = lse + smem_round(BQ * 4);
+    static constexpr int bytes = delta + smem_round(BQ * 4);
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_kernel(const BwdArgs a) {
+    using L = BwdStagedTiles<D>;
+    constexpr int BQ = L::BQ, BK = L::BK, LDT = L::LDT, LDP = L::LDP, NT = L::THREADS, DV = L::DV, DQ = L::DQ;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T *ks = reinterpret_cast<T *>(smem + L::k);                  // [BK][LDT]
+    T *vs = reinterpret_cast<T *>(smem + L::v);                  // [BK][LDT]
+    T *ps = reinterpret_cast<T *>(smem + L::p);                  // [BQ][LDP] P, rounded to T
+    T *dss = reinterpret_cast<T *>(smem + L::ds);                // [BQ][LDP] dS, unscaled, rounded to T
+    float *lse_s = reinterpret_cast<float *>(smem + L::lse);     // [BQ] LSE * log2(e); -inf: no key seen / past nq
+    float *delta_s = reinterpret_cast<float *>(smem + L::delta); // [BQ] D
+
+    const int64_t bid = blockIdx.x;
+    const int64_t kt = bid % a.n_ktiles;
+    const int32_t hk = (int32_t)(bid / a.n_ktiles % a.kv_heads);
+    const int64_t b = bid / a.n_ktiles / a.kv_heads;
+    const int64_t k0 = kt * BK;
+    const int nk = (int)min((int64_t)BK, a.seq_k - k0); // keys in this tile (32-bit compares per element)
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int sm = 32 * (warp / 4), sn = 32 * (warp % 4); // product 1: query rows sm .., keys sn ..
+    const int vk = 32 * (warp % 4), vc = DV * (warp / 4); // product 2: keys vk .., columns vc ..
+    const int qm = 32 * (warp % 2), qc = DQ * (warp / 2); // product 3: query rows qm .., columns qc ..
+
+    const T *kg = static_cast<const T *>(a.k) + b * a.ks[0] + k0 * a.ks[1] + hk * a.ks[2];
+    const T *vg = static_cast<const T *>(a.v) + b * a.vs[0] + k0 * a.vs[1] + hk * a.vs[2];
+    load_tile<T, BK, D, LDT, NT>(ks, kg, a.ks[1], a.ks[3], nk, a.d, a.vec_k);
+    load_tile<T, BK, D, LDT, NT>(vs, vg, a.vs[1], a.vs[3], nk, a.d, a.vec_v);
+
+    float dk[2][DV / 8][4], dv[2][DV / 8][4]; // key rows vk + 16 i + g (+ 8), columns vc + 8 j + 2 t (+ 1)
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < DV / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                dk[i][j][e] = dv[i][j][e] = 0.0f;
+
+    int64_t i_first = 0; // queries before the first key of the tile see none of it under the causal mask
+    if (a.causal)
+        i_first = max((int64_t)0, a.k_pos0 + k0 - a.q_pos0);
+    const int64_t q0_first = i_first / BQ * BQ;
+    const int64_t n_qt = max((int64_t)0, (a.seq_q - q0_first + BQ - 1) / BQ);
+    const int64_t n_steps = (int64_t)a.group * n_qt;
+    const bool async = a.vec_q && a.vec_do;
+    auto q_tile = [&](int buf) { return reinterpret_cast<T *>(smem + L::q + buf * L::qt); };   // [BQ][LDT]
+    auto do_tile = [&](int buf) { return reinterpret_cast<T *>(smem + L::dO + buf * L::qt); }; // [BQ][LDT]
+    auto q_src = [&](int32_t h, int64_t q0) {
+        return static_cast<const T *>(a.q) + b * a.qs[0] + h * a.qs[2] + q0 * a.qs[1];
+    };
+    auto do_src = [&](int32_t h, int64_t q0) {
+        return static_cast<const T *>(a.do_) + b * a.dos[0] + h * a.dos[2] + q0 * a.dos[1];
+    };
+    auto prefetch = [&](int32_t h, int64_t q0, int buf) {
+        load_tile_pair_async<T, BQ, D, LDT, NT>(q_tile(buf), q_src(h, q0), a.qs[1], do_tile(buf), do_src(h, q0), a.dos[1],
+                                                min((int64_t)BQ, a.seq_q - q0), a.d);
+        cp_async_commit();
+    };
+    int32_t h = hk * a.group;
+    int64_t q0 = q0_first;
+    if (async && n_steps > 0)
+        prefetch(h, q0, 0);
+    int buf = 0;
+    for (int64_t step = 0; step < n_steps; ++step, buf ^= async ? 1 : 0) {
+        int32_t h_next = h;
+        int64_t q0_next = q0 + BQ;
+        if (q0_next >= a.seq_q) {
+            q0_next = q0_first;
+            ++h_next;
+        }
+        const int nq = (int)min((int64_t)BQ, a.seq_q - q0);
+        const float *lseg = a.lse + b * a.ls[0] + h * a.ls[1];
+        const float *deltag = a.delta + (b * a.heads + h) * a.seq_q;
+        float *dqg = a.dq_acc + ((b * a.heads + h) * a.seq_q + q0) * a.d;
+        // key kr sees query qr iff kr - qr <= diag (clamped to [-BQ, BK], where kr - qr lies in (-BQ, BK))
+        const int diag = a.causal ? (int)max((int64_t)-BQ, min((int64_t)BK, a.q_pos0 + q0 - a.k_pos0 - k0)) : BK;
+        if (async) {
+            cp_async_wait<0>(); // this step's tiles, prefetched during the previous step
+        } else {
+            __syncthreads(); // buffer 0's last readers (the previous step's product 2) are done
+            load_tile<T, BQ, D, LDT, NT>(q_tile(0), q_src(h, q0), a.qs[1], a.qs[3], nq, a.d, false);
+            load_tile<T, BQ, D, LDT, NT>(do_tile(0), do_src(h, q0), a.dos[1], a.dos[3], nq, a.d, false);
+        }
+        for (int r = threadIdx.x; r < BQ; r += NT) {
+            lse_s[r] = r < nq ? lseg[(q0 + r) * a.ls[2]] * kLog2e : -INFINITY;
+            delta_s[r] = r < nq ? deltag[q0 + r] : 0.0f;
+        }
+        __syncthreads(); // K, V (first step), Q, dO, LSE, D ready; the previous step's readers of P, dS done
+        const T *qs = q_tile(buf), *dos = do_tile(buf);
+
+        // 1. S and dP for query rows sm + 16 i + g (+ 8) x keys sn + 8 j + 2 t (+ 1): S first, then dP, so that
+        // only one product's fragments are live at a time.
+        float s[2][4][4], dp[2][4][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s[i][j][e] = dp[i][j][e] = 0.0f;
+#pragma unroll 2
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t qa[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+                load_a(qa[i], qs, LDT, sm + 16 * i, 16 * kk);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                uint32_t kb[4];
+                load_b_cols(kb, ks, LDT, sn + 16 * j, 16 * kk);
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    mma16816<T>(s[i][2 * j], qa[i], kb[0], kb[1]);
+                    mma16816<T>(s[i][2 * j + 1], qa[i], kb[2], kb[3]);
+                }
+            }
+        }
+#pragma unroll 2
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t da[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+                load_a(da[i], dos, LDT, sm + 16 * i, 16 * kk);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                uint32_t vb[4];
+                load_b_cols(vb, vs, LDT, sn + 16 * j, 16 * kk);
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    mma16816<T>(dp[i][2 * j], da[i], vb[0], vb[1]);
+                    mma16816<T>(dp[i][2 * j + 1], da[i], vb[2], vb[3]);
+                }
+            }
+        }
+        // P and dS = P (dP - D); masked entries and rows past nq are 0 (lse_s = -inf there), keys past nk too: row
+        // qr keeps keys kr <= last, one compare per entry.
+        const float scale_log2 = a.scale_log2;
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int hi = 0; hi < 2; ++hi) {
+                const int qr = sm + 16 * i + g + 8 * hi;
+                const float l2 = lse_s[qr], dr = delta_s[qr];
+                const int last = l2 == -INFINITY ? -1 : min(nk - 1, qr + diag);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    float pv[2], sv[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int kr = sn + 8 * j + 2 * t + e;
+                        pv[e] = kr <= last ? fast_exp2(s[i][j][2 * hi + e] * scale_log2 - l2) : 0.0f;
+                        sv[e] = pv[e] * (dp[i][j][2 * hi + e] - dr);
+                    }
+                    const int at = qr * LDP + sn + 8 * j + 2 * t;
+                    *reinterpret_cast<uint32_t *>(ps + at) = pack2<T>(pv[0], pv[1]);
+                    *reinterpret_cast<uint32_t *>(dss + at) = pack2<T>(sv[0], sv[1]);
+                }
+            }
+        __syncthreads(); // P and dS complete; product 1's readers of LSE, D and the other Q/dO buffer done
+        if (async && step + 1 < n_steps)
+            prefetch(h_next, q0_next, buf ^ 1);
+
+        // 2. dV += P^T dO, dK += dS^T Q over the BQ queries: A = P^T, dS^T (ldmatrix.trans), B = dO, Q rows.
+#pragma unroll
+        for (int c = 0; c < BQ / 16; ++c) {
+            uint32_t pa[2][4], sa[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                load_a_trans(pa[i], ps, LDP, vk + 16 * i, 16 * c);
+                load_a_trans(sa[i], dss, LDP, vk + 16 * i, 16 * c);
+            }
+#pragma unroll
+            for (int j = 0; j < DV / 8; j += 2) {
+                uint32_t db[4], qb[4];
+                load_b_rows(db, dos, LDT, 16 * c, vc + 8 * j);
+                load_b_rows(qb, qs, LDT, 16 * c, vc + 8 * j);
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    mma16816<T>(dv[i][j], pa[i], db[0], db[1]);
+                    mma16816<T>(dv[i][j + 1], pa[i], db[2], db[3]);
+                    mma16816<T>(dk[i][j], sa[i], qb[0], qb[1]);
+                    mma16816<T>(dk[i][j + 1], sa[i], qb[2], qb[3]);
+                }
+            }
+        }
+
+        // 3. dQ_tile = dS K for query rows qm + 16 i + g (+ 8) x columns qc + 8 j + 2 t (+ 1), over the BK keys.
+        float dq[2][DQ / 8][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < DQ / 8; ++j)
+                dq[i][j][0] = dq[i][j][1] = dq[i][j][2] = dq[i][j][3] = 0.0f;
+#pragma unroll 2
+        for (int c = 0; c < BK / 16; ++c) {
+            uint32_t sa[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+                load_a(sa[i], dss, LDP, qm + 16 * i, 16 * c);
+#pragma unroll
+            for (int j = 0; j < DQ / 8; j += 2) {
+                uint32_t kb[4];
+                load_b_rows(kb, ks, LDT, 16 * c, qc + 8 * j);
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    mma16816<T>(dq[i][j], sa[i], kb[0], kb[1]);
+                    mma16816<T>(dq[i][j + 1], sa[i], kb[2], kb[3]);
+                }
+            }
+        }
+        const bool pairs = a.d % 2 == 0; // see attn_bwd_mma_kernel
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < DQ / 8; ++j)
+#pragma unroll
+                for (int hi = 0; hi < 2; ++hi) {
+                    const int r = qm + 16 * i + g + 8 * hi, col = qc + 8 * j + 2 * t;
+                    if (r < nq && col < a.d) {
+                        float *p = dqg + (r * a.d + col);
+                        const float x = dq[i][j][2 * hi] * a.scale, y = dq[i][j][2 * hi + 1] * a.scale;
+                        if (pairs) {
+                            red_add_f32x2(p, x, y);
+                        } else {
+                            atomicAdd(p, x);
+                            if (col + 1 < a.d)
+                                atomicAdd(p + 1, y);
+                        }
+                    }
+                }
+        h = h_next;
+        q0 = q0_next;
+    }
+
+    T *dkg = static_cast<T *>(a.dk) + b * a.dks[0] + k0 * a.dks[1] + hk * a.dks[2];
+    T *dvg = static_cast<T *>(a.dv) + b * a.dvs[0] + k0 * a.dvs[1] + hk * a.dvs[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < DV / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = vk + 16 * i + g + 8 * (e / 2), col = vc + 8 * j + 2 * t + (e & 1);
+                if (r >= nk || col >= a.d)
+                    continue;
+                T *pk = dkg + r * a.dks[1] + col * a.dks[3];
+                T *pv = dvg + r * a.dvs[1] + col * a.dvs[3];
+                float gk = dk[i][j][e] * a.scale, gv = dv[i][j][e];
+                if (a.accumulate) {
+                    gk += to_f32(*pk);
+                    gv += to_f32(*pv);
+                }
+                *pk = from_f32<T>(gk);
+                *pv = from_f32<T>(gv);
+            }
 }
 
 // dq[b, i, h, c] = (accumulate ? dq : 0) + dq_acc[b, h, i, c], one thread per element.
@@ -1065,6 +1388,14 @@ template <typename T, int D, int BK = bwd_default_bk(D)> hexiseq_status launch_b
                             a);
 }
 
+template <typename T, int D> hexiseq_status launch_bwd_staged(BwdArgs a, cudaStream_t stream) {
+    using L = BwdStagedTiles<D>;
+    a.n_ktiles = ceil_div(a.seq_k, L::BK);
+    const int64_t blocks = a.n_ktiles * a.kv_heads * a.batch;
+    return launch_with_smem(attn_bwd_staged_kernel<T, D>, "attn_bwd_staged_kernel", blocks, L::THREADS, L::bytes,
+                            stream, a);
+}
+
 template <typename T> hexiseq_status forward_typed(const hexiseq_attn_params *p, cudaStream_t stream) {
     FwdArgs a;
     memset(&a, 0, sizeof a);
@@ -1090,10 +1421,15 @@ template <typename T> hexiseq_status forward_typed(const hexiseq_attn_params *p,
     a.vec_k = vec_ok(p->k, p->k_stride, p->head_dim);
     a.vec_v = vec_ok(p->v, p->v_stride, p->head_dim);
     a.scale_log2 = (float)(p->scale * 1.4426950408889634);
+    // HEXISEQ_CUDA_FORWARD_KEYS=64 or =32 forces the D = 128 key tile where it fits (to time one against the other:
+    // benchmarks/bench_cuda_attention.py --fwd-keys); unset: 64 where shared memory allows.
+    const char *keys = getenv("HEXISEQ_CUDA_FORWARD_KEYS");
+    if (keys && *keys && strcmp(keys, "64") != 0 && strcmp(keys, "32") != 0)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "HEXISEQ_CUDA_FORWARD_KEYS=%s: expected 64, 32 or unset", keys);
     switch (padded_head_dim(p->head_dim)) {
     case 64: return launch_fwd<T, 64>(a, p->batch, stream);
     case 128:
-        if (smem_optin_limit() >= FwdTiles<128>::bytes)
+        if (smem_optin_limit() >= FwdTiles<128>::bytes && !(keys && strcmp(keys, "32") == 0))
             return launch_fwd<T, 128>(a, p->batch, stream);
         return launch_fwd<T, 128, 32>(a, p->batch, stream);
     default: return launch_fwd<T, 256>(a, p->batch, stream);
@@ -1149,6 +1485,13 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
                             "batch %lld x heads %d x seq_q %lld x seq_k %lld exceeds the CUDA grid limit 2^31 - 1",
                             (long long)p->batch, (int)p->heads, (long long)p->seq_q, (long long)p->seq_k);
 
+    // HEXISEQ_CUDA_BACKWARD=register or =staged forces one backward kernel where it fits (to time one against the
+    // other: benchmarks/bench_cuda_attention.py --bwd-kernels); unset: chosen below.
+    const char *force = getenv("HEXISEQ_CUDA_BACKWARD");
+    if (force && *force && strcmp(force, "staged") != 0 && strcmp(force, "register") != 0)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "HEXISEQ_CUDA_BACKWARD=%s: expected staged, register or unset", force);
+    const bool staged_ok = !force || !*force || strcmp(force, "staged") == 0;
+
     // Scratch: D [rows] and the fp32 dQ accumulator [rows][d], stream-ordered.
     const size_t delta_bytes = (size_t)rows * sizeof(float);
     const size_t acc_bytes = (size_t)rows * (size_t)p->head_dim * sizeof(float);
@@ -1168,10 +1511,22 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
         s = check_launch("attn_bwd_delta_kernel launch");
     }
     if (s == HEXISEQ_OK) {
+        // D = 128: the staged kernel where the device's shared memory holds it (170.5 KiB), else the register
+        // design. D = 64: the register design unless forced (on an H100 it ran 0-3% faster than the staged one,
+        // whose shared-memory saving matters less when a warp's tiles are only 64 columns deep; both are timed side
+        // by side in benchmarks/results/cuda_attention.md).
+        const int limit = smem_optin_limit();
         switch (D) {
-        case 64: s = launch_bwd_mma<T, 64>(a, stream); break;
+        case 64:
+            if (force && strcmp(force, "staged") == 0 && limit >= BwdStagedTiles<64>::bytes)
+                s = launch_bwd_staged<T, 64>(a, stream);
+            else
+                s = launch_bwd_mma<T, 64>(a, stream);
+            break;
         case 128:
-            if (smem_optin_limit() >= BwdMmaTiles<128>::bytes)
+            if (staged_ok && limit >= BwdStagedTiles<128>::bytes)
+                s = launch_bwd_staged<T, 128>(a, stream);
+            else if (limit >= BwdMmaTiles<128>::bytes)
                 s = launch_bwd_mma<T, 128>(a, stream);
             else
                 s = launch_bwd_mma<T, 128, 64>(a, stream);

@@ -20,6 +20,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -387,9 +388,27 @@ void test_attention_cases() {
         {BF, 1, 140, 260, 2, 1, 64, 1, 0, 100, CONTIG, 0, 0},
         {F16, 1, 100, 250, 2, 2, 128, 1, 90, 0, HEADS_MAJOR, 0, 1},
         {BF, 1, 150, 180, 6, 2, 128, 1, 100, 80, MIXED_Q, 1, 0},
+        // the staged backward's 64-row query tiles: first visible row 63 (the last of a tile) at D = 128, and one
+        // step whose rows past nq meet keys past nk (seq_q 65, seq_k 129: one row and one key in the last tiles)
+        {F16, 1, 140, 100, 2, 1, 128, 1, 0, 63, CONTIG, 0, 0},
+        {BF, 1, 65, 129, 3, 1, 128, 0, 0, 0, MIXED_K, 1, 1},
     };
+    // An sm_90 device (227 KiB of opt-in shared memory): the D = 128 backward runs the staged kernel, D = 64 and 256
+    // the register kernel.
+    hexiseq_emu::set_smem_optin_limit(227 * 1024);
     for (const Case &c : cases)
         run_case(c);
+    // The staged kernel at D = 64 (HEXISEQ_CUDA_BACKWARD=staged).
+    setenv("HEXISEQ_CUDA_BACKWARD", "staged", 1);
+    for (const Case &c : cases)
+        if (c.head_dim <= 64)
+            run_case(c);
+    unsetenv("HEXISEQ_CUDA_BACKWARD");
+    // An sm_80 device (163 KiB): the D = 128 backward runs the register kernel with 128-key tiles instead.
+    hexiseq_emu::set_smem_optin_limit(166912);
+    for (const Case &c : cases)
+        if (c.head_dim > 64 && c.head_dim <= 128)
+            run_case(c);
 }
 
 // A GPU with 99 KiB of opt-in shared memory per block (sm_86/89, e.g. L40S): the D = 128 forward and backward must
@@ -463,7 +482,7 @@ void test_merge() {
 
 // The launchers validate like the CPU entry points and refuse what the CUDA build does not serve.
 void test_refusals() {
-    std::vector<float> x(64 * 4, 0.0f), lse(64, 0.0f);
+    std::vector<float> x(64 * 6, 0.0f), lse(64, 0.0f);
     hexiseq_attn_params p;
     memset(&p, 0, sizeof p);
     p.q = p.k = p.v = x.data(), p.o = x.data() + 64, p.lse = lse.data();
@@ -480,6 +499,19 @@ void test_refusals() {
     p.head_dim = 300;
     EXPECT(hexiseq_attn_forward_cuda(&p, nullptr) != HEXISEQ_OK && strstr(hexiseq_last_error(), "head_dim") != nullptr,
            "head_dim 300 must be refused naming the field: %s", hexiseq_last_error());
+    // The kernel-choice variables: a value they do not know is refused by name, before anything runs.
+    p.head_dim = 64;
+    p.do_ = x.data() + 128, p.dq = x.data() + 64 * 3, p.dk = x.data() + 64 * 4, p.dv = x.data() + 64 * 5;
+    setenv("HEXISEQ_CUDA_FORWARD_KEYS", "48", 1);
+    EXPECT(hexiseq_attn_forward_cuda(&p, nullptr) == HEXISEQ_ERR_INVALID &&
+               strstr(hexiseq_last_error(), "HEXISEQ_CUDA_FORWARD_KEYS=48") != nullptr,
+           "HEXISEQ_CUDA_FORWARD_KEYS=48 must be refused by name: %s", hexiseq_last_error());
+    unsetenv("HEXISEQ_CUDA_FORWARD_KEYS");
+    setenv("HEXISEQ_CUDA_BACKWARD", "fast", 1);
+    EXPECT(hexiseq_attn_backward_cuda(&p, nullptr) == HEXISEQ_ERR_INVALID &&
+               strstr(hexiseq_last_error(), "HEXISEQ_CUDA_BACKWARD=fast") != nullptr,
+           "HEXISEQ_CUDA_BACKWARD=fast must be refused by name: %s", hexiseq_last_error());
+    unsetenv("HEXISEQ_CUDA_BACKWARD");
 }
 
 } // namespace
