@@ -1,7 +1,9 @@
 """TFLOP/s of hexiseq's CUDA attention (forward, backward) next to torch SDPA's flash backend, same inputs.
 
-Usage: python benchmarks/bench_cuda_attention.py [--out results.md] [--seqs 4096,8192,16384,32768] [--quick]
-Prints a table and writes it as Markdown (device name, shapes, figures) to --out. Times are CUDA-event medians
+Usage: python benchmarks/bench_cuda_attention.py [--out results.md] [--seqs 4096,8192,16384,32768]
+       [--bwd-kernels staged,register] [--fwd-keys 64,32]
+--bwd-kernels times each named backward kernel (HEXISEQ_CUDA_BACKWARD), --fwd-keys each key tile of the D = 128
+forward (HEXISEQ_CUDA_FORWARD_KEYS), in the same run; default: the ones chosen automatically. Prints a table and writes it as Markdown (device name, shapes, figures) to --out. Times are CUDA-event medians
 over --iters runs after warm-up. FLOPs: forward 4 * B * H * Sq * Sk * D (two GEMMs), halved under the causal
 mask (the usual convention, Sq = Sk); backward 2.5x the forward (five GEMMs). The backward is timed alone: ours is
 ops.attention_backward (its dO.O row sums, the key-block kernel and the dQ conversion included), torch's is
@@ -41,7 +43,7 @@ def time_ms(fn, iters, warmup=3):
     return statistics.median(times)
 
 
-def bench_case(B, H, S, D, causal, iters):
+def bench_case(B, H, S, D, causal, iters, bwd_kernels, fwd_keys):
     dtype = torch.bfloat16
     q = torch.randn(B, S, H, D, device="cuda", dtype=dtype)
     k = torch.randn(B, S, H, D, device="cuda", dtype=dtype)
@@ -75,14 +77,23 @@ def bench_case(B, H, S, D, causal, iters):
 
     f = flops_fwd(B, H, S, D, causal)
     row = dict(B=B, H=H, S=S, D=D, causal=causal)
-    for name, fn, fl in (("ours_fwd", ours_fwd, f), ("torch_fwd", torch_fwd, f),
-                         ("ours_bwd", ours_bwd, 2.5 * f), ("torch_bwd", torch_bwd, 2.5 * f)):
+    # (name, function, FLOPs, environment variable and value that pick our kernel variant, or None)
+    runs = [(f"ours_fwd_{k}", ours_fwd, f, ("HEXISEQ_CUDA_FORWARD_KEYS", k)) for k in fwd_keys]
+    runs += [("torch_fwd", torch_fwd, f, None)]
+    runs += [(f"ours_bwd_{k}", ours_bwd, 2.5 * f, ("HEXISEQ_CUDA_BACKWARD", k)) for k in bwd_kernels]
+    runs += [("torch_bwd", torch_bwd, 2.5 * f, None)]
+    for name, fn, fl, env in runs:
         try:
+            if env is not None and env[1] != "auto":
+                os.environ[env[0]] = env[1]
             ms = time_ms(fn, iters)
             row[name] = fl / (ms * 1e-3) / 1e12
         except Exception as e:  # a failing side is reported, not fatal: the other figures are still useful
             print(f"  {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
             row[name] = float("nan")
+        finally:
+            if env is not None:
+                os.environ.pop(env[0], None)
     # correctness spot check in the same run (forward only: backward is covered by tests/test_cuda_ops.py)
     ours_fwd()
     ref = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale).transpose(1, 2)
@@ -98,6 +109,10 @@ def main():
     ap.add_argument("--seqs", default="4096,8192,16384,32768")
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--bwd-kernels", default="auto",
+                    help="backward kernels to time, comma-separated: auto, staged, register")
+    ap.add_argument("--fwd-keys", default="auto",
+                    help="key tiles of the D = 128 forward to time, comma-separated: auto, 64, 32")
     ap.add_argument("--tokens", type=int, default=32768 * 16,
                     help="batch * seq * heads / 16 ~ this: batch * heads chosen to fill the GPU at every seq")
     args = ap.parse_args()
@@ -111,19 +126,28 @@ def main():
             B = max(1, args.tokens // (S * H))
             for causal in (False, True):
                 print(f"B={B} H={H} S={S} D={D} causal={causal} ...", file=sys.stderr, flush=True)
-                rows.append(bench_case(B, H, S, D, causal, args.iters))
+                rows.append(bench_case(B, H, S, D, causal, args.iters, args.bwd_kernels.split(","),
+                                       args.fwd_keys.split(",")))
                 write(rows, dev, args, final=False)  # partial results survive a timeout
     write(rows, dev, args, final=True)
 
 
 def write(rows, dev, args, final):
-    head = "| B | H | S | D | causal | ours fwd | torch fwd | ratio | ours bwd | torch bwd | ratio | max diff fwd |"
-    lines = [head, "|" + "---|" * 12]
+    def columns(r, side, variants, label):  # ours per variant next to torch: TFLOP/s and ratio
+        named = (lambda k: f"ours {side}") if variants == ["auto"] else (lambda k: f"ours {side} ({label}{k})")
+        head = " | ".join(f"{named(k)} | ratio" for k in variants)
+        cells = " | ".join(f"{r[f'ours_{side}_{k}']:.1f} | {r[f'ours_{side}_{k}'] / r[f'torch_{side}']:.2f}"
+                           for k in variants) if r else ""
+        return head, cells
+
+    fwd_keys, kernels = args.fwd_keys.split(","), args.bwd_kernels.split(",")
+    head = ("| B | H | S | D | causal | torch fwd | " + columns(None, "fwd", fwd_keys, "keys ")[0] + " | torch bwd | "
+            + columns(None, "bwd", kernels, "")[0] + " | max diff fwd |")
+    lines = [head, "|" + "---|" * (8 + 2 * len(fwd_keys) + 2 * len(kernels))]
     for r in rows:
-        lines.append(f"| {r['B']} | {r['H']} | {r['S']} | {r['D']} | {r['causal']} | {r['ours_fwd']:.1f} | "
-                     f"{r['torch_fwd']:.1f} | {r['ours_fwd'] / r['torch_fwd']:.2f} | {r['ours_bwd']:.1f} | "
-                     f"{r['torch_bwd']:.1f} | {r['ours_bwd'] / r['torch_bwd']:.2f} | "
-                     f"{r['max_abs_diff_fwd']:.2e} |")
+        lines.append(f"| {r['B']} | {r['H']} | {r['S']} | {r['D']} | {r['causal']} | {r['torch_fwd']:.1f} | "
+                     f"{columns(r, 'fwd', fwd_keys, '')[1]} | {r['torch_bwd']:.1f} | "
+                     f"{columns(r, 'bwd', kernels, '')[1]} | {r['max_abs_diff_fwd']:.2e} |")
     table = "\n".join(lines)
     if final:
         print(table)

@@ -7,6 +7,7 @@
 # head dims 64, 128 and 256, an external acceptance check when one is present at .gpu/acceptance.py, the
 # benchmark against torch SDPA's flash backend, and an Nsight Compute profile of one forward and one backward.
 # Everything lands in $OUT (or benchmarks/results/gpu/ when unset); the full log is $OUT/gpu_checks.log.
+# BWD_KERNELS=staged,register and FWD_KEYS=64,32 time those kernel variants side by side in the benchmark.
 # Every step runs even if one fails; the exit status is that of the first failure. Budget: under 10 minutes.
 set -u
 cd "$(dirname "$0")/.."
@@ -90,7 +91,7 @@ fi
 
 if want bench; then
     step "benchmark vs torch SDPA flash"
-    timeout 300 python benchmarks/bench_cuda_attention.py --out "$RESULTS/cuda_attention.md" || note_fail $?
+    timeout 300 python benchmarks/bench_cuda_attention.py --bwd-kernels ${BWD_KERNELS:-auto} --fwd-keys ${FWD_KEYS:-auto} --out "$RESULTS/cuda_attention.md" || note_fail $?
 fi
 
 if want runtime; then
@@ -110,7 +111,7 @@ torch.cuda.synchronize()
 PY
     NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
     if [ -n "$NCU" ]; then
-        timeout 200 "$NCU" --clock-control none --set full -k "regex:attn_(fwd|bwd_mma)_kernel" \
+        timeout 200 "$NCU" --clock-control none --set full -k "regex:attn_(fwd|bwd_mma|bwd_staged)_kernel" \
             python /tmp/hexiseq_profile.py > "$RESULTS/ncu.txt" 2>&1 || note_fail $?
         grep -E "^  attn|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Theoretical Occ|Block Limit|Warp Cycles Per Issued|Issue Slots Busy|L1/TEX Hit|L2 Hit|Local" "$RESULTS/ncu.txt" | head -60
     else
