@@ -170,7 +170,7 @@ def _use_c_kernels(t):
     tensors, tiled matmuls otherwise).
 
     Default: hexiseq.ops on CPU; the PyTorch path for CUDA tensors, because on an H100 torch's flash kernels ran
-    1.04-1.20x (forward) and 1.6-1.8x (backward) faster than hexiseq's CUDA kernels on the same inputs
+    0.99-1.18x (forward) and 1.32-1.56x (backward) the speed of hexiseq's CUDA kernels on the same inputs
     (benchmarks/results/cuda_attention.md; a one-rank layer: benchmarks/results/runtime_gpu.md), and the ring
     only produces full and diagonal block pairs.
     HEXISEQ_RUNTIME_KERNELS=hexiseq or =torch forces one (the tests run both)."""
