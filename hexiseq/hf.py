@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import HexiseqError, InvalidArgumentError, UnsupportedError
+from .model import hf_sliding_window
 
 __all__ = ["patch_model", "unpatch_model", "shard_inputs", "sharded_causal_lm_loss", "ATTN_IMPLEMENTATION"]
 
@@ -208,10 +209,8 @@ def patch_model(model, plan, group=None):
     for key in ("attn_logit_softcapping",):
         if getattr(cfg, key, None) is not None:
             raise UnsupportedError(f"{key} is not supported by hexiseq")
-    window = getattr(cfg, "sliding_window", None)
-    uses_window = window is not None and (getattr(cfg, "use_sliding_window", True)
-                                          or "sliding_attention" in (getattr(cfg, "layer_types", None) or []))
-    if uses_window and plan.seq_len > window:
+    window = hf_sliding_window(cfg)
+    if window is not None and plan.seq_len > window:
         raise UnsupportedError(f"sliding-window attention (window {window}) is not supported for a "
                                f"{plan.seq_len}-token plan")
     for name, m in modules:

@@ -4,6 +4,7 @@ import enum
 import json
 import os
 from dataclasses import asdict, dataclass, fields
+from typing import Optional
 
 from . import _core
 from ._validate import integer, number
@@ -12,9 +13,28 @@ from .errors import InvalidArgumentError
 __all__ = ["Model", "Training", "Sharding", "MODEL_PRESETS"]
 
 
+def hf_sliding_window(config):
+    """The attention window a Hugging Face config applies, or None for full causal attention: `sliding_window`
+    counts unless `use_sliding_window` is false (Qwen2 keeps a window size it does not use), or when some
+    `layer_types` entry is "sliding_attention" (Gemma-style alternating layers). config: a dict or an object."""
+    get = (lambda k, default=None: config.get(k, default)) if isinstance(config, dict) else (
+        lambda k, default=None: getattr(config, k, default))
+    window = get("sliding_window")
+    if window is None:
+        return None
+    if get("use_sliding_window", True) or "sliding_attention" in (get("layer_types") or []):
+        return window
+    return None
+
+
 @dataclass(frozen=True)
 class Model:
-    """A decoder-only transformer's shape. `gated_mlp` selects SwiGLU (3 matrices) over a GELU MLP (2)."""
+    """A decoder-only transformer's shape. `gated_mlp` selects SwiGLU (3 matrices) over a GELU MLP (2).
+
+    `sliding_window`: the attention window of a model that uses one (e.g. Mistral 7B v0.1's 4096), None for full
+    causal attention. The cost model and the runtime compute full causal attention only, which equals windowed
+    attention when no sequence is longer than the window: planning a longer sequence is refused (hexiseq.plan),
+    rather than pricing and running attention the model does not use."""
 
     layers: int
     hidden: int
@@ -26,12 +46,16 @@ class Model:
     dtype_bytes: int = 2
     gated_mlp: bool = False
     name: str = "custom"
+    sliding_window: Optional[int] = None
 
     def __post_init__(self):
         for f in fields(self):
-            if f.name in ("name", "gated_mlp"):
+            if f.name in ("name", "gated_mlp") or (f.name == "sliding_window" and self.sliding_window is None):
                 continue
             object.__setattr__(self, f.name, integer(getattr(self, f.name), f"model.{f.name}"))
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise InvalidArgumentError(f"model.sliding_window must be a positive token count or None, got "
+                                       f"{self.sliding_window}")
         if not isinstance(self.gated_mlp, (bool, int)):
             raise InvalidArgumentError(f"model.gated_mlp must be a bool, got {self.gated_mlp!r}")
         object.__setattr__(self, "gated_mlp", bool(self.gated_mlp))
@@ -47,7 +71,19 @@ class Model:
                 self.dtype_bytes, int(self.gated_mlp))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["sliding_window"] is None:  # absent, as before the field existed: older plan files keep their hash
+            del d["sliding_window"]
+        return d
+
+    def check_seq_len(self, seq_len: int) -> None:
+        """Refuse a sequence longer than the model's attention window (see the class comment)."""
+        if self.sliding_window is not None and seq_len > self.sliding_window:
+            raise InvalidArgumentError(
+                f"model.sliding_window is {self.sliding_window} but seq_len is {seq_len}: sliding-window attention "
+                f"is not modelled (the cost model and the runtime compute full causal attention, which equals it "
+                f"only up to {self.sliding_window} tokens); plan at most {self.sliding_window} tokens, or set "
+                f"sliding_window to null in the config to plan full attention")
 
     @classmethod
     def from_dict(cls, d: dict) -> "Model":
@@ -56,7 +92,9 @@ class Model:
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
-            raise InvalidArgumentError(f"unknown model field(s) {sorted(unknown)}; expected {sorted(known)}")
+            hint = ("; this looks like a Hugging Face config: use Model.from_hf_config(it), or the path of its "
+                    "config.json" if unknown & {"num_hidden_layers", "hidden_size", "n_layer", "n_embd"} else "")
+            raise InvalidArgumentError(f"unknown model field(s) {sorted(unknown)}; expected {sorted(known)}{hint}")
         required = {"layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab"}
         missing = required - set(d)
         if missing:
@@ -113,7 +151,8 @@ class Model:
         dtype_bytes = 4 if "float32" in dtype else 2
         return cls(layers=layers, hidden=hidden, heads=heads, kv_heads=kv, head_dim=head_dim, ffn=ffn,
                    vocab=first("vocab_size") or 32000, dtype_bytes=dtype_bytes, gated_mlp=gated,
-                   name=str(first("_name_or_path", "model_type") or "hf-config"))
+                   name=str(first("_name_or_path", "model_type") or "hf-config"),
+                   sliding_window=hf_sliding_window(config))
 
 
 # GPT-style models follow the GPT-3 paper's shapes (Brown et al. 2020, Table 2.1, 2.7B/6.7B/13B) with

@@ -193,6 +193,7 @@ class Plan:
 
     def __init__(self, cluster: Cluster, model: Model, training: Training, seq_len: int, causal: bool,
                  strategy: str, layout: Layout):
+        model.check_seq_len(seq_len)  # also for plans read from files
         self.cluster = cluster
         self.model = model
         self.training = training
@@ -479,7 +480,9 @@ def _inputs(cluster, model, training, seq_len):
         training = Training.from_dict(training)
     if not isinstance(training, Training):
         raise InvalidArgumentError(f"training must be a Training or a dict, got {training!r}")
-    return cluster, model, training, parse_tokens(seq_len)
+    seq_len = parse_tokens(seq_len)
+    model.check_seq_len(seq_len)
+    return cluster, model, training, seq_len
 
 
 def evaluate(cluster, *, model="gpt-7b", seq_len=131072, layout, training=None, causal=True,
