@@ -8,7 +8,8 @@ from . import __version__, build_info
 from .cluster import Cluster, gpu_catalog
 from .errors import HexiseqError
 from .model import MODEL_PRESETS, Model, Training
-from .plan import Plan, Strategy, compare
+from ._validate import parse_tokens
+from .plan import Plan, Strategy, compare, no_fit_error
 
 DESCRIPTION = "Plan asymmetric sequence and head parallelism for a heterogeneous GPU cluster."
 
@@ -43,13 +44,12 @@ def cmd_plan(args) -> int:
     if strategy is Strategy.AUTO:
         plans = [p for p in results.values() if isinstance(p, Plan)]
         if not plans:
-            errs = [str(e) for e in results.values()]
-            raise HexiseqError("no strategy has a plan that fits: " + "; ".join(errs))
+            raise no_fit_error(cluster, model, training, parse_tokens(args.seq_len), causal, results)
         chosen = min(plans, key=lambda p: p.step_time_s)
     else:
         chosen = results[strategy.value]
         if not isinstance(chosen, Plan):
-            raise chosen
+            raise no_fit_error(cluster, model, training, parse_tokens(args.seq_len), causal, {strategy.value: chosen})
     if args.plot:
         from .plotting import plot_plan
 

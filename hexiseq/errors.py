@@ -29,7 +29,24 @@ class LayoutError(InvalidArgumentError):
 
 
 class MemoryFitError(HexiseqError):
-    """No plan fits in device memory; the message names the device that is short and by how many GiB."""
+    """No plan fits in device memory; the message names the device that is short and by how many GiB.
+
+    Raised by hexiseq.plan, it also says what would fit, as fields (None where not worked out):
+      states_gib: model states (parameters, gradients, optimizer states) per device under the plan's sharding,
+          a list by device; they do not depend on the sequence;
+      states_fit: whether every device can hold its states (after the reserved memory) at all;
+      longest_seq_len: the longest sequence that fits with the same training settings (a multiple of 1024), or
+          0 when none does;
+      longest_seq_len_checkpointing: the same with full activation checkpointing (equal to longest_seq_len when
+          the plan already checkpoints)."""
+
+    def __init__(self, message, *, states_gib=None, states_fit=None, longest_seq_len=None,
+                 longest_seq_len_checkpointing=None):
+        super().__init__(message)
+        self.states_gib = states_gib
+        self.states_fit = states_fit
+        self.longest_seq_len = longest_seq_len
+        self.longest_seq_len_checkpointing = longest_seq_len_checkpointing
 
 
 class UnsupportedError(HexiseqError):

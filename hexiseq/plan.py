@@ -13,7 +13,7 @@ from . import _core
 from ._validate import integer, parse_tokens
 from .cluster import Cluster
 from .errors import InvalidArgumentError, LayoutError, MemoryFitError, UnsupportedError
-from .model import Model, Training
+from .model import Model, Sharding, Training
 
 __all__ = ["Strategy", "Layout", "Plan", "DeviceTable", "plan", "evaluate", "compare"]
 
@@ -516,6 +516,61 @@ def compare(cluster, *, model="gpt-7b", seq_len=131072, training=None, causal=Tr
     return out
 
 
+def _tokens_text(n: int) -> str:
+    return f"{n // 1048576}m" if n % 1048576 == 0 else f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def _memory_advice(cluster, model, training, seq_len, causal, strategies, error) -> MemoryFitError:
+    """`error` (a MemoryFitError, or the text of several) with what would fit: the model states per device, and
+    the longest sequence that fits with these training settings and with checkpointing, searched by planning
+    (multiples of 1024 tokens, about 2 x log2(seq_len / 1024) planner calls)."""
+    n = cluster.num_devices
+    ring = Layout.from_groups([{"devices": [d], "seq": 1, "tokens": [1], "heads": [model.heads]} for d in range(n)])
+    probe = Plan(cluster, model, training, n, causal, "probe", ring)  # one token each: the states, in effect
+    states = [round(float(x), 2) for x in probe.devices["mem_states_gib"]]
+    caps = probe.devices["mem_cap_gib"]
+    states_fit = bool(np.all(np.asarray(states) + training.reserved_gib <= caps))
+
+    def fits(length, tr):
+        for s in strategies:
+            try:
+                _plan_one(cluster, model, tr, length, causal, s)
+                return True
+            except (UnsupportedError, MemoryFitError):
+                pass
+        return False
+
+    def longest(tr):
+        if not states_fit:
+            return 0
+        lo, hi = 0, seq_len // 1024  # in units of 1024 tokens: lo fits (0 trivially), hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid * 1024, tr) else (lo, mid)
+        return lo * 1024
+
+    best = longest(training)
+    with_ckpt = best if training.checkpointing else longest(Training(**{**training.__dict__, "checkpointing": True}))
+    short = int(np.argmax(np.asarray(states) + training.reserved_gib - caps))
+    if not states_fit:
+        advice = (f"the model states alone take {states[short]:.1f} GiB per device under {training.sharding.value} "
+                  f"sharding (+{training.reserved_gib:g} GiB reserved), more than device {short} "
+                  f"({probe.devices['gpu'][short]}, {caps[short]:.1f} GiB) holds: no sequence fits; "
+                  + ("use more devices, or devices with more memory" if training.sharding is Sharding.FULL
+                     else "shard more (full sharding), use more devices, or devices with more memory"))
+    elif best:
+        advice = f"the longest sequence that fits is {_tokens_text(best)} tokens"
+        if not training.checkpointing:
+            advice += f" ({_tokens_text(with_ckpt)} with activation checkpointing)" if with_ckpt else ""
+        advice += f"; model states take {max(states):.1f} GiB per device"
+    else:
+        advice = (f"no sequence of 1024 tokens or more fits" +
+                  (f" ({_tokens_text(with_ckpt)} with activation checkpointing)" if with_ckpt and with_ckpt != best
+                   else "") + f"; model states take {max(states):.1f} GiB per device")
+    return MemoryFitError(f"{error}; {advice}", states_gib=states, states_fit=states_fit, longest_seq_len=best,
+                          longest_seq_len_checkpointing=with_ckpt)
+
+
 def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=None, causal=True) -> Plan:
     """The best plan of `strategy` for training `model` on sequences of `seq_len` tokens.
 
@@ -527,17 +582,32 @@ def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=N
         (the asymmetric scheduler), "ring", "ulysses" or "usp".
     training: a Training (sequences per step, checkpointing, sharding, reserved memory).
 
-    Raises MemoryFitError naming the device that is short when no layout fits, UnsupportedError when
-    the strategy has no valid layout (e.g. Ulysses with heads not divisible by the device count)."""
+    Raises MemoryFitError naming the device that is short when no layout fits, with what would fit (model
+    states per device, the longest sequence that fits, with and without checkpointing: see MemoryFitError);
+    UnsupportedError when the strategy has no valid layout (e.g. Ulysses with heads not divisible by the device
+    count)."""
     strategy = _strategy(strategy)
     cluster, model, training, seq_len = _inputs(cluster, model, training, seq_len)
+    causal = bool(causal)
     if strategy is not Strategy.AUTO:
-        return _plan_one(cluster, model, training, seq_len, bool(causal), strategy)
+        try:
+            return _plan_one(cluster, model, training, seq_len, causal, strategy)
+        except MemoryFitError as e:
+            raise no_fit_error(cluster, model, training, seq_len, causal, {strategy.value: e}) from None
     results = compare(cluster, model=model, seq_len=seq_len, training=training, causal=causal)
     plans = [p for p in results.values() if isinstance(p, Plan)]
     if plans:
         return min(plans, key=lambda p: p.step_time_s)  # ties keep the earlier: the scheduler's plan
-    errors = [e for e in results.values() if isinstance(e, MemoryFitError)]
-    if errors:
-        raise MemoryFitError(f"no strategy fits in memory; closest: {errors[-1]}")
-    raise UnsupportedError("no strategy has a valid layout: " + "; ".join(str(e) for e in results.values()))
+    raise no_fit_error(cluster, model, training, seq_len, causal, results)
+
+
+def no_fit_error(cluster, model, training, seq_len, causal, results) -> Exception:
+    """The error for strategies without a plan (results: strategy name -> its error, as from compare()):
+    MemoryFitError with what would fit when memory is what failed, else UnsupportedError; every strategy's reason
+    is in the message."""
+    reasons = "; ".join(str(e) for e in results.values())  # each names its strategy
+    if not any(isinstance(e, MemoryFitError) for e in results.values()):
+        return UnsupportedError(f"no strategy has a valid layout: {reasons}")
+    strategies = [Strategy(name) for name in results]
+    return _memory_advice(cluster, model, training, seq_len, bool(causal), strategies,
+                          f"no plan fits: {reasons}" if len(results) == 1 else f"no strategy has a plan that fits: {reasons}")

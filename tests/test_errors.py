@@ -7,7 +7,7 @@ import pytest
 
 import hexiseq
 from hexiseq import (Cluster, HexiseqError, InvalidArgumentError, LayoutError, MemoryFitError, Model, Node, Plan,
-                     UnknownGPUError)
+                     Training, UnknownGPUError)
 
 GOOD_NODE = {"gpu": "H100-SXM", "count": 2, "intra_gbps": 450}
 
@@ -229,6 +229,41 @@ def test_nothing_fits():
     for strategy in ("ring", "ulysses", "usp"):
         _raises(MemoryFitError, lambda: hexiseq.plan(cluster, model="70b", seq_len="1m", strategy=strategy),
                 "device", "GiB", strategy)
+
+
+MIXED = {"nodes": [{"gpu": "H100-SXM", "count": 8, "intra_gbps": 450}, {"gpu": "A100-80G", "count": 8, "intra_gbps": 300},
+                   {"gpu": "L40S", "count": 4, "intra_gbps": 32, "attn_eff": 0.45}], "inter_node_gbps": 25}
+
+
+def test_memory_error_says_the_states_do_not_fit():
+    """70B on 20 devices with 45 GiB L40S: under full sharding each device holds 1/20 of the states, more than an
+    L40S has, so no length fits; the error says so as text and as fields, with the states per device."""
+    with pytest.raises(MemoryFitError) as info:
+        hexiseq.plan(MIXED, model="70b", seq_len="128k", training=Training(checkpointing=True))
+    err, e = info.value, str(info.value)
+    for needle in ("model states alone take", "device 16 (L40S, 45.0 GiB)", "no sequence fits"):
+        assert needle in e, (needle, e)
+    assert err.states_fit is False and err.longest_seq_len == 0 and err.longest_seq_len_checkpointing == 0
+    assert len(err.states_gib) == 20 and len(set(err.states_gib)) == 1 and err.states_gib[0] > 45.0
+    assert f"{err.states_gib[0]:.1f} GiB per device" in e
+
+
+def test_memory_error_gives_the_longest_sequence_that_fits():
+    """llama3-8b at 4M tokens: the error names the longest length that fits, with and without checkpointing, and
+    both are true: a plan of that length fits, 1024 tokens more does not. The same holds for one strategy."""
+    cluster = Cluster.from_dict(MIXED)
+    for strategy in ("auto", "ring"):
+        with pytest.raises(MemoryFitError) as info:
+            hexiseq.plan(cluster, model="8b", seq_len="4m", strategy=strategy)
+        err, msg = info.value, str(info.value)
+        assert "the longest sequence that fits is" in msg, msg
+        assert err.states_fit is True and all(0 < s < 45 for s in err.states_gib)
+        assert 0 < err.longest_seq_len < err.longest_seq_len_checkpointing < 4 * 1048576, msg
+        for length, ckpt in ((err.longest_seq_len, False), (err.longest_seq_len_checkpointing, True)):
+            training = Training(checkpointing=ckpt)
+            assert hexiseq.plan(cluster, model="8b", seq_len=length, strategy=strategy, training=training).fits
+            with pytest.raises(MemoryFitError):
+                hexiseq.plan(cluster, model="8b", seq_len=length + 1024, strategy=strategy, training=training)
 
 
 # ------------------------------------------------------------------ layouts

@@ -1,0 +1,65 @@
+"""The README's commands run as written and its sample output is what `hexiseq plan` prints, so neither can go
+stale unnoticed."""
+
+import importlib.util
+import os
+import shlex
+import subprocess
+import sys
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = open(os.path.join(ROOT, "README.md")).read()
+
+
+def _section(title):
+    return README.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+
+
+def _hexiseq(args, cwd):
+    return subprocess.run([sys.executable, "-m", "hexiseq", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_sample_output_is_what_plan_prints(tmp_path):
+    sample = _section("Run it").split("```\n", 2)[2].split("```", 1)[0]  # the block after the install command
+    lines = [line for line in sample.splitlines() if line.strip()]
+    assert lines and lines[0].startswith("strategy"), sample
+    out = _hexiseq(["plan"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    printed = [line.rstrip() for line in out.stdout.splitlines()]
+    for line in lines:
+        assert line.rstrip() in printed, f"README line not in `hexiseq plan` output:\n{line}\n---\n{out.stdout}"
+
+
+def test_other_things_to_try_run(tmp_path):
+    """Every command of the "Other things to try" block exits 0, cluster.yaml being the README's first cluster."""
+    first_cluster = _section("Describing a cluster").split("```yaml", 1)[1].split("```", 1)[0]
+    (tmp_path / "cluster.yaml").write_text(first_cluster)
+    block = _section("Run it").split("Other things to try:", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip()]
+    assert len(commands) >= 4, block
+    for command in commands:
+        argv = shlex.split(command)
+        assert argv[0] == "hexiseq", command
+        redirect = None
+        if ">" in argv:
+            argv, redirect = argv[:argv.index(">")], argv[argv.index(">") + 1]
+        if "--plot" in argv and importlib.util.find_spec("matplotlib") is None:
+            continue  # the plot needs matplotlib (an optional extra); every other command still runs
+        out = _hexiseq(argv[1:], tmp_path)
+        assert out.returncode == 0, (command, out.stderr)
+        if redirect:
+            (tmp_path / redirect).write_text(out.stdout)
+    assert "hexiseq-plan" in (tmp_path / "plan.json").read_text()
+
+
+def test_the_70b_sentence_is_what_the_error_says(tmp_path):
+    first_cluster = _section("Describing a cluster").split("```yaml", 1)[1].split("```", 1)[0]
+    (tmp_path / "cluster.yaml").write_text(first_cluster)
+    out = _hexiseq(["plan", "cluster.yaml", "--model", "70b", "--seq-len", "1m", "--checkpointing"], tmp_path)
+    assert out.returncode == 1
+    assert "model states alone take 58.4 GiB per device under full sharding" in out.stderr, out.stderr
+    assert "L40S, 45.0 GiB" in out.stderr and "58.4 GiB per device" in README
+    assert yaml.safe_load(first_cluster)["nodes"][2]["gpu"] == "L40S"
