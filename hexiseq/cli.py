@@ -4,12 +4,12 @@ import argparse
 import json
 import sys
 
-from . import __version__, build_info
+from . import __version__, build_info, cuda_device_count
 from .cluster import Cluster, gpu_catalog
 from .errors import HexiseqError
 from .model import MODEL_PRESETS, Model, Training
 from ._validate import parse_tokens
-from .plan import Plan, Strategy, compare, no_fit_error
+from .plan import TABLE_LEGEND, Plan, Strategy, compare, no_fit_error
 
 DESCRIPTION = "Plan asymmetric sequence and head parallelism for a heterogeneous GPU cluster."
 
@@ -60,9 +60,17 @@ def cmd_plan(args) -> int:
         return 0
     print(chosen.explain())
     print()
+    print(TABLE_LEGEND)
+    print()
     print("strategies side by side (same cost model):")
     print(_comparison_table(results, chosen))
+    print("(groups = head-parallel groups in the ring; vs best = tokens/s relative to the fastest; bound gap =\n"
+          "step time over the lower bound, 1.000x being optimal under the cost model; note = groups x devices\n"
+          "per group, or the group sizes when they differ)")
     print(f"\nfingerprint {chosen.fingerprint}")
+    print("to run it: save it with --json > plan.json, then on every rank hexiseq.Plan.from_json(...) and\n"
+          "hexiseq.nn.HexiSeqContext(plan) around your attention, or hexiseq.hf.patch_model(model, plan) for a\n"
+          "Hugging Face model; `hexiseq measure plan.json` times it against these predictions")
     if args.plot:
         print(f"wrote {args.plot}")
     return 0
@@ -186,7 +194,12 @@ def cmd_gpus(args) -> int:
 
 
 def cmd_info(args) -> int:
-    print(json.dumps(build_info(), indent=2))
+    info = build_info()
+    # build_info()'s "cuda" means the CUDA kernels were compiled in, not that a GPU is here: say both plainly
+    out = {k: v for k, v in info.items() if k != "cuda"}
+    out["cuda_kernels_built"] = info["cuda"]
+    out["cuda_devices"] = cuda_device_count() if info["cuda"] else 0
+    print(json.dumps(out, indent=2))
     return 0
 
 

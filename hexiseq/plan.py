@@ -383,8 +383,8 @@ class Plan:
             if i != last + 1:
                 rows.append(f"{'...':>4} ({n - max_rows} more)")
             last = i
-            heads = f"{t.head_lo[i]}-{t.head_lo[i] + t.head_count[i]}" if t.head_count[i] else "-"
-            kv = f"{t.kv_lo[i]}-{t.kv_lo[i] + t.kv_count[i]}" if t.kv_count[i] else "-"
+            heads = _span(t.head_lo[i], t.head_count[i])
+            kv = _span(t.kv_lo[i], t.kv_count[i])
             rows.append(
                 f"{t.device[i]:>4} {t.gpu[i]:<10} {t.group[i]:>3} {t.tokens[i]:>9,} {heads:>9} {kv:>7} "
                 f"{t.gemm_s[i]:>9.4f} {t.attn_s[i]:>9.4f} {t.a2a_s[i]:>8.4f} {t.ring_exposed_s[i]:>8.4f} "
@@ -446,6 +446,18 @@ def _sharding_words(training) -> str:
     return {"full": "parameter gathers and gradient reduce-scatters",
             "grad_opt": "gradient reduce-scatter and parameter gather",
             "opt": "gradient all-reduce", "none": "gradient all-reduce"}.get(name, "collectives")
+
+
+def _span(lo: int, count: int) -> str:
+    """count items from lo as an inclusive range, the way device ranges print ("4-7", "5"); "-" for none."""
+    return "-" if count == 0 else f"{lo}" if count == 1 else f"{lo}-{lo + count - 1}"
+
+
+TABLE_LEGEND = (
+    "columns: tokens = the device's share of the sequence; heads, kv = query and key/value heads it holds\n"
+    "(inclusive ranges, like devices); gemm s = token-parallel compute (projections, MLP); attn s = attention\n"
+    "of all ring steps; a2a s = all-to-all; ring s = ring transfers not hidden behind attention; busy s = their\n"
+    "sum; mem GiB = peak / capacity. Times are per training step, all layers, forward and backward.")
 
 
 def _ranges(ids: List[int]) -> str:

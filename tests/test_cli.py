@@ -98,7 +98,11 @@ def test_gpus():
 def test_info():
     proc = run("info")
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout) == hexiseq.build_info()
+    info, built = json.loads(proc.stdout), hexiseq.build_info()
+    assert info["cuda_kernels_built"] == built["cuda"] and "cuda" not in info
+    assert info["cuda_devices"] == (hexiseq.cuda_device_count() if built["cuda"] else 0)
+    assert {k: v for k, v in info.items() if not k.startswith("cuda_")} == {k: v for k, v in built.items()
+                                                                            if not k.startswith("cuda")}
 
 
 def test_version():
@@ -143,3 +147,16 @@ def test_scheduler_is_the_default_and_beats_the_baselines(default_run):
     assert "HexiSeq plan 'hexiseq'" in text
     line = next(l for l in text.splitlines() if l.startswith("hexiseq "))
     assert "<- chosen" in line and "1.000x" in line
+
+
+def test_plan_output_explains_itself():
+    """Ranges print one way (inclusive, heads like devices), the columns and the comparison are explained, and
+    the output says how to run the plan."""
+    proc = run("plan")
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("   0 H100-SXM")]
+    assert rows and rows[0][4] == "0-3" and rows[0][5] == "0-3", rows  # 4 of 32 heads: 0, 1, 2, 3
+    assert "g0: 8 device(s) 0-7" in proc.stdout
+    for needle in ("columns: tokens", "gemm s = token-parallel", "bound gap =",
+                   "to run it:", "hexiseq.hf.patch_model", "hexiseq measure plan.json"):
+        assert needle in proc.stdout, needle
