@@ -555,6 +555,8 @@ def _memory_advice(cluster, model, training, seq_len, causal, strategies, error)
     def longest(tr):
         if not states_fit:
             return 0
+        if tr is not training and fits(seq_len, tr):  # checkpointing may fit the length asked for
+            return seq_len
         lo, hi = 0, seq_len // 1024  # in units of 1024 tokens: lo fits (0 trivially), hi does not
         while hi - lo > 1:
             mid = (lo + hi) // 2
@@ -572,7 +574,9 @@ def _memory_advice(cluster, model, training, seq_len, causal, strategies, error)
                      else "shard more (full sharding), use more devices, or devices with more memory"))
     elif best:
         advice = f"the longest sequence that fits is {_tokens_text(best)} tokens"
-        if not training.checkpointing:
+        if not training.checkpointing and with_ckpt == seq_len:
+            advice += f" (with activation checkpointing, {_tokens_text(seq_len)} fits: --checkpointing)"
+        elif not training.checkpointing:
             advice += f" ({_tokens_text(with_ckpt)} with activation checkpointing)" if with_ckpt else ""
         advice += f"; model states take {max(states):.1f} GiB per device"
     else:

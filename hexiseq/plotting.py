@@ -46,7 +46,8 @@ def plot_plan(plan, path=None, baselines=None):
                  f"(groups in ring order, dashed)", fontsize=9)
     for g in gpu_names:
         ax.bar([0], [0], color=gpu_colour[g], label=g)
-    ax.legend(fontsize=7, loc="upper right")
+    # legends sit outside the axes, to the right: inside, they covered the last devices' bars and the step line
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0), borderaxespad=0.0)
     shade(ax)
 
     ax = axes[1]
@@ -62,9 +63,9 @@ def plot_plan(plan, path=None, baselines=None):
         bottom += t[name]
     ax.axhline(plan.step_time_s, color="k", lw=1, label=f"step {plan.step_time_s:.3g} s")
     ax.axhline(plan.lower_bound_s, color="k", lw=1, ls=":", label=f"lower bound {plan.lower_bound_s:.3g} s")
-    ax.set_ylabel("seconds per step")
+    ax.set_ylabel("seconds per step\n(predicted)")
     ax.set_xlabel("device (layout order)")
-    ax.legend(fontsize=7, loc="upper right", ncol=3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0), borderaxespad=0.0)
     shade(ax)
 
     if baselines:
