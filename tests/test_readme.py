@@ -63,3 +63,10 @@ def test_the_70b_sentence_is_what_the_error_says(tmp_path):
     assert "model states alone take 58.4 GiB per device under full sharding" in out.stderr, out.stderr
     assert "L40S, 45.0 GiB" in out.stderr and "58.4 GiB per device" in README
     assert yaml.safe_load(first_cluster)["nodes"][2]["gpu"] == "L40S"
+
+
+def test_python_block_runs():
+    block = _section("Python").split("```python", 1)[1].split("```", 1)[0]
+    scope = {}
+    exec(compile(block, "README.md (Python)", "exec"), scope)
+    assert scope["same"].fingerprint == scope["plan"].fingerprint and scope["mine"].fits
