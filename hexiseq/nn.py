@@ -25,9 +25,8 @@ import os
 import time
 import warnings
 import weakref
-from typing import List, Optional
+from typing import Optional
 
-import numpy as np
 
 try:
     import torch
@@ -37,6 +36,7 @@ except ImportError as e:  # pragma: no cover
 
 from . import ops
 from .errors import HexiseqError, InvalidArgumentError
+from .topology import Topology
 
 __all__ = ["HexiSeqAttention", "HexiSeqContext", "hexiseq_attn_func", "gather_sequence"]
 
@@ -254,10 +254,6 @@ def _close_contexts():
         context.close()
 
 
-class _Member:
-    __slots__ = ("rank", "tokens", "tok_lo", "head_lo", "heads", "kv_lo", "kv_n", "first_lo", "first_n")
-
-
 class HexiSeqContext:
     """Everything one rank needs to execute a plan: its group, the members' shares, the ring routes, the
     process groups. Build it once (collective: every rank of `group` must call it with its plan) and reuse
@@ -283,44 +279,12 @@ class HexiSeqContext:
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self._check_fingerprint()
-        m = plan.model
-        self.heads, self.kv_heads = m.heads, m.kv_heads
-        self.per_kv = m.heads // m.kv_heads
-        lay = plan.layout
-        sizes = lay.group_size.tolist()
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
-        self.n_groups = len(sizes)
-        self.groups: List[List[_Member]] = []
-        for g in range(self.n_groups):
-            members, tok = [], 0
-            for slot in range(offsets[g], offsets[g + 1]):
-                mb = _Member()
-                mb.rank = int(lay.device[slot])
-                mb.tokens = int(lay.tokens[slot])
-                mb.tok_lo = tok
-                tok += mb.tokens
-                mb.head_lo, mb.heads = int(lay.head_lo[slot]), int(lay.head_count[slot])
-                if mb.heads:
-                    mb.kv_lo = mb.head_lo // self.per_kv
-                    mb.kv_n = (mb.head_lo + mb.heads - 1) // self.per_kv - mb.kv_lo + 1
-                else:
-                    mb.kv_lo, mb.kv_n = 0, 0
-                members.append(mb)
-            # first holder of each kv head: the lowest rank-order member whose range contains it
-            owner = {}
-            for mb in members:
-                for h in range(mb.kv_lo, mb.kv_lo + mb.kv_n):
-                    owner.setdefault(h, mb)
-            for mb in members:
-                mine = [h for h, o in owner.items() if o is mb]
-                mb.first_lo, mb.first_n = (min(mine), len(mine)) if mine else (0, 0)
-                if mine and max(mine) - min(mine) + 1 != len(mine):
-                    raise HexiseqError("internal: first-held kv heads are not contiguous")
-            self.groups.append(members)
-        self.g = plan.group_of(self.rank)
-        self.me = next(mb for mb in self.groups[self.g] if mb.rank == self.rank)
-        self.S = [int(x) for x in lay.group_seq]
-        self.chunks = [plan.group_chunks(g) for g in range(self.n_groups)]
+        self.topology = Topology(plan, self.causal)  # who holds what, who sends what to whom (no processes)
+        topo = self.topology
+        self.heads, self.kv_heads, self.per_kv = topo.heads, topo.kv_heads, topo.per_kv
+        self.n_groups, self.groups, self.S, self.chunks = topo.n_groups, topo.groups, topo.S, topo.chunks
+        self.g = topo.group_of(self.rank)
+        self.me = topo.member(self.rank)
         # global ranks (for P2P) of every plan device
         self._global = [self._global_rank(r) for r in range(self.world)]
         # HP subgroups: every rank of `group` creates every HP group, in ring order. On the world, plainly: every
@@ -437,32 +401,7 @@ class HexiSeqContext:
     # ------------------------------------------------------------------------------------------ ring routes
 
     def _ring_routes(self, what):
-        """P2P routes of one ring step for this rank. what = "kv": K/V of my kv range from the previous
-        group's first holders, and to the next group's members what I first-hold of their ranges;
-        what = "acc": dK/dV accumulators, first holder to first holder.
-        Returns (sends, recvs): lists of (peer rank, global kv lo, n) in a canonical order."""
-        G = self.n_groups
-        if G == 1 or self.me.heads == 0:
-            return [], []
-        prev, nxt = self.groups[(self.g - 1) % G], self.groups[(self.g + 1) % G]
-        me = self.me
-
-        def need(mb):
-            return (mb.kv_lo, mb.kv_n) if what == "kv" else (mb.first_lo, mb.first_n)
-
-        recvs = []
-        lo, n = need(me)
-        for src in prev:  # rank order; each kv head has exactly one first holder
-            a, b = max(lo, src.first_lo), min(lo + n, src.first_lo + src.first_n)
-            if src.first_n and b > a:
-                recvs.append((src.rank, a, b - a))
-        sends = []
-        for dst in nxt:
-            dlo, dn = need(dst)
-            a, b = max(dlo, me.first_lo), min(dlo + dn, me.first_lo + me.first_n)
-            if me.first_n and b > a:
-                sends.append((dst.rank, a, b - a))
-        return sends, recvs
+        return self.topology.ring_routes(self.rank, what)
 
     # Message kinds, as P2P tags: K/V blocks, dK/dV accumulators, shared-kv-head reductions. Between one pair of
     # ranks a K/V block and an accumulator can have the same shape; posting order alone keeps them apart, so the
@@ -543,17 +482,7 @@ class HexiSeqContext:
         return K.index_select(2, self._kv_index(self.me, K.device))
 
     def _block_pairs(self, gq, gk):
-        """(q offset, q pos0, q len, k offset, k pos0, k len) of the contiguous chunk pairs with any visible key."""
-        out = []
-        qo = 0
-        for qp0, qn in self.chunks[gq]:
-            ko = 0
-            for kp0, kn in self.chunks[gk]:
-                if not (self.causal and kp0 > qp0 + qn - 1):
-                    out.append((qo, qp0, qn, ko, kp0, kn))
-                ko += kn
-            qo += qn
-        return out
+        return self.topology.block_pairs(gq, gk)
 
     def _ring_forward(self, Qg, Kg, Vg):
         me, G = self.me, self.n_groups
@@ -729,21 +658,7 @@ class HexiSeqContext:
         return dQ.to(dt), dK, dV
 
     def _co_holders(self):
-        """Members of my group that share kv heads with me: (member, lo, n) of the shared heads, for the
-        pieces I send (I am not the first holder) and receive (I am)."""
-        send, recv = [], []
-        me = self.me
-        for mb in self.groups[self.g]:
-            if mb is me or not mb.kv_n:
-                continue
-            # heads I hold that mb first-holds -> send; heads mb holds that I first-hold -> receive
-            a, b = max(me.kv_lo, mb.first_lo), min(me.kv_lo + me.kv_n, mb.first_lo + mb.first_n)
-            if b > a:
-                send.append((mb.rank, a, b - a))
-            a, b = max(mb.kv_lo, me.first_lo), min(mb.kv_lo + mb.kv_n, me.first_lo + me.first_n)
-            if b > a:
-                recv.append((mb.rank, a, b - a))
-        return send, recv
+        return self.topology.co_holders(self.rank)
 
     def _reduce_shared(self, contrib, co, B, S, d, acc_dt, dev):
         send, recv = co

@@ -1,0 +1,159 @@
+"""Who holds what and who sends what to whom under a plan: plain data, no torch.distributed.
+
+The runtime (hexiseq.nn) executes these routes; here they can be inspected and tested without starting a
+process. A plan's devices form head-parallel (HP) groups in ring order. Inside group g, member m holds
+`tokens` of the group's sequence for the token-parallel work and, after the all-to-all, the query heads
+[head_lo, head_lo + heads) of all S_g tokens of its group, with the kv heads they need, [kv_lo, kv_lo + kv_n).
+A kv head needed by several members of a group has one *first holder* (the lowest member in layout order that
+holds it): only first holders send K/V to the next group and accumulate dK/dV for it, the others reduce their
+contributions into the first holder.
+"""
+
+from typing import List, NamedTuple, Tuple
+
+import numpy as np
+
+from .errors import HexiseqError
+
+__all__ = ["Member", "Topology", "BlockPair", "Route"]
+
+
+class Member(NamedTuple):
+    """One device's place in its HP group (all ranges are [lo, lo + n))."""
+
+    rank: int      # the plan's device id (= rank in the plan's process group)
+    tokens: int    # token-parallel share of the group's sequence
+    tok_lo: int    # where that share starts in the group's token order
+    head_lo: int   # query heads held during attention
+    heads: int
+    kv_lo: int     # kv heads those query heads read
+    kv_n: int
+    first_lo: int  # kv heads this member first-holds (contiguous)
+    first_n: int
+
+
+class Route(NamedTuple):
+    """A transfer of the kv heads [lo, lo + n) to or from `peer` (a rank)."""
+
+    peer: int
+    lo: int
+    n: int
+
+
+class BlockPair(NamedTuple):
+    """Two contiguous chunks of positions with at least one visible (query, key) pair: offsets and lengths in
+    the groups' token order, and the absolute position of each chunk's first token."""
+
+    q_off: int
+    q_pos0: int
+    q_len: int
+    k_off: int
+    k_pos0: int
+    k_len: int
+
+
+class Topology:
+    """The geometry of a plan for the runtime: members per group, ring routes, co-holders, block pairs."""
+
+    def __init__(self, plan, causal: bool = True):
+        self.plan = plan
+        self.causal = bool(causal)
+        m = plan.model
+        self.heads, self.kv_heads = m.heads, m.kv_heads
+        self.per_kv = m.heads // m.kv_heads
+        lay = plan.layout
+        sizes = lay.group_size.tolist()
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+        self.n_groups = len(sizes)
+        self.groups: List[List[Member]] = [self._members(lay, offsets[g], offsets[g + 1]) for g in range(self.n_groups)]
+        self.S = [int(x) for x in lay.group_seq]
+        self.chunks = [plan.group_chunks(g) for g in range(self.n_groups)]
+        self._where = {mb.rank: (g, mb) for g, members in enumerate(self.groups) for mb in members}
+
+    def _members(self, lay, first_slot, end_slot) -> List[Member]:
+        rows, tok = [], 0
+        for slot in range(first_slot, end_slot):
+            tokens, head_lo, heads = int(lay.tokens[slot]), int(lay.head_lo[slot]), int(lay.head_count[slot])
+            if heads:
+                kv_lo = head_lo // self.per_kv
+                kv_n = (head_lo + heads - 1) // self.per_kv - kv_lo + 1
+            else:
+                kv_lo, kv_n = 0, 0
+            rows.append((int(lay.device[slot]), tokens, tok, head_lo, heads, kv_lo, kv_n))
+            tok += tokens
+        # first holder of each kv head: the lowest member (layout order) whose range contains it
+        owner = {}
+        for i, row in enumerate(rows):
+            for h in range(row[5], row[5] + row[6]):
+                owner.setdefault(h, i)
+        members = []
+        for i, row in enumerate(rows):
+            mine = [h for h, o in owner.items() if o == i]
+            if mine and max(mine) - min(mine) + 1 != len(mine):
+                raise HexiseqError("internal: first-held kv heads are not contiguous")
+            members.append(Member(*row, *((min(mine), len(mine)) if mine else (0, 0))))
+        return members
+
+    def group_of(self, rank: int) -> int:
+        return self._where[rank][0]
+
+    def member(self, rank: int) -> Member:
+        return self._where[rank][1]
+
+    def ring_routes(self, rank: int, what: str) -> Tuple[List[Route], List[Route]]:
+        """P2P routes of one ring step for `rank`. what = "kv": K/V of its kv range from the previous group's first
+        holders, and to the next group's members what it first-holds of their ranges; what = "acc": dK/dV
+        accumulators, first holder to first holder. Returns (sends, recvs) in member order."""
+        if what not in ("kv", "acc"):
+            raise ValueError(f"what must be 'kv' or 'acc', got {what!r}")
+        g, me = self._where[rank]
+        G = self.n_groups
+        if G == 1 or me.heads == 0:
+            return [], []
+        prev, nxt = self.groups[(g - 1) % G], self.groups[(g + 1) % G]
+
+        def need(mb):
+            return (mb.kv_lo, mb.kv_n) if what == "kv" else (mb.first_lo, mb.first_n)
+
+        recvs = []
+        lo, n = need(me)
+        for src in prev:  # each kv head has exactly one first holder
+            a, b = max(lo, src.first_lo), min(lo + n, src.first_lo + src.first_n)
+            if src.first_n and b > a:
+                recvs.append(Route(src.rank, a, b - a))
+        sends = []
+        for dst in nxt:
+            dlo, dn = need(dst)
+            a, b = max(dlo, me.first_lo), min(dlo + dn, me.first_lo + me.first_n)
+            if me.first_n and b > a:
+                sends.append(Route(dst.rank, a, b - a))
+        return sends, recvs
+
+    def co_holders(self, rank: int) -> Tuple[List[Route], List[Route]]:
+        """Members of `rank`'s group that share kv heads with it: the heads it sends to their first holder (it
+        holds them, another first-holds them) and those it receives (it first-holds them, another holds them)."""
+        g, me = self._where[rank]
+        send, recv = [], []
+        for mb in self.groups[g]:
+            if mb.rank == me.rank or not mb.kv_n:
+                continue
+            a, b = max(me.kv_lo, mb.first_lo), min(me.kv_lo + me.kv_n, mb.first_lo + mb.first_n)
+            if b > a:
+                send.append(Route(mb.rank, a, b - a))
+            a, b = max(mb.kv_lo, me.first_lo), min(mb.kv_lo + mb.kv_n, me.first_lo + me.first_n)
+            if b > a:
+                recv.append(Route(mb.rank, a, b - a))
+        return send, recv
+
+    def block_pairs(self, gq: int, gk: int) -> List[BlockPair]:
+        """The contiguous chunk pairs of group gq's queries and group gk's keys with any visible key."""
+        out = []
+        qo = 0
+        for qp0, qn in self.chunks[gq]:
+            ko = 0
+            for kp0, kn in self.chunks[gk]:
+                if not (self.causal and kp0 > qp0 + qn - 1):
+                    out.append(BlockPair(qo, qp0, qn, ko, kp0, kn))
+                ko += kn
+            qo += qn
+        return out
