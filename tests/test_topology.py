@@ -1,0 +1,114 @@
+"""The runtime's geometry (hexiseq.topology) for every plan the distributed tests execute, checked without
+starting a process: shares partition the sequence and the heads, kv ranges and first holders follow the GQA
+ratio, every ring route and shared-head reduction has its matching other end, each member receives exactly the
+kv heads it needs, and the block pairs cover every visible (query, key) pair exactly once."""
+
+import os
+import sys
+
+import pytest
+
+from hexiseq.topology import Topology
+
+sys.path.insert(0, os.path.dirname(__file__))
+from dist_plans import CASES, layout_plan, tiny_model  # noqa: E402
+
+PLANS = dict(CASES)
+PLANS["replica"] = lambda: layout_plan((2,), tiny_model(6, 2), 45, [
+    {"devices": [0, 1], "seq": 45, "tokens": [30, 15], "heads": [4, 2]}])
+
+
+@pytest.fixture(params=sorted(PLANS))
+def topo(request):
+    plan = PLANS[request.param]()
+    return Topology(plan, causal=plan.causal)
+
+
+def _heads_of(ranges):
+    out = []
+    for lo, n in ranges:
+        out += range(lo, lo + n)
+    return sorted(out)
+
+
+def test_members_partition_tokens_and_heads(topo):
+    for g, members in enumerate(topo.groups):
+        assert sum(mb.tokens for mb in members) == topo.S[g]
+        assert [mb.tok_lo for mb in members] == [sum(m.tokens for m in members[:i]) for i in range(len(members))]
+        assert _heads_of((mb.head_lo, mb.heads) for mb in members) == list(range(topo.heads))
+        for mb in members:
+            need = sorted({h // topo.per_kv for h in range(mb.head_lo, mb.head_lo + mb.heads)})
+            assert list(range(mb.kv_lo, mb.kv_lo + mb.kv_n)) == need, mb
+    ranks = sorted(mb.rank for members in topo.groups for mb in members)
+    assert ranks == list(range(topo.plan.cluster.num_devices))
+    for r in ranks:
+        assert topo.member(r).rank == r and topo.member(r) in topo.groups[topo.group_of(r)]
+
+
+def test_first_holders(topo):
+    for members in topo.groups:
+        held = _heads_of((mb.kv_lo, mb.kv_n) for mb in members)
+        firsts = _heads_of((mb.first_lo, mb.first_n) for mb in members)
+        assert firsts == sorted(set(held)), "every held kv head has exactly one first holder"
+        for mb in members:
+            for h in range(mb.first_lo, mb.first_lo + mb.first_n):
+                assert mb.kv_lo <= h < mb.kv_lo + mb.kv_n
+                first = next(m for m in members if m.kv_lo <= h < m.kv_lo + m.kv_n)
+                assert first.rank == mb.rank, f"kv head {h}: first holder is {first.rank}, not {mb.rank}"
+
+
+@pytest.mark.parametrize("what", ["kv", "acc"])
+def test_ring_routes_match_and_cover(topo, what):
+    ranks = [mb.rank for members in topo.groups for mb in members]
+    routes = {r: topo.ring_routes(r, what) for r in ranks}
+    sent = sorted((r, s.peer, s.lo, s.n) for r in ranks for s in routes[r][0])
+    received = sorted((s.peer, r, s.lo, s.n) for r in ranks for s in routes[r][1])
+    assert sent == received, "every send has its receive at the other end"
+    G = topo.n_groups
+    for r in ranks:
+        g, mb = topo.group_of(r), topo.member(r)
+        sends, recvs = routes[r]
+        if G == 1 or mb.heads == 0:
+            assert not sends and not recvs
+            continue
+        need = (mb.kv_lo, mb.kv_n) if what == "kv" else (mb.first_lo, mb.first_n)
+        assert _heads_of((s.lo, s.n) for s in recvs) == list(range(need[0], need[0] + need[1]))
+        prev = {m.rank for m in topo.groups[(g - 1) % G]}
+        nxt = {m.rank for m in topo.groups[(g + 1) % G]}
+        assert all(s.peer in prev for s in recvs) and all(s.peer in nxt for s in sends)
+        # only first-held heads leave a member
+        assert all(mb.first_lo <= s.lo and s.lo + s.n <= mb.first_lo + mb.first_n for s in sends)
+
+
+def test_co_holders_reduce_into_first_holders(topo):
+    for members in topo.groups:
+        sent, received = [], []
+        for mb in members:
+            send, recv = topo.co_holders(mb.rank)
+            sent += [(mb.rank, s.peer, s.lo, s.n) for s in send]
+            received += [(s.peer, mb.rank, s.lo, s.n) for s in recv]
+            # a member sends exactly the heads it holds but does not first-hold
+            others = sorted(set(range(mb.kv_lo, mb.kv_lo + mb.kv_n)) - set(range(mb.first_lo, mb.first_lo + mb.first_n)))
+            assert _heads_of((s.lo, s.n) for s in send) == others
+        assert sorted(sent) == sorted(received)
+
+
+def test_block_pairs_cover_visible_pairs_once(topo):
+    for gq in range(topo.n_groups):
+        qpos = [p for p0, n in topo.chunks[gq] for p in range(p0, p0 + n)]
+        for gk in range(topo.n_groups):
+            kpos = [p for p0, n in topo.chunks[gk] for p in range(p0, p0 + n)]
+            want = {(i, j) for i, qp in enumerate(qpos) for j, kp in enumerate(kpos) if not topo.causal or kp <= qp}
+            got = []
+            for bp in topo.block_pairs(gq, gk):
+                assert qpos[bp.q_off] == bp.q_pos0 and kpos[bp.k_off] == bp.k_pos0
+                pairs = [(bp.q_off + i, bp.k_off + j) for i in range(bp.q_len) for j in range(bp.k_len)
+                         if not topo.causal or bp.k_pos0 + j <= bp.q_pos0 + i]
+                assert pairs, f"block pair {bp} has no visible pair"
+                got += pairs
+            assert len(got) == len(set(got)) and set(got) == want, (gq, gk)
+
+
+def test_ring_routes_refuse_an_unknown_kind(topo):
+    with pytest.raises(ValueError, match="'kv' or 'acc'"):
+        topo.ring_routes(0, "grad")
