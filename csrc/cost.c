@@ -343,6 +343,7 @@ static int32_t kv_holder(const cost_ctx *x, int32_t g, int32_t h) {
  * that pays the link's fixed latency. */
 typedef struct {
     double recv_pt, send_pt;   /* seconds per token of a block, bytes / bandwidth summed over peers */
+    double recv_bytes, send_bytes; /* bytes per token of a block, summed over peers */
     double recv_lat, send_lat; /* seconds of message latency per block: one message per peer */
     double sync;               /* the largest latency among the messages received: a step's fixed cost */
 } ring_link;
@@ -361,6 +362,7 @@ static void ring_link_of(const cost_ctx *x, int32_t r, ring_link *out) {
     for (int32_t h = lo, last = -1; h < lo + n; ++h) {
         int32_t src = x->l->device[kv_holder(x, prev, h)];
         out->recv_pt += bytes_per_head_token / hexiseq_bw_bytes(x->c, src, me);
+        out->recv_bytes += bytes_per_head_token;
         if (src != last) {
             double lat = hexiseq_lat_s(x->c, src, me);
             out->recv_lat += lat;
@@ -374,6 +376,7 @@ static void ring_link_of(const cost_ctx *x, int32_t r, ring_link *out) {
         for (int32_t h = slo; h < slo + sn; ++h)
             if (kv_holder(x, g, h) == r) {
                 out->send_pt += bytes_per_head_token / hexiseq_bw_bytes(x->c, me, x->l->device[s]);
+                out->send_bytes += bytes_per_head_token;
                 any = 1;
             }
         if (any)
@@ -450,8 +453,9 @@ static void ring_time_s(const cost_ctx *x, int32_t r, double *attn_s, double *ex
 /* All-to-all of slot r over the whole step, seconds; each of the layer's exchanges is timed as
  * max(send, receive) with peers serialised, each peer message paying its link's latency: forward Q/K/V in and O out, backward dO in and dQ/dK/dV out,
  * and the forward pair again when checkpointing recomputes. */
-static double a2a_time_s(const cost_ctx *x, int32_t r) {
+static double a2a_time_s(const cost_ctx *x, int32_t r, double *send_bytes, double *recv_bytes) {
     int32_t g = x->group_of[r];
+    *send_bytes = *recv_bytes = 0.0;
     if (x->l->group_size[g] == 1)
         return 0.0;
     double elem = (double)x->m->head_dim * x->m->dtype_bytes;
@@ -475,6 +479,8 @@ static double a2a_time_s(const cost_ctx *x, int32_t r) {
         qkv_recv += qkv_in * elem / in_bw + (qkv_in > 0 ? in_lat : 0.0);     /* their tokens, my heads */
         o_send += o_out * elem / out_bw + (o_out > 0 ? out_lat : 0.0);       /* attention output of their tokens */
         o_recv += o_in * elem / in_bw + (o_in > 0 ? in_lat : 0.0);
+        *send_bytes += (qkv_out + o_out) * elem;
+        *recv_bytes += (qkv_in + o_in) * elem;
     }
     double qkv = fmax(qkv_send, qkv_recv), o = fmax(o_send, o_recv);
     /* forward: qkv + o; backward: dO (the o pattern reversed, same volume) + dQ/dK/dV (qkv reversed) */
@@ -672,7 +678,11 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         dc->gemm_s = gemm_time_s(&x, d, l->tokens[r]);
         double gemm_fwd = layer_gemm_fwd_s(&x, d, l->tokens[r]), attn_fwd;
         dc->layer_gemm_s = gemm_fwd * (1.0 + GEMM_BWD_FACTOR);
-        dc->a2a_s = a2a_time_s(&x, r);
+        dc->a2a_s = a2a_time_s(&x, r, &dc->a2a_send_bytes, &dc->a2a_recv_bytes);
+        ring_link link;
+        ring_link_of(&x, r, &link);
+        dc->ring_send_bytes = link.send_bytes;
+        dc->ring_recv_bytes = link.recv_bytes;
         ring_time_s(&x, r, &dc->attn_s, &dc->ring_exposed_s, &attn_fwd);
         /* one layer's compute of this device, forward and backward (with recompute), one sequence */
         b_fwd = fmax(b_fwd, gemm_fwd + attn_fwd);

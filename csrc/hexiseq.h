@@ -203,6 +203,11 @@ typedef struct {
     double mem_ring_gib;     /* ring double buffers (K, V and dK, dV) */
     double mem_total_gib;    /* the above plus reserved_gib */
     double mem_cap_gib;      /* device memory */
+    /* The traffic the times above charge, for checking against what the runtime sends (bytes): */
+    double ring_send_bytes;  /* per token of a ring block: K, V of its first-held heads the next group needs */
+    double ring_recv_bytes;  /* per token of a ring block: K, V of its kv heads from the previous group */
+    double a2a_send_bytes;   /* one layer's forward all-to-alls (Q, K, V in, O out), one sequence, to the */
+    double a2a_recv_bytes;   /*   group's other members and from them */
     int32_t kv_lo;           /* first kv head the device needs */
     int32_t kv_count;        /* kv heads it needs (0 when it has no query heads) */
 } hexiseq_device_cost;

@@ -258,6 +258,10 @@ static PyObject *device_costs_to_dict(const hexiseq_device_cost *dc, npy_intp n)
         {"mem_ring_gib", offsetof(hexiseq_device_cost, mem_ring_gib)},
         {"mem_total_gib", offsetof(hexiseq_device_cost, mem_total_gib)},
         {"mem_cap_gib", offsetof(hexiseq_device_cost, mem_cap_gib)},
+        {"ring_send_bytes", offsetof(hexiseq_device_cost, ring_send_bytes)},
+        {"ring_recv_bytes", offsetof(hexiseq_device_cost, ring_recv_bytes)},
+        {"a2a_send_bytes", offsetof(hexiseq_device_cost, a2a_send_bytes)},
+        {"a2a_recv_bytes", offsetof(hexiseq_device_cost, a2a_recv_bytes)},
     };
     PyObject *out = PyDict_New();
     if (!out)

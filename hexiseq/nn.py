@@ -441,7 +441,10 @@ class HexiSeqContext:
             parts.append(torch.cat([q[:, :, mb.head_lo:mb.head_lo + mb.heads].reshape(-1),
                                     k[:, :, mb.kv_lo:mb.kv_lo + mb.kv_n].reshape(-1),
                                     v[:, :, mb.kv_lo:mb.kv_lo + mb.kv_n].reshape(-1)]))
-        recv_numels = [B * mb.tokens * (me.heads + 2 * me.kv_n) * d for mb in members]
+        counts = self.topology.a2a_in(self.rank)  # what the cost model charges (tests/test_topology.py)
+        if [p.numel() for p in parts] != [B * d * n for n, _ in counts]:
+            raise HexiseqError("internal: the all-to-all sends differ from the plan's topology")
+        recv_numels = [B * d * n for _, n in counts]
         got = self._a2a(parts, recv_numels, dt, dev)
         qs, ks, vs = [], [], []
         for mb, flat in zip(members, got):
@@ -454,7 +457,10 @@ class HexiSeqContext:
         Og, lses = self._ring_forward(Qg, Kg, Vg)
         # 3. all-to-all out: my heads of member j's tokens
         parts = [Og[:, mb.tok_lo:mb.tok_lo + mb.tokens].reshape(-1) for mb in members]
-        recv_numels = [B * me.tokens * mb.heads * d for mb in members]
+        counts = self.topology.a2a_out(self.rank)
+        if [p.numel() for p in parts] != [B * d * n for n, _ in counts]:
+            raise HexiseqError("internal: the all-to-all sends differ from the plan's topology")
+        recv_numels = [B * d * n for _, n in counts]
         got = self._a2a(parts, recv_numels, dt, dev)
         o = torch.empty(B, me.tokens, self.heads, d, dtype=dt, device=dev)
         for mb, flat in zip(members, got):

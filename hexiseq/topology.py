@@ -145,6 +145,19 @@ class Topology:
                 recv.append(Route(mb.rank, a, b - a))
         return send, recv
 
+    def a2a_in(self, rank: int) -> List[Tuple[int, int]]:
+        """The all-to-all into attention, per member of `rank`'s group (member order): (elements sent, elements
+        received) per batch row and head-dim column. It sends each member its tokens of that member's query and kv
+        heads (Q, K, V) and receives the member's tokens of its own heads. Its own entry stays local."""
+        g, me = self._where[rank]
+        return [(me.tokens * (mb.heads + 2 * mb.kv_n), mb.tokens * (me.heads + 2 * me.kv_n)) for mb in self.groups[g]]
+
+    def a2a_out(self, rank: int) -> List[Tuple[int, int]]:
+        """The all-to-all out of attention, per member: (elements sent, received) per batch row and head-dim
+        column. It sends each member the attention output of that member's tokens for its own heads."""
+        g, me = self._where[rank]
+        return [(mb.tokens * me.heads, me.tokens * mb.heads) for mb in self.groups[g]]
+
     def block_pairs(self, gq: int, gk: int) -> List[BlockPair]:
         """The contiguous chunk pairs of group gq's queries and group gk's keys with any visible key."""
         out = []

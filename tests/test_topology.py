@@ -112,3 +112,22 @@ def test_block_pairs_cover_visible_pairs_once(topo):
 def test_ring_routes_refuse_an_unknown_kind(topo):
     with pytest.raises(ValueError, match="'kv' or 'acc'"):
         topo.ring_routes(0, "grad")
+
+
+def test_bytes_sent_are_the_bytes_the_cost_model_charges(topo):
+    """What the runtime moves, counted from the topology it executes (ring routes; all-to-all parts, which the
+    runtime checks against the topology on every call), equals the traffic the cost model prices, per device:
+    ring bytes per token of a block, and one layer's forward all-to-all bytes for one sequence."""
+    plan = topo.plan
+    elem = plan.model.head_dim * plan.model.dtype_bytes
+    t = plan.devices
+    for slot, rank in enumerate(t.device.tolist()):
+        sends, recvs = topo.ring_routes(rank, "kv")
+        assert sum(2 * r.n * elem for r in sends) == t.ring_send_bytes[slot], (rank, sends)
+        assert sum(2 * r.n * elem for r in recvs) == t.ring_recv_bytes[slot], (rank, recvs)
+        g, me = topo.group_of(rank), topo.member(rank)
+        peers = [i for i, mb in enumerate(topo.groups[g]) if mb.rank != rank]  # its own part stays local
+        a2a_in, a2a_out = topo.a2a_in(rank), topo.a2a_out(rank)
+        sent = sum(a2a_in[i][0] + a2a_out[i][0] for i in peers) * elem
+        received = sum(a2a_in[i][1] + a2a_out[i][1] for i in peers) * elem
+        assert sent == t.a2a_send_bytes[slot] and received == t.a2a_recv_bytes[slot], (rank, sent, received)
