@@ -583,7 +583,7 @@ def _memory_advice(cluster, model, training, seq_len, causal, strategies, error)
             advice += f" ({_tokens_text(with_ckpt)} with activation checkpointing)" if with_ckpt else ""
         advice += f"; model states take {max(states):.1f} GiB per device"
     else:
-        advice = (f"no sequence of 1024 tokens or more fits" +
+        advice = ("no sequence of 1024 tokens or more fits" +
                   (f" ({_tokens_text(with_ckpt)} with activation checkpointing)" if with_ckpt and with_ckpt != best
                    else "") + f"; model states take {max(states):.1f} GiB per device")
     return MemoryFitError(f"{error}; {advice}", states_gib=states, states_fit=states_fit, longest_seq_len=best,

@@ -125,7 +125,7 @@ def test_bytes_sent_are_the_bytes_the_cost_model_charges(topo):
         sends, recvs = topo.ring_routes(rank, "kv")
         assert sum(2 * r.n * elem for r in sends) == t.ring_send_bytes[slot], (rank, sends)
         assert sum(2 * r.n * elem for r in recvs) == t.ring_recv_bytes[slot], (rank, recvs)
-        g, me = topo.group_of(rank), topo.member(rank)
+        g = topo.group_of(rank)
         peers = [i for i, mb in enumerate(topo.groups[g]) if mb.rank != rank]  # its own part stays local
         a2a_in, a2a_out = topo.a2a_in(rank), topo.a2a_out(rank)
         sent = sum(a2a_in[i][0] + a2a_out[i][0] for i in peers) * elem
