@@ -397,7 +397,8 @@ static double ring_transfer_s(const ring_link *k, double tokens, double msgs) {
  * their owner. Causal blocks run as zigzag half-chunks, so the kernel efficiency is taken at half the
  * shorter block; with measured curves, the two diagonal chunk blocks of step 0 run at the causal curve.
  * `fwd_layer_s` gets one forward pass of one layer and one sequence (no communication). */
-static void ring_time_s(const cost_ctx *x, int32_t r, double *attn_s, double *exposed_s, double *fwd_layer_s) {
+static void ring_time_s(const cost_ctx *x, int32_t r, const ring_link *link, double *attn_s, double *exposed_s,
+                        double *fwd_layer_s) {
     const hexiseq_device_info *d = &x->c->dev[x->l->device[r]];
     int32_t G = x->l->n_groups, g = x->group_of[r], h = x->l->head_count[r];
     *attn_s = 0.0;
@@ -405,8 +406,6 @@ static void ring_time_s(const cost_ctx *x, int32_t r, double *attn_s, double *ex
     *fwd_layer_s = 0.0;
     if (h == 0)
         return;
-    ring_link link;
-    ring_link_of(x, r, &link);
     int split_diag = x->causal && (d->attn_causal_curve.n > 0 || d->attn_curve.n > 0);
     double fwd_passes = 1.0 + (x->t->checkpointing ? 1.0 : 0.0);
     double compute = 0.0, exposed = 0.0, fwd_sum = 0.0;
@@ -435,11 +434,11 @@ static void ring_time_s(const cost_ctx *x, int32_t r, double *attn_s, double *ex
         }
         int more = k < G - 1; /* the next block arrives during this step */
         double next_tokens = more ? (double)x->l->group_seq[nxt] : 0.0;
-        double fwd_comm = more ? ring_transfer_s(&link, next_tokens, 1.0) : 0.0;
+        double fwd_comm = more ? ring_transfer_s(link, next_tokens, 1.0) : 0.0;
         double bwd = fwd * ATTN_BWD_FACTOR;
         /* dK, dV of this step's block move on, accumulated and sent in fp32 */
-        double bwd_comm = ring_transfer_s(&link, next_tokens + sk * (4.0 / x->m->dtype_bytes), more ? 2.0 : 1.0);
-        double fwd_sync = more ? link.sync : 0.0, bwd_sync = link.sync;
+        double bwd_comm = ring_transfer_s(link, next_tokens + sk * (4.0 / x->m->dtype_bytes), more ? 2.0 : 1.0);
+        double fwd_sync = more ? link->sync : 0.0, bwd_sync = link->sync;
         compute += fwd * fwd_passes + bwd;
         fwd_sum += fwd;
         exposed += fwd_passes * (fmax(0.0, fwd_comm - fwd) + fwd_sync) + fmax(0.0, bwd_comm - bwd) + bwd_sync;
@@ -683,7 +682,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         ring_link_of(&x, r, &link);
         dc->ring_send_bytes = link.send_bytes;
         dc->ring_recv_bytes = link.recv_bytes;
-        ring_time_s(&x, r, &dc->attn_s, &dc->ring_exposed_s, &attn_fwd);
+        ring_time_s(&x, r, &link, &dc->attn_s, &dc->ring_exposed_s, &attn_fwd);
         /* one layer's compute of this device, forward and backward (with recompute), one sequence */
         b_fwd = fmax(b_fwd, gemm_fwd + attn_fwd);
         b_bwd = fmax(b_bwd, gemm_fwd * (GEMM_BWD_FACTOR + ckpt) + attn_fwd * (ATTN_BWD_FACTOR + ckpt));

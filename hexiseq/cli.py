@@ -40,16 +40,17 @@ def cmd_plan(args) -> int:
     training = Training(sequences=args.sequences, checkpointing=args.checkpointing, sharding=args.sharding)
     causal = not args.no_causal
     strategy = Strategy(args.strategy)
-    results = compare(cluster, model=model, seq_len=args.seq_len, training=training, causal=causal)
+    seq_len = parse_tokens(args.seq_len)
+    results = compare(cluster, model=model, seq_len=seq_len, training=training, causal=causal)
     if strategy is Strategy.AUTO:
         plans = [p for p in results.values() if isinstance(p, Plan)]
         if not plans:
-            raise no_fit_error(cluster, model, training, parse_tokens(args.seq_len), causal, results)
+            raise no_fit_error(cluster, model, training, seq_len, causal, results)
         chosen = min(plans, key=lambda p: p.step_time_s)
     else:
         chosen = results[strategy.value]
         if not isinstance(chosen, Plan):
-            raise no_fit_error(cluster, model, training, parse_tokens(args.seq_len), causal, {strategy.value: chosen})
+            raise no_fit_error(cluster, model, training, seq_len, causal, {strategy.value: chosen})
     if args.plot:
         from .plotting import plot_plan
 

@@ -27,7 +27,6 @@ import warnings
 import weakref
 from typing import Optional
 
-
 try:
     import torch
     import torch.distributed as dist
@@ -377,9 +376,14 @@ class HexiSeqContext:
     def _aligned(self, mb):
         return mb.head_lo % self.per_kv == 0 and mb.heads % self.per_kv == 0
 
-    def _a2a(self, send_parts, recv_numels, dtype, device):
+    def _a2a(self, send_parts, counts, unit, dtype, device):
         """Uneven all-to-all inside the HP group: send_parts[j] (flat) to member j; returns the received
-        flat parts. Members are in rank order; a member's own part stays local."""
+        flat parts. Members are in rank order; a member's own part stays local. counts: the topology's (sent,
+        received) elements per member, in `unit`s (batch x head_dim): the parts must be exactly what it says
+        (what the cost model charges, tests/test_topology.py), and it sizes what arrives."""
+        if [p.numel() for p in send_parts] != [unit * n for n, _ in counts]:
+            raise HexiseqError("internal: the all-to-all sends differ from the plan's topology")
+        recv_numels = [unit * n for _, n in counts]
         members = self.groups[self.g]
         if len(members) == 1:
             return [send_parts[0]]
@@ -398,10 +402,7 @@ class HexiSeqContext:
             out[i] = got[j]
         return out
 
-    # ------------------------------------------------------------------------------------------ ring routes
-
-    def _ring_routes(self, what):
-        return self.topology.ring_routes(self.rank, what)
+    # ------------------------------------------------------------------------------------------ transfers
 
     # Message kinds, as P2P tags: K/V blocks, dK/dV accumulators, shared-kv-head reductions. Between one pair of
     # ranks a K/V block and an accumulator can have the same shape; posting order alone keeps them apart, so the
@@ -441,11 +442,7 @@ class HexiSeqContext:
             parts.append(torch.cat([q[:, :, mb.head_lo:mb.head_lo + mb.heads].reshape(-1),
                                     k[:, :, mb.kv_lo:mb.kv_lo + mb.kv_n].reshape(-1),
                                     v[:, :, mb.kv_lo:mb.kv_lo + mb.kv_n].reshape(-1)]))
-        counts = self.topology.a2a_in(self.rank)  # what the cost model charges (tests/test_topology.py)
-        if [p.numel() for p in parts] != [B * d * n for n, _ in counts]:
-            raise HexiseqError("internal: the all-to-all sends differ from the plan's topology")
-        recv_numels = [B * d * n for _, n in counts]
-        got = self._a2a(parts, recv_numels, dt, dev)
+        got = self._a2a(parts, self.topology.a2a_in(self.rank), B * d, dt, dev)
         qs, ks, vs = [], [], []
         for mb, flat in zip(members, got):
             nq, nk = B * mb.tokens * me.heads * d, B * mb.tokens * me.kv_n * d
@@ -457,11 +454,7 @@ class HexiSeqContext:
         Og, lses = self._ring_forward(Qg, Kg, Vg)
         # 3. all-to-all out: my heads of member j's tokens
         parts = [Og[:, mb.tok_lo:mb.tok_lo + mb.tokens].reshape(-1) for mb in members]
-        counts = self.topology.a2a_out(self.rank)
-        if [p.numel() for p in parts] != [B * d * n for n, _ in counts]:
-            raise HexiseqError("internal: the all-to-all sends differ from the plan's topology")
-        recv_numels = [B * d * n for _, n in counts]
-        got = self._a2a(parts, recv_numels, dt, dev)
+        got = self._a2a(parts, self.topology.a2a_out(self.rank), B * d, dt, dev)
         o = torch.empty(B, me.tokens, self.heads, d, dtype=dt, device=dev)
         for mb, flat in zip(members, got):
             o[:, :, mb.head_lo:mb.head_lo + mb.heads] = flat.view(B, me.tokens, mb.heads, d)
@@ -487,9 +480,6 @@ class HexiSeqContext:
             return K
         return K.index_select(2, self._kv_index(self.me, K.device))
 
-    def _block_pairs(self, gq, gk):
-        return self.topology.block_pairs(gq, gk)
-
     def _ring_forward(self, Qg, Kg, Vg):
         me, G = self.me, self.n_groups
         B, Sg, h, d = Qg.shape
@@ -505,7 +495,7 @@ class HexiSeqContext:
         L = [torch.full((B, h, n), float("-inf"), dtype=acc_dt, device=dev) for _, n in chunks]
         qoff = [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
         cur = torch.stack([Kg, Vg])                       # [2, B, S_src, kv, d], the own block first
-        sends, recvs = self._ring_routes("kv")
+        sends, recvs = self.topology.ring_routes(self.rank, "kv")
         for step in range(G):
             src = (self.g - step) % G
             pending = None
@@ -515,7 +505,7 @@ class HexiSeqContext:
                     sends, recvs, lambda lo, n, c=cur: c[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n],
                     lambda lo, n, S=self.S[nxt_src]: (2, B, S, n, d), dt, dev, self.TAG_KV)
             Kb, Vb = self._heads_view(cur[0]), self._heads_view(cur[1])
-            for qo, qp0, qn, ko, kp0, kn in self._block_pairs(self.g, src):
+            for qo, qp0, qn, ko, kp0, kn in self.topology.block_pairs(self.g, src):
                 qc, kc, vc = Qg[:, qo:qo + qn], Kb[:, ko:ko + kn], Vb[:, ko:ko + kn]
                 t0 = self._clock(dev)
                 if use_c:
@@ -542,7 +532,8 @@ class HexiSeqContext:
         do = do.contiguous()
         # 1. dO through the all-to-all (the q pattern)
         parts = [do[:, :, mb.head_lo:mb.head_lo + mb.heads].reshape(-1) for mb in members]
-        got = self._a2a(parts, [B * mb.tokens * me.heads * d for mb in members], dt, dev)
+        reverse_out = [(n_in, n_out) for n_out, n_in in self.topology.a2a_out(self.rank)]  # O's pattern, reversed
+        got = self._a2a(parts, reverse_out, B * d, dt, dev)
         dOg = torch.cat([flat.view(B, mb.tokens, me.heads, d) for mb, flat in zip(members, got)], 1)
         # 2. ring backward
         dQg, dKg, dVg = self._ring_backward(Qg, Kg, Vg, Og, lses, dOg)
@@ -552,8 +543,7 @@ class HexiSeqContext:
             sl = slice(mb.tok_lo, mb.tok_lo + mb.tokens)
             f = slice(me.first_lo - me.kv_lo, me.first_lo - me.kv_lo + me.first_n)
             parts.append(torch.cat([dQg[:, sl].reshape(-1), dKg[:, sl, f].reshape(-1), dVg[:, sl, f].reshape(-1)]))
-        recv = [B * me.tokens * (mb.heads + 2 * mb.first_n) * d for mb in members]
-        got = self._a2a(parts, recv, dt, dev)
+        got = self._a2a(parts, self.topology.a2a_grads(self.rank), B * d, dt, dev)
         dq = torch.empty(B, me.tokens, self.heads, d, dtype=dt, device=dev)
         dk = torch.zeros(B, me.tokens, self.kv_heads, d, dtype=dt, device=dev)
         dv = torch.zeros_like(dk)
@@ -579,9 +569,9 @@ class HexiSeqContext:
         dQ = torch.zeros(B, Sg, h, d, dtype=acc_dt, device=dev)
         aligned = self._aligned(me)
         kv_idx = None if aligned else self._kv_index(me, dev)
-        co_holders = self._co_holders()
-        kv_sends, kv_recvs = self._ring_routes("kv")
-        acc_sends, acc_recvs = self._ring_routes("acc")
+        co_holders = self.topology.co_holders(self.rank)
+        kv_sends, kv_recvs = self.topology.ring_routes(self.rank, "kv")
+        acc_sends, acc_recvs = self.topology.ring_routes(self.rank, "acc")
         cur = torch.stack([Kg, Vg])
         f = slice(me.first_lo - me.kv_lo, me.first_lo - me.kv_lo + me.first_n)
 
@@ -610,7 +600,7 @@ class HexiSeqContext:
             contrib = torch.zeros(2, B, Ssrc, h if not aligned else kv, d, dtype=acc_dt, device=dev)
             Kb = cur[0] if aligned else cur[0].index_select(2, kv_idx)
             Vb = cur[1] if aligned else cur[1].index_select(2, kv_idx)
-            for qo, qp0, qn, ko, kp0, kn in self._block_pairs(self.g, src):
+            for qo, qp0, qn, ko, kp0, kn in self.topology.block_pairs(self.g, src):
                 i = qoff.index(qo)
                 qc, oc, doc, lc = Qg[:, qo:qo + qn], Og[:, qo:qo + qn], dOg[:, qo:qo + qn], lses[i]
                 kc, vc = Kb[:, ko:ko + kn], Vb[:, ko:ko + kn]
@@ -662,9 +652,6 @@ class HexiSeqContext:
         dK[:, :, f] = acc[0].to(dt)
         dV[:, :, f] = acc[1].to(dt)
         return dQ.to(dt), dK, dV
-
-    def _co_holders(self):
-        return self.topology.co_holders(self.rank)
 
     def _reduce_shared(self, contrib, co, B, S, d, acc_dt, dev):
         send, recv = co

@@ -1,6 +1,7 @@
 """Plans: a layout of the general form (HP groups, sequence and head shares, ring order) with its predicted
 cost; the strategies that produce them; scoring a layout the caller writes down."""
 
+import dataclasses
 import enum
 import hashlib
 import json
@@ -567,25 +568,24 @@ def _memory_advice(cluster, model, training, seq_len, causal, strategies, error)
         return lo * 1024
 
     best = longest(training)
-    with_ckpt = best if training.checkpointing else longest(Training(**{**training.__dict__, "checkpointing": True}))
-    short = int(np.argmax(np.asarray(states) + training.reserved_gib - caps))
+    with_ckpt = best if training.checkpointing else longest(dataclasses.replace(training, checkpointing=True))
     if not states_fit:
+        short = int(np.argmax(np.asarray(states) + training.reserved_gib - caps))
         advice = (f"the model states alone take {states[short]:.1f} GiB per device under {training.sharding.value} "
                   f"sharding (+{training.reserved_gib:g} GiB reserved), more than device {short} "
                   f"({probe.devices['gpu'][short]}, {caps[short]:.1f} GiB) holds: no sequence fits; "
                   + ("use more devices, or devices with more memory" if training.sharding is Sharding.FULL
                      else "shard more (full sharding), use more devices, or devices with more memory"))
-    elif best:
-        advice = f"the longest sequence that fits is {_tokens_text(best)} tokens"
-        if not training.checkpointing and with_ckpt == seq_len:
-            advice += f" (with activation checkpointing, {_tokens_text(seq_len)} fits: --checkpointing)"
-        elif not training.checkpointing:
-            advice += f" ({_tokens_text(with_ckpt)} with activation checkpointing)" if with_ckpt else ""
-        advice += f"; model states take {max(states):.1f} GiB per device"
     else:
-        advice = ("no sequence of 1024 tokens or more fits" +
-                  (f" ({_tokens_text(with_ckpt)} with activation checkpointing)" if with_ckpt and with_ckpt != best
-                   else "") + f"; model states take {max(states):.1f} GiB per device")
+        if training.checkpointing or not with_ckpt:
+            ckpt = ""
+        elif with_ckpt == seq_len:
+            ckpt = f" (with activation checkpointing, {_tokens_text(seq_len)} fits: --checkpointing)"
+        else:
+            ckpt = f" ({_tokens_text(with_ckpt)} with activation checkpointing)"
+        fits_text = (f"the longest sequence that fits is {_tokens_text(best)} tokens" if best
+                     else "no sequence of 1024 tokens or more fits")
+        advice = f"{fits_text}{ckpt}; model states take {max(states):.1f} GiB per device"
     return MemoryFitError(f"{error}; {advice}", states_gib=states, states_fit=states_fit, longest_seq_len=best,
                           longest_seq_len_checkpointing=with_ckpt)
 

@@ -158,6 +158,14 @@ class Topology:
         g, me = self._where[rank]
         return [(mb.tokens * me.heads, me.tokens * mb.heads) for mb in self.groups[g]]
 
+    def a2a_grads(self, rank: int) -> List[Tuple[int, int]]:
+        """The backward's all-to-all out of attention, per member: (elements sent, received) per batch row and
+        head-dim column. It sends each member dQ of that member's tokens for its own query heads, and dK, dV for
+        the kv heads it first-holds (the co-holders' shares are already reduced into them)."""
+        g, me = self._where[rank]
+        return [(mb.tokens * (me.heads + 2 * me.first_n), me.tokens * (mb.heads + 2 * mb.first_n))
+                for mb in self.groups[g]]
+
     def block_pairs(self, gq: int, gk: int) -> List[BlockPair]:
         """The contiguous chunk pairs of group gq's queries and group gk's keys with any visible key."""
         out = []

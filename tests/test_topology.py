@@ -131,3 +131,14 @@ def test_bytes_sent_are_the_bytes_the_cost_model_charges(topo):
         sent = sum(a2a_in[i][0] + a2a_out[i][0] for i in peers) * elem
         received = sum(a2a_in[i][1] + a2a_out[i][1] for i in peers) * elem
         assert sent == t.a2a_send_bytes[slot] and received == t.a2a_recv_bytes[slot], (rank, sent, received)
+
+
+@pytest.mark.parametrize("pattern", ["a2a_in", "a2a_out", "a2a_grads"])
+def test_all_to_all_counts_match_end_to_end(topo, pattern):
+    """Every all-to-all the runtime runs (it sizes and checks each one from these counts): what a member sends to
+    another is what that one expects from it."""
+    for members in topo.groups:
+        counts = {mb.rank: getattr(topo, pattern)(mb.rank) for mb in members}
+        for i, a in enumerate(members):
+            for j, b in enumerate(members):
+                assert counts[a.rank][j][0] == counts[b.rank][i][1], (pattern, a.rank, b.rank)
