@@ -6,7 +6,7 @@ from . import _core
 from . import ops
 from .cluster import Cluster, DeviceRates, Node, gpu_catalog
 from .errors import (CudaError, HexiseqError, InternalError, InvalidArgumentError, LayoutError, MemoryFitError,
-                     UnknownGPUError, UnsupportedError)
+                     RankMismatchError, UnknownGPUError, UnsupportedError)
 from .model import MODEL_PRESETS, Model, Sharding, Training
 from .plan import DeviceTable, Layout, Plan, Strategy, compare, evaluate, plan
 from .calibration import calibrate  # noqa: E402  (PyTorch is imported on the first call, not here)
@@ -41,6 +41,7 @@ __all__ = [
     "UnknownGPUError",
     "LayoutError",
     "MemoryFitError",
+    "RankMismatchError",
     "UnsupportedError",
     "CudaError",
     "InternalError",

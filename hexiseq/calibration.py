@@ -222,48 +222,40 @@ def _attention_heads(model: Model, device, heads):
     return model.heads, model.kv_heads
 
 
-def _attention_curves(model: Model, blocks, device, dtype, heads, iters, warmup, barrier, progress):
+def _attention_curves(model: Model, sizes, device, dtype, heads, iters, warmup, barrier, progress):
     """(block, TFLOP/s) for full blocks and causal-diagonal blocks, forward + backward, through the runtime's own
-    block kernels (hexiseq.nn chooses them exactly as a ring pass does)."""
+    block kernels (hexiseq.blocks, chosen exactly as a ring pass chooses them)."""
     torch, _ = _torch()
-    from . import nn as hnn
-    from . import ops
+    from . import blocks
 
     h, kv = _attention_heads(model, device, heads)
-    cuda = device.type == "cuda"
     d = model.head_dim
     scale = 1.0 / math.sqrt(d)
+    kern = blocks.kernels_for(device, dtype)
+    acc_dt = kern.acc_dtype
     g = torch.Generator(device=device).manual_seed(4321)
     full, diag = [], []
-    for n in blocks:
+    for n in sizes:
         q = torch.randn(1, n, h, d, generator=g, device=device, dtype=dtype)
         k = torch.randn(1, n, kv, d, generator=g, device=device, dtype=dtype)
         v = torch.randn(1, n, kv, d, generator=g, device=device, dtype=dtype)
         do = torch.randn_like(q)
-        use_c = hnn._use_c_kernels(q)
         # a full block as the ring sees one (every key before every query), then the block on the diagonal
         for q_pos0, target in ((n, full), (0, diag)):
             barrier()
-
-            def block():
-                if use_c:
-                    return ops.attention_forward(q, k, v, causal=True, q_pos0=q_pos0, k_pos0=0, scale=scale)
-                return hnn._block_forward_torch(q, k, v, True, q_pos0, 0, scale)
-
-            o, lse = block()
-            acc_dt = torch.float64 if dtype == torch.float64 else torch.float32
+            o, lse = kern.forward(q, k, v, True, q_pos0, 0, scale)
             o_acc, lse_acc = o.to(acc_dt), lse.to(acc_dt).clone()
+            dq = torch.zeros(q.shape, dtype=acc_dt, device=device)
+            dk = torch.zeros(k.shape, dtype=acc_dt, device=device)
+            dv = torch.zeros(v.shape, dtype=acc_dt, device=device)
 
             def fwd():
                 # the block and its merge into the fp32 accumulator, as a ring step runs them
-                o_p, l_p = block()
-                hnn._merge(o_acc, lse_acc, o_p.to(acc_dt), l_p.to(acc_dt), use_c or (cuda and ops._cuda_built()))
+                o_p, l_p = kern.forward(q, k, v, True, q_pos0, 0, scale)
+                kern.merge(o_acc, lse_acc, o_p, l_p)
 
             def bwd():
-                if use_c:
-                    ops.attention_backward(q, k, v, o, lse, do, causal=True, q_pos0=q_pos0, k_pos0=0, scale=scale)
-                else:
-                    hnn._block_backward_torch(q, k, v, o, lse, do, True, q_pos0, 0, scale)
+                kern.backward_into(q, k, v, o, lse, do, True, q_pos0, 0, scale, dq, dk, dv)
 
             t = _seconds(fwd, device, iters, warmup) + _seconds(bwd, device, iters, warmup)
             pairs = n * n if q_pos0 else n * (n + 1) / 2
@@ -570,9 +562,9 @@ def _barrier(group, device):
 
 def _runtime_uses_c(device, dtype):
     torch, _ = _torch()
-    from . import nn as hnn
+    from . import blocks
 
-    return hnn._use_c_kernels(torch.empty(0, device=device, dtype=dtype))
+    return blocks.use_c_kernels(torch.empty(0, device=device, dtype=dtype))
 
 
 def _broadcast(obj, group):

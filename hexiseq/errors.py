@@ -5,6 +5,7 @@ __all__ = [
     "InvalidArgumentError",
     "UnknownGPUError",
     "LayoutError",
+    "RankMismatchError",
     "MemoryFitError",
     "UnsupportedError",
     "CudaError",
@@ -26,6 +27,12 @@ class UnknownGPUError(InvalidArgumentError):
 
 class LayoutError(InvalidArgumentError):
     """A plan layout is inconsistent: shares that don't add up, overlapping heads, a device twice."""
+
+
+class RankMismatchError(InvalidArgumentError):
+    """Ranks executing a plan together disagree about it or about a call (the plan, batch, head dim, dtype,
+    causal, softmax scale, whether a backward follows); raised with the same message on every rank, which names
+    the field and each rank's value."""
 
 
 class MemoryFitError(HexiseqError):

@@ -349,16 +349,16 @@ def test_runtime_torch_blocks(case, D):
     """The runtime's PyTorch block path on CUDA: torch's fused flash op for full and diagonal block pairs (the ones
     a ring produces), tiled matmuls for a partly visible one; forward and backward (with the pair's own out and
     LSE) against float64, GQA 6:2, odd lengths."""
-    from hexiseq import nn as hnn
+    from hexiseq import blocks
 
     sq, sk = (333, 333) if case == "diagonal" else (333, 517)
     causal, qp, kp = {"full_noncausal": (False, 0, 0), "full_causal": (True, 600, 83), "diagonal": (True, 77, 77),
                       "partial": (True, 200, 0)}[case]
     q, k, v = make(2, sq, sk, 6, 2, D, torch.bfloat16, seed=11)
     scale = D ** -0.5
-    fused = hnn._flash_causal(q, k, causal, qp, kp)
+    fused = blocks._flash_causal(q, k, causal, qp, kp)
     assert (fused is None) == (case == "partial"), f"{case}: flash op applies = {fused is not None}"
-    out, lse = hnn._block_forward_torch(q, k, v, causal, qp, kp, scale)
+    out, lse = blocks._block_forward_torch(q, k, v, causal, qp, kp, scale)
     kw = dict(causal=causal, q_pos0=qp, k_pos0=kp, scale=scale)
     ref_out, ref_lse = ref_attention(q, k, v, dtype=torch.float64, **kw)
     base_out, base_lse = ref_attention(q, k, v, dtype=torch.bfloat16, **kw)
@@ -366,7 +366,7 @@ def test_runtime_torch_blocks(case, D):
     assert_close_2x(lse, base_lse, ref_lse, "lse")
     g = torch.Generator(device=DEV).manual_seed(12)
     dout = torch.randn(q.shape, device=DEV, generator=g).to(q.dtype)
-    grads = hnn._block_backward_torch(q, k, v, out, lse, dout, causal, qp, kp, scale)
+    grads = blocks._block_backward_torch(q, k, v, out, lse, dout, causal, qp, kp, scale)
     refs = {}
     for dtype in (torch.float64, torch.bfloat16):
         qq, kk, vv = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))

@@ -7,7 +7,7 @@ import math
 import pytest
 
 torch = pytest.importorskip("torch")
-from hexiseq import nn as hnn  # noqa: E402
+from hexiseq import blocks  # noqa: E402
 from hexiseq import ops  # noqa: E402
 
 CASES = [  # Sq, Sk, q_pos0, k_pos0, causal, heads, kv_heads
@@ -28,8 +28,8 @@ def test_tiled_equals_whole_and_c_kernels(case, tile):
     k = torch.randn(2, Sk, Hk, 16, dtype=torch.float64, generator=g)
     v = torch.randn(2, Sk, Hk, 16, dtype=torch.float64, generator=g)
     do = torch.randn(2, Sq, H, 16, dtype=torch.float64, generator=g)
-    whole = hnn._block_forward_torch(q, k, v, causal, qp, kp, 0.3, tile=10**9)
-    tiled = hnn._block_forward_torch(q, k, v, causal, qp, kp, 0.3, tile=tile)
+    whole = blocks._block_forward_torch(q, k, v, causal, qp, kp, 0.3, tile=10**9)
+    tiled = blocks._block_forward_torch(q, k, v, causal, qp, kp, 0.3, tile=tile)
     c_out, c_lse = ops.attention_forward(q, k, v, causal=causal, q_pos0=qp, k_pos0=kp, scale=0.3)
     dead = torch.isinf(c_lse)
     for out, lse in (whole, tiled):
@@ -38,8 +38,8 @@ def test_tiled_equals_whole_and_c_kernels(case, tile):
         if (~dead).any():
             assert (lse[~dead] - c_lse[~dead]).abs().max().item() <= 1e-12
         assert bool((out.transpose(1, 2)[dead] == 0).all())
-    grads_whole = hnn._block_backward_torch(q, k, v, c_out, c_lse, do, causal, qp, kp, 0.3, tile=10**9)
-    grads_tiled = hnn._block_backward_torch(q, k, v, c_out, c_lse, do, causal, qp, kp, 0.3, tile=tile)
+    grads_whole = blocks._block_backward_torch(q, k, v, c_out, c_lse, do, causal, qp, kp, 0.3, tile=10**9)
+    grads_tiled = blocks._block_backward_torch(q, k, v, c_out, c_lse, do, causal, qp, kp, 0.3, tile=tile)
     grads_c = ops.attention_backward(q, k, v, c_out, c_lse, do, causal=causal, q_pos0=qp, k_pos0=kp, scale=0.3)
     for gw, gt, gc in zip(grads_whole, grads_tiled, grads_c):
         assert (gw - gc).abs().max().item() <= 1e-12
@@ -49,8 +49,8 @@ def test_tiled_equals_whole_and_c_kernels(case, tile):
 def test_tiled_float32_within_rounding():
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 300, 2, 32, generator=g) for _ in range(3))
-    whole = hnn._block_forward_torch(q, k, v, True, 0, 0, 0.2, tile=10**9)
-    tiled = hnn._block_forward_torch(q, k, v, True, 0, 0, 0.2, tile=64)
+    whole = blocks._block_forward_torch(q, k, v, True, 0, 0, 0.2, tile=10**9)
+    tiled = blocks._block_forward_torch(q, k, v, True, 0, 0, 0.2, tile=64)
     assert (whole[0] - tiled[0]).abs().max().item() <= 1e-5
     assert (whole[1] - tiled[1]).abs().max().item() <= 1e-5
 
@@ -61,11 +61,11 @@ def test_runtime_kernels_setting(monkeypatch):
 
     t = torch.zeros(1, 2, 1, 8, dtype=torch.float64)
     monkeypatch.delenv("HEXISEQ_RUNTIME_KERNELS", raising=False)
-    assert hnn._use_c_kernels(t)  # CPU: the C kernels
+    assert blocks.use_c_kernels(t)  # CPU: the C kernels
     monkeypatch.setenv("HEXISEQ_RUNTIME_KERNELS", "torch")
-    assert not hnn._use_c_kernels(t)
+    assert not blocks.use_c_kernels(t)
     monkeypatch.setenv("HEXISEQ_RUNTIME_KERNELS", "hexiseq")
-    assert hnn._use_c_kernels(t)
+    assert blocks.use_c_kernels(t)
     monkeypatch.setenv("HEXISEQ_RUNTIME_KERNELS", "cuda")
     with pytest.raises(InvalidArgumentError, match="HEXISEQ_RUNTIME_KERNELS='cuda'"):
-        hnn._use_c_kernels(t)
+        blocks.use_c_kernels(t)

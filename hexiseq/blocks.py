@@ -1,0 +1,278 @@
+"""The attention of one block pair (a chunk of queries against a block of keys at known absolute positions) and
+the merge of its partial result into a running (out, log-sum-exp): the unit of work of a ring step.
+
+Two implementations, one interface (`BlockKernels`, chosen once per device and dtype by `kernels_for`):
+- "hexiseq": the C kernels of `hexiseq.ops` (CPU tensors; bf16/fp16 CUDA tensors where the CUDA kernels are built);
+- "torch": torch's fused flash attention op where it computes the pair exactly (full and diagonal pairs of
+  bf16/fp16 CUDA tensors), tiled matmuls otherwise.
+"""
+
+import os
+import warnings
+
+import torch
+
+from . import ops
+from .errors import InvalidArgumentError
+
+_warned_fallback = False
+
+
+# The PyTorch block path materialises scores one [B, H, tile, tile] piece at a time: a block of any length then
+# fits in memory (the whole block at once would take B * H * Sq * Sk floats, 8 GiB for 16K x 16K x 8 heads),
+# at the price of merging the pieces' (out, lse) like ring steps. Small blocks are one piece.
+_TORCH_TILE = 1024
+
+
+def _tiles(n, tile):
+    return [(s, min(tile, n - s)) for s in range(0, n, tile)]
+
+
+def _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, tile=None):
+    """PyTorch path for one block pair: (out [B, Sq, H, d], lse [B, H, Sq] fp32/fp64). Same contract as
+    hexiseq.ops.attention_forward: K/V heads already expanded to H or in GQA ratio. torch's fused flash op where
+    it applies (see _flash_causal); else tiled matmuls (tile: force those, with this tile size)."""
+    is_causal = _flash_causal(q, k, causal, q_pos0, k_pos0) if tile is None else None
+    if is_causal is not None:
+        return _flash_forward(q, k, v, is_causal, scale)
+    if q.device.type == "cuda":
+        _warn_once(f"no fused attention for this block pair ({q.dtype}, head dim {q.shape[3]}); using tiled "
+                   "matmuls (correct, slow)")
+    tile = tile or _TORCH_TILE
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, Sq, H, d = q.shape
+    outs, lses = [], []
+    for qs, qn in _tiles(Sq, tile):
+        o_acc = torch.zeros(B, qn, H, d, dtype=acc, device=q.device)
+        l_acc = torch.full((B, H, qn), float("-inf"), dtype=acc, device=q.device)
+        for ks, kn in _tiles(k.shape[1], tile):
+            if causal and k_pos0 + ks > q_pos0 + qs + qn - 1:
+                break  # this key piece and the later ones are after every query of the piece
+            o_p, l_p = _tile_forward_torch(q[:, qs:qs + qn], k[:, ks:ks + kn], v[:, ks:ks + kn], causal,
+                                           q_pos0 + qs, k_pos0 + ks, scale)
+            merge(o_acc, l_acc, o_p, l_p, False)
+        outs.append(o_acc)
+        lses.append(l_acc)
+    return torch.cat(outs, 1).to(q.dtype), torch.cat(lses, 2)
+
+
+def _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, tile=None):
+    """PyTorch backward of one block pair with the final (o, lse): (dq, dk, dv) in q's dtype from torch's flash op
+    where it applies (see _flash_causal), else in fp32/fp64 from tiled matmuls."""
+    is_causal = _flash_causal(q, k, causal, q_pos0, k_pos0) if tile is None else None
+    if is_causal is not None:
+        return _flash_backward(q, k, v, o, lse, do, is_causal, scale)
+    tile = tile or _TORCH_TILE
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    for qs, qn in _tiles(q.shape[1], tile):
+        for ks, kn in _tiles(k.shape[1], tile):
+            if causal and k_pos0 + ks > q_pos0 + qs + qn - 1:
+                break
+            dq_p, dk_p, dv_p = _tile_backward_torch(
+                q[:, qs:qs + qn], k[:, ks:ks + kn], v[:, ks:ks + kn], o[:, qs:qs + qn], lse[:, :, qs:qs + qn],
+                do[:, qs:qs + qn], causal, q_pos0 + qs, k_pos0 + ks, scale)
+            dq[:, qs:qs + qn] += dq_p
+            dk[:, ks:ks + kn] += dk_p
+            dv[:, ks:ks + kn] += dv_p
+    return dq, dk, dv
+
+
+def _tile_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale):
+    """One piece of _block_forward_torch, scores materialised: (out in fp32/fp64, lse)."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, Sq, H, d = q.shape
+    Hk = k.shape[2]
+    rep = H // Hk
+    qf = q.to(acc).permute(0, 2, 1, 3)                                  # [B, H, Sq, d]
+    kf = k.to(acc).permute(0, 2, 1, 3).repeat_interleave(rep, dim=1)   # [B, H, Sk, d]
+    vf = v.to(acc).permute(0, 2, 1, 3).repeat_interleave(rep, dim=1)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale                 # [B, H, Sq, Sk]
+    if causal:
+        qp = torch.arange(Sq, device=q.device) + q_pos0
+        kp = torch.arange(k.shape[1], device=q.device) + k_pos0
+        s = s.masked_fill(kp[None, :] > qp[:, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                                    # [B, H, Sq]
+    p = torch.exp(s - lse[..., None].masked_fill(torch.isinf(lse[..., None]), 0.0))
+    p = torch.nan_to_num(p, nan=0.0)
+    o = torch.matmul(p, vf).permute(0, 2, 1, 3)
+    return o, lse
+
+
+def _tile_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale):
+    """One piece of _block_backward_torch, scores materialised, with the block's final (o, lse)."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, Sq, H, d = q.shape
+    Hk = k.shape[2]
+    rep = H // Hk
+    qf = q.to(acc).permute(0, 2, 1, 3)
+    kf = k.to(acc).permute(0, 2, 1, 3).repeat_interleave(rep, dim=1)
+    vf = v.to(acc).permute(0, 2, 1, 3).repeat_interleave(rep, dim=1)
+    dof = do.to(acc).permute(0, 2, 1, 3)
+    of = o.to(acc).permute(0, 2, 1, 3)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    if causal:
+        qp = torch.arange(Sq, device=q.device) + q_pos0
+        kp = torch.arange(k.shape[1], device=q.device) + k_pos0
+        s = s.masked_fill(kp[None, :] > qp[:, None], float("-inf"))
+    l = lse.to(acc)[..., None]
+    p = torch.exp(s - l.masked_fill(torch.isinf(l), 0.0))
+    p = torch.nan_to_num(p, nan=0.0).masked_fill(torch.isinf(l), 0.0)
+    dv = torch.matmul(p.transpose(-1, -2), dof)
+    dp = torch.matmul(dof, vf.transpose(-1, -2))
+    D = (dof * of).sum(-1, keepdim=True)
+    ds = p * (dp - D)
+    dq = torch.matmul(ds, kf) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
+    # fold expanded kv heads back
+    dk = dk.reshape(B, Hk, rep, -1, d).sum(2)
+    dv = dv.reshape(B, Hk, rep, -1, d).sum(2)
+    return dq.permute(0, 2, 1, 3), dk.permute(0, 2, 1, 3), dv.permute(0, 2, 1, 3)
+
+
+_RUNTIME_KERNELS = ("hexiseq", "torch")
+
+
+def use_c_kernels(t):
+    """Which implementation runs the block pairs of one ring pass (decided once per pass): True for hexiseq.ops
+    (the C kernels for CPU tensors, the CUDA kernels for bf16/fp16 CUDA tensors), False for the PyTorch path
+    (_block_forward_torch: torch's fused flash attention for the full and diagonal block pairs of bf16/fp16 CUDA
+    tensors, tiled matmuls otherwise).
+
+    Default: hexiseq.ops on CPU; the PyTorch path for CUDA tensors, because on an H100 torch's flash kernels ran
+    0.99-1.18x (forward) and 1.32-1.56x (backward) the speed of hexiseq's CUDA kernels on the same inputs
+    (benchmarks/results/cuda_attention.md; a one-rank layer: benchmarks/results/runtime_gpu.md), and the ring
+    only produces full and diagonal block pairs.
+    HEXISEQ_RUNTIME_KERNELS=hexiseq or =torch forces one (the tests run both)."""
+    forced = os.environ.get("HEXISEQ_RUNTIME_KERNELS", "")
+    if forced and forced not in _RUNTIME_KERNELS:
+        raise InvalidArgumentError(f"HEXISEQ_RUNTIME_KERNELS={forced!r}: expected one of {', '.join(_RUNTIME_KERNELS)} "
+                                   "or unset")
+    if t.device.type == "cpu":
+        return forced != "torch"
+    if forced == "hexiseq":
+        if t.device.type == "cuda" and t.dtype in (torch.bfloat16, torch.float16) and ops._cuda_built():
+            return True
+        _warn_once(f"HEXISEQ_RUNTIME_KERNELS=hexiseq: hexiseq has no kernel for {t.dtype} on {t.device.type} "
+                   f"(CUDA kernels: bf16/fp16{'' if ops._cuda_built() else ', and this build has none'}); using the "
+                   "PyTorch block attention")
+    return False
+
+
+def _warn_once(message):
+    global _warned_fallback
+    if not _warned_fallback:
+        warnings.warn("hexiseq: " + message, RuntimeWarning, stacklevel=3)
+        _warned_fallback = True
+
+
+# torch's fused flash attention op, where it computes a block pair exactly: it returns the LSE the ring merges
+# with and its backward takes the ring's final (out, LSE), so one block pair is one call each way.
+_flash_capable = {}
+
+
+def _flash_causal(q, k, causal, q_pos0, k_pos0):
+    """is_causal for torch's flash op when it computes this block pair exactly, else None. Exact cases: CUDA,
+    bf16/fp16, head dim a multiple of 8 up to 256, and either every key visible to every query (not causal, or
+    all keys at or before the first query) or the causal square on the diagonal (same positions, same length:
+    flash's mask is then key j <= query i, ours)."""
+    if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    Sq, Sk, d = q.shape[1], k.shape[1], q.shape[3]
+    if d % 8 or d > 256 or Sq == 0 or Sk == 0 or not torch.backends.cuda.flash_sdp_enabled():
+        return None
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if dev not in _flash_capable:
+        _flash_capable[dev] = (torch.cuda.get_device_capability(dev) >= (8, 0)
+                               and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_backward"))
+    if not _flash_capable[dev]:
+        return None
+    if not causal or k_pos0 + Sk - 1 <= q_pos0:
+        return False
+    if q_pos0 == k_pos0 and Sq == Sk:
+        return True
+    return None
+
+
+def _flash_forward(q, k, v, is_causal, scale):
+    """(out [B, Sq, H, d], lse [B, H, Sq] fp32) through torch's flash op ([B, H, S, d] views; GQA native)."""
+    r = torch.ops.aten._scaled_dot_product_flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                           0.0, is_causal, False, scale=scale)
+    return r[0].transpose(1, 2), r[1]
+
+
+def _flash_backward(q, k, v, o, lse, do, is_causal, scale):
+    """(dq, dk, dv) in q's dtype through torch's flash backward with the ring's final (o, lse). Without dropout
+    the op reads no random state: the seed and offset tensors are placeholders."""
+    seed = torch.zeros(2, dtype=torch.int64, device=q.device)
+    offset = torch.zeros((), dtype=torch.int64, device=q.device)
+    qt, kt, vt, ot, dot = (x.transpose(1, 2) for x in (q, k, v, o, do))
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dot, qt, kt, vt, ot, lse.to(torch.float32).contiguous(), None, None, q.shape[1], k.shape[1], 0.0, is_causal,
+        seed, offset, scale=scale)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+
+def merge(o_acc, lse_acc, o_part, lse_part, use_c):
+    """Fold (o_part, lse_part) into the accumulator in place: hexiseq.ops.merge_ on the kernel path, else torch."""
+    if use_c:
+        ops.merge_(o_acc, lse_acc, o_part, lse_part)
+        return
+    new = torch.logaddexp(lse_acc, lse_part)
+    finite = torch.isfinite(new)
+    wa = torch.where(finite, torch.exp(lse_acc - new), torch.zeros_like(new))
+    wp = torch.where(finite, torch.exp(lse_part - new), torch.zeros_like(new))
+    o_acc.mul_(wa.transpose(1, 2)[..., None]).add_(o_part * wp.transpose(1, 2)[..., None])
+    lse_acc.copy_(new)
+
+
+class BlockKernels:
+    """One implementation of the block-pair attention, fixed for a device and dtype: forward(q, k, v, ...) ->
+    (out, lse); backward_into(...) adds the pair's dq, dk, dv into fp32/fp64 accumulators; merge(...) folds a
+    partial (out, lse) into a running one in place. q [B, Sq, H, d]; k, v [B, Sk, H or H / ratio, d]."""
+
+    def __init__(self, device, dtype):
+        probe = torch.empty(0, device=device, dtype=dtype)
+        self.name = "hexiseq" if use_c_kernels(probe) else "torch"
+        self.dtype = dtype
+        self.acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        # the merge is one C/CUDA kernel where one is built for the device, instead of eight torch ops
+        self._merge_c = self.name == "hexiseq" or (probe.device.type == "cuda" and ops._cuda_built())
+
+    def forward(self, q, k, v, causal, q_pos0, k_pos0, scale):
+        if self.name == "hexiseq":
+            return ops.attention_forward(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale)
+        return _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale)
+
+    def backward_into(self, q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, dq, dk, dv):
+        """Add the pair's gradients into dq [B, Sq, H, d], dk and dv [B, Sk, ., d] (accumulator dtype)."""
+        if self.name == "hexiseq" and self.acc_dtype == self.dtype:  # the kernel adds in place
+            ops.attention_backward(q, k, v, o, lse.to(self.acc_dtype), do, causal=causal, q_pos0=q_pos0,
+                                   k_pos0=k_pos0, scale=scale, dq=dq, dk=dk, dv=dv, accumulate=True)
+            return
+        if self.name == "hexiseq":
+            dq_p, dk_p, dv_p = ops.attention_backward(q, k, v, o, lse.to(torch.float32), do, causal=causal,
+                                                      q_pos0=q_pos0, k_pos0=k_pos0, scale=scale)
+        else:
+            dq_p, dk_p, dv_p = _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale)
+        dq += dq_p.to(self.acc_dtype)
+        dk += dk_p.to(self.acc_dtype)
+        dv += dv_p.to(self.acc_dtype)
+
+    def merge(self, o_acc, lse_acc, o_part, lse_part):
+        merge(o_acc, lse_acc, o_part.to(self.acc_dtype), lse_part.to(self.acc_dtype), self._merge_c)
+
+
+def kernels_for(device, dtype, cache=None):
+    """The BlockKernels for tensors on `device` of `dtype` (HEXISEQ_RUNTIME_KERNELS read now); `cache`, a dict,
+    keeps one per (device, dtype) so a context decides once."""
+    key = (torch.device(device), dtype)
+    if cache is not None and key in cache:
+        return cache[key]
+    k = BlockKernels(device, dtype)
+    if cache is not None:
+        cache[key] = k
+    return k

@@ -1,0 +1,261 @@
+"""The communication of one rank executing a plan: its process groups, the uneven all-to-all inside its HP group,
+tagged P2P batches for the ring, per-phase timers, and the distributed contract every collective call keeps.
+
+The contract: ranks that disagree must fail together, with the same `HexiseqError` on every rank, within the
+group's timeout, never an abort inside a collective (Gloo aborts the process when the sizes of an uneven
+all-to-all disagree) or a silently wrong result. So:
+- at construction the ranks compare the plan's fingerprint, the device count, the causal flag and the softmax
+  scale (one all-gather);
+- before every forward and backward call they compare a small descriptor of the call (batch, head dim, dtype,
+  device kind, causal, scale, whether a backward will follow) and whether each rank's inputs passed validation:
+  one all-gather of a few integers over a CPU group, so a CUDA run does not wait for the device. A rank whose
+  inputs fail makes every rank raise the same error, naming the rank and the field;
+- the HP subgroups inherit the parent group's timeout (torch would give them its 30-minute default).
+Why every call rather than once per new shape: a rank cannot know that another rank's shape is new without
+asking it; if one rank skipped the check while another made it, they would meet in different collectives,
+which is the abort this avoids. The check costs one small all-gather per call (tens of microseconds on Gloo).
+"""
+
+import math
+import struct
+import time
+
+import torch
+import torch.distributed as dist
+
+from .errors import HexiseqError, InvalidArgumentError, RankMismatchError
+
+# Message kinds, as P2P tags: K/V blocks, dK/dV accumulators, shared-kv-head reductions. Between one pair of
+# ranks a K/V block and an accumulator can have the same shape; posting order alone keeps them apart, so the
+# tags make a future reordering on one side fail to match (Gloo matches by tag) instead of swapping them.
+# NCCL ignores tags and matches in posting order, which both sides keep.
+TAG_KV, TAG_ACC, TAG_REDUCE = 1, 2, 3
+
+_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+_DEVICES = ["cpu", "cuda"]
+# The fields of a call's descriptor, in order; each is an int64 on the wire.
+# "plan" tells two contexts apart (ranks calling different layers' contexts at once); "phase" a forward from a
+# backward (a rank that skipped a backward and went on to the next forward).
+CALL_FIELDS = ("plan", "phase", "batch", "head_dim", "dtype", "device", "causal", "softmax_scale", "backward")
+_PHASES = ["forward", "backward"]
+
+
+def _code(table, value):
+    return table.index(value) if value in table else len(table)
+
+
+def _float_bits(x):
+    """An exact int64 image of a float (or of None, as a NaN pattern no scale has)."""
+    return struct.unpack("<q", struct.pack("<d", float("nan") if x is None else float(x)))[0]
+
+
+def _bits_float(b):
+    return struct.unpack("<d", struct.pack("<q", b))[0]
+
+
+def plan_code(plan):
+    """The plan's fingerprint as a signed int64."""
+    fp = int(plan.fingerprint, 16)
+    return fp - (1 << 64) if fp >= (1 << 63) else fp
+
+
+def describe_call(plan, phase, q, causal, scale, backward):
+    """The descriptor of a call as a tuple of ints in CALL_FIELDS order. q: the query (forward) or the output
+    gradient (backward), [batch, tokens, heads, head_dim]."""
+    return (plan_code(plan), _PHASES.index(phase), q.shape[0], q.shape[3], _code(_DTYPES, q.dtype),
+            _code(_DEVICES, q.device.type), int(bool(causal)), _float_bits(scale), int(bool(backward)))
+
+
+def _show(field, value):
+    if field == "dtype":
+        return str(_DTYPES[value]).replace("torch.", "") if value < len(_DTYPES) else "other"
+    if field == "device":
+        return _DEVICES[value] if value < len(_DEVICES) else "other"
+    if field == "softmax_scale":
+        s = _bits_float(value)
+        return "default" if math.isnan(s) else repr(s)
+    if field in ("causal", "backward"):
+        return str(bool(value))
+    if field == "phase":
+        return _PHASES[value]
+    if field == "plan":
+        return f"{value % (1 << 64):016x}"
+    return str(value)
+
+
+def group_timeout(group):
+    """The timeout the process group was created with (None when torch does not say)."""
+    for dev in (torch.device("cpu"), torch.device("cuda")):
+        try:
+            return group._get_backend(dev).options._timeout
+        except Exception:  # no backend for this device type, or an older torch without the attribute
+            continue
+    return None
+
+
+class Comm:
+    """One rank's communication for a plan over `group` (default: the world). Collective to build: every rank
+    of the group calls it with the same plan. topology: the plan's hexiseq.topology.Topology."""
+
+    def __init__(self, plan, topology, group=None, causal=True, softmax_scale=None, timeout=None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise HexiseqError("torch.distributed is not initialised: call torch.distributed.init_process_group first")
+        self.group = group if group is not None else dist.group.WORLD
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.timeout = timeout if timeout is not None else group_timeout(self.group)
+        # Seconds this rank spent per phase since the last reset: "attn" (block kernels and merges), "a2a" (the
+        # all-to-all calls), "ring_wait" (waiting for ring transfers and shared-head reductions the kernels did
+        # not hide). With sync_timing set, CUDA work is synchronised at every phase boundary so the clock sees
+        # the device, not the launches (slower: for measurement only).
+        self.phase_s = {"attn": 0.0, "a2a": 0.0, "ring_wait": 0.0}
+        self.sync_timing = False
+        self._global = [self._global_rank(r) for r in range(self.world)]
+        self._check_construction(plan, causal, softmax_scale)
+        backend = str(dist.get_backend(self.group))
+        local = self.group is not dist.group.WORLD
+        # The call descriptors travel on a CPU group: the group itself where it has Gloo, else a Gloo twin.
+        self._cpu_group = self.group if "gloo" in backend else self._new_group(self._global, "gloo", local)
+        # HP subgroups: every rank of `group` creates every HP group, in ring order. On the world, plainly: every
+        # rank takes part in every creation, so the group names (a counter all ranks advance together) agree. On
+        # a smaller group (another data-parallel replica with its own plan, say), with local synchronisation, so
+        # ranks outside `group` need not take part. torch names a locally synchronised group by its ranks and by
+        # how many groups the creating process holds, which differs between the members of an earlier partial
+        # subgroup and the others: on the world that made a later all-ranks subgroup hang in its rendezvous.
+        self.hp_group = None
+        self.hp_order = [0]
+        my_group = topology.group_of(self.rank)
+        for g, members in enumerate(topology.groups):
+            ranks = [self._global[mb.rank] for mb in members]
+            pg = self._new_group(ranks, None, local) if len(ranks) > 1 else None
+            if g == my_group and pg is not None:
+                self.hp_group = pg
+                # all_to_all_single orders its splits by rank inside the subgroup, not by our member order
+                pos = [dist.get_group_rank(pg, r) for r in ranks]
+                self.hp_order = sorted(range(len(ranks)), key=lambda i: pos[i])
+
+    def _new_group(self, ranks, backend, local):
+        kw = {"timeout": self.timeout} if self.timeout is not None else {}
+        return dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=local, **kw)
+
+    def _global_rank(self, r):
+        if self.group is dist.group.WORLD:
+            return r
+        return dist.get_global_rank(self.group, r)
+
+    def _device(self):
+        if "nccl" in str(dist.get_backend(self.group)) and "gloo" not in str(dist.get_backend(self.group)):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    # ------------------------------------------------------------------------------------------ the contract
+
+    def _check_construction(self, plan, causal, softmax_scale):
+        mine = torch.tensor([plan_code(plan), plan.cluster.num_devices, int(bool(causal)), _float_bits(softmax_scale)],
+                            dtype=torch.int64, device=self._device())
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine, group=self.group)
+        every = [t.tolist() for t in every]
+        if any(e[0] != every[0][0] for e in every):
+            fps = ", ".join(f"rank {r}: {(e[0] % (1 << 64)):016x}" for r, e in enumerate(every))
+            raise RankMismatchError(f"ranks disagree about the plan (fingerprints {fps}); every rank must use the "
+                                    "same plan")
+        if every[0][1] != self.world:
+            raise RankMismatchError(f"the plan places {every[0][1]} devices but the process group has {self.world} "
+                                    "ranks")
+        for i, field in ((2, "causal"), (3, "softmax_scale")):
+            if any(e[i] != every[0][i] for e in every):
+                raise RankMismatchError(_disagreement(field, [e[i] for e in every]))
+
+    def agree(self, call, error=None):
+        """Compare this call's descriptor (describe_call) with every rank's, and learn whether any rank's inputs
+        failed validation (`error`, the exception this rank would raise, or None). Raises the same error on
+        every rank when they do not all agree and pass."""
+        mine = torch.tensor([0 if error is None else 1, *call], dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine, group=self._cpu_group)
+        every = [t.tolist() for t in every]
+        if any(e[0] for e in every):
+            # one more (rare) collective, which every rank makes since every rank saw the flag
+            messages = [None] * self.world
+            dist.all_gather_object(messages, None if error is None else str(error), group=self._cpu_group)
+            failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+            text = "; ".join(f"rank {r}: {m}" for r, m in failed)
+            raise InvalidArgumentError(f"invalid input on {len(failed)} of {self.world} ranks ({text})")
+        for i, field in enumerate(CALL_FIELDS, start=1):
+            if any(e[i] != every[0][i] for e in every):
+                raise RankMismatchError(_disagreement(field, [e[i] for e in every]))
+
+    # ------------------------------------------------------------------------------------------ transfers
+
+    def clock(self, device=None):
+        if self.sync_timing and device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    def wait(self, reqs, device):
+        """Wait for posted P2P requests; the time counts as exposed ring communication."""
+        t0 = self.clock(device)
+        for r in reqs:
+            r.wait()
+        self.phase_s["ring_wait"] += self.clock(device) - t0
+
+    def a2a(self, send_parts, counts, unit, dtype, device):
+        """Uneven all-to-all inside the HP group: send_parts[j] (flat) to member j; returns the received flat
+        parts. Members are in the topology's order; a member's own part stays local. counts: the topology's
+        (sent, received) elements per member, in `unit`s (batch x head_dim): the parts must be exactly what it
+        says (what the cost model charges, tests/test_topology.py), and it sizes what arrives."""
+        if [p.numel() for p in send_parts] != [unit * n for n, _ in counts]:
+            raise HexiseqError("internal: the all-to-all sends differ from the plan's topology")
+        recv_numels = [unit * n for _, n in counts]
+        if len(send_parts) == 1:
+            return [send_parts[0]]
+        order = self.hp_order
+        send_parts = [send_parts[i].reshape(-1) for i in order]
+        recv_numels = [recv_numels[i] for i in order]
+        send = torch.cat(send_parts)
+        recv = torch.empty(sum(recv_numels), dtype=dtype, device=device)
+        t0 = self.clock(device)
+        dist.all_to_all_single(recv, send, output_split_sizes=recv_numels,
+                               input_split_sizes=[p.numel() for p in send_parts], group=self.hp_group)
+        self.phase_s["a2a"] += self.clock(device) - t0
+        got = torch.split(recv, recv_numels)
+        out = [None] * len(order)
+        for j, i in enumerate(order):
+            out[i] = got[j]
+        return out
+
+    def exchange(self, sends, recvs, send_tensor_of, recv_shape_of, dtype, device, tag):
+        """Post a batch of asynchronous sends and receives: sends/recvs are (plan rank, lo, n) routes,
+        send_tensor_of(lo, n) the tensor to send, recv_shape_of(lo, n) the shape to receive. Returns (requests,
+        [(lo, n, received tensor)], the sent tensors, kept alive until the requests complete)."""
+        posted, keep, out = [], [], []
+        for peer, lo, n in sends:
+            t = send_tensor_of(lo, n).contiguous()
+            if t.numel():
+                keep.append(t)
+                posted.append(dist.P2POp(dist.isend, t, self._global[peer], tag=tag))
+        for peer, lo, n in recvs:
+            t = torch.empty(recv_shape_of(lo, n), dtype=dtype, device=device)
+            out.append((lo, n, t))
+            if t.numel():
+                posted.append(dist.P2POp(dist.irecv, t, self._global[peer], tag=tag))
+        reqs = dist.batch_isend_irecv(posted) if posted else []
+        return reqs, out, keep
+
+    def close(self):
+        """Release the subgroups this object created."""
+        groups = [self.hp_group] + ([self._cpu_group] if self._cpu_group is not self.group else [])
+        self.hp_group = None
+        self._cpu_group = self.group
+        for pg in groups:
+            if pg is not None and dist.is_initialized():
+                try:
+                    dist.destroy_process_group(pg)
+                except (RuntimeError, ValueError):
+                    pass  # already destroyed with the whole world
+
+
+def _disagreement(field, values):
+    shown = ", ".join(f"rank {r}: {_show(field, v)}" for r, v in enumerate(values))
+    return f"ranks disagree about {field} ({shown}); every rank must make the same call"

@@ -1,0 +1,235 @@
+"""One attention layer of a plan on one rank, forward and backward, as plain functions over the rank's shards:
+
+1. all-to-all inside the HP group (uneven split sizes): "my tokens, all heads" -> "all of the group's tokens,
+   my head range" for Q and "..., the kv heads my query heads use" for K and V;
+2. ring attention across groups: at step k the group's queries attend the K/V block of the group k places
+   back in the ring, while the next block arrives by batched asynchronous P2P from the previous group's
+   devices that hold the same kv heads (a sub-ring per head range); partial results are merged with their
+   log-sum-exp;
+3. the reverse all-to-all of the output.
+
+Backward runs the same pattern in reverse: dO goes through the all-to-all, the ring moves K/V blocks again
+and carries their dK/dV accumulators along (a kv head held by two devices of a group has its pieces summed
+by its first holder), the accumulators arrive home after one extra hop, and dQ, dK, dV go back through the
+reverse all-to-all.
+
+Who sends what to whom comes from hexiseq.topology (no processes), the transfers from hexiseq.comm, the block
+attention from hexiseq.blocks.
+"""
+
+import torch
+
+from .comm import TAG_ACC, TAG_KV, TAG_REDUCE
+
+
+def layer_forward(comm, topo, kern, q, k, v, causal, scale):
+    """q [B, s_r, A, d], k/v [B, s_r, A_kv, d] -> (o [B, s_r, A, d], what layer_backward needs)."""
+    rank = comm.rank
+    B, _, _, d = q.shape
+    dev, dt = q.device, q.dtype
+    g = topo.group_of(rank)
+    members, me = topo.groups[g], topo.member(rank)
+    # 1. all-to-all in: my tokens of member j's heads
+    parts = []
+    for mb in members:
+        parts.append(torch.cat([q[:, :, mb.head_lo:mb.head_lo + mb.heads].reshape(-1),
+                                k[:, :, mb.kv_lo:mb.kv_lo + mb.kv_n].reshape(-1),
+                                v[:, :, mb.kv_lo:mb.kv_lo + mb.kv_n].reshape(-1)]))
+    got = comm.a2a(parts, topo.a2a_in(rank), B * d, dt, dev)
+    qs, ks, vs = [], [], []
+    for mb, flat in zip(members, got):
+        nq, nk = B * mb.tokens * me.heads * d, B * mb.tokens * me.kv_n * d
+        qs.append(flat[:nq].view(B, mb.tokens, me.heads, d))
+        ks.append(flat[nq:nq + nk].view(B, mb.tokens, me.kv_n, d))
+        vs.append(flat[nq + nk:nq + 2 * nk].view(B, mb.tokens, me.kv_n, d))
+    Qg, Kg, Vg = torch.cat(qs, 1), torch.cat(ks, 1), torch.cat(vs, 1)   # [B, S_g, h|kv, d]
+    # 2. ring
+    Og, lses = _ring_forward(comm, topo, kern, Qg, Kg, Vg, causal, scale)
+    # 3. all-to-all out: my heads of member j's tokens
+    parts = [Og[:, mb.tok_lo:mb.tok_lo + mb.tokens].reshape(-1) for mb in members]
+    got = comm.a2a(parts, topo.a2a_out(rank), B * d, dt, dev)
+    o = torch.empty(B, me.tokens, topo.heads, d, dtype=dt, device=dev)
+    for mb, flat in zip(members, got):
+        o[:, :, mb.head_lo:mb.head_lo + mb.heads] = flat.view(B, me.tokens, mb.heads, d)
+    return o, (Qg, Kg, Vg, Og, lses)
+
+
+def layer_backward(comm, topo, kern, do, saved, causal, scale):
+    """dO [B, s_r, A, d] and layer_forward's saved tensors -> (dq, dk, dv) of this rank's shards."""
+    Qg, Kg, Vg, Og, lses = saved
+    rank = comm.rank
+    B, _, _, d = do.shape
+    dev, dt = do.device, do.dtype
+    members, me = topo.groups[topo.group_of(rank)], topo.member(rank)
+    do = do.contiguous()
+    # 1. dO through the all-to-all (the q pattern)
+    parts = [do[:, :, mb.head_lo:mb.head_lo + mb.heads].reshape(-1) for mb in members]
+    reverse_out = [(n_in, n_out) for n_out, n_in in topo.a2a_out(rank)]  # O's pattern, reversed
+    got = comm.a2a(parts, reverse_out, B * d, dt, dev)
+    dOg = torch.cat([flat.view(B, mb.tokens, me.heads, d) for mb, flat in zip(members, got)], 1)
+    # 2. ring backward
+    dQg, dKg, dVg = _ring_backward(comm, topo, kern, Qg, Kg, Vg, Og, lses, dOg, causal, scale)
+    # 3. reverse all-to-all: dQ of member j's tokens for my heads, dK/dV for the kv heads I first-hold
+    parts = []
+    f = slice(me.first_lo - me.kv_lo, me.first_lo - me.kv_lo + me.first_n)
+    for mb in members:
+        sl = slice(mb.tok_lo, mb.tok_lo + mb.tokens)
+        parts.append(torch.cat([dQg[:, sl].reshape(-1), dKg[:, sl, f].reshape(-1), dVg[:, sl, f].reshape(-1)]))
+    got = comm.a2a(parts, topo.a2a_grads(rank), B * d, dt, dev)
+    dq = torch.empty(B, me.tokens, topo.heads, d, dtype=dt, device=dev)
+    dk = torch.zeros(B, me.tokens, topo.kv_heads, d, dtype=dt, device=dev)
+    dv = torch.zeros_like(dk)
+    for mb, flat in zip(members, got):
+        nq, nk = B * me.tokens * mb.heads * d, B * me.tokens * mb.first_n * d
+        dq[:, :, mb.head_lo:mb.head_lo + mb.heads] = flat[:nq].view(B, me.tokens, mb.heads, d)
+        dk[:, :, mb.first_lo:mb.first_lo + mb.first_n] = flat[nq:nq + nk].view(B, me.tokens, mb.first_n, d)
+        dv[:, :, mb.first_lo:mb.first_lo + mb.first_n] = flat[nq + nk:].view(B, me.tokens, mb.first_n, d)
+    return dq, dk, dv
+
+
+def _aligned(topo, mb):
+    """Whether the member's query heads cover whole kv heads (the kernels then take K/V in GQA ratio)."""
+    return mb.head_lo % topo.per_kv == 0 and mb.heads % topo.per_kv == 0
+
+
+def _kv_index(topo, mb, device):
+    """Local kv index of each of the member's query heads (for expanding K/V to its heads)."""
+    h = torch.arange(mb.head_lo, mb.head_lo + mb.heads, device=device)
+    return h // topo.per_kv - mb.kv_lo
+
+
+def _ring_forward(comm, topo, kern, Qg, Kg, Vg, causal, scale):
+    rank = comm.rank
+    g, me, G = topo.group_of(rank), topo.member(rank), topo.n_groups
+    B, Sg, h, d = Qg.shape
+    dev, dt = Qg.device, Qg.dtype
+    if h == 0:
+        return Qg.new_zeros(B, Sg, 0, d), []
+    acc_dt = kern.acc_dtype
+    chunks = topo.chunks[g]
+    O = [torch.zeros(B, n, h, d, dtype=acc_dt, device=dev) for _, n in chunks]
+    L = [torch.full((B, h, n), float("-inf"), dtype=acc_dt, device=dev) for _, n in chunks]
+    qoff = [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
+    kv_idx = None if _aligned(topo, me) else _kv_index(topo, me, dev)
+    cur = torch.stack([Kg, Vg])                       # [2, B, S_src, kv, d], the own block first
+    sends, recvs = topo.ring_routes(rank, "kv")
+    for step in range(G):
+        src = (g - step) % G
+        pending = None
+        if step < G - 1:
+            nxt_src = (g - step - 1) % G
+            pending = comm.exchange(
+                sends, recvs, lambda lo, n, c=cur: c[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n],
+                lambda lo, n, S=topo.S[nxt_src]: (2, B, S, n, d), dt, dev, TAG_KV)
+        Kb = cur[0] if kv_idx is None else cur[0].index_select(2, kv_idx)
+        Vb = cur[1] if kv_idx is None else cur[1].index_select(2, kv_idx)
+        for qo, qp0, qn, ko, kp0, kn in topo.block_pairs(g, src):
+            t0 = comm.clock(dev)
+            o_p, l_p = kern.forward(Qg[:, qo:qo + qn], Kb[:, ko:ko + kn], Vb[:, ko:ko + kn], causal, qp0, kp0, scale)
+            i = qoff.index(qo)
+            kern.merge(O[i], L[i], o_p, l_p)
+            comm.phase_s["attn"] += comm.clock(dev) - t0
+        if pending is not None:
+            reqs, got, _keep = pending
+            comm.wait(reqs, dev)
+            cur = torch.empty(2, B, topo.S[nxt_src], me.kv_n, d, dtype=dt, device=dev)
+            for lo, n, t in got:
+                cur[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n] = t
+    return torch.cat(O, 1).to(dt), L
+
+
+def _ring_backward(comm, topo, kern, Qg, Kg, Vg, Og, lses, dOg, causal, scale):
+    rank = comm.rank
+    g, me, G = topo.group_of(rank), topo.member(rank), topo.n_groups
+    B, Sg, h, d = Qg.shape
+    dev, dt = Qg.device, Qg.dtype
+    kv = me.kv_n
+    if h == 0:
+        return Qg.new_zeros(B, Sg, 0, d), Kg.new_zeros(B, Sg, 0, d), Vg.new_zeros(B, Sg, 0, d)
+    acc_dt = kern.acc_dtype
+    chunks = topo.chunks[g]
+    qoff = [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
+    dQ = torch.zeros(B, Sg, h, d, dtype=acc_dt, device=dev)
+    kv_idx = None if _aligned(topo, me) else _kv_index(topo, me, dev)
+    co_holders = topo.co_holders(rank)
+    kv_sends, kv_recvs = topo.ring_routes(rank, "kv")
+    acc_sends, acc_recvs = topo.ring_routes(rank, "acc")
+    cur = torch.stack([Kg, Vg])
+    f = slice(me.first_lo - me.kv_lo, me.first_lo - me.kv_lo + me.first_n)
+
+    def assemble(pending, S):
+        """Wait for a posted accumulator exchange; the received dK/dV of my first-held heads [2, B, S, ., d]."""
+        reqs, got, _keep = pending
+        comm.wait(reqs, dev)
+        acc = torch.zeros(2, B, S, me.first_n, d, dtype=acc_dt, device=dev)
+        for lo, n, t in got:
+            acc[:, :, :, lo - me.first_lo:lo - me.first_lo + n] = t
+        return acc
+
+    # Both transfers of a step overlap the step's kernels: the next K/V block is posted before them, and the
+    # accumulator a step hands on is waited for only at the end of the next step (or after the loop).
+    acc_pending = None
+    for step in range(G):
+        src = (g - step) % G
+        Ssrc = topo.S[src]
+        nxt_src = (g - step - 1) % G
+        kv_pending = None
+        if step < G - 1:
+            kv_pending = comm.exchange(
+                kv_sends, kv_recvs, lambda lo, n, c=cur: c[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n],
+                lambda lo, n, S=topo.S[nxt_src]: (2, B, S, n, d), dt, dev, TAG_KV)
+        # my contributions to dK/dV of this block, for my whole kv range
+        contrib = torch.zeros(2, B, Ssrc, kv if kv_idx is None else h, d, dtype=acc_dt, device=dev)
+        Kb = cur[0] if kv_idx is None else cur[0].index_select(2, kv_idx)
+        Vb = cur[1] if kv_idx is None else cur[1].index_select(2, kv_idx)
+        for qo, qp0, qn, ko, kp0, kn in topo.block_pairs(g, src):
+            i = qoff.index(qo)
+            t0 = comm.clock(dev)
+            kern.backward_into(Qg[:, qo:qo + qn], Kb[:, ko:ko + kn], Vb[:, ko:ko + kn], Og[:, qo:qo + qn], lses[i],
+                               dOg[:, qo:qo + qn], causal, qp0, kp0, scale, dQ[:, qo:qo + qn],
+                               contrib[0, :, ko:ko + kn], contrib[1, :, ko:ko + kn])
+            comm.phase_s["attn"] += comm.clock(dev) - t0
+        if kv_idx is not None:  # fold per-query-head pieces back onto my kv heads
+            folded = torch.zeros(2, B, Ssrc, kv, d, dtype=acc_dt, device=dev)
+            folded.index_add_(3, kv_idx, contrib)
+            contrib = folded
+        # kv heads shared with another member: non-first holders hand their piece to the first holder
+        contrib = _reduce_shared(comm, me, contrib, co_holders, B, Ssrc, d, acc_dt, dev)
+        # the block's accumulator (posted by the previous group during the previous step), plus my part
+        if acc_pending is None:
+            acc = contrib[:, :, :, f].clone()
+        else:
+            acc = assemble(acc_pending, Ssrc) + contrib[:, :, :, f]
+        if G == 1:
+            break
+        # hand it on (after the last step this hop takes it home); receive the next block's accumulator
+        acc_pending = comm.exchange(
+            acc_sends, acc_recvs, lambda lo, n, a=acc: a[:, :, :, lo - me.first_lo:lo - me.first_lo + n],
+            lambda lo, n, S=topo.S[nxt_src]: (2, B, S, n, d), acc_dt, dev, TAG_ACC)
+        if kv_pending is not None:
+            comm.wait(kv_pending[0], dev)
+            cur = torch.empty(2, B, topo.S[nxt_src], kv, d, dtype=dt, device=dev)
+            for lo, n, t in kv_pending[1]:
+                cur[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n] = t
+    if G > 1:  # the last hop brought my own group's block home
+        acc = assemble(acc_pending, Sg)
+    # acc now holds the full dK/dV of my own group's block for the kv heads I first-hold
+    dK = torch.zeros(B, Sg, kv, d, dtype=dt, device=dev)
+    dV = torch.zeros_like(dK)
+    dK[:, :, f] = acc[0].to(dt)
+    dV[:, :, f] = acc[1].to(dt)
+    return dQ.to(dt), dK, dV
+
+
+def _reduce_shared(comm, me, contrib, co, B, S, d, acc_dt, dev):
+    """Sum the pieces of kv heads this member shares with another member of its group into the first holder."""
+    send, recv = co
+    if not send and not recv:
+        return contrib
+    reqs, got, _keep = comm.exchange(
+        send, recv, lambda lo, n: contrib[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n],
+        lambda lo, n: (2, B, S, n, d), acc_dt, dev, TAG_REDUCE)
+    comm.wait(reqs, dev)
+    for lo, n, t in got:
+        contrib[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n] += t
+    return contrib
