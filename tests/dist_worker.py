@@ -26,13 +26,17 @@ def spawn(fn, world, args, tmp_path, timeout_s=120):
         if not results.empty():
             r = results.get()
             out[r[0]] = r[1:]
+        elif all(not p.is_alive() for r, p in enumerate(procs) if r not in out) and results.empty():
+            break  # the ranks that have not reported are dead (an abort): no need to wait out the deadline
         else:
             time.sleep(0.05)
     for p in procs:
         p.join(timeout=max(1.0, deadline - time.monotonic()))
         if p.is_alive():
             p.terminate()
-    assert len(out) == world, f"only ranks {sorted(out)} reported within {timeout_s} s: {out}"
+    dead = {r: p.exitcode for r, p in enumerate(procs) if r not in out and p.exitcode is not None}
+    assert len(out) == world, (f"only ranks {sorted(out)} reported within {timeout_s} s (exit codes of the others: "
+                               f"{dead}): {out}")
     return out
 
 
@@ -148,6 +152,74 @@ def check_mismatch(rank, world, init, plan_jsons, results):
             results.put((rank, "no error", None, None))
         except hexiseq.HexiseqError as e:
             results.put((rank, "raised", str(e), None))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc(), None))
+
+
+def contract_scenarios(rank, world, init, plan_json, results):
+    """Run scenarios in which ranks disagree or one rank's input is bad, one after another in the same process
+    group; report, per scenario, what this rank raised (class name and message) or "ok". That the later
+    scenarios run at all shows that a failure leaves the ranks in step."""
+    try:
+        import hexiseq
+        from hexiseq.comm import group_timeout
+        from hexiseq.nn import HexiSeqAttention
+
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=10))
+        plan = hexiseq.Plan.from_json(plan_json)
+        m = plan.model
+        tokens = int(plan.devices.tokens[plan._slot(rank)])
+
+        def inputs(batch=1, d=8, dtype=torch.float64, grad=True, tokens=tokens):
+            g = torch.Generator().manual_seed(rank)
+            q = torch.randn(batch, tokens, m.heads, d, generator=g, dtype=dtype)
+            k = torch.randn(batch, tokens, m.kv_heads, d, generator=g, dtype=dtype)
+            v = torch.randn(batch, tokens, m.kv_heads, d, generator=g, dtype=dtype)
+            return [t.requires_grad_(grad) for t in (q, k, v)]
+
+        def step(attn, **kw):
+            q, k, v = inputs(**kw)
+            o = attn(q, k, v)
+            if o.requires_grad:
+                o.sum().backward()
+
+        report = {}
+
+        def scenario(name, fn):
+            t0 = time.monotonic()
+            try:
+                fn()
+                report[name] = ("ok", "", time.monotonic() - t0)
+            except Exception as e:  # noqa: BLE001  (the test asserts on the class)
+                report[name] = (type(e).__name__, str(e), time.monotonic() - t0)
+
+        attn = HexiSeqAttention(plan)
+        scenario("good", lambda: step(attn))
+        scenario("batch", lambda: step(attn, batch=2 if rank == 1 else 1))
+        scenario("head_dim", lambda: step(attn, d=4 if rank == 2 else 8))
+        scenario("dtype", lambda: step(attn, dtype=torch.float32 if rank == 0 else torch.float64))
+        scenario("bad_input", lambda: step(attn, tokens=tokens + 1 if rank == world - 1 else tokens))
+        scenario("requires_grad", lambda: step(attn, grad=rank != 1))
+
+        def skipped_backward():
+            q, k, v = inputs()
+            o = attn(q, k, v)
+            if rank == 0:  # rank 0 forgets the backward and goes on to the next forward
+                attn(*inputs())
+            else:
+                o.sum().backward()
+
+        scenario("phase", skipped_backward)
+        scenario("good_after", lambda: step(attn))
+        report["hp_timeout"] = (str(group_timeout(attn.context.comm.hp_group))
+                                if attn.context.comm.hp_group is not None else None, "", 0.0)
+        attn.context.close()
+        scenario("causal", lambda: HexiSeqAttention(plan, causal=rank != 1).context.close())
+        scenario("softmax_scale", lambda: HexiSeqAttention(plan, softmax_scale=0.5 if rank == 2 else None)
+                 .context.close())
+        results.put((rank, "ok", report, None))
         dist.destroy_process_group()
     except Exception:
         results.put((rank, "error", traceback.format_exc(), None))
