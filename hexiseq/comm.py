@@ -205,24 +205,36 @@ class Comm:
         parts. Members are in the topology's order; a member's own part stays local. counts: the topology's
         (sent, received) elements per member, in `unit`s (batch x head_dim): the parts must be exactly what it
         says (what the cost model charges, tests/test_topology.py), and it sizes what arrives."""
+        return self.a2a_finish(self.a2a_start(send_parts, counts, unit, dtype, device))
+
+    def a2a_start(self, send_parts, counts, unit, dtype, device):
+        """Post the all-to-all of a2a() without waiting for it; a2a_finish(handle) returns what a2a() returns."""
         if [p.numel() for p in send_parts] != [unit * n for n, _ in counts]:
             raise HexiseqError("internal: the all-to-all sends differ from the plan's topology")
-        recv_numels = [unit * n for _, n in counts]
         if len(send_parts) == 1:
-            return [send_parts[0]]
+            return None, [send_parts[0]], device
         order = self.hp_order
-        send_parts = [send_parts[i].reshape(-1) for i in order]
-        recv_numels = [recv_numels[i] for i in order]
-        send = torch.cat(send_parts)
+        recv_numels = [unit * counts[i][1] for i in order]
+        send = torch.cat([send_parts[i].reshape(-1) for i in order])
         recv = torch.empty(sum(recv_numels), dtype=dtype, device=device)
+        work = dist.all_to_all_single(recv, send, output_split_sizes=recv_numels,
+                                      input_split_sizes=[unit * counts[i][0] for i in order], group=self.hp_group,
+                                      async_op=True)
+        return work, (recv, recv_numels, send), device
+
+    def a2a_finish(self, handle):
+        """Wait for a posted all-to-all (the wait counts as exposed all-to-all time); the received parts."""
+        work, got, device = handle
+        if work is None:
+            return got
+        recv, recv_numels, _send = got
         t0 = self.clock(device)
-        dist.all_to_all_single(recv, send, output_split_sizes=recv_numels,
-                               input_split_sizes=[p.numel() for p in send_parts], group=self.hp_group)
+        work.wait()
         self.phase_s["a2a"] += self.clock(device) - t0
-        got = torch.split(recv, recv_numels)
-        out = [None] * len(order)
-        for j, i in enumerate(order):
-            out[i] = got[j]
+        parts = torch.split(recv, recv_numels)
+        out = [None] * len(self.hp_order)
+        for j, i in enumerate(self.hp_order):
+            out[i] = parts[j]
         return out
 
     def exchange(self, sends, recvs, send_tensor_of, recv_shape_of, dtype, device, tag):

@@ -43,14 +43,18 @@ class HexiSeqContext:
 
     Ranks that disagree (about the plan at construction; about batch, head dim, dtype, causal, scale or whether
     a backward follows at a call) or whose inputs fail validation raise the same HexiseqError on every rank
-    instead of aborting or hanging. timeout: for the subgroups it creates (default: the group's own)."""
+    instead of aborting or hanging. timeout: for the subgroups it creates (default: the group's own).
+    a2a_slices: how many slices of kv heads a layer is pipelined in, so that all-to-alls travel while attention
+    runs (default: HEXISEQ_A2A_SLICES, else up to 4 where the plan has an all-to-all, 1 otherwise)."""
 
-    def __init__(self, plan, group=None, causal: bool = True, softmax_scale: Optional[float] = None, timeout=None):
+    def __init__(self, plan, group=None, causal: bool = True, softmax_scale: Optional[float] = None, timeout=None,
+                 a2a_slices: Optional[int] = None):
         self.plan = plan
         self.causal = bool(causal)
         self.scale = softmax_scale
         self.topology = Topology(plan, self.causal)
         self.comm = Comm(plan, self.topology, group, self.causal, softmax_scale, timeout)
+        self.slices = self.topology.slices(ring.slice_count(self.topology, a2a_slices))
         _live_contexts.add(self)
         self.group, self.world, self.rank = self.comm.group, self.comm.world, self.comm.rank
         self.me = self.topology.member(self.rank)
@@ -105,13 +109,13 @@ class HexiSeqContext:
                              self.scale, backward)
         self.comm.agree(call, error)
         kern = blocks.kernels_for(q.device, q.dtype, self._kernels)
-        return ring.layer_forward(self.comm, self.topology, kern, q, k, v, self.causal, self._scale(q.shape[3]))
+        return ring.layer_forward(self.comm, self.slices, kern, q, k, v, self.causal, self._scale(q.shape[3]))
 
     def backward(self, do, saved):
         """dO of this rank's output and forward's saved tensors -> (dq, dk, dv)."""
         self.comm.agree(describe_call(self.plan, "backward", do, self.causal, self.scale, True))
         kern = blocks.kernels_for(do.device, do.dtype, self._kernels)
-        return ring.layer_backward(self.comm, self.topology, kern, do, saved, self.causal, self._scale(do.shape[3]))
+        return ring.layer_backward(self.comm, self.slices, kern, do, saved, self.causal, self._scale(do.shape[3]))
 
 
 class _HexiSeqAttentionFn(torch.autograd.Function):
@@ -119,13 +123,17 @@ class _HexiSeqAttentionFn(torch.autograd.Function):
     def forward(ctx, q, k, v, context, backward):
         o, saved = context.forward(q, k, v, backward)
         ctx.context = context
-        ctx.save_for_backward(*saved[:4], *saved[4])
+        ctx.n_lse = [len(s[4]) for s in saved]  # per slice: Qg, Kg, Vg, Og, then its lse chunks
+        ctx.save_for_backward(*[t for s in saved for t in (*s[:4], *s[4])])
         return o
 
     @staticmethod
     def backward(ctx, do):
-        Qg, Kg, Vg, Og, *lses = ctx.saved_tensors
-        dq, dk, dv = ctx.context.backward(do, (Qg, Kg, Vg, Og, list(lses)))
+        flat, saved = list(ctx.saved_tensors), []
+        for n in ctx.n_lse:
+            saved.append((*flat[:4], flat[4:4 + n]))
+            flat = flat[4 + n:]
+        dq, dk, dv = ctx.context.backward(do, saved)
         return dq, dk, dv, None, None
 
 
@@ -146,11 +154,14 @@ class HexiSeqAttention(torch.nn.Module):
     plan: a hexiseq.Plan whose devices are the ranks of `group` (rank r = cluster device r).
     group: the process group (default: the world). causal: causal masking by absolute positions.
     softmax_scale: default 1/sqrt(head_dim). timeout: for the subgroups it creates (default: the group's).
+    a2a_slices: see HexiSeqContext.
     Construction is collective: every rank checks the plan's fingerprint against the others'."""
 
-    def __init__(self, plan, group=None, causal: bool = True, softmax_scale: Optional[float] = None, timeout=None):
+    def __init__(self, plan, group=None, causal: bool = True, softmax_scale: Optional[float] = None, timeout=None,
+                 a2a_slices: Optional[int] = None):
         super().__init__()
-        self.context = HexiSeqContext(plan, group=group, causal=causal, softmax_scale=softmax_scale, timeout=timeout)
+        self.context = HexiSeqContext(plan, group=group, causal=causal, softmax_scale=softmax_scale, timeout=timeout,
+                                      a2a_slices=a2a_slices)
 
     def forward(self, q, k, v):
         return hexiseq_attn_func(q, k, v, self.context)

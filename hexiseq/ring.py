@@ -17,73 +17,127 @@ Who sends what to whom comes from hexiseq.topology (no processes), the transfers
 attention from hexiseq.blocks.
 """
 
+import os
+
 import torch
 
 from .comm import TAG_ACC, TAG_KV, TAG_REDUCE
+from .errors import InvalidArgumentError
 
 
-def layer_forward(comm, topo, kern, q, k, v, causal, scale):
-    """q [B, s_r, A, d], k/v [B, s_r, A_kv, d] -> (o [B, s_r, A, d], what layer_backward needs)."""
+def slice_count(topology, asked):
+    """How many slices a layer is pipelined in: `asked`, else HEXISEQ_A2A_SLICES, else up to 4 when some group
+    has an all-to-all (more slices hide more of it but each adds a round of smaller messages), 1 otherwise."""
+    if asked is None:
+        env = os.environ.get("HEXISEQ_A2A_SLICES", "")
+        if env:
+            try:
+                asked = int(env)
+            except ValueError:
+                raise InvalidArgumentError(f"HEXISEQ_A2A_SLICES={env!r}: expected a positive integer") from None
+            if asked < 1:
+                raise InvalidArgumentError(f"HEXISEQ_A2A_SLICES={env!r}: expected a positive integer")
+        else:
+            asked = 4 if any(len(members) > 1 for members in topology.groups) else 1
+    elif isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
+        raise InvalidArgumentError(f"a2a_slices must be a positive integer, got {asked!r}")
+    return asked
+
+
+def _cols(t, topo, kv):
+    """The columns of a full-head tensor [B, S, heads or kv heads, d] that a slice of the layer covers."""
+    a, b = topo.kv_window
+    return t[:, :, a:b] if kv else t[:, :, a * topo.per_kv:b * topo.per_kv]
+
+
+def layer_forward(comm, slices, kern, q, k, v, causal, scale):
+    """q [B, s_r, A, d], k/v [B, s_r, A_kv, d] -> (o [B, s_r, A, d], what layer_backward needs).
+
+    slices: the plan's Topology cut by kv heads (Topology.slices). They are pipelined: the all-to-all into slice
+    i + 1 travels while slice i's attention runs, and slice i's output all-to-all while slice i + 1's runs, so
+    only the first all-to-all in and the last one out stand alone on the critical path. One slice is the plain
+    layer."""
     rank = comm.rank
     B, _, _, d = q.shape
     dev, dt = q.device, q.dtype
-    g = topo.group_of(rank)
-    members, me = topo.groups[g], topo.member(rank)
-    # 1. all-to-all in: my tokens of member j's heads
-    parts = []
-    for mb in members:
-        parts.append(torch.cat([q[:, :, mb.head_lo:mb.head_lo + mb.heads].reshape(-1),
-                                k[:, :, mb.kv_lo:mb.kv_lo + mb.kv_n].reshape(-1),
-                                v[:, :, mb.kv_lo:mb.kv_lo + mb.kv_n].reshape(-1)]))
-    got = comm.a2a(parts, topo.a2a_in(rank), B * d, dt, dev)
-    qs, ks, vs = [], [], []
-    for mb, flat in zip(members, got):
-        nq, nk = B * mb.tokens * me.heads * d, B * mb.tokens * me.kv_n * d
-        qs.append(flat[:nq].view(B, mb.tokens, me.heads, d))
-        ks.append(flat[nq:nq + nk].view(B, mb.tokens, me.kv_n, d))
-        vs.append(flat[nq + nk:nq + 2 * nk].view(B, mb.tokens, me.kv_n, d))
-    Qg, Kg, Vg = torch.cat(qs, 1), torch.cat(ks, 1), torch.cat(vs, 1)   # [B, S_g, h|kv, d]
-    # 2. ring
-    Og, lses = _ring_forward(comm, topo, kern, Qg, Kg, Vg, causal, scale)
-    # 3. all-to-all out: my heads of member j's tokens
-    parts = [Og[:, mb.tok_lo:mb.tok_lo + mb.tokens].reshape(-1) for mb in members]
-    got = comm.a2a(parts, topo.a2a_out(rank), B * d, dt, dev)
-    o = torch.empty(B, me.tokens, topo.heads, d, dtype=dt, device=dev)
-    for mb, flat in zip(members, got):
-        o[:, :, mb.head_lo:mb.head_lo + mb.heads] = flat.view(B, me.tokens, mb.heads, d)
-    return o, (Qg, Kg, Vg, Og, lses)
+
+    def start_in(topo):  # my tokens of member j's heads (Q, K, V), for every member of my group
+        members = topo.groups[topo.group_of(rank)]
+        qs, ks, vs = _cols(q, topo, False), _cols(k, topo, True), _cols(v, topo, True)
+        parts = [torch.cat([qs[:, :, mb.head_lo:mb.head_lo + mb.heads].reshape(-1),
+                            ks[:, :, mb.kv_lo:mb.kv_lo + mb.kv_n].reshape(-1),
+                            vs[:, :, mb.kv_lo:mb.kv_lo + mb.kv_n].reshape(-1)]) for mb in members]
+        return comm.a2a_start(parts, topo.a2a_in(rank), B * d, dt, dev)
+
+    saved, outs = [], []
+    pending = start_in(slices[0])
+    for i, topo in enumerate(slices):
+        following = start_in(slices[i + 1]) if i + 1 < len(slices) else None
+        got, pending = comm.a2a_finish(pending), following
+        members, me = topo.groups[topo.group_of(rank)], topo.member(rank)
+        qs, ks, vs = [], [], []
+        for mb, flat in zip(members, got):
+            nq, nk = B * mb.tokens * me.heads * d, B * mb.tokens * me.kv_n * d
+            qs.append(flat[:nq].view(B, mb.tokens, me.heads, d))
+            ks.append(flat[nq:nq + nk].view(B, mb.tokens, me.kv_n, d))
+            vs.append(flat[nq + nk:nq + 2 * nk].view(B, mb.tokens, me.kv_n, d))
+        Qg, Kg, Vg = torch.cat(qs, 1), torch.cat(ks, 1), torch.cat(vs, 1)   # [B, S_g, h|kv, d]
+        Og, lses = _ring_forward(comm, topo, kern, Qg, Kg, Vg, causal, scale)
+        # my heads of member j's tokens go back to member j
+        parts = [Og[:, mb.tok_lo:mb.tok_lo + mb.tokens].reshape(-1) for mb in members]
+        outs.append(comm.a2a_start(parts, topo.a2a_out(rank), B * d, dt, dev))
+        saved.append((Qg, Kg, Vg, Og, lses))
+    o = torch.empty(B, q.shape[1], q.shape[2], d, dtype=dt, device=dev)
+    for topo, handle in zip(slices, outs):
+        oc, me = _cols(o, topo, False), topo.member(rank)
+        for mb, flat in zip(topo.groups[topo.group_of(rank)], comm.a2a_finish(handle)):
+            oc[:, :, mb.head_lo:mb.head_lo + mb.heads] = flat.view(B, me.tokens, mb.heads, d)
+    return o, saved
 
 
-def layer_backward(comm, topo, kern, do, saved, causal, scale):
-    """dO [B, s_r, A, d] and layer_forward's saved tensors -> (dq, dk, dv) of this rank's shards."""
-    Qg, Kg, Vg, Og, lses = saved
+def layer_backward(comm, slices, kern, do, saved, causal, scale):
+    """dO [B, s_r, A, d] and layer_forward's saved tensors -> (dq, dk, dv) of this rank's shards, pipelined over
+    the slices as the forward is."""
     rank = comm.rank
-    B, _, _, d = do.shape
+    B, s_r, A, d = do.shape
     dev, dt = do.device, do.dtype
-    members, me = topo.groups[topo.group_of(rank)], topo.member(rank)
     do = do.contiguous()
-    # 1. dO through the all-to-all (the q pattern)
-    parts = [do[:, :, mb.head_lo:mb.head_lo + mb.heads].reshape(-1) for mb in members]
-    reverse_out = [(n_in, n_out) for n_out, n_in in topo.a2a_out(rank)]  # O's pattern, reversed
-    got = comm.a2a(parts, reverse_out, B * d, dt, dev)
-    dOg = torch.cat([flat.view(B, mb.tokens, me.heads, d) for mb, flat in zip(members, got)], 1)
-    # 2. ring backward
-    dQg, dKg, dVg = _ring_backward(comm, topo, kern, Qg, Kg, Vg, Og, lses, dOg, causal, scale)
-    # 3. reverse all-to-all: dQ of member j's tokens for my heads, dK/dV for the kv heads I first-hold
-    parts = []
-    f = slice(me.first_lo - me.kv_lo, me.first_lo - me.kv_lo + me.first_n)
-    for mb in members:
-        sl = slice(mb.tok_lo, mb.tok_lo + mb.tokens)
-        parts.append(torch.cat([dQg[:, sl].reshape(-1), dKg[:, sl, f].reshape(-1), dVg[:, sl, f].reshape(-1)]))
-    got = comm.a2a(parts, topo.a2a_grads(rank), B * d, dt, dev)
-    dq = torch.empty(B, me.tokens, topo.heads, d, dtype=dt, device=dev)
-    dk = torch.zeros(B, me.tokens, topo.kv_heads, d, dtype=dt, device=dev)
+
+    def start_do(topo):  # dO goes through the all-to-all in the q pattern, O's pattern reversed
+        members = topo.groups[topo.group_of(rank)]
+        dos = _cols(do, topo, False)
+        parts = [dos[:, :, mb.head_lo:mb.head_lo + mb.heads].reshape(-1) for mb in members]
+        reverse_out = [(n_in, n_out) for n_out, n_in in topo.a2a_out(rank)]
+        return comm.a2a_start(parts, reverse_out, B * d, dt, dev)
+
+    grads = []
+    pending = start_do(slices[0])
+    for i, topo in enumerate(slices):
+        following = start_do(slices[i + 1]) if i + 1 < len(slices) else None
+        got, pending = comm.a2a_finish(pending), following
+        members, me = topo.groups[topo.group_of(rank)], topo.member(rank)
+        dOg = torch.cat([flat.view(B, mb.tokens, me.heads, d) for mb, flat in zip(members, got)], 1)
+        Qg, Kg, Vg, Og, lses = saved[i]
+        dQg, dKg, dVg = _ring_backward(comm, topo, kern, Qg, Kg, Vg, Og, lses, dOg, causal, scale)
+        # dQ of member j's tokens for my heads, dK/dV for the kv heads I first-hold
+        f = slice(me.first_lo - me.kv_lo, me.first_lo - me.kv_lo + me.first_n)
+        parts = []
+        for mb in members:
+            sl = slice(mb.tok_lo, mb.tok_lo + mb.tokens)
+            parts.append(torch.cat([dQg[:, sl].reshape(-1), dKg[:, sl, f].reshape(-1), dVg[:, sl, f].reshape(-1)]))
+        grads.append(comm.a2a_start(parts, topo.a2a_grads(rank), B * d, dt, dev))
+    kv_heads = A // slices[0].per_kv
+    dq = torch.empty(B, s_r, A, d, dtype=dt, device=dev)
+    dk = torch.zeros(B, s_r, kv_heads, d, dtype=dt, device=dev)
     dv = torch.zeros_like(dk)
-    for mb, flat in zip(members, got):
-        nq, nk = B * me.tokens * mb.heads * d, B * me.tokens * mb.first_n * d
-        dq[:, :, mb.head_lo:mb.head_lo + mb.heads] = flat[:nq].view(B, me.tokens, mb.heads, d)
-        dk[:, :, mb.first_lo:mb.first_lo + mb.first_n] = flat[nq:nq + nk].view(B, me.tokens, mb.first_n, d)
-        dv[:, :, mb.first_lo:mb.first_lo + mb.first_n] = flat[nq + nk:].view(B, me.tokens, mb.first_n, d)
+    for topo, handle in zip(slices, grads):
+        me = topo.member(rank)
+        dqc, dkc, dvc = _cols(dq, topo, False), _cols(dk, topo, True), _cols(dv, topo, True)
+        for mb, flat in zip(topo.groups[topo.group_of(rank)], comm.a2a_finish(handle)):
+            nq, nk = B * me.tokens * mb.heads * d, B * me.tokens * mb.first_n * d
+            dqc[:, :, mb.head_lo:mb.head_lo + mb.heads] = flat[:nq].view(B, me.tokens, mb.heads, d)
+            dkc[:, :, mb.first_lo:mb.first_lo + mb.first_n] = flat[nq:nq + nk].view(B, me.tokens, mb.first_n, d)
+            dvc[:, :, mb.first_lo:mb.first_lo + mb.first_n] = flat[nq + nk:].view(B, me.tokens, mb.first_n, d)
     return dq, dk, dv
 
 

@@ -55,12 +55,18 @@ class BlockPair(NamedTuple):
 class Topology:
     """The geometry of a plan for the runtime: members per group, ring routes, co-holders, block pairs."""
 
-    def __init__(self, plan, causal: bool = True):
+    def __init__(self, plan, causal: bool = True, kv_window: Tuple[int, int] = None):
+        """kv_window=(a, b): the topology of the kv heads [a, b) and their query heads only, numbered from 0 (a
+        slice of the layer, which the runtime pipelines; see slices())."""
         self.plan = plan
         self.causal = bool(causal)
         m = plan.model
-        self.heads, self.kv_heads = m.heads, m.kv_heads
         self.per_kv = m.heads // m.kv_heads
+        ka, kb = kv_window if kv_window is not None else (0, m.kv_heads)
+        if not 0 <= ka < kb <= m.kv_heads:
+            raise HexiseqError(f"internal: kv window [{ka}, {kb}) outside [0, {m.kv_heads})")
+        self.kv_window = (ka, kb)
+        self.heads, self.kv_heads = (kb - ka) * self.per_kv, kb - ka
         lay = plan.layout
         sizes = lay.group_size.tolist()
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
@@ -72,8 +78,11 @@ class Topology:
 
     def _members(self, lay, first_slot, end_slot) -> List[Member]:
         rows, tok = [], 0
+        base = self.kv_window[0] * self.per_kv  # the window's query heads, renumbered from 0
         for slot in range(first_slot, end_slot):
             tokens, head_lo, heads = int(lay.tokens[slot]), int(lay.head_lo[slot]), int(lay.head_count[slot])
+            lo, hi = max(head_lo - base, 0), min(head_lo + heads - base, self.heads)
+            head_lo, heads = (lo, hi - lo) if hi > lo else (0, 0)
             if heads:
                 kv_lo = head_lo // self.per_kv
                 kv_n = (head_lo + heads - 1) // self.per_kv - kv_lo + 1
@@ -93,6 +102,18 @@ class Topology:
                 raise HexiseqError("internal: first-held kv heads are not contiguous")
             members.append(Member(*row, *((min(mine), len(mine)) if mine else (0, 0))))
         return members
+
+    def slices(self, n: int) -> List["Topology"]:
+        """The layer cut into up to n slices of whole kv heads (contiguous, as even as the kv heads allow), each
+        with its query heads: the runtime pipelines them, one slice's all-to-all travelling while another's
+        attention runs. Every kv head is in exactly one slice, so the slices' transfers add up to the whole
+        layer's (tests/test_topology.py)."""
+        ka, kb = self.kv_window
+        n = max(1, min(int(n), kb - ka))
+        cuts = [ka + (kb - ka) * i // n for i in range(n + 1)]
+        if n == 1:
+            return [self]
+        return [Topology(self.plan, self.causal, (cuts[i], cuts[i + 1])) for i in range(n)]
 
     def group_of(self, rank: int) -> int:
         return self._where[rank][0]

@@ -142,3 +142,39 @@ def test_all_to_all_counts_match_end_to_end(topo, pattern):
         for i, a in enumerate(members):
             for j, b in enumerate(members):
                 assert counts[a.rank][j][0] == counts[b.rank][i][1], (pattern, a.rank, b.rank)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_slices_add_up_to_the_whole_layer(topo, n):
+    """The runtime pipelines a layer in slices of kv heads: every query and kv head is in exactly one slice, each
+    slice is itself a consistent topology (the checks above, on it), and the slices' transfers (ring routes of
+    both kinds, shared-head reductions, all three all-to-alls) add up, per rank and per peer, to the whole
+    layer's, so slicing moves no byte the cost model does not charge."""
+    slices = topo.slices(n)
+    assert len(slices) == min(n, topo.kv_heads)
+    assert slices[0].kv_window[0] == 0 and slices[-1].kv_window[1] == topo.kv_heads
+    assert all(a.kv_window[1] == b.kv_window[0] for a, b in zip(slices, slices[1:]))
+    for s in slices:
+        test_members_partition_tokens_and_heads(s)
+        test_first_holders(s)
+        test_ring_routes_match_and_cover(s, "kv")
+        test_ring_routes_match_and_cover(s, "acc")
+        test_co_holders_reduce_into_first_holders(s)
+    for rank in (mb.rank for members in topo.groups for mb in members):
+        for pattern in ("a2a_in", "a2a_out", "a2a_grads"):
+            whole = getattr(topo, pattern)(rank)
+            parts = [getattr(s, pattern)(rank) for s in slices]
+            assert [tuple(map(sum, zip(*col))) for col in zip(*parts)] == whole, (pattern, rank)
+        for kind in ("kv", "acc"):
+            for i in (0, 1):
+                whole = {}
+                for r in topo.ring_routes(rank, kind)[i]:
+                    whole[r.peer] = whole.get(r.peer, 0) + r.n
+                summed = {}
+                for s in slices:
+                    for r in s.ring_routes(rank, kind)[i]:
+                        summed[r.peer] = summed.get(r.peer, 0) + r.n
+                assert summed == whole, (kind, i, rank)
+        for i in (0, 1):
+            whole = sum(r.n for r in topo.co_holders(rank)[i])
+            assert sum(r.n for s in slices for r in s.co_holders(rank)[i]) == whole, rank
