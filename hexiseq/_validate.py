@@ -15,6 +15,7 @@ from .errors import InvalidArgumentError
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 MAX_NESTING = 64  # deepest nesting of lists and mappings accepted in a description (calibration records, files)
+MAX_ITEMS = 10_000_000  # entries of all its lists and mappings together (a 2048-device cluster's two matrices: 8.4M)
 
 
 def integer(value, field, minimum=None, maximum=INT32_MAX):
@@ -114,16 +115,21 @@ def parse_tokens(value, field="seq_len"):
 MAX_TOKENS = 1 << 30  # the core's limit (HEXISEQ_MAX_SEQ_LEN): keeps its pair counts inside int64
 
 
-def nesting(value, field, limit=MAX_NESTING):
-    """Refuse lists and mappings nested deeper than `limit` levels (checked without recursion), so that what
-    reads, hashes or writes them later cannot run out of stack."""
-    stack = [(value, 1)]
-    while stack:
+def nesting(value, field, limit=MAX_NESTING, max_items=MAX_ITEMS):
+    """Refuse lists and mappings nested deeper than `limit` levels or holding more than `max_items` entries in all
+    (a YAML file's aliases can make a few lines hold billions), checked without recursion, so that what reads,
+    hashes or writes them later can neither run out of stack nor run for hours."""
+    containers = (list, tuple, dict)
+    stack, items = [(value, 1)] if isinstance(value, containers) else [], 0
+    while stack:  # only containers are stacked
         item, depth = stack.pop()
-        if isinstance(item, (list, tuple, dict)):
-            if depth > limit:
-                raise InvalidArgumentError(f"{field} is nested too deeply (at most {limit} levels)")
-            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+        if depth > limit:
+            raise InvalidArgumentError(f"{field} is nested too deeply (at most {limit} levels)")
+        items += len(item)
+        if items > max_items:
+            raise InvalidArgumentError(f"{field} holds more than {max_items} entries")
+        stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)
+                     if isinstance(v, containers))
     return value
 
 
