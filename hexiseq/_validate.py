@@ -120,16 +120,16 @@ def nesting(value, field, limit=MAX_NESTING, max_items=MAX_ITEMS):
     (a YAML file's aliases can make a few lines hold billions), checked without recursion, so that what reads,
     hashes or writes them later can neither run out of stack nor run for hours."""
     containers = (list, tuple, dict)
-    stack, items = [(value, 1)] if isinstance(value, containers) else [], 0
-    while stack:  # only containers are stacked
-        item, depth = stack.pop()
+    stack, items = [(value, 1, "")] if isinstance(value, containers) else [], 0
+    while stack:  # only containers are stacked; `under` is the top-level key they hang from
+        item, depth, under = stack.pop()
         if depth > limit:
-            raise InvalidArgumentError(f"{field} is nested too deeply (at most {limit} levels)")
+            raise InvalidArgumentError(f"{field} is nested too deeply (at most {limit} levels){under}")
         items += len(item)
         if items > max_items:
             raise InvalidArgumentError(f"{field} holds more than {max_items} entries")
-        stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)
-                     if isinstance(v, containers))
+        pairs = item.items() if isinstance(item, dict) else enumerate(item)
+        stack.extend((v, depth + 1, under or f" under {k!r}") for k, v in pairs if isinstance(v, containers))
     return value
 
 
