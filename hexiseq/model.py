@@ -24,7 +24,7 @@ def hf_sliding_window(config):
     layer_types = get("layer_types") or []
     if not isinstance(layer_types, (list, tuple)):
         raise InvalidArgumentError(f"layer_types must be a list of layer kinds, got {layer_types!r}")
-    if get("use_sliding_window", True) or "sliding_attention" in layer_types:
+    if boolean(get("use_sliding_window", True), "use_sliding_window") or "sliding_attention" in layer_types:
         return window
     return None
 

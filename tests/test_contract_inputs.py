@@ -153,6 +153,7 @@ HF_CASES = [  # a 0 or a wrong type is refused by the key the config used, never
     ({"hidden_size": 2, "num_attention_heads": 4}, "head_dim", "hidden_size (2)"),
     ({"sliding_window": "wide"}, "sliding_window", "'wide'"),
     ({"sliding_window": 8, "use_sliding_window": False, "layer_types": 5}, "layer_types", "5"),
+    ({"sliding_window": 8, "use_sliding_window": "no"}, "use_sliding_window", "'no'"),
 ]
 
 
