@@ -242,8 +242,8 @@ static int parse_model(PyObject *module, PyObject *obj, hexiseq_model *m) {
     int32_t *dst[9] = {&m->layers, &m->hidden, &m->heads, &m->kv_heads, &m->head_dim, &m->ffn, &m->vocab,
                        &m->dtype_bytes, &m->gated_mlp};
     if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 9) {
-        PyErr_SetString(PyExc_TypeError, "model is (layers, hidden, heads, kv_heads, head_dim, ffn, vocab, dtype_bytes, "
-                                         "gated_mlp)");
+        PyErr_SetString(PyExc_TypeError,
+                        "model is (layers, hidden, heads, kv_heads, head_dim, ffn, vocab, dtype_bytes, gated_mlp)");
         return 0;
     }
     for (int i = 0; i < 9; ++i)

@@ -13,7 +13,6 @@ from . import _core
 from .errors import InvalidArgumentError
 
 INT32_MAX = 2**31 - 1
-INT64_MAX = 2**63 - 1
 MAX_NESTING = 64  # deepest nesting of lists and mappings accepted in a description (calibration records, files)
 MAX_ITEMS = 10_000_000  # entries of all its lists and mappings together (a 2048-device cluster's two matrices: 8.4M)
 

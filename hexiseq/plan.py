@@ -382,8 +382,8 @@ class Plan:
             if len(x.shape) != ndim or x.shape[dim] != want:
                 got = (f"{x.shape[dim]} along dim {dim}" if len(x.shape) == ndim
                        else f"{len(x.shape)} dimension(s), shards[0] {ndim}")
-                raise InvalidArgumentError(f"shards[{r}] (rank {r}) must hold the rank's {want} tokens along dim {dim}, "
-                                           f"got {got}")
+                raise InvalidArgumentError(f"shards[{r}] (rank {r}) must hold the rank's {want} tokens along dim "
+                                           f"{dim}, got {got}")
         order = np.concatenate([self.positions(r) for r in range(n)])
         inverse = np.empty_like(order)
         inverse[order] = np.arange(len(order))

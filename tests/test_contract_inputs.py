@@ -46,7 +46,8 @@ def small_plan():
 
 # ------------------------------------------------------------------ 10: a sequence shorter than the cluster
 
-@pytest.mark.parametrize("nodes,seq_len", [([Node("H100", 3, 450)], 2), ([Node("H100", 2, 450), Node("A100", 3, 300)], 4),
+@pytest.mark.parametrize("nodes,seq_len", [([Node("H100", 3, 450)], 2),
+                                           ([Node("H100", 2, 450), Node("A100", 3, 300)], 4),
                                            ("example", 1), ("example", 15)])
 @pytest.mark.parametrize("strategy", ["auto", "hexiseq", "ring", "usp"])
 def test_seq_len_shorter_than_the_cluster(example, nodes, seq_len, strategy):
@@ -90,13 +91,15 @@ INT_CASES = [
     ("sequences", lambda v: lambda: Training(sequences=v), "training.sequences", "[1, 2147483647]"),
     ("seq_len", lambda v: lambda: hexiseq.plan(Cluster.example(), seq_len=v), "seq_len", "1073741824"),
     ("hf layers", lambda v: lambda: Model.from_hf_config({"num_hidden_layers": v, "hidden_size": 64,
-                                                          "num_attention_heads": 4}), "num_hidden_layers", "[1, 100000]"),
+                                                          "num_attention_heads": 4}),
+     "num_hidden_layers", "[1, 100000]"),
     ("hf ffn", lambda v: lambda: Model.from_hf_config({"num_hidden_layers": 2, "hidden_size": 64,
                                                        "num_attention_heads": 4, "intermediate_size": v}),
      "intermediate_size", "[1, 16777216]"),
     ("binding", lambda v: lambda: _core.model_params((2, 64, 4, 4, 16, v, 100, 2, 0)), "model.ffn", "[1, 16777216]"),
     ("binding training", lambda v: lambda: _core.evaluate(*Cluster.example()._core_args(),
-                                                          Model.preset("7b")._as_core(), (v, 0, 0, 2.0), 4096, True, {}),
+                                                          Model.preset("7b")._as_core(), (v, 0, 0, 2.0), 4096,
+                                                          True, {}),
      "training.sequences", "[1, 2147483647]"),
 ]
 
