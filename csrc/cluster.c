@@ -252,23 +252,42 @@ hexiseq_status hexiseq_cluster_latency(const hexiseq_cluster *c, int32_t a, int3
 
 /* ------------------------------------------------------------------ model */
 
+/* Integer inputs and their ranges: one table for the checks below and for hexiseq_int_range. */
+static const struct {
+    const char *name;
+    int64_t lo, hi;
+} int_ranges[] = {
+    {"model.layers", 1, 100000},   {"model.hidden", 1, 1 << 20},  {"model.heads", 1, 1 << 16},
+    {"model.kv_heads", 1, 1 << 16}, {"model.head_dim", 1, 4096},  {"model.ffn", 1, 1 << 24},
+    {"model.vocab", 1, 1 << 26},   {"model.dtype_bytes", 1, 8},  {"model.gated_mlp", 0, 1},
+    {"nodes.count", 1, HEXISEQ_MAX_DEVICES},        {"devices", 1, HEXISEQ_MAX_DEVICES},
+    {"seq_len", 1, HEXISEQ_MAX_SEQ_LEN},            {"training.sequences", 1, INT32_MAX},
+    {"training.checkpointing", 0, 1},              {"training.sharding", HEXISEQ_SHARD_FULL, HEXISEQ_SHARD_NONE},
+};
+
+hexiseq_status hexiseq_int_range(const char *field, int64_t *lo, int64_t *hi) {
+    hexiseq_clear_error();
+    if (!field || !lo || !hi)
+        return hexiseq_fail(HEXISEQ_ERR_NULL, "field, lo and hi must not be NULL");
+    for (size_t i = 0; i < sizeof int_ranges / sizeof int_ranges[0]; ++i)
+        if (strcmp(int_ranges[i].name, field) == 0) {
+            *lo = int_ranges[i].lo;
+            *hi = int_ranges[i].hi;
+            return HEXISEQ_OK;
+        }
+    return hexiseq_fail(HEXISEQ_ERR_INVALID, "no integer input is called '%.64s'", field);
+}
+
 hexiseq_status hexiseq_model_validate(const hexiseq_model *m) {
     hexiseq_clear_error();
     if (!m)
         return hexiseq_fail(HEXISEQ_ERR_NULL, "model must not be NULL");
-    const struct {
-        const char *name;
-        int32_t value, lo, hi;
-    } fields[] = {
-        {"layers", m->layers, 1, 100000},   {"hidden", m->hidden, 1, 1 << 20},
-        {"heads", m->heads, 1, 1 << 16},    {"kv_heads", m->kv_heads, 1, 1 << 16},
-        {"head_dim", m->head_dim, 1, 4096}, {"ffn", m->ffn, 1, 1 << 24},
-        {"vocab", m->vocab, 1, 1 << 26},    {"dtype_bytes", m->dtype_bytes, 1, 8},
-    };
-    for (size_t i = 0; i < sizeof fields / sizeof fields[0]; ++i)
-        if (fields[i].value < fields[i].lo || fields[i].value > fields[i].hi)
-            return hexiseq_fail(HEXISEQ_ERR_INVALID, "model.%s must be in [%d, %d], got %d", fields[i].name,
-                                fields[i].lo, fields[i].hi, fields[i].value);
+    const int32_t values[] = {m->layers, m->hidden, m->heads, m->kv_heads, m->head_dim, m->ffn, m->vocab,
+                              m->dtype_bytes}; /* the first entries of int_ranges, in order */
+    for (size_t i = 0; i < sizeof values / sizeof values[0]; ++i)
+        if (values[i] < int_ranges[i].lo || values[i] > int_ranges[i].hi)
+            return hexiseq_fail(HEXISEQ_ERR_INVALID, "%s must be in [%lld, %lld], got %d", int_ranges[i].name,
+                                (long long)int_ranges[i].lo, (long long)int_ranges[i].hi, values[i]);
     if (m->kv_heads > m->heads || m->heads % m->kv_heads != 0)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "model.heads (%d) must be a multiple of model.kv_heads (%d)", m->heads,
                             m->kv_heads);

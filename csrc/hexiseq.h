@@ -138,6 +138,11 @@ typedef struct {
 } hexiseq_model;
 
 HEXISEQ_API hexiseq_status hexiseq_model_validate(const hexiseq_model *model);
+/* The range the core accepts for an integer input, by name: "model.<field>" (layers, hidden, heads, kv_heads,
+ * head_dim, ffn, vocab, dtype_bytes, gated_mlp), "nodes.count", "devices" (a cluster's total), "seq_len",
+ * "training.sequences", "training.checkpointing", "training.sharding". Bindings use it to name the range of a
+ * value too large for the field's C type, without a second copy of the limits. */
+HEXISEQ_API hexiseq_status hexiseq_int_range(const char *field, int64_t *lo, int64_t *hi);
 /* Parameter count of the whole model (embeddings and an untied output head included). */
 HEXISEQ_API hexiseq_status hexiseq_model_params(const hexiseq_model *model, double *params);
 

@@ -62,6 +62,12 @@ hexiseq_status hexiseq_plan_strategy(const hexiseq_cluster *c, const hexiseq_mod
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "causal must be 0 or 1, got %d", causal);
     int32_t n = c->n_devices;
     if (strategy == HEXISEQ_STRATEGY_HEXISEQ) {
+        /* the scheduler builds its group structures over every device before it parks any: each needs a token */
+        if (seq_len < n)
+            return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED,
+                                "hexiseq has no valid layout: seq_len %lld is shorter than the %d devices; plan "
+                                "seq_len >= %d, or a cluster of at most %lld devices",
+                                (long long)seq_len, n, n, (long long)seq_len);
         HEXISEQ_CHECK(hexiseq_schedule(c, m, t, seq_len, causal, out, cost));
         if (!cost->fits)
             return memory_error(c, "hexiseq", cost);
@@ -109,8 +115,9 @@ hexiseq_status hexiseq_plan_strategy(const hexiseq_cluster *c, const hexiseq_mod
             return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED,
                                 "ulysses needs heads (%d) divisible by the device count (%d) and seq_len (%lld) >= devices",
                                 m->heads, n, (long long)seq_len);
-        return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED, "%s has no valid layout: seq_len %lld is shorter than the %d devices",
-                            hexiseq_strategy_name(strategy), (long long)seq_len, n);
+        return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED,
+                            "%s has no valid layout: seq_len %lld is shorter than the %d devices; plan seq_len >= %d",
+                            hexiseq_strategy_name(strategy), (long long)seq_len, n, n);
     }
     if (!cost->fits)
         return memory_error(c, hexiseq_strategy_name(strategy), cost);

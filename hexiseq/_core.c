@@ -72,6 +72,28 @@ static int invalid(PyObject *module, const char *fmt, ...) {
     return -1;
 }
 
+/* An integer for the core input `field` (a hexiseq_int_range name), `shown` as in messages ("nodes[3].count"):
+ * a value outside int32 raises InvalidArgumentError naming the value and the core's range, never OverflowError;
+ * values inside int32 are range-checked by the core itself. Returns 1, or 0 with an exception set. */
+static int int32_arg(PyObject *module, PyObject *obj, const char *field, const char *shown, int32_t *out) {
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(get_state(module)->errors[HEXISEQ_ERR_INVALID], "%s must be an integer, got %R", shown, obj);
+        return 0;
+    }
+    if (overflow || v < INT32_MIN || v > INT32_MAX) {
+        int64_t lo = INT32_MIN, hi = INT32_MAX;
+        hexiseq_int_range(field, &lo, &hi);
+        PyErr_Format(get_state(module)->errors[HEXISEQ_ERR_INVALID], "%s must be in [%lld, %lld], got %S", shown,
+                     (long long)lo, (long long)hi, obj);
+        return 0;
+    }
+    *out = (int32_t)v;
+    return 1;
+}
+
 /* A measured curve from None or a sequence of (size, tflops) pairs. */
 static int parse_curve(PyObject *module, PyObject *obj, Py_ssize_t dev, const char *field, hexiseq_rate_curve *out) {
     memset(out, 0, sizeof *out);
@@ -170,9 +192,13 @@ static hexiseq_cluster *make_cluster(PyObject *module, PyObject *nodes, double i
         return (hexiseq_cluster *)PyErr_NoMemory();
     for (Py_ssize_t i = 0; i < n_nodes; ++i) {
         hexiseq_node_desc *d = &desc[i];
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(nodes, i), "siddddd;nodes entries are (gpu, count, intra_gbps, memory_gib, peak_tflops, gemm_eff, attn_eff)",
-                              &d->gpu, &d->count, &d->intra_gbps, &d->memory_gib, &d->peak_tflops, &d->gemm_eff,
-                              &d->attn_eff)) {
+        PyObject *count;
+        char shown[48];
+        PyOS_snprintf(shown, sizeof shown, "nodes[%zd].count", i);
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(nodes, i), "sOddddd;nodes entries are (gpu, count, intra_gbps, memory_gib, peak_tflops, gemm_eff, attn_eff)",
+                              &d->gpu, &count, &d->intra_gbps, &d->memory_gib, &d->peak_tflops, &d->gemm_eff,
+                              &d->attn_eff) ||
+            !int32_arg(module, count, "nodes.count", shown, &d->count)) {
             PyMem_Free(desc);
             return NULL;
         }
@@ -209,15 +235,42 @@ done:
     return c;
 }
 
-static int parse_model(PyObject *obj, hexiseq_model *m) {
-    return PyArg_ParseTuple(obj, "iiiiiiiii;model is (layers, hidden, heads, kv_heads, head_dim, ffn, vocab, dtype_bytes, gated_mlp)",
-                            &m->layers, &m->hidden, &m->heads, &m->kv_heads, &m->head_dim, &m->ffn, &m->vocab,
-                            &m->dtype_bytes, &m->gated_mlp);
+/* A model from (layers, hidden, heads, kv_heads, head_dim, ffn, vocab, dtype_bytes, gated_mlp). */
+static int parse_model(PyObject *module, PyObject *obj, hexiseq_model *m) {
+    static const char *names[9] = {"model.layers", "model.hidden", "model.heads", "model.kv_heads", "model.head_dim",
+                                   "model.ffn", "model.vocab", "model.dtype_bytes", "model.gated_mlp"};
+    int32_t *dst[9] = {&m->layers, &m->hidden, &m->heads, &m->kv_heads, &m->head_dim, &m->ffn, &m->vocab,
+                       &m->dtype_bytes, &m->gated_mlp};
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 9) {
+        PyErr_SetString(PyExc_TypeError,
+                        "model is (layers, hidden, heads, kv_heads, head_dim, ffn, vocab, dtype_bytes, gated_mlp)");
+        return 0;
+    }
+    for (int i = 0; i < 9; ++i)
+        if (!int32_arg(module, PyTuple_GET_ITEM(obj, i), names[i], names[i], dst[i]))
+            return 0;
+    return 1;
 }
 
-static int parse_training(PyObject *obj, hexiseq_training *t) {
-    return PyArg_ParseTuple(obj, "iiid;training is (sequences, checkpointing, sharding, reserved_gib)", &t->sequences,
-                            &t->checkpointing, &t->sharding, &t->reserved_gib);
+/* A training setting from (sequences, checkpointing, sharding, reserved_gib). */
+static int parse_training(PyObject *module, PyObject *obj, hexiseq_training *t) {
+    static const char *names[3] = {"training.sequences", "training.checkpointing", "training.sharding"};
+    int32_t *dst[3] = {&t->sequences, &t->checkpointing, &t->sharding};
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 4) {
+        PyErr_SetString(PyExc_TypeError, "training is (sequences, checkpointing, sharding, reserved_gib)");
+        return 0;
+    }
+    for (int i = 0; i < 3; ++i)
+        if (!int32_arg(module, PyTuple_GET_ITEM(obj, i), names[i], names[i], dst[i]))
+            return 0;
+    t->reserved_gib = PyFloat_AsDouble(PyTuple_GET_ITEM(obj, 3));
+    if (t->reserved_gib == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(get_state(module)->errors[HEXISEQ_ERR_INVALID], "training.reserved_gib must be a number, got %R",
+                     PyTuple_GET_ITEM(obj, 3));
+        return 0;
+    }
+    return 1;
 }
 
 static PyObject *layout_to_dict(const hexiseq_layout *l) {
@@ -392,10 +445,22 @@ static PyObject *core_check_cluster(PyObject *module, PyObject *args) {
     return PyLong_FromLong(n);
 }
 
+/* int_range(field) -> (lo, hi): the range the core accepts for an integer input (see hexiseq_int_range). */
+static PyObject *core_int_range(PyObject *module, PyObject *arg) {
+    const char *field = PyUnicode_AsUTF8(arg);
+    if (!field)
+        return NULL;
+    int64_t lo, hi;
+    hexiseq_status s = hexiseq_int_range(field, &lo, &hi);
+    if (s != HEXISEQ_OK)
+        return raise_status(module, s);
+    return Py_BuildValue("(LL)", (long long)lo, (long long)hi);
+}
+
 /* model_params(model) -> parameter count (float). */
 static PyObject *core_model_params(PyObject *module, PyObject *arg) {
     hexiseq_model m;
-    if (!parse_model(arg, &m))
+    if (!parse_model(module, arg, &m))
         return NULL;
     double p;
     hexiseq_status s = hexiseq_model_params(&m, &p);
@@ -416,7 +481,7 @@ static PyObject *core_evaluate(PyObject *module, PyObject *args) {
         return NULL;
     hexiseq_model m;
     hexiseq_training t;
-    if (!parse_model(model_obj, &m) || !parse_training(train_obj, &t))
+    if (!parse_model(module, model_obj, &m) || !parse_training(module, train_obj, &t))
         return NULL;
 
     static const char *keys[6] = {"group_size", "group_seq", "device", "tokens", "head_lo", "head_count"};
@@ -489,7 +554,7 @@ static PyObject *core_plan_strategy(PyObject *module, PyObject *args) {
         return NULL;
     hexiseq_model m;
     hexiseq_training t;
-    if (!parse_model(model_obj, &m) || !parse_training(train_obj, &t))
+    if (!parse_model(module, model_obj, &m) || !parse_training(module, train_obj, &t))
         return NULL;
     hexiseq_cluster *c = make_cluster(module, nodes, inter, bw, lat, dev);
     if (!c)
@@ -1016,6 +1081,7 @@ static PyMethodDef core_methods[] = {
     {"gpu_catalog", core_gpu_catalog, METH_NOARGS, "The built-in GPU catalog, a list of dicts."},
     {"gpu_find", core_gpu_find, METH_O, "Canonical catalog name of a GPU model name or alias."},
     {"check_cluster", core_check_cluster, METH_VARARGS, "Validate a cluster description; returns its device count."},
+    {"int_range", core_int_range, METH_O, "(lo, hi) the core accepts for a named integer input."},
     {"model_params", core_model_params, METH_O, "Parameter count of a model tuple."},
     {"evaluate", core_evaluate, METH_VARARGS, "Score a layout: (per-device dict, plan dict)."},
     {"plan_strategy", core_plan_strategy, METH_VARARGS, "Best layout of a baseline strategy, as a dict of arrays."},

@@ -1,6 +1,7 @@
 """The `hexiseq` command: plan a cluster and compare strategies from a terminal."""
 
 import argparse
+import errno
 import json
 import sys
 
@@ -8,7 +9,7 @@ from . import __version__, build_info, cuda_device_count
 from .cluster import Cluster, gpu_catalog
 from .errors import HexiseqError
 from .model import MODEL_PRESETS, Model, Training
-from ._validate import parse_tokens
+from ._validate import number, parse_tokens, read_text
 from .plan import TABLE_LEGEND, Plan, Strategy, compare, no_fit_error
 
 DESCRIPTION = "Plan asymmetric sequence and head parallelism for a heterogeneous GPU cluster."
@@ -151,7 +152,8 @@ def cmd_calibrate(args) -> int:
     try:
         cluster = calibrate(_load_model(args.model), dtype=args.dtype, gemm_rows=_int_list(args.gemm_rows, "--gemm-rows"),
                             attn_blocks=_int_list(args.attn_blocks, "--attn-blocks"), attn_heads=args.attn_heads,
-                            message_bytes=int(args.message_mib * 2**20) if args.message_mib else None,
+                            message_bytes=(int(number(args.message_mib, "--message-mib", positive=True) * 2**20)
+                                           if args.message_mib is not None else None),
                             iters=args.iters, out=args.out, progress=not args.quiet)
         if rank == 0:
             print(_calibration_summary(cluster))
@@ -165,12 +167,7 @@ def cmd_calibrate(args) -> int:
 def cmd_measure(args) -> int:
     from .measurement import measure
 
-    try:
-        with open(args.plan) as f:
-            text = f.read()
-    except OSError as e:
-        raise HexiseqError(f"cannot read plan file {args.plan!r}: {e.strerror}") from None
-    plan = Plan.from_json(text)
+    plan = Plan.from_json(read_text(args.plan, "plan file"))
     dist, rank, created = _init_distributed(args.backend)
     try:
         result = measure(plan, iters=args.iters, warmup=args.warmup, dtype=args.dtype, layer=args.layer)
@@ -256,19 +253,70 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _OutputError(OSError):
+    """A write to standard output failed (a closed pipe, a full disk): raised by _Stdout in place of the OSError."""
+
+
+class _Stdout:
+    """Standard output as the commands see it: a failed write or flush raises _OutputError, so that main() can tell
+    it from every other OSError."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            raise _OutputError(e.errno, e.strerror) from None
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except OSError as e:
+            raise _OutputError(e.errno, e.strerror) from None
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _detach_stdout():
+    """Point standard output at /dev/null so that the interpreter's flush at exit, which would fail the same way
+    and print a traceback, has nothing left to write."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout without a descriptor (a test's capture)
+        pass
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    stdout = sys.stdout
+    sys.stdout = _Stdout(stdout)
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # a full disk or a closed pipe shows here, not at exit where it would be a traceback
+        return rc
     except HexiseqError as e:
         print(f"hexiseq: error: {e}", file=sys.stderr)
         return 1
-    except BrokenPipeError:
-        return 0
+    except _OutputError as e:
+        sys.stdout = stdout
+        _detach_stdout()
+        if e.errno == errno.EPIPE:  # the reader went away (hexiseq plan | head): not an error of ours
+            return 0
+        print(f"hexiseq: error: cannot write the output: {e.strerror}", file=sys.stderr)
+        return 1
+    finally:
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 
 import copy
 import datetime
-import json
 import math
 import numbers
 import os
@@ -12,7 +11,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from . import _core
-from ._validate import integer, number
+from ._validate import MAX_NESTING, core_integer, load_json, nesting, number, read_text
 from .errors import InvalidArgumentError, UnknownGPUError
 
 __all__ = ["Node", "DeviceRates", "Cluster", "gpu_catalog"]
@@ -178,7 +177,7 @@ class Cluster:
                 raise InvalidArgumentError(f"nodes[{i}].gpu must be a GPU model name, got {node.gpu!r}")
             node = Node(
                 gpu=node.gpu,
-                count=integer(node.count, f"nodes[{i}].count"),
+                count=core_integer(node.count, f"nodes[{i}].count", "nodes.count"),
                 intra_gbps=number(node.intra_gbps, f"nodes[{i}].intra_gbps"),
                 memory_gib=number(node.memory_gib, f"nodes[{i}].memory_gib", positive=True, optional=True),
                 peak_tflops=number(node.peak_tflops, f"nodes[{i}].peak_tflops", positive=True, optional=True),
@@ -192,16 +191,20 @@ class Cluster:
         if bandwidth_gbps is not None:
             try:
                 bandwidth_gbps = np.array(bandwidth_gbps, dtype=np.float64)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 raise InvalidArgumentError("bandwidth_gbps must be a square matrix of numbers") from None
             if bandwidth_gbps.shape != (n, n):
                 raise InvalidArgumentError(f"bandwidth_gbps must be a {n} x {n} matrix (one row per device), "
                                            f"got shape {bandwidth_gbps.shape}")
+            for d in range(n):  # unused by the cost model, but written with the description: strict JSON has no NaN
+                if not math.isfinite(bandwidth_gbps[d, d]):
+                    raise InvalidArgumentError(f"bandwidth_gbps[{d}][{d}] must be a finite number (the diagonal is not "
+                                               f"used: write 0), got {float(bandwidth_gbps[d, d])!r}")
             bandwidth_gbps.setflags(write=False)
         self.bandwidth_gbps = bandwidth_gbps
         self.latency_us = _latency(latency_us, n)
         self.devices = _devices(devices, n)
-        self._calibration = None if calibration is None else _plain(calibration, "calibration")
+        self._calibration = None if calibration is None else _plain(nesting(calibration, "calibration"), "calibration")
         if self._calibration is not None and not isinstance(self._calibration, dict):
             raise InvalidArgumentError(f"calibration must be a mapping, got {calibration!r}")
         # The core validates every value (counts, bandwidths, latencies, curves, GPU models) and names the field.
@@ -224,7 +227,9 @@ class Cluster:
     @classmethod
     def from_dict(cls, spec: dict) -> "Cluster":
         if not isinstance(spec, dict):
-            raise InvalidArgumentError(f"a cluster description must be a mapping, got {type(spec).__name__}")
+            hint = (f" ({spec!r} looks like a file: use Cluster.from_file)" if isinstance(spec, (str, os.PathLike))
+                    else "")
+            raise InvalidArgumentError(f"a cluster description must be a mapping, got {type(spec).__name__}{hint}")
         unknown = set(spec) - set(_CLUSTER_KEYS)
         if unknown:
             raise InvalidArgumentError(f"unknown cluster field(s) {sorted(unknown)}; "
@@ -245,16 +250,9 @@ class Cluster:
     def from_file(cls, path) -> "Cluster":
         """Read a YAML (.yaml, .yml) or JSON file in the format of `from_dict`."""
         path = os.fspath(path)
-        try:
-            with open(path) as f:
-                text = f.read()
-        except OSError as e:
-            raise InvalidArgumentError(f"cannot read cluster file {path!r}: {e.strerror}") from None
+        text = read_text(path, "cluster file")
         if path.endswith(".json"):
-            try:
-                spec = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise InvalidArgumentError(f"{path}: not valid JSON: {e}") from None
+            spec = load_json(text, f"cluster file {path!r}")
         else:
             import yaml
 
@@ -262,6 +260,10 @@ class Cluster:
                 spec = yaml.safe_load(text)
             except yaml.YAMLError as e:
                 raise InvalidArgumentError(f"{path}: not valid YAML: {e}") from None
+            except RecursionError:
+                raise InvalidArgumentError(f"cluster file {path!r} is nested too deeply (at most {MAX_NESTING} "
+                                           f"levels)") from None
+            nesting(spec, f"cluster file {path!r}")
         return cls.from_dict(spec)
 
     def to_dict(self) -> dict:
@@ -383,7 +385,7 @@ def _latency(value, n):
         raise InvalidArgumentError(f"latency_us must be a number or a {n} x {n} matrix of numbers, got {value!r}")
     try:
         m = np.array(value, dtype=np.float64)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise InvalidArgumentError(f"latency_us must be a number or a {n} x {n} matrix of numbers, "
                                    f"got {value!r}") from None
     if m.shape != (n, n):

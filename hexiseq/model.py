@@ -1,13 +1,12 @@
 """Model shapes and the training setting the cost model needs."""
 
 import enum
-import json
 import os
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
 from . import _core
-from ._validate import integer, number
+from ._validate import boolean, core_integer, integer, load_json, number, read_text
 from .errors import InvalidArgumentError
 
 __all__ = ["Model", "Training", "Sharding", "MODEL_PRESETS"]
@@ -22,7 +21,10 @@ def hf_sliding_window(config):
     window = get("sliding_window")
     if window is None:
         return None
-    if get("use_sliding_window", True) or "sliding_attention" in (get("layer_types") or []):
+    layer_types = get("layer_types") or []
+    if not isinstance(layer_types, (list, tuple)):
+        raise InvalidArgumentError(f"layer_types must be a list of layer kinds, got {layer_types!r}")
+    if boolean(get("use_sliding_window", True), "use_sliding_window") or "sliding_attention" in layer_types:
         return window
     return None
 
@@ -50,16 +52,18 @@ class Model:
 
     def __post_init__(self):
         for f in fields(self):
-            if f.name in ("name", "gated_mlp") or (f.name == "sliding_window" and self.sliding_window is None):
+            if f.name in ("name", "gated_mlp", "sliding_window"):
                 continue
-            object.__setattr__(self, f.name, integer(getattr(self, f.name), f"model.{f.name}"))
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise InvalidArgumentError(f"model.sliding_window must be a positive token count or None, got "
-                                       f"{self.sliding_window}")
-        if not isinstance(self.gated_mlp, (bool, int)):
-            raise InvalidArgumentError(f"model.gated_mlp must be a bool, got {self.gated_mlp!r}")
-        object.__setattr__(self, "gated_mlp", bool(self.gated_mlp))
-        _core.model_params(self._as_core())  # range checks, heads % kv_heads
+            object.__setattr__(self, f.name, core_integer(getattr(self, f.name), f"model.{f.name}", f"model.{f.name}"))
+        if self.sliding_window is not None:
+            window = integer(self.sliding_window, "model.sliding_window")
+            if window < 1:
+                raise InvalidArgumentError(f"model.sliding_window must be a positive token count or None, got {window}")
+            object.__setattr__(self, "sliding_window", window)
+        object.__setattr__(self, "gated_mlp", boolean(self.gated_mlp, "model.gated_mlp"))
+        if not isinstance(self.name, str):
+            raise InvalidArgumentError(f"model.name must be a string, got {self.name!r}")
+        _core.model_params(self._as_core())  # heads % kv_heads
 
     @property
     def params(self) -> float:
@@ -88,7 +92,9 @@ class Model:
     @classmethod
     def from_dict(cls, d: dict) -> "Model":
         if not isinstance(d, dict):
-            raise InvalidArgumentError(f"a model description must be a mapping, got {d!r}")
+            hint = (": for a Hugging Face config.json use Model.from_hf_config(path), for a preset Model.preset(name)"
+                    if isinstance(d, (str, os.PathLike)) else "")
+            raise InvalidArgumentError(f"a model description must be a mapping, got {d!r}{hint}")
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -124,35 +130,52 @@ class Model:
         it). Llama/Mistral/Qwen-style or GPT-2/NeoX-style keys."""
         if isinstance(config, (str, os.PathLike)):
             config = _read_hf_config(config)
+        elif isinstance(config, (bytes, list, tuple, int, float)) or config is None:
+            raise InvalidArgumentError(f"a Hugging Face config must be a dict, an object or the path of its "
+                                       f"config.json, got {config!r}")
         get = (lambda k, default=None: config.get(k, default)) if isinstance(config, dict) else (
             lambda k, default=None: getattr(config, k, default))
 
         def first(*keys):
+            """(key, value) of the first key present and not null, or (keys[0], None)."""
             for k in keys:
                 v = get(k)
                 if v is not None:
-                    return v
-            return None
+                    return k, v
+            return keys[0], None
 
-        layers = first("num_hidden_layers", "n_layer", "num_layers")
-        hidden = first("hidden_size", "n_embd", "d_model")
-        heads = first("num_attention_heads", "n_head")
+        def count(field, *keys, default=None):
+            """An integer under one of `keys` in the core's range for model.<field> (the message names the key the
+            config used), or `default` when none is present: a 0 or a wrong type is refused, never read as
+            missing."""
+            key, value = first(*keys)
+            if value is None:
+                return default
+            return core_integer(value, key, f"model.{field}")
+
+        layers = count("layers", "num_hidden_layers", "n_layer", "num_layers")
+        hidden = count("hidden", "hidden_size", "n_embd", "d_model")
+        heads = count("heads", "num_attention_heads", "n_head")
         missing = [k for k, v in (("num_hidden_layers", layers), ("hidden_size", hidden),
                                    ("num_attention_heads", heads)) if v is None]
         if missing:
             raise InvalidArgumentError(f"config lacks {', '.join(missing)}")
-        kv = first("num_key_value_heads", "n_head_kv") or heads
-        head_dim = first("head_dim") or integer(hidden, "hidden_size") // integer(heads, "num_attention_heads")
-        act = str(first("hidden_act", "activation_function") or "").lower()
-        gated = act in ("silu", "swiglu", "swish") or first("model_type") in ("llama", "mistral", "qwen2", "qwen3",
-                                                                               "gemma", "mixtral")
-        ffn = first("intermediate_size", "n_inner", "ffn_dim") or 4 * hidden
-        dtype = str(first("torch_dtype") or "bfloat16")
+        kv = count("kv_heads", "num_key_value_heads", "n_head_kv", default=heads)
+        head_dim = count("head_dim", "head_dim", default=hidden // heads)
+        if head_dim < 1:
+            raise InvalidArgumentError(f"hidden_size ({hidden}) over num_attention_heads ({heads}) leaves no head_dim; "
+                                       f"give head_dim")
+        act = str(first("hidden_act", "activation_function")[1] or "").lower()
+        gated = act in ("silu", "swiglu", "swish") or first("model_type")[1] in ("llama", "mistral", "qwen2", "qwen3",
+                                                                                  "gemma", "mixtral")
+        ffn = count("ffn", "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)
+        dtype = str(first("torch_dtype")[1] or "bfloat16")
         dtype_bytes = 4 if "float32" in dtype else 2
+        window = hf_sliding_window(config)
         return cls(layers=layers, hidden=hidden, heads=heads, kv_heads=kv, head_dim=head_dim, ffn=ffn,
-                   vocab=first("vocab_size") or 32000, dtype_bytes=dtype_bytes, gated_mlp=gated,
-                   name=str(first("_name_or_path", "model_type") or "hf-config"),
-                   sliding_window=hf_sliding_window(config))
+                   vocab=count("vocab", "vocab_size", default=32000), dtype_bytes=dtype_bytes, gated_mlp=gated,
+                   name=str(first("_name_or_path", "model_type")[1] or "hf-config"),
+                   sliding_window=None if window is None else integer(window, "sliding_window", minimum=1))
 
 
 # GPT-style models follow the GPT-3 paper's shapes (Brown et al. 2020, Table 2.1, 2.7B/6.7B/13B) with
@@ -198,10 +221,8 @@ class Training:
     reserved_gib: float = 2.0
 
     def __post_init__(self):
-        object.__setattr__(self, "sequences", integer(self.sequences, "training.sequences", minimum=1))
-        if not isinstance(self.checkpointing, (bool, int)):
-            raise InvalidArgumentError(f"training.checkpointing must be a bool, got {self.checkpointing!r}")
-        object.__setattr__(self, "checkpointing", bool(self.checkpointing))
+        object.__setattr__(self, "sequences", core_integer(self.sequences, "training.sequences", "training.sequences"))
+        object.__setattr__(self, "checkpointing", boolean(self.checkpointing, "training.checkpointing"))
         try:
             object.__setattr__(self, "sharding", Sharding(self.sharding))
         except ValueError:
@@ -237,11 +258,7 @@ def _read_hf_config(path) -> dict:
     if not os.path.isfile(file):
         raise InvalidArgumentError(f"model config {path!r}: no such file" +
                                    (" (the folder has no config.json)" if os.path.isdir(path) else ""))
-    with open(file) as f:
-        try:
-            cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise InvalidArgumentError(f"model config {file!r} is not JSON ({e})") from None
+    cfg = load_json(read_text(file, "model config"), f"model config {file!r}")
     if not isinstance(cfg, dict):
         raise InvalidArgumentError(f"model config {file!r} holds a {type(cfg).__name__}, not a JSON object")
     return cfg

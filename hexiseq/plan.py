@@ -11,12 +11,15 @@ from typing import Dict, List, Optional, Union
 import numpy as np
 
 from . import _core
-from ._validate import integer, parse_tokens
+from ._validate import boolean, integer, integers, load_json, parse_tokens
 from .cluster import Cluster
-from .errors import InvalidArgumentError, LayoutError, MemoryFitError, UnsupportedError
+from .errors import InternalError, InvalidArgumentError, LayoutError, MemoryFitError, UnsupportedError
 from .model import Model, Sharding, Training
 
 __all__ = ["Strategy", "Layout", "Plan", "DeviceTable", "plan", "evaluate", "compare"]
+
+
+PLAN_FORMAT_VERSION = 1  # of the JSON to_json writes; from_json reads this version only
 
 
 class Strategy(str, enum.Enum):
@@ -41,6 +44,16 @@ def _strategy(value) -> Strategy:
         raise InvalidArgumentError(f"strategy must be one of {[s.value for s in Strategy]}, got {value!r}") from None
 
 
+def _layout_bounds(name):
+    """(lo, hi) no entry of layout array `name` can leave, from the core's limits; the core checks the rest (shares
+    that add up, heads that tile, devices of the cluster)."""
+    devices = _core.int_range("devices")[1]
+    tokens = _core.int_range("seq_len")[1]
+    heads = _core.int_range("model.heads")[1]
+    return {"group_size": (1, devices), "group_seq": (1, tokens), "device": (0, devices - 1), "tokens": (0, tokens),
+            "head_lo": (0, heads), "head_count": (0, heads)}[name]
+
+
 class Layout:
     """What a plan describes, as flat arrays (see csrc/hexiseq.h, hexiseq_layout).
 
@@ -58,10 +71,11 @@ class Layout:
         values = dict(group_size=group_size, group_seq=group_seq, device=device, tokens=tokens, head_lo=head_lo,
                       head_count=head_count)
         for name, dtype in self._ARRAYS:
-            try:
-                arr = np.array(values[name], dtype=dtype).reshape(-1)
-            except (TypeError, ValueError, OverflowError):
-                raise LayoutError(f"layout.{name} must be a list of integers, got {values[name]!r}") from None
+            try:  # every entry an integer in the core's outer bounds: no float truncated, no value wrapped
+                ints = integers(values[name], f"layout.{name}", *_layout_bounds(name))
+            except InvalidArgumentError as e:
+                raise LayoutError(str(e)) from None
+            arr = np.array(ints, dtype=dtype)
             arr.setflags(write=False)
             setattr(self, name, arr)
         if len(self.group_seq) != len(self.group_size):
@@ -87,28 +101,37 @@ class Layout:
             for key in ("devices", "seq", "tokens"):
                 if key not in grp:
                     raise LayoutError(f"{where}.{key} is required")
-            devices = list(grp["devices"])
-            tokens = list(grp["tokens"])
-            if len(tokens) != len(devices):
-                raise LayoutError(f"{where}.tokens has {len(tokens)} entries for {len(devices)} devices")
-            if "head_ranges" in grp:
-                ranges = [tuple(r) for r in grp["head_ranges"]]
-                if len(ranges) != len(devices) or any(len(r) != 2 for r in ranges):
-                    raise LayoutError(f"{where}.head_ranges must be one [lo, hi) pair per device")
-                lows = [integer(r[0], f"{where}.head_ranges") for r in ranges]
-                counts = [integer(r[1], f"{where}.head_ranges") - integer(r[0], f"{where}.head_ranges")
-                          for r in ranges]
-            elif "heads" in grp:
-                counts = [integer(h, f"{where}.heads") for h in grp["heads"]]
-                if len(counts) != len(devices):
-                    raise LayoutError(f"{where}.heads has {len(counts)} entries for {len(devices)} devices")
-                lows = list(np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int)) if counts else []
-            else:
-                raise LayoutError(f"{where} needs heads (counts) or head_ranges")
+            try:
+                devices = integers(grp["devices"], f"{where}.devices", *_layout_bounds("device"))
+                tokens = integers(grp["tokens"], f"{where}.tokens", *_layout_bounds("tokens"))
+                if len(tokens) != len(devices):
+                    raise LayoutError(f"{where}.tokens has {len(tokens)} entries for {len(devices)} devices")
+                if "head_ranges" in grp:
+                    ranges = grp["head_ranges"]
+                    if isinstance(ranges, (str, bytes, dict)) or not isinstance(ranges, (list, tuple)):
+                        raise LayoutError(f"{where}.head_ranges must be one [lo, hi) pair per device, got {ranges!r}")
+                    ranges = [integers(r, f"{where}.head_ranges[{i}]", *_layout_bounds("head_lo"))
+                              for i, r in enumerate(ranges)]
+                    if len(ranges) != len(devices) or any(len(r) != 2 for r in ranges):
+                        raise LayoutError(f"{where}.head_ranges must be one [lo, hi) pair per device")
+                    lows = [r[0] for r in ranges]
+                    counts = [r[1] - r[0] for r in ranges]
+                elif "heads" in grp:
+                    counts = integers(grp["heads"], f"{where}.heads", *_layout_bounds("head_count"))
+                    if len(counts) != len(devices):
+                        raise LayoutError(f"{where}.heads has {len(counts)} entries for {len(devices)} devices")
+                    lows = [int(x) for x in np.concatenate([[0], np.cumsum(counts)[:-1]])] if counts else []
+                else:
+                    raise LayoutError(f"{where} needs heads (counts) or head_ranges")
+                seq = integer(grp["seq"], f"{where}.seq", *_layout_bounds("group_seq"))
+            except LayoutError:
+                raise
+            except InvalidArgumentError as e:
+                raise LayoutError(str(e)) from None
             gs.append(len(devices))
-            gq.append(integer(grp["seq"], f"{where}.seq"))
-            dev += [integer(d, f"{where}.devices") for d in devices]
-            tok += [integer(t, f"{where}.tokens") for t in tokens]
+            gq.append(seq)
+            dev += devices
+            tok += tokens
             lo += lows
             cnt += counts
         return cls(gs, gq, dev, tok, lo, cnt)
@@ -274,9 +297,8 @@ class Plan:
     def group_positions(self, group: int) -> np.ndarray:
         """Absolute token positions owned by a group, in the order its members' shares are laid out:
         the front chunk then the mirrored back chunk (load-balanced causal layout)."""
+        group = self._group(group)
         seq = self.layout.group_seq
-        if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or not 0 <= group < len(seq):
-            raise InvalidArgumentError(f"group must be in [0, {len(seq)}), got {group!r}")
         back = seq // 2
         front = seq - back
         f0 = int(front[:group].sum())
@@ -285,6 +307,7 @@ class Plan:
 
     def group_chunks(self, group: int):
         """The group's positions as contiguous chunks: [(first position, length), ...] in layout order."""
+        group = self._group(group)
         seq = self.layout.group_seq
         back = seq // 2
         front = seq - back
@@ -292,6 +315,20 @@ class Plan:
         b_end = int(self.seq_len - back[:group].sum())
         chunks = [(f0, int(front[group])), (b_end - int(back[group]), int(back[group]))]
         return [(p0, n) for p0, n in chunks if n > 0]
+
+    def _group(self, group) -> int:
+        """A group index in [0, num_groups): no negative indexing from the end."""
+        g = len(self.layout.group_seq)
+        if isinstance(group, (bool, np.bool_)) or not isinstance(group, (int, np.integer)) or not 0 <= group < g:
+            raise InvalidArgumentError(f"group must be in [0, {g}), got {group!r}")
+        return int(group)
+
+    def _dim(self, dim, ndim: int, what: str) -> int:
+        """An axis of a tensor of `ndim` dimensions, negative counting from the end as NumPy and torch do."""
+        if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)) or not -ndim <= dim < ndim:
+            raise InvalidArgumentError(f"dim must be an axis of {what} ({ndim} dimension(s): in [{-ndim}, {ndim})), "
+                                       f"got {dim!r}")
+        return int(dim) % ndim
 
     def _slot(self, rank: int) -> int:
         """Layout slot of a rank (rank = cluster device id)."""
@@ -316,6 +353,9 @@ class Plan:
     def shard(self, x, dim: int, rank: int):
         """The rank's shard of a full-sequence tensor or array `x` along `dim` (its tokens, in order)."""
         idx = self.positions(rank)
+        if not hasattr(getattr(x, "shape", None), "__len__"):
+            raise InvalidArgumentError(f"x must be an array or a tensor, got {type(x).__name__}")
+        dim = self._dim(dim, len(x.shape), "x")
         if x.shape[dim] != self.seq_len:
             raise InvalidArgumentError(f"x has {x.shape[dim]} positions along dim {dim}, the plan {self.seq_len}")
         if hasattr(x, "index_select"):  # torch
@@ -327,8 +367,23 @@ class Plan:
     def unshard(self, shards, dim: int):
         """Reassemble the full sequence from every rank's shard (a list indexed by rank)."""
         n = self.cluster.num_devices
+        if isinstance(shards, (str, bytes, dict)) or not isinstance(shards, (list, tuple)):
+            raise InvalidArgumentError(f"shards must be a list with one shard per rank ({n}), got "
+                                       f"{type(shards).__name__}")
         if len(shards) != n:
             raise InvalidArgumentError(f"unshard needs one shard per rank ({n}), got {len(shards)}")
+        for r, x in enumerate(shards):
+            if not hasattr(getattr(x, "shape", None), "__len__"):
+                raise InvalidArgumentError(f"shards[{r}] must be an array or a tensor, got {type(x).__name__}")
+        ndim = len(shards[0].shape)
+        dim = self._dim(dim, ndim, "shards[0]")
+        for r, x in enumerate(shards):
+            want = int(self.layout.tokens[self._slot(r)])
+            if len(x.shape) != ndim or x.shape[dim] != want:
+                got = (f"{x.shape[dim]} along dim {dim}" if len(x.shape) == ndim
+                       else f"{len(x.shape)} dimension(s), shards[0] {ndim}")
+                raise InvalidArgumentError(f"shards[{r}] (rank {r}) must hold the rank's {want} tokens along dim "
+                                           f"{dim}, got {got}")
         order = np.concatenate([self.positions(r) for r in range(n)])
         inverse = np.empty_like(order)
         inverse[order] = np.arange(len(order))
@@ -414,21 +469,25 @@ class Plan:
     def to_json(self, indent: Optional[int] = None) -> str:
         """JSON of everything needed to rebuild the plan, plus its predictions (for reading, not trusted
         on load: `from_json` recomputes them)."""
-        doc = {"format": "hexiseq-plan", "format_version": 1, "hexiseq_version": _core.VERSION,
+        doc = {"format": "hexiseq-plan", "format_version": PLAN_FORMAT_VERSION, "hexiseq_version": _core.VERSION,
                "strategy": self.strategy, **self._identity(), "fingerprint": self.fingerprint,
                "predicted": {k: self._cost[k] for k in ("step_time_s", "tokens_per_s", "lower_bound_s",
                                                          "gemm_phase_s", "a2a_phase_s", "ring_phase_s",
                                                          "grad_sync_s", "grad_exposed_s")}}
-        return json.dumps(doc, indent=indent)
+        try:
+            return json.dumps(doc, indent=indent, allow_nan=False)  # strict JSON: no bare NaN or Infinity
+        except ValueError as e:  # a prediction the cost model should never give
+            raise InternalError(f"plan has a non-finite figure, cannot be written as JSON: {e}") from None
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        try:
-            doc = json.loads(text)
-        except (TypeError, json.JSONDecodeError) as e:
-            raise InvalidArgumentError(f"not a plan: invalid JSON ({e})") from None
+        doc = load_json(text, "plan")
         if not isinstance(doc, dict) or doc.get("format") != "hexiseq-plan":
             raise InvalidArgumentError("not a plan: missing format 'hexiseq-plan'")
+        version = doc.get("format_version")
+        if version != PLAN_FORMAT_VERSION or isinstance(version, bool):
+            raise InvalidArgumentError(f"plan format_version is {version!r}; this hexiseq ({_core.VERSION}) reads "
+                                       f"format_version {PLAN_FORMAT_VERSION}")
         missing = [k for k in ("cluster", "model", "training", "seq_len", "causal", "strategy", "layout") if k not in doc]
         if missing:
             raise InvalidArgumentError(f"not a plan: missing field(s) {missing}")
@@ -479,7 +538,7 @@ def _ranges(ids: List[int]) -> str:
 def _inputs(cluster, model, training, seq_len):
     if isinstance(cluster, dict):
         cluster = Cluster.from_dict(cluster)
-    elif isinstance(cluster, str):
+    elif isinstance(cluster, (str, os.PathLike)):
         cluster = Cluster.from_file(cluster)
     if not isinstance(cluster, Cluster):
         raise InvalidArgumentError(f"cluster must be a Cluster, a dict or a file path, got {cluster!r}")
@@ -508,9 +567,11 @@ def evaluate(cluster, *, model="gpt-7b", seq_len=131072, layout, training=None, 
     An invalid layout (shares that don't add up, overlapping or missing heads, a device twice or missing)
     raises LayoutError naming the field."""
     cluster, model, training, seq_len = _inputs(cluster, model, training, seq_len)
+    if not isinstance(strategy, str):
+        raise InvalidArgumentError(f"strategy must be a name (a string), got {strategy!r}")
     if not isinstance(layout, Layout):
         layout = Layout.from_dict(layout)
-    return Plan(cluster, model, training, seq_len, bool(causal), strategy, layout)
+    return Plan(cluster, model, training, seq_len, boolean(causal, "causal"), strategy, layout)
 
 
 def _plan_one(cluster, model, training, seq_len, causal, strategy: Strategy) -> Plan:
@@ -526,7 +587,7 @@ def compare(cluster, *, model="gpt-7b", seq_len=131072, training=None, causal=Tr
     out = {}
     for s in ALL_STRATEGIES:
         try:
-            out[s.value] = _plan_one(cluster, model, training, seq_len, bool(causal), s)
+            out[s.value] = _plan_one(cluster, model, training, seq_len, boolean(causal, "causal"), s)
         except (UnsupportedError, MemoryFitError) as e:
             out[s.value] = e
     return out
@@ -607,7 +668,7 @@ def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=N
     count)."""
     strategy = _strategy(strategy)
     cluster, model, training, seq_len = _inputs(cluster, model, training, seq_len)
-    causal = bool(causal)
+    causal = boolean(causal, "causal")
     if strategy is not Strategy.AUTO:
         try:
             return _plan_one(cluster, model, training, seq_len, causal, strategy)
