@@ -16,7 +16,7 @@ EXPECTED_ALL = [
     "__version__", "build_info",
     "cuda_device_count", "gpu_catalog", "Cluster", "Node", "DeviceRates", "Model", "MODEL_PRESETS", "Training",
     "Sharding", "Strategy", "Layout", "Plan", "DeviceTable", "plan", "evaluate", "compare", "calibrate", "measure",
-    "Measurement", "HexiseqError", "InvalidArgumentError", "UnknownGPUError", "LayoutError", "MemoryFitError",
+    "Measurement", "HexiseqError", "InvalidArgumentError", "UnknownGPUError", "LayoutError", "MemoryFitError", "RankMismatchError",
     "UnsupportedError", "CudaError", "InternalError", "ops",
 ]
 
