@@ -1,12 +1,16 @@
 """How much communication the distributed attention layer exposes: layer time across processes against the
 time its attention kernels take on the slowest rank.
 
-Usage: python benchmarks/bench_runtime.py [--world 2] [--seq 4096] [--reps 5] [--out benchmarks/results/runtime.md]
+Usage: python benchmarks/bench_runtime.py [--world 2] [--seq 4096] [--reps 5] [--slices 1,4]
+                                         [--out benchmarks/results/runtime.md]
 
 For each plan, every rank runs HexiSeqAttention forward+backward on its shard (Gloo, CPU, one thread per
 process). Reported per plan: the layer's wall time (median over --reps after a warm-up, slowest rank),
 the time spent inside attention kernels on the slowest rank, and the difference (all-to-all, ring transfers
-not hidden, packing and merging). Also, for reference, the kernels on the whole sequence in one process.
+not hidden, packing and merging), and the part of it spent waiting for all-to-alls. Each plan runs once per
+--slices value (the number of kv-head slices a layer is pipelined in: 1 is the plain layer, whose all-to-alls
+stand alone), side by side in the same run. Also, for reference, the kernels on the whole sequence in one
+process.
 On a 2-core machine use --world 2: more processes than cores measure the scheduler, not the layer."""
 
 import argparse
@@ -45,7 +49,7 @@ def plans(world, seq, model):
     return out
 
 
-def worker(rank, world, init, plan_json, reps, results):
+def worker(rank, world, init, plan_json, reps, slices, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
@@ -53,26 +57,28 @@ def worker(rank, world, init, plan_json, reps, results):
 
     plan = hexiseq.Plan.from_json(plan_json)
     m = plan.model
-    attn = HexiSeqAttention(plan)
+    attn = HexiSeqAttention(plan, a2a_slices=slices)
     s = int(plan.devices.tokens[plan._slot(rank)])
     g = torch.Generator().manual_seed(rank)
     q = torch.randn(1, s, m.heads, m.head_dim, generator=g, requires_grad=True)
     k = torch.randn(1, s, m.kv_heads, m.head_dim, generator=g, requires_grad=True)
     v = torch.randn(1, s, m.kv_heads, m.head_dim, generator=g, requires_grad=True)
-    layer, kern = [], []
+    layer, kern, a2a = [], [], []
     for it in range(reps + 1):
         dist.barrier()
-        attn.context.kernel_s = 0.0
+        attn.context.reset_timers()
         t0 = time.perf_counter()
         o = attn(q, k, v)
         o.backward(torch.ones_like(o))
-        t = torch.tensor([time.perf_counter() - t0, attn.context.kernel_s], dtype=torch.float64)
+        t = torch.tensor([time.perf_counter() - t0, attn.context.kernel_s, attn.context.phase_s["a2a"]],
+                         dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if it:  # the first run is a warm-up
             layer.append(t[0].item())
             kern.append(t[1].item())
+            a2a.append(t[2].item())
     if rank == 0:
-        results.put((statistics.median(layer), statistics.median(kern)))
+        results.put((statistics.median(layer), statistics.median(kern), statistics.median(a2a)))
     dist.destroy_process_group()
 
 
@@ -97,6 +103,7 @@ def main(argv=None):
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--slices", default="1,4", help="comma-separated slice counts to compare (default 1,4)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     model = hexiseq.Model(layers=1, hidden=1024, heads=16, kv_heads=4, head_dim=64, ffn=4096, vocab=1000)
@@ -104,18 +111,20 @@ def main(argv=None):
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         for name, plan in plans(args.world, args.seq, model).items():
-            results = ctx.SimpleQueue()
-            init = f"file://{tmp}/store-{time.monotonic_ns()}"
-            procs = [ctx.Process(target=worker, args=(r, args.world, init, plan.to_json(), args.reps, results))
-                     for r in range(args.world)]
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join()
-            layer, kern = results.get()
-            rows.append((name, plan.num_groups, layer, kern))
-            print(f"{name:<24} groups {plan.num_groups}  layer {layer * 1e3:8.1f} ms  kernels {kern * 1e3:8.1f} ms  "
-                  f"exposed {100 * (layer - kern) / layer:5.1f}%", flush=True)
+            for slices in [int(x) for x in args.slices.split(",")]:
+                results = ctx.SimpleQueue()
+                init = f"file://{tmp}/store-{time.monotonic_ns()}"
+                procs = [ctx.Process(target=worker, args=(r, args.world, init, plan.to_json(), args.reps, slices,
+                                                          results)) for r in range(args.world)]
+                for p in procs:
+                    p.start()
+                for p in procs:
+                    p.join()
+                layer, kern, a2a = results.get()
+                rows.append((name, plan.num_groups, slices, layer, kern, a2a))
+                print(f"{name:<24} groups {plan.num_groups}  slices {slices}  layer {layer * 1e3:8.1f} ms  "
+                      f"kernels {kern * 1e3:8.1f} ms  exposed {100 * (layer - kern) / layer:5.1f}%  "
+                      f"a2a wait {100 * a2a / layer:5.1f}%", flush=True)
     single = single_process_kernels(args.seq, model, args.reps)
     print(f"kernels on the whole sequence in one process: {single * 1e3:.1f} ms")
     if args.out:
@@ -125,14 +134,16 @@ def main(argv=None):
             f.write(f"Machine: {machine()}; load average at the end {load[0]:.2f}. Gloo on CPU, {args.world} processes, "
                     "one thread each.\n\n")
             f.write(f"Command: `python benchmarks/bench_runtime.py --world {args.world} --seq {args.seq} "
-                    f"--reps {args.reps} --out {args.out}`\n\n")
+                    f"--reps {args.reps} --slices {args.slices} --out {args.out}`\n\n")
             f.write(f"Shapes: batch 1, seq {args.seq}, 16 query heads, 4 kv heads, head dim 64, fp32, causal; "
                     "forward+backward of one layer. Times: median over reps, slowest rank.\n\n")
-            f.write("| plan | groups | layer | attention kernels (slowest rank) | exposed (layer - kernels) |\n")
-            f.write("|---|---:|---:|---:|---:|\n")
-            for name, groups, layer, kern in rows:
-                f.write(f"| {name} | {groups} | {layer * 1e3:.1f} ms | {kern * 1e3:.1f} ms | "
-                        f"{(layer - kern) * 1e3:.1f} ms ({100 * (layer - kern) / layer:.0f}%) |\n")
+            f.write("| plan | groups | slices | layer | attention kernels (slowest rank) | exposed (layer - kernels) "
+                    "| of which all-to-all wait |\n")
+            f.write("|---|---:|---:|---:|---:|---:|---:|\n")
+            for name, groups, slices, layer, kern, a2a in rows:
+                f.write(f"| {name} | {groups} | {slices} | {layer * 1e3:.1f} ms | {kern * 1e3:.1f} ms | "
+                        f"{(layer - kern) * 1e3:.1f} ms ({100 * (layer - kern) / layer:.1f}%) | "
+                        f"{a2a * 1e3:.1f} ms ({100 * a2a / layer:.1f}%) |\n")
             f.write(f"\nThe same kernels on the whole sequence in one process: {single * 1e3:.1f} ms.\n")
         print(f"wrote {args.out}")
     return 0

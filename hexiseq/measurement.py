@@ -79,8 +79,10 @@ class Measurement:
                          f"{ms(r['total_s'])}")
         lines.append(f"step: measured {self.step_s * 1e3:.2f} ms, predicted {self.predicted_step_s * 1e3:.2f} ms, "
                      f"measured/predicted {self.ratio:.3f}")
-        lines.append("a2a measured includes waiting for the group's slowest member; ring = ring communication not "
-                     "hidden behind the kernels; rest (predicted) = token-parallel compute of the layer")
+        lines.append("a2a measured = waiting for all-to-alls, including for the group's slowest member (the runtime "
+                     "pipelines them over slices of kv heads, so part travels behind attention; the model "
+                     "predicts them unhidden); ring = ring communication not hidden behind the kernels; rest "
+                     "(predicted) = token-parallel compute of the layer")
         return "\n".join(lines)
 
 
