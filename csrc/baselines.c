@@ -42,7 +42,7 @@ hexiseq_status hexiseq_plan_baseline(const hexiseq_cluster *c, const hexiseq_mod
         int32_t cp = n / hp;
         if (seq_len < cp || seq_len < n)
             continue; /* a uniform split needs a token per device */
-        st = hexiseq_budget_tick(b, found);
+        st = hexiseq_budget_tick(b, found && cost->fits);
         if (st != HEXISEQ_OK)
             break;
         hexiseq_layout cand;

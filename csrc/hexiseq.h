@@ -263,7 +263,7 @@ HEXISEQ_API hexiseq_status hexiseq_plan_strategy(const hexiseq_cluster *cluster,
 typedef int (*hexiseq_progress_fn)(void *user); /* return nonzero to cancel the call */
 typedef struct {
     double time_limit_s;          /* > 0: stop after about this long with the best plan found so far (never
-                                     before a first valid plan); <= 0: no limit */
+                                     before a first layout that fits); <= 0: no limit */
     hexiseq_progress_fn progress; /* optional: called from the planning thread about every 50 ms;
                                      a nonzero return ends the call with HEXISEQ_ERR_CANCELLED */
     void *progress_user;          /* passed to `progress` */

@@ -105,8 +105,9 @@ enum { HEXISEQ_BUDGET_RUNNING = 0, HEXISEQ_BUDGET_TIME = 1, HEXISEQ_BUDGET_CANCE
 double hexiseq_now_s(void);
 void hexiseq_budget_init(hexiseq_budget *b, const hexiseq_plan_options *opt);
 /* Counts one evaluation and polls: HEXISEQ_OK to go on, HEXISEQ_ERR_CANCELLED to stop (b->stopped says
- * why: the time limit, or the callback). The time limit only stops a search that `have_plan`. Once
- * stopped, every later call stops too. */
+ * why: the time limit, or the callback). The time limit only stops a search that `have_plan` (holds a
+ * layout that fits), so a stopped search still returns a valid plan. Once stopped, every later call stops
+ * too. */
 hexiseq_status hexiseq_budget_tick(hexiseq_budget *b, int have_plan);
 
 /* The uniform baselines (Ring, Ulysses, USP; inputs already validated): best layout of `strategy` into

@@ -31,7 +31,7 @@
 #include "scheduler.h"
 
 hexiseq_status hexiseq_sched_eval(sched *s, const hexiseq_layout *l, hexiseq_plan_cost *cost) {
-    HEXISEQ_CHECK(hexiseq_budget_tick(s->budget, s->have_best));
+    HEXISEQ_CHECK(hexiseq_budget_tick(s->budget, s->have_best && s->best_cost.fits));
     return hexiseq_evaluate(s->c, s->m, s->t, s->S, s->causal, l, s->per, cost);
 }
 
