@@ -10,6 +10,8 @@
 
 #define GIB 1073741824.0
 
+int32_t hexiseq_grouped_above = 32;
+
 /* Kernel efficiency falls for short dimensions: rate = peak * eff * n / (n + half). The half-points
  * fit FlashAttention-2's forward curve on H100 (about 57% of its plateau at 512 tokens) and the usual
  * cuBLAS behaviour for matmuls with a few hundred rows. */
@@ -222,7 +224,18 @@ typedef struct {
     int32_t *group_of;        /* [n_devices] group of layout slot r */
     int32_t *offset;          /* [n_groups + 1] first slot of each group */
     hexiseq_group_span *span; /* [n_groups] */
-    double *step_pairs;       /* [n_groups] visible pairs at each ring step, for the group being scored */
+    double *step_pairs;       /* [n_groups] visible pairs at each ring step, for the group being scored
+                                 (direct pricing only) */
+    double max_block;         /* longest ring block (the largest S_g; 0 with one group), tokens */
+    /* Grouped ring pricing (n_types > 0): ring step k of group g depends on the step's source group src
+     * only through (S_src, S_next) and on which side of g src lies, so the steps of a group are priced once
+     * per distinct (S_src, S_next, side) and weighted by how often it occurs. */
+    int32_t n_types;          /* distinct (S_src, S_src-1) pairs over the ring; 0: price step by step */
+    int32_t *type_of;         /* [n_groups] type of source group src */
+    int64_t *type_sk;         /* [n_types] S_src */
+    int64_t *type_snext;      /* [n_types] S of the group before src in the ring (the block arriving next) */
+    int32_t *type_total;      /* [n_types] source groups of each type */
+    int32_t *type_before;     /* [n_types] of which before the group being scored (index < g) */
 } cost_ctx;
 
 /* Forward FLOPs of the token-parallel part of one layer, per token: q, k, v, o projections and MLP. */
@@ -337,6 +350,23 @@ static int32_t kv_holder(const cost_ctx *x, int32_t g, int32_t h) {
     return -1; /* unreachable for a validated layout: every group covers all heads */
 }
 
+/* Devices whose rates are the same (model, peak, efficiencies, measured curves): every compute term of
+ * one equals the other's for the same work. */
+static int same_curve(const hexiseq_rate_curve *a, const hexiseq_rate_curve *b) {
+    if (a->n != b->n)
+        return 0;
+    for (int32_t i = 0; i < a->n; ++i)
+        if (a->size[i] != b->size[i] || a->tflops[i] != b->tflops[i])
+            return 0;
+    return 1;
+}
+
+static int same_rates(const hexiseq_device_info *a, const hexiseq_device_info *b) {
+    return a->gpu_index == b->gpu_index && a->peak_tflops == b->peak_tflops && a->gemm_eff == b->gemm_eff &&
+           a->attn_eff == b->attn_eff && same_curve(&a->gemm_curve, &b->gemm_curve) &&
+           same_curve(&a->attn_curve, &b->attn_curve) && same_curve(&a->attn_causal_curve, &b->attn_causal_curve);
+}
+
 /* Ring transfers of device slot r: it receives its kv heads from the previous group in the ring (from the
  * first holder of each) and sends what the next group takes from it. Receive and send overlap (full
  * duplex); transfers to or from several peers are serialised, and each peer's transfer is one message
@@ -370,7 +400,7 @@ static void ring_link_of(const cost_ctx *x, int32_t r, ring_link *out) {
             last = src;
         }
     }
-    for (int32_t s = x->offset[next]; s < x->offset[next + 1]; ++s) {
+    for (int32_t s = x->offset[next]; s < x->offset[next + 1] && n > 0; ++s) { /* no kv heads: sends none */
         int32_t slo, sn, any = 0;
         hexiseq_kv_range(x->m, x->l->head_lo[s], x->l->head_count[s], &slo, &sn);
         for (int32_t h = slo; h < slo + sn; ++h)
@@ -397,6 +427,72 @@ static double ring_transfer_s(const ring_link *k, double tokens, double msgs) {
  * their owner. Causal blocks run as zigzag half-chunks, so the kernel efficiency is taken at half the
  * shorter block; with measured curves, the two diagonal chunk blocks of step 0 run at the causal curve.
  * `fwd_layer_s` gets one forward pass of one layer and one sequence (no communication). */
+/* One ring step of a device of group g with h heads: the block of a source group of sk tokens whose
+ * positions meet g's queries in `pairs` visible pairs, while (when `more`) the next block of next_tokens
+ * tokens arrives. `diag`: the step of the group's own block (k = 0). Out: the step's forward attention
+ * (fwd), its compute (forward passes + backward) and its exposed communication, one layer, one sequence. */
+static void ring_step(const cost_ctx *x, const hexiseq_device_info *d, int32_t h, const ring_link *link, int32_t g,
+                      int diag, double pairs, double sk, int more, double next_tokens, double *fwd_out,
+                      double *compute_out, double *exposed_out) {
+    int split_diag = x->causal && (d->attn_causal_curve.n > 0 || d->attn_curve.n > 0);
+    double fwd_passes = 1.0 + (x->t->checkpointing ? 1.0 : 0.0);
+    double sq = (double)x->l->group_seq[g];
+    /* causal blocks run as zigzag half-chunks: the kernel sees blocks half as long */
+    double block = (sq < sk ? sq : sk) * (x->causal ? 0.5 : 1.0);
+    double fwd = 0.0;
+    if (pairs > 0 && split_diag && diag) {
+        /* own positions: front x front and back x back are causal diagonal blocks, back x front full */
+        double fl = (double)x->span[g].front_len, bl = (double)x->span[g].back_len;
+        double diag_f = fl * (fl + 1.0) / 2.0, diag_b = bl * (bl + 1.0) / 2.0, rest = pairs - diag_f - diag_b;
+        double pair_time = 0.0; /* sum over blocks of pairs / rate; times FLOPs per pair = seconds */
+        if (fl > 0)
+            pair_time += diag_f / attn_diag_rate_flops(d, fl);
+        if (bl > 0)
+            pair_time += diag_b / attn_diag_rate_flops(d, bl);
+        if (rest > 0)
+            pair_time += rest / attn_rate_flops(d, block);
+        fwd = attn_fwd_flops(x->m, 1.0, h) * pair_time;
+    } else if (pairs > 0) {
+        fwd = attn_fwd_flops(x->m, pairs, h) / attn_rate_flops(d, block);
+    }
+    double fwd_comm = more ? ring_transfer_s(link, next_tokens, 1.0) : 0.0;
+    double bwd = fwd * ATTN_BWD_FACTOR;
+    /* dK, dV of this step's block move on, accumulated and sent in fp32 */
+    double bwd_comm = ring_transfer_s(link, next_tokens + sk * (4.0 / x->m->dtype_bytes), more ? 2.0 : 1.0);
+    double fwd_sync = more ? link->sync : 0.0, bwd_sync = link->sync;
+    *fwd_out = fwd;
+    *compute_out = fwd * fwd_passes + bwd;
+    *exposed_out = fwd_passes * (fmax(0.0, fwd_comm - fwd) + fwd_sync) + fmax(0.0, bwd_comm - bwd) + bwd_sync;
+}
+
+/* Visible pairs of group g's queries with the keys of a source group of sk tokens lying before g in the
+ * ring (before = 1) or after it. Zigzag spans: every front chunk precedes every back chunk, fronts in ring
+ * order, backs mirrored; so a source before g has its front before g's front and its back after g's
+ * back, and the reverse after g. Pairs of disjoint position ranges depend only on lengths and order, so a
+ * stand-in span of the same lengths and order gives exactly the pairs of every such source. */
+static double side_pairs(const cost_ctx *x, int32_t g, int64_t sk, int before) {
+    const hexiseq_group_span *q = &x->span[g];
+    hexiseq_group_span k;
+    k.back_len = sk / 2;
+    k.front_len = sk - k.back_len;
+    if (before) {
+        k.front_start = q->front_start - k.front_len;
+        k.back_start = q->back_start + q->back_len;
+    } else {
+        k.front_start = q->front_start + q->front_len;
+        k.back_start = q->back_start - k.back_len;
+    }
+    return group_pairs(q, &k, x->causal);
+}
+
+/* Attention and exposed ring time of slot r over the whole step. Ring step k attends the group's queries
+ * to the block of the group k places back in the ring while the next block arrives; a step costs
+ * max(compute, transfer) plus a synchronisation that compute cannot hide (the largest latency among the
+ * messages received in the step). Backward moves K, V forward and dK, dV along with them (accumulated in
+ * fp32, so 4/dtype_bytes times the bytes of K, V, in messages of their own), and the last dK, dV back to
+ * their owner. Causal blocks run as zigzag half-chunks, so the kernel efficiency is taken at half the
+ * shorter block; with measured curves, the two diagonal chunk blocks of step 0 run at the causal curve.
+ * `fwd_layer_s` gets one forward pass of one layer and one sequence (no communication). */
 static void ring_time_s(const cost_ctx *x, int32_t r, const ring_link *link, double *attn_s, double *exposed_s,
                         double *fwd_layer_s) {
     const hexiseq_device_info *d = &x->c->dev[x->l->device[r]];
@@ -406,47 +502,122 @@ static void ring_time_s(const cost_ctx *x, int32_t r, const ring_link *link, dou
     *fwd_layer_s = 0.0;
     if (h == 0)
         return;
-    int split_diag = x->causal && (d->attn_causal_curve.n > 0 || d->attn_curve.n > 0);
-    double fwd_passes = 1.0 + (x->t->checkpointing ? 1.0 : 0.0);
-    double compute = 0.0, exposed = 0.0, fwd_sum = 0.0;
-    double sq = (double)x->l->group_seq[g];
-    for (int32_t k = 0; k < G; ++k) {
-        int32_t src = (g - k + G) % G, nxt = (g - k - 1 + 2 * G) % G;
-        double sk = (double)x->l->group_seq[src];
-        double pairs = x->step_pairs[k]; /* pairs of this group's queries with step k's block */
-        /* causal blocks run as zigzag half-chunks: the kernel sees blocks half as long */
-        double block = (sq < sk ? sq : sk) * (x->causal ? 0.5 : 1.0);
-        double fwd = 0.0;
-        if (pairs > 0 && split_diag && k == 0) {
-            /* own positions: front x front and back x back are causal diagonal blocks, back x front full */
-            double fl = (double)x->span[g].front_len, bl = (double)x->span[g].back_len;
-            double diag_f = fl * (fl + 1.0) / 2.0, diag_b = bl * (bl + 1.0) / 2.0, rest = pairs - diag_f - diag_b;
-            double pair_time = 0.0; /* sum over blocks of pairs / rate; times FLOPs per pair = seconds */
-            if (fl > 0)
-                pair_time += diag_f / attn_diag_rate_flops(d, fl);
-            if (bl > 0)
-                pair_time += diag_b / attn_diag_rate_flops(d, bl);
-            if (rest > 0)
-                pair_time += rest / attn_rate_flops(d, block);
-            fwd = attn_fwd_flops(x->m, 1.0, h) * pair_time;
-        } else if (pairs > 0) {
-            fwd = attn_fwd_flops(x->m, pairs, h) / attn_rate_flops(d, block);
+    double compute = 0.0, exposed = 0.0, fwd_sum = 0.0, f, cm, ex;
+    if (x->n_types == 0) { /* step by step, in ring order */
+        for (int32_t k = 0; k < G; ++k) {
+            int32_t src = (g - k + G) % G, nxt = (g - k - 1 + 2 * G) % G;
+            int more = k < G - 1; /* the next block arrives during this step */
+            ring_step(x, d, h, link, g, k == 0, x->step_pairs[k], (double)x->l->group_seq[src], more,
+                      more ? (double)x->l->group_seq[nxt] : 0.0, &f, &cm, &ex);
+            compute += cm;
+            fwd_sum += f;
+            exposed += ex;
         }
-        int more = k < G - 1; /* the next block arrives during this step */
-        double next_tokens = more ? (double)x->l->group_seq[nxt] : 0.0;
-        double fwd_comm = more ? ring_transfer_s(link, next_tokens, 1.0) : 0.0;
-        double bwd = fwd * ATTN_BWD_FACTOR;
-        /* dK, dV of this step's block move on, accumulated and sent in fp32 */
-        double bwd_comm = ring_transfer_s(link, next_tokens + sk * (4.0 / x->m->dtype_bytes), more ? 2.0 : 1.0);
-        double fwd_sync = more ? link->sync : 0.0, bwd_sync = link->sync;
-        compute += fwd * fwd_passes + bwd;
-        fwd_sum += fwd;
-        exposed += fwd_passes * (fmax(0.0, fwd_comm - fwd) + fwd_sync) + fmax(0.0, bwd_comm - bwd) + bwd_sync;
+    } else { /* grouped: own block, the last step (source g + 1, nothing arrives), then each type and side */
+        ring_step(x, d, h, link, g, 1, x->step_pairs[0], (double)x->l->group_seq[g], G > 1,
+                  G > 1 ? (double)x->l->group_seq[(g - 1 + G) % G] : 0.0, &f, &cm, &ex);
+        compute += cm;
+        fwd_sum += f;
+        exposed += ex;
+        int32_t last = (g + 1) % G, last_type = x->type_of[last], own_type = x->type_of[g];
+        int last_before = last < g;
+        if (G > 1) {
+            int64_t sk = x->l->group_seq[last];
+            ring_step(x, d, h, link, g, 0, side_pairs(x, g, sk, last_before), (double)sk, 0, 0.0, &f, &cm, &ex);
+            compute += cm;
+            fwd_sum += f;
+            exposed += ex;
+        }
+        for (int32_t t = 0; t < x->n_types; ++t)
+            for (int before = 0; before < 2; ++before) {
+                int64_t count = before ? x->type_before[t] : x->type_total[t] - x->type_before[t] - (own_type == t);
+                if (G > 1 && last_type == t && last_before == before)
+                    count--;
+                if (count <= 0)
+                    continue;
+                int64_t sk = x->type_sk[t];
+                ring_step(x, d, h, link, g, 0, side_pairs(x, g, sk, before), (double)sk, 1, (double)x->type_snext[t],
+                          &f, &cm, &ex);
+                compute += (double)count * cm;
+                fwd_sum += (double)count * f;
+                exposed += (double)count * ex;
+            }
     }
     double reps = (double)x->m->layers * x->t->sequences;
     *attn_s = compute * reps;
     *exposed_s = exposed * reps;
     *fwd_layer_s = fwd_sum;
+}
+
+/* Ring step types of a layout (see cost_ctx): kept only when they are few (more than
+ * hexiseq_grouped_above groups and at most G / 4 types), else x->n_types = 0 and steps are priced one by
+ * one. Returns 0 on allocation failure. */
+typedef struct {
+    int64_t sk, snext;
+    int32_t src;
+} ring_pair;
+
+static int cmp_ring_pair(const void *a, const void *b) {
+    const ring_pair *p = a, *q = b;
+    if (p->sk != q->sk)
+        return p->sk < q->sk ? -1 : 1;
+    if (p->snext != q->snext)
+        return p->snext < q->snext ? -1 : 1;
+    return (p->src > q->src) - (p->src < q->src);
+}
+
+static int ring_types_build(cost_ctx *x) {
+    int32_t G = x->l->n_groups;
+    x->n_types = 0;
+    if (G <= hexiseq_grouped_above)
+        return 1;
+    ring_pair *pairs = malloc((size_t)G * sizeof *pairs);
+    x->type_of = malloc((size_t)G * sizeof *x->type_of);
+    if (!pairs || !x->type_of) {
+        free(pairs);
+        return 0;
+    }
+    for (int32_t g = 0; g < G; ++g) {
+        pairs[g].sk = x->l->group_seq[g];
+        pairs[g].snext = x->l->group_seq[(g - 1 + G) % G];
+        pairs[g].src = g;
+    }
+    qsort(pairs, (size_t)G, sizeof *pairs, cmp_ring_pair);
+    int32_t T = 0;
+    for (int32_t i = 0; i < G; ++i) {
+        if (i == 0 || pairs[i].sk != pairs[i - 1].sk || pairs[i].snext != pairs[i - 1].snext)
+            ++T;
+        x->type_of[pairs[i].src] = T - 1;
+    }
+    if (T > G / 4) {
+        free(pairs);
+        return 1; /* as many types as steps, nearly: no gain */
+    }
+    x->type_sk = malloc((size_t)T * sizeof *x->type_sk);
+    x->type_snext = malloc((size_t)T * sizeof *x->type_snext);
+    x->type_total = calloc((size_t)T, sizeof *x->type_total);
+    x->type_before = calloc((size_t)T, sizeof *x->type_before);
+    if (!x->type_sk || !x->type_snext || !x->type_total || !x->type_before) {
+        free(pairs);
+        return 0;
+    }
+    for (int32_t i = 0; i < G; ++i) {
+        int32_t t = x->type_of[pairs[i].src];
+        x->type_sk[t] = pairs[i].sk;
+        x->type_snext[t] = pairs[i].snext;
+        x->type_total[t]++;
+    }
+    x->n_types = T;
+    free(pairs);
+    return 1;
+}
+
+static void ring_types_free(cost_ctx *x) {
+    free(x->type_of);
+    free(x->type_sk);
+    free(x->type_snext);
+    free(x->type_total);
+    free(x->type_before);
 }
 
 /* All-to-all of slot r over the whole step, seconds; each of the layer's exchanges is timed as
@@ -521,12 +692,8 @@ void hexiseq_memory_coeffs(const hexiseq_cluster *c, const hexiseq_model *m, con
 
 /* Memory of slot r, filled into the GiB fields of `out`. */
 static void memory_terms(const cost_ctx *x, int32_t r, int32_t kv_n, hexiseq_device_cost *out) {
-    double max_block = 0;
-    if (x->l->n_groups > 1)
-        for (int32_t g = 0; g < x->l->n_groups; ++g)
-            max_block = fmax(max_block, (double)x->l->group_seq[g]);
     hexiseq_memory_coeffs_t mc;
-    hexiseq_memory_coeffs(x->c, x->m, x->t, x->l->device[r], x->l->head_count[r], kv_n, max_block, &mc);
+    hexiseq_memory_coeffs(x->c, x->m, x->t, x->l->device[r], x->l->head_count[r], kv_n, x->max_block, &mc);
     out->mem_states_gib = mc.states_gib;
     out->mem_act_gib = mc.per_token_gib * (double)x->l->tokens[r];
     out->mem_attn_gib = mc.per_group_token_gib * (double)x->l->group_seq[x->group_of[r]];
@@ -640,13 +807,21 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "causal must be 0 or 1, got %d", causal);
     HEXISEQ_CHECK(validate_layout(c, m, seq_len, l));
 
-    cost_ctx x = {c, m, t, l, seq_len, causal, NULL, NULL, NULL, NULL};
+    cost_ctx x;
+    memset(&x, 0, sizeof x);
+    x.c = c;
+    x.m = m;
+    x.t = t;
+    x.l = l;
+    x.seq_len = seq_len;
+    x.causal = causal;
     x.group_of = malloc((size_t)l->n_devices * sizeof *x.group_of);
     x.offset = malloc(((size_t)l->n_groups + 1) * sizeof *x.offset);
     x.span = malloc((size_t)l->n_groups * sizeof *x.span);
     double *group_a2a = calloc((size_t)l->n_groups, sizeof *group_a2a);
     x.step_pairs = malloc((size_t)l->n_groups * sizeof *x.step_pairs);
-    if (!x.group_of || !x.offset || !x.span || !group_a2a || !x.step_pairs) {
+    if (!x.group_of || !x.offset || !x.span || !group_a2a || !x.step_pairs || !ring_types_build(&x)) {
+        ring_types_free(&x);
         free(x.step_pairs);
         free(x.group_of);
         free(x.offset);
@@ -661,6 +836,15 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
             x.group_of[r] = g;
     }
     hexiseq_layout_spans(l, x.span);
+    if (l->n_groups > 1)
+        for (int32_t g = 0; g < l->n_groups; ++g)
+            x.max_block = fmax(x.max_block, (double)l->group_seq[g]);
+    /* Adjacent members of a group alike in everything a term reads get that term copied, bit for bit: the
+     * ring term (same rates, heads and ring link), and the all-to-all (same node, tokens, heads and kv
+     * heads, node-derived links: the two see the same peer terms in the same order). */
+    int links_by_node = !c->bw && !c->lat;
+    ring_link prev_link;
+    double prev_attn_fwd = 0.0;
 
     memset(out, 0, sizeof *out);
     out->short_device = -1;
@@ -669,20 +853,43 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     for (int32_t r = 0; r < l->n_devices; ++r) {
         hexiseq_device_cost *dc = &per_device[r];
         memset(dc, 0, sizeof *dc);
-        if (r == x.offset[x.group_of[r]]) /* first member: the group's pairs per ring step */
-            for (int32_t k = 0, g = x.group_of[r], G = l->n_groups; k < G; ++k)
+        int32_t g = x.group_of[r], G = l->n_groups;
+        int first = r == x.offset[g];
+        if (first) { /* the group's pairs per ring step (grouped pricing needs only its own block's) */
+            for (int32_t k = 0; k < (x.n_types ? 1 : G); ++k)
                 x.step_pairs[k] = group_pairs(&x.span[g], &x.span[(g - k + G) % G], causal);
+            if (x.n_types && g > 0)
+                x.type_before[x.type_of[g - 1]]++;
+        }
         const hexiseq_device_info *d = &c->dev[l->device[r]];
         hexiseq_kv_range(m, l->head_lo[r], l->head_count[r], &dc->kv_lo, &dc->kv_count);
         dc->gemm_s = gemm_time_s(&x, d, l->tokens[r]);
         double gemm_fwd = layer_gemm_fwd_s(&x, d, l->tokens[r]), attn_fwd;
         dc->layer_gemm_s = gemm_fwd * (1.0 + GEMM_BWD_FACTOR);
-        dc->a2a_s = a2a_time_s(&x, r, &dc->a2a_send_bytes, &dc->a2a_recv_bytes);
+        const hexiseq_device_cost *pc = first ? NULL : &per_device[r - 1];
+        if (pc && links_by_node && c->dev[l->device[r]].node == c->dev[l->device[r - 1]].node &&
+            l->tokens[r] == l->tokens[r - 1] && l->head_count[r] == l->head_count[r - 1] &&
+            dc->kv_count == pc->kv_count) {
+            dc->a2a_s = pc->a2a_s;
+            dc->a2a_send_bytes = pc->a2a_send_bytes;
+            dc->a2a_recv_bytes = pc->a2a_recv_bytes;
+        } else {
+            dc->a2a_s = a2a_time_s(&x, r, &dc->a2a_send_bytes, &dc->a2a_recv_bytes);
+        }
         ring_link link;
         ring_link_of(&x, r, &link);
         dc->ring_send_bytes = link.send_bytes;
         dc->ring_recv_bytes = link.recv_bytes;
-        ring_time_s(&x, r, &link, &dc->attn_s, &dc->ring_exposed_s, &attn_fwd);
+        if (pc && l->head_count[r] == l->head_count[r - 1] && memcmp(&link, &prev_link, sizeof link) == 0 &&
+            same_rates(d, &c->dev[l->device[r - 1]])) {
+            dc->attn_s = pc->attn_s;
+            dc->ring_exposed_s = pc->ring_exposed_s;
+            attn_fwd = prev_attn_fwd;
+        } else {
+            ring_time_s(&x, r, &link, &dc->attn_s, &dc->ring_exposed_s, &attn_fwd);
+        }
+        prev_link = link;
+        prev_attn_fwd = attn_fwd;
         /* one layer's compute of this device, forward and backward (with recompute), one sequence */
         b_fwd = fmax(b_fwd, gemm_fwd + attn_fwd);
         b_bwd = fmax(b_bwd, gemm_fwd * (GEMM_BWD_FACTOR + ckpt) + attn_fwd * (ATTN_BWD_FACTOR + ckpt));
@@ -726,5 +933,6 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     free(x.span);
     free(x.step_pairs);
     free(group_a2a);
+    ring_types_free(&x);
     return HEXISEQ_OK;
 }

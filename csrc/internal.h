@@ -127,6 +127,11 @@ hexiseq_status hexiseq_schedule(const hexiseq_cluster *c, const hexiseq_model *m
                                 const hexiseq_plan_cost *seed_cost, hexiseq_budget *b, hexiseq_layout *out,
                                 hexiseq_plan_cost *cost);
 
+/* Layouts of more than this many groups price alike groups once: the cost model's ring steps by kind of
+ * source block, the scheduler's LP by kind of group (same results up to summation order). Default 32;
+ * tests move it to compare both ways. */
+extern int32_t hexiseq_grouped_above;
+
 /* Copy a layout into already-allocated storage of the same sizes. */
 void hexiseq_layout_copy(hexiseq_layout *dst, const hexiseq_layout *src);
 

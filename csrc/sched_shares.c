@@ -9,11 +9,22 @@
 
 /* ------------------------------------------------------------------ rounding helpers */
 
+static _Thread_local const double *rem_keys; /* the remainders cmp_remainder orders by */
+
+/* Larger remainder first, then lower index. */
+static int cmp_remainder(const void *a, const void *b) {
+    int32_t i = *(const int32_t *)a, j = *(const int32_t *)b;
+    if (rem_keys[i] != rem_keys[j])
+        return rem_keys[i] > rem_keys[j] ? -1 : 1;
+    return (i > j) - (i < j);
+}
+
 /* Round non-negative reals w[0..k) (summing to about `total`) to integers summing exactly to `total`, in
  * multiples of `granule` except for the remainder, which goes to the entry with the largest weight.
- * `min_one` forces every entry >= 1 (group sequence lengths). Largest-remainder method, ties by index. */
+ * `min_one` forces every entry >= 1 (group sequence lengths). Largest-remainder method, ties by index.
+ * `scratch` has k doubles; `order` (k ints, or NULL) lets many leftover units go out in one sort. */
 static void round_shares(const double *w, int32_t k, int64_t total, int64_t granule, int min_one, int64_t *out,
-                         double *scratch) {
+                         double *scratch, int32_t *order) {
     double sum = 0;
     for (int32_t i = 0; i < k; ++i)
         sum += w[i] > 0 ? w[i] : 0;
@@ -26,6 +37,16 @@ static void round_shares(const double *w, int32_t k, int64_t total, int64_t gran
         out[i] = (int64_t)floor(share);
         scratch[i] = share - (double)out[i];
         used += out[i];
+    }
+    if (units - used > 8 && order) { /* many leftover units: one sort, largest remainder first, ties by index */
+        for (int32_t i = 0; i < k; ++i)
+            order[i] = i;
+        rem_keys = scratch;
+        qsort(order, (size_t)k, sizeof *order, cmp_remainder);
+        for (int32_t i = 0; used < units && i < k; ++i, ++used) {
+            out[order[i]]++;
+            scratch[order[i]] = -1.0;
+        }
     }
     while (used < units) { /* hand out the leftover units by largest remainder */
         int32_t best = 0;
@@ -138,7 +159,7 @@ static void fill_tokens(sched *s, hexiseq_layout *l, const shares_ws *w, int32_t
         l->tokens[lo] += l->group_seq[g] - used;
         return;
     }
-    round_shares(wv, k, l->group_seq[g], TOKEN_GRANULE, 0, &l->tokens[lo], sc);
+    round_shares(wv, k, l->group_seq[g], TOKEN_GRANULE, 0, &l->tokens[lo], sc, w->order);
 }
 
 /* Heads of every group: greedy on attention rate, in units of `unit` heads. */
@@ -201,32 +222,41 @@ static void memory_caps(sched *s, hexiseq_layout *l, shares_ws *w, double ring_b
     }
 }
 
-/* sum_g min(U_g, T_gemm / cg, T_rest / cr) for T = (t a, t (1 - a)). */
-static double lp_fill(const shares_ws *w, int32_t G, double t, double a, double *out) {
+/* The LP's groups: caps and per-token coefficients, each group standing for `weight` alike groups (NULL:
+ * one each). */
+typedef struct {
+    int32_t n;
+    const double *ug, *cg, *cr, *weight;
+} lp_inst;
+
+static inline double min2(double a, double b) { return b < a ? b : a; }
+
+/* sum_g min(U_g, T_gemm / cg, T_rest / cr) for T = (t a, t (1 - a)); per group into out when not NULL. */
+static double lp_fill(const lp_inst *p, double t, double a, double *out) {
     double total = 0;
-    for (int32_t g = 0; g < G; ++g) {
-        double x = w->ug[g];
-        if (w->cg[g] > 0)
-            x = fmin(x, t * a / w->cg[g]);
-        if (w->cr[g] > 0)
-            x = fmin(x, t * (1 - a) / w->cr[g]);
+    for (int32_t g = 0; g < p->n; ++g) {
+        double x = p->ug[g];
+        if (p->cg[g] > 0)
+            x = min2(x, t * a / p->cg[g]);
+        if (p->cr[g] > 0)
+            x = min2(x, t * (1 - a) / p->cr[g]);
         if (out)
             out[g] = x;
-        total += x;
+        total += p->weight ? p->weight[g] * x : x;
     }
     return total;
 }
 
 /* Smallest t with lp_fill(t, a) >= S (INFINITY when the caps cannot hold S). */
-static double lp_time(const shares_ws *w, int32_t G, double S, double a) {
-    if (lp_fill(w, G, INFINITY, a, NULL) < S * (1 - 1e-12))
+static double lp_time(const lp_inst *p, double S, double a) {
+    if (lp_fill(p, INFINITY, a, NULL) < S * (1 - 1e-12))
         return INFINITY;
     double lo = 0, hi = 1e-9;
-    while (lp_fill(w, G, hi, a, NULL) < S && hi < 1e30)
+    while (lp_fill(p, hi, a, NULL) < S && hi < 1e30)
         hi *= 4;
     for (int iter = 0; iter < 100 && hi - lo > 1e-15 * hi; ++iter) {
         double mid = 0.5 * (lo + hi);
-        if (lp_fill(w, G, mid, a, NULL) >= S)
+        if (lp_fill(p, mid, a, NULL) >= S)
             hi = mid;
         else
             lo = mid;
@@ -234,37 +264,107 @@ static double lp_time(const shares_ws *w, int32_t G, double S, double a) {
     return hi;
 }
 
+typedef struct {
+    double ug, cg, cr;
+    int32_t g;
+} lp_row;
+
+static int cmp_lp_row(const void *a, const void *b) {
+    const lp_row *p = a, *q = b;
+    if (p->ug != q->ug)
+        return p->ug < q->ug ? -1 : 1;
+    if (p->cg != q->cg)
+        return p->cg < q->cg ? -1 : 1;
+    if (p->cr != q->cr)
+        return p->cr < q->cr ? -1 : 1;
+    return (p->g > q->g) - (p->g < q->g);
+}
+
+/* Groups with the same (U_g, c_g, c_r) merged into one weighted row, when that shrinks a large LP (more
+ * than hexiseq_grouped_above groups, at most a quarter as many rows): the same LP, its sums taken per kind of group. Returns
+ * 0 (and leaves *out unset) when not worth it or out of memory. `buf` gets the storage to free. */
+static int lp_compress(const shares_ws *w, int32_t G, lp_inst *out, double **buf) {
+    *buf = NULL;
+    if (G <= hexiseq_grouped_above)
+        return 0;
+    lp_row *rows = malloc((size_t)G * sizeof *rows);
+    if (!rows)
+        return 0;
+    for (int32_t g = 0; g < G; ++g) {
+        rows[g].ug = w->ug[g];
+        rows[g].cg = w->cg[g];
+        rows[g].cr = w->cr[g];
+        rows[g].g = g;
+    }
+    qsort(rows, (size_t)G, sizeof *rows, cmp_lp_row);
+    int32_t k = 0;
+    for (int32_t i = 0; i < G; ++i)
+        if (i == 0 || rows[i].ug != rows[i - 1].ug || rows[i].cg != rows[i - 1].cg || rows[i].cr != rows[i - 1].cr)
+            ++k;
+    double *d = k <= G / 4 ? malloc((size_t)k * 4 * sizeof *d) : NULL;
+    if (!d) {
+        free(rows);
+        return 0;
+    }
+    double *ug = d, *cg = d + k, *cr = d + 2 * k, *wt = d + 3 * k;
+    int32_t j = -1;
+    for (int32_t i = 0; i < G; ++i) {
+        if (i == 0 || rows[i].ug != rows[i - 1].ug || rows[i].cg != rows[i - 1].cg || rows[i].cr != rows[i - 1].cr) {
+            ++j;
+            ug[j] = rows[i].ug;
+            cg[j] = rows[i].cg;
+            cr[j] = rows[i].cr;
+            wt[j] = 0;
+        }
+        wt[j] += 1.0;
+    }
+    free(rows);
+    out->n = k;
+    out->ug = ug;
+    out->cg = cg;
+    out->cr = cr;
+    out->weight = wt;
+    *buf = d;
+    return 1;
+}
+
 /* Solve the LP for S_g (continuous) into w->gseq. Returns 0 when the memory caps cannot hold S. */
 static int lp_solve(const shares_ws *w, int32_t G, double S) {
+    lp_inst full = {G, w->ug, w->cg, w->cr, NULL}, small, *p = &full;
+    double *buf;
+    if (lp_compress(w, G, &small, &buf))
+        p = &small;
     double lo = 0.0, hi = 1.0, phi = 0.5 * (sqrt(5.0) - 1.0);
     /* coarse scan first: the objective is unimodal in practice but may be flat near the ends */
     double best_a = 0.5, best_t = INFINITY;
     for (int i = 1; i < 32; ++i) {
-        double a = i / 32.0, tt = lp_time(w, G, S, a);
+        double a = i / 32.0, tt = lp_time(p, S, a);
         if (tt < best_t) {
             best_t = tt;
             best_a = a;
         }
     }
-    if (!isfinite(best_t))
+    if (!isfinite(best_t)) {
+        free(buf);
         return 0;
+    }
     lo = fmax(0.0, best_a - 1.0 / 32);
     hi = fmin(1.0, best_a + 1.0 / 32);
     double x1 = hi - phi * (hi - lo), x2 = lo + phi * (hi - lo);
-    double f1 = lp_time(w, G, S, x1), f2 = lp_time(w, G, S, x2);
+    double f1 = lp_time(p, S, x1), f2 = lp_time(p, S, x2);
     for (int iter = 0; iter < 40; ++iter) {
         if (f1 <= f2) {
             hi = x2;
             x2 = x1;
             f2 = f1;
             x1 = hi - phi * (hi - lo);
-            f1 = lp_time(w, G, S, x1);
+            f1 = lp_time(p, S, x1);
         } else {
             lo = x1;
             x1 = x2;
             f1 = f2;
             x2 = lo + phi * (hi - lo);
-            f2 = lp_time(w, G, S, x2);
+            f2 = lp_time(p, S, x2);
         }
     }
     double a = f1 <= f2 ? x1 : x2, tt = fmin(f1, f2);
@@ -272,7 +372,8 @@ static int lp_solve(const shares_ws *w, int32_t G, double S) {
         a = best_a;
         tt = best_t;
     }
-    lp_fill(w, G, tt, a, w->gseq);
+    lp_fill(&full, tt, a, w->gseq);
+    free(buf);
     return 1;
 }
 
@@ -293,7 +394,7 @@ static void refit(sched *s, const hexiseq_layout *l, shares_ws *w) {
 
 /* Integer S_g from w->gseq. */
 static void round_groups(sched *s, hexiseq_layout *l, shares_ws *w) {
-    round_shares(w->gseq, l->n_groups, s->S, TOKEN_GRANULE, 1, l->group_seq, w->tmpd);
+    round_shares(w->gseq, l->n_groups, s->S, TOKEN_GRANULE, 1, l->group_seq, w->tmpd, w->order);
 }
 
 /* Complete and optimise the shares of a structure (l->group_size, l->device set) and offer the result.
@@ -381,10 +482,11 @@ hexiseq_status hexiseq_sched_ws_alloc(shares_ws *w, int32_t G, int32_t n) {
     w->tmp64 = calloc((size_t)n, sizeof(int64_t));
     w->tmpd = calloc((size_t)(n > G ? n : G), sizeof(double));
     w->offset = calloc((size_t)G + 1, sizeof(int32_t));
+    w->order = calloc((size_t)(n > G ? n : G), sizeof(int32_t));
     w->free0 = calloc((size_t)n, sizeof(double));
     w->per_tok = calloc((size_t)n, sizeof(double));
     w->per_gtok = calloc((size_t)n, sizeof(double));
-    if (!w->gseq || !w->cg || !w->cr || !w->ug || !w->tmp64 || !w->tmpd || !w->offset || !w->free0 || !w->per_tok ||
+    if (!w->gseq || !w->cg || !w->cr || !w->ug || !w->tmp64 || !w->tmpd || !w->offset || !w->order || !w->free0 || !w->per_tok ||
         !w->per_gtok)
         return hexiseq_fail(HEXISEQ_ERR_NOMEM, "scheduler scratch for %d groups", G);
     return HEXISEQ_OK;
@@ -398,6 +500,7 @@ void hexiseq_sched_ws_free(shares_ws *w) {
     free(w->tmp64);
     free(w->tmpd);
     free(w->offset);
+    free(w->order);
     free(w->free0);
     free(w->per_tok);
     free(w->per_gtok);

@@ -51,6 +51,7 @@ typedef struct {
     int64_t *tmp64;   /* [n] */
     double *tmpd;     /* [max(n, G)] */
     int32_t *offset;  /* [G + 1] */
+    int32_t *order;   /* [max(n, G)] sort scratch */
     double *free0, *per_tok, *per_gtok; /* [n] memory model per slot: GiB free before tokens, per token */
 } shares_ws;
 
