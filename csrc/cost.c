@@ -236,6 +236,18 @@ typedef struct {
     int64_t *type_snext;      /* [n_types] S of the group before src in the ring (the block arriving next) */
     int32_t *type_total;      /* [n_types] source groups of each type */
     int32_t *type_before;     /* [n_types] of which before the group being scored (index < g) */
+    /* Grouped all-to-all (a2a_kinds > 0): in a group of more than hexiseq_grouped_above members with
+     * node-derived links, a member's peers on other nodes all sit behind the same inter-node link, so they
+     * are priced once per kind (tokens, heads, kv heads) and weighted by how many there are; peers on its
+     * own node are priced one by one. Filled per group by a2a_kinds_build. */
+    int32_t a2a_group;        /* the group described, -1: none */
+    int32_t a2a_kinds;        /* kinds of member in it; 0: price peers one by one */
+    int32_t *kind_of;         /* [n_devices] kind of each slot of the group */
+    int64_t *kind_tokens;     /* [kinds] */
+    int32_t *kind_heads, *kind_kv, *kind_count;
+    int32_t *by_node;         /* [group size] the group's slots sorted by node, then slot */
+    int32_t *node_lo, *node_hi; /* [n_devices] range in by_node of the slot's node */
+    int32_t *node_kind;       /* [kinds] scratch: kinds on the member's node */
 } cost_ctx;
 
 /* Forward FLOPs of the token-parallel part of one layer, per token: q, k, v, o projections and MLP. */
@@ -623,36 +635,166 @@ static void ring_types_free(cost_ctx *x) {
 /* All-to-all of slot r over the whole step, seconds; each of the layer's exchanges is timed as
  * max(send, receive) with peers serialised, each peer message paying its link's latency: forward Q/K/V in and O out, backward dO in and dQ/dK/dV out,
  * and the forward pair again when checkpointing recomputes. */
+/* One peer's part of slot r's all-to-all, added to the four times (seconds) and two byte counts, `count`
+ * times (count 1: as a plain sum). */
+static void a2a_peer(const cost_ctx *x, double count, double h_r, double s_r, int32_t kv_n, double h_j, double s_j,
+                     int32_t jn, double out_bw, double in_bw, double out_lat, double in_lat, double *t,
+                     double *send_bytes, double *recv_bytes) {
+    double elem = (double)x->m->head_dim * x->m->dtype_bytes;
+    /* bytes over bandwidth, plus one message latency per peer that has anything to exchange */
+    double qkv_out = s_r * (h_j + 2.0 * jn), qkv_in = s_j * (h_r + 2.0 * kv_n), o_out = s_j * h_r, o_in = s_r * h_j;
+    double v[4] = {qkv_out * elem / out_bw + (qkv_out > 0 ? out_lat : 0.0), /* my tokens, their heads */
+                   qkv_in * elem / in_bw + (qkv_in > 0 ? in_lat : 0.0),     /* their tokens, my heads */
+                   o_out * elem / out_bw + (o_out > 0 ? out_lat : 0.0),     /* attention output of their tokens */
+                   o_in * elem / in_bw + (o_in > 0 ? in_lat : 0.0)};
+    double sb = (qkv_out + o_out) * elem, rb = (qkv_in + o_in) * elem;
+    if (count == 1.0) {
+        for (int i = 0; i < 4; ++i)
+            t[i] += v[i];
+        *send_bytes += sb;
+        *recv_bytes += rb;
+    } else {
+        for (int i = 0; i < 4; ++i)
+            t[i] += count * v[i];
+        *send_bytes += count * sb;
+        *recv_bytes += count * rb;
+    }
+}
+
+typedef struct {
+    int64_t key0;
+    int32_t key1, key2, slot;
+} slot_key;
+
+static int cmp_slot_key(const void *a, const void *b) {
+    const slot_key *p = a, *q = b;
+    if (p->key0 != q->key0)
+        return p->key0 < q->key0 ? -1 : 1;
+    if (p->key1 != q->key1)
+        return p->key1 < q->key1 ? -1 : 1;
+    if (p->key2 != q->key2)
+        return p->key2 < q->key2 ? -1 : 1;
+    return (p->slot > q->slot) - (p->slot < q->slot);
+}
+
+/* Kinds of member of group g for the grouped all-to-all (see cost_ctx); x->a2a_kinds = 0 when the group is
+ * small, links are given per pair, or kinds are nearly as many as members. Returns 0 when out of memory. */
+static int a2a_kinds_build(cost_ctx *x, int32_t g) {
+    int32_t lo = x->offset[g], k = x->l->group_size[g], n = x->l->n_devices;
+    x->a2a_group = g;
+    x->a2a_kinds = 0;
+    if (k <= hexiseq_grouped_above || x->c->bw || x->c->lat)
+        return 1;
+    if (!x->kind_of) { /* sized for the largest group once */
+        x->kind_of = malloc((size_t)n * sizeof *x->kind_of);
+        x->kind_tokens = malloc((size_t)n * sizeof *x->kind_tokens);
+        x->kind_heads = malloc((size_t)n * sizeof *x->kind_heads);
+        x->kind_kv = malloc((size_t)n * sizeof *x->kind_kv);
+        x->kind_count = malloc((size_t)n * sizeof *x->kind_count);
+        x->by_node = malloc((size_t)n * sizeof *x->by_node);
+        x->node_lo = malloc((size_t)n * sizeof *x->node_lo);
+        x->node_hi = malloc((size_t)n * sizeof *x->node_hi);
+        x->node_kind = malloc((size_t)n * sizeof *x->node_kind);
+        if (!x->kind_of || !x->kind_tokens || !x->kind_heads || !x->kind_kv || !x->kind_count || !x->by_node ||
+            !x->node_lo || !x->node_hi || !x->node_kind)
+            return 0;
+    }
+    slot_key *keys = malloc((size_t)k * sizeof *keys);
+    if (!keys)
+        return 0;
+    for (int32_t i = 0; i < k; ++i) {
+        int32_t r = lo + i, kv_lo, kv_n;
+        hexiseq_kv_range(x->m, x->l->head_lo[r], x->l->head_count[r], &kv_lo, &kv_n);
+        keys[i] = (slot_key){x->l->tokens[r], x->l->head_count[r], kv_n, r};
+    }
+    qsort(keys, (size_t)k, sizeof *keys, cmp_slot_key);
+    int32_t T = -1;
+    for (int32_t i = 0; i < k; ++i) {
+        if (i == 0 || keys[i].key0 != keys[i - 1].key0 || keys[i].key1 != keys[i - 1].key1 ||
+            keys[i].key2 != keys[i - 1].key2) {
+            ++T;
+            x->kind_tokens[T] = keys[i].key0;
+            x->kind_heads[T] = keys[i].key1;
+            x->kind_kv[T] = keys[i].key2;
+            x->kind_count[T] = 0;
+            x->node_kind[T] = 0;
+        }
+        x->kind_of[keys[i].slot] = T;
+        x->kind_count[T]++;
+    }
+    ++T;
+    if (T > k / 4) {
+        free(keys);
+        return 1;
+    }
+    for (int32_t i = 0; i < k; ++i)
+        keys[i] = (slot_key){x->c->dev[x->l->device[lo + i]].node, 0, 0, lo + i};
+    qsort(keys, (size_t)k, sizeof *keys, cmp_slot_key);
+    for (int32_t i = 0, start = 0; i < k; ++i) {
+        x->by_node[i] = keys[i].slot;
+        if (i + 1 == k || keys[i + 1].key0 != keys[i].key0) {
+            for (int32_t j = start; j <= i; ++j) {
+                x->node_lo[keys[j].slot] = start;
+                x->node_hi[keys[j].slot] = i + 1;
+            }
+            start = i + 1;
+        }
+    }
+    free(keys);
+    x->a2a_kinds = T;
+    return 1;
+}
+
+static void a2a_kinds_free(cost_ctx *x) {
+    free(x->kind_of);
+    free(x->kind_tokens);
+    free(x->kind_heads);
+    free(x->kind_kv);
+    free(x->kind_count);
+    free(x->by_node);
+    free(x->node_lo);
+    free(x->node_hi);
+    free(x->node_kind);
+}
+
 static double a2a_time_s(const cost_ctx *x, int32_t r, double *send_bytes, double *recv_bytes) {
     int32_t g = x->group_of[r];
     *send_bytes = *recv_bytes = 0.0;
     if (x->l->group_size[g] == 1)
         return 0.0;
-    double elem = (double)x->m->head_dim * x->m->dtype_bytes;
-    int32_t me = x->l->device[r];
-    int32_t kv_lo, kv_n;
+    int32_t me = x->l->device[r], kv_lo, kv_n;
     hexiseq_kv_range(x->m, x->l->head_lo[r], x->l->head_count[r], &kv_lo, &kv_n);
     double h_r = x->l->head_count[r], s_r = (double)x->l->tokens[r];
-    double qkv_send = 0, qkv_recv = 0, o_send = 0, o_recv = 0; /* seconds */
-    for (int32_t j = x->offset[g]; j < x->offset[g + 1]; ++j) {
+    double t[4] = {0, 0, 0, 0}; /* seconds: qkv send, qkv receive, o send, o receive */
+    int grouped = x->a2a_group == g && x->a2a_kinds > 0;
+    /* peers one by one: every other member, or with grouping those of my node */
+    int32_t lo = grouped ? x->node_lo[r] : x->offset[g], hi = grouped ? x->node_hi[r] : x->offset[g + 1];
+    for (int32_t i = lo; i < hi; ++i) {
+        int32_t j = grouped ? x->by_node[i] : i;
+        if (grouped)
+            x->node_kind[x->kind_of[j]]++;
         if (j == r)
             continue;
-        int32_t jlo, jn;
+        int32_t jlo, jn, dj = x->l->device[j];
         hexiseq_kv_range(x->m, x->l->head_lo[j], x->l->head_count[j], &jlo, &jn);
-        double h_j = x->l->head_count[j], s_j = (double)x->l->tokens[j];
-        double out_bw = hexiseq_bw_bytes(x->c, me, x->l->device[j]);
-        double in_bw = hexiseq_bw_bytes(x->c, x->l->device[j], me);
-        double out_lat = hexiseq_lat_s(x->c, me, x->l->device[j]), in_lat = hexiseq_lat_s(x->c, x->l->device[j], me);
-        /* bytes over bandwidth, plus one message latency per peer that has anything to exchange */
-        double qkv_out = s_r * (h_j + 2.0 * jn), qkv_in = s_j * (h_r + 2.0 * kv_n), o_out = s_j * h_r, o_in = s_r * h_j;
-        qkv_send += qkv_out * elem / out_bw + (qkv_out > 0 ? out_lat : 0.0); /* my tokens, their heads */
-        qkv_recv += qkv_in * elem / in_bw + (qkv_in > 0 ? in_lat : 0.0);     /* their tokens, my heads */
-        o_send += o_out * elem / out_bw + (o_out > 0 ? out_lat : 0.0);       /* attention output of their tokens */
-        o_recv += o_in * elem / in_bw + (o_in > 0 ? in_lat : 0.0);
-        *send_bytes += (qkv_out + o_out) * elem;
-        *recv_bytes += (qkv_in + o_in) * elem;
+        a2a_peer(x, 1.0, h_r, s_r, kv_n, x->l->head_count[j], (double)x->l->tokens[j], jn,
+                 hexiseq_bw_bytes(x->c, me, dj), hexiseq_bw_bytes(x->c, dj, me), hexiseq_lat_s(x->c, me, dj),
+                 hexiseq_lat_s(x->c, dj, me), t, send_bytes, recv_bytes);
     }
-    double qkv = fmax(qkv_send, qkv_recv), o = fmax(o_send, o_recv);
+    if (grouped) {
+        /* other nodes, by kind: all behind the inter-node link (the values hexiseq_bw_bytes and
+         * hexiseq_lat_s give for devices of different nodes) */
+        double bw = x->c->inter_gbps * 1e9, lat = HEXISEQ_LATENCY_INTER_US * 1e-6;
+        for (int32_t kind = 0; kind < x->a2a_kinds; ++kind) {
+            int32_t count = x->kind_count[kind] - x->node_kind[kind];
+            if (count > 0)
+                a2a_peer(x, (double)count, h_r, s_r, kv_n, x->kind_heads[kind], (double)x->kind_tokens[kind],
+                         x->kind_kv[kind], bw, bw, lat, lat, t, send_bytes, recv_bytes);
+        }
+        for (int32_t i = lo; i < hi; ++i)
+            x->node_kind[x->kind_of[x->by_node[i]]] = 0;
+    }
+    double qkv = fmax(t[0], t[1]), o = fmax(t[2], t[3]);
     /* forward: qkv + o; backward: dO (the o pattern reversed, same volume) + dQ/dK/dV (qkv reversed) */
     double per_layer = (qkv + o) * (1.0 + (x->t->checkpointing ? 1.0 : 0.0)) + (o + qkv);
     return per_layer * x->m->layers * x->t->sequences;
@@ -815,6 +957,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     x.l = l;
     x.seq_len = seq_len;
     x.causal = causal;
+    x.a2a_group = -1;
     x.group_of = malloc((size_t)l->n_devices * sizeof *x.group_of);
     x.offset = malloc(((size_t)l->n_groups + 1) * sizeof *x.offset);
     x.span = malloc((size_t)l->n_groups * sizeof *x.span);
@@ -850,6 +993,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     out->short_device = -1;
     out->fits = 1;
     double b_fwd = 0.0, b_bwd = 0.0, ckpt = t->checkpointing ? 1.0 : 0.0;
+    hexiseq_status st = HEXISEQ_OK;
     for (int32_t r = 0; r < l->n_devices; ++r) {
         hexiseq_device_cost *dc = &per_device[r];
         memset(dc, 0, sizeof *dc);
@@ -860,6 +1004,10 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
                 x.step_pairs[k] = group_pairs(&x.span[g], &x.span[(g - k + G) % G], causal);
             if (x.n_types && g > 0)
                 x.type_before[x.type_of[g - 1]]++;
+            if (!a2a_kinds_build(&x, g)) {
+                st = hexiseq_fail(HEXISEQ_ERR_NOMEM, "cannot allocate cost model scratch for %d devices", l->n_devices);
+                break;
+            }
         }
         const hexiseq_device_info *d = &c->dev[l->device[r]];
         hexiseq_kv_range(m, l->head_lo[r], l->head_count[r], &dc->kv_lo, &dc->kv_count);
@@ -912,7 +1060,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         }
     }
     out->a2a_bottleneck = l->device[0];
-    for (int32_t r = 0; r < l->n_devices; ++r) {
+    for (int32_t r = 0; r < l->n_devices && st == HEXISEQ_OK; ++r) {
         hexiseq_device_cost *dc = &per_device[r];
         double ga = group_a2a[x.group_of[r]];
         dc->busy_s = dc->gemm_s + ga + dc->attn_s + dc->ring_exposed_s;
@@ -924,7 +1072,8 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     /* Phases are separated by synchronisations (the all-to-all waits for the whole group, the ring for
      * its neighbours), so the step costs the slowest device of each phase, summed; then what the
      * gradient collectives add beyond the compute that hides them. */
-    grad_sync_s(&x, b_fwd, b_bwd, &out->grad_sync_s, &out->grad_exposed_s);
+    if (st == HEXISEQ_OK)
+        grad_sync_s(&x, b_fwd, b_bwd, &out->grad_sync_s, &out->grad_exposed_s);
     out->step_time_s = out->gemm_phase_s + out->a2a_phase_s + out->ring_phase_s + out->grad_exposed_s;
     out->lower_bound_s = lower_bound_s(&x);
     out->tokens_per_s = (double)t->sequences * (double)seq_len / out->step_time_s;
@@ -934,5 +1083,6 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     free(x.step_pairs);
     free(group_a2a);
     ring_types_free(&x);
-    return HEXISEQ_OK;
+    a2a_kinds_free(&x);
+    return st;
 }

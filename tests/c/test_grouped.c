@@ -1,6 +1,6 @@
 /* Grouped pricing against step-by-step pricing: layouts of many groups whose sequence lengths take a few
- * values are priced by the cost model once per kind of ring step, and the scheduler's LP merges alike
- * groups. Both must agree with the plain computation (hexiseq_grouped_above raised past the group count)
+ * values are priced by the cost model once per kind of ring step, large groups price their all-to-all
+ * once per kind of peer on other nodes, and the scheduler's LP merges alike groups. Both must agree with the plain computation (hexiseq_grouped_above raised past the group count)
  * up to summation order: relative 1e-12 for cost terms; plans within 1e-9 of each other. */
 #include <math.h>
 #include <stdio.h>
@@ -57,7 +57,8 @@ static void make_layout(const hexiseq_cluster *c, int32_t k, hexiseq_layout *l, 
         for (int32_t i = 0; i < k; ++i) {
             int32_t r = g * k + i;
             l->device[r] = r;
-            l->tokens[r] = i == k - 1 ? left : l->group_seq[g] / k + (i == 0 ? 64 : -64 / (k - 1 > 0 ? k - 1 : 1));
+            int64_t even = l->group_seq[g] / k; /* uneven: the first takes half a share from the second */
+            l->tokens[r] = i == k - 1 ? left : even + (i == 0 ? even / 2 : i == 1 ? -(even / 2) : 0);
             left -= l->tokens[r];
             l->head_count[r] = i == k - 1 ? MODEL.heads - head : (g % 2 ? MODEL.heads / k + (i == 0 ? 1 : 0) : MODEL.heads / k);
             if (i == k - 1 && l->head_count[r] < 0)
@@ -83,7 +84,7 @@ static void test_ring_pricing(int32_t k, int32_t causal) {
     hexiseq_device_cost *a = calloc((size_t)n, sizeof *a), *b = calloc((size_t)n, sizeof *b);
     hexiseq_plan_cost ca, cb;
     int32_t keep = hexiseq_grouped_above;
-    hexiseq_grouped_above = 32; /* grouped: G = 256 / k > 32 */
+    hexiseq_grouped_above = 32; /* grouped: G = 256 / k > 32 groups, or k > 32 members */
     hexiseq_status s1 = hexiseq_evaluate(c, &MODEL, &t, S, causal, &l, a, &ca);
     hexiseq_grouped_above = 1 << 30; /* step by step */
     hexiseq_status s2 = hexiseq_evaluate(c, &MODEL, &t, S, causal, &l, b, &cb);
@@ -140,6 +141,8 @@ int main(void) {
         test_ring_pricing(1, causal);
         test_ring_pricing(2, causal);
         test_ring_pricing(4, causal);
+        test_ring_pricing(64, causal);  /* 4 groups of 64: the all-to-all by kind of peer */
+        test_ring_pricing(128, causal); /* and one ring step type per group pair */
     }
     test_lp_merge();
     printf("%d passed, %d failed\n", passed, failed);
