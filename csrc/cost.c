@@ -227,6 +227,10 @@ typedef struct {
     double *step_pairs;       /* [n_groups] visible pairs at each ring step, for the group being scored
                                  (direct pricing only) */
     double max_block;         /* longest ring block (the largest S_g; 0 with one group), tokens */
+    int32_t *hold;            /* [n_devices] slots holding at least one head, group by group in rank order */
+    int32_t *hold_off;        /* [n_groups + 1] first entry of each group in hold */
+    int32_t *first_holder;    /* [n_groups * kv_heads] slot of each group that sends kv head h around the ring:
+                                 the first member (in rank order) whose heads need it */
     /* Grouped ring pricing (n_types > 0): ring step k of group g depends on the step's source group src
      * only through (S_src, S_next) and on which side of g src lies, so the steps of a group are priced once
      * per distinct (S_src, S_next, side) and weighted by how often it occurs. */
@@ -353,13 +357,23 @@ void hexiseq_kv_range(const hexiseq_model *m, int32_t lo, int32_t count, int32_t
 
 /* Layout slot in group g that sends kv head h around the ring: the first member holding it. */
 static int32_t kv_holder(const cost_ctx *x, int32_t g, int32_t h) {
-    for (int32_t r = x->offset[g]; r < x->offset[g + 1]; ++r) {
-        int32_t lo, n;
-        hexiseq_kv_range(x->m, x->l->head_lo[r], x->l->head_count[r], &lo, &n);
-        if (n && h >= lo && h < lo + n)
-            return r;
-    }
-    return -1; /* unreachable for a validated layout: every group covers all heads */
+    return x->first_holder[(int64_t)g * x->m->kv_heads + h];
+}
+
+/* Fills x->first_holder: members in rank order, each claiming the kv heads of its range not claimed yet
+ * (a validated layout covers every head in every group, so every entry is set). */
+static void first_holders(cost_ctx *x) {
+    int32_t G = x->l->n_groups, A_kv = x->m->kv_heads;
+    for (int64_t i = 0; i < (int64_t)G * A_kv; ++i)
+        x->first_holder[i] = -1;
+    for (int32_t g = 0; g < G; ++g)
+        for (int32_t i = x->hold_off[g]; i < x->hold_off[g + 1]; ++i) {
+            int32_t r = x->hold[i], lo, n;
+            hexiseq_kv_range(x->m, x->l->head_lo[r], x->l->head_count[r], &lo, &n);
+            for (int32_t h = lo; h < lo + n; ++h)
+                if (x->first_holder[(int64_t)g * A_kv + h] < 0)
+                    x->first_holder[(int64_t)g * A_kv + h] = r;
+        }
 }
 
 /* Devices whose rates are the same (model, peak, efficiencies, measured curves): every compute term of
@@ -412,8 +426,8 @@ static void ring_link_of(const cost_ctx *x, int32_t r, ring_link *out) {
             last = src;
         }
     }
-    for (int32_t s = x->offset[next]; s < x->offset[next + 1] && n > 0; ++s) { /* no kv heads: sends none */
-        int32_t slo, sn, any = 0;
+    for (int32_t i = x->hold_off[next]; i < x->hold_off[next + 1] && n > 0; ++i) { /* no kv heads: sends none */
+        int32_t s = x->hold[i], slo, sn, any = 0;
         hexiseq_kv_range(x->m, x->l->head_lo[s], x->l->head_count[s], &slo, &sn);
         for (int32_t h = slo; h < slo + sn; ++h)
             if (kv_holder(x, g, h) == r) {
@@ -963,7 +977,14 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     x.span = malloc((size_t)l->n_groups * sizeof *x.span);
     double *group_a2a = calloc((size_t)l->n_groups, sizeof *group_a2a);
     x.step_pairs = malloc((size_t)l->n_groups * sizeof *x.step_pairs);
-    if (!x.group_of || !x.offset || !x.span || !group_a2a || !x.step_pairs || !ring_types_build(&x)) {
+    x.hold = malloc((size_t)l->n_devices * sizeof *x.hold);
+    x.hold_off = malloc(((size_t)l->n_groups + 1) * sizeof *x.hold_off);
+    x.first_holder = malloc((size_t)l->n_groups * (size_t)m->kv_heads * sizeof *x.first_holder);
+    if (!x.group_of || !x.offset || !x.span || !group_a2a || !x.step_pairs || !x.hold || !x.hold_off ||
+        !x.first_holder || !ring_types_build(&x)) {
+        free(x.first_holder);
+        free(x.hold);
+        free(x.hold_off);
         ring_types_free(&x);
         free(x.step_pairs);
         free(x.group_of);
@@ -973,11 +994,17 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         return hexiseq_fail(HEXISEQ_ERR_NOMEM, "cannot allocate cost model scratch for %d devices", l->n_devices);
     }
     x.offset[0] = 0;
-    for (int32_t g = 0; g < l->n_groups; ++g) {
+    x.hold_off[0] = 0;
+    for (int32_t g = 0, held = 0; g < l->n_groups; ++g) {
         x.offset[g + 1] = x.offset[g] + l->group_size[g];
-        for (int32_t r = x.offset[g]; r < x.offset[g + 1]; ++r)
+        for (int32_t r = x.offset[g]; r < x.offset[g + 1]; ++r) {
             x.group_of[r] = g;
+            if (l->head_count[r] > 0)
+                x.hold[held++] = r;
+        }
+        x.hold_off[g + 1] = held;
     }
+    first_holders(&x);
     hexiseq_layout_spans(l, x.span);
     if (l->n_groups > 1)
         for (int32_t g = 0; g < l->n_groups; ++g)
@@ -1082,6 +1109,9 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     free(x.span);
     free(x.step_pairs);
     free(group_a2a);
+    free(x.hold);
+    free(x.hold_off);
+    free(x.first_holder);
     ring_types_free(&x);
     a2a_kinds_free(&x);
     return st;
