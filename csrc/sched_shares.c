@@ -247,13 +247,53 @@ static double lp_fill(const lp_inst *p, double t, double a, double *out) {
     return total;
 }
 
-/* Smallest t with lp_fill(t, a) >= S (INFINITY when the caps cannot hold S). */
+/* Uncapped rate of lp_fill at t: sum over groups below their cap of min(a / cg, (1 - a) / cr), tokens per
+ * second (INFINITY when a group has no time coefficient and is below its cap). */
+static double lp_slope(const lp_inst *p, double t, double a) {
+    double slope = 0;
+    for (int32_t g = 0; g < p->n; ++g) {
+        double k = INFINITY;
+        if (p->cg[g] > 0)
+            k = min2(k, a / p->cg[g]);
+        if (p->cr[g] > 0)
+            k = min2(k, (1 - a) / p->cr[g]);
+        if (t * k < p->ug[g])
+            slope += p->weight ? p->weight[g] * k : k;
+    }
+    return slope;
+}
+
+/* Smallest t with lp_fill(t, a) >= S (INFINITY when the caps cannot hold S). lp_fill is concave, piecewise
+ * linear and increasing in t, so Newton steps from t = 0 stay below the root and reach it after crossing
+ * at most the breakpoints in between (usually one to three steps); a few bisection steps polish the end. */
 static double lp_time(const lp_inst *p, double S, double a) {
     if (lp_fill(p, INFINITY, a, NULL) < S * (1 - 1e-12))
         return INFINITY;
-    double lo = 0, hi = 1e-9;
-    while (lp_fill(p, hi, a, NULL) < S && hi < 1e30)
+    double t = 0, f = 0;
+    for (int iter = 0; iter < 64; ++iter) {
+        double slope = lp_slope(p, t, a);
+        if (!(slope > 0) || !isfinite(slope))
+            break;
+        double next = t + (S - f) / slope;
+        if (!(next > t))
+            break;
+        t = next;
+        f = lp_fill(p, t, a, NULL);
+        if (f >= S * (1 - 1e-13))
+            break;
+    }
+    /* bracket [lo, hi] around the root, tightly when Newton got close, and bisect to 1e-15 relative */
+    double lo = 0, hi = t > 0 ? t : 1e-9;
+    if (t > 0 && f < S) {
+        lo = t;
+        hi = t * (1.0 + 1e-12);
+    } else if (t > 0 && lp_fill(p, t * (1.0 - 1e-12), a, NULL) < S) {
+        lo = t * (1.0 - 1e-12);
+    }
+    while (lp_fill(p, hi, a, NULL) < S && hi < 1e30) { /* still short: widen geometrically */
+        lo = hi;
         hi *= 4;
+    }
     for (int iter = 0; iter < 100 && hi - lo > 1e-15 * hi; ++iter) {
         double mid = 0.5 * (lo + hi);
         if (lp_fill(p, mid, a, NULL) >= S)
