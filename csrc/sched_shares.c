@@ -107,7 +107,7 @@ static void assign_heads(const double *rate, int32_t k, int32_t heads, int32_t u
 static void fill_tokens(sched *s, hexiseq_layout *l, const shares_ws *w, int32_t g, const double *capacity) {
     int32_t lo = w->offset[g], k = l->group_size[g];
     double Sg = (double)l->group_seq[g], want[4096], *wv = k <= 4096 ? want : w->tmpd;
-    double hi_lambda = 1.0, lo_lambda = 0.0;
+    double hi_lambda = 1.0;
     /* find lambda with sum_r min(cap_r, lambda f_r) = S_g, or saturate at the caps */
     double total_cap = 0;
     for (int32_t i = 0; i < k; ++i)
@@ -124,24 +124,27 @@ static void fill_tokens(sched *s, hexiseq_layout *l, const shares_ws *w, int32_t
                 l->tokens[lo + i] = i == 0 ? l->group_seq[g] : 0;
             return;
         }
-        hi_lambda = Sg / fsum;
-        for (int iter = 0; iter < 60; ++iter) {
-            double got = 0;
+        /* the members whose cap binds at lambda are capped; lambda spreads the rest over the others' rates.
+         * Capping only grows as lambda grows, so this settles in at most k passes (one or two in practice). */
+        unsigned char capped_now[4096], *capped = k <= 4096 ? capped_now : (unsigned char *)w->tmp64;
+        memset(capped, 0, (size_t)k);
+        for (int pass = 0; pass <= k; ++pass) {
+            double rest = Sg, rate = 0;
+            for (int32_t i = 0; i < k; ++i) {
+                if (capped[i])
+                    rest -= capacity[lo + i];
+                else
+                    rate += s->fgemm[l->device[lo + i]];
+            }
+            hi_lambda = rate > 0 ? rest / rate : 0.0;
+            int grew = 0;
             for (int32_t i = 0; i < k; ++i)
-                got += fmin(capacity[lo + i], hi_lambda * s->fgemm[l->device[lo + i]]);
-            if (got >= Sg)
+                if (!capped[i] && hi_lambda * s->fgemm[l->device[lo + i]] > capacity[lo + i]) {
+                    capped[i] = 1;
+                    grew = 1;
+                }
+            if (!grew)
                 break;
-            lo_lambda = hi_lambda;
-            hi_lambda *= 2;
-        }
-        for (int iter = 0; iter < 60; ++iter) {
-            double mid = 0.5 * (lo_lambda + hi_lambda), got = 0;
-            for (int32_t i = 0; i < k; ++i)
-                got += fmin(capacity[lo + i], mid * s->fgemm[l->device[lo + i]]);
-            if (got >= Sg)
-                hi_lambda = mid;
-            else
-                lo_lambda = mid;
         }
         for (int32_t i = 0; i < k; ++i)
             wv[i] = fmin(capacity[lo + i], hi_lambda * s->fgemm[l->device[lo + i]]);
@@ -194,26 +197,25 @@ static void memory_caps(sched *s, hexiseq_layout *l, shares_ws *w, double ring_b
             w->per_tok[r] = mc.per_token_gib;
             w->per_gtok[r] = mc.per_group_token_gib;
         }
-        /* U_g: largest S with sum_r max(0, (free_r - beta_r S) / alpha_r) >= S over active members, and
-         * beta_r S <= free_r for every member */
-        double lo_s = 0, hi_s = (double)s->S;
-        for (int iter = 0; iter < 60; ++iter) {
-            double mid = 0.5 * (lo_s + hi_s), room = 0;
-            int ok = 1;
-            for (int32_t i = 0; i < k && ok; ++i) {
-                int32_t r = lo + i;
-                double free_gib = w->free0[r] - w->per_gtok[r] * mid;
-                if (free_gib < 0)
-                    ok = 0;
-                else if (s->fgemm[l->device[r]] > 0) /* parked members hold no tokens */
-                    room += free_gib / w->per_tok[r];
+        /* U_g: largest S in [0, seq_len] with beta_r S <= free_r for every member and room for S tokens on
+         * the active ones, sum_r (free_r - beta_r S) / alpha_r >= S: linear while every member has room,
+         * so U_g = min(seq_len, min_r free_r / beta_r, A / (1 + B)) with A = sum free_r / alpha_r and
+         * B = sum beta_r / alpha_r over active members; shrunk by 1e-12 so it keeps every inequality after
+         * rounding. */
+        double u = (double)s->S, A = 0, B = 0;
+        for (int32_t i = 0; i < k; ++i) {
+            int32_t r = lo + i;
+            if (w->free0[r] < 0)
+                u = -1.0; /* short even without tokens */
+            else if (w->per_gtok[r] > 0)
+                u = fmin(u, w->free0[r] / w->per_gtok[r]);
+            if (s->fgemm[l->device[r]] > 0) { /* parked members hold no tokens */
+                A += w->free0[r] / w->per_tok[r];
+                B += w->per_gtok[r] / w->per_tok[r];
             }
-            if (ok && room >= mid)
-                lo_s = mid;
-            else
-                hi_s = mid;
         }
-        w->ug[g] = lo_s;
+        u = fmin(u, A / (1.0 + B));
+        w->ug[g] = u > 0 ? u * (1.0 - 1e-12) : 0.0;
         for (int32_t i = 0; i < k; ++i) {
             int32_t r = lo + i;
             double free_gib = w->free0[r] - w->per_gtok[r] * (double)l->group_seq[g];
@@ -263,9 +265,9 @@ static double lp_slope(const lp_inst *p, double t, double a) {
     return slope;
 }
 
-/* Smallest t with lp_fill(t, a) >= S (INFINITY when the caps cannot hold S). lp_fill is concave, piecewise
- * linear and increasing in t, so Newton steps from t = 0 stay below the root and reach it after crossing
- * at most the breakpoints in between (usually one to three steps); a few bisection steps polish the end. */
+/* Smallest t (to about 1e-13) with lp_fill(t, a) >= S (INFINITY when the caps cannot hold S). lp_fill is
+ * concave, piecewise linear and increasing in t, so Newton steps from t = 0 stay below the root and reach
+ * it after crossing at most the breakpoints in between (usually one to three steps). */
 static double lp_time(const lp_inst *p, double S, double a) {
     if (lp_fill(p, INFINITY, a, NULL) < S * (1 - 1e-12))
         return INFINITY;
@@ -282,7 +284,13 @@ static double lp_time(const lp_inst *p, double S, double a) {
         if (f >= S * (1 - 1e-13))
             break;
     }
-    /* bracket [lo, hi] around the root, tightly when Newton got close, and bisect to 1e-15 relative */
+    for (int up = 0; up < 8 && t > 0 && f < S && f >= S * (1 - 1e-13); ++up) { /* rounding: step just past */
+        t *= 1.0 + 1e-13;
+        f = lp_fill(p, t, a, NULL);
+    }
+    if (t > 0 && f >= S)
+        return t;
+    /* Newton stalled (should not happen): bracket [lo, hi] around the root and bisect to 1e-15 relative */
     double lo = 0, hi = t > 0 ? t : 1e-9;
     if (t > 0 && f < S) {
         lo = t;

@@ -525,8 +525,10 @@ def evaluate(cluster, *, model="gpt-7b", seq_len=131072, layout, training=None, 
 def _plan_one(cluster, model, training, seq_len, causal, strategy: Strategy, time_limit_s=None) -> Plan:
     arrays, info = _core.plan_strategy(*cluster._core_args(), model._as_core(), training._as_core(), seq_len, causal,
                                        _CORE_STRATEGY[strategy], time_limit_s or 0.0)
-    return Plan(cluster, model, training, seq_len, causal, strategy.value, Layout(**arrays),
+    plan = Plan(cluster, model, training, seq_len, causal, strategy.value, Layout(**arrays),
                 stopped_early=info["stopped_early"])
+    plan._search = info  # what the search did: evaluations, elapsed_s (for benchmarks)
+    return plan
 
 
 def compare(cluster, *, model="gpt-7b", seq_len=131072, training=None, causal=True) -> Dict[str, Union[Plan, Exception]]:
