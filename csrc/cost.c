@@ -227,6 +227,7 @@ typedef struct {
     double *step_pairs;       /* [n_groups] visible pairs at each ring step, for the group being scored
                                  (direct pricing only) */
     double max_block;         /* longest ring block (the largest S_g; 0 with one group), tokens */
+    int32_t *kv_lo, *kv_n;    /* [n_devices] kv heads each slot needs (hexiseq_kv_range of its heads) */
     int32_t *hold;            /* [n_devices] slots holding at least one head, group by group in rank order */
     int32_t *hold_off;        /* [n_groups + 1] first entry of each group in hold */
     int32_t *first_holder;    /* [n_groups * kv_heads] slot of each group that sends kv head h around the ring:
@@ -368,8 +369,7 @@ static void first_holders(cost_ctx *x) {
         x->first_holder[i] = -1;
     for (int32_t g = 0; g < G; ++g)
         for (int32_t i = x->hold_off[g]; i < x->hold_off[g + 1]; ++i) {
-            int32_t r = x->hold[i], lo, n;
-            hexiseq_kv_range(x->m, x->l->head_lo[r], x->l->head_count[r], &lo, &n);
+            int32_t r = x->hold[i], lo = x->kv_lo[r], n = x->kv_n[r];
             for (int32_t h = lo; h < lo + n; ++h)
                 if (x->first_holder[(int64_t)g * A_kv + h] < 0)
                     x->first_holder[(int64_t)g * A_kv + h] = r;
@@ -412,8 +412,7 @@ static void ring_link_of(const cost_ctx *x, int32_t r, ring_link *out) {
     double bytes_per_head_token = 2.0 * x->m->head_dim * x->m->dtype_bytes; /* K and V */
     int32_t prev = (g + G - 1) % G, next = (g + 1) % G;
     int32_t me = x->l->device[r];
-    int32_t lo, n;
-    hexiseq_kv_range(x->m, x->l->head_lo[r], x->l->head_count[r], &lo, &n);
+    int32_t lo = x->kv_lo[r], n = x->kv_n[r];
     /* holders of consecutive kv heads are in rank order, so each source is one run of heads */
     for (int32_t h = lo, last = -1; h < lo + n; ++h) {
         int32_t src = x->l->device[kv_holder(x, prev, h)];
@@ -427,8 +426,7 @@ static void ring_link_of(const cost_ctx *x, int32_t r, ring_link *out) {
         }
     }
     for (int32_t i = x->hold_off[next]; i < x->hold_off[next + 1] && n > 0; ++i) { /* no kv heads: sends none */
-        int32_t s = x->hold[i], slo, sn, any = 0;
-        hexiseq_kv_range(x->m, x->l->head_lo[s], x->l->head_count[s], &slo, &sn);
+        int32_t s = x->hold[i], slo = x->kv_lo[s], sn = x->kv_n[s], any = 0;
         for (int32_t h = slo; h < slo + sn; ++h)
             if (kv_holder(x, g, h) == r) {
                 out->send_pt += bytes_per_head_token / hexiseq_bw_bytes(x->c, me, x->l->device[s]);
@@ -717,9 +715,8 @@ static int a2a_kinds_build(cost_ctx *x, int32_t g) {
     if (!keys)
         return 0;
     for (int32_t i = 0; i < k; ++i) {
-        int32_t r = lo + i, kv_lo, kv_n;
-        hexiseq_kv_range(x->m, x->l->head_lo[r], x->l->head_count[r], &kv_lo, &kv_n);
-        keys[i] = (slot_key){x->l->tokens[r], x->l->head_count[r], kv_n, r};
+        int32_t r = lo + i;
+        keys[i] = (slot_key){x->l->tokens[r], x->l->head_count[r], x->kv_n[r], r};
     }
     qsort(keys, (size_t)k, sizeof *keys, cmp_slot_key);
     int32_t T = -1;
@@ -776,8 +773,7 @@ static double a2a_time_s(const cost_ctx *x, int32_t r, double *send_bytes, doubl
     *send_bytes = *recv_bytes = 0.0;
     if (x->l->group_size[g] == 1)
         return 0.0;
-    int32_t me = x->l->device[r], kv_lo, kv_n;
-    hexiseq_kv_range(x->m, x->l->head_lo[r], x->l->head_count[r], &kv_lo, &kv_n);
+    int32_t me = x->l->device[r], kv_n = x->kv_n[r];
     double h_r = x->l->head_count[r], s_r = (double)x->l->tokens[r];
     double t[4] = {0, 0, 0, 0}; /* seconds: qkv send, qkv receive, o send, o receive */
     int grouped = x->a2a_group == g && x->a2a_kinds > 0;
@@ -789,8 +785,7 @@ static double a2a_time_s(const cost_ctx *x, int32_t r, double *send_bytes, doubl
             x->node_kind[x->kind_of[j]]++;
         if (j == r)
             continue;
-        int32_t jlo, jn, dj = x->l->device[j];
-        hexiseq_kv_range(x->m, x->l->head_lo[j], x->l->head_count[j], &jlo, &jn);
+        int32_t jn = x->kv_n[j], dj = x->l->device[j];
         a2a_peer(x, 1.0, h_r, s_r, kv_n, x->l->head_count[j], (double)x->l->tokens[j], jn,
                  hexiseq_bw_bytes(x->c, me, dj), hexiseq_bw_bytes(x->c, dj, me), hexiseq_lat_s(x->c, me, dj),
                  hexiseq_lat_s(x->c, dj, me), t, send_bytes, recv_bytes);
@@ -980,8 +975,12 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     x.hold = malloc((size_t)l->n_devices * sizeof *x.hold);
     x.hold_off = malloc(((size_t)l->n_groups + 1) * sizeof *x.hold_off);
     x.first_holder = malloc((size_t)l->n_groups * (size_t)m->kv_heads * sizeof *x.first_holder);
+    x.kv_lo = malloc((size_t)l->n_devices * sizeof *x.kv_lo);
+    x.kv_n = malloc((size_t)l->n_devices * sizeof *x.kv_n);
     if (!x.group_of || !x.offset || !x.span || !group_a2a || !x.step_pairs || !x.hold || !x.hold_off ||
-        !x.first_holder || !ring_types_build(&x)) {
+        !x.first_holder || !x.kv_lo || !x.kv_n || !ring_types_build(&x)) {
+        free(x.kv_lo);
+        free(x.kv_n);
         free(x.first_holder);
         free(x.hold);
         free(x.hold_off);
@@ -999,6 +998,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         x.offset[g + 1] = x.offset[g] + l->group_size[g];
         for (int32_t r = x.offset[g]; r < x.offset[g + 1]; ++r) {
             x.group_of[r] = g;
+            hexiseq_kv_range(m, l->head_lo[r], l->head_count[r], &x.kv_lo[r], &x.kv_n[r]);
             if (l->head_count[r] > 0)
                 x.hold[held++] = r;
         }
@@ -1037,7 +1037,8 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
             }
         }
         const hexiseq_device_info *d = &c->dev[l->device[r]];
-        hexiseq_kv_range(m, l->head_lo[r], l->head_count[r], &dc->kv_lo, &dc->kv_count);
+        dc->kv_lo = x.kv_lo[r];
+        dc->kv_count = x.kv_n[r];
         dc->gemm_s = gemm_time_s(&x, d, l->tokens[r]);
         double gemm_fwd = layer_gemm_fwd_s(&x, d, l->tokens[r]), attn_fwd;
         dc->layer_gemm_s = gemm_fwd * (1.0 + GEMM_BWD_FACTOR);
@@ -1112,6 +1113,8 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     free(x.hold);
     free(x.hold_off);
     free(x.first_holder);
+    free(x.kv_lo);
+    free(x.kv_n);
     ring_types_free(&x);
     a2a_kinds_free(&x);
     return st;

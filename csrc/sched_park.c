@@ -36,7 +36,7 @@ hexiseq_status hexiseq_sched_park_subsets(sched *s) {
  * starting from the best plan, try parking each active device alone and each group as a whole (its
  * devices join the first other group); re-optimise shares; keep the first change that improves; repeat. */
 hexiseq_status hexiseq_sched_park_search(sched *s) {
-    if (!s->have_best || s->n > LOCAL_SEARCH_DEVICES || s->n < 2)
+    if (!s->have_best || s->n > PARK_SEARCH_DEVICES || s->n < 2)
         return HEXISEQ_OK;
     hexiseq_status st = HEXISEQ_OK;
     int32_t n = s->n;
@@ -61,7 +61,7 @@ hexiseq_status hexiseq_sched_park_search(sched *s) {
             if (park_group >= 0 && G < 2)
                 continue;
             /* group membership after the move: g_of[r] */
-            int32_t g_of[LOCAL_SEARCH_DEVICES], new_index[LOCAL_SEARCH_DEVICES], r = 0, active_left = 0;
+            int32_t g_of[PARK_SEARCH_DEVICES], new_index[PARK_SEARCH_DEVICES], r = 0, active_left = 0;
             for (int32_t g = 0; g < G; ++g)
                 for (int32_t i = 0; i < base.group_size[g]; ++i, ++r)
                     g_of[r] = g;

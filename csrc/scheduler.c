@@ -20,8 +20,8 @@
  *     groups, not only the node-aligned ones.
  *  5. parking (a device or a whole group keeps no tokens and no heads when the others are faster without
  *     it): clusters of up to 6 devices try every subset of active devices in every grouping; clusters up
- *     to 64 devices park greedily. Then a bounded local search over single moves (tokens between groups,
- *     a head or tokens between two ranks of a group).
+ *     to 64 devices park greedily. Then, up to 256 devices, a bounded local search over single moves
+ *     (tokens between groups, a head or tokens between two ranks of a group).
  * Everything is deterministic: no randomness, ties broken by index. The levels live in csrc/sched_*.c (see
  * scheduler.h); a time limit or a cancel request, polled at every evaluation, stops the search with the best
  * plan so far. */

@@ -13,8 +13,10 @@
 #define TOKEN_GRANULE 64    /* kernel tile: shares are multiples of this where sizes allow */
 #define REFIT_ROUNDS 4      /* LP solve + full evaluation rounds per structure */
 #define MAX_EXACT_ORDER 6   /* groups up to which every ring order is tried */
-#define LOCAL_SEARCH_DEVICES 64
-#define LOCAL_SEARCH_EVALS 400        /* evaluations of polish for clusters of 17..64 devices */
+#define PARK_SEARCH_DEVICES 64       /* greedy parking up to this size (its candidates grow with n, each a
+                                         structure of its own: 10-25x the planning time at 128 devices) */
+#define LOCAL_SEARCH_DEVICES 256      /* local search up to this size */
+#define LOCAL_SEARCH_EVALS 400        /* evaluations of polish for clusters of 17..256 devices */
 #define LOCAL_SEARCH_EVALS_SMALL 4000 /* and up to 16 devices, where an evaluation costs microseconds */
 #define LOCAL_SEARCH_EVALS_STRUCT 300 /* per near-best structure of a cluster of up to 6 devices */
 #define EXACT_PARTITION_DEVICES 6 /* clusters up to this size try every partition into groups */
