@@ -376,21 +376,9 @@ static void first_holders(cost_ctx *x) {
         }
 }
 
-/* Devices whose rates are the same (model, peak, efficiencies, measured curves): every compute term of
- * one equals the other's for the same work. */
-static int same_curve(const hexiseq_rate_curve *a, const hexiseq_rate_curve *b) {
-    if (a->n != b->n)
-        return 0;
-    for (int32_t i = 0; i < a->n; ++i)
-        if (a->size[i] != b->size[i] || a->tflops[i] != b->tflops[i])
-            return 0;
-    return 1;
-}
-
-static int same_rates(const hexiseq_device_info *a, const hexiseq_device_info *b) {
-    return a->gpu_index == b->gpu_index && a->peak_tflops == b->peak_tflops && a->gemm_eff == b->gemm_eff &&
-           a->attn_eff == b->attn_eff && same_curve(&a->gemm_curve, &b->gemm_curve) &&
-           same_curve(&a->attn_curve, &b->attn_curve) && same_curve(&a->attn_causal_curve, &b->attn_causal_curve);
+/* Devices whose rates are the same: every compute term of one equals the other's for the same work. */
+static int same_rates(const hexiseq_cluster *c, int32_t a, int32_t b) {
+    return c->rate_class ? c->rate_class[a] == c->rate_class[b] : a == b;
 }
 
 /* Ring transfers of device slot r: it receives its kv heads from the previous group in the ring (from the
@@ -855,11 +843,7 @@ static void memory_terms(const cost_ctx *x, int32_t r, int32_t kv_n, hexiseq_dev
 
 /* Total work over total rate, phase by phase: no layout of these devices can be faster. */
 static double lower_bound_s(const cost_ctx *x) {
-    double gemm_rate = 0, attn_rate = 0;
-    for (int32_t i = 0; i < x->c->n_devices; ++i) {
-        gemm_rate += hexiseq_gemm_plateau(&x->c->dev[i]);
-        attn_rate += hexiseq_attn_plateau(&x->c->dev[i], x->causal);
-    }
+    double gemm_rate = x->c->gemm_rate_sum, attn_rate = x->c->attn_rate_sum[x->causal ? 1 : 0];
     double S = (double)x->seq_len, seqs = x->t->sequences;
     double gemm_flops = seqs * S *
                         (x->m->layers * layer_gemm_flops_per_token(x->m) * gemm_passes(x->t) +
@@ -889,12 +873,7 @@ static void grad_sync_s(const cost_ctx *x, double b_fwd, double b_bwd, double *s
     int32_t N = x->c->n_devices;
     if (N == 1)
         return;
-    double bw = INFINITY, lat = 0.0;
-    for (int32_t i = 0; i < N; ++i) {
-        int32_t j = (i + 1) % N;
-        bw = fmin(bw, hexiseq_bw_bytes(x->c, i, j));
-        lat = fmax(lat, hexiseq_lat_s(x->c, i, j));
-    }
+    double bw = x->c->ring_bw_min, lat = x->c->ring_lat_max_s; /* the ring 0 -> 1 -> ... -> N-1 -> 0 */
     double L = x->m->layers, seqs = x->t->sequences, ck = x->t->checkpointing ? 1.0 : 0.0;
     double P = L * hexiseq_layer_params(x->m) + 2.0 * (double)x->m->vocab * x->m->hidden + x->m->hidden;
     /* one reduce-scatter or all-gather of every parameter (A), and its per-layer part (a) */
@@ -1057,7 +1036,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         dc->ring_send_bytes = link.send_bytes;
         dc->ring_recv_bytes = link.recv_bytes;
         if (pc && l->head_count[r] == l->head_count[r - 1] && memcmp(&link, &prev_link, sizeof link) == 0 &&
-            same_rates(d, &c->dev[l->device[r - 1]])) {
+            same_rates(c, l->device[r], l->device[r - 1])) {
             dc->attn_s = pc->attn_s;
             dc->ring_exposed_s = pc->ring_exposed_s;
             attn_fwd = prev_attn_fwd;

@@ -15,6 +15,13 @@ struct hexiseq_cluster {
     double *bw;               /* [n_devices * n_devices] or NULL: explicit matrix, GB/s */
     double *lat;              /* [n_devices * n_devices] or NULL: explicit latencies, microseconds */
     char **node_gpu;          /* [n_nodes] copies of the names of models outside the catalog (else NULL) */
+    /* Derived once at creation; the cost model reads them at every evaluation: */
+    int32_t *rate_class;      /* [n_devices] a device with the same rates (model, peak, efficiencies, curves):
+                                 equal classes mean equal rates (different classes may still be alike) */
+    double ring_bw_min;       /* slowest link of the ring 0 -> 1 -> ... -> N-1 -> 0, bytes/s (N > 1) */
+    double ring_lat_max_s;    /* its largest message latency, seconds */
+    double gemm_rate_sum;     /* sum over devices of hexiseq_gemm_plateau, FLOP/s */
+    double attn_rate_sum[2];  /* sum over devices of hexiseq_attn_plateau, non-causal and causal, FLOP/s */
 };
 
 /* Latencies assumed when none are given, microseconds per message (see docs/cost_model.md). */
