@@ -1,7 +1,7 @@
 """Planner wall time for clusters of 8 to 65,536 GPUs of four models (H100, A100, A800, L40S).
 
 Usage: python benchmarks/planner_scaling.py [--repeat 3] [--sizes 8,32,128,512,1024] [--model gpt-13b]
-                                            [--tokens-per-device N] [--no-baselines] [--out FILE.md]
+                                            [--tokens-per-device N] [--no-baselines] [--out FILE.md [--append]]
 
 Each cluster is nodes of 8 GPUs (2 per node for the 8-GPU case), the four models in turn, NVLink
 450/300/200 GB/s for H100/A100/A800, PCIe 32 GB/s for L40S, 25 GB/s between nodes; activation checkpointing.
@@ -40,6 +40,7 @@ def main(argv=None):
                     help="sequence = this x GPUs (default: 256k up to 32 GPUs, else 1m)")
     ap.add_argument("--no-baselines", action="store_true", help="skip the baselines (no speedup column)")
     ap.add_argument("--out", help="write a Markdown table here")
+    ap.add_argument("--append", action="store_true", help="add the table to --out instead of replacing the file")
     args = ap.parse_args(argv)
     training = hexiseq.Training(checkpointing=True)
     rows = []
@@ -75,24 +76,28 @@ def main(argv=None):
               f"per doubling)  scored {evals}  groups {plan.num_groups:>4}  "
               f"speedup vs best baseline {sp_text}  paper {paper}", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write("# Planner scaling\n\n")
-            f.write(f"Machine: {machine()}, Python {platform.python_version()}, hexiseq {hexiseq.__version__}.\n\n")
-            f.write(f"Command: `python benchmarks/planner_scaling.py {' '.join(argv if argv is not None else sys.argv[1:])}`"
-                    "\n\n")
+        with open(args.out, "a" if args.append else "w") as f:
+            if not args.append:
+                f.write("# Planner scaling\n\n")
+                f.write(f"Machine: {machine()}, Python {platform.python_version()}, hexiseq {hexiseq.__version__}. "
+                        "Shared with other jobs while it ran: times are medians of the runs, and their spread is "
+                        "noise.\n\n")
             work = (f"{args.model}, {args.tokens_per_device} tokens per GPU" if args.tokens_per_device
                     else f"{args.model}, 256k tokens up to 32 GPUs, else 1m")
+            f.write(f"## {work}\n\n")
+            f.write(f"Command: `python benchmarks/planner_scaling.py {' '.join(argv if argv is not None else sys.argv[1:])}`"
+                    "\n\n")
             f.write("Clusters: nodes of 8 GPUs (2 for the 8-GPU case) cycling H100-SXM, A100-80G, A800, L40S; "
                     f"{work}, activation checkpointing. Time: median wall time of "
-                    f"`hexiseq.plan(strategy=\"hexiseq\")` over {args.repeat} runs on a shared machine (other "
-                    "jobs ran at the same time: the spread between runs is noise); per doubling: median over the "
-                    "previous size's; scored: layouts the cost model priced.\n\n")
+                    f"`hexiseq.plan(strategy=\"hexiseq\")` over {args.repeat} runs (min: the fastest); per "
+                    "doubling: median over the previous size's; scored: layouts the cost model priced.\n\n")
             f.write("| GPUs | seq | plan time (median) | min | per doubling | scored | groups | predicted speedup vs best "
                     "baseline | paper's planner |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
             for n, seq, med, lo, ratio, evals, groups, sp, paper in rows:
                 p = f"{paper:.0f} s" if paper else "-"
                 f.write(f"| {n} | {seq} | {med * 1e3:.1f} ms | {lo * 1e3:.1f} ms | {ratio} | {evals} | {groups} | {sp} "
                         f"| {p} |\n")
+            f.write("\n")
         print(f"wrote {args.out}")
     return 0
 
