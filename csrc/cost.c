@@ -376,9 +376,9 @@ static void first_holders(cost_ctx *x) {
         }
 }
 
-/* Devices whose rates are the same: every compute term of one equals the other's for the same work. */
-static int same_rates(const hexiseq_cluster *c, int32_t a, int32_t b) {
-    return c->rate_class ? c->rate_class[a] == c->rate_class[b] : a == b;
+/* Devices alike (rates and memory): every term of one equals the other's for the same work. */
+static int same_device(const hexiseq_cluster *c, int32_t a, int32_t b) {
+    return c->dev_class[a] == c->dev_class[b];
 }
 
 /* Ring transfers of device slot r: it receives its kv heads from the previous group in the ring (from the
@@ -727,7 +727,7 @@ static int a2a_kinds_build(cost_ctx *x, int32_t g) {
         return 1;
     }
     for (int32_t i = 0; i < k; ++i)
-        keys[i] = (slot_key){x->c->dev[x->l->device[lo + i]].node, 0, 0, lo + i};
+        keys[i] = (slot_key){x->c->node_of[x->l->device[lo + i]], 0, 0, lo + i};
     qsort(keys, (size_t)k, sizeof *keys, cmp_slot_key);
     for (int32_t i = 0, start = 0; i < k; ++i) {
         x->by_node[i] = keys[i].slot;
@@ -988,12 +988,13 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     if (l->n_groups > 1)
         for (int32_t g = 0; g < l->n_groups; ++g)
             x.max_block = fmax(x.max_block, (double)l->group_seq[g]);
-    /* Adjacent members of a group alike in everything a term reads get that term copied, bit for bit: the
-     * ring term (same rates, heads and ring link), and the all-to-all (same node, tokens, heads and kv
-     * heads, node-derived links: the two see the same peer terms in the same order). */
+    /* Adjacent members of a group alike in everything a term reads get that term copied, bit for bit:
+     * compute and memory (same device class, tokens, heads, kv heads), the ring term (same class, heads and
+     * ring link), and the all-to-all (same node, tokens, heads and kv heads, node-derived links: the two
+     * see the same peer terms in the same order). */
     int links_by_node = !c->bw && !c->lat;
     ring_link prev_link;
-    double prev_attn_fwd = 0.0;
+    double prev_attn_fwd = 0.0, prev_gemm_fwd = 0.0;
 
     memset(out, 0, sizeof *out);
     out->short_device = -1;
@@ -1018,11 +1019,21 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         const hexiseq_device_info *d = &c->dev[l->device[r]];
         dc->kv_lo = x.kv_lo[r];
         dc->kv_count = x.kv_n[r];
-        dc->gemm_s = gemm_time_s(&x, d, l->tokens[r]);
-        double gemm_fwd = layer_gemm_fwd_s(&x, d, l->tokens[r]), attn_fwd;
-        dc->layer_gemm_s = gemm_fwd * (1.0 + GEMM_BWD_FACTOR);
         const hexiseq_device_cost *pc = first ? NULL : &per_device[r - 1];
-        if (pc && links_by_node && c->dev[l->device[r]].node == c->dev[l->device[r - 1]].node &&
+        /* alike the previous member of its group: same device class, tokens, heads, kv heads */
+        int alike = pc && same_device(c, l->device[r], l->device[r - 1]) && l->tokens[r] == l->tokens[r - 1] &&
+                    l->head_count[r] == l->head_count[r - 1] && dc->kv_count == pc->kv_count;
+        double gemm_fwd, attn_fwd;
+        if (alike) {
+            dc->gemm_s = pc->gemm_s;
+            dc->layer_gemm_s = pc->layer_gemm_s;
+            gemm_fwd = prev_gemm_fwd;
+        } else {
+            dc->gemm_s = gemm_time_s(&x, d, l->tokens[r]);
+            gemm_fwd = layer_gemm_fwd_s(&x, d, l->tokens[r]);
+            dc->layer_gemm_s = gemm_fwd * (1.0 + GEMM_BWD_FACTOR);
+        }
+        if (pc && links_by_node && c->node_of[l->device[r]] == c->node_of[l->device[r - 1]] &&
             l->tokens[r] == l->tokens[r - 1] && l->head_count[r] == l->head_count[r - 1] &&
             dc->kv_count == pc->kv_count) {
             dc->a2a_s = pc->a2a_s;
@@ -1036,7 +1047,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         dc->ring_send_bytes = link.send_bytes;
         dc->ring_recv_bytes = link.recv_bytes;
         if (pc && l->head_count[r] == l->head_count[r - 1] && memcmp(&link, &prev_link, sizeof link) == 0 &&
-            same_rates(c, l->device[r], l->device[r - 1])) {
+            same_device(c, l->device[r], l->device[r - 1])) {
             dc->attn_s = pc->attn_s;
             dc->ring_exposed_s = pc->ring_exposed_s;
             attn_fwd = prev_attn_fwd;
@@ -1045,10 +1056,20 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         }
         prev_link = link;
         prev_attn_fwd = attn_fwd;
+        prev_gemm_fwd = gemm_fwd;
         /* one layer's compute of this device, forward and backward (with recompute), one sequence */
         b_fwd = fmax(b_fwd, gemm_fwd + attn_fwd);
         b_bwd = fmax(b_bwd, gemm_fwd * (GEMM_BWD_FACTOR + ckpt) + attn_fwd * (ATTN_BWD_FACTOR + ckpt));
-        memory_terms(&x, r, dc->kv_count, dc);
+        if (alike) { /* memory: same states, ring buffers, cap; same tokens and group */
+            dc->mem_states_gib = pc->mem_states_gib;
+            dc->mem_act_gib = pc->mem_act_gib;
+            dc->mem_attn_gib = pc->mem_attn_gib;
+            dc->mem_ring_gib = pc->mem_ring_gib;
+            dc->mem_total_gib = pc->mem_total_gib;
+            dc->mem_cap_gib = pc->mem_cap_gib;
+        } else {
+            memory_terms(&x, r, dc->kv_count, dc);
+        }
         group_a2a[x.group_of[r]] = fmax(group_a2a[x.group_of[r]], dc->a2a_s);
         double ring_s = dc->attn_s + dc->ring_exposed_s;
         if (dc->gemm_s > out->gemm_phase_s || r == 0) {

@@ -16,8 +16,9 @@ struct hexiseq_cluster {
     double *lat;              /* [n_devices * n_devices] or NULL: explicit latencies, microseconds */
     char **node_gpu;          /* [n_nodes] copies of the names of models outside the catalog (else NULL) */
     /* Derived once at creation; the cost model reads them at every evaluation: */
-    int32_t *rate_class;      /* [n_devices] a device with the same rates (model, peak, efficiencies, curves):
-                                 equal classes mean equal rates (different classes may still be alike) */
+    int32_t *node_of;         /* [n_devices] dev[i].node, packed (link lookups stay in cache) */
+    int32_t *dev_class;       /* [n_devices] a device alike (model, memory, peak, efficiencies, curves):
+                                 equal classes mean alike devices (different classes may still be alike) */
     double ring_bw_min;       /* slowest link of the ring 0 -> 1 -> ... -> N-1 -> 0, bytes/s (N > 1) */
     double ring_lat_max_s;    /* its largest message latency, seconds */
     double gemm_rate_sum;     /* sum over devices of hexiseq_gemm_plateau, FLOP/s */
@@ -39,8 +40,8 @@ double hexiseq_layer_params(const hexiseq_model *m);
 static inline double hexiseq_bw_bytes(const hexiseq_cluster *c, int32_t a, int32_t b) {
     if (c->bw)
         return c->bw[(int64_t)a * c->n_devices + b] * 1e9;
-    if (c->dev[a].node == c->dev[b].node)
-        return c->intra_gbps[c->dev[a].node] * 1e9;
+    if (c->node_of[a] == c->node_of[b])
+        return c->intra_gbps[c->node_of[a]] * 1e9;
     return c->inter_gbps * 1e9;
 }
 
@@ -48,7 +49,7 @@ static inline double hexiseq_bw_bytes(const hexiseq_cluster *c, int32_t a, int32
 static inline double hexiseq_lat_us(const hexiseq_cluster *c, int32_t a, int32_t b) {
     if (c->lat)
         return c->lat[(int64_t)a * c->n_devices + b];
-    return c->dev[a].node == c->dev[b].node ? HEXISEQ_LATENCY_INTRA_US : HEXISEQ_LATENCY_INTER_US;
+    return c->node_of[a] == c->node_of[b] ? HEXISEQ_LATENCY_INTRA_US : HEXISEQ_LATENCY_INTER_US;
 }
 static inline double hexiseq_lat_s(const hexiseq_cluster *c, int32_t a, int32_t b) {
     return hexiseq_lat_us(c, a, b) * 1e-6;
