@@ -187,9 +187,17 @@ static void memory_caps(sched *s, hexiseq_layout *l, shares_ws *w, double ring_b
     for (int32_t g = 0; g < l->n_groups; ++g) {
         int32_t lo = w->offset[g], k = l->group_size[g];
         /* per member: free memory before tokens (GiB) and GiB per own token / per group token */
-        for (int32_t i = 0; i < k; ++i) {
+        for (int32_t i = 0, prev_kv = -1; i < k; ++i) {
             int32_t r = lo + i, kv_lo, kv_n;
             hexiseq_kv_range(s->m, l->head_lo[r], l->head_count[r], &kv_lo, &kv_n);
+            if (i > 0 && s->c->dev_class[l->device[r]] == s->c->dev_class[l->device[r - 1]] &&
+                l->head_count[r] == l->head_count[r - 1] && kv_n == prev_kv) { /* alike its neighbour */
+                w->free0[r] = w->free0[r - 1];
+                w->per_tok[r] = w->per_tok[r - 1];
+                w->per_gtok[r] = w->per_gtok[r - 1];
+                continue;
+            }
+            prev_kv = kv_n;
             hexiseq_memory_coeffs_t mc;
             hexiseq_memory_coeffs(s->c, s->m, s->t, l->device[r], l->head_count[r], kv_n,
                                   l->n_groups > 1 ? ring_block : 0.0, &mc);
