@@ -13,6 +13,7 @@ speedup over the best baseline (same cost model; --no-baselines skips planning t
 again at large sizes), and the paper's planning time for comparison (9 s at 128 GPUs, 444 s at 1024)."""
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -85,8 +86,8 @@ def main(argv=None):
             work = (f"{args.model}, {args.tokens_per_device} tokens per GPU" if args.tokens_per_device
                     else f"{args.model}, 256k tokens up to 32 GPUs, else 1m")
             f.write(f"## {work}\n\n")
-            f.write(f"Command: `python benchmarks/planner_scaling.py {' '.join(argv if argv is not None else sys.argv[1:])}`"
-                    "\n\n")
+            script = os.path.relpath(os.path.abspath(__file__))  # as run from this working directory
+            f.write(f"Command: `python {script} {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n")
             f.write("Clusters: nodes of 8 GPUs (2 for the 8-GPU case) cycling H100-SXM, A100-80G, A800, L40S; "
                     f"{work}, activation checkpointing. Time: median wall time of "
                     f"`hexiseq.plan(strategy=\"hexiseq\")` over {args.repeat} runs (min: the fastest); per "
