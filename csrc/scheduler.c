@@ -10,7 +10,8 @@
  *     each roughly linear in S_g. With per-group coefficients c_pg (seconds per token of phase p) and
  *     memory caps U_g, choosing S_g is the LP  min T_gemm + T_rest  s.t. S_g <= min(U_g, T_p / c_pg),
  *     sum S_g = S. We solve it by a golden-section search on the split of T between the two phases
- *     (the inner problem is a monotone 1-D equation), then refit c_pg from a full evaluation and repeat:
+ *     (the inner problem, a concave piecewise-linear equation, takes a few Newton steps), then refit c_pg
+ *     from a full evaluation and repeat:
  *     the refit captures what is not linear (kernel efficiency on short blocks, exposed ring transfers).
  *  3. inside a group: integer head counts by greedy min-max of heads / attention rate (exact for that
  *     objective), also tried in whole kv-head units; token shares proportional to matmul rate, water-filled

@@ -4,7 +4,8 @@
  *   sched_topology.c structures: node splits, consecutive groups, every partition of small clusters
  *   sched_search.c   ring orders and the local search over single moves
  *   sched_shares.c   shares of one structure: S_g by the LP, heads and tokens inside groups
- * and everything scores layouts through sched_eval (the cost model) and keeps them through sched_offer. */
+ * and every level scores layouts through hexiseq_sched_eval (the cost model, polling the time limit and
+ * the cancel callback) and keeps the best through hexiseq_sched_offer. */
 #ifndef HEXISEQ_SCHEDULER_H
 #define HEXISEQ_SCHEDULER_H
 
