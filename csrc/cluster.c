@@ -66,6 +66,64 @@ hexiseq_status hexiseq_cluster_create(int32_t n_nodes, const hexiseq_node_desc *
     return hexiseq_cluster_create_ex(n_nodes, nodes, inter_node_gbps, bandwidth_gbps, NULL, out);
 }
 
+static int same_curve(const hexiseq_rate_curve *a, const hexiseq_rate_curve *b) {
+    if (a->n != b->n)
+        return 0;
+    for (int32_t i = 0; i < a->n; ++i)
+        if (a->size[i] != b->size[i] || a->tflops[i] != b->tflops[i])
+            return 0;
+    return 1;
+}
+
+/* Same model, memory, peak, efficiencies and measured curves: every figure the cost model reads of a
+ * device is the same. */
+static int same_device(const hexiseq_device_info *a, const hexiseq_device_info *b) {
+    return a->gpu_index == b->gpu_index && a->memory_gib == b->memory_gib && a->peak_tflops == b->peak_tflops &&
+           a->gemm_eff == b->gemm_eff &&
+           a->attn_eff == b->attn_eff && same_curve(&a->gemm_curve, &b->gemm_curve) &&
+           same_curve(&a->attn_curve, &b->attn_curve) && same_curve(&a->attn_causal_curve, &b->attn_causal_curve);
+}
+
+#define DEVICE_CLASSES_SEEN 16 /* recent classes a device is compared with before it opens a new one */
+
+/* The figures of struct hexiseq_cluster that are derived from the rest (see internal.h). Returns 0 when
+ * out of memory. */
+static int derive(hexiseq_cluster *c) {
+    int32_t n = c->n_devices, seen[DEVICE_CLASSES_SEEN], n_seen = 0;
+    c->dev_class = malloc((size_t)n * sizeof *c->dev_class);
+    c->node_of = malloc((size_t)n * sizeof *c->node_of);
+    if (!c->dev_class || !c->node_of)
+        return 0;
+    for (int32_t i = 0; i < n; ++i)
+        c->node_of[i] = c->dev[i].node;
+    for (int32_t i = 0; i < n; ++i) {
+        int32_t cls = i;
+        for (int32_t k = 0; k < n_seen && cls == i; ++k)
+            if (same_device(&c->dev[i], &c->dev[seen[k]]))
+                cls = seen[k];
+        if (cls == i) {
+            memmove(seen + 1, seen, (size_t)(n_seen < DEVICE_CLASSES_SEEN ? n_seen : DEVICE_CLASSES_SEEN - 1) * sizeof *seen);
+            seen[0] = i;
+            n_seen += n_seen < DEVICE_CLASSES_SEEN;
+        }
+        c->dev_class[i] = cls;
+    }
+    c->ring_bw_min = INFINITY;
+    c->ring_lat_max_s = 0.0;
+    for (int32_t i = 0; i < n && n > 1; ++i) {
+        int32_t j = (i + 1) % n;
+        c->ring_bw_min = fmin(c->ring_bw_min, hexiseq_bw_bytes(c, i, j));
+        c->ring_lat_max_s = fmax(c->ring_lat_max_s, hexiseq_lat_s(c, i, j));
+    }
+    c->gemm_rate_sum = c->attn_rate_sum[0] = c->attn_rate_sum[1] = 0.0;
+    for (int32_t i = 0; i < n; ++i) {
+        c->gemm_rate_sum += hexiseq_gemm_plateau(&c->dev[i]);
+        c->attn_rate_sum[0] += hexiseq_attn_plateau(&c->dev[i], 0);
+        c->attn_rate_sum[1] += hexiseq_attn_plateau(&c->dev[i], 1);
+    }
+    return 1;
+}
+
 hexiseq_status hexiseq_cluster_create_ex(int32_t n_nodes, const hexiseq_node_desc *nodes, double inter_node_gbps,
                                          const double *bandwidth_gbps, const hexiseq_cluster_options *options,
                                          hexiseq_cluster **out) {
@@ -196,6 +254,10 @@ hexiseq_status hexiseq_cluster_create_ex(int32_t n_nodes, const hexiseq_node_des
             }
         }
     }
+    if (!derive(c)) {
+        hexiseq_cluster_destroy(c);
+        return hexiseq_fail(HEXISEQ_ERR_NOMEM, "cannot allocate a cluster of %d devices", n);
+    }
     *out = c;
     return HEXISEQ_OK;
 }
@@ -211,6 +273,8 @@ void hexiseq_cluster_destroy(hexiseq_cluster *c) {
     free(c->intra_gbps);
     free(c->bw);
     free(c->lat);
+    free(c->dev_class);
+    free(c->node_of);
     free(c);
 }
 

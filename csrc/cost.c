@@ -10,6 +10,8 @@
 
 #define GIB 1073741824.0
 
+int32_t hexiseq_grouped_above = 32;
+
 /* Kernel efficiency falls for short dimensions: rate = peak * eff * n / (n + half). The half-points
  * fit FlashAttention-2's forward curve on H100 (about 57% of its plateau at 512 tokens) and the usual
  * cuBLAS behaviour for matmuls with a few hundred rows. */
@@ -222,7 +224,35 @@ typedef struct {
     int32_t *group_of;        /* [n_devices] group of layout slot r */
     int32_t *offset;          /* [n_groups + 1] first slot of each group */
     hexiseq_group_span *span; /* [n_groups] */
-    double *step_pairs;       /* [n_groups] visible pairs at each ring step, for the group being scored */
+    double *step_pairs;       /* [n_groups] visible pairs at each ring step, for the group being scored
+                                 (direct pricing only) */
+    double max_block;         /* longest ring block (the largest S_g; 0 with one group), tokens */
+    int32_t *kv_lo, *kv_n;    /* [n_devices] kv heads each slot needs (hexiseq_kv_range of its heads) */
+    int32_t *hold;            /* [n_devices] slots holding at least one head, group by group in rank order */
+    int32_t *hold_off;        /* [n_groups + 1] first entry of each group in hold */
+    int32_t *first_holder;    /* [n_groups * kv_heads] slot of each group that sends kv head h around the ring:
+                                 the first member (in rank order) whose heads need it */
+    /* Grouped ring pricing (n_types > 0): ring step k of group g depends on the step's source group src
+     * only through (S_src, S_next) and on which side of g src lies, so the steps of a group are priced once
+     * per distinct (S_src, S_next, side) and weighted by how often it occurs. */
+    int32_t n_types;          /* distinct (S_src, S_src-1) pairs over the ring; 0: price step by step */
+    int32_t *type_of;         /* [n_groups] type of source group src */
+    int64_t *type_sk;         /* [n_types] S_src */
+    int64_t *type_snext;      /* [n_types] S of the group before src in the ring (the block arriving next) */
+    int32_t *type_total;      /* [n_types] source groups of each type */
+    int32_t *type_before;     /* [n_types] of which before the group being scored (index < g) */
+    /* Grouped all-to-all (a2a_kinds > 0): in a group of more than hexiseq_grouped_above members with
+     * node-derived links, a member's peers on other nodes all sit behind the same inter-node link, so they
+     * are priced once per kind (tokens, heads, kv heads) and weighted by how many there are; peers on its
+     * own node are priced one by one. Filled per group by a2a_kinds_build. */
+    int32_t a2a_group;        /* the group described, -1: none */
+    int32_t a2a_kinds;        /* kinds of member in it; 0: price peers one by one */
+    int32_t *kind_of;         /* [n_devices] kind of each slot of the group */
+    int64_t *kind_tokens;     /* [kinds] */
+    int32_t *kind_heads, *kind_kv, *kind_count;
+    int32_t *by_node;         /* [group size] the group's slots sorted by node, then slot */
+    int32_t *node_lo, *node_hi; /* [n_devices] range in by_node of the slot's node */
+    int32_t *node_kind;       /* [kinds] scratch: kinds on the member's node */
 } cost_ctx;
 
 /* Forward FLOPs of the token-parallel part of one layer, per token: q, k, v, o projections and MLP. */
@@ -328,13 +358,27 @@ void hexiseq_kv_range(const hexiseq_model *m, int32_t lo, int32_t count, int32_t
 
 /* Layout slot in group g that sends kv head h around the ring: the first member holding it. */
 static int32_t kv_holder(const cost_ctx *x, int32_t g, int32_t h) {
-    for (int32_t r = x->offset[g]; r < x->offset[g + 1]; ++r) {
-        int32_t lo, n;
-        hexiseq_kv_range(x->m, x->l->head_lo[r], x->l->head_count[r], &lo, &n);
-        if (n && h >= lo && h < lo + n)
-            return r;
-    }
-    return -1; /* unreachable for a validated layout: every group covers all heads */
+    return x->first_holder[(int64_t)g * x->m->kv_heads + h];
+}
+
+/* Fills x->first_holder: members in rank order, each claiming the kv heads of its range not claimed yet
+ * (a validated layout covers every head in every group, so every entry is set). */
+static void first_holders(cost_ctx *x) {
+    int32_t G = x->l->n_groups, A_kv = x->m->kv_heads;
+    for (int64_t i = 0; i < (int64_t)G * A_kv; ++i)
+        x->first_holder[i] = -1;
+    for (int32_t g = 0; g < G; ++g)
+        for (int32_t i = x->hold_off[g]; i < x->hold_off[g + 1]; ++i) {
+            int32_t r = x->hold[i], lo = x->kv_lo[r], n = x->kv_n[r];
+            for (int32_t h = lo; h < lo + n; ++h)
+                if (x->first_holder[(int64_t)g * A_kv + h] < 0)
+                    x->first_holder[(int64_t)g * A_kv + h] = r;
+        }
+}
+
+/* Devices alike (rates and memory): every term of one equals the other's for the same work. */
+static int same_device(const hexiseq_cluster *c, int32_t a, int32_t b) {
+    return c->dev_class[a] == c->dev_class[b];
 }
 
 /* Ring transfers of device slot r: it receives its kv heads from the previous group in the ring (from the
@@ -356,8 +400,7 @@ static void ring_link_of(const cost_ctx *x, int32_t r, ring_link *out) {
     double bytes_per_head_token = 2.0 * x->m->head_dim * x->m->dtype_bytes; /* K and V */
     int32_t prev = (g + G - 1) % G, next = (g + 1) % G;
     int32_t me = x->l->device[r];
-    int32_t lo, n;
-    hexiseq_kv_range(x->m, x->l->head_lo[r], x->l->head_count[r], &lo, &n);
+    int32_t lo = x->kv_lo[r], n = x->kv_n[r];
     /* holders of consecutive kv heads are in rank order, so each source is one run of heads */
     for (int32_t h = lo, last = -1; h < lo + n; ++h) {
         int32_t src = x->l->device[kv_holder(x, prev, h)];
@@ -370,9 +413,8 @@ static void ring_link_of(const cost_ctx *x, int32_t r, ring_link *out) {
             last = src;
         }
     }
-    for (int32_t s = x->offset[next]; s < x->offset[next + 1]; ++s) {
-        int32_t slo, sn, any = 0;
-        hexiseq_kv_range(x->m, x->l->head_lo[s], x->l->head_count[s], &slo, &sn);
+    for (int32_t i = x->hold_off[next]; i < x->hold_off[next + 1] && n > 0; ++i) { /* no kv heads: sends none */
+        int32_t s = x->hold[i], slo = x->kv_lo[s], sn = x->kv_n[s], any = 0;
         for (int32_t h = slo; h < slo + sn; ++h)
             if (kv_holder(x, g, h) == r) {
                 out->send_pt += bytes_per_head_token / hexiseq_bw_bytes(x->c, me, x->l->device[s]);
@@ -397,6 +439,72 @@ static double ring_transfer_s(const ring_link *k, double tokens, double msgs) {
  * their owner. Causal blocks run as zigzag half-chunks, so the kernel efficiency is taken at half the
  * shorter block; with measured curves, the two diagonal chunk blocks of step 0 run at the causal curve.
  * `fwd_layer_s` gets one forward pass of one layer and one sequence (no communication). */
+/* One ring step of a device of group g with h heads: the block of a source group of sk tokens whose
+ * positions meet g's queries in `pairs` visible pairs, while (when `more`) the next block of next_tokens
+ * tokens arrives. `diag`: the step of the group's own block (k = 0). Out: the step's forward attention
+ * (fwd), its compute (forward passes + backward) and its exposed communication, one layer, one sequence. */
+static void ring_step(const cost_ctx *x, const hexiseq_device_info *d, int32_t h, const ring_link *link, int32_t g,
+                      int diag, double pairs, double sk, int more, double next_tokens, double *fwd_out,
+                      double *compute_out, double *exposed_out) {
+    int split_diag = x->causal && (d->attn_causal_curve.n > 0 || d->attn_curve.n > 0);
+    double fwd_passes = 1.0 + (x->t->checkpointing ? 1.0 : 0.0);
+    double sq = (double)x->l->group_seq[g];
+    /* causal blocks run as zigzag half-chunks: the kernel sees blocks half as long */
+    double block = (sq < sk ? sq : sk) * (x->causal ? 0.5 : 1.0);
+    double fwd = 0.0;
+    if (pairs > 0 && split_diag && diag) {
+        /* own positions: front x front and back x back are causal diagonal blocks, back x front full */
+        double fl = (double)x->span[g].front_len, bl = (double)x->span[g].back_len;
+        double diag_f = fl * (fl + 1.0) / 2.0, diag_b = bl * (bl + 1.0) / 2.0, rest = pairs - diag_f - diag_b;
+        double pair_time = 0.0; /* sum over blocks of pairs / rate; times FLOPs per pair = seconds */
+        if (fl > 0)
+            pair_time += diag_f / attn_diag_rate_flops(d, fl);
+        if (bl > 0)
+            pair_time += diag_b / attn_diag_rate_flops(d, bl);
+        if (rest > 0)
+            pair_time += rest / attn_rate_flops(d, block);
+        fwd = attn_fwd_flops(x->m, 1.0, h) * pair_time;
+    } else if (pairs > 0) {
+        fwd = attn_fwd_flops(x->m, pairs, h) / attn_rate_flops(d, block);
+    }
+    double fwd_comm = more ? ring_transfer_s(link, next_tokens, 1.0) : 0.0;
+    double bwd = fwd * ATTN_BWD_FACTOR;
+    /* dK, dV of this step's block move on, accumulated and sent in fp32 */
+    double bwd_comm = ring_transfer_s(link, next_tokens + sk * (4.0 / x->m->dtype_bytes), more ? 2.0 : 1.0);
+    double fwd_sync = more ? link->sync : 0.0, bwd_sync = link->sync;
+    *fwd_out = fwd;
+    *compute_out = fwd * fwd_passes + bwd;
+    *exposed_out = fwd_passes * (fmax(0.0, fwd_comm - fwd) + fwd_sync) + fmax(0.0, bwd_comm - bwd) + bwd_sync;
+}
+
+/* Visible pairs of group g's queries with the keys of a source group of sk tokens lying before g in the
+ * ring (before = 1) or after it. Zigzag spans: every front chunk precedes every back chunk, fronts in ring
+ * order, backs mirrored; so a source before g has its front before g's front and its back after g's
+ * back, and the reverse after g. Pairs of disjoint position ranges depend only on lengths and order, so a
+ * stand-in span of the same lengths and order gives exactly the pairs of every such source. */
+static double side_pairs(const cost_ctx *x, int32_t g, int64_t sk, int before) {
+    const hexiseq_group_span *q = &x->span[g];
+    hexiseq_group_span k;
+    k.back_len = sk / 2;
+    k.front_len = sk - k.back_len;
+    if (before) {
+        k.front_start = q->front_start - k.front_len;
+        k.back_start = q->back_start + q->back_len;
+    } else {
+        k.front_start = q->front_start + q->front_len;
+        k.back_start = q->back_start - k.back_len;
+    }
+    return group_pairs(q, &k, x->causal);
+}
+
+/* Attention and exposed ring time of slot r over the whole step. Ring step k attends the group's queries
+ * to the block of the group k places back in the ring while the next block arrives; a step costs
+ * max(compute, transfer) plus a synchronisation that compute cannot hide (the largest latency among the
+ * messages received in the step). Backward moves K, V forward and dK, dV along with them (accumulated in
+ * fp32, so 4/dtype_bytes times the bytes of K, V, in messages of their own), and the last dK, dV back to
+ * their owner. Causal blocks run as zigzag half-chunks, so the kernel efficiency is taken at half the
+ * shorter block; with measured curves, the two diagonal chunk blocks of step 0 run at the causal curve.
+ * `fwd_layer_s` gets one forward pass of one layer and one sequence (no communication). */
 static void ring_time_s(const cost_ctx *x, int32_t r, const ring_link *link, double *attn_s, double *exposed_s,
                         double *fwd_layer_s) {
     const hexiseq_device_info *d = &x->c->dev[x->l->device[r]];
@@ -406,42 +514,46 @@ static void ring_time_s(const cost_ctx *x, int32_t r, const ring_link *link, dou
     *fwd_layer_s = 0.0;
     if (h == 0)
         return;
-    int split_diag = x->causal && (d->attn_causal_curve.n > 0 || d->attn_curve.n > 0);
-    double fwd_passes = 1.0 + (x->t->checkpointing ? 1.0 : 0.0);
-    double compute = 0.0, exposed = 0.0, fwd_sum = 0.0;
-    double sq = (double)x->l->group_seq[g];
-    for (int32_t k = 0; k < G; ++k) {
-        int32_t src = (g - k + G) % G, nxt = (g - k - 1 + 2 * G) % G;
-        double sk = (double)x->l->group_seq[src];
-        double pairs = x->step_pairs[k]; /* pairs of this group's queries with step k's block */
-        /* causal blocks run as zigzag half-chunks: the kernel sees blocks half as long */
-        double block = (sq < sk ? sq : sk) * (x->causal ? 0.5 : 1.0);
-        double fwd = 0.0;
-        if (pairs > 0 && split_diag && k == 0) {
-            /* own positions: front x front and back x back are causal diagonal blocks, back x front full */
-            double fl = (double)x->span[g].front_len, bl = (double)x->span[g].back_len;
-            double diag_f = fl * (fl + 1.0) / 2.0, diag_b = bl * (bl + 1.0) / 2.0, rest = pairs - diag_f - diag_b;
-            double pair_time = 0.0; /* sum over blocks of pairs / rate; times FLOPs per pair = seconds */
-            if (fl > 0)
-                pair_time += diag_f / attn_diag_rate_flops(d, fl);
-            if (bl > 0)
-                pair_time += diag_b / attn_diag_rate_flops(d, bl);
-            if (rest > 0)
-                pair_time += rest / attn_rate_flops(d, block);
-            fwd = attn_fwd_flops(x->m, 1.0, h) * pair_time;
-        } else if (pairs > 0) {
-            fwd = attn_fwd_flops(x->m, pairs, h) / attn_rate_flops(d, block);
+    double compute = 0.0, exposed = 0.0, fwd_sum = 0.0, f, cm, ex;
+    if (x->n_types == 0) { /* step by step, in ring order */
+        for (int32_t k = 0; k < G; ++k) {
+            int32_t src = (g - k + G) % G, nxt = (g - k - 1 + 2 * G) % G;
+            int more = k < G - 1; /* the next block arrives during this step */
+            ring_step(x, d, h, link, g, k == 0, x->step_pairs[k], (double)x->l->group_seq[src], more,
+                      more ? (double)x->l->group_seq[nxt] : 0.0, &f, &cm, &ex);
+            compute += cm;
+            fwd_sum += f;
+            exposed += ex;
         }
-        int more = k < G - 1; /* the next block arrives during this step */
-        double next_tokens = more ? (double)x->l->group_seq[nxt] : 0.0;
-        double fwd_comm = more ? ring_transfer_s(link, next_tokens, 1.0) : 0.0;
-        double bwd = fwd * ATTN_BWD_FACTOR;
-        /* dK, dV of this step's block move on, accumulated and sent in fp32 */
-        double bwd_comm = ring_transfer_s(link, next_tokens + sk * (4.0 / x->m->dtype_bytes), more ? 2.0 : 1.0);
-        double fwd_sync = more ? link->sync : 0.0, bwd_sync = link->sync;
-        compute += fwd * fwd_passes + bwd;
-        fwd_sum += fwd;
-        exposed += fwd_passes * (fmax(0.0, fwd_comm - fwd) + fwd_sync) + fmax(0.0, bwd_comm - bwd) + bwd_sync;
+    } else { /* grouped: own block, the last step (source g + 1, nothing arrives), then each type and side */
+        ring_step(x, d, h, link, g, 1, x->step_pairs[0], (double)x->l->group_seq[g], G > 1,
+                  G > 1 ? (double)x->l->group_seq[(g - 1 + G) % G] : 0.0, &f, &cm, &ex);
+        compute += cm;
+        fwd_sum += f;
+        exposed += ex;
+        int32_t last = (g + 1) % G, last_type = x->type_of[last], own_type = x->type_of[g];
+        int last_before = last < g;
+        if (G > 1) {
+            int64_t sk = x->l->group_seq[last];
+            ring_step(x, d, h, link, g, 0, side_pairs(x, g, sk, last_before), (double)sk, 0, 0.0, &f, &cm, &ex);
+            compute += cm;
+            fwd_sum += f;
+            exposed += ex;
+        }
+        for (int32_t t = 0; t < x->n_types; ++t)
+            for (int before = 0; before < 2; ++before) {
+                int64_t count = before ? x->type_before[t] : x->type_total[t] - x->type_before[t] - (own_type == t);
+                if (G > 1 && last_type == t && last_before == before)
+                    count--;
+                if (count <= 0)
+                    continue;
+                int64_t sk = x->type_sk[t];
+                ring_step(x, d, h, link, g, 0, side_pairs(x, g, sk, before), (double)sk, 1, (double)x->type_snext[t],
+                          &f, &cm, &ex);
+                compute += (double)count * cm;
+                fwd_sum += (double)count * f;
+                exposed += (double)count * ex;
+            }
     }
     double reps = (double)x->m->layers * x->t->sequences;
     *attn_s = compute * reps;
@@ -449,39 +561,237 @@ static void ring_time_s(const cost_ctx *x, int32_t r, const ring_link *link, dou
     *fwd_layer_s = fwd_sum;
 }
 
+/* Ring step types of a layout (see cost_ctx): kept only when they are few (more than
+ * hexiseq_grouped_above groups and at most G / 4 types), else x->n_types = 0 and steps are priced one by
+ * one. Returns 0 on allocation failure. */
+typedef struct {
+    int64_t sk, snext;
+    int32_t src;
+} ring_pair;
+
+static int cmp_ring_pair(const void *a, const void *b) {
+    const ring_pair *p = a, *q = b;
+    if (p->sk != q->sk)
+        return p->sk < q->sk ? -1 : 1;
+    if (p->snext != q->snext)
+        return p->snext < q->snext ? -1 : 1;
+    return (p->src > q->src) - (p->src < q->src);
+}
+
+static int ring_types_build(cost_ctx *x) {
+    int32_t G = x->l->n_groups;
+    x->n_types = 0;
+    if (G <= hexiseq_grouped_above)
+        return 1;
+    ring_pair *pairs = malloc((size_t)G * sizeof *pairs);
+    x->type_of = malloc((size_t)G * sizeof *x->type_of);
+    if (!pairs || !x->type_of) {
+        free(pairs);
+        return 0;
+    }
+    for (int32_t g = 0; g < G; ++g) {
+        pairs[g].sk = x->l->group_seq[g];
+        pairs[g].snext = x->l->group_seq[(g - 1 + G) % G];
+        pairs[g].src = g;
+    }
+    qsort(pairs, (size_t)G, sizeof *pairs, cmp_ring_pair);
+    int32_t T = 0;
+    for (int32_t i = 0; i < G; ++i) {
+        if (i == 0 || pairs[i].sk != pairs[i - 1].sk || pairs[i].snext != pairs[i - 1].snext)
+            ++T;
+        x->type_of[pairs[i].src] = T - 1;
+    }
+    if (T > G / 4) {
+        free(pairs);
+        return 1; /* as many types as steps, nearly: no gain */
+    }
+    x->type_sk = malloc((size_t)T * sizeof *x->type_sk);
+    x->type_snext = malloc((size_t)T * sizeof *x->type_snext);
+    x->type_total = calloc((size_t)T, sizeof *x->type_total);
+    x->type_before = calloc((size_t)T, sizeof *x->type_before);
+    if (!x->type_sk || !x->type_snext || !x->type_total || !x->type_before) {
+        free(pairs);
+        return 0;
+    }
+    for (int32_t i = 0; i < G; ++i) {
+        int32_t t = x->type_of[pairs[i].src];
+        x->type_sk[t] = pairs[i].sk;
+        x->type_snext[t] = pairs[i].snext;
+        x->type_total[t]++;
+    }
+    x->n_types = T;
+    free(pairs);
+    return 1;
+}
+
+static void ring_types_free(cost_ctx *x) {
+    free(x->type_of);
+    free(x->type_sk);
+    free(x->type_snext);
+    free(x->type_total);
+    free(x->type_before);
+}
+
 /* All-to-all of slot r over the whole step, seconds; each of the layer's exchanges is timed as
  * max(send, receive) with peers serialised, each peer message paying its link's latency: forward Q/K/V in and O out, backward dO in and dQ/dK/dV out,
  * and the forward pair again when checkpointing recomputes. */
+/* One peer's part of slot r's all-to-all, added to the four times (seconds) and two byte counts, `count`
+ * times (count 1: as a plain sum). */
+static void a2a_peer(const cost_ctx *x, double count, double h_r, double s_r, int32_t kv_n, double h_j, double s_j,
+                     int32_t jn, double out_bw, double in_bw, double out_lat, double in_lat, double *t,
+                     double *send_bytes, double *recv_bytes) {
+    double elem = (double)x->m->head_dim * x->m->dtype_bytes;
+    /* bytes over bandwidth, plus one message latency per peer that has anything to exchange */
+    double qkv_out = s_r * (h_j + 2.0 * jn), qkv_in = s_j * (h_r + 2.0 * kv_n), o_out = s_j * h_r, o_in = s_r * h_j;
+    double v[4] = {qkv_out * elem / out_bw + (qkv_out > 0 ? out_lat : 0.0), /* my tokens, their heads */
+                   qkv_in * elem / in_bw + (qkv_in > 0 ? in_lat : 0.0),     /* their tokens, my heads */
+                   o_out * elem / out_bw + (o_out > 0 ? out_lat : 0.0),     /* attention output of their tokens */
+                   o_in * elem / in_bw + (o_in > 0 ? in_lat : 0.0)};
+    double sb = (qkv_out + o_out) * elem, rb = (qkv_in + o_in) * elem;
+    if (count == 1.0) {
+        for (int i = 0; i < 4; ++i)
+            t[i] += v[i];
+        *send_bytes += sb;
+        *recv_bytes += rb;
+    } else {
+        for (int i = 0; i < 4; ++i)
+            t[i] += count * v[i];
+        *send_bytes += count * sb;
+        *recv_bytes += count * rb;
+    }
+}
+
+typedef struct {
+    int64_t key0;
+    int32_t key1, key2, slot;
+} slot_key;
+
+static int cmp_slot_key(const void *a, const void *b) {
+    const slot_key *p = a, *q = b;
+    if (p->key0 != q->key0)
+        return p->key0 < q->key0 ? -1 : 1;
+    if (p->key1 != q->key1)
+        return p->key1 < q->key1 ? -1 : 1;
+    if (p->key2 != q->key2)
+        return p->key2 < q->key2 ? -1 : 1;
+    return (p->slot > q->slot) - (p->slot < q->slot);
+}
+
+/* Kinds of member of group g for the grouped all-to-all (see cost_ctx); x->a2a_kinds = 0 when the group is
+ * small, links are given per pair, or kinds are nearly as many as members. Returns 0 when out of memory. */
+static int a2a_kinds_build(cost_ctx *x, int32_t g) {
+    int32_t lo = x->offset[g], k = x->l->group_size[g], n = x->l->n_devices;
+    x->a2a_group = g;
+    x->a2a_kinds = 0;
+    if (k <= hexiseq_grouped_above || x->c->bw || x->c->lat)
+        return 1;
+    if (!x->kind_of) { /* sized for the largest group once */
+        x->kind_of = malloc((size_t)n * sizeof *x->kind_of);
+        x->kind_tokens = malloc((size_t)n * sizeof *x->kind_tokens);
+        x->kind_heads = malloc((size_t)n * sizeof *x->kind_heads);
+        x->kind_kv = malloc((size_t)n * sizeof *x->kind_kv);
+        x->kind_count = malloc((size_t)n * sizeof *x->kind_count);
+        x->by_node = malloc((size_t)n * sizeof *x->by_node);
+        x->node_lo = malloc((size_t)n * sizeof *x->node_lo);
+        x->node_hi = malloc((size_t)n * sizeof *x->node_hi);
+        x->node_kind = malloc((size_t)n * sizeof *x->node_kind);
+        if (!x->kind_of || !x->kind_tokens || !x->kind_heads || !x->kind_kv || !x->kind_count || !x->by_node ||
+            !x->node_lo || !x->node_hi || !x->node_kind)
+            return 0;
+    }
+    slot_key *keys = malloc((size_t)k * sizeof *keys);
+    if (!keys)
+        return 0;
+    for (int32_t i = 0; i < k; ++i) {
+        int32_t r = lo + i;
+        keys[i] = (slot_key){x->l->tokens[r], x->l->head_count[r], x->kv_n[r], r};
+    }
+    qsort(keys, (size_t)k, sizeof *keys, cmp_slot_key);
+    int32_t T = -1;
+    for (int32_t i = 0; i < k; ++i) {
+        if (i == 0 || keys[i].key0 != keys[i - 1].key0 || keys[i].key1 != keys[i - 1].key1 ||
+            keys[i].key2 != keys[i - 1].key2) {
+            ++T;
+            x->kind_tokens[T] = keys[i].key0;
+            x->kind_heads[T] = keys[i].key1;
+            x->kind_kv[T] = keys[i].key2;
+            x->kind_count[T] = 0;
+            x->node_kind[T] = 0;
+        }
+        x->kind_of[keys[i].slot] = T;
+        x->kind_count[T]++;
+    }
+    ++T;
+    if (T > k / 4) {
+        free(keys);
+        return 1;
+    }
+    for (int32_t i = 0; i < k; ++i)
+        keys[i] = (slot_key){x->c->node_of[x->l->device[lo + i]], 0, 0, lo + i};
+    qsort(keys, (size_t)k, sizeof *keys, cmp_slot_key);
+    for (int32_t i = 0, start = 0; i < k; ++i) {
+        x->by_node[i] = keys[i].slot;
+        if (i + 1 == k || keys[i + 1].key0 != keys[i].key0) {
+            for (int32_t j = start; j <= i; ++j) {
+                x->node_lo[keys[j].slot] = start;
+                x->node_hi[keys[j].slot] = i + 1;
+            }
+            start = i + 1;
+        }
+    }
+    free(keys);
+    x->a2a_kinds = T;
+    return 1;
+}
+
+static void a2a_kinds_free(cost_ctx *x) {
+    free(x->kind_of);
+    free(x->kind_tokens);
+    free(x->kind_heads);
+    free(x->kind_kv);
+    free(x->kind_count);
+    free(x->by_node);
+    free(x->node_lo);
+    free(x->node_hi);
+    free(x->node_kind);
+}
+
 static double a2a_time_s(const cost_ctx *x, int32_t r, double *send_bytes, double *recv_bytes) {
     int32_t g = x->group_of[r];
     *send_bytes = *recv_bytes = 0.0;
     if (x->l->group_size[g] == 1)
         return 0.0;
-    double elem = (double)x->m->head_dim * x->m->dtype_bytes;
-    int32_t me = x->l->device[r];
-    int32_t kv_lo, kv_n;
-    hexiseq_kv_range(x->m, x->l->head_lo[r], x->l->head_count[r], &kv_lo, &kv_n);
+    int32_t me = x->l->device[r], kv_n = x->kv_n[r];
     double h_r = x->l->head_count[r], s_r = (double)x->l->tokens[r];
-    double qkv_send = 0, qkv_recv = 0, o_send = 0, o_recv = 0; /* seconds */
-    for (int32_t j = x->offset[g]; j < x->offset[g + 1]; ++j) {
+    double t[4] = {0, 0, 0, 0}; /* seconds: qkv send, qkv receive, o send, o receive */
+    int grouped = x->a2a_group == g && x->a2a_kinds > 0;
+    /* peers one by one: every other member, or with grouping those of my node */
+    int32_t lo = grouped ? x->node_lo[r] : x->offset[g], hi = grouped ? x->node_hi[r] : x->offset[g + 1];
+    for (int32_t i = lo; i < hi; ++i) {
+        int32_t j = grouped ? x->by_node[i] : i;
+        if (grouped)
+            x->node_kind[x->kind_of[j]]++;
         if (j == r)
             continue;
-        int32_t jlo, jn;
-        hexiseq_kv_range(x->m, x->l->head_lo[j], x->l->head_count[j], &jlo, &jn);
-        double h_j = x->l->head_count[j], s_j = (double)x->l->tokens[j];
-        double out_bw = hexiseq_bw_bytes(x->c, me, x->l->device[j]);
-        double in_bw = hexiseq_bw_bytes(x->c, x->l->device[j], me);
-        double out_lat = hexiseq_lat_s(x->c, me, x->l->device[j]), in_lat = hexiseq_lat_s(x->c, x->l->device[j], me);
-        /* bytes over bandwidth, plus one message latency per peer that has anything to exchange */
-        double qkv_out = s_r * (h_j + 2.0 * jn), qkv_in = s_j * (h_r + 2.0 * kv_n), o_out = s_j * h_r, o_in = s_r * h_j;
-        qkv_send += qkv_out * elem / out_bw + (qkv_out > 0 ? out_lat : 0.0); /* my tokens, their heads */
-        qkv_recv += qkv_in * elem / in_bw + (qkv_in > 0 ? in_lat : 0.0);     /* their tokens, my heads */
-        o_send += o_out * elem / out_bw + (o_out > 0 ? out_lat : 0.0);       /* attention output of their tokens */
-        o_recv += o_in * elem / in_bw + (o_in > 0 ? in_lat : 0.0);
-        *send_bytes += (qkv_out + o_out) * elem;
-        *recv_bytes += (qkv_in + o_in) * elem;
+        int32_t jn = x->kv_n[j], dj = x->l->device[j];
+        a2a_peer(x, 1.0, h_r, s_r, kv_n, x->l->head_count[j], (double)x->l->tokens[j], jn,
+                 hexiseq_bw_bytes(x->c, me, dj), hexiseq_bw_bytes(x->c, dj, me), hexiseq_lat_s(x->c, me, dj),
+                 hexiseq_lat_s(x->c, dj, me), t, send_bytes, recv_bytes);
     }
-    double qkv = fmax(qkv_send, qkv_recv), o = fmax(o_send, o_recv);
+    if (grouped) {
+        /* other nodes, by kind: all behind the inter-node link (the values hexiseq_bw_bytes and
+         * hexiseq_lat_s give for devices of different nodes) */
+        double bw = x->c->inter_gbps * 1e9, lat = HEXISEQ_LATENCY_INTER_US * 1e-6;
+        for (int32_t kind = 0; kind < x->a2a_kinds; ++kind) {
+            int32_t count = x->kind_count[kind] - x->node_kind[kind];
+            if (count > 0)
+                a2a_peer(x, (double)count, h_r, s_r, kv_n, x->kind_heads[kind], (double)x->kind_tokens[kind],
+                         x->kind_kv[kind], bw, bw, lat, lat, t, send_bytes, recv_bytes);
+        }
+        for (int32_t i = lo; i < hi; ++i)
+            x->node_kind[x->kind_of[x->by_node[i]]] = 0;
+    }
+    double qkv = fmax(t[0], t[1]), o = fmax(t[2], t[3]);
     /* forward: qkv + o; backward: dO (the o pattern reversed, same volume) + dQ/dK/dV (qkv reversed) */
     double per_layer = (qkv + o) * (1.0 + (x->t->checkpointing ? 1.0 : 0.0)) + (o + qkv);
     return per_layer * x->m->layers * x->t->sequences;
@@ -521,12 +831,8 @@ void hexiseq_memory_coeffs(const hexiseq_cluster *c, const hexiseq_model *m, con
 
 /* Memory of slot r, filled into the GiB fields of `out`. */
 static void memory_terms(const cost_ctx *x, int32_t r, int32_t kv_n, hexiseq_device_cost *out) {
-    double max_block = 0;
-    if (x->l->n_groups > 1)
-        for (int32_t g = 0; g < x->l->n_groups; ++g)
-            max_block = fmax(max_block, (double)x->l->group_seq[g]);
     hexiseq_memory_coeffs_t mc;
-    hexiseq_memory_coeffs(x->c, x->m, x->t, x->l->device[r], x->l->head_count[r], kv_n, max_block, &mc);
+    hexiseq_memory_coeffs(x->c, x->m, x->t, x->l->device[r], x->l->head_count[r], kv_n, x->max_block, &mc);
     out->mem_states_gib = mc.states_gib;
     out->mem_act_gib = mc.per_token_gib * (double)x->l->tokens[r];
     out->mem_attn_gib = mc.per_group_token_gib * (double)x->l->group_seq[x->group_of[r]];
@@ -537,11 +843,7 @@ static void memory_terms(const cost_ctx *x, int32_t r, int32_t kv_n, hexiseq_dev
 
 /* Total work over total rate, phase by phase: no layout of these devices can be faster. */
 static double lower_bound_s(const cost_ctx *x) {
-    double gemm_rate = 0, attn_rate = 0;
-    for (int32_t i = 0; i < x->c->n_devices; ++i) {
-        gemm_rate += hexiseq_gemm_plateau(&x->c->dev[i]);
-        attn_rate += hexiseq_attn_plateau(&x->c->dev[i], x->causal);
-    }
+    double gemm_rate = x->c->gemm_rate_sum, attn_rate = x->c->attn_rate_sum[x->causal ? 1 : 0];
     double S = (double)x->seq_len, seqs = x->t->sequences;
     double gemm_flops = seqs * S *
                         (x->m->layers * layer_gemm_flops_per_token(x->m) * gemm_passes(x->t) +
@@ -571,12 +873,7 @@ static void grad_sync_s(const cost_ctx *x, double b_fwd, double b_bwd, double *s
     int32_t N = x->c->n_devices;
     if (N == 1)
         return;
-    double bw = INFINITY, lat = 0.0;
-    for (int32_t i = 0; i < N; ++i) {
-        int32_t j = (i + 1) % N;
-        bw = fmin(bw, hexiseq_bw_bytes(x->c, i, j));
-        lat = fmax(lat, hexiseq_lat_s(x->c, i, j));
-    }
+    double bw = x->c->ring_bw_min, lat = x->c->ring_lat_max_s; /* the ring 0 -> 1 -> ... -> N-1 -> 0 */
     double L = x->m->layers, seqs = x->t->sequences, ck = x->t->checkpointing ? 1.0 : 0.0;
     double P = L * hexiseq_layer_params(x->m) + 2.0 * (double)x->m->vocab * x->m->hidden + x->m->hidden;
     /* one reduce-scatter or all-gather of every parameter (A), and its per-layer part (a) */
@@ -640,13 +937,33 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "causal must be 0 or 1, got %d", causal);
     HEXISEQ_CHECK(validate_layout(c, m, seq_len, l));
 
-    cost_ctx x = {c, m, t, l, seq_len, causal, NULL, NULL, NULL, NULL};
+    cost_ctx x;
+    memset(&x, 0, sizeof x);
+    x.c = c;
+    x.m = m;
+    x.t = t;
+    x.l = l;
+    x.seq_len = seq_len;
+    x.causal = causal;
+    x.a2a_group = -1;
     x.group_of = malloc((size_t)l->n_devices * sizeof *x.group_of);
     x.offset = malloc(((size_t)l->n_groups + 1) * sizeof *x.offset);
     x.span = malloc((size_t)l->n_groups * sizeof *x.span);
     double *group_a2a = calloc((size_t)l->n_groups, sizeof *group_a2a);
     x.step_pairs = malloc((size_t)l->n_groups * sizeof *x.step_pairs);
-    if (!x.group_of || !x.offset || !x.span || !group_a2a || !x.step_pairs) {
+    x.hold = malloc((size_t)l->n_devices * sizeof *x.hold);
+    x.hold_off = malloc(((size_t)l->n_groups + 1) * sizeof *x.hold_off);
+    x.first_holder = malloc((size_t)l->n_groups * (size_t)m->kv_heads * sizeof *x.first_holder);
+    x.kv_lo = malloc((size_t)l->n_devices * sizeof *x.kv_lo);
+    x.kv_n = malloc((size_t)l->n_devices * sizeof *x.kv_n);
+    if (!x.group_of || !x.offset || !x.span || !group_a2a || !x.step_pairs || !x.hold || !x.hold_off ||
+        !x.first_holder || !x.kv_lo || !x.kv_n || !ring_types_build(&x)) {
+        free(x.kv_lo);
+        free(x.kv_n);
+        free(x.first_holder);
+        free(x.hold);
+        free(x.hold_off);
+        ring_types_free(&x);
         free(x.step_pairs);
         free(x.group_of);
         free(x.offset);
@@ -655,38 +972,104 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         return hexiseq_fail(HEXISEQ_ERR_NOMEM, "cannot allocate cost model scratch for %d devices", l->n_devices);
     }
     x.offset[0] = 0;
-    for (int32_t g = 0; g < l->n_groups; ++g) {
+    x.hold_off[0] = 0;
+    for (int32_t g = 0, held = 0; g < l->n_groups; ++g) {
         x.offset[g + 1] = x.offset[g] + l->group_size[g];
-        for (int32_t r = x.offset[g]; r < x.offset[g + 1]; ++r)
+        for (int32_t r = x.offset[g]; r < x.offset[g + 1]; ++r) {
             x.group_of[r] = g;
+            hexiseq_kv_range(m, l->head_lo[r], l->head_count[r], &x.kv_lo[r], &x.kv_n[r]);
+            if (l->head_count[r] > 0)
+                x.hold[held++] = r;
+        }
+        x.hold_off[g + 1] = held;
     }
+    first_holders(&x);
     hexiseq_layout_spans(l, x.span);
+    if (l->n_groups > 1)
+        for (int32_t g = 0; g < l->n_groups; ++g)
+            x.max_block = fmax(x.max_block, (double)l->group_seq[g]);
+    /* Adjacent members of a group alike in everything a term reads get that term copied, bit for bit:
+     * compute and memory (same device class, tokens, heads, kv heads), the ring term (same class, heads and
+     * ring link), and the all-to-all (same node, tokens, heads and kv heads, node-derived links: the two
+     * see the same peer terms in the same order). */
+    int links_by_node = !c->bw && !c->lat;
+    ring_link prev_link;
+    double prev_attn_fwd = 0.0, prev_gemm_fwd = 0.0;
 
     memset(out, 0, sizeof *out);
     out->short_device = -1;
     out->fits = 1;
     double b_fwd = 0.0, b_bwd = 0.0, ckpt = t->checkpointing ? 1.0 : 0.0;
+    hexiseq_status st = HEXISEQ_OK;
     for (int32_t r = 0; r < l->n_devices; ++r) {
         hexiseq_device_cost *dc = &per_device[r];
         memset(dc, 0, sizeof *dc);
-        if (r == x.offset[x.group_of[r]]) /* first member: the group's pairs per ring step */
-            for (int32_t k = 0, g = x.group_of[r], G = l->n_groups; k < G; ++k)
+        int32_t g = x.group_of[r], G = l->n_groups;
+        int first = r == x.offset[g];
+        if (first) { /* the group's pairs per ring step (grouped pricing needs only its own block's) */
+            for (int32_t k = 0; k < (x.n_types ? 1 : G); ++k)
                 x.step_pairs[k] = group_pairs(&x.span[g], &x.span[(g - k + G) % G], causal);
+            if (x.n_types && g > 0)
+                x.type_before[x.type_of[g - 1]]++;
+            if (!a2a_kinds_build(&x, g)) {
+                st = hexiseq_fail(HEXISEQ_ERR_NOMEM, "cannot allocate cost model scratch for %d devices", l->n_devices);
+                break;
+            }
+        }
         const hexiseq_device_info *d = &c->dev[l->device[r]];
-        hexiseq_kv_range(m, l->head_lo[r], l->head_count[r], &dc->kv_lo, &dc->kv_count);
-        dc->gemm_s = gemm_time_s(&x, d, l->tokens[r]);
-        double gemm_fwd = layer_gemm_fwd_s(&x, d, l->tokens[r]), attn_fwd;
-        dc->layer_gemm_s = gemm_fwd * (1.0 + GEMM_BWD_FACTOR);
-        dc->a2a_s = a2a_time_s(&x, r, &dc->a2a_send_bytes, &dc->a2a_recv_bytes);
+        dc->kv_lo = x.kv_lo[r];
+        dc->kv_count = x.kv_n[r];
+        const hexiseq_device_cost *pc = first ? NULL : &per_device[r - 1];
+        /* alike the previous member of its group: same device class, tokens, heads, kv heads */
+        int alike = pc && same_device(c, l->device[r], l->device[r - 1]) && l->tokens[r] == l->tokens[r - 1] &&
+                    l->head_count[r] == l->head_count[r - 1] && dc->kv_count == pc->kv_count;
+        double gemm_fwd, attn_fwd;
+        if (alike) {
+            dc->gemm_s = pc->gemm_s;
+            dc->layer_gemm_s = pc->layer_gemm_s;
+            gemm_fwd = prev_gemm_fwd;
+        } else {
+            dc->gemm_s = gemm_time_s(&x, d, l->tokens[r]);
+            gemm_fwd = layer_gemm_fwd_s(&x, d, l->tokens[r]);
+            dc->layer_gemm_s = gemm_fwd * (1.0 + GEMM_BWD_FACTOR);
+        }
+        if (pc && links_by_node && c->node_of[l->device[r]] == c->node_of[l->device[r - 1]] &&
+            l->tokens[r] == l->tokens[r - 1] && l->head_count[r] == l->head_count[r - 1] &&
+            dc->kv_count == pc->kv_count) {
+            dc->a2a_s = pc->a2a_s;
+            dc->a2a_send_bytes = pc->a2a_send_bytes;
+            dc->a2a_recv_bytes = pc->a2a_recv_bytes;
+        } else {
+            dc->a2a_s = a2a_time_s(&x, r, &dc->a2a_send_bytes, &dc->a2a_recv_bytes);
+        }
         ring_link link;
         ring_link_of(&x, r, &link);
         dc->ring_send_bytes = link.send_bytes;
         dc->ring_recv_bytes = link.recv_bytes;
-        ring_time_s(&x, r, &link, &dc->attn_s, &dc->ring_exposed_s, &attn_fwd);
+        if (pc && l->head_count[r] == l->head_count[r - 1] && memcmp(&link, &prev_link, sizeof link) == 0 &&
+            same_device(c, l->device[r], l->device[r - 1])) {
+            dc->attn_s = pc->attn_s;
+            dc->ring_exposed_s = pc->ring_exposed_s;
+            attn_fwd = prev_attn_fwd;
+        } else {
+            ring_time_s(&x, r, &link, &dc->attn_s, &dc->ring_exposed_s, &attn_fwd);
+        }
+        prev_link = link;
+        prev_attn_fwd = attn_fwd;
+        prev_gemm_fwd = gemm_fwd;
         /* one layer's compute of this device, forward and backward (with recompute), one sequence */
         b_fwd = fmax(b_fwd, gemm_fwd + attn_fwd);
         b_bwd = fmax(b_bwd, gemm_fwd * (GEMM_BWD_FACTOR + ckpt) + attn_fwd * (ATTN_BWD_FACTOR + ckpt));
-        memory_terms(&x, r, dc->kv_count, dc);
+        if (alike) { /* memory: same states, ring buffers, cap; same tokens and group */
+            dc->mem_states_gib = pc->mem_states_gib;
+            dc->mem_act_gib = pc->mem_act_gib;
+            dc->mem_attn_gib = pc->mem_attn_gib;
+            dc->mem_ring_gib = pc->mem_ring_gib;
+            dc->mem_total_gib = pc->mem_total_gib;
+            dc->mem_cap_gib = pc->mem_cap_gib;
+        } else {
+            memory_terms(&x, r, dc->kv_count, dc);
+        }
         group_a2a[x.group_of[r]] = fmax(group_a2a[x.group_of[r]], dc->a2a_s);
         double ring_s = dc->attn_s + dc->ring_exposed_s;
         if (dc->gemm_s > out->gemm_phase_s || r == 0) {
@@ -705,7 +1088,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         }
     }
     out->a2a_bottleneck = l->device[0];
-    for (int32_t r = 0; r < l->n_devices; ++r) {
+    for (int32_t r = 0; r < l->n_devices && st == HEXISEQ_OK; ++r) {
         hexiseq_device_cost *dc = &per_device[r];
         double ga = group_a2a[x.group_of[r]];
         dc->busy_s = dc->gemm_s + ga + dc->attn_s + dc->ring_exposed_s;
@@ -717,7 +1100,8 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     /* Phases are separated by synchronisations (the all-to-all waits for the whole group, the ring for
      * its neighbours), so the step costs the slowest device of each phase, summed; then what the
      * gradient collectives add beyond the compute that hides them. */
-    grad_sync_s(&x, b_fwd, b_bwd, &out->grad_sync_s, &out->grad_exposed_s);
+    if (st == HEXISEQ_OK)
+        grad_sync_s(&x, b_fwd, b_bwd, &out->grad_sync_s, &out->grad_exposed_s);
     out->step_time_s = out->gemm_phase_s + out->a2a_phase_s + out->ring_phase_s + out->grad_exposed_s;
     out->lower_bound_s = lower_bound_s(&x);
     out->tokens_per_s = (double)t->sequences * (double)seq_len / out->step_time_s;
@@ -726,5 +1110,12 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     free(x.span);
     free(x.step_pairs);
     free(group_a2a);
-    return HEXISEQ_OK;
+    free(x.hold);
+    free(x.hold_off);
+    free(x.first_holder);
+    free(x.kv_lo);
+    free(x.kv_n);
+    ring_types_free(&x);
+    a2a_kinds_free(&x);
+    return st;
 }

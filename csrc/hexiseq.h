@@ -248,7 +248,7 @@ typedef enum {
     HEXISEQ_STRATEGY_RING = 0,    /* pure context parallelism: one device per group, equal shares */
     HEXISEQ_STRATEGY_ULYSSES = 1, /* pure head parallelism: one group, equal shares (needs A % N == 0) */
     HEXISEQ_STRATEGY_USP = 2,     /* uniform CP x HP mesh, every valid factorisation, best kept */
-    HEXISEQ_STRATEGY_HEXISEQ = 3, /* the asymmetric hierarchical scheduler (csrc/scheduler.c) */
+    HEXISEQ_STRATEGY_HEXISEQ = 3, /* the asymmetric hierarchical scheduler (csrc/scheduler.c, csrc/sched_*.c) */
     HEXISEQ_STRATEGY_COUNT = 4
 } hexiseq_strategy;
 
@@ -262,6 +262,31 @@ HEXISEQ_API hexiseq_status hexiseq_plan_strategy(const hexiseq_cluster *cluster,
                                                  const hexiseq_training *training, int64_t seq_len,
                                                  int32_t causal, hexiseq_strategy strategy,
                                                  hexiseq_layout *out, hexiseq_plan_cost *cost);
+
+/* Limits and progress of one planning call. A zeroed struct (or a NULL pointer) means "no limit, no
+ * callback". */
+typedef int (*hexiseq_progress_fn)(void *user); /* return nonzero to cancel the call */
+typedef struct {
+    double time_limit_s;          /* > 0: stop after about this long with the best plan found so far (never
+                                     before a first layout that fits); <= 0: no limit */
+    hexiseq_progress_fn progress; /* optional: called from the planning thread about every 50 ms;
+                                     a nonzero return ends the call with HEXISEQ_ERR_CANCELLED */
+    void *progress_user;          /* passed to `progress` */
+} hexiseq_plan_options;
+
+/* What a planning call did. */
+typedef struct {
+    int32_t stopped_early;        /* 1: the time limit ended the search; the plan is the best found by then */
+    int64_t evaluations;          /* layouts scored by the cost model */
+    double elapsed_s;             /* wall time of the call */
+} hexiseq_plan_info;
+
+/* hexiseq_plan_strategy with limits: `options` and `info` may be NULL. */
+HEXISEQ_API hexiseq_status hexiseq_plan_strategy_ex(const hexiseq_cluster *cluster, const hexiseq_model *model,
+                                                    const hexiseq_training *training, int64_t seq_len,
+                                                    int32_t causal, hexiseq_strategy strategy,
+                                                    const hexiseq_plan_options *options, hexiseq_layout *out,
+                                                    hexiseq_plan_cost *cost, hexiseq_plan_info *info);
 
 #ifdef __cplusplus
 }

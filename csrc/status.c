@@ -18,6 +18,7 @@ const char *hexiseq_status_string(hexiseq_status status) {
     case HEXISEQ_ERR_UNSUPPORTED: return "unsupported by this build";
     case HEXISEQ_ERR_CUDA: return "CUDA error";
     case HEXISEQ_ERR_INTERNAL: return "internal error";
+    case HEXISEQ_ERR_CANCELLED: return "cancelled";
     }
     return "unknown status";
 }

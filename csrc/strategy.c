@@ -1,5 +1,7 @@
-/* Baseline strategies (Ring, Ulysses, USP) expressed as layouts of the general form and scored by the
- * same cost model as everything else. */
+/* The planning entry point: validates the request and dispatches to the uniform baselines
+ * (csrc/baselines.c) or to the scheduler (csrc/scheduler.c), which starts from the best baseline. Both sit
+ * above the cost model; neither calls back up here. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -15,23 +17,6 @@ const char *hexiseq_strategy_name(hexiseq_strategy s) {
     }
 }
 
-/* Uniform CP x HP mesh: `cp` groups of `hp` consecutive devices (consecutive ids share a node, so the
- * all-to-all stays on the fast links), ring in device order, equal sequence, token and head shares. */
-static void uniform_layout(int32_t n, int32_t heads, int64_t seq_len, int32_t hp, hexiseq_layout *l) {
-    int32_t cp = n / hp;
-    for (int32_t g = 0; g < cp; ++g) {
-        l->group_size[g] = hp;
-        l->group_seq[g] = hexiseq_even_share(seq_len, cp, g);
-        for (int32_t i = 0; i < hp; ++i) {
-            int32_t r = g * hp + i;
-            l->device[r] = r;
-            l->tokens[r] = hexiseq_even_share(l->group_seq[g], hp, i);
-            l->head_lo[r] = i * (heads / hp);
-            l->head_count[r] = heads / hp;
-        }
-    }
-}
-
 /* The error for a best candidate that still does not fit: which device is short, by how much. */
 static hexiseq_status memory_error(const hexiseq_cluster *c, const char *strategy, const hexiseq_plan_cost *cost) {
     const hexiseq_device_info *di = &c->dev[cost->short_device];
@@ -39,87 +24,80 @@ static hexiseq_status memory_error(const hexiseq_cluster *c, const char *strateg
                         strategy, cost->short_device, di->gpu_name, di->memory_gib, cost->short_gib);
 }
 
-/* Is candidate a better than b? Fitting beats not fitting; then faster; among non-fitting, less short. */
-static int better(const hexiseq_plan_cost *a, const hexiseq_plan_cost *b) {
-    if (a->fits != b->fits)
-        return a->fits;
-    if (a->fits)
-        return a->step_time_s < b->step_time_s;
-    return a->short_gib < b->short_gib;
+/* The scheduler, seeded with the best uniform layout (USP covers Ring and Ulysses: every factorisation
+ * hp x cp, hp = 1 and hp = N included), so its plan is never predicted slower than a baseline. */
+static hexiseq_status plan_hexiseq(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
+                                   int64_t seq_len, int32_t causal, hexiseq_budget *b, hexiseq_layout *out,
+                                   hexiseq_plan_cost *cost) {
+    hexiseq_layout seed;
+    hexiseq_plan_cost seed_cost;
+    hexiseq_status st = hexiseq_plan_baseline(c, m, t, seq_len, causal, HEXISEQ_STRATEGY_USP, b, &seed, &seed_cost);
+    if (st == HEXISEQ_ERR_CANCELLED && b->stopped == HEXISEQ_BUDGET_TIME) {
+        *out = seed; /* out of time among the baselines: the best of them */
+        *cost = seed_cost;
+        return st;
+    }
+    if (st == HEXISEQ_ERR_UNSUPPORTED) {
+        hexiseq_clear_error();
+        st = hexiseq_schedule(c, m, t, seq_len, causal, NULL, NULL, b, out, cost);
+    } else if (st == HEXISEQ_OK) {
+        st = hexiseq_schedule(c, m, t, seq_len, causal, &seed, &seed_cost, b, out, cost);
+        hexiseq_layout_free(&seed);
+    }
+    return st;
 }
 
-hexiseq_status hexiseq_plan_strategy(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
-                                     int64_t seq_len, int32_t causal, hexiseq_strategy strategy, hexiseq_layout *out,
-                                     hexiseq_plan_cost *cost) {
+hexiseq_status hexiseq_plan_strategy_ex(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
+                                        int64_t seq_len, int32_t causal, hexiseq_strategy strategy,
+                                        const hexiseq_plan_options *options, hexiseq_layout *out,
+                                        hexiseq_plan_cost *cost, hexiseq_plan_info *info) {
     hexiseq_clear_error();
     if (!out || !cost)
         return hexiseq_fail(HEXISEQ_ERR_NULL, "out and cost must not be NULL");
     memset(out, 0, sizeof *out);
+    if (info)
+        memset(info, 0, sizeof *info);
     HEXISEQ_CHECK(hexiseq_check_inputs(c, m, t, seq_len));
     if (strategy < 0 || strategy >= HEXISEQ_STRATEGY_COUNT)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "strategy must be in [0, %d), got %d", HEXISEQ_STRATEGY_COUNT, strategy);
     if (causal != 0 && causal != 1)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "causal must be 0 or 1, got %d", causal);
+    if (options && !(options->time_limit_s <= 0 || isfinite(options->time_limit_s)))
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "time_limit_s must be finite (or <= 0 for none), got %g",
+                            options->time_limit_s);
     int32_t n = c->n_devices;
-    if (strategy == HEXISEQ_STRATEGY_HEXISEQ) {
+    if (strategy == HEXISEQ_STRATEGY_HEXISEQ && seq_len < n)
         /* the scheduler builds its group structures over every device before it parks any: each needs a token */
-        if (seq_len < n)
-            return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED,
-                                "hexiseq has no valid layout: seq_len %lld is shorter than the %d devices; plan "
-                                "seq_len >= %d, or a cluster of at most %lld devices",
-                                (long long)seq_len, n, n, (long long)seq_len);
-        HEXISEQ_CHECK(hexiseq_schedule(c, m, t, seq_len, causal, out, cost));
-        if (!cost->fits)
-            return memory_error(c, "hexiseq", cost);
-        return HEXISEQ_OK;
+        return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED,
+                            "hexiseq has no valid layout: seq_len %lld is shorter than the %d devices; plan "
+                            "seq_len >= %d, or a cluster of at most %lld devices",
+                            (long long)seq_len, n, n, (long long)seq_len);
+    hexiseq_budget b;
+    hexiseq_budget_init(&b, options);
+    hexiseq_status st = strategy == HEXISEQ_STRATEGY_HEXISEQ
+                            ? plan_hexiseq(c, m, t, seq_len, causal, &b, out, cost)
+                            : hexiseq_plan_baseline(c, m, t, seq_len, causal, strategy, &b, out, cost);
+    int stopped_early = 0;
+    if (st == HEXISEQ_ERR_CANCELLED && b.stopped == HEXISEQ_BUDGET_TIME) {
+        st = HEXISEQ_OK; /* the time limit: the best plan found by then */
+        stopped_early = 1;
     }
-
-    hexiseq_device_cost *per = malloc((size_t)n * sizeof *per);
-    if (!per)
-        return hexiseq_fail(HEXISEQ_ERR_NOMEM, "cannot allocate %d device costs", n);
-    hexiseq_status st = HEXISEQ_OK;
-    int found = 0;
-    for (int32_t hp = 1; hp <= n && st == HEXISEQ_OK; ++hp) {
-        if (n % hp != 0 || m->heads % hp != 0)
-            continue;
-        if (strategy == HEXISEQ_STRATEGY_RING && hp != 1)
-            continue;
-        if (strategy == HEXISEQ_STRATEGY_ULYSSES && hp != n)
-            continue;
-        int32_t cp = n / hp;
-        if (seq_len < cp || seq_len < n)
-            continue; /* a uniform split needs a token per device */
-        hexiseq_layout cand;
-        hexiseq_plan_cost cc;
-        st = hexiseq_layout_alloc(cp, n, &cand);
-        if (st != HEXISEQ_OK)
-            break;
-        uniform_layout(n, m->heads, seq_len, hp, &cand);
-        st = hexiseq_evaluate(c, m, t, seq_len, causal, &cand, per, &cc);
-        if (st == HEXISEQ_OK && (!found || better(&cc, cost))) {
-            hexiseq_layout_free(out);
-            *out = cand;
-            *cost = cc;
-            found = 1;
-        } else {
-            hexiseq_layout_free(&cand);
-        }
+    if (info) {
+        info->stopped_early = stopped_early;
+        info->evaluations = b.evaluations;
+        info->elapsed_s = hexiseq_now_s() - b.start_s;
     }
-    free(per);
     if (st != HEXISEQ_OK) {
         hexiseq_layout_free(out);
         return st;
     }
-    if (!found) {
-        if (strategy == HEXISEQ_STRATEGY_ULYSSES)
-            return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED,
-                                "ulysses needs heads (%d) divisible by the device count (%d) and seq_len (%lld) >= devices",
-                                m->heads, n, (long long)seq_len);
-        return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED,
-                            "%s has no valid layout: seq_len %lld is shorter than the %d devices; plan seq_len >= %d",
-                            hexiseq_strategy_name(strategy), (long long)seq_len, n, n);
-    }
     if (!cost->fits)
         return memory_error(c, hexiseq_strategy_name(strategy), cost);
     return HEXISEQ_OK;
+}
+
+hexiseq_status hexiseq_plan_strategy(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
+                                     int64_t seq_len, int32_t causal, hexiseq_strategy strategy, hexiseq_layout *out,
+                                     hexiseq_plan_cost *cost) {
+    return hexiseq_plan_strategy_ex(c, m, t, seq_len, causal, strategy, NULL, out, cost, NULL);
 }

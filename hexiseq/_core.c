@@ -542,15 +542,31 @@ done:
     return result;
 }
 
-/* plan_strategy(nodes, inter_gbps, bandwidth, latency, devices, model, training, seq_len, causal, strategy)
- *   -> layout dict */
+/* Cancellation of a long plan: the core polls this about every 50 ms from the planning thread, which runs
+ * without the GIL; it takes the GIL back just long enough to run pending signal handlers (Ctrl-C raises
+ * KeyboardInterrupt there) and asks the core to stop when one raised. */
+typedef struct {
+    PyThreadState *saved; /* the thread state released around the core call */
+} plan_progress;
+
+static int plan_progress_check(void *user) {
+    plan_progress *p = (plan_progress *)user;
+    PyEval_RestoreThread(p->saved);
+    int stop = PyErr_CheckSignals() != 0;
+    p->saved = PyEval_SaveThread();
+    return stop;
+}
+
+/* plan_strategy(nodes, inter_gbps, bandwidth, latency, devices, model, training, seq_len, causal, strategy
+ *               [, time_limit_s]) -> (layout dict, info dict {stopped_early, evaluations, elapsed_s})
+ * time_limit_s <= 0: no limit. A signal handler that raises (Ctrl-C) ends the call with its exception. */
 static PyObject *core_plan_strategy(PyObject *module, PyObject *args) {
     PyObject *nodes, *bw, *lat, *dev, *model_obj, *train_obj;
-    double inter;
+    double inter, time_limit_s = 0.0;
     long long seq_len;
     int causal, strategy;
-    if (!PyArg_ParseTuple(args, "OdOOOOOLpi:plan_strategy", &nodes, &inter, &bw, &lat, &dev, &model_obj, &train_obj,
-                          &seq_len, &causal, &strategy))
+    if (!PyArg_ParseTuple(args, "OdOOOOOLpi|d:plan_strategy", &nodes, &inter, &bw, &lat, &dev, &model_obj, &train_obj,
+                          &seq_len, &causal, &strategy, &time_limit_s))
         return NULL;
     hexiseq_model m;
     hexiseq_training t;
@@ -561,16 +577,26 @@ static PyObject *core_plan_strategy(PyObject *module, PyObject *args) {
         return NULL;
     hexiseq_layout l;
     hexiseq_plan_cost pc;
-    hexiseq_status s;
-    Py_BEGIN_ALLOW_THREADS s = hexiseq_plan_strategy(c, &m, &t, seq_len, causal, (hexiseq_strategy)strategy, &l, &pc);
-    Py_END_ALLOW_THREADS hexiseq_cluster_destroy(c);
+    hexiseq_plan_info info;
+    plan_progress progress;
+    hexiseq_plan_options opt = {time_limit_s, plan_progress_check, &progress};
+    progress.saved = PyEval_SaveThread();
+    hexiseq_status s = hexiseq_plan_strategy_ex(c, &m, &t, seq_len, causal, (hexiseq_strategy)strategy, &opt, &l, &pc,
+                                                &info);
+    PyEval_RestoreThread(progress.saved);
+    hexiseq_cluster_destroy(c);
     if (s != HEXISEQ_OK) {
         hexiseq_layout_free(&l);
+        if (s == HEXISEQ_ERR_CANCELLED && PyErr_Occurred())
+            return NULL; /* the exception a signal handler raised, KeyboardInterrupt for Ctrl-C */
         return raise_status(module, s);
     }
     PyObject *out = layout_to_dict(&l);
     hexiseq_layout_free(&l);
-    return out;
+    if (!out)
+        return NULL;
+    return Py_BuildValue("(N{s:O,s:L,s:d})", out, "stopped_early", info.stopped_early ? Py_True : Py_False,
+                         "evaluations", (long long)info.evaluations, "elapsed_s", info.elapsed_s);
 }
 
 /* ================================================================== BEGIN attention over DLPack
@@ -1084,7 +1110,7 @@ static PyMethodDef core_methods[] = {
     {"int_range", core_int_range, METH_O, "(lo, hi) the core accepts for a named integer input."},
     {"model_params", core_model_params, METH_O, "Parameter count of a model tuple."},
     {"evaluate", core_evaluate, METH_VARARGS, "Score a layout: (per-device dict, plan dict)."},
-    {"plan_strategy", core_plan_strategy, METH_VARARGS, "Best layout of a baseline strategy, as a dict of arrays."},
+    {"plan_strategy", core_plan_strategy, METH_VARARGS, "Best layout of a strategy, as a dict of arrays, and what the search did."},
     DLPACK_ATTENTION_METHODS /* the DLPack attention section above */
     {NULL, NULL, 0, NULL},
 };

@@ -10,7 +10,7 @@ from .cluster import Cluster, gpu_catalog
 from .errors import HexiseqError
 from .model import MODEL_PRESETS, Model, Training
 from ._validate import number, parse_tokens, read_text
-from .plan import TABLE_LEGEND, Plan, Strategy, compare, no_fit_error
+from .plan import TABLE_LEGEND, Plan, Strategy, _compare_within, compare, no_fit_error
 
 DESCRIPTION = "Plan asymmetric sequence and head parallelism for a heterogeneous GPU cluster."
 
@@ -42,7 +42,11 @@ def cmd_plan(args) -> int:
     causal = not args.no_causal
     strategy = Strategy(args.strategy)
     seq_len = parse_tokens(args.seq_len)
-    results = compare(cluster, model=model, seq_len=seq_len, training=training, causal=causal)
+    if args.time_limit is None:
+        results = compare(cluster, model=model, seq_len=seq_len, training=training, causal=causal)
+    else:
+        limit = number(args.time_limit, "--time-limit", positive=True)
+        results = _compare_within(cluster, model, training, seq_len, causal, limit)
     if strategy is Strategy.AUTO:
         plans = [p for p in results.values() if isinstance(p, Plan)]
         if not plans:
@@ -57,7 +61,12 @@ def cmd_plan(args) -> int:
 
         others = {n: p for n, p in results.items() if isinstance(p, Plan) and p is not chosen}
         plot_plan(chosen, args.plot, baselines=others)
+    if strategy is Strategy.AUTO and any(isinstance(p, Plan) and p.stopped_early for p in results.values()):
+        chosen.stopped_early = True  # the comparison that chose it was cut short
     if args.json:
+        if chosen.stopped_early:
+            print(f"hexiseq: the search stopped early at the time limit ({args.time_limit:g} s): the best plan "
+                  "found by then", file=sys.stderr)
         print(chosen.to_json(indent=2))
         return 0
     print(chosen.explain())
@@ -218,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model-state sharding (default full, ZeRO-3 style)")
     pl.add_argument("--no-causal", action="store_true", help="full (non-causal) attention")
     pl.add_argument("--json", action="store_true", help="print the chosen plan as JSON")
+    pl.add_argument("--time-limit", type=float, metavar="SECONDS",
+                    help="stop the search after about this long with the best plan found so far (marked stopped early)")
     pl.add_argument("--plot", metavar="FILE.png", help="draw per-device shares and time breakdown (needs matplotlib)")
     pl.set_defaults(func=cmd_plan)
     ca = sub.add_parser("calibrate", help="measure this cluster's devices and links (a collective: run under "
@@ -315,6 +326,9 @@ def main(argv=None) -> int:
             return 0
         print(f"hexiseq: error: cannot write the output: {e.strerror}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("hexiseq: interrupted", file=sys.stderr)
+        return 130
     finally:
         sys.stdout = stdout
 

@@ -6,12 +6,13 @@ import enum
 import hashlib
 import json
 import os
+import time
 from typing import Dict, List, Optional, Union
 
 import numpy as np
 
 from . import _core
-from ._validate import boolean, integer, integers, load_json, parse_tokens
+from ._validate import boolean, integer, integers, load_json, number, parse_tokens
 from .cluster import Cluster
 from .errors import InternalError, InvalidArgumentError, LayoutError, MemoryFitError, UnsupportedError
 from .model import Model, Sharding, Training
@@ -216,10 +217,13 @@ class Plan:
     """A layout of a cluster for a model and sequence length, with its predicted cost.
 
     Build one with `hexiseq.plan(...)` (a strategy picks the layout) or `hexiseq.evaluate(...)` (you
-    write the layout). Times are for one training step: every layer, forward and backward."""
+    write the layout). Times are for one training step: every layer, forward and backward.
+
+    stopped_early: True when the planner's time limit (`plan(..., time_limit_s=...)`) ended the search:
+    the layout is the best found by then, valid but perhaps not the one a full search would return."""
 
     def __init__(self, cluster: Cluster, model: Model, training: Training, seq_len: int, causal: bool,
-                 strategy: str, layout: Layout):
+                 strategy: str, layout: Layout, stopped_early: bool = False):
         model.check_seq_len(seq_len)  # also for plans read from files
         self.cluster = cluster
         self.model = model
@@ -228,6 +232,7 @@ class Plan:
         self.causal = causal
         self.strategy = strategy
         self.layout = layout
+        self.stopped_early = bool(stopped_early)
         per, cost = _core.evaluate(*cluster._core_args(), model._as_core(), training._as_core(), seq_len,
                                    causal, layout._as_core())
         self._cost = cost
@@ -407,6 +412,10 @@ class Plan:
         lines = [
             f"HexiSeq plan '{self.strategy}': {self.model.name}, seq_len {self.seq_len:,}, "
             f"{'causal' if self.causal else 'full'} attention, {self.cluster.describe()}",
+        ]
+        if self.stopped_early:
+            lines.append("  search           STOPPED EARLY at the time limit: the best plan found by then")
+        lines += [
             f"  step time        {self.step_time_s:10.4f} s   ({self.tokens_per_s:,.0f} tokens/s)",
             f"    token-parallel {c['gemm_phase_s']:10.4f} s   slowest {dev(c['gemm_bottleneck'])}",
             f"    all-to-all     {c['a2a_phase_s']:10.4f} s   slowest group of {dev(c['a2a_bottleneck'])}",
@@ -574,10 +583,13 @@ def evaluate(cluster, *, model="gpt-7b", seq_len=131072, layout, training=None, 
     return Plan(cluster, model, training, seq_len, boolean(causal, "causal"), strategy, layout)
 
 
-def _plan_one(cluster, model, training, seq_len, causal, strategy: Strategy) -> Plan:
-    arrays = _core.plan_strategy(*cluster._core_args(), model._as_core(), training._as_core(), seq_len, causal,
-                                 _CORE_STRATEGY[strategy])
-    return Plan(cluster, model, training, seq_len, causal, strategy.value, Layout(**arrays))
+def _plan_one(cluster, model, training, seq_len, causal, strategy: Strategy, time_limit_s=None) -> Plan:
+    arrays, info = _core.plan_strategy(*cluster._core_args(), model._as_core(), training._as_core(), seq_len, causal,
+                                       _CORE_STRATEGY[strategy], time_limit_s or 0.0)
+    plan = Plan(cluster, model, training, seq_len, causal, strategy.value, Layout(**arrays),
+                stopped_early=info["stopped_early"])
+    plan._search = info  # what the search did: evaluations, elapsed_s (for benchmarks)
+    return plan
 
 
 def compare(cluster, *, model="gpt-7b", seq_len=131072, training=None, causal=True) -> Dict[str, Union[Plan, Exception]]:
@@ -591,6 +603,19 @@ def compare(cluster, *, model="gpt-7b", seq_len=131072, training=None, causal=Tr
         except (UnsupportedError, MemoryFitError) as e:
             out[s.value] = e
     return out
+
+
+def _compare_within(cluster, model, training, seq_len, causal, time_limit_s) -> Dict[str, Union[Plan, Exception]]:
+    """compare() on checked inputs, every strategy within what is left of `time_limit_s` seconds (past the
+    deadline each still completes a first plan that fits)."""
+    deadline, results = time.monotonic() + time_limit_s, {}
+    for s in ALL_STRATEGIES:
+        left = max(deadline - time.monotonic(), 1e-6)
+        try:
+            results[s.value] = _plan_one(cluster, model, training, seq_len, causal, s, left)
+        except (UnsupportedError, MemoryFitError) as e:
+            results[s.value] = e
+    return results
 
 
 def _tokens_text(n: int) -> str:
@@ -651,7 +676,8 @@ def _memory_advice(cluster, model, training, seq_len, causal, strategies, error)
                           longest_seq_len_checkpointing=with_ckpt)
 
 
-def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=None, causal=True) -> Plan:
+def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=None, causal=True,
+         time_limit_s=None) -> Plan:
     """The best plan of `strategy` for training `model` on sequences of `seq_len` tokens.
 
     cluster: a Cluster, a dict (Cluster.from_dict) or a YAML/JSON file path.
@@ -661,23 +687,34 @@ def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=N
     strategy: "auto" (best of all; the scheduler's plan unless a baseline is strictly faster), "hexiseq"
         (the asymmetric scheduler), "ring", "ulysses" or "usp".
     training: a Training (sequences per step, checkpointing, sharding, reserved memory).
+    time_limit_s: None (search to the end) or seconds: the search stops at about this time with the best plan
+        found so far, marked `stopped_early` (a first valid plan is always completed, so a tiny limit on a huge
+        cluster may take longer). "auto" shares the limit among the strategies.
+
+    Ctrl-C (SIGINT) stops a long search within a fraction of a second with KeyboardInterrupt.
 
     Raises MemoryFitError naming the device that is short when no layout fits, with what would fit (model
     states per device, the longest sequence that fits, with and without checkpointing: see MemoryFitError);
     UnsupportedError when the strategy has no valid layout (e.g. Ulysses with heads not divisible by the device
     count)."""
     strategy = _strategy(strategy)
+    time_limit_s = number(time_limit_s, "time_limit_s", positive=True, optional=True)
     cluster, model, training, seq_len = _inputs(cluster, model, training, seq_len)
     causal = boolean(causal, "causal")
     if strategy is not Strategy.AUTO:
         try:
-            return _plan_one(cluster, model, training, seq_len, causal, strategy)
+            return _plan_one(cluster, model, training, seq_len, causal, strategy, time_limit_s)
         except MemoryFitError as e:
             raise no_fit_error(cluster, model, training, seq_len, causal, {strategy.value: e}) from None
-    results = compare(cluster, model=model, seq_len=seq_len, training=training, causal=causal)
+    if time_limit_s is None:
+        results = compare(cluster, model=model, seq_len=seq_len, training=training, causal=causal)
+    else:
+        results = _compare_within(cluster, model, training, seq_len, causal, time_limit_s)
     plans = [p for p in results.values() if isinstance(p, Plan)]
     if plans:
-        return min(plans, key=lambda p: p.step_time_s)  # ties keep the earlier: the scheduler's plan
+        best = min(plans, key=lambda p: p.step_time_s)  # ties keep the earlier: the scheduler's plan
+        best.stopped_early = any(p.stopped_early for p in plans)  # the comparison itself was cut short
+        return best
     raise no_fit_error(cluster, model, training, seq_len, causal, results)
 
 

@@ -1,0 +1,564 @@
+/* Scheduler level 2-3: the shares of one structure. S_g across groups by an LP on per-token phase
+ * coefficients refit from full evaluations; inside a group, head counts by greedy min-max on attention rate
+ * and token shares water-filled on matmul rate under memory; all rounded to kernel-friendly sizes. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "scheduler.h"
+
+/* ------------------------------------------------------------------ rounding helpers */
+
+static _Thread_local const double *rem_keys; /* the remainders cmp_remainder orders by */
+
+/* Larger remainder first, then lower index. */
+static int cmp_remainder(const void *a, const void *b) {
+    int32_t i = *(const int32_t *)a, j = *(const int32_t *)b;
+    if (rem_keys[i] != rem_keys[j])
+        return rem_keys[i] > rem_keys[j] ? -1 : 1;
+    return (i > j) - (i < j);
+}
+
+/* Round non-negative reals w[0..k) (summing to about `total`) to integers summing exactly to `total`, in
+ * multiples of `granule` except for the remainder, which goes to the entry with the largest weight.
+ * `min_one` forces every entry >= 1 (group sequence lengths). Largest-remainder method, ties by index.
+ * `scratch` has k doubles; `order` (k ints, or NULL) lets many leftover units go out in one sort. */
+static void round_shares(const double *w, int32_t k, int64_t total, int64_t granule, int min_one, int64_t *out,
+                         double *scratch, int32_t *order) {
+    double sum = 0;
+    for (int32_t i = 0; i < k; ++i)
+        sum += w[i] > 0 ? w[i] : 0;
+    if (granule < 1 || total < granule * k * 2)
+        granule = 1;
+    int64_t units = total / granule, rem = total - units * granule;
+    int64_t used = 0;
+    for (int32_t i = 0; i < k; ++i) {
+        double share = sum > 0 ? (w[i] > 0 ? w[i] : 0) / sum * (double)units : (double)units / k;
+        out[i] = (int64_t)floor(share);
+        scratch[i] = share - (double)out[i];
+        used += out[i];
+    }
+    if (units - used > 8 && order) { /* many leftover units: one sort, largest remainder first, ties by index */
+        for (int32_t i = 0; i < k; ++i)
+            order[i] = i;
+        rem_keys = scratch;
+        qsort(order, (size_t)k, sizeof *order, cmp_remainder);
+        for (int32_t i = 0; used < units && i < k; ++i, ++used) {
+            out[order[i]]++;
+            scratch[order[i]] = -1.0;
+        }
+    }
+    while (used < units) { /* hand out the leftover units by largest remainder */
+        int32_t best = 0;
+        for (int32_t i = 1; i < k; ++i)
+            if (scratch[i] > scratch[best])
+                best = i;
+        out[best]++;
+        scratch[best] = -1.0;
+        used++;
+    }
+    int32_t heavy = 0;
+    for (int32_t i = 0; i < k; ++i) {
+        out[i] *= granule;
+        if (w[i] > w[heavy])
+            heavy = i;
+    }
+    out[heavy] += rem;
+    if (min_one) { /* steal single tokens from the largest entries for any empty one */
+        for (int32_t i = 0; i < k; ++i)
+            while (out[i] < 1) {
+                int32_t big = 0;
+                for (int32_t j = 1; j < k; ++j)
+                    if (out[j] > out[big])
+                        big = j;
+                if (out[big] <= 1)
+                    break;
+                out[big]--;
+                out[i]++;
+            }
+    }
+}
+
+/* Greedy min-max of h_r / rate_r with sum h_r = heads, handed out in units of `unit` heads (1, or a kv
+ * head's worth). Exact for the min-max objective; ties go to the lower rank. */
+static void assign_heads(const double *rate, int32_t k, int32_t heads, int32_t unit, int32_t *count) {
+    for (int32_t i = 0; i < k; ++i)
+        count[i] = 0;
+    int32_t left = heads;
+    while (left > 0) {
+        int32_t step = left < unit ? left : unit, best = 0;
+        double best_t = INFINITY;
+        for (int32_t i = 0; i < k; ++i) {
+            double t = (count[i] + step) / rate[i];
+            if (t < best_t) {
+                best_t = t;
+                best = i;
+            }
+        }
+        count[best] += step;
+        left -= step;
+    }
+}
+
+/* ------------------------------------------------------------------ shares for one structure */
+
+
+/* Tokens of group g: water-fill s_r = min(cap_r, lambda * fgemm_r) with sum = S_g; caps from memory. */
+static void fill_tokens(sched *s, hexiseq_layout *l, const shares_ws *w, int32_t g, const double *capacity) {
+    int32_t lo = w->offset[g], k = l->group_size[g];
+    double Sg = (double)l->group_seq[g], want[4096], *wv = k <= 4096 ? want : w->tmpd;
+    double hi_lambda = 1.0;
+    /* find lambda with sum_r min(cap_r, lambda f_r) = S_g, or saturate at the caps */
+    double total_cap = 0;
+    for (int32_t i = 0; i < k; ++i)
+        total_cap += capacity[lo + i];
+    if (total_cap <= Sg) {
+        for (int32_t i = 0; i < k; ++i)
+            wv[i] = capacity[lo + i] > 0 ? capacity[lo + i] : 0;
+    } else {
+        double fsum = 0;
+        for (int32_t i = 0; i < k; ++i)
+            fsum += s->fgemm[l->device[lo + i]];
+        if (fsum <= 0) { /* every member parked: cannot happen for structures we build; stay defined */
+            for (int32_t i = 0; i < k; ++i)
+                l->tokens[lo + i] = i == 0 ? l->group_seq[g] : 0;
+            return;
+        }
+        /* the members whose cap binds at lambda are capped; lambda spreads the rest over the others' rates.
+         * Capping only grows as lambda grows, so this settles in at most k passes (one or two in practice). */
+        unsigned char capped_now[4096], *capped = k <= 4096 ? capped_now : (unsigned char *)w->tmp64;
+        memset(capped, 0, (size_t)k);
+        for (int pass = 0; pass <= k; ++pass) {
+            double rest = Sg, rate = 0;
+            for (int32_t i = 0; i < k; ++i) {
+                if (capped[i])
+                    rest -= capacity[lo + i];
+                else
+                    rate += s->fgemm[l->device[lo + i]];
+            }
+            hi_lambda = rate > 0 ? rest / rate : 0.0;
+            int grew = 0;
+            for (int32_t i = 0; i < k; ++i)
+                if (!capped[i] && hi_lambda * s->fgemm[l->device[lo + i]] > capacity[lo + i]) {
+                    capped[i] = 1;
+                    grew = 1;
+                }
+            if (!grew)
+                break;
+        }
+        for (int32_t i = 0; i < k; ++i)
+            wv[i] = fmin(capacity[lo + i], hi_lambda * s->fgemm[l->device[lo + i]]);
+    }
+    double scratch[4096], *sc = k <= 4096 ? scratch : NULL;
+    if (!sc) { /* very large groups: plain proportional rounding without remainder bookkeeping */
+        int64_t used = 0;
+        double sum = 0;
+        for (int32_t i = 0; i < k; ++i)
+            sum += wv[i];
+        for (int32_t i = 0; i < k; ++i) {
+            l->tokens[lo + i] = sum > 0 ? (int64_t)floor(wv[i] / sum * Sg) : 0;
+            used += l->tokens[lo + i];
+        }
+        l->tokens[lo] += l->group_seq[g] - used;
+        return;
+    }
+    round_shares(wv, k, l->group_seq[g], TOKEN_GRANULE, 0, &l->tokens[lo], sc, w->order);
+}
+
+/* Heads of every group: greedy on attention rate, in units of `unit` heads. */
+static void fill_heads(sched *s, hexiseq_layout *l, const shares_ws *w, int32_t unit) {
+    for (int32_t g = 0; g < l->n_groups; ++g) {
+        int32_t lo = w->offset[g], k = l->group_size[g];
+        double *rate = w->tmpd;
+        for (int32_t i = 0; i < k; ++i)
+            rate[i] = s->fattn[l->device[lo + i]];
+        assign_heads(rate, k, s->m->heads, unit, &l->head_count[lo]);
+        int32_t next = 0;
+        for (int32_t i = 0; i < k; ++i) {
+            l->head_lo[lo + i] = next;
+            next += l->head_count[lo + i];
+        }
+    }
+}
+
+/* Memory-derived caps: per device the most tokens it can take given its group's S_g, and per group the
+ * largest S_g its members can hold (tokens water-filled onto them). */
+static void memory_caps(sched *s, hexiseq_layout *l, shares_ws *w, double ring_block, double *capacity) {
+    for (int32_t g = 0; g < l->n_groups; ++g) {
+        int32_t lo = w->offset[g], k = l->group_size[g];
+        /* per member: free memory before tokens (GiB) and GiB per own token / per group token */
+        for (int32_t i = 0, prev_kv = -1; i < k; ++i) {
+            int32_t r = lo + i, kv_lo, kv_n;
+            hexiseq_kv_range(s->m, l->head_lo[r], l->head_count[r], &kv_lo, &kv_n);
+            if (i > 0 && s->c->dev_class[l->device[r]] == s->c->dev_class[l->device[r - 1]] &&
+                l->head_count[r] == l->head_count[r - 1] && kv_n == prev_kv) { /* alike its neighbour */
+                w->free0[r] = w->free0[r - 1];
+                w->per_tok[r] = w->per_tok[r - 1];
+                w->per_gtok[r] = w->per_gtok[r - 1];
+                continue;
+            }
+            prev_kv = kv_n;
+            hexiseq_memory_coeffs_t mc;
+            hexiseq_memory_coeffs(s->c, s->m, s->t, l->device[r], l->head_count[r], kv_n,
+                                  l->n_groups > 1 ? ring_block : 0.0, &mc);
+            w->free0[r] = mc.cap_gib - mc.states_gib - mc.ring_gib - mc.reserved_gib;
+            w->per_tok[r] = mc.per_token_gib;
+            w->per_gtok[r] = mc.per_group_token_gib;
+        }
+        /* U_g: largest S in [0, seq_len] with beta_r S <= free_r for every member and room for S tokens on
+         * the active ones, sum_r (free_r - beta_r S) / alpha_r >= S: linear while every member has room,
+         * so U_g = min(seq_len, min_r free_r / beta_r, A / (1 + B)) with A = sum free_r / alpha_r and
+         * B = sum beta_r / alpha_r over active members; shrunk by 1e-12 so it keeps every inequality after
+         * rounding. */
+        double u = (double)s->S, A = 0, B = 0;
+        for (int32_t i = 0; i < k; ++i) {
+            int32_t r = lo + i;
+            if (w->free0[r] < 0)
+                u = -1.0; /* short even without tokens */
+            else if (w->per_gtok[r] > 0)
+                u = fmin(u, w->free0[r] / w->per_gtok[r]);
+            if (s->fgemm[l->device[r]] > 0) { /* parked members hold no tokens */
+                A += w->free0[r] / w->per_tok[r];
+                B += w->per_gtok[r] / w->per_tok[r];
+            }
+        }
+        u = fmin(u, A / (1.0 + B));
+        w->ug[g] = u > 0 ? u * (1.0 - 1e-12) : 0.0;
+        for (int32_t i = 0; i < k; ++i) {
+            int32_t r = lo + i;
+            double free_gib = w->free0[r] - w->per_gtok[r] * (double)l->group_seq[g];
+            capacity[r] = free_gib > 0 ? free_gib / w->per_tok[r] : 0.0;
+        }
+    }
+}
+
+/* The LP's groups: caps and per-token coefficients, each group standing for `weight` alike groups (NULL:
+ * one each). */
+typedef struct {
+    int32_t n;
+    const double *ug, *cg, *cr, *weight;
+} lp_inst;
+
+static inline double min2(double a, double b) { return b < a ? b : a; }
+
+/* sum_g min(U_g, T_gemm / cg, T_rest / cr) for T = (t a, t (1 - a)); per group into out when not NULL. */
+static double lp_fill(const lp_inst *p, double t, double a, double *out) {
+    double total = 0;
+    for (int32_t g = 0; g < p->n; ++g) {
+        double x = p->ug[g];
+        if (p->cg[g] > 0)
+            x = min2(x, t * a / p->cg[g]);
+        if (p->cr[g] > 0)
+            x = min2(x, t * (1 - a) / p->cr[g]);
+        if (out)
+            out[g] = x;
+        total += p->weight ? p->weight[g] * x : x;
+    }
+    return total;
+}
+
+/* Uncapped rate of lp_fill at t: sum over groups below their cap of min(a / cg, (1 - a) / cr), tokens per
+ * second (INFINITY when a group has no time coefficient and is below its cap). */
+static double lp_slope(const lp_inst *p, double t, double a) {
+    double slope = 0;
+    for (int32_t g = 0; g < p->n; ++g) {
+        double k = INFINITY;
+        if (p->cg[g] > 0)
+            k = min2(k, a / p->cg[g]);
+        if (p->cr[g] > 0)
+            k = min2(k, (1 - a) / p->cr[g]);
+        if (t * k < p->ug[g])
+            slope += p->weight ? p->weight[g] * k : k;
+    }
+    return slope;
+}
+
+/* Smallest t (to about 1e-13) with lp_fill(t, a) >= S (INFINITY when the caps cannot hold S). lp_fill is
+ * concave, piecewise linear and increasing in t, so Newton steps from t = 0 stay below the root and reach
+ * it after crossing at most the breakpoints in between (usually one to three steps). */
+static double lp_time(const lp_inst *p, double S, double a) {
+    if (lp_fill(p, INFINITY, a, NULL) < S * (1 - 1e-12))
+        return INFINITY;
+    double t = 0, f = 0;
+    for (int iter = 0; iter < 64; ++iter) {
+        double slope = lp_slope(p, t, a);
+        if (!(slope > 0) || !isfinite(slope))
+            break;
+        double next = t + (S - f) / slope;
+        if (!(next > t))
+            break;
+        t = next;
+        f = lp_fill(p, t, a, NULL);
+        if (f >= S * (1 - 1e-13))
+            break;
+    }
+    for (int up = 0; up < 8 && t > 0 && f < S && f >= S * (1 - 1e-13); ++up) { /* rounding: step just past */
+        t *= 1.0 + 1e-13;
+        f = lp_fill(p, t, a, NULL);
+    }
+    if (t > 0 && f >= S)
+        return t;
+    /* Newton stalled (should not happen): bracket [lo, hi] around the root and bisect to 1e-15 relative */
+    double lo = 0, hi = t > 0 ? t : 1e-9;
+    if (t > 0 && f < S) {
+        lo = t;
+        hi = t * (1.0 + 1e-12);
+    } else if (t > 0 && lp_fill(p, t * (1.0 - 1e-12), a, NULL) < S) {
+        lo = t * (1.0 - 1e-12);
+    }
+    while (lp_fill(p, hi, a, NULL) < S && hi < 1e30) { /* still short: widen geometrically */
+        lo = hi;
+        hi *= 4;
+    }
+    for (int iter = 0; iter < 100 && hi - lo > 1e-15 * hi; ++iter) {
+        double mid = 0.5 * (lo + hi);
+        if (lp_fill(p, mid, a, NULL) >= S)
+            hi = mid;
+        else
+            lo = mid;
+    }
+    return hi;
+}
+
+typedef struct {
+    double ug, cg, cr;
+    int32_t g;
+} lp_row;
+
+static int cmp_lp_row(const void *a, const void *b) {
+    const lp_row *p = a, *q = b;
+    if (p->ug != q->ug)
+        return p->ug < q->ug ? -1 : 1;
+    if (p->cg != q->cg)
+        return p->cg < q->cg ? -1 : 1;
+    if (p->cr != q->cr)
+        return p->cr < q->cr ? -1 : 1;
+    return (p->g > q->g) - (p->g < q->g);
+}
+
+/* Groups with the same (U_g, c_g, c_r) merged into one weighted row, when that shrinks a large LP (more
+ * than hexiseq_grouped_above groups, at most a quarter as many rows): the same LP, its sums taken per kind of group. Returns
+ * 0 (and leaves *out unset) when not worth it or out of memory. `buf` gets the storage to free. */
+static int lp_compress(const shares_ws *w, int32_t G, lp_inst *out, double **buf) {
+    *buf = NULL;
+    if (G <= hexiseq_grouped_above)
+        return 0;
+    lp_row *rows = malloc((size_t)G * sizeof *rows);
+    if (!rows)
+        return 0;
+    for (int32_t g = 0; g < G; ++g) {
+        rows[g].ug = w->ug[g];
+        rows[g].cg = w->cg[g];
+        rows[g].cr = w->cr[g];
+        rows[g].g = g;
+    }
+    qsort(rows, (size_t)G, sizeof *rows, cmp_lp_row);
+    int32_t k = 0;
+    for (int32_t i = 0; i < G; ++i)
+        if (i == 0 || rows[i].ug != rows[i - 1].ug || rows[i].cg != rows[i - 1].cg || rows[i].cr != rows[i - 1].cr)
+            ++k;
+    double *d = k <= G / 4 ? malloc((size_t)k * 4 * sizeof *d) : NULL;
+    if (!d) {
+        free(rows);
+        return 0;
+    }
+    double *ug = d, *cg = d + k, *cr = d + 2 * k, *wt = d + 3 * k;
+    int32_t j = -1;
+    for (int32_t i = 0; i < G; ++i) {
+        if (i == 0 || rows[i].ug != rows[i - 1].ug || rows[i].cg != rows[i - 1].cg || rows[i].cr != rows[i - 1].cr) {
+            ++j;
+            ug[j] = rows[i].ug;
+            cg[j] = rows[i].cg;
+            cr[j] = rows[i].cr;
+            wt[j] = 0;
+        }
+        wt[j] += 1.0;
+    }
+    free(rows);
+    out->n = k;
+    out->ug = ug;
+    out->cg = cg;
+    out->cr = cr;
+    out->weight = wt;
+    *buf = d;
+    return 1;
+}
+
+/* Solve the LP for S_g (continuous) into w->gseq. Returns 0 when the memory caps cannot hold S. */
+static int lp_solve(const shares_ws *w, int32_t G, double S) {
+    lp_inst full = {G, w->ug, w->cg, w->cr, NULL}, small, *p = &full;
+    double *buf;
+    if (lp_compress(w, G, &small, &buf))
+        p = &small;
+    double lo = 0.0, hi = 1.0, phi = 0.5 * (sqrt(5.0) - 1.0);
+    /* coarse scan first: the objective is unimodal in practice but may be flat near the ends */
+    double best_a = 0.5, best_t = INFINITY;
+    for (int i = 1; i < 32; ++i) {
+        double a = i / 32.0, tt = lp_time(p, S, a);
+        if (tt < best_t) {
+            best_t = tt;
+            best_a = a;
+        }
+    }
+    if (!isfinite(best_t)) {
+        free(buf);
+        return 0;
+    }
+    lo = fmax(0.0, best_a - 1.0 / 32);
+    hi = fmin(1.0, best_a + 1.0 / 32);
+    double x1 = hi - phi * (hi - lo), x2 = lo + phi * (hi - lo);
+    double f1 = lp_time(p, S, x1), f2 = lp_time(p, S, x2);
+    for (int iter = 0; iter < 40; ++iter) {
+        if (f1 <= f2) {
+            hi = x2;
+            x2 = x1;
+            f2 = f1;
+            x1 = hi - phi * (hi - lo);
+            f1 = lp_time(p, S, x1);
+        } else {
+            lo = x1;
+            x1 = x2;
+            f1 = f2;
+            x2 = lo + phi * (hi - lo);
+            f2 = lp_time(p, S, x2);
+        }
+    }
+    double a = f1 <= f2 ? x1 : x2, tt = fmin(f1, f2);
+    if (best_t < tt) {
+        a = best_a;
+        tt = best_t;
+    }
+    lp_fill(&full, tt, a, w->gseq);
+    free(buf);
+    return 1;
+}
+
+/* Per-group phase times of an evaluated layout -> seconds per token coefficients. */
+static void refit(sched *s, const hexiseq_layout *l, shares_ws *w) {
+    for (int32_t g = 0; g < l->n_groups; ++g) {
+        double gemm = 0, rest_a2a = 0, rest_ring = 0;
+        for (int32_t r = w->offset[g]; r < w->offset[g + 1]; ++r) {
+            gemm = fmax(gemm, s->per[r].gemm_s);
+            rest_a2a = fmax(rest_a2a, s->per[r].a2a_s);
+            rest_ring = fmax(rest_ring, s->per[r].attn_s + s->per[r].ring_exposed_s);
+        }
+        double Sg = (double)l->group_seq[g];
+        w->cg[g] = gemm / Sg;
+        w->cr[g] = (rest_a2a + rest_ring) / Sg;
+    }
+}
+
+/* Integer S_g from w->gseq. */
+static void round_groups(sched *s, hexiseq_layout *l, shares_ws *w) {
+    round_shares(w->gseq, l->n_groups, s->S, TOKEN_GRANULE, 1, l->group_seq, w->tmpd, w->order);
+}
+
+/* Complete and optimise the shares of a structure (l->group_size, l->device set) and offer the result.
+ * `unit` is the head granularity (1 or heads per kv head). */
+hexiseq_status hexiseq_sched_optimise_shares(sched *s, hexiseq_layout *l, shares_ws *w, int32_t unit,
+                                      hexiseq_plan_cost *out) {
+    int32_t G = l->n_groups;
+    w->offset[0] = 0;
+    for (int32_t g = 0; g < G; ++g)
+        w->offset[g + 1] = w->offset[g] + l->group_size[g];
+    fill_heads(s, l, w, unit);
+    double *capacity = malloc((size_t)s->n * sizeof *capacity);
+    if (!capacity)
+        return hexiseq_fail(HEXISEQ_ERR_NOMEM, "scheduler scratch");
+    /* first round: S_g in proportion to the group's combined rate; later rounds solve the LP on
+     * coefficients measured from the previous round's full evaluation */
+    double total_rate = 0;
+    for (int32_t g = 0; g < G; ++g) {
+        w->gseq[g] = 0;
+        for (int32_t r = w->offset[g]; r < w->offset[g + 1]; ++r)
+            w->gseq[g] += s->fgemm[l->device[r]] + s->fattn[l->device[r]];
+        total_rate += w->gseq[g];
+    }
+    for (int32_t g = 0; g < G; ++g)
+        w->gseq[g] *= (double)s->S / total_rate;
+    hexiseq_status st = HEXISEQ_OK;
+    hexiseq_plan_cost cost, best_local;
+    int have_local = 0;
+    hexiseq_layout keep; /* the best round's layout, handed back in l */
+    st = hexiseq_layout_alloc(G, l->n_devices, &keep);
+    if (st != HEXISEQ_OK) {
+        free(capacity);
+        return st;
+    }
+    double ring_block = (double)s->S / G;
+    for (int round = 0; round < REFIT_ROUNDS; ++round) {
+        for (int32_t g = 0; g < G; ++g)
+            w->ug[g] = INFINITY;
+        for (int32_t g = 0; g < G; ++g)
+            l->group_seq[g] = (int64_t)fmax(1.0, floor(w->gseq[g]));
+        memory_caps(s, l, w, ring_block, capacity);
+        if (round == 0) {
+            for (int32_t g = 0; g < G; ++g)
+                w->gseq[g] = fmin(w->gseq[g], w->ug[g]);
+        } else if (!lp_solve(w, G, (double)s->S)) {
+            /* memory cannot hold the sequence: spread by caps so the report names the shortest device */
+            for (int32_t g = 0; g < G; ++g)
+                w->gseq[g] = fmax(w->ug[g], 1.0);
+        }
+        round_groups(s, l, w);
+        ring_block = 0;
+        for (int32_t g = 0; g < G; ++g)
+            ring_block = fmax(ring_block, (double)l->group_seq[g]);
+        memory_caps(s, l, w, ring_block, capacity);
+        for (int32_t g = 0; g < G; ++g)
+            fill_tokens(s, l, w, g, capacity);
+        st = hexiseq_sched_eval(s, l, &cost);
+        if (st != HEXISEQ_OK)
+            break;
+        st = hexiseq_sched_offer(s, l, &cost);
+        if (st != HEXISEQ_OK)
+            break;
+        if (!have_local || hexiseq_cost_better(&cost, &best_local)) {
+            best_local = cost;
+            have_local = 1;
+            hexiseq_layout_copy(&keep, l);
+        }
+        refit(s, l, w);
+    }
+    if (have_local)
+        hexiseq_layout_copy(l, &keep);
+    hexiseq_layout_free(&keep);
+    free(capacity);
+    if (out && have_local)
+        *out = best_local;
+    return st;
+}
+
+hexiseq_status hexiseq_sched_ws_alloc(shares_ws *w, int32_t G, int32_t n) {
+    memset(w, 0, sizeof *w);
+    w->gseq = calloc((size_t)G, sizeof(double));
+    w->cg = calloc((size_t)G, sizeof(double));
+    w->cr = calloc((size_t)G, sizeof(double));
+    w->ug = calloc((size_t)G, sizeof(double));
+    w->tmp64 = calloc((size_t)n, sizeof(int64_t));
+    w->tmpd = calloc((size_t)(n > G ? n : G), sizeof(double));
+    w->offset = calloc((size_t)G + 1, sizeof(int32_t));
+    w->order = calloc((size_t)(n > G ? n : G), sizeof(int32_t));
+    w->free0 = calloc((size_t)n, sizeof(double));
+    w->per_tok = calloc((size_t)n, sizeof(double));
+    w->per_gtok = calloc((size_t)n, sizeof(double));
+    if (!w->gseq || !w->cg || !w->cr || !w->ug || !w->tmp64 || !w->tmpd || !w->offset || !w->order || !w->free0 || !w->per_tok ||
+        !w->per_gtok)
+        return hexiseq_fail(HEXISEQ_ERR_NOMEM, "scheduler scratch for %d groups", G);
+    return HEXISEQ_OK;
+}
+
+void hexiseq_sched_ws_free(shares_ws *w) {
+    free(w->gseq);
+    free(w->cg);
+    free(w->cr);
+    free(w->ug);
+    free(w->tmp64);
+    free(w->tmpd);
+    free(w->offset);
+    free(w->order);
+    free(w->free0);
+    free(w->per_tok);
+    free(w->per_gtok);
+}
+
