@@ -1019,6 +1019,12 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         const hexiseq_device_info *d = &c->dev[l->device[r]];
         dc->kv_lo = x.kv_lo[r];
         dc->kv_count = x.kv_n[r];
+        for (int32_t h = x.kv_lo[r]; h < x.kv_lo[r] + x.kv_n[r]; ++h) /* first-held heads are contiguous */
+            if (kv_holder(&x, g, h) == r) {
+                if (!dc->first_count)
+                    dc->first_lo = h;
+                dc->first_count++;
+            }
         const hexiseq_device_cost *pc = first ? NULL : &per_device[r - 1];
         /* alike the previous member of its group: same device class, tokens, heads, kv heads */
         int alike = pc && same_device(c, l->device[r], l->device[r - 1]) && l->tokens[r] == l->tokens[r - 1] &&

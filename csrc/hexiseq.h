@@ -215,6 +215,8 @@ typedef struct {
     double a2a_recv_bytes;   /*   group's other members and from them */
     int32_t kv_lo;           /* first kv head the device needs */
     int32_t kv_count;        /* kv heads it needs (0 when it has no query heads) */
+    int32_t first_lo;        /* first kv head the device first-holds: it is the lowest member of its group (in */
+    int32_t first_count;     /*   layout order) whose kv range holds it; contiguous, 0 heads when none */
 } hexiseq_device_cost;
 
 typedef struct {

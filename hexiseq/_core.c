@@ -335,21 +335,31 @@ static PyObject *device_costs_to_dict(const hexiseq_device_cost *dc, npy_intp n)
             return NULL;
         }
     }
-    PyObject *kv_lo = PyArray_SimpleNew(1, &n, NPY_INT32), *kv_count = PyArray_SimpleNew(1, &n, NPY_INT32);
-    if (!kv_lo || !kv_count) {
-        Py_XDECREF(kv_lo);
-        Py_XDECREF(kv_count);
-        Py_DECREF(out);
-        return NULL;
+    static const struct {
+        const char *name;
+        size_t offset;
+    } ints[] = {
+        {"kv_lo", offsetof(hexiseq_device_cost, kv_lo)},
+        {"kv_count", offsetof(hexiseq_device_cost, kv_count)},
+        {"first_lo", offsetof(hexiseq_device_cost, first_lo)},
+        {"first_count", offsetof(hexiseq_device_cost, first_count)},
+    };
+    for (size_t c = 0; c < sizeof ints / sizeof ints[0]; ++c) {
+        PyObject *arr = PyArray_SimpleNew(1, &n, NPY_INT32);
+        if (!arr) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        int32_t *dst = PyArray_DATA((PyArrayObject *)arr);
+        for (npy_intp i = 0; i < n; ++i)
+            dst[i] = *(const int32_t *)((const char *)&dc[i] + ints[c].offset);
+        int rc = PyDict_SetItemString(out, ints[c].name, arr);
+        Py_DECREF(arr);
+        if (rc < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
     }
-    for (npy_intp i = 0; i < n; ++i) {
-        ((int32_t *)PyArray_DATA((PyArrayObject *)kv_lo))[i] = dc[i].kv_lo;
-        ((int32_t *)PyArray_DATA((PyArrayObject *)kv_count))[i] = dc[i].kv_count;
-    }
-    PyDict_SetItemString(out, "kv_lo", kv_lo);
-    PyDict_SetItemString(out, "kv_count", kv_count);
-    Py_DECREF(kv_lo);
-    Py_DECREF(kv_count);
     return out;
 }
 
@@ -455,6 +465,48 @@ static PyObject *core_int_range(PyObject *module, PyObject *arg) {
     if (s != HEXISEQ_OK)
         return raise_status(module, s);
     return Py_BuildValue("(LL)", (long long)lo, (long long)hi);
+}
+
+/* layout_spans(group_seq) -> (front_start, front_len, back_start, back_len), int64 arrays by group: the
+ * positions each group owns under the balanced causal layout (hexiseq_layout_spans, the rule the cost model
+ * prices with). group_seq: a 1-D array of int64. */
+static PyObject *core_layout_spans(PyObject *module, PyObject *arg) {
+    PyArrayObject *seq = (PyArrayObject *)PyArray_FROMANY(arg, NPY_INT64, 1, 1, NPY_ARRAY_IN_ARRAY);
+    if (!seq)
+        return NULL;
+    npy_intp n = PyArray_DIM(seq, 0);
+    hexiseq_layout l;
+    memset(&l, 0, sizeof l);
+    l.n_groups = (int32_t)n;
+    l.group_seq = (int64_t *)PyArray_DATA(seq);
+    hexiseq_group_span *spans = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *spans);
+    if (!spans) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    hexiseq_status st = n > INT32_MAX ? HEXISEQ_ERR_INVALID : hexiseq_layout_spans(&l, spans);
+    Py_DECREF(seq);
+    if (st != HEXISEQ_OK) {
+        PyMem_Free(spans);
+        return raise_status(module, st);
+    }
+    PyObject *cols[4] = {NULL, NULL, NULL, NULL};
+    for (int c = 0; c < 4; ++c) {
+        cols[c] = PyArray_SimpleNew(1, &n, NPY_INT64);
+        if (!cols[c])
+            break;
+        int64_t *dst = PyArray_DATA((PyArrayObject *)cols[c]);
+        for (npy_intp g = 0; g < n; ++g)
+            dst[g] = c == 0 ? spans[g].front_start : c == 1 ? spans[g].front_len
+                     : c == 2 ? spans[g].back_start : spans[g].back_len;
+    }
+    PyMem_Free(spans);
+    PyObject *out = NULL;
+    if (cols[0] && cols[1] && cols[2] && cols[3])
+        out = PyTuple_Pack(4, cols[0], cols[1], cols[2], cols[3]);
+    for (int c = 0; c < 4; ++c)
+        Py_XDECREF(cols[c]);
+    return out;
 }
 
 /* model_params(model) -> parameter count (float). */
@@ -1108,6 +1160,7 @@ static PyMethodDef core_methods[] = {
     {"gpu_find", core_gpu_find, METH_O, "Canonical catalog name of a GPU model name or alias."},
     {"check_cluster", core_check_cluster, METH_VARARGS, "Validate a cluster description; returns its device count."},
     {"int_range", core_int_range, METH_O, "(lo, hi) the core accepts for a named integer input."},
+    {"layout_spans", core_layout_spans, METH_O, "(front_start, front_len, back_start, back_len) of each group."},
     {"model_params", core_model_params, METH_O, "Parameter count of a model tuple."},
     {"evaluate", core_evaluate, METH_VARARGS, "Score a layout: (per-device dict, plan dict)."},
     {"plan_strategy", core_plan_strategy, METH_VARARGS, "Best layout of a strategy, as a dict of arrays, and what the search did."},
@@ -1142,6 +1195,39 @@ static int core_exec(PyObject *module) {
     Py_DECREF(errors);
     if (PyModule_AddStringConstant(module, "VERSION", HEXISEQ_VERSION) < 0)
         return -1;
+    /* The core's enum values by name, so Python never restates them: STRATEGIES by hexiseq_strategy_name,
+     * SHARDINGS by the names hexiseq.Sharding uses. */
+    PyObject *strategies = PyDict_New(), *shardings = PyDict_New();
+    int bad = !strategies || !shardings;
+    for (int i = 0; !bad && i < HEXISEQ_STRATEGY_COUNT; ++i) {
+        PyObject *v = PyLong_FromLong(i);
+        bad = !v || PyDict_SetItemString(strategies, hexiseq_strategy_name((hexiseq_strategy)i), v) < 0;
+        Py_XDECREF(v);
+    }
+    static const struct {
+        const char *name;
+        int value;
+    } shard_names[] = {{"full", HEXISEQ_SHARD_FULL}, {"grad_opt", HEXISEQ_SHARD_GRAD_OPT},
+                       {"opt", HEXISEQ_SHARD_OPT}, {"none", HEXISEQ_SHARD_NONE}};
+    for (size_t i = 0; !bad && i < sizeof shard_names / sizeof shard_names[0]; ++i) {
+        PyObject *v = PyLong_FromLong(shard_names[i].value);
+        bad = !v || PyDict_SetItemString(shardings, shard_names[i].name, v) < 0;
+        Py_XDECREF(v);
+    }
+    if (bad) {
+        Py_XDECREF(strategies);
+        Py_XDECREF(shardings);
+        return -1;
+    }
+    if (PyModule_AddObject(module, "STRATEGIES", strategies) < 0) { /* steals the reference on success */
+        Py_DECREF(strategies);
+        Py_DECREF(shardings);
+        return -1;
+    }
+    if (PyModule_AddObject(module, "SHARDINGS", shardings) < 0) {
+        Py_DECREF(shardings);
+        return -1;
+    }
     return 0;
 }
 

@@ -203,7 +203,7 @@ class Sharding(enum.Enum):
     NONE = "none"          # replicated (plain data parallel)
 
 
-_SHARDING_CODE = {Sharding.FULL: 0, Sharding.GRAD_OPT: 1, Sharding.OPT: 2, Sharding.NONE: 3}
+_SHARDING_CODE = {s: _core.SHARDINGS[s.value] for s in Sharding}  # the core's enum values, by name
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ class Strategy(str, enum.Enum):
     USP = "usp"          # uniform CP x HP mesh, every valid factorisation
 
 
-_CORE_STRATEGY = {Strategy.RING: 0, Strategy.ULYSSES: 1, Strategy.USP: 2, Strategy.HEXISEQ: 3}
+_CORE_STRATEGY = {s: _core.STRATEGIES[s.value] for s in Strategy if s is not Strategy.AUTO}  # the core's values
 BASELINES = (Strategy.RING, Strategy.ULYSSES, Strategy.USP)
 ALL_STRATEGIES = (Strategy.HEXISEQ,) + BASELINES
 
@@ -177,7 +177,8 @@ class Layout:
 class DeviceTable:
     """Per-device columns of a plan, NumPy arrays in layout order (groups in ring order, ranks inside).
 
-    Columns: device, node, gpu, group, rank, tokens, head_lo, head_count, kv_lo, kv_count, gemm_s,
+    Columns: device, node, gpu, group, rank, tokens, head_lo, head_count, kv_lo, kv_count, first_lo,
+    first_count (the kv heads the device first-holds: it sends them around the ring for its group), gemm_s,
     layer_gemm_s, attn_s, a2a_s, ring_exposed_s, busy_s, mem_states_gib, mem_act_gib, mem_attn_gib,
     mem_ring_gib, mem_total_gib, mem_cap_gib, ring_send_bytes, ring_recv_bytes, a2a_send_bytes, a2a_recv_bytes.
     Index by name (`table["tokens"]`) or attribute (`table.tokens`). layer_gemm_s is the token-parallel compute
@@ -249,6 +250,8 @@ class Plan:
             "head_count": layout.head_count,
             "kv_lo": per.pop("kv_lo"),
             "kv_count": per.pop("kv_count"),
+            "first_lo": per.pop("first_lo"),
+            "first_count": per.pop("first_count"),
         }
         columns.update(per)
         for v in columns.values():
@@ -302,24 +305,17 @@ class Plan:
     def group_positions(self, group: int) -> np.ndarray:
         """Absolute token positions owned by a group, in the order its members' shares are laid out:
         the front chunk then the mirrored back chunk (load-balanced causal layout)."""
-        group = self._group(group)
-        seq = self.layout.group_seq
-        back = seq // 2
-        front = seq - back
-        f0 = int(front[:group].sum())
-        b_end = int(self.seq_len - back[:group].sum())
-        return np.concatenate([np.arange(f0, f0 + front[group]), np.arange(b_end - back[group], b_end)])
+        return np.concatenate([np.arange(p0, p0 + n) for p0, n in self.group_chunks(group)] or [np.arange(0)])
 
     def group_chunks(self, group: int):
-        """The group's positions as contiguous chunks: [(first position, length), ...] in layout order."""
+        """The group's positions as contiguous chunks: [(first position, length), ...] in layout order, as the
+        core lays them out (hexiseq_layout_spans: the front chunk then the mirrored back chunk)."""
         group = self._group(group)
-        seq = self.layout.group_seq
-        back = seq // 2
-        front = seq - back
-        f0 = int(front[:group].sum())
-        b_end = int(self.seq_len - back[:group].sum())
-        chunks = [(f0, int(front[group])), (b_end - int(back[group]), int(back[group]))]
-        return [(p0, n) for p0, n in chunks if n > 0]
+        spans = self.__dict__.get("_spans")
+        if spans is None:
+            spans = self.__dict__["_spans"] = [a.tolist() for a in _core.layout_spans(self.layout.group_seq)]
+        f0, fn, b0, bn = (col[group] for col in spans)
+        return [(p0, n) for p0, n in ((f0, fn), (b0, bn)) if n > 0]
 
     def _group(self, group) -> int:
         """A group index in [0, num_groups): no negative indexing from the end."""

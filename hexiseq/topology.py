@@ -77,31 +77,20 @@ class Topology:
         self._where = {mb.rank: (g, mb) for g, members in enumerate(self.groups) for mb in members}
 
     def _members(self, lay, first_slot, end_slot) -> List[Member]:
+        """The members of one group, from the plan's tables: kv ranges and first holders as the core computed
+        them for the cost model (plan.devices), cut to this topology's kv window and renumbered from it."""
+        t = self.plan.devices
+        ka, kb = self.kv_window
         rows, tok = [], 0
-        base = self.kv_window[0] * self.per_kv  # the window's query heads, renumbered from 0
         for slot in range(first_slot, end_slot):
             tokens, head_lo, heads = int(lay.tokens[slot]), int(lay.head_lo[slot]), int(lay.head_count[slot])
-            lo, hi = max(head_lo - base, 0), min(head_lo + heads - base, self.heads)
-            head_lo, heads = (lo, hi - lo) if hi > lo else (0, 0)
-            if heads:
-                kv_lo = head_lo // self.per_kv
-                kv_n = (head_lo + heads - 1) // self.per_kv - kv_lo + 1
-            else:
-                kv_lo, kv_n = 0, 0
-            rows.append((int(lay.device[slot]), tokens, tok, head_lo, heads, kv_lo, kv_n))
+            lo, hi = max(head_lo, ka * self.per_kv), min(head_lo + heads, kb * self.per_kv)
+            kv = _cut(int(t.kv_lo[slot]), int(t.kv_count[slot]), ka, kb)
+            first = _cut(int(t.first_lo[slot]), int(t.first_count[slot]), ka, kb)
+            head = (lo - ka * self.per_kv, hi - lo) if hi > lo else (0, 0)
+            rows.append(Member(int(lay.device[slot]), tokens, tok, *head, *kv, *first))
             tok += tokens
-        # first holder of each kv head: the lowest member (layout order) whose range contains it
-        owner = {}
-        for i, row in enumerate(rows):
-            for h in range(row[5], row[5] + row[6]):
-                owner.setdefault(h, i)
-        members = []
-        for i, row in enumerate(rows):
-            mine = [h for h, o in owner.items() if o == i]
-            if mine and max(mine) - min(mine) + 1 != len(mine):
-                raise HexiseqError("internal: first-held kv heads are not contiguous")
-            members.append(Member(*row, *((min(mine), len(mine)) if mine else (0, 0))))
-        return members
+        return rows
 
     def slices(self, n: int) -> List["Topology"]:
         """The layer cut into up to n slices of whole kv heads (contiguous, as even as the kv heads allow), each
@@ -199,3 +188,9 @@ class Topology:
                 ko += kn
             qo += qn
         return out
+
+
+def _cut(lo: int, n: int, a: int, b: int) -> Tuple[int, int]:
+    """The range [lo, lo + n) cut to [a, b) and renumbered from a, as (lo, n); (0, 0) when they do not meet."""
+    x, y = max(lo, a), min(lo + n, b)
+    return (x - a, y - x) if y > x else (0, 0)
