@@ -196,11 +196,21 @@ enum { FWD_GROUP = 8 };
  * other (about 5% at d = 128). Padding the K / V / accumulator rows (dp) measured no gain. */
 enum { QLD = BQ + 16 };
 
-/* Forward per-thread scratch, in elements: K, V and score tiles plus, per query tile, Q^T, the output
- * accumulator and max / sum / alpha (see fwd_tiles). */
-static size_t fwd_scratch_elems(int32_t dp, int64_t group) {
+/* Key tiles a forward query tile accumulates in its working (T) accumulators before folding them into its
+ * double ones (see fwd_tiles): bounds the length of every T running sum to PIECE_TILES * BK keys. */
+enum { PIECE_TILES = 32 };
+
+/* Forward scratch of one query tile, in bytes: in T (esize bytes), Q^T, the piece accumulator and max / sum /
+ * alpha; then in double, the folded accumulator, sum and max (see fwd_tiles). A multiple of 8 bytes. */
+static size_t fwd_tile_bytes(int32_t dp, size_t esize) {
     const size_t ld = (size_t)dp;
-    return (size_t)2 * BK * ld + (size_t)BK * QLD + (size_t)group * ((size_t)QLD * (size_t)dp + (size_t)BQ * ld + 3 * BQ);
+    return ((size_t)QLD * ld + (size_t)BQ * ld + 3 * BQ) * esize + ((size_t)BQ * ld + 2 * BQ) * sizeof(double);
+}
+
+/* Forward per-thread scratch, in bytes: K, V and score tiles plus `group` query tiles. */
+static size_t fwd_scratch_bytes(int32_t dp, int64_t group, size_t esize) {
+    const size_t ld = (size_t)dp;
+    return ((size_t)2 * BK * ld + (size_t)BK * QLD) * esize + (size_t)group * fwd_tile_bytes(dp, esize);
 }
 
 /* Backward per-thread scratch, in elements of the accumulator type: the buffers bwd_kv_task carves. */
@@ -648,7 +658,7 @@ hexiseq_status hexiseq_attn_forward_cpu(const hexiseq_attn_params *p) {
     const int64_t ntasks = p->batch * p->heads * ngroups;
     const int f64 = p->dtype == HEXISEQ_DTYPE_F64;
     /* per-thread blocks start on 64-byte boundaries: a zmm row that straddles two cache lines costs two */
-    const size_t per_thread = (fwd_scratch_elems(dp, group) * (f64 ? sizeof(double) : sizeof(float)) + 63) / 64 * 64;
+    const size_t per_thread = (fwd_scratch_bytes(dp, group, f64 ? sizeof(double) : sizeof(float)) + 63) / 64 * 64;
     char *scratch_raw = malloc(per_thread * (size_t)nthreads + 64);
     if (scratch_raw == NULL)
         return hexiseq_fail(HEXISEQ_ERR_NOMEM, "forward scratch of %zu bytes could not be allocated",
@@ -985,12 +995,70 @@ static void HX(store_rows)(void *dst, int32_t dtype, int64_t off, int64_t rs, in
     }
 }
 
+/* Views of one query tile's forward scratch (fwd_tile_bytes): T working state, then the double folded state. */
+typedef struct {
+    T *qt;          /* [dp][QLD] scale * q, transposed, zero past nq */
+    T *acc;         /* [BQ][ld] unnormalised o of the current piece, relative to mx */
+    T *mx;          /* [BQ] running max of scores */
+    T *sum;         /* [BQ] sum of exp(score - mx) over the current piece */
+    T *alpha;       /* [BQ] rescale factor of the current key tile */
+    double *acc_hi; /* [BQ][ld] unnormalised o of the folded pieces, relative to m_hi */
+    double *sum_hi; /* [BQ] sum of exp(score - m_hi) over the folded pieces */
+    double *m_hi;   /* [BQ] the max the folded pieces are relative to */
+} HX(fwd_tile);
+
+static HX(fwd_tile) HX(fwd_tile_at)(char *tiles, int64_t t, int32_t dp) {
+    char *base = tiles + fwd_tile_bytes(dp, sizeof(T)) * (size_t)t;
+    HX(fwd_tile) f;
+    f.qt = (T *)(void *)base;
+    f.acc = f.qt + (size_t)dp * QLD;
+    f.mx = f.acc + (size_t)BQ * (size_t)dp;
+    f.sum = f.mx + BQ;
+    f.alpha = f.sum + BQ;
+    f.acc_hi = (double *)(void *)(f.alpha + BQ); /* the T part is a whole number of 8-byte words */
+    f.sum_hi = f.acc_hi + (size_t)BQ * (size_t)dp;
+    f.m_hi = f.sum_hi + BQ;
+    return f;
+}
+
+/* Folds the piece (acc, sum, relative to mx) of rows [0, nq) into (acc_hi, sum_hi, relative to m_hi) in double
+ * and restarts the piece at zero (mx is kept). A row whose max is still -inf has seen no finite score: its piece
+ * holds nothing (the SIMD exp of -inf is a tiny non-zero, so it is cleared, not folded). */
+static void HX(fold_piece)(HX(fwd_tile) f, int64_t nq, int32_t ld) {
+    for (int64_t i = 0; i < nq; ++i) {
+        T *restrict acc = f.acc + i * ld;
+        double *restrict hi = f.acc_hi + i * ld;
+        if (f.mx[i] == -INFINITY) {
+            memset(acc, 0, sizeof(T) * (size_t)ld);
+            f.sum[i] = 0;
+            continue;
+        }
+        const double m = (double)f.mx[i];
+        const double w = f.m_hi[i] == -INFINITY ? 0.0 : f.m_hi[i] == m ? 1.0 : exp(f.m_hi[i] - m);
+        for (int32_t c = 0; c < ld; ++c) {
+            hi[c] = hi[c] * w + (double)acc[c];
+            acc[c] = 0;
+        }
+        f.sum_hi[i] = f.sum_hi[i] * w + (double)f.sum[i];
+        f.sum[i] = 0;
+        f.m_hi[i] = m;
+    }
+}
+
 /* Forward for ntile query tiles (BQ rows each) from tile qt0 of (batch b, head h): online softmax over
  * key tiles, computed transposed: st = K (scale Q)^T is [keys][queries], so the softmax max/sum run down
  * columns (one SIMD lane per query) and Q^T is packed once per tile. The key loop is outside the tile
  * loop, so each K/V tile is packed once for all ntile query tiles; every query tile still does exactly
  * the arithmetic it would do alone, so results do not depend on ntile. The rescale of the accumulator
- * by alpha is folded into the P V gemm (rowscale). */
+ * by alpha is folded into the P V gemm (rowscale).
+ *
+ * Accuracy over long key ranges: a running sum in T adds each key's term to a total that grows with the
+ * number of keys, so its rounding error grows with it (in float, O and the row sum drift by per mille at 2^23
+ * keys, and once the total passes 2^24 times a term, terms stop counting at all). The key range is therefore
+ * cut into pieces of PIECE_TILES key tiles: within a piece the T accumulators run as above, at the end of each
+ * piece they are folded into double accumulators by the log-sum-exp rule (fold_piece) and restarted, so no T
+ * sum ever spans more than PIECE_TILES * BK keys, whatever seq_k is. The fold costs one pass over the
+ * accumulator per PIECE_TILES key tiles. */
 static void HX(fwd_tiles)(const hexiseq_attn_params *p, int64_t b, int32_t h, int64_t qt0, int64_t ntile,
                           T *scratch, int32_t dp) {
     const HX(ops) *ops = HX(get_ops)();
@@ -1000,8 +1068,7 @@ static void HX(fwd_tiles)(const hexiseq_attn_params *p, int64_t b, int32_t h, in
     T *restrict ks = scratch;          /* [BK][ld] k */
     T *restrict vs = ks + BK * ld;     /* [BK][ld] v */
     T *restrict st = vs + BK * ld;     /* [BK][QLD] scores, then probabilities */
-    T *restrict tiles = st + BK * QLD; /* per query tile: per_tile elements, carved below */
-    const size_t per_tile = (size_t)QLD * (size_t)dp + (size_t)BQ * (size_t)ld + 3 * BQ;
+    char *tiles = (char *)(void *)(st + BK * QLD); /* per query tile: fwd_tile_bytes, see fwd_tile_at */
     int32_t jlim[BQ];
 
     const int64_t *qst = p->q_stride, *kst = p->k_stride, *vst = p->v_stride;
@@ -1009,21 +1076,22 @@ static void HX(fwd_tiles)(const hexiseq_attn_params *p, int64_t b, int32_t h, in
     for (int64_t t = 0; t < ntile; ++t) {
         const int64_t q0 = (qt0 + t) * BQ;
         const int64_t nq = min64(BQ, p->seq_q - q0);
-        T *restrict qt = tiles + per_tile * (size_t)t; /* [dp][QLD] scale * q, transposed, zero past nq */
-        T *restrict acc = qt + dp * QLD;                /* [BQ][ld] unnormalised o */
-        T *restrict mx = acc + BQ * ld;                 /* [BQ] running max of scores */
-        T *restrict sum = mx + BQ;                      /* [BQ] running sum of exp(score - mx) */
-        HX(load_cols)(qt, QLD, p->q, p->dtype, b * qst[0] + q0 * qst[1] + h * qst[2], qst[1], qst[3], nq, d,
+        const HX(fwd_tile) f = HX(fwd_tile_at)(tiles, t, dp);
+        HX(load_cols)(f.qt, QLD, p->q, p->dtype, b * qst[0] + q0 * qst[1] + h * qst[2], qst[1], qst[3], nq, d,
                       (T)p->scale);
-        memset(acc, 0, sizeof(T) * (size_t)(nq * ld));
+        memset(f.acc, 0, sizeof(T) * (size_t)(nq * ld));
+        memset(f.acc_hi, 0, sizeof(double) * (size_t)(nq * ld));
         for (int64_t i = 0; i < BQ; ++i) {
-            mx[i] = -INFINITY;
-            sum[i] = 0;
+            f.mx[i] = -INFINITY;
+            f.sum[i] = 0;
+            f.sum_hi[i] = 0;
+            f.m_hi[i] = -INFINITY;
         }
         kend_all = max64(kend_all, visible_keys(p, p->q_pos0 + q0 + nq - 1));
     }
     for (int64_t k0 = 0; k0 < kend_all; k0 += BK) {
         const int64_t nk_all = min64(BK, kend_all - k0);
+        const int piece_end = (k0 / BK + 1) % PIECE_TILES == 0;
         /* packed rows (ld dp): strided in-place rows of a [S, heads, d] tensor thrash L1 sets */
         HX(load_rows)(ks, p->k, p->dtype, b * kst[0] + k0 * kst[1] + hk * kst[2], kst[1], kst[3], nk_all, nk_all, d,
                       ld, 1);
@@ -1037,11 +1105,7 @@ static void HX(fwd_tiles)(const hexiseq_attn_params *p, int64_t b, int32_t h, in
             if (k0 >= kend)
                 continue;
             const int64_t nq16 = (nq + 15) / 16 * 16; /* SIMD kernels take whole groups of 16 queries */
-            T *restrict qt = tiles + per_tile * (size_t)t;
-            T *restrict acc = qt + dp * QLD;
-            T *restrict mx = acc + BQ * ld;
-            T *restrict sum = mx + BQ;
-            T *restrict alpha = sum + BQ; /* [BQ] rescale factor of the current tile */
+            const HX(fwd_tile) f = HX(fwd_tile_at)(tiles, t, dp);
             const int64_t nk = min64(BK, kend - k0);
             /* queries before i0 see none of these keys (causal); the last one sees kmax of them */
             const int64_t i0 = HX(first_row)(p, qpos, k0);
@@ -1049,25 +1113,41 @@ static void HX(fwd_tiles)(const hexiseq_attn_params *p, int64_t b, int32_t h, in
             const int64_t kmax = min64(nk, visible_keys(p, qpos + nq - 1) - k0);
             for (int64_t i = c0; i < nq16; ++i)
                 jlim[i] = i < nq ? (int32_t)max64(0, min64(nk, visible_keys(p, qpos + i) - k0)) : 0;
-            ops->gemm(st + c0, QLD, ks, ld, 1, qt + c0, QLD, nk, nq16 - c0, d, 0, NULL);
-            ops->softmax_cols(st + c0, QLD, nk, nq16 - c0, jlim + c0, mx + c0, sum + c0, alpha + c0);
-            ops->gemm(acc + i0 * ld, ld, st + i0, 1, QLD, vs, ld, nq - i0, dp, kmax, 1, alpha + i0);
+            ops->gemm(st + c0, QLD, ks, ld, 1, f.qt + c0, QLD, nk, nq16 - c0, d, 0, NULL);
+            ops->softmax_cols(st + c0, QLD, nk, nq16 - c0, jlim + c0, f.mx + c0, f.sum + c0, f.alpha + c0);
+            ops->gemm(f.acc + i0 * ld, ld, st + i0, 1, QLD, vs, ld, nq - i0, dp, kmax, 1, f.alpha + i0);
+            if (piece_end)
+                HX(fold_piece)(f, nq, ld);
         }
     }
     const int64_t *ost = p->o_stride, *lst = p->lse_stride;
     for (int64_t t = 0; t < ntile; ++t) {
         const int64_t q0 = (qt0 + t) * BQ;
         const int64_t nq = min64(BQ, p->seq_q - q0);
-        const T *restrict acc = tiles + per_tile * (size_t)t + dp * QLD;
-        const T *restrict mx = acc + BQ * ld;
-        const T *restrict sum = mx + BQ;
+        const HX(fwd_tile) f = HX(fwd_tile_at)(tiles, t, dp);
+        HX(fold_piece)(f, nq, ld);
         for (int64_t i = 0; i < nq; ++i) {
             const int64_t lse_at = b * lst[0] + h * lst[1] + (q0 + i) * lst[2];
-            /* sum == 0 only when the row saw no key (the max term contributes exp(0) = 1) */
-            const T inv = sum[i] > 0 ? 1 / sum[i] : 0;
-            put_lse(p->lse, p->dtype, lse_at, sum[i] > 0 ? (double)(mx[i] + HX_LOG(sum[i])) : -INFINITY);
-            HX(store_rows)(p->o, p->dtype, b * ost[0] + (q0 + i) * ost[1] + h * ost[2], 0, ost[3], 1, d,
-                           acc + i * ld, ld, inv, 0);
+            const int64_t o_at = b * ost[0] + (q0 + i) * ost[1] + h * ost[2];
+            const double *restrict hi = f.acc_hi + i * ld;
+            /* A row that saw no key, or only scores of -inf, is fully masked: O = 0, LSE = -inf. Otherwise the
+             * max term contributes exp(0) = 1, so sum_hi >= 1. */
+            if (f.m_hi[i] == -INFINITY || !(f.sum_hi[i] > 0)) {
+                put_lse(p->lse, p->dtype, lse_at, -INFINITY);
+                for (int32_t c = 0; c < d; ++c)
+                    put_f64(p->o, p->dtype, o_at + c * ost[3], 0.0);
+                continue;
+            }
+            const double inv = 1.0 / f.sum_hi[i];
+            put_lse(p->lse, p->dtype, lse_at, f.m_hi[i] + log(f.sum_hi[i]));
+            if (p->dtype == HEXISEQ_DTYPE_F32 && ost[3] == 1) {
+                float *restrict out = (float *)p->o + o_at;
+                for (int32_t c = 0; c < d; ++c)
+                    out[c] = (float)(hi[c] * inv);
+            } else {
+                for (int32_t c = 0; c < d; ++c)
+                    put_f64(p->o, p->dtype, o_at + c * ost[3], hi[c] * inv);
+            }
         }
     }
 }
@@ -1087,7 +1167,7 @@ static void HX(delta_row)(const hexiseq_attn_params *p, int64_t r, T *delta /* [
 }
 
 /* Loads the shared row data of a query tile: q (unscaled), do, lse, D. Rows whose lse is -inf are fully
- * masked everywhere; bwd_row gives them zero P and dS. */
+ * masked everywhere; bwd_row gives them zero P and dS, and their q and do rows are loaded as zeros. */
 static void HX(load_query_tile)(const hexiseq_attn_params *p, int64_t b, int32_t h, int64_t q0, int64_t nq,
                                 const T *delta, T *restrict qs /* [BQ][dp] */, T *restrict dos /* [BQ][dp] */,
                                 T *restrict lse /* [BQ] */, T *restrict dd /* [BQ] */, int32_t dp) {
@@ -1098,6 +1178,12 @@ static void HX(load_query_tile)(const hexiseq_attn_params *p, int64_t b, int32_t
     for (int64_t i = 0; i < nq; ++i) {
         lse[i] = (T)get_lse(p->lse, p->dtype, b * lst[0] + h * lst[1] + (q0 + i) * lst[2]);
         dd[i] = delta[(b * p->heads + h) * p->seq_q + q0 + i];
+        if (lse[i] == -INFINITY) {
+            /* its P and dS are 0, but 0 * inf is NaN: an infinite q or do entry (the usual cause of such a
+             * row) must not reach dK or dV through the products */
+            memset(qs + i * dp, 0, sizeof(T) * (size_t)dp);
+            memset(dos + i * dp, 0, sizeof(T) * (size_t)dp);
+        }
     }
 }
 
@@ -1166,7 +1252,8 @@ static void HX(bwd_kv_task)(const hexiseq_attn_params *p, int64_t b, int32_t hk,
     }
 }
 
-/* dq row r of [batch, heads, seq_q] = scale * (sum over the nbuf buffers, in order) (+ dq). */
+/* dq row r of [batch, heads, seq_q] = scale * (sum over the nbuf buffers, in order) (+ dq); 0 (+ dq) for a fully
+ * masked row (lse = -inf), whose buffer rows may hold 0 * inf = NaN from an infinite k entry. */
 static void HX(bwd_dq_row)(const hexiseq_attn_params *p, int64_t r, const T *dqbuf, int64_t nbuf, size_t buf_elems,
                            int32_t dp) {
     const int64_t b = r / ((int64_t)p->heads * p->seq_q);
@@ -1174,8 +1261,11 @@ static void HX(bwd_dq_row)(const hexiseq_attn_params *p, int64_t r, const T *dqb
     const int64_t i = r % p->seq_q;
     T row[HEXISEQ_ATTN_MAX_HEAD_DIM];
     const T *src = dqbuf + (size_t)r * (size_t)dp;
+    const int64_t *lst = p->lse_stride;
+    if (get_lse(p->lse, p->dtype, b * lst[0] + h * lst[1] + i * lst[2]) == -INFINITY)
+        nbuf = 0;
     for (int32_t c = 0; c < p->head_dim; ++c)
-        row[c] = src[c];
+        row[c] = nbuf > 0 ? src[c] : 0;
     for (int64_t u = 1; u < nbuf; ++u) {
         const T *restrict add = src + (size_t)u * buf_elems;
         for (int32_t c = 0; c < p->head_dim; ++c)

