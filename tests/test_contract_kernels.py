@@ -189,3 +189,190 @@ def test_causally_fully_masked_rows_in_every_dtype(dtype):
     assert torch.equal(dq[:, :20], torch.zeros_like(dq[:, :20]))
     for t in (dq, dk, dv):
         assert bool(torch.isfinite(t).all())
+
+
+# ------------------------------------------------------------------------------------------------ torch's lazy bits
+
+def _neg_view(torch, shape, g):
+    """A float32 tensor with torch's negative bit set: the imaginary part of a conjugated complex tensor, whose
+    stored values are the negation of what it shows."""
+    z = torch.randn(shape, dtype=torch.complex64, generator=g)
+    x = z.conj().imag
+    assert x.is_neg() and x.dtype == torch.float32
+    return x
+
+
+def _with_neg_bit(torch, x):
+    """A view showing the values of float32 x whose storage holds -x (torch's negative bit set)."""
+    y = torch.complex(torch.zeros_like(x), -x).conj().imag
+    assert y.is_neg() and torch.equal(y, x)
+    return y
+
+
+def test_negative_bit_inputs_are_read_as_shown():
+    """q, k, v, out, lse, dout with the negative bit are read with their shown values (equal results to plain
+    copies), where a bare DLPack export would hand over the stored, un-negated values."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (_neg_view(torch, s, g) for s in ((1, 9, 2, 8), (1, 11, 1, 8), (1, 11, 1, 8)))
+    plain = [x.resolve_neg() for x in (q, k, v)]
+    assert not any(x.is_neg() for x in plain)
+    out, lse = ops.attention_forward(q, k, v, causal=False)
+    ref_out, ref_lse = ops.attention_forward(*plain, causal=False)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    dout = _neg_view(torch, (1, 9, 2, 8), g)
+    grads = ops.attention_backward(q, k, v, _with_neg_bit(torch, out), _with_neg_bit(torch, lse), dout,
+                                   causal=False)
+    ref = ops.attention_backward(*plain, ref_out, ref_lse, dout.resolve_neg(), causal=False)
+    for a, b in zip(grads, ref):
+        assert torch.equal(a, b)
+    # the merge reads a negated partial as shown
+    acc_o, acc_l = ref_out.clone(), ref_lse.clone()
+    part_o = _neg_view(torch, (1, 9, 2, 8), g)
+    ops.merge_(acc_o, acc_l, part_o, ref_lse)
+    acc2_o, acc2_l = ref_out.clone(), ref_lse.clone()
+    ops.merge_(acc2_o, acc2_l, part_o.resolve_neg(), ref_lse)
+    assert torch.equal(acc_o, acc2_o) and torch.equal(acc_l, acc2_l)
+
+
+def test_negative_or_conjugate_bit_outputs_are_refused():
+    """An output with the negative bit would be written through its stored values (the caller would read them
+    negated): refused by name. A conjugated complex tensor is refused too (complex is no supported dtype)."""
+    torch = pytest.importorskip("torch")
+    from hexiseq.errors import HexiseqError, InvalidArgumentError
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 9, 2, 8, generator=g)
+    kv = torch.randn(1, 11, 1, 8, generator=g)
+    with pytest.raises(InvalidArgumentError, match="out has torch's negative bit"):
+        ops.attention_forward(q, kv, kv, out=_neg_view(torch, (1, 9, 2, 8), g))
+    with pytest.raises(InvalidArgumentError, match="lse has torch's negative bit"):
+        ops.attention_forward(q, kv, kv, lse=_neg_view(torch, (1, 2, 9), g))
+    out, lse = ops.attention_forward(q, kv, kv)
+    with pytest.raises(InvalidArgumentError, match="dk has torch's negative bit"):
+        ops.attention_backward(q, kv, kv, out, lse, out.clone(), dk=_neg_view(torch, (1, 11, 1, 8), g))
+    with pytest.raises(InvalidArgumentError, match="out_acc has torch's negative bit"):
+        ops.merge_(_neg_view(torch, (1, 9, 2, 8), g), lse.clone(), out, lse)
+    zc = torch.randn(1, 9, 2, 8, dtype=torch.complex64, generator=g).conj()
+    assert zc.is_conj()
+    with pytest.raises(HexiseqError, match="q"):
+        ops.attention_forward(zc, zc, zc)
+    with pytest.raises(InvalidArgumentError, match="out has torch's conjugate bit"):
+        ops.attention_forward(q, kv, kv, out=torch.zeros(1, 9, 2, 8, dtype=torch.complex64).conj())
+
+
+# ------------------------------------------------------------------------------------------------ argument errors
+
+class _DeviceAsString:
+    """Tensor-like whose __dlpack_device__ returns a string (not the (type, id) pair of the protocol)."""
+    shape = (1, 5, 1, 8)
+
+    def __dlpack__(self, **kw):
+        return np.zeros(self.shape, np.float32).__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return "cpu"
+
+
+class _ShapeOf:
+    def __init__(self, shape):
+        self.shape = shape
+
+    def __dlpack__(self, **kw):
+        return np.zeros((1, 5, 1, 8), np.float32).__dlpack__(**kw)
+
+
+def _bad_calls():
+    """(label, call, words the message must hold): one or more bad values of every argument of every public
+    function of hexiseq.ops."""
+    rng = np.random.default_rng(15)
+    q = rng.standard_normal((1, 4, 2, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 5, 1, 8)).astype(np.float32)
+    v = k.copy()
+    o, l = ops.attention_forward(q, k, v)
+    do = np.ones_like(o)
+    fwd, bwd = ops.attention_forward, ops.attention_backward
+    calls = []
+    for name, pos in (("q", 0), ("k", 1), ("v", 2)):
+        bads = [([1.0], ["list"]), (None, ["NoneType"]), (np.zeros((5, 1, 8), np.float32), ["4-D"]),
+                (_DeviceAsString(), ["__dlpack_device__", "'cpu'"])]
+        if name != "v":  # the shapes of q and k are read in Python (the kernels read every shape from DLPack)
+            bads.append((_ShapeOf("abcd"), ["shape", "'abcd'"]))
+        for bad, words in bads:
+            args = [q, k, v]
+            args[pos] = bad
+            calls.append((f"forward {name}={type(bad).__name__}", lambda a=args: fwd(*a), [name] + words))
+            bargs = [q, k, v, o, l, do]
+            bargs[pos] = bad
+            calls.append((f"backward {name}={type(bad).__name__}", lambda a=bargs: bwd(*a), [name] + words))
+    for name, pos in (("out", 3), ("lse", 4), ("dout", 5)):
+        for bad, words in (([1.0], ["list"]), (None, ["NoneType"]), (np.zeros((2, 2), np.float32), ["-D"])):
+            bargs = [q, k, v, o, l, do]
+            bargs[pos] = bad
+            calls.append((f"backward {name}={type(bad).__name__}", lambda a=bargs: bwd(*a), [name] + words))
+    for name in ("out", "lse"):
+        for bad, words in (([1.0], ["list"]), (np.zeros((2, 2), np.float32), ["-D"]),
+                           (np.zeros((1, 4, 2, 8) if name == "out" else (1, 2, 4), np.float64), ["float"])):
+            calls.append((f"forward {name}=bad", lambda n=name, b=bad: fwd(q, k, v, **{n: b}), [name] + words))
+    for name in ("dq", "dk", "dv"):
+        for bad, words in (([1.0], ["list"]), (np.zeros((2, 2), np.float32), ["-D"]),
+                           (np.zeros((1, 4, 2, 9), np.float32), ["shape"])):
+            calls.append((f"backward {name}=bad", lambda n=name, b=bad: bwd(q, k, v, o, l, do, **{n: b}), [name] + words))
+    for bad, words in ((math.nan, ["nan"]), (math.inf, ["inf"]), (-math.inf, ["-inf"]), (0.0, ["0.0"]),
+                       (-0.5, ["-0.5"]), (10 ** 400, ["1000"]), ("0.1", ["str"]), (1j, ["complex"]), (True, ["bool"]),
+                       (np.array([0.1, 0.2]), ["ndarray"])):
+        calls.append((f"forward scale={bad!r:.20}", lambda b=bad: fwd(q, k, v, scale=b), ["scale"] + words))
+        calls.append((f"backward scale={bad!r:.20}", lambda b=bad: bwd(q, k, v, o, l, do, scale=b), ["scale"] + words))
+    for name in ("q_pos0", "k_pos0"):
+        for bad, words in ((-1, ["-1"]), (2 ** 63, [str(2 ** 63)]), (2 ** 62 + 1, [str(2 ** 62 + 1)]), (1.0, ["float"]),
+                           (None, ["NoneType"]), (True, ["bool"]), ("3", ["str"])):
+            calls.append((f"forward {name}={bad!r}", lambda n=name, b=bad: fwd(q, k, v, **{n: b}), [name] + words))
+            calls.append((f"backward {name}={bad!r}",
+                          lambda n=name, b=bad: bwd(q, k, v, o, l, do, **{n: b}), [name] + words))
+    for bad, words in (("no", ["str"]), (None, ["NoneType"]), (2, ["2"]), (np.array([1, 0]), ["ndarray"])):
+        calls.append((f"forward causal={bad!r}", lambda b=bad: fwd(q, k, v, causal=b), ["causal"] + words))
+        calls.append((f"backward causal={bad!r}", lambda b=bad: bwd(q, k, v, o, l, do, causal=b), ["causal"] + words))
+        calls.append((f"backward accumulate={bad!r}", lambda b=bad: bwd(q, k, v, o, l, do, accumulate=b),
+                      ["accumulate"] + words))
+    calls.append(("forward k float64", lambda: fwd(q, k.astype(np.float64), v), ["k", "float64"]))
+    calls.append(("forward int32", lambda: fwd(q.astype(np.int32), k.astype(np.int32), v.astype(np.int32)),
+                  ["q", "int32"]))
+    for name, pos in (("out_acc", 0), ("lse_acc", 1), ("out_part", 2), ("lse_part", 3)):
+        for bad, words in (([1.0], ["list"]), (None, ["NoneType"]), (np.zeros((2, 2), np.float32), ["-D"])):
+            margs = [o.copy(), l.copy(), o.copy(), l.copy()]
+            margs[pos] = bad
+            calls.append((f"merge {name}={type(bad).__name__}", lambda a=margs: ops.merge_(*a), [name] + words))
+    calls.append(("merge out_part float64", lambda: ops.merge_(o.copy(), l.copy(), o.astype(np.float64), l.copy()),
+                  ["lse_part", "float64"]))
+    return calls
+
+
+def test_every_bad_argument_is_a_named_hexiseq_error():
+    """Every bad value of every argument of attention_forward, attention_backward and merge_ raises a HexiseqError
+    subclass (InvalidArgumentError, its ArgumentTypeError for values of the wrong kind, or UnsupportedError) whose
+    message names the argument and the value, never a bare ValueError, TypeError or OverflowError."""
+    from hexiseq.errors import HexiseqError
+    failures = []
+    for label, call, words in _bad_calls():
+        try:
+            call()
+        except HexiseqError as e:
+            missing = [w for w in words if w not in str(e)]
+            if missing:
+                failures.append(f"{label}: message lacks {missing}: {e}")
+        except Exception as e:  # noqa: BLE001 - the point is to catch what should not escape
+            failures.append(f"{label}: raw {type(e).__name__}: {e}")
+        else:
+            failures.append(f"{label}: no error")
+    assert not failures, "\n".join(failures)
+
+
+def test_wrong_kind_errors_are_also_type_errors():
+    """ArgumentTypeError is an InvalidArgumentError (a ValueError) and a TypeError: callers catching either keep
+    working."""
+    from hexiseq.errors import ArgumentTypeError, InvalidArgumentError
+    assert issubclass(ArgumentTypeError, InvalidArgumentError) and issubclass(ArgumentTypeError, TypeError)
+    q = np.zeros((1, 2, 1, 8), np.float32)
+    with pytest.raises(TypeError, match="k must be"):
+        ops.attention_forward(q, "k", q)
+    with pytest.raises(TypeError, match="k_pos0 must be an int"):
+        ops.attention_forward(q, q, q, k_pos0=0.5)
