@@ -200,21 +200,26 @@ enum { QLD = BQ + 16 };
  * double ones (see fwd_tiles): bounds the length of every T running sum to PIECE_TILES * BK keys. */
 enum { PIECE_TILES = 32 };
 
-/* Forward scratch of one query tile, in bytes: in T (esize bytes), Q^T, the piece accumulator and max / sum /
- * alpha; then in double, the folded accumulator, sum and max (see fwd_tiles). A multiple of 8 bytes. */
+/* Forward scratch of one query tile, in bytes: its working part in T (esize bytes): Q^T, the piece accumulator
+ * and max / sum / alpha; its folded part in double: accumulator, sum and max (see fwd_tiles). Multiples of 8. */
 static size_t fwd_tile_bytes(int32_t dp, size_t esize) {
-    const size_t ld = (size_t)dp;
-    return ((size_t)QLD * ld + (size_t)BQ * ld + 3 * BQ) * esize + ((size_t)BQ * ld + 2 * BQ) * sizeof(double);
+    return ((size_t)QLD * (size_t)dp + (size_t)BQ * (size_t)dp + 3 * BQ) * esize;
 }
+static size_t fwd_tile_hi_bytes(int32_t dp) { return ((size_t)BQ * (size_t)dp + 2 * BQ) * sizeof(double); }
 
-/* Forward per-thread scratch, in bytes: K, V and score tiles plus `group` query tiles. */
+/* Forward per-thread scratch, in bytes: K, V and score tiles, the working parts of `group` query tiles, then
+ * their folded parts (apart, so the working set of a block of one piece is laid out as without them). */
 static size_t fwd_scratch_bytes(int32_t dp, int64_t group, size_t esize) {
     const size_t ld = (size_t)dp;
-    return ((size_t)2 * BK * ld + (size_t)BK * QLD) * esize + (size_t)group * fwd_tile_bytes(dp, esize);
+    return ((size_t)2 * BK * ld + (size_t)BK * QLD) * esize +
+           (size_t)group * (fwd_tile_bytes(dp, esize) + fwd_tile_hi_bytes(dp));
 }
 
-/* Backward per-thread scratch, in elements of the accumulator type: the buffers bwd_kv_task carves. */
-static size_t scratch_elems(int32_t dp) { return (size_t)8 * BQ * (size_t)dp + (size_t)3 * BQ * BK + 4 * BQ; }
+/* Backward per-thread scratch, in bytes: the buffers bwd_kv_task carves, in T (esize bytes) then the double
+ * dK, dV accumulators of the key tile. A multiple of 8 bytes. */
+static size_t bwd_scratch_bytes(int32_t dp, size_t esize) {
+    return ((size_t)8 * BQ * (size_t)dp + (size_t)3 * BQ * BK + 4 * BQ) * esize + (size_t)2 * BK * (size_t)dp * sizeof(double);
+}
 
 /* --------------------------------------------------------------------------------------------- */
 /* x86-64 SIMD kernels for float (F32, F16, BF16 all compute in float).
@@ -462,6 +467,19 @@ static HX_AVX512 void bwd_row_f32_avx512(float *s, float *ds, int64_t jmax, floa
     }
 }
 
+/* hi[e] += (double)lo[e] for e < n: the backward's fold of one query tile's dK / dV into the key tile's
+ * double accumulators (see fold in the typed kernels). */
+static HX_AVX512 void fold_f32_avx512(double *hi, const float *lo, int64_t n) {
+    int64_t e = 0;
+    for (; e + 16 <= n; e += 16) {
+        _mm512_storeu_pd(hi + e, _mm512_add_pd(_mm512_loadu_pd(hi + e), _mm512_cvtps_pd(_mm256_loadu_ps(lo + e))));
+        _mm512_storeu_pd(hi + e + 8,
+                         _mm512_add_pd(_mm512_loadu_pd(hi + e + 8), _mm512_cvtps_pd(_mm256_loadu_ps(lo + e + 8))));
+    }
+    for (; e < n; ++e)
+        hi[e] += (double)lo[e];
+}
+
 /* ---- AVX2 + FMA ---- */
 
 /* exp(x), relative error ~1e-7; x below -87.3 (and -inf) is raised to -87.3 (result ~1e-38), NaN stays NaN. */
@@ -597,6 +615,17 @@ static HX_AVX2 void bwd_row_f32_avx2(float *s, float *ds, int64_t jmax, float ls
     }
 }
 
+static HX_AVX2 void fold_f32_avx2(double *hi, const float *lo, int64_t n) {
+    int64_t e = 0;
+    for (; e + 8 <= n; e += 8) {
+        _mm256_storeu_pd(hi + e, _mm256_add_pd(_mm256_loadu_pd(hi + e), _mm256_cvtps_pd(_mm_loadu_ps(lo + e))));
+        _mm256_storeu_pd(hi + e + 4,
+                         _mm256_add_pd(_mm256_loadu_pd(hi + e + 4), _mm256_cvtps_pd(_mm_loadu_ps(lo + e + 4))));
+    }
+    for (; e < n; ++e)
+        hi[e] += (double)lo[e];
+}
+
 #else
 #define HX_F32_SIMD 0
 #endif /* x86-64 SIMD */
@@ -692,7 +721,7 @@ hexiseq_status hexiseq_attn_backward_cpu(const hexiseq_attn_params *p) {
     const int nthreads = max_threads();
     const int f64 = p->dtype == HEXISEQ_DTYPE_F64;
     const size_t esize = f64 ? sizeof(double) : sizeof(float);
-    const size_t per_thread = scratch_elems(dp) * esize;
+    const size_t per_thread = bwd_scratch_bytes(dp, esize);
     const int64_t rows = p->batch * p->heads * p->seq_q;
     const int64_t nkt = (p->seq_k + BK - 1) / BK;
     /* Tasks: (batch, kv head, chunk); chunk c takes the key tiles c, c + nchunk, ... (interleaved, so
@@ -947,19 +976,26 @@ static void HX(bwd_row)(T *restrict s /* [BK] */, T *restrict ds /* [BK] */, int
     }
 }
 
+/* hi[e] += (double)lo[e] for e < n (the backward's dK / dV fold). */
+static void HX(fold)(double *restrict hi, const T *restrict lo, int64_t n) {
+    for (int64_t e = 0; e < n; ++e)
+        hi[e] += (double)lo[e];
+}
+
 /* The kernels a tile calls through; float picks a SIMD set at run time (see hx_simd_level). */
 typedef struct {
     void (*gemm)(T *, int64_t, const T *, int64_t, int64_t, const T *, int64_t, int64_t, int64_t, int64_t, int,
                  const T *);
     void (*bwd_row)(T *, T *, int64_t, T, T);
     void (*softmax_cols)(T *, int64_t, int64_t, int64_t, const int32_t *, T *, T *, T *);
+    void (*fold)(double *, const T *, int64_t);
 } HX(ops);
 
 static const HX(ops) *HX(get_ops)(void) {
-    static const HX(ops) portable = {HX(gemm), HX(bwd_row), HX(softmax_cols)};
+    static const HX(ops) portable = {HX(gemm), HX(bwd_row), HX(softmax_cols), HX(fold)};
 #if HX_USE_SIMD
-    static const HX(ops) avx512 = {gemm_f32_avx512, bwd_row_f32_avx512, softmax_cols_f32_avx512};
-    static const HX(ops) avx2 = {gemm_f32_avx2, bwd_row_f32_avx2, softmax_cols_f32_avx2};
+    static const HX(ops) avx512 = {gemm_f32_avx512, bwd_row_f32_avx512, softmax_cols_f32_avx512, fold_f32_avx512};
+    static const HX(ops) avx2 = {gemm_f32_avx2, bwd_row_f32_avx2, softmax_cols_f32_avx2, fold_f32_avx2};
     switch (hx_simd_level()) {
     case 2: return &avx512;
     case 1: return &avx2;
@@ -1007,15 +1043,16 @@ typedef struct {
     double *m_hi;   /* [BQ] the max the folded pieces are relative to */
 } HX(fwd_tile);
 
-static HX(fwd_tile) HX(fwd_tile_at)(char *tiles, int64_t t, int32_t dp) {
-    char *base = tiles + fwd_tile_bytes(dp, sizeof(T)) * (size_t)t;
+/* Tile t of a task of `group` tiles: working parts first, folded parts after all of them. */
+static HX(fwd_tile) HX(fwd_tile_at)(char *tiles, int64_t t, int64_t group, int32_t dp) {
+    const size_t tb = fwd_tile_bytes(dp, sizeof(T));
     HX(fwd_tile) f;
-    f.qt = (T *)(void *)base;
+    f.qt = (T *)(void *)(tiles + tb * (size_t)t);
     f.acc = f.qt + (size_t)dp * QLD;
     f.mx = f.acc + (size_t)BQ * (size_t)dp;
     f.sum = f.mx + BQ;
     f.alpha = f.sum + BQ;
-    f.acc_hi = (double *)(void *)(f.alpha + BQ); /* the T part is a whole number of 8-byte words */
+    f.acc_hi = (double *)(void *)(tiles + tb * (size_t)group + fwd_tile_hi_bytes(dp) * (size_t)t);
     f.sum_hi = f.acc_hi + (size_t)BQ * (size_t)dp;
     f.m_hi = f.sum_hi + BQ;
     return f;
@@ -1034,14 +1071,38 @@ static void HX(fold_piece)(HX(fwd_tile) f, int64_t nq, int32_t ld) {
             continue;
         }
         const double m = (double)f.mx[i];
-        const double w = f.m_hi[i] == -INFINITY ? 0.0 : f.m_hi[i] == m ? 1.0 : exp(f.m_hi[i] - m);
-        for (int32_t c = 0; c < ld; ++c) {
-            hi[c] = hi[c] * w + (double)acc[c];
-            acc[c] = 0;
+        if (f.m_hi[i] == -INFINITY) { /* the first piece with a finite max: acc_hi is not initialised */
+            for (int32_t c = 0; c < ld; ++c) {
+                hi[c] = (double)acc[c];
+                acc[c] = 0;
+            }
+            f.sum_hi[i] = (double)f.sum[i];
+        } else {
+            const double w = f.m_hi[i] == m ? 1.0 : exp(f.m_hi[i] - m);
+            for (int32_t c = 0; c < ld; ++c) {
+                hi[c] = hi[c] * w + (double)acc[c];
+                acc[c] = 0;
+            }
+            f.sum_hi[i] = f.sum_hi[i] * w + (double)f.sum[i];
         }
-        f.sum_hi[i] = f.sum_hi[i] * w + (double)f.sum[i];
         f.sum[i] = 0;
         f.m_hi[i] = m;
+    }
+}
+
+/* Store dst[off + r*rs + c*cs] (+)= mul * src[r][c] for r < n, c < d, from double accumulators: computed in
+ * double, rounded once (put_f64 rounds to half types without double rounding). */
+static void HX(store_rows_f64)(void *dst, int32_t dtype, int64_t off, int64_t rs, int64_t cs, int64_t n, int32_t d,
+                               const double *restrict src /* [n][dp] */, int32_t dp, double mul, int32_t accumulate) {
+    for (int64_t r = 0; r < n; ++r) {
+        const int64_t at = off + r * rs;
+        const double *restrict row = src + r * dp;
+        for (int32_t c = 0; c < d; ++c) {
+            double x = mul * row[c];
+            if (accumulate)
+                x += get_f64(dst, dtype, at + c * cs);
+            put_f64(dst, dtype, at + c * cs, x);
+        }
     }
 }
 
@@ -1076,22 +1137,22 @@ static void HX(fwd_tiles)(const hexiseq_attn_params *p, int64_t b, int32_t h, in
     for (int64_t t = 0; t < ntile; ++t) {
         const int64_t q0 = (qt0 + t) * BQ;
         const int64_t nq = min64(BQ, p->seq_q - q0);
-        const HX(fwd_tile) f = HX(fwd_tile_at)(tiles, t, dp);
+        const HX(fwd_tile) f = HX(fwd_tile_at)(tiles, t, ntile, dp);
         HX(load_cols)(f.qt, QLD, p->q, p->dtype, b * qst[0] + q0 * qst[1] + h * qst[2], qst[1], qst[3], nq, d,
                       (T)p->scale);
         memset(f.acc, 0, sizeof(T) * (size_t)(nq * ld));
-        memset(f.acc_hi, 0, sizeof(double) * (size_t)(nq * ld));
         for (int64_t i = 0; i < BQ; ++i) {
             f.mx[i] = -INFINITY;
             f.sum[i] = 0;
             f.sum_hi[i] = 0;
-            f.m_hi[i] = -INFINITY;
+            f.m_hi[i] = -INFINITY; /* acc_hi is written by the first fold */
         }
         kend_all = max64(kend_all, visible_keys(p, p->q_pos0 + q0 + nq - 1));
     }
     for (int64_t k0 = 0; k0 < kend_all; k0 += BK) {
         const int64_t nk_all = min64(BK, kend_all - k0);
-        const int piece_end = (k0 / BK + 1) % PIECE_TILES == 0;
+        /* the last tile of a piece that more keys follow (the final fold comes after the loop) */
+        const int piece_end = (k0 / BK + 1) % PIECE_TILES == 0 && k0 + BK < kend_all;
         /* packed rows (ld dp): strided in-place rows of a [S, heads, d] tensor thrash L1 sets */
         HX(load_rows)(ks, p->k, p->dtype, b * kst[0] + k0 * kst[1] + hk * kst[2], kst[1], kst[3], nk_all, nk_all, d,
                       ld, 1);
@@ -1105,7 +1166,7 @@ static void HX(fwd_tiles)(const hexiseq_attn_params *p, int64_t b, int32_t h, in
             if (k0 >= kend)
                 continue;
             const int64_t nq16 = (nq + 15) / 16 * 16; /* SIMD kernels take whole groups of 16 queries */
-            const HX(fwd_tile) f = HX(fwd_tile_at)(tiles, t, dp);
+            const HX(fwd_tile) f = HX(fwd_tile_at)(tiles, t, ntile, dp);
             const int64_t nk = min64(BK, kend - k0);
             /* queries before i0 see none of these keys (causal); the last one sees kmax of them */
             const int64_t i0 = HX(first_row)(p, qpos, k0);
@@ -1124,29 +1185,36 @@ static void HX(fwd_tiles)(const hexiseq_attn_params *p, int64_t b, int32_t h, in
     for (int64_t t = 0; t < ntile; ++t) {
         const int64_t q0 = (qt0 + t) * BQ;
         const int64_t nq = min64(BQ, p->seq_q - q0);
-        const HX(fwd_tile) f = HX(fwd_tile_at)(tiles, t, dp);
-        HX(fold_piece)(f, nq, ld);
+        const HX(fwd_tile) f = HX(fwd_tile_at)(tiles, t, ntile, dp);
+        /* A block of at most one piece was never folded (piece_end needs more keys to follow): its T
+         * accumulators are read directly (in double). */
+        const int single_piece = kend_all <= (int64_t)PIECE_TILES * BK;
+        if (!single_piece)
+            HX(fold_piece)(f, nq, ld);
         for (int64_t i = 0; i < nq; ++i) {
             const int64_t lse_at = b * lst[0] + h * lst[1] + (q0 + i) * lst[2];
             const int64_t o_at = b * ost[0] + (q0 + i) * ost[1] + h * ost[2];
-            const double *restrict hi = f.acc_hi + i * ld;
+            const double m = single_piece ? (double)f.mx[i] : f.m_hi[i];
+            const double sum = single_piece ? (double)f.sum[i] : f.sum_hi[i];
             /* A row that saw no key, or only scores of -inf, is fully masked: O = 0, LSE = -inf. Otherwise the
-             * max term contributes exp(0) = 1, so sum_hi >= 1. */
-            if (f.m_hi[i] == -INFINITY || !(f.sum_hi[i] > 0)) {
+             * max term contributes exp(0) = 1, so sum >= 1. */
+            if (m == -INFINITY || !(sum > 0)) {
                 put_lse(p->lse, p->dtype, lse_at, -INFINITY);
                 for (int32_t c = 0; c < d; ++c)
                     put_f64(p->o, p->dtype, o_at + c * ost[3], 0.0);
                 continue;
             }
-            const double inv = 1.0 / f.sum_hi[i];
-            put_lse(p->lse, p->dtype, lse_at, f.m_hi[i] + log(f.sum_hi[i]));
+            const double inv = 1.0 / sum;
+            put_lse(p->lse, p->dtype, lse_at, m + log(sum));
+            const T *restrict lo = f.acc + i * ld;
+            const double *restrict hi = f.acc_hi + i * ld;
             if (p->dtype == HEXISEQ_DTYPE_F32 && ost[3] == 1) {
                 float *restrict out = (float *)p->o + o_at;
                 for (int32_t c = 0; c < d; ++c)
-                    out[c] = (float)(hi[c] * inv);
+                    out[c] = (float)((single_piece ? (double)lo[c] : hi[c]) * inv);
             } else {
                 for (int32_t c = 0; c < d; ++c)
-                    put_f64(p->o, p->dtype, o_at + c * ost[3], hi[c] * inv);
+                    put_f64(p->o, p->dtype, o_at + c * ost[3], (single_piece ? (double)lo[c] : hi[c]) * inv);
             }
         }
     }
@@ -1203,12 +1271,14 @@ static void HX(bwd_kv_task)(const hexiseq_attn_params *p, int64_t b, int32_t hk,
     T *restrict kt = dos + BQ * dp;   /* [dp][BK] scale * k, transposed */
     T *restrict vt = kt + dp * BK;    /* [dp][BK] */
     T *restrict ks = vt + dp * BK;    /* [BK][dp] */
-    T *restrict dk = ks + BK * dp;    /* [BK][dp] */
-    T *restrict dv = dk + BK * dp;    /* [BK][dp] */
+    T *restrict dk = ks + BK * dp;    /* [BK][dp] dK of one query tile */
+    T *restrict dv = dk + BK * dp;    /* [BK][dp] dV of one query tile */
     T *restrict s = dv + BK * dp;     /* [BQ][BK] scores, then P */
     T *restrict dpm = s + BQ * BK;    /* [BQ][BK] dP, then dS */
     T *restrict lse = dpm + BQ * BK;  /* [BQ] */
     T *restrict dd = lse + BQ;        /* [BQ] */
+    double *restrict dk_hi = (double *)(void *)(dd + BQ); /* [BK][dp] dK of the key tile, all query tiles */
+    double *restrict dv_hi = dk_hi + BK * dp;             /* [BK][dp] dV of the key tile */
     const int64_t *kst = p->k_stride, *vst = p->v_stride;
     const int64_t nkt = (p->seq_k + BK - 1) / BK;
 
@@ -1219,8 +1289,8 @@ static void HX(bwd_kv_task)(const hexiseq_attn_params *p, int64_t b, int32_t hk,
         HX(load_cols)(kt, BK, p->k, p->dtype, k_at, kst[1], kst[3], nk, d, (T)p->scale);
         HX(load_cols)(vt, BK, p->v, p->dtype, b * vst[0] + k0 * vst[1] + hk * vst[2], vst[1], vst[3], nk, d, 1);
         HX(load_rows)(ks, p->k, p->dtype, k_at, kst[1], kst[3], nk, nk, d, dp, 1);
-        memset(dk, 0, sizeof(T) * (size_t)(nk * dp));
-        memset(dv, 0, sizeof(T) * (size_t)(nk * dp));
+        memset(dk_hi, 0, sizeof(double) * (size_t)(nk * dp));
+        memset(dv_hi, 0, sizeof(double) * (size_t)(nk * dp));
         /* Under the causal mask only queries at positions >= k_pos0 + k0 see this tile. */
         const int64_t first_q = p->causal ? max64(0, p->k_pos0 + k0 - p->q_pos0) : 0;
         for (int32_t r = 0; r < group; ++r) {
@@ -1238,17 +1308,19 @@ static void HX(bwd_kv_task)(const hexiseq_attn_params *p, int64_t b, int32_t hk,
                 ops->gemm(dpm + i0 * BK, BK, dos + i0 * dp, dp, 1, vt, BK, nq - i0, BK, d, 0, NULL);
                 for (int64_t i = i0; i < nq; ++i)
                     ops->bwd_row(s + i * BK, dpm + i * BK, min64(nk, visible_keys(p, qpos + i) - k0), lse[i], dd[i]);
-                /* P and dS read transposed for dV and dK */
-                ops->gemm(dv, dp, s + i0 * BK, 1, BK, dos + i0 * dp, dp, nk, dp, nq - i0, 1, NULL);
-                ops->gemm(dk, dp, dpm + i0 * BK, 1, BK, qs + i0 * dp, dp, nk, dp, nq - i0, 1, NULL);
+                /* P and dS read transposed for dV and dK; this query tile's part, then added in double */
+                ops->gemm(dv, dp, s + i0 * BK, 1, BK, dos + i0 * dp, dp, nk, dp, nq - i0, 0, NULL);
+                ops->gemm(dk, dp, dpm + i0 * BK, 1, BK, qs + i0 * dp, dp, nk, dp, nq - i0, 0, NULL);
+                ops->fold(dv_hi, dv, nk * dp);
+                ops->fold(dk_hi, dk, nk * dp);
                 ops->gemm(dqh + (q0 + i0) * dp, dp, dpm + i0 * BK, BK, 1, ks, dp, nq - i0, dp, kmax, 1, NULL);
             }
         }
         const int64_t *gk = p->dk_stride, *gv = p->dv_stride;
-        HX(store_rows)(p->dk, p->dtype, b * gk[0] + k0 * gk[1] + hk * gk[2], gk[1], gk[3], nk, d, dk, dp,
-                       (T)p->scale, p->accumulate);
-        HX(store_rows)(p->dv, p->dtype, b * gv[0] + k0 * gv[1] + hk * gv[2], gv[1], gv[3], nk, d, dv, dp, 1,
-                       p->accumulate);
+        HX(store_rows_f64)(p->dk, p->dtype, b * gk[0] + k0 * gk[1] + hk * gk[2], gk[1], gk[3], nk, d, dk_hi, dp,
+                           p->scale, p->accumulate);
+        HX(store_rows_f64)(p->dv, p->dtype, b * gv[0] + k0 * gv[1] + hk * gv[2], gv[1], gv[3], nk, d, dv_hi, dp, 1.0,
+                           p->accumulate);
     }
 }
 
