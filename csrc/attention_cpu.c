@@ -27,6 +27,12 @@
  * upper clamp), and hands out the longest causal query groups first. The AVX-512 GEMM uses 6 x 64
  * register blocks (24 accumulators) where N allows, 8 x 32 / 8 x 16 for the rest.
  *
+ * Accuracy at any length: a running sum in T grows with the number of terms it takes, and so does its rounding
+ * error. The forward's O and row sums run in T over at most one piece of PIECE_TILES key tiles and are then folded
+ * into double by log-sum-exp (fwd_tiles); the backward computes each query tile's share of dK, dV with a fresh GEMM
+ * and adds it into double accumulators of the key tile (bwd_kv_task), rounded once at the store. A row whose
+ * visible scores are all -inf is fully masked in every dtype (O = 0, LSE = -inf, no gradient, never 0 * inf).
+ *
  * Determinism: every output element is produced by one task in a fixed order (dQ: per-chunk buffers,
  * nchunk chosen from the shape only, summed in chunk order), so results do not depend on the number of
  * threads or on the schedule. Memory: per-thread tile scratch, plus nchunk (<= BWD_MAX_CHUNKS)
@@ -737,12 +743,17 @@ hexiseq_status hexiseq_attn_backward_cpu(const hexiseq_attn_params *p) {
     char *delta = malloc((size_t)rows * esize);
     char *scratch = malloc(per_thread * (size_t)nthreads);
     char *dqbuf = calloc(buf_elems * (size_t)nchunk, esize);
-    if (scratch == NULL || delta == NULL || dqbuf == NULL) {
+    /* double dq buffers, folded into every PIECE_TILES key tiles, when a task takes more key tiles than that */
+    const int split_dq = (nkt + nchunk - 1) / nchunk > PIECE_TILES;
+    double *dqhi = split_dq ? calloc(buf_elems * (size_t)nchunk, sizeof(double)) : NULL;
+    if (scratch == NULL || delta == NULL || dqbuf == NULL || (split_dq && dqhi == NULL)) {
         free(scratch);
         free(delta);
         free(dqbuf);
+        free(dqhi);
         return hexiseq_fail(HEXISEQ_ERR_NOMEM, "backward scratch of %zu bytes could not be allocated",
-                            per_thread * (size_t)nthreads + (size_t)rows * esize + buf_elems * (size_t)nchunk * esize);
+                            per_thread * (size_t)nthreads + (size_t)rows * esize +
+                                buf_elems * (size_t)nchunk * (esize + (split_dq ? sizeof(double) : 0)));
     }
 
     HX_OMP("omp parallel num_threads(nthreads)")
@@ -763,25 +774,27 @@ hexiseq_status hexiseq_attn_backward_cpu(const hexiseq_attn_params *p) {
             const int64_t c = t % nchunk;
             char *mine = scratch + per_thread * (size_t)thread_id();
             char *buf = dqbuf + buf_elems * (size_t)c * esize;
+            double *hi = split_dq ? dqhi + buf_elems * (size_t)c : NULL;
             if (f64)
-                bwd_kv_task_f64(p, b, hk, c, nchunk, (const double *)(void *)delta, (double *)(void *)buf,
+                bwd_kv_task_f64(p, b, hk, c, nchunk, (const double *)(void *)delta, (double *)(void *)buf, hi,
                                 (double *)(void *)mine, dp);
             else
-                bwd_kv_task_f32(p, b, hk, c, nchunk, (const float *)(void *)delta, (float *)(void *)buf,
+                bwd_kv_task_f32(p, b, hk, c, nchunk, (const float *)(void *)delta, (float *)(void *)buf, hi,
                                 (float *)(void *)mine, dp);
         }
         /* implicit barrier: every dq contribution is in its buffer */
         HX_OMP("omp for schedule(static)")
         for (int64_t r = 0; r < rows; ++r) {
             if (f64)
-                bwd_dq_row_f64(p, r, (const double *)(void *)dqbuf, nchunk, buf_elems, dp);
+                bwd_dq_row_f64(p, r, (const double *)(void *)dqbuf, dqhi, nchunk, buf_elems, dp);
             else
-                bwd_dq_row_f32(p, r, (const float *)(void *)dqbuf, nchunk, buf_elems, dp);
+                bwd_dq_row_f32(p, r, (const float *)(void *)dqbuf, dqhi, nchunk, buf_elems, dp);
         }
     }
     free(scratch);
     free(delta);
     free(dqbuf);
+    free(dqhi);
     return HEXISEQ_OK;
 }
 
@@ -1008,27 +1021,6 @@ static const HX(ops) *HX(get_ops)(void) {
 /* First row of a query tile at position qpos that sees any key of the key tile starting at k0. */
 static inline int64_t HX(first_row)(const hexiseq_attn_params *p, int64_t qpos, int64_t k0) {
     return p->causal ? max64(0, p->k_pos0 + k0 - qpos) : 0;
-}
-
-/* Store dst[off + r*rs + c*cs] (+)= mul * src[r][c] for r < n, c < d. */
-static void HX(store_rows)(void *dst, int32_t dtype, int64_t off, int64_t rs, int64_t cs, int64_t n, int32_t d,
-                           const T *restrict src /* [n][dp] */, int32_t dp, T mul, int32_t accumulate) {
-    for (int64_t r = 0; r < n; ++r) {
-        const int64_t at = off + r * rs;
-        const T *restrict row = src + r * dp;
-        if (dtype == HEXISEQ_DTYPE_F32 && cs == 1 && !accumulate) {
-            float *restrict out = (float *)dst + at;
-            for (int32_t c = 0; c < d; ++c)
-                out[c] = (float)(mul * row[c]);
-            continue;
-        }
-        for (int32_t c = 0; c < d; ++c) {
-            T x = mul * row[c];
-            if (accumulate)
-                x += HX_GET(dst, dtype, at + c * cs);
-            HX_PUT(dst, dtype, at + c * cs, x);
-        }
-    }
 }
 
 /* Views of one query tile's forward scratch (fwd_tile_bytes): T working state, then the double folded state. */
@@ -1260,9 +1252,11 @@ static void HX(load_query_tile)(const hexiseq_attn_params *p, int64_t b, int32_t
  * dv_j += sum_i P_ij do_i, dk_j += scale * sum_i dS_ij q_i (the key tile's own accumulators, stored
  * when its query loop ends; the scale is applied to K^T for S and at the store for dK, so query tiles are
  * plain copies) and dq_i += sum_j dS_ij k_j, added into dqbuf [batch, heads, seq_q][dp],
- * a buffer this task owns for (b, hk's query heads). 5 GEMMs per pair. */
+ * a buffer this task owns for (b, hk's query heads). 5 GEMMs per pair. With dqhi (a double buffer of the same
+ * shape, given when the task takes more than PIECE_TILES key tiles), dqbuf is folded into it every PIECE_TILES key
+ * tiles, so no float sum of dq spans more keys than a forward piece. */
 static void HX(bwd_kv_task)(const hexiseq_attn_params *p, int64_t b, int32_t hk, int64_t kt0, int64_t kstep,
-                            const T *delta, T *dqbuf, T *scratch, int32_t dp) {
+                            const T *delta, T *dqbuf, double *dqhi, T *scratch, int32_t dp) {
     const HX(ops) *ops = HX(get_ops)();
     const int32_t d = p->head_dim;
     const int32_t group = p->heads / p->kv_heads;
@@ -1282,7 +1276,18 @@ static void HX(bwd_kv_task)(const hexiseq_attn_params *p, int64_t b, int32_t hk,
     const int64_t *kst = p->k_stride, *vst = p->v_stride;
     const int64_t nkt = (p->seq_k + BK - 1) / BK;
 
+    int64_t done = 0; /* key tiles this task has added into dqbuf since its last fold into dqhi */
     for (int64_t kti = kt0; kti < nkt; kti += kstep) {
+        if (dqhi != NULL && done == PIECE_TILES) {
+            /* dqbuf's float sums span at most PIECE_TILES key tiles: fold this task's rows into double */
+            for (int32_t r = 0; r < group; ++r) {
+                const size_t at = (size_t)(b * p->heads + hk * group + r) * (size_t)p->seq_q * (size_t)dp;
+                ops->fold(dqhi + at, dqbuf + at, p->seq_q * (int64_t)dp);
+                memset(dqbuf + at, 0, sizeof(T) * (size_t)p->seq_q * (size_t)dp);
+            }
+            done = 0;
+        }
+        ++done;
         const int64_t k0 = kti * BK;
         const int64_t nk = min64(BK, p->seq_k - k0);
         const int64_t k_at = b * kst[0] + k0 * kst[1] + hk * kst[2];
@@ -1324,28 +1329,28 @@ static void HX(bwd_kv_task)(const hexiseq_attn_params *p, int64_t b, int32_t hk,
     }
 }
 
-/* dq row r of [batch, heads, seq_q] = scale * (sum over the nbuf buffers, in order) (+ dq); 0 (+ dq) for a fully
- * masked row (lse = -inf), whose buffer rows may hold 0 * inf = NaN from an infinite k entry. */
-static void HX(bwd_dq_row)(const hexiseq_attn_params *p, int64_t r, const T *dqbuf, int64_t nbuf, size_t buf_elems,
-                           int32_t dp) {
+/* dq row r of [batch, heads, seq_q] = scale * (sum over the nbuf buffers, in order, and over the nbuf folded double
+ * buffers dqhi when there are any) (+ dq), in double, rounded once; 0 (+ dq) for a fully masked row (lse = -inf),
+ * whose buffer rows may hold 0 * inf = NaN from an infinite k entry. */
+static void HX(bwd_dq_row)(const hexiseq_attn_params *p, int64_t r, const T *dqbuf, const double *dqhi, int64_t nbuf,
+                           size_t buf_elems, int32_t dp) {
     const int64_t b = r / ((int64_t)p->heads * p->seq_q);
     const int64_t h = r / p->seq_q % p->heads;
     const int64_t i = r % p->seq_q;
-    T row[HEXISEQ_ATTN_MAX_HEAD_DIM];
-    const T *src = dqbuf + (size_t)r * (size_t)dp;
+    double row[HEXISEQ_ATTN_MAX_HEAD_DIM];
     const int64_t *lst = p->lse_stride;
     if (get_lse(p->lse, p->dtype, b * lst[0] + h * lst[1] + i * lst[2]) == -INFINITY)
         nbuf = 0;
     for (int32_t c = 0; c < p->head_dim; ++c)
-        row[c] = nbuf > 0 ? src[c] : 0;
-    for (int64_t u = 1; u < nbuf; ++u) {
-        const T *restrict add = src + (size_t)u * buf_elems;
+        row[c] = 0;
+    for (int64_t u = 0; u < nbuf; ++u) {
+        const size_t at = (size_t)u * buf_elems + (size_t)r * (size_t)dp;
         for (int32_t c = 0; c < p->head_dim; ++c)
-            row[c] += add[c];
+            row[c] += (double)dqbuf[at + c] + (dqhi != NULL ? dqhi[at + c] : 0.0);
     }
     const int64_t *gst = p->dq_stride;
-    HX(store_rows)(p->dq, p->dtype, b * gst[0] + i * gst[1] + h * gst[2], 0, gst[3], 1, p->head_dim, row, dp,
-                   (T)p->scale, p->accumulate);
+    HX(store_rows_f64)(p->dq, p->dtype, b * gst[0] + i * gst[1] + h * gst[2], 0, gst[3], 1, p->head_dim, row, dp,
+                       p->scale, p->accumulate);
 }
 
 #undef T

@@ -35,7 +35,9 @@
 //     the causal mask the key loop stops after the last key any query of the tile sees, and the mask is
 //     applied only to the key tiles that need it (the last, partial one and those crossing the diagonal).
 //     K/V tiles are double-buffered with cp.async when their rows allow 16-byte copies (else loaded element by
-//     element). Not done: Hopper wgmma/TMA/warp specialisation (FlashAttention-3's techniques).
+//     element). Not done: Hopper wgmma/TMA/warp specialisation (FlashAttention-3's techniques). A key block longer
+//     than kFwdPieceKeys (2^16) is split by the launcher into pieces whose fp32 partials are merged in double (the
+//     O and row-sum registers take every key in turn, so their fp32 error grows with the block; see forward_typed).
 //   * backward, D = 128 where shared memory allows (attn_bwd_staged_kernel, FlashAttention-2's backward layout):
 //     see the kernel's comment. P and dS are staged in shared memory so that each of the three products (S and
 //     dP; dV and dK; dQ) gets its own split of the 8 warps into 32-row tiles, which reads each shared-memory
