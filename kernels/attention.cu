@@ -10,7 +10,9 @@
 // merge against the CPU kernels in float64 (odd sizes, every causal offset case, GQA/MQA, padded head dims, strides, a
 // 99 KiB shared-memory device), under four thread schedules to expose missing barriers, with shared-memory bounds and
 // ldmatrix bank conflicts checked. CI runs that; a change here should also be run on a GPU before its speed or its
-// memory ordering is claimed.
+// memory ordering is claimed. Not yet run on a GPU: the forward's split of key blocks longer than 2^16 keys into
+// pieces (forward_typed; the emulator test covers it with 64- and 128-key pieces); blocks up to 2^16 keys take the
+// unchanged single-launch path.
 //
 // Semantics are those of csrc/attention.h and the CPU reference: causal means key_pos <= query_pos on
 // absolute positions (q_pos0 + i, k_pos0 + j); a fully masked row gives O = 0, LSE = -inf and no gradient;
