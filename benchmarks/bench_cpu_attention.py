@@ -146,7 +146,8 @@ def build_driver(tmp):
     with open(src, "w") as f:
         f.write(DRIVER_C)
     cmd = ["gcc", "-std=c11", "-O3", "-fopenmp", "-I" + os.path.join(ROOT, "csrc"),
-           os.path.join(ROOT, "csrc", "status.c"), os.path.join(ROOT, "csrc", "attention_cpu.c"), src,
+           os.path.join(ROOT, "csrc", "status.c"), os.path.join(ROOT, "csrc", "attention_check.c"),
+           os.path.join(ROOT, "csrc", "attention_cpu.c"), src,
            "-lm", "-o", exe]
     subprocess.run(cmd, check=True)
     return exe

@@ -71,7 +71,7 @@ typedef struct hexiseq_attn_params {
     int64_t seq_k;    /* rows of this key/value block */
     int64_t q_pos0;   /* absolute position of query row 0, >= 0 */
     int64_t k_pos0;   /* absolute position of key row 0, >= 0 */
-    double scale;     /* softmax scale, usually 1/sqrt(head_dim); finite */
+    double scale;     /* softmax scale, usually 1/sqrt(head_dim); finite and > 0 */
     int32_t heads;    /* query heads A */
     int32_t kv_heads; /* key/value heads A_kv; heads % kv_heads == 0 */
     int32_t head_dim; /* d, 1..HEXISEQ_ATTN_MAX_HEAD_DIM */

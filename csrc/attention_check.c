@@ -84,8 +84,9 @@ hexiseq_status hexiseq_attn_check_params(const hexiseq_attn_params *p, int backw
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "causal must be 0 or 1, got %lld", (long long)p->causal);
     if (backward && p->accumulate != 0 && p->accumulate != 1)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "accumulate must be 0 or 1, got %lld", (long long)p->accumulate);
-    if (!isfinite(p->scale))
-        return hexiseq_fail(HEXISEQ_ERR_INVALID, "scale must be finite, got %g", p->scale);
+    /* > 0: the CUDA forward takes each row's max on unscaled scores, the max of the scaled ones only then */
+    if (!isfinite(p->scale) || !(p->scale > 0))
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "scale must be finite and > 0, got %g", p->scale);
     if (p->q_pos0 < 0 || p->q_pos0 > HX_MAX_POS - p->seq_q)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "q_pos0 must be in [0, 2^62 - seq_q], got %lld",
                             (long long)p->q_pos0);

@@ -27,6 +27,12 @@
  * upper clamp), and hands out the longest causal query groups first. The AVX-512 GEMM uses 6 x 64
  * register blocks (24 accumulators) where N allows, 8 x 32 / 8 x 16 for the rest.
  *
+ * Accuracy at any length: a running sum in T grows with the number of terms it takes, and so does its rounding
+ * error. The forward's O and row sums run in T over at most one piece of PIECE_TILES key tiles and are then folded
+ * into double by log-sum-exp (fwd_tiles); the backward computes each query tile's share of dK, dV with a fresh GEMM
+ * and adds it into double accumulators of the key tile (bwd_kv_task), rounded once at the store. A row whose
+ * visible scores are all -inf is fully masked in every dtype (O = 0, LSE = -inf, no gradient, never 0 * inf).
+ *
  * Determinism: every output element is produced by one task in a fixed order (dQ: per-chunk buffers,
  * nchunk chosen from the shape only, summed in chunk order), so results do not depend on the number of
  * threads or on the schedule. Memory: per-thread tile scratch, plus nchunk (<= BWD_MAX_CHUNKS)
@@ -196,15 +202,30 @@ enum { FWD_GROUP = 8 };
  * other (about 5% at d = 128). Padding the K / V / accumulator rows (dp) measured no gain. */
 enum { QLD = BQ + 16 };
 
-/* Forward per-thread scratch, in elements: K, V and score tiles plus, per query tile, Q^T, the output
- * accumulator and max / sum / alpha (see fwd_tiles). */
-static size_t fwd_scratch_elems(int32_t dp, int64_t group) {
+/* Key tiles a forward query tile accumulates in its working (T) accumulators before folding them into its
+ * double ones (see fwd_tiles): bounds the length of every T running sum to PIECE_TILES * BK keys. */
+enum { PIECE_TILES = 32 };
+
+/* Forward scratch of one query tile, in bytes: its working part in T (esize bytes): Q^T, the piece accumulator
+ * and max / sum / alpha; its folded part in double: accumulator, sum and max (see fwd_tiles). Multiples of 8. */
+static size_t fwd_tile_bytes(int32_t dp, size_t esize) {
+    return ((size_t)QLD * (size_t)dp + (size_t)BQ * (size_t)dp + 3 * BQ) * esize;
+}
+static size_t fwd_tile_hi_bytes(int32_t dp) { return ((size_t)BQ * (size_t)dp + 2 * BQ) * sizeof(double); }
+
+/* Forward per-thread scratch, in bytes: K, V and score tiles, the working parts of `group` query tiles, then
+ * their folded parts (apart, so the working set of a block of one piece is laid out as without them). */
+static size_t fwd_scratch_bytes(int32_t dp, int64_t group, size_t esize) {
     const size_t ld = (size_t)dp;
-    return (size_t)2 * BK * ld + (size_t)BK * QLD + (size_t)group * ((size_t)QLD * (size_t)dp + (size_t)BQ * ld + 3 * BQ);
+    return ((size_t)2 * BK * ld + (size_t)BK * QLD) * esize +
+           (size_t)group * (fwd_tile_bytes(dp, esize) + fwd_tile_hi_bytes(dp));
 }
 
-/* Backward per-thread scratch, in elements of the accumulator type: the buffers bwd_kv_task carves. */
-static size_t scratch_elems(int32_t dp) { return (size_t)8 * BQ * (size_t)dp + (size_t)3 * BQ * BK + 4 * BQ; }
+/* Backward per-thread scratch, in bytes: the buffers bwd_kv_task carves, in T (esize bytes) then the double
+ * dK, dV accumulators of the key tile. A multiple of 8 bytes. */
+static size_t bwd_scratch_bytes(int32_t dp, size_t esize) {
+    return ((size_t)8 * BQ * (size_t)dp + (size_t)3 * BQ * BK + 4 * BQ) * esize + (size_t)2 * BK * (size_t)dp * sizeof(double);
+}
 
 /* --------------------------------------------------------------------------------------------- */
 /* x86-64 SIMD kernels for float (F32, F16, BF16 all compute in float).
@@ -452,6 +473,19 @@ static HX_AVX512 void bwd_row_f32_avx512(float *s, float *ds, int64_t jmax, floa
     }
 }
 
+/* hi[e] += (double)lo[e] for e < n: the backward's fold of one query tile's dK / dV into the key tile's
+ * double accumulators (see fold in the typed kernels). */
+static HX_AVX512 void fold_f32_avx512(double *hi, const float *lo, int64_t n) {
+    int64_t e = 0;
+    for (; e + 16 <= n; e += 16) {
+        _mm512_storeu_pd(hi + e, _mm512_add_pd(_mm512_loadu_pd(hi + e), _mm512_cvtps_pd(_mm256_loadu_ps(lo + e))));
+        _mm512_storeu_pd(hi + e + 8,
+                         _mm512_add_pd(_mm512_loadu_pd(hi + e + 8), _mm512_cvtps_pd(_mm256_loadu_ps(lo + e + 8))));
+    }
+    for (; e < n; ++e)
+        hi[e] += (double)lo[e];
+}
+
 /* ---- AVX2 + FMA ---- */
 
 /* exp(x), relative error ~1e-7; x below -87.3 (and -inf) is raised to -87.3 (result ~1e-38), NaN stays NaN. */
@@ -587,6 +621,17 @@ static HX_AVX2 void bwd_row_f32_avx2(float *s, float *ds, int64_t jmax, float ls
     }
 }
 
+static HX_AVX2 void fold_f32_avx2(double *hi, const float *lo, int64_t n) {
+    int64_t e = 0;
+    for (; e + 8 <= n; e += 8) {
+        _mm256_storeu_pd(hi + e, _mm256_add_pd(_mm256_loadu_pd(hi + e), _mm256_cvtps_pd(_mm_loadu_ps(lo + e))));
+        _mm256_storeu_pd(hi + e + 4,
+                         _mm256_add_pd(_mm256_loadu_pd(hi + e + 4), _mm256_cvtps_pd(_mm_loadu_ps(lo + e + 4))));
+    }
+    for (; e < n; ++e)
+        hi[e] += (double)lo[e];
+}
+
 #else
 #define HX_F32_SIMD 0
 #endif /* x86-64 SIMD */
@@ -648,7 +693,7 @@ hexiseq_status hexiseq_attn_forward_cpu(const hexiseq_attn_params *p) {
     const int64_t ntasks = p->batch * p->heads * ngroups;
     const int f64 = p->dtype == HEXISEQ_DTYPE_F64;
     /* per-thread blocks start on 64-byte boundaries: a zmm row that straddles two cache lines costs two */
-    const size_t per_thread = (fwd_scratch_elems(dp, group) * (f64 ? sizeof(double) : sizeof(float)) + 63) / 64 * 64;
+    const size_t per_thread = (fwd_scratch_bytes(dp, group, f64 ? sizeof(double) : sizeof(float)) + 63) / 64 * 64;
     char *scratch_raw = malloc(per_thread * (size_t)nthreads + 64);
     if (scratch_raw == NULL)
         return hexiseq_fail(HEXISEQ_ERR_NOMEM, "forward scratch of %zu bytes could not be allocated",
@@ -682,7 +727,7 @@ hexiseq_status hexiseq_attn_backward_cpu(const hexiseq_attn_params *p) {
     const int nthreads = max_threads();
     const int f64 = p->dtype == HEXISEQ_DTYPE_F64;
     const size_t esize = f64 ? sizeof(double) : sizeof(float);
-    const size_t per_thread = scratch_elems(dp) * esize;
+    const size_t per_thread = bwd_scratch_bytes(dp, esize);
     const int64_t rows = p->batch * p->heads * p->seq_q;
     const int64_t nkt = (p->seq_k + BK - 1) / BK;
     /* Tasks: (batch, kv head, chunk); chunk c takes the key tiles c, c + nchunk, ... (interleaved, so
@@ -698,12 +743,17 @@ hexiseq_status hexiseq_attn_backward_cpu(const hexiseq_attn_params *p) {
     char *delta = malloc((size_t)rows * esize);
     char *scratch = malloc(per_thread * (size_t)nthreads);
     char *dqbuf = calloc(buf_elems * (size_t)nchunk, esize);
-    if (scratch == NULL || delta == NULL || dqbuf == NULL) {
+    /* double dq buffers, folded into every PIECE_TILES key tiles, when a task takes more key tiles than that */
+    const int split_dq = (nkt + nchunk - 1) / nchunk > PIECE_TILES;
+    double *dqhi = split_dq ? calloc(buf_elems * (size_t)nchunk, sizeof(double)) : NULL;
+    if (scratch == NULL || delta == NULL || dqbuf == NULL || (split_dq && dqhi == NULL)) {
         free(scratch);
         free(delta);
         free(dqbuf);
+        free(dqhi);
         return hexiseq_fail(HEXISEQ_ERR_NOMEM, "backward scratch of %zu bytes could not be allocated",
-                            per_thread * (size_t)nthreads + (size_t)rows * esize + buf_elems * (size_t)nchunk * esize);
+                            per_thread * (size_t)nthreads + (size_t)rows * esize +
+                                buf_elems * (size_t)nchunk * (esize + (split_dq ? sizeof(double) : 0)));
     }
 
     HX_OMP("omp parallel num_threads(nthreads)")
@@ -724,25 +774,27 @@ hexiseq_status hexiseq_attn_backward_cpu(const hexiseq_attn_params *p) {
             const int64_t c = t % nchunk;
             char *mine = scratch + per_thread * (size_t)thread_id();
             char *buf = dqbuf + buf_elems * (size_t)c * esize;
+            double *hi = split_dq ? dqhi + buf_elems * (size_t)c : NULL;
             if (f64)
-                bwd_kv_task_f64(p, b, hk, c, nchunk, (const double *)(void *)delta, (double *)(void *)buf,
+                bwd_kv_task_f64(p, b, hk, c, nchunk, (const double *)(void *)delta, (double *)(void *)buf, hi,
                                 (double *)(void *)mine, dp);
             else
-                bwd_kv_task_f32(p, b, hk, c, nchunk, (const float *)(void *)delta, (float *)(void *)buf,
+                bwd_kv_task_f32(p, b, hk, c, nchunk, (const float *)(void *)delta, (float *)(void *)buf, hi,
                                 (float *)(void *)mine, dp);
         }
         /* implicit barrier: every dq contribution is in its buffer */
         HX_OMP("omp for schedule(static)")
         for (int64_t r = 0; r < rows; ++r) {
             if (f64)
-                bwd_dq_row_f64(p, r, (const double *)(void *)dqbuf, nchunk, buf_elems, dp);
+                bwd_dq_row_f64(p, r, (const double *)(void *)dqbuf, dqhi, nchunk, buf_elems, dp);
             else
-                bwd_dq_row_f32(p, r, (const float *)(void *)dqbuf, nchunk, buf_elems, dp);
+                bwd_dq_row_f32(p, r, (const float *)(void *)dqbuf, dqhi, nchunk, buf_elems, dp);
         }
     }
     free(scratch);
     free(delta);
     free(dqbuf);
+    free(dqhi);
     return HEXISEQ_OK;
 }
 
@@ -937,19 +989,26 @@ static void HX(bwd_row)(T *restrict s /* [BK] */, T *restrict ds /* [BK] */, int
     }
 }
 
+/* hi[e] += (double)lo[e] for e < n (the backward's dK / dV fold). */
+static void HX(fold)(double *restrict hi, const T *restrict lo, int64_t n) {
+    for (int64_t e = 0; e < n; ++e)
+        hi[e] += (double)lo[e];
+}
+
 /* The kernels a tile calls through; float picks a SIMD set at run time (see hx_simd_level). */
 typedef struct {
     void (*gemm)(T *, int64_t, const T *, int64_t, int64_t, const T *, int64_t, int64_t, int64_t, int64_t, int,
                  const T *);
     void (*bwd_row)(T *, T *, int64_t, T, T);
     void (*softmax_cols)(T *, int64_t, int64_t, int64_t, const int32_t *, T *, T *, T *);
+    void (*fold)(double *, const T *, int64_t);
 } HX(ops);
 
 static const HX(ops) *HX(get_ops)(void) {
-    static const HX(ops) portable = {HX(gemm), HX(bwd_row), HX(softmax_cols)};
+    static const HX(ops) portable = {HX(gemm), HX(bwd_row), HX(softmax_cols), HX(fold)};
 #if HX_USE_SIMD
-    static const HX(ops) avx512 = {gemm_f32_avx512, bwd_row_f32_avx512, softmax_cols_f32_avx512};
-    static const HX(ops) avx2 = {gemm_f32_avx2, bwd_row_f32_avx2, softmax_cols_f32_avx2};
+    static const HX(ops) avx512 = {gemm_f32_avx512, bwd_row_f32_avx512, softmax_cols_f32_avx512, fold_f32_avx512};
+    static const HX(ops) avx2 = {gemm_f32_avx2, bwd_row_f32_avx2, softmax_cols_f32_avx2, fold_f32_avx2};
     switch (hx_simd_level()) {
     case 2: return &avx512;
     case 1: return &avx2;
@@ -964,23 +1023,77 @@ static inline int64_t HX(first_row)(const hexiseq_attn_params *p, int64_t qpos, 
     return p->causal ? max64(0, p->k_pos0 + k0 - qpos) : 0;
 }
 
-/* Store dst[off + r*rs + c*cs] (+)= mul * src[r][c] for r < n, c < d. */
-static void HX(store_rows)(void *dst, int32_t dtype, int64_t off, int64_t rs, int64_t cs, int64_t n, int32_t d,
-                           const T *restrict src /* [n][dp] */, int32_t dp, T mul, int32_t accumulate) {
-    for (int64_t r = 0; r < n; ++r) {
-        const int64_t at = off + r * rs;
-        const T *restrict row = src + r * dp;
-        if (dtype == HEXISEQ_DTYPE_F32 && cs == 1 && !accumulate) {
-            float *restrict out = (float *)dst + at;
-            for (int32_t c = 0; c < d; ++c)
-                out[c] = (float)(mul * row[c]);
+/* Views of one query tile's forward scratch (fwd_tile_bytes): T working state, then the double folded state. */
+typedef struct {
+    T *qt;          /* [dp][QLD] scale * q, transposed, zero past nq */
+    T *acc;         /* [BQ][ld] unnormalised o of the current piece, relative to mx */
+    T *mx;          /* [BQ] running max of scores */
+    T *sum;         /* [BQ] sum of exp(score - mx) over the current piece */
+    T *alpha;       /* [BQ] rescale factor of the current key tile */
+    double *acc_hi; /* [BQ][ld] unnormalised o of the folded pieces, relative to m_hi */
+    double *sum_hi; /* [BQ] sum of exp(score - m_hi) over the folded pieces */
+    double *m_hi;   /* [BQ] the max the folded pieces are relative to */
+} HX(fwd_tile);
+
+/* Tile t of a task of `group` tiles: working parts first, folded parts after all of them. */
+static HX(fwd_tile) HX(fwd_tile_at)(char *tiles, int64_t t, int64_t group, int32_t dp) {
+    const size_t tb = fwd_tile_bytes(dp, sizeof(T));
+    HX(fwd_tile) f;
+    f.qt = (T *)(void *)(tiles + tb * (size_t)t);
+    f.acc = f.qt + (size_t)dp * QLD;
+    f.mx = f.acc + (size_t)BQ * (size_t)dp;
+    f.sum = f.mx + BQ;
+    f.alpha = f.sum + BQ;
+    f.acc_hi = (double *)(void *)(tiles + tb * (size_t)group + fwd_tile_hi_bytes(dp) * (size_t)t);
+    f.sum_hi = f.acc_hi + (size_t)BQ * (size_t)dp;
+    f.m_hi = f.sum_hi + BQ;
+    return f;
+}
+
+/* Folds the piece (acc, sum, relative to mx) of rows [0, nq) into (acc_hi, sum_hi, relative to m_hi) in double
+ * and restarts the piece at zero (mx is kept). A row whose max is still -inf has seen no finite score: its piece
+ * holds nothing (the SIMD exp of -inf is a tiny non-zero, so it is cleared, not folded). */
+static void HX(fold_piece)(HX(fwd_tile) f, int64_t nq, int32_t ld) {
+    for (int64_t i = 0; i < nq; ++i) {
+        T *restrict acc = f.acc + i * ld;
+        double *restrict hi = f.acc_hi + i * ld;
+        if (f.mx[i] == -INFINITY) {
+            memset(acc, 0, sizeof(T) * (size_t)ld);
+            f.sum[i] = 0;
             continue;
         }
+        const double m = (double)f.mx[i];
+        if (f.m_hi[i] == -INFINITY) { /* the first piece with a finite max: acc_hi is not initialised */
+            for (int32_t c = 0; c < ld; ++c) {
+                hi[c] = (double)acc[c];
+                acc[c] = 0;
+            }
+            f.sum_hi[i] = (double)f.sum[i];
+        } else {
+            const double w = f.m_hi[i] == m ? 1.0 : exp(f.m_hi[i] - m);
+            for (int32_t c = 0; c < ld; ++c) {
+                hi[c] = hi[c] * w + (double)acc[c];
+                acc[c] = 0;
+            }
+            f.sum_hi[i] = f.sum_hi[i] * w + (double)f.sum[i];
+        }
+        f.sum[i] = 0;
+        f.m_hi[i] = m;
+    }
+}
+
+/* Store dst[off + r*rs + c*cs] (+)= mul * src[r][c] for r < n, c < d, from double accumulators: computed in
+ * double, rounded once (put_f64 rounds to half types without double rounding). */
+static void HX(store_rows_f64)(void *dst, int32_t dtype, int64_t off, int64_t rs, int64_t cs, int64_t n, int32_t d,
+                               const double *restrict src /* [n][dp] */, int32_t dp, double mul, int32_t accumulate) {
+    for (int64_t r = 0; r < n; ++r) {
+        const int64_t at = off + r * rs;
+        const double *restrict row = src + r * dp;
         for (int32_t c = 0; c < d; ++c) {
-            T x = mul * row[c];
+            double x = mul * row[c];
             if (accumulate)
-                x += HX_GET(dst, dtype, at + c * cs);
-            HX_PUT(dst, dtype, at + c * cs, x);
+                x += get_f64(dst, dtype, at + c * cs);
+            put_f64(dst, dtype, at + c * cs, x);
         }
     }
 }
@@ -990,7 +1103,15 @@ static void HX(store_rows)(void *dst, int32_t dtype, int64_t off, int64_t rs, in
  * columns (one SIMD lane per query) and Q^T is packed once per tile. The key loop is outside the tile
  * loop, so each K/V tile is packed once for all ntile query tiles; every query tile still does exactly
  * the arithmetic it would do alone, so results do not depend on ntile. The rescale of the accumulator
- * by alpha is folded into the P V gemm (rowscale). */
+ * by alpha is folded into the P V gemm (rowscale).
+ *
+ * Accuracy over long key ranges: a running sum in T adds each key's term to a total that grows with the
+ * number of keys, so its rounding error grows with it (in float, O and the row sum drift by per mille at 2^23
+ * keys, and once the total passes 2^24 times a term, terms stop counting at all). The key range is therefore
+ * cut into pieces of PIECE_TILES key tiles: within a piece the T accumulators run as above, at the end of each
+ * piece they are folded into double accumulators by the log-sum-exp rule (fold_piece) and restarted, so no T
+ * sum ever spans more than PIECE_TILES * BK keys, whatever seq_k is. The fold costs one pass over the
+ * accumulator per PIECE_TILES key tiles. */
 static void HX(fwd_tiles)(const hexiseq_attn_params *p, int64_t b, int32_t h, int64_t qt0, int64_t ntile,
                           T *scratch, int32_t dp) {
     const HX(ops) *ops = HX(get_ops)();
@@ -1000,8 +1121,7 @@ static void HX(fwd_tiles)(const hexiseq_attn_params *p, int64_t b, int32_t h, in
     T *restrict ks = scratch;          /* [BK][ld] k */
     T *restrict vs = ks + BK * ld;     /* [BK][ld] v */
     T *restrict st = vs + BK * ld;     /* [BK][QLD] scores, then probabilities */
-    T *restrict tiles = st + BK * QLD; /* per query tile: per_tile elements, carved below */
-    const size_t per_tile = (size_t)QLD * (size_t)dp + (size_t)BQ * (size_t)ld + 3 * BQ;
+    char *tiles = (char *)(void *)(st + BK * QLD); /* per query tile: fwd_tile_bytes, see fwd_tile_at */
     int32_t jlim[BQ];
 
     const int64_t *qst = p->q_stride, *kst = p->k_stride, *vst = p->v_stride;
@@ -1009,21 +1129,22 @@ static void HX(fwd_tiles)(const hexiseq_attn_params *p, int64_t b, int32_t h, in
     for (int64_t t = 0; t < ntile; ++t) {
         const int64_t q0 = (qt0 + t) * BQ;
         const int64_t nq = min64(BQ, p->seq_q - q0);
-        T *restrict qt = tiles + per_tile * (size_t)t; /* [dp][QLD] scale * q, transposed, zero past nq */
-        T *restrict acc = qt + dp * QLD;                /* [BQ][ld] unnormalised o */
-        T *restrict mx = acc + BQ * ld;                 /* [BQ] running max of scores */
-        T *restrict sum = mx + BQ;                      /* [BQ] running sum of exp(score - mx) */
-        HX(load_cols)(qt, QLD, p->q, p->dtype, b * qst[0] + q0 * qst[1] + h * qst[2], qst[1], qst[3], nq, d,
+        const HX(fwd_tile) f = HX(fwd_tile_at)(tiles, t, ntile, dp);
+        HX(load_cols)(f.qt, QLD, p->q, p->dtype, b * qst[0] + q0 * qst[1] + h * qst[2], qst[1], qst[3], nq, d,
                       (T)p->scale);
-        memset(acc, 0, sizeof(T) * (size_t)(nq * ld));
+        memset(f.acc, 0, sizeof(T) * (size_t)(nq * ld));
         for (int64_t i = 0; i < BQ; ++i) {
-            mx[i] = -INFINITY;
-            sum[i] = 0;
+            f.mx[i] = -INFINITY;
+            f.sum[i] = 0;
+            f.sum_hi[i] = 0;
+            f.m_hi[i] = -INFINITY; /* acc_hi is written by the first fold */
         }
         kend_all = max64(kend_all, visible_keys(p, p->q_pos0 + q0 + nq - 1));
     }
     for (int64_t k0 = 0; k0 < kend_all; k0 += BK) {
         const int64_t nk_all = min64(BK, kend_all - k0);
+        /* the last tile of a piece that more keys follow (the final fold comes after the loop) */
+        const int piece_end = (k0 / BK + 1) % PIECE_TILES == 0 && k0 + BK < kend_all;
         /* packed rows (ld dp): strided in-place rows of a [S, heads, d] tensor thrash L1 sets */
         HX(load_rows)(ks, p->k, p->dtype, b * kst[0] + k0 * kst[1] + hk * kst[2], kst[1], kst[3], nk_all, nk_all, d,
                       ld, 1);
@@ -1037,11 +1158,7 @@ static void HX(fwd_tiles)(const hexiseq_attn_params *p, int64_t b, int32_t h, in
             if (k0 >= kend)
                 continue;
             const int64_t nq16 = (nq + 15) / 16 * 16; /* SIMD kernels take whole groups of 16 queries */
-            T *restrict qt = tiles + per_tile * (size_t)t;
-            T *restrict acc = qt + dp * QLD;
-            T *restrict mx = acc + BQ * ld;
-            T *restrict sum = mx + BQ;
-            T *restrict alpha = sum + BQ; /* [BQ] rescale factor of the current tile */
+            const HX(fwd_tile) f = HX(fwd_tile_at)(tiles, t, ntile, dp);
             const int64_t nk = min64(BK, kend - k0);
             /* queries before i0 see none of these keys (causal); the last one sees kmax of them */
             const int64_t i0 = HX(first_row)(p, qpos, k0);
@@ -1049,25 +1166,48 @@ static void HX(fwd_tiles)(const hexiseq_attn_params *p, int64_t b, int32_t h, in
             const int64_t kmax = min64(nk, visible_keys(p, qpos + nq - 1) - k0);
             for (int64_t i = c0; i < nq16; ++i)
                 jlim[i] = i < nq ? (int32_t)max64(0, min64(nk, visible_keys(p, qpos + i) - k0)) : 0;
-            ops->gemm(st + c0, QLD, ks, ld, 1, qt + c0, QLD, nk, nq16 - c0, d, 0, NULL);
-            ops->softmax_cols(st + c0, QLD, nk, nq16 - c0, jlim + c0, mx + c0, sum + c0, alpha + c0);
-            ops->gemm(acc + i0 * ld, ld, st + i0, 1, QLD, vs, ld, nq - i0, dp, kmax, 1, alpha + i0);
+            ops->gemm(st + c0, QLD, ks, ld, 1, f.qt + c0, QLD, nk, nq16 - c0, d, 0, NULL);
+            ops->softmax_cols(st + c0, QLD, nk, nq16 - c0, jlim + c0, f.mx + c0, f.sum + c0, f.alpha + c0);
+            ops->gemm(f.acc + i0 * ld, ld, st + i0, 1, QLD, vs, ld, nq - i0, dp, kmax, 1, f.alpha + i0);
+            if (piece_end)
+                HX(fold_piece)(f, nq, ld);
         }
     }
     const int64_t *ost = p->o_stride, *lst = p->lse_stride;
     for (int64_t t = 0; t < ntile; ++t) {
         const int64_t q0 = (qt0 + t) * BQ;
         const int64_t nq = min64(BQ, p->seq_q - q0);
-        const T *restrict acc = tiles + per_tile * (size_t)t + dp * QLD;
-        const T *restrict mx = acc + BQ * ld;
-        const T *restrict sum = mx + BQ;
+        const HX(fwd_tile) f = HX(fwd_tile_at)(tiles, t, ntile, dp);
+        /* A block of at most one piece was never folded (piece_end needs more keys to follow): its T
+         * accumulators are read directly (in double). */
+        const int single_piece = kend_all <= (int64_t)PIECE_TILES * BK;
+        if (!single_piece)
+            HX(fold_piece)(f, nq, ld);
         for (int64_t i = 0; i < nq; ++i) {
             const int64_t lse_at = b * lst[0] + h * lst[1] + (q0 + i) * lst[2];
-            /* sum == 0 only when the row saw no key (the max term contributes exp(0) = 1) */
-            const T inv = sum[i] > 0 ? 1 / sum[i] : 0;
-            put_lse(p->lse, p->dtype, lse_at, sum[i] > 0 ? (double)(mx[i] + HX_LOG(sum[i])) : -INFINITY);
-            HX(store_rows)(p->o, p->dtype, b * ost[0] + (q0 + i) * ost[1] + h * ost[2], 0, ost[3], 1, d,
-                           acc + i * ld, ld, inv, 0);
+            const int64_t o_at = b * ost[0] + (q0 + i) * ost[1] + h * ost[2];
+            const double m = single_piece ? (double)f.mx[i] : f.m_hi[i];
+            const double sum = single_piece ? (double)f.sum[i] : f.sum_hi[i];
+            /* A row that saw no key, or only scores of -inf, is fully masked: O = 0, LSE = -inf. Otherwise the
+             * max term contributes exp(0) = 1, so sum >= 1. */
+            if (m == -INFINITY || !(sum > 0)) {
+                put_lse(p->lse, p->dtype, lse_at, -INFINITY);
+                for (int32_t c = 0; c < d; ++c)
+                    put_f64(p->o, p->dtype, o_at + c * ost[3], 0.0);
+                continue;
+            }
+            const double inv = 1.0 / sum;
+            put_lse(p->lse, p->dtype, lse_at, m + log(sum));
+            const T *restrict lo = f.acc + i * ld;
+            const double *restrict hi = f.acc_hi + i * ld;
+            if (p->dtype == HEXISEQ_DTYPE_F32 && ost[3] == 1) {
+                float *restrict out = (float *)p->o + o_at;
+                for (int32_t c = 0; c < d; ++c)
+                    out[c] = (float)((single_piece ? (double)lo[c] : hi[c]) * inv);
+            } else {
+                for (int32_t c = 0; c < d; ++c)
+                    put_f64(p->o, p->dtype, o_at + c * ost[3], (single_piece ? (double)lo[c] : hi[c]) * inv);
+            }
         }
     }
 }
@@ -1087,7 +1227,7 @@ static void HX(delta_row)(const hexiseq_attn_params *p, int64_t r, T *delta /* [
 }
 
 /* Loads the shared row data of a query tile: q (unscaled), do, lse, D. Rows whose lse is -inf are fully
- * masked everywhere; bwd_row gives them zero P and dS. */
+ * masked everywhere; bwd_row gives them zero P and dS, and their q and do rows are loaded as zeros. */
 static void HX(load_query_tile)(const hexiseq_attn_params *p, int64_t b, int32_t h, int64_t q0, int64_t nq,
                                 const T *delta, T *restrict qs /* [BQ][dp] */, T *restrict dos /* [BQ][dp] */,
                                 T *restrict lse /* [BQ] */, T *restrict dd /* [BQ] */, int32_t dp) {
@@ -1098,6 +1238,12 @@ static void HX(load_query_tile)(const hexiseq_attn_params *p, int64_t b, int32_t
     for (int64_t i = 0; i < nq; ++i) {
         lse[i] = (T)get_lse(p->lse, p->dtype, b * lst[0] + h * lst[1] + (q0 + i) * lst[2]);
         dd[i] = delta[(b * p->heads + h) * p->seq_q + q0 + i];
+        if (lse[i] == -INFINITY) {
+            /* its P and dS are 0, but 0 * inf is NaN: an infinite q or do entry (the usual cause of such a
+             * row) must not reach dK or dV through the products */
+            memset(qs + i * dp, 0, sizeof(T) * (size_t)dp);
+            memset(dos + i * dp, 0, sizeof(T) * (size_t)dp);
+        }
     }
 }
 
@@ -1106,9 +1252,11 @@ static void HX(load_query_tile)(const hexiseq_attn_params *p, int64_t b, int32_t
  * dv_j += sum_i P_ij do_i, dk_j += scale * sum_i dS_ij q_i (the key tile's own accumulators, stored
  * when its query loop ends; the scale is applied to K^T for S and at the store for dK, so query tiles are
  * plain copies) and dq_i += sum_j dS_ij k_j, added into dqbuf [batch, heads, seq_q][dp],
- * a buffer this task owns for (b, hk's query heads). 5 GEMMs per pair. */
+ * a buffer this task owns for (b, hk's query heads). 5 GEMMs per pair. With dqhi (a double buffer of the same
+ * shape, given when the task takes more than PIECE_TILES key tiles), dqbuf is folded into it every PIECE_TILES key
+ * tiles, so no float sum of dq spans more keys than a forward piece. */
 static void HX(bwd_kv_task)(const hexiseq_attn_params *p, int64_t b, int32_t hk, int64_t kt0, int64_t kstep,
-                            const T *delta, T *dqbuf, T *scratch, int32_t dp) {
+                            const T *delta, T *dqbuf, double *dqhi, T *scratch, int32_t dp) {
     const HX(ops) *ops = HX(get_ops)();
     const int32_t d = p->head_dim;
     const int32_t group = p->heads / p->kv_heads;
@@ -1117,24 +1265,37 @@ static void HX(bwd_kv_task)(const hexiseq_attn_params *p, int64_t b, int32_t hk,
     T *restrict kt = dos + BQ * dp;   /* [dp][BK] scale * k, transposed */
     T *restrict vt = kt + dp * BK;    /* [dp][BK] */
     T *restrict ks = vt + dp * BK;    /* [BK][dp] */
-    T *restrict dk = ks + BK * dp;    /* [BK][dp] */
-    T *restrict dv = dk + BK * dp;    /* [BK][dp] */
+    T *restrict dk = ks + BK * dp;    /* [BK][dp] dK of one query tile */
+    T *restrict dv = dk + BK * dp;    /* [BK][dp] dV of one query tile */
     T *restrict s = dv + BK * dp;     /* [BQ][BK] scores, then P */
     T *restrict dpm = s + BQ * BK;    /* [BQ][BK] dP, then dS */
     T *restrict lse = dpm + BQ * BK;  /* [BQ] */
     T *restrict dd = lse + BQ;        /* [BQ] */
+    double *restrict dk_hi = (double *)(void *)(dd + BQ); /* [BK][dp] dK of the key tile, all query tiles */
+    double *restrict dv_hi = dk_hi + BK * dp;             /* [BK][dp] dV of the key tile */
     const int64_t *kst = p->k_stride, *vst = p->v_stride;
     const int64_t nkt = (p->seq_k + BK - 1) / BK;
 
+    int64_t done = 0; /* key tiles this task has added into dqbuf since its last fold into dqhi */
     for (int64_t kti = kt0; kti < nkt; kti += kstep) {
+        if (dqhi != NULL && done == PIECE_TILES) {
+            /* dqbuf's float sums span at most PIECE_TILES key tiles: fold this task's rows into double */
+            for (int32_t r = 0; r < group; ++r) {
+                const size_t at = (size_t)(b * p->heads + hk * group + r) * (size_t)p->seq_q * (size_t)dp;
+                ops->fold(dqhi + at, dqbuf + at, p->seq_q * (int64_t)dp);
+                memset(dqbuf + at, 0, sizeof(T) * (size_t)p->seq_q * (size_t)dp);
+            }
+            done = 0;
+        }
+        ++done;
         const int64_t k0 = kti * BK;
         const int64_t nk = min64(BK, p->seq_k - k0);
         const int64_t k_at = b * kst[0] + k0 * kst[1] + hk * kst[2];
         HX(load_cols)(kt, BK, p->k, p->dtype, k_at, kst[1], kst[3], nk, d, (T)p->scale);
         HX(load_cols)(vt, BK, p->v, p->dtype, b * vst[0] + k0 * vst[1] + hk * vst[2], vst[1], vst[3], nk, d, 1);
         HX(load_rows)(ks, p->k, p->dtype, k_at, kst[1], kst[3], nk, nk, d, dp, 1);
-        memset(dk, 0, sizeof(T) * (size_t)(nk * dp));
-        memset(dv, 0, sizeof(T) * (size_t)(nk * dp));
+        memset(dk_hi, 0, sizeof(double) * (size_t)(nk * dp));
+        memset(dv_hi, 0, sizeof(double) * (size_t)(nk * dp));
         /* Under the causal mask only queries at positions >= k_pos0 + k0 see this tile. */
         const int64_t first_q = p->causal ? max64(0, p->k_pos0 + k0 - p->q_pos0) : 0;
         for (int32_t r = 0; r < group; ++r) {
@@ -1152,38 +1313,44 @@ static void HX(bwd_kv_task)(const hexiseq_attn_params *p, int64_t b, int32_t hk,
                 ops->gemm(dpm + i0 * BK, BK, dos + i0 * dp, dp, 1, vt, BK, nq - i0, BK, d, 0, NULL);
                 for (int64_t i = i0; i < nq; ++i)
                     ops->bwd_row(s + i * BK, dpm + i * BK, min64(nk, visible_keys(p, qpos + i) - k0), lse[i], dd[i]);
-                /* P and dS read transposed for dV and dK */
-                ops->gemm(dv, dp, s + i0 * BK, 1, BK, dos + i0 * dp, dp, nk, dp, nq - i0, 1, NULL);
-                ops->gemm(dk, dp, dpm + i0 * BK, 1, BK, qs + i0 * dp, dp, nk, dp, nq - i0, 1, NULL);
+                /* P and dS read transposed for dV and dK; this query tile's part, then added in double */
+                ops->gemm(dv, dp, s + i0 * BK, 1, BK, dos + i0 * dp, dp, nk, dp, nq - i0, 0, NULL);
+                ops->gemm(dk, dp, dpm + i0 * BK, 1, BK, qs + i0 * dp, dp, nk, dp, nq - i0, 0, NULL);
+                ops->fold(dv_hi, dv, nk * dp);
+                ops->fold(dk_hi, dk, nk * dp);
                 ops->gemm(dqh + (q0 + i0) * dp, dp, dpm + i0 * BK, BK, 1, ks, dp, nq - i0, dp, kmax, 1, NULL);
             }
         }
         const int64_t *gk = p->dk_stride, *gv = p->dv_stride;
-        HX(store_rows)(p->dk, p->dtype, b * gk[0] + k0 * gk[1] + hk * gk[2], gk[1], gk[3], nk, d, dk, dp,
-                       (T)p->scale, p->accumulate);
-        HX(store_rows)(p->dv, p->dtype, b * gv[0] + k0 * gv[1] + hk * gv[2], gv[1], gv[3], nk, d, dv, dp, 1,
-                       p->accumulate);
+        HX(store_rows_f64)(p->dk, p->dtype, b * gk[0] + k0 * gk[1] + hk * gk[2], gk[1], gk[3], nk, d, dk_hi, dp,
+                           p->scale, p->accumulate);
+        HX(store_rows_f64)(p->dv, p->dtype, b * gv[0] + k0 * gv[1] + hk * gv[2], gv[1], gv[3], nk, d, dv_hi, dp, 1.0,
+                           p->accumulate);
     }
 }
 
-/* dq row r of [batch, heads, seq_q] = scale * (sum over the nbuf buffers, in order) (+ dq). */
-static void HX(bwd_dq_row)(const hexiseq_attn_params *p, int64_t r, const T *dqbuf, int64_t nbuf, size_t buf_elems,
-                           int32_t dp) {
+/* dq row r of [batch, heads, seq_q] = scale * (sum over the nbuf buffers, in order, and over the nbuf folded double
+ * buffers dqhi when there are any) (+ dq), in double, rounded once; 0 (+ dq) for a fully masked row (lse = -inf),
+ * whose buffer rows may hold 0 * inf = NaN from an infinite k entry. */
+static void HX(bwd_dq_row)(const hexiseq_attn_params *p, int64_t r, const T *dqbuf, const double *dqhi, int64_t nbuf,
+                           size_t buf_elems, int32_t dp) {
     const int64_t b = r / ((int64_t)p->heads * p->seq_q);
     const int64_t h = r / p->seq_q % p->heads;
     const int64_t i = r % p->seq_q;
-    T row[HEXISEQ_ATTN_MAX_HEAD_DIM];
-    const T *src = dqbuf + (size_t)r * (size_t)dp;
+    double row[HEXISEQ_ATTN_MAX_HEAD_DIM];
+    const int64_t *lst = p->lse_stride;
+    if (get_lse(p->lse, p->dtype, b * lst[0] + h * lst[1] + i * lst[2]) == -INFINITY)
+        nbuf = 0;
     for (int32_t c = 0; c < p->head_dim; ++c)
-        row[c] = src[c];
-    for (int64_t u = 1; u < nbuf; ++u) {
-        const T *restrict add = src + (size_t)u * buf_elems;
+        row[c] = 0;
+    for (int64_t u = 0; u < nbuf; ++u) {
+        const size_t at = (size_t)u * buf_elems + (size_t)r * (size_t)dp;
         for (int32_t c = 0; c < p->head_dim; ++c)
-            row[c] += add[c];
+            row[c] += (double)dqbuf[at + c] + (dqhi != NULL ? dqhi[at + c] : 0.0);
     }
     const int64_t *gst = p->dq_stride;
-    HX(store_rows)(p->dq, p->dtype, b * gst[0] + i * gst[1] + h * gst[2], 0, gst[3], 1, p->head_dim, row, dp,
-                   (T)p->scale, p->accumulate);
+    HX(store_rows_f64)(p->dq, p->dtype, b * gst[0] + i * gst[1] + h * gst[2], 0, gst[3], 1, p->head_dim, row, dp,
+                       p->scale, p->accumulate);
 }
 
 #undef T

@@ -23,6 +23,7 @@
 
 typedef struct {
     PyObject *errors[10]; /* exception class per hexiseq_status, [0] unused */
+    PyObject *type_error; /* hexiseq.errors.ArgumentTypeError: an argument of the wrong kind */
 } core_state;
 
 static core_state *get_state(PyObject *module) { return (core_state *)PyModule_GetState(module); }
@@ -735,7 +736,7 @@ static int dl_import(PyObject *module, const dl_arg *arg, int cuda, dl_held *hel
     if (!meth) {
         if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
             PyErr_Clear();
-            PyErr_Format(PyExc_TypeError,
+            PyErr_Format(st->type_error,
                          "%s must be a tensor implementing __dlpack__ (torch.Tensor, numpy.ndarray), got %.200s",
                          arg->name, Py_TYPE(arg->obj)->tp_name);
         }
@@ -792,7 +793,7 @@ static int dl_import(PyObject *module, const dl_arg *arg, int cuda, dl_held *hel
     } else {
         const char *cname = PyCapsule_CheckExact(cap) ? PyCapsule_GetName(cap) : NULL;
         PyErr_Clear();
-        PyErr_Format(PyExc_TypeError,
+        PyErr_Format(st->type_error,
                      "%s.__dlpack__() must return a PyCapsule named 'dltensor_versioned' or 'dltensor', got %.100s%s%s%s",
                      arg->name, Py_TYPE(cap)->tp_name, cname ? " named '" : "", cname ? cname : "",
                      cname ? "' (already consumed?)" : "");
@@ -960,9 +961,9 @@ static int dl_require_cuda_build(PyObject *module) {
 #define DL_QKV "[batch, seq, heads, head_dim]"
 #define DL_LSE "[batch, heads, seq]"
 
-static int check_positions(long long q_pos0, long long k_pos0) {
+static int check_positions(PyObject *module, long long q_pos0, long long k_pos0) {
     if (q_pos0 < 0 || k_pos0 < 0) {
-        PyErr_Format(PyExc_ValueError, "%s must be >= 0, got %lld", q_pos0 < 0 ? "q_pos0" : "k_pos0",
+        PyErr_Format(get_state(module)->errors[HEXISEQ_ERR_INVALID], "%s must be >= 0, got %lld", q_pos0 < 0 ? "q_pos0" : "k_pos0",
                      q_pos0 < 0 ? q_pos0 : k_pos0);
         return -1;
     }
@@ -983,7 +984,7 @@ static PyObject *run_attention(PyObject *module, const dl_arg *a, int n, hexiseq
                                int backward, const attn_call *c) {
     if (cuda && dl_require_cuda_build(module) < 0)
         return NULL;
-    if (check_positions(c->q_pos0, c->k_pos0) < 0)
+    if (check_positions(module, c->q_pos0, c->k_pos0) < 0)
         return NULL;
     enum { MAX_TENSORS = 9 }; /* the backward's q, k, v, out, lse, dout, dq, dk, dv */
     dl_held held[MAX_TENSORS];
@@ -1192,7 +1193,10 @@ static int core_exec(PyObject *module) {
             return -1;
         }
     }
+    st->type_error = PyObject_GetAttrString(errors, "ArgumentTypeError");
     Py_DECREF(errors);
+    if (!st->type_error)
+        return -1;
     if (PyModule_AddStringConstant(module, "VERSION", HEXISEQ_VERSION) < 0)
         return -1;
     /* The core's enum values by name, so Python never restates them: STRATEGIES by hexiseq_strategy_name,
@@ -1235,6 +1239,7 @@ static int core_traverse(PyObject *module, visitproc visit, void *arg) {
     core_state *st = get_state(module);
     for (int i = 0; i < 10; ++i)
         Py_VISIT(st->errors[i]);
+    Py_VISIT(st->type_error);
     return 0;
 }
 
@@ -1242,6 +1247,7 @@ static int core_clear(PyObject *module) {
     core_state *st = get_state(module);
     for (int i = 0; i < 10; ++i)
         Py_CLEAR(st->errors[i]);
+    Py_CLEAR(st->type_error);
     return 0;
 }
 

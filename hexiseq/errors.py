@@ -3,6 +3,7 @@
 __all__ = [
     "HexiseqError",
     "InvalidArgumentError",
+    "ArgumentTypeError",
     "UnknownGPUError",
     "LayoutError",
     "RankMismatchError",
@@ -19,6 +20,11 @@ class HexiseqError(Exception):
 
 class InvalidArgumentError(HexiseqError, ValueError):
     """An input has a value out of its domain; the message names the field and the value."""
+
+
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """An input of the wrong kind (a list where a tensor goes, a string where a number goes); the message names the
+    field and what it got. Also a TypeError, so code that catches the built-in type error still does."""
 
 
 class UnknownGPUError(InvalidArgumentError):

@@ -14,15 +14,21 @@ without CUDA (no nvcc at install time, or HEXISEQ_CUDA=0) raises UnsupportedErro
 """
 
 import math
+import numbers
+import operator
 import sys
 
 import numpy as np
 
 from . import _core
-from .errors import InvalidArgumentError, UnsupportedError
+from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedError
 
 __all__ = ["attention_forward", "attention_backward", "merge_"]
 
+# Absolute positions are limited to 2^62 so that every position difference stays inside int64 (the C rule is
+# q_pos0 <= 2^62 - seq_q, checked there with the sequence length).
+_MAX_POS = 1 << 62
+_TENSOR_KINDS = "a torch.Tensor, a numpy.ndarray or another object implementing __dlpack__"
 _DL_CPU_DEVICES = (1, 3)  # kDLCPU, kDLCUDAHost: memory the CPU kernels can read and write
 _DL_DEVICE_NAMES = {1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 8: "metal", 9: "vpi", 10: "rocm",
                     11: "rocm_host", 12: "ext_dev", 13: "cuda_managed", 14: "oneapi", 15: "webgpu", 16: "hexagon",
@@ -67,24 +73,52 @@ def _stream_of(device):
     return int(_torch_module().cuda.current_stream(device).cuda_stream)
 
 
-def _as_operand(x, name, device=None):
+def _short(value):
+    """repr of a value for an error message, cut to 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _require_tensor(x, name):
+    """x must be tensor-like (implement __dlpack__); raises ArgumentTypeError naming the argument otherwise."""
+    if not hasattr(x, "__dlpack__"):
+        raise ArgumentTypeError(f"{name} must be {_TENSOR_KINDS} and shape, got {type(x).__name__}")
+
+
+def _as_operand(x, name, device=None, *, output=False):
     """x ready for the DLPack call: a torch tensor is detached (sharing memory). device: the call's CUDA device
-    (see _device_of), or None for a CPU call, where non-CPU tensors are refused."""
+    (see _device_of), or None for a CPU call, where non-CPU tensors are refused. output: x is written in place.
+
+    torch's lazy negation and conjugation bits: DLPack exports the stored values without them (a tensor with the
+    negative bit set would be read with the wrong sign), so an input is resolved into a plain tensor first and an
+    output, whose resolved copy would not be the caller's tensor, is refused."""
     if _is_torch(x):
         if device is None and x.device.type != "cpu":
             raise UnsupportedError(f"{name} is on device '{x.device}': the attention kernels take CPU tensors and "
                                    "torch CUDA tensors; move the tensors to the CPU or a CUDA device")
-        return x.detach() if x.requires_grad else x
+        x = x.detach() if x.requires_grad else x
+        for bit, is_set, resolve in (("negative", x.is_neg, "resolve_neg"), ("conjugate", x.is_conj, "resolve_conj")):
+            if not is_set():
+                continue
+            if output:
+                raise InvalidArgumentError(f"{name} has torch's {bit} bit set (a lazily {bit[:-1]}ed view, e.g. "
+                                           f"z.conj().imag): its stored values are not the ones it shows, and the "
+                                           f"result is written in place; pass a tensor without it")
+            x = getattr(x, resolve)()
+        return x
     if isinstance(x, np.ndarray):
         return x
-    if not hasattr(x, "__dlpack__"):
-        raise TypeError(f"{name} must be a torch.Tensor, a numpy.ndarray or another object implementing "
-                        f"__dlpack__, got {type(x).__name__}")
+    _require_tensor(x, name)
     dev = getattr(x, "__dlpack_device__", None)
     if dev is not None:
-        dev_type, dev_id = dev()
-        if int(dev_type) not in _DL_CPU_DEVICES:
-            label = _DL_DEVICE_NAMES.get(int(dev_type), f"type {int(dev_type)}")
+        got = dev()
+        try:
+            dev_type, dev_id = (operator.index(n) for n in got)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"{name}.__dlpack_device__() must return (device_type, device_id), two ints, "
+                                       f"got {_short(got)}") from None
+        if dev_type not in _DL_CPU_DEVICES:
+            label = _DL_DEVICE_NAMES.get(dev_type, f"type {dev_type}")
             raise UnsupportedError(f"{name} is on DLPack device {label}:{dev_id} and is not a torch.Tensor: the "
                                    "CUDA kernels take torch CUDA tensors only (they run on torch's current stream); "
                                    "a path for other accelerator DLPack producers is not built")
@@ -92,12 +126,14 @@ def _as_operand(x, name, device=None):
 
 
 def _shape4(x, name, layout):
-    if getattr(x, "shape", None) is None:
-        raise TypeError(f"{name} must be a torch.Tensor, a numpy.ndarray or another object implementing "
-                        f"__dlpack__ and shape, got {type(x).__name__}")
-    shape = tuple(int(n) for n in x.shape)
+    _require_tensor(x, name)
+    shape = getattr(x, "shape", None)
+    try:
+        shape = tuple(operator.index(n) for n in shape)
+    except TypeError:
+        raise ArgumentTypeError(f"{name}.shape must be a sequence of ints, got {_short(shape)}") from None
     if len(shape) != 4:
-        raise ValueError(f"{name} must be 4-D {layout}, got shape {list(shape)}")
+        raise InvalidArgumentError(f"{name} must be 4-D {layout}, got shape {list(shape)}")
     return shape
 
 
@@ -114,6 +150,13 @@ def _new(like, shape, *, lse=False, zero=False):
         torch = _torch_module()
         dtype = (torch.float64 if like.dtype == torch.float64 else torch.float32) if lse else like.dtype
         return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=like.device)
+    if not isinstance(like, np.ndarray):
+        _as_operand(like, "q")  # a foreign producer: its kind and device first
+        try:
+            np.dtype(like.dtype)
+        except (AttributeError, TypeError):
+            raise ArgumentTypeError(f"q is a {type(like).__name__} without a NumPy dtype, so outputs cannot be "
+                                    "allocated like it: pass them (out, lse; dq, dk, dv)") from None
     if lse:
         dtype = np.float64 if _lse_dtype_is_f64(like) else np.float32
     else:
@@ -130,20 +173,41 @@ def _fill(x, value):
 
 
 def _default_scale(scale, head_dim):
+    """The softmax scale: 1 / sqrt(head_dim) for None, else a real number that must be finite and > 0. A scale
+    <= 0 is refused: the CUDA forward takes each row's maximum on unscaled scores, which is the maximum of the
+    scaled ones only for a positive scale (and a zero scale makes every score equal, never what is meant)."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number, got {scale}")
-    return scale
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise ArgumentTypeError(f"scale must be a real number (or None), got {type(scale).__name__} {_short(scale)}")
+    try:
+        value = float(scale)
+    except OverflowError:
+        value = math.inf
+    if not (math.isfinite(value) and value > 0):
+        raise InvalidArgumentError(f"scale must be a finite number > 0, got {_short(scale)}")
+    return value
 
 
 def _position(value, name):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return int(value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {_short(value)}")
+    value = int(value)
+    if not 0 <= value <= _MAX_POS:
+        raise InvalidArgumentError(f"{name} must be >= 0 and at most 2^62 (positions past it would overflow "
+                                   f"int64 differences), got {value}")
+    return value
+
+
+def _flag(value, name):
+    """A bool argument: bool, numpy.bool_ or the ints 0 and 1 (anything else could be a silent misreading)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)):
+        if value in (0, 1):
+            return bool(value)
+        raise InvalidArgumentError(f"{name} must be a bool (or 0 / 1), got {int(value)}")
+    raise ArgumentTypeError(f"{name} must be a bool, got {type(value).__name__} {_short(value)}")
 
 
 def attention_forward(q, k, v, *, causal=True, q_pos0=0, k_pos0=0, scale=None, out=None, lse=None):
@@ -168,30 +232,42 @@ def attention_forward(q, k, v, *, causal=True, q_pos0=0, k_pos0=0, scale=None, o
     Returns:
         (out, lse) as above (the given objects when passed).
 
+        causal is a bool (or 0 / 1); q_pos0, k_pos0 are ints in [0, 2^62]; scale is a finite real > 0 (the CUDA
+        forward takes each row's max on unscaled scores, which needs a positive scale). torch tensors with the
+        negative or conjugate bit set (lazy views such as z.conj().imag) are resolved when they are inputs and
+        refused when they are outputs (DLPack would expose their stored, not their shown, values).
+
     Raises:
-        TypeError for non-tensors; hexiseq.InvalidArgumentError (a ValueError) for mismatched shapes or dtypes,
-        read-only outputs, outputs overlapping inputs, or tensors on different devices; hexiseq.UnsupportedError
-        for an unsupported dtype (float32/float64 on CUDA), head_dim > 256, a device other than CPU or CUDA, or
-        CUDA tensors on a build without CUDA. Messages name the argument.
+        hexiseq.InvalidArgumentError (a ValueError) for any bad argument: mismatched shapes or dtypes, read-only
+        outputs, outputs overlapping inputs, tensors on different devices, out-of-range values; its subclass
+        hexiseq.ArgumentTypeError (also a TypeError) for a value of the wrong kind (a non-tensor, a float position,
+        a string scale or flag). hexiseq.UnsupportedError for an unsupported dtype (float32/float64 on CUDA),
+        head_dim > 256, a device other than CPU or CUDA, or CUDA tensors on a build without CUDA. Messages name the
+        argument and the value. An exception raised by a producer's own __dlpack__ keeps its type, with
+        "<argument>.__dlpack__() failed: " in front.
     """
     B, Sq, H, D = _shape4(q, "q", "[batch, seq_q, heads, head_dim]")
-    _shape4(k, "k", "[batch, seq_k, kv_heads, head_dim]")
-    Sk = int(k.shape[1])
+    Sk = _shape4(k, "k", "[batch, seq_k, kv_heads, head_dim]")[1]
+    _require_tensor(v, "v")
+    causal = _flag(causal, "causal")
     scale = _default_scale(scale, D)
     q_pos0 = _position(q_pos0, "q_pos0")
     k_pos0 = _position(k_pos0, "k_pos0")
+    for x, n in ((out, "out"), (lse, "lse")):
+        if x is not None:
+            _require_tensor(x, n)
     if out is None:
         out = _new(q, (B, Sq, H, D))
     if lse is None:
         lse = _new(q, (B, H, Sq), lse=True)
     named = ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))
     device = _device_of(named)
-    args = [_as_operand(x, n, device) for x, n in named]
+    args = [_as_operand(x, n, device, output=n in ("out", "lse")) for x, n in named]
     if device is None:
-        _core.attention_forward(*args, bool(causal), q_pos0, k_pos0, scale)
+        _core.attention_forward(*args, causal, q_pos0, k_pos0, scale)
     else:
         with _torch_module().cuda.device(device):
-            _core.attention_forward_cuda(*args, bool(causal), q_pos0, k_pos0, scale, _stream_of(device))
+            _core.attention_forward_cuda(*args, causal, q_pos0, k_pos0, scale, _stream_of(device))
     if Sk == 0 and B * Sq * H > 0:  # no key at all: every row is fully masked (the kernel was not called)
         _fill(out, 0.0)
         _fill(lse, -math.inf)
@@ -215,7 +291,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal=True, q_pos0=0, k_pos0
         dq: [batch, seq_q, heads, head_dim]; dk, dv: [batch, seq_k, kv_heads, head_dim]; q's dtype. Written in
             place (or added into when accumulate=True); allocated with q's library if None (zeros when
             accumulating).
-        accumulate: add into dq, dk, dv instead of overwriting them.
+        accumulate: add into dq, dk, dv instead of overwriting them (a bool, or 0 / 1).
 
     Returns:
         (dq, dk, dv) as above (the given objects when passed).
@@ -225,10 +301,16 @@ def attention_backward(q, k, v, out, lse, dout, *, causal=True, q_pos0=0, k_pos0
     """
     B, Sq, H, D = _shape4(q, "q", "[batch, seq_q, heads, head_dim]")
     kshape = _shape4(k, "k", "[batch, seq_k, kv_heads, head_dim]")
+    for x, n in ((v, "v"), (out, "out"), (lse, "lse"), (dout, "dout")):
+        _require_tensor(x, n)
+    causal = _flag(causal, "causal")
     scale = _default_scale(scale, D)
     q_pos0 = _position(q_pos0, "q_pos0")
     k_pos0 = _position(k_pos0, "k_pos0")
-    accumulate = bool(accumulate)
+    accumulate = _flag(accumulate, "accumulate")
+    for x, n in ((dq, "dq"), (dk, "dk"), (dv, "dv")):
+        if x is not None:
+            _require_tensor(x, n)
     if dq is None:
         dq = _new(q, (B, Sq, H, D), zero=accumulate)
     if dk is None:
@@ -238,13 +320,12 @@ def attention_backward(q, k, v, out, lse, dout, *, causal=True, q_pos0=0, k_pos0
     named = ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"), (dout, "dout"), (dq, "dq"), (dk, "dk"),
              (dv, "dv"))
     device = _device_of(named)
-    args = [_as_operand(x, n, device) for x, n in named]
+    args = [_as_operand(x, n, device, output=n in ("dq", "dk", "dv")) for x, n in named]
     if device is None:
-        _core.attention_backward(*args, bool(causal), q_pos0, k_pos0, scale, accumulate)
+        _core.attention_backward(*args, causal, q_pos0, k_pos0, scale, accumulate)
     else:
         with _torch_module().cuda.device(device):
-            _core.attention_backward_cuda(*args, bool(causal), q_pos0, k_pos0, scale, accumulate,
-                                          _stream_of(device))
+            _core.attention_backward_cuda(*args, causal, q_pos0, k_pos0, scale, accumulate, _stream_of(device))
     if not accumulate:  # the kernel was not called when a sequence is empty: the other side gets no gradient
         if kshape[1] == 0 and B * Sq * H > 0:
             _fill(dq, 0.0)
@@ -275,8 +356,10 @@ def merge_(out_acc, lse_acc, out_part, lse_part):
     """
     _shape4(out_acc, "out_acc", "[batch, seq, heads, head_dim]")
     named = ((out_acc, "out_acc"), (lse_acc, "lse_acc"), (out_part, "out_part"), (lse_part, "lse_part"))
+    for x, n in named[1:]:
+        _require_tensor(x, n)
     device = _device_of(named)
-    args = [_as_operand(x, n, device) for x, n in named]
+    args = [_as_operand(x, n, device, output=n in ("out_acc", "lse_acc")) for x, n in named]
     if device is None:
         _core.attention_merge(*args)
     else:

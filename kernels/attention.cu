@@ -10,7 +10,9 @@
 // merge against the CPU kernels in float64 (odd sizes, every causal offset case, GQA/MQA, padded head dims, strides, a
 // 99 KiB shared-memory device), under four thread schedules to expose missing barriers, with shared-memory bounds and
 // ldmatrix bank conflicts checked. CI runs that; a change here should also be run on a GPU before its speed or its
-// memory ordering is claimed.
+// memory ordering is claimed. Not yet run on a GPU: the forward's split of key blocks longer than 2^16 keys into
+// pieces (forward_typed; the emulator test covers it with 64- and 128-key pieces); blocks up to 2^16 keys take the
+// unchanged single-launch path.
 //
 // Semantics are those of csrc/attention.h and the CPU reference: causal means key_pos <= query_pos on
 // absolute positions (q_pos0 + i, k_pos0 + j); a fully masked row gives O = 0, LSE = -inf and no gradient;
@@ -35,7 +37,9 @@
 //     the causal mask the key loop stops after the last key any query of the tile sees, and the mask is
 //     applied only to the key tiles that need it (the last, partial one and those crossing the diagonal).
 //     K/V tiles are double-buffered with cp.async when their rows allow 16-byte copies (else loaded element by
-//     element). Not done: Hopper wgmma/TMA/warp specialisation (FlashAttention-3's techniques).
+//     element). Not done: Hopper wgmma/TMA/warp specialisation (FlashAttention-3's techniques). A key block longer
+//     than kFwdPieceKeys (2^16) is split by the launcher into pieces whose fp32 partials are merged in double (the
+//     O and row-sum registers take every key in turn, so their fp32 error grows with the block; see forward_typed).
 //   * backward, D = 128 where shared memory allows (attn_bwd_staged_kernel, FlashAttention-2's backward layout):
 //     see the kernel's comment. P and dS are staged in shared memory so that each of the three products (S and
 //     dP; dV and dK; dQ) gets its own split of the 8 warps into 32-row tiles, which reads each shared-memory
@@ -94,6 +98,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "attention.h"
@@ -123,6 +128,7 @@ template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return
 template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
     return __float2bfloat16_rn(x);
 }
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; } // the forward's float partials
 
 // One element of any hexiseq_dtype as double / stored from double (merge only: it mixes dtypes).
 __device__ double load_any(const void *base, int32_t dtype, int64_t at) {
@@ -368,8 +374,9 @@ struct FwdArgs {
 // One CTA per (query tile of BQ rows, head, batch). Q, then each K/V tile, are staged in shared memory; every
 // warp computes S = Q K^T for its MW x 16 rows into registers (mma.sync), masks and scales it, runs the online
 // softmax on its registers (a row's 4 owners are the 4 lanes of a quad: max and sum need two shuffles), rescales
-// its O accumulator (registers) and adds P V with P taken straight from the score registers.
-template <typename T, int D, int BK_>
+// its O accumulator (registers) and adds P V with P taken straight from the score registers. O is stored as TO:
+// T, or float for the partial results of a key block split into pieces (see forward_typed).
+template <typename T, typename TO, int D, int BK_>
 __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) {
     using L = FwdTiles<D, BK_>;
     constexpr int MW = L::MW, BQ = L::BQ, BK = L::BK, LDT = L::LDT;
@@ -553,7 +560,7 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
 
     // Epilogue: the quad's partial sums, then O / l and LSE = (m + log2 l) ln 2, or O = 0, LSE = -inf for a row
     // that saw no key.
-    T *og = static_cast<T *>(a.o) + b * a.os[0] + q0 * a.os[1] + h * a.os[2];
+    TO *og = static_cast<TO *>(a.o) + b * a.os[0] + q0 * a.os[1] + h * a.os[2];
 #pragma unroll
     for (int mb = 0; mb < MW; ++mb)
 #pragma unroll
@@ -570,7 +577,7 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
                 for (int e = 0; e < 2; ++e) {
                     const int c = 8 * j + 2 * t + e;
                     if (c < a.d)
-                        og[r * a.os[1] + c * a.os[3]] = from_f32<T>(o[mb][j][2 * i + e] * inv);
+                        og[r * a.os[1] + c * a.os[3]] = from_f32<TO>(o[mb][j][2 * i + e] * inv);
                 }
             if (t == 0)
                 a.lse[b * a.ls[0] + h * a.ls[1] + (q0 + r) * a.ls[2]] =
@@ -1303,6 +1310,40 @@ __global__ void attn_merge_kernel(const hexiseq_attn_merge_params m) {
         store_any(m.lse_acc, la_dt, la_at, lnew);
 }
 
+// The last step of a forward split into key pieces: o[b, i, h, c] = acc[b, i, h, c] rounded to the output dtype
+// (acc: double, contiguous [batch, seq, heads, d]; 0 for a row whose lse_acc is -inf) and lse[b, h, i] = lse_acc
+// (double, [batch, heads, seq]), one thread per element of acc.
+struct FwdStoreArgs {
+    const double *acc, *lse_acc;
+    void *o;
+    float *lse;
+    int64_t os[4], ls[3];
+    int64_t batch, seq, heads, d;
+    int32_t dtype;
+};
+
+// x[i] = value for i < n (grid-stride).
+__global__ void attn_fill_kernel(double *x, int64_t n, double value) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        x[i] = value;
+}
+
+__global__ void attn_fwd_store_kernel(const FwdStoreArgs a) {
+    const int64_t n = a.batch * a.seq * a.heads * a.d;
+    for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t c = idx % a.d;
+        const int64_t h = idx / a.d % a.heads;
+        const int64_t i = idx / a.d / a.heads % a.seq;
+        const int64_t b = idx / a.d / a.heads / a.seq;
+        const double lse = a.lse_acc[(b * a.heads + h) * a.seq + i];
+        // a row no piece saw anything of was never written by the merge: O = 0
+        store_any(a.o, a.dtype, b * a.os[0] + i * a.os[1] + h * a.os[2] + c * a.os[3], lse == -INFINITY ? 0.0 : a.acc[idx]);
+        if (c == 0)
+            a.lse[b * a.ls[0] + h * a.ls[1] + i * a.ls[2]] = (float)lse;
+    }
+}
+
 // ------------------------------------------------------------------------------------------------
 // Host side: validation and launches
 
@@ -1368,7 +1409,7 @@ int smem_optin_limit() {
 }
 
 // The query tile (BQ rows) depends on D, so the grid is sized here.
-template <typename T, int D, int BK = fwd_default_bk(D)>
+template <typename T, typename TO, int D, int BK = fwd_default_bk(D)>
 hexiseq_status launch_fwd(FwdArgs a, int64_t batch, cudaStream_t stream) {
     using L = FwdTiles<D, BK>;
     a.n_qtiles = ceil_div(a.seq_q, L::BQ);
@@ -1377,7 +1418,8 @@ hexiseq_status launch_fwd(FwdArgs a, int64_t batch, cudaStream_t stream) {
         return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED,
                             "batch * heads * ceil(seq_q / %d) = %lld CTAs exceeds the CUDA grid limit 2^31 - 1", L::BQ,
                             (long long)blocks);
-    return launch_with_smem(attn_fwd_kernel<T, D, BK>, "attn_fwd_kernel", blocks, kFwdThreads, L::bytes, stream, a);
+    return launch_with_smem(attn_fwd_kernel<T, TO, D, BK>, "attn_fwd_kernel", blocks, kFwdThreads, L::bytes, stream,
+                            a);
 }
 
 // The key tile (BK keys per CTA) depends on the instance, so the grid is sized here (backward_typed has checked
@@ -1397,6 +1439,29 @@ template <typename T, int D> hexiseq_status launch_bwd_staged(BwdArgs a, cudaStr
     return launch_with_smem(attn_bwd_staged_kernel<T, D>, "attn_bwd_staged_kernel", blocks, L::THREADS, L::bytes,
                             stream, a);
 }
+
+// One forward launch of args a (a key block of at most one piece), O stored as TO; keys: HEXISEQ_CUDA_FORWARD_KEYS.
+template <typename T, typename TO> hexiseq_status launch_fwd_any(const FwdArgs &a, int64_t batch, int32_t d,
+                                                                 const char *keys, cudaStream_t stream) {
+    switch (padded_head_dim(d)) {
+    case 64: return launch_fwd<T, TO, 64>(a, batch, stream);
+    case 128:
+        if (smem_optin_limit() >= FwdTiles<128>::bytes && !(keys && strcmp(keys, "32") == 0))
+            return launch_fwd<T, TO, 128>(a, batch, stream);
+        return launch_fwd<T, TO, 128, 32>(a, batch, stream);
+    default: return launch_fwd<T, TO, 256>(a, batch, stream);
+    }
+}
+
+// Longest key block one forward launch takes. The kernel's O and row-sum accumulators are fp32 sums that take every
+// key in turn, so their rounding error grows with the number of keys (and past 2^24 terms of equal size they stop
+// counting); a longer block is cut into pieces of this many keys, each computed on its own into fp32 partials and
+// merged by log-sum-exp into double accumulators (the merge kernel), rounded to the output dtype once at the end.
+// HEXISEQ_CUDA_FORWARD_PIECE=<keys> (a multiple of 64) sets it, so that tests reach the split on small blocks.
+constexpr int64_t kFwdPieceKeys = (int64_t)1 << 16;
+// Scratch of a split forward: double accumulators and fp32 partials for a slice of the query rows at a time, at
+// most about this many bytes.
+constexpr int64_t kFwdSplitScratchBytes = (int64_t)256 << 20;
 
 template <typename T> hexiseq_status forward_typed(const hexiseq_attn_params *p, cudaStream_t stream) {
     FwdArgs a;
@@ -1428,14 +1493,103 @@ template <typename T> hexiseq_status forward_typed(const hexiseq_attn_params *p,
     const char *keys = getenv("HEXISEQ_CUDA_FORWARD_KEYS");
     if (keys && *keys && strcmp(keys, "64") != 0 && strcmp(keys, "32") != 0)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "HEXISEQ_CUDA_FORWARD_KEYS=%s: expected 64, 32 or unset", keys);
-    switch (padded_head_dim(p->head_dim)) {
-    case 64: return launch_fwd<T, 64>(a, p->batch, stream);
-    case 128:
-        if (smem_optin_limit() >= FwdTiles<128>::bytes && !(keys && strcmp(keys, "32") == 0))
-            return launch_fwd<T, 128>(a, p->batch, stream);
-        return launch_fwd<T, 128, 32>(a, p->batch, stream);
-    default: return launch_fwd<T, 256>(a, p->batch, stream);
+    int64_t piece = kFwdPieceKeys;
+    const char *piece_env = getenv("HEXISEQ_CUDA_FORWARD_PIECE");
+    if (piece_env && *piece_env) {
+        char *end = nullptr;
+        const long long v = strtoll(piece_env, &end, 10);
+        if (*end != '\0' || v < 64 || v % 64 != 0 || v > ((int64_t)1 << 40))
+            return hexiseq_fail(HEXISEQ_ERR_INVALID,
+                                "HEXISEQ_CUDA_FORWARD_PIECE=%s: expected a multiple of 64 in [64, 2^40] or unset",
+                                piece_env);
+        piece = v;
     }
+    if (p->seq_k <= piece)
+        return launch_fwd_any<T, T>(a, p->batch, p->head_dim, keys, stream);
+
+    // Split: per slice of query rows, piece 0 writes fp32 (O, LSE) partials straight into part, which the first merge
+    // moves into the double accumulators (acc, whose LSE starts at -inf: the merge then takes the partial as it is);
+    // each later piece's partial is merged in; the store kernel rounds the result into o and lse.
+    const int64_t B = p->batch, H = p->heads, d = p->head_dim;
+    const int64_t row_bytes = B * H * (d * (int64_t)(sizeof(double) + sizeof(float)) + 2 * (int64_t)(sizeof(double) + sizeof(float)));
+    int64_t slice = std::max((int64_t)128, kFwdSplitScratchBytes / row_bytes / 128 * 128);
+    slice = std::min(slice, p->seq_q);
+    const size_t acc_bytes = (size_t)(B * slice * H * d) * sizeof(double);
+    const size_t lacc_bytes = (size_t)(B * H * slice) * sizeof(double);
+    const size_t part_bytes = (size_t)(B * slice * H * d) * sizeof(float);
+    const size_t lpart_bytes = (size_t)(B * H * slice) * sizeof(float);
+    auto up = [](size_t x) { return (x + 255) / 256 * 256; };
+    void *scratch = nullptr;
+    cudaError_t e = cudaMallocAsync(&scratch, up(acc_bytes) + up(lacc_bytes) + up(part_bytes) + lpart_bytes, stream);
+    if (e != cudaSuccess)
+        return cuda_fail(e, "cudaMallocAsync of the split forward's scratch (double accumulators, fp32 partials)");
+    char *base = static_cast<char *>(scratch);
+    double *acc = reinterpret_cast<double *>(base);
+    double *lacc = reinterpret_cast<double *>(base + up(acc_bytes));
+    float *part = reinterpret_cast<float *>(base + up(acc_bytes) + up(lacc_bytes));
+    float *lpart = reinterpret_cast<float *>(base + up(acc_bytes) + up(lacc_bytes) + up(part_bytes));
+
+    hexiseq_status s = HEXISEQ_OK;
+    for (int64_t q0 = 0; q0 < p->seq_q && s == HEXISEQ_OK; q0 += slice) {
+        const int64_t nq = std::min(slice, p->seq_q - q0);
+        // contiguous [B, nq, H, d] and [B, H, nq] strides of this slice's scratch
+        const int64_t o_st[4] = {nq * H * d, H * d, d, 1}, l_st[3] = {H * nq, nq, 1};
+        hexiseq_attn_merge_params m;
+        memset(&m, 0, sizeof m);
+        m.o_acc = acc, m.lse_acc = lacc, m.o_part = part, m.lse_part = lpart;
+        memcpy(m.o_acc_stride, o_st, sizeof o_st);
+        memcpy(m.o_part_stride, o_st, sizeof o_st);
+        memcpy(m.lse_acc_stride, l_st, sizeof l_st);
+        memcpy(m.lse_part_stride, l_st, sizeof l_st);
+        m.batch = B, m.seq = nq, m.heads = (int32_t)H, m.head_dim = (int32_t)d;
+        m.acc_dtype = HEXISEQ_DTYPE_F64, m.part_dtype = HEXISEQ_DTYPE_F32;
+        const int64_t rows = B * H * nq;
+        for (int64_t k0 = 0; k0 < p->seq_k && s == HEXISEQ_OK; k0 += piece) {
+            FwdArgs ap = a;
+            ap.q = static_cast<const T *>(p->q) + q0 * p->q_stride[1];
+            ap.seq_q = nq;
+            ap.q_pos0 = p->q_pos0 + q0;
+            ap.k = static_cast<const T *>(p->k) + k0 * p->k_stride[1];
+            ap.v = static_cast<const T *>(p->v) + k0 * p->v_stride[1];
+            ap.seq_k = std::min(piece, p->seq_k - k0);
+            ap.k_pos0 = p->k_pos0 + k0;
+            ap.vec_q = vec_ok(ap.q, p->q_stride, p->head_dim);
+            ap.vec_k = vec_ok(ap.k, p->k_stride, p->head_dim);
+            ap.vec_v = vec_ok(ap.v, p->v_stride, p->head_dim);
+            ap.o = part, ap.lse = lpart;
+            memcpy(ap.os, o_st, sizeof o_st);
+            memcpy(ap.ls, l_st, sizeof l_st);
+            if (k0 == 0) { // acc's LSE to -inf: the first merge takes the partial as it is (acc is never read)
+                HEXISEQ_LAUNCH(attn_fill_kernel, (unsigned)std::min(ceil_div(rows, kThreads), (int64_t)1 << 20),
+                               kThreads, 0, stream, lacc, rows, -INFINITY);
+                s = check_launch("attn_fill_kernel launch");
+            }
+            if (s == HEXISEQ_OK)
+                s = launch_fwd_any<T, float>(ap, B, p->head_dim, keys, stream);
+            if (s == HEXISEQ_OK) {
+                HEXISEQ_LAUNCH(attn_merge_kernel, (unsigned)ceil_div(rows, kThreads / 32), kThreads, 0, stream, m);
+                s = check_launch("attn_merge_kernel launch");
+            }
+        }
+        if (s == HEXISEQ_OK) {
+            FwdStoreArgs st;
+            memset(&st, 0, sizeof st);
+            st.acc = acc, st.lse_acc = lacc;
+            st.o = static_cast<T *>(p->o) + q0 * p->o_stride[1];
+            st.lse = static_cast<float *>(p->lse) + q0 * p->lse_stride[2];
+            memcpy(st.os, p->o_stride, sizeof st.os);
+            memcpy(st.ls, p->lse_stride, sizeof st.ls);
+            st.batch = B, st.seq = nq, st.heads = H, st.d = d, st.dtype = p->dtype;
+            const int64_t n = B * nq * H * d;
+            HEXISEQ_LAUNCH(attn_fwd_store_kernel, (unsigned)std::min(ceil_div(n, kThreads), (int64_t)1 << 20), kThreads,
+                           0, stream, st);
+            s = check_launch("attn_fwd_store_kernel launch");
+        }
+    }
+    e = cudaFreeAsync(scratch, stream);
+    if (e != cudaSuccess && s == HEXISEQ_OK)
+        s = cuda_fail(e, "cudaFreeAsync of the split forward's scratch");
+    return s;
 }
 
 template <typename T>

@@ -762,6 +762,8 @@ static void test_bad_inputs(void) {
     BAD(p.causal = 2, HEXISEQ_ERR_INVALID, "causal");
     BAD(p.scale = NAN, HEXISEQ_ERR_INVALID, "scale");
     BAD(p.scale = INFINITY, HEXISEQ_ERR_INVALID, "scale");
+    BAD(p.scale = 0.0, HEXISEQ_ERR_INVALID, "scale");
+    BAD(p.scale = -0.5, HEXISEQ_ERR_INVALID, "scale");
     BAD(p.q_pos0 = -1, HEXISEQ_ERR_INVALID, "q_pos0");
     BAD(p.k_pos0 = INT64_MAX - 3, HEXISEQ_ERR_INVALID, "k_pos0");
     BAD(p.q_stride[1] = (int64_t)1 << 62, HEXISEQ_ERR_INVALID, "q_stride[1]");

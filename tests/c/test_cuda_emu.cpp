@@ -412,6 +412,23 @@ void test_attention_cases() {
     for (const Case &c : staged64)
         run_case(c);
     unsetenv("HEXISEQ_CUDA_BACKWARD");
+    // A key block longer than one forward piece is cut into pieces merged in double (see forward_typed); pieces of
+    // 64 and 128 keys reach that path here: several pieces per block, partial last pieces, pieces no query of a
+    // slice sees (causal, keys after the queries), fully masked rows, GQA, D = 256, strided and transposed outputs.
+    const Case split[] = {
+        {BF, 1, 97, 161, 2, 1, 64, 1, 64, 0, CONTIG, 0, 0},
+        {F16, 1, 130, 200, 3, 3, 128, 0, 0, 0, HEADS_MAJOR, 1, 0},
+        {F16, 1, 97, 170, 2, 2, 20, 1, 0, 40, COL_STRIDE2, 0, 0},
+        {BF, 1, 70, 145, 2, 2, 256, 1, 100, 10, NEG_SEQ, 0, 0},
+        {BF, 2, 150, 140, 4, 2, 64, 1, 20, 0, MIXED_K, 1, 0},
+        {F16, 1, 33, 150, 1, 1, 64, 1, 0, 100, CONTIG, 0, 0},
+    };
+    for (const char *piece : {"64", "128"}) {
+        setenv("HEXISEQ_CUDA_FORWARD_PIECE", piece, 1);
+        for (const Case &c : split)
+            run_case(c);
+    }
+    unsetenv("HEXISEQ_CUDA_FORWARD_PIECE");
     // An sm_80 device (163 KiB): the D = 128 backward runs the register kernel with 128-key tiles instead.
     hexiseq_emu::set_smem_optin_limit(166912);
     for (const Case &c : cases)
@@ -515,6 +532,13 @@ void test_refusals() {
                strstr(hexiseq_last_error(), "HEXISEQ_CUDA_FORWARD_KEYS=48") != nullptr,
            "HEXISEQ_CUDA_FORWARD_KEYS=48 must be refused by name: %s", hexiseq_last_error());
     unsetenv("HEXISEQ_CUDA_FORWARD_KEYS");
+    for (const char *bad : {"100", "0", "64k", "-64"}) {
+        setenv("HEXISEQ_CUDA_FORWARD_PIECE", bad, 1);
+        EXPECT(hexiseq_attn_forward_cuda(&p, nullptr) == HEXISEQ_ERR_INVALID &&
+                   strstr(hexiseq_last_error(), "HEXISEQ_CUDA_FORWARD_PIECE") != nullptr,
+               "HEXISEQ_CUDA_FORWARD_PIECE=%s must be refused by name: %s", bad, hexiseq_last_error());
+    }
+    unsetenv("HEXISEQ_CUDA_FORWARD_PIECE");
     setenv("HEXISEQ_CUDA_BACKWARD", "fast", 1);
     EXPECT(hexiseq_attn_backward_cuda(&p, nullptr) == HEXISEQ_ERR_INVALID &&
                strstr(hexiseq_last_error(), "HEXISEQ_CUDA_BACKWARD=fast") != nullptr,
