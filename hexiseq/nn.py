@@ -45,7 +45,7 @@ class HexiSeqContext:
     a backward follows at a call) or whose inputs fail validation raise the same HexiseqError on every rank
     instead of aborting or hanging. timeout: for the subgroups it creates (default: the group's own).
     a2a_slices: how many slices of kv heads a layer is pipelined in, so that all-to-alls travel while attention
-    runs (default: HEXISEQ_A2A_SLICES, else up to 4 where the plan has an all-to-all, 1 otherwise)."""
+    runs (default: HEXISEQ_A2A_SLICES, else 1; see hexiseq.ring.slice_count)."""
 
     def __init__(self, plan, group=None, causal: bool = True, softmax_scale: Optional[float] = None, timeout=None,
                  a2a_slices: Optional[int] = None):

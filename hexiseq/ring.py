@@ -26,8 +26,10 @@ from .errors import InvalidArgumentError
 
 
 def slice_count(topology, asked):
-    """How many slices a layer is pipelined in: `asked`, else HEXISEQ_A2A_SLICES, else up to 4 when some group
-    has an all-to-all (more slices hide more of it but each adds a round of smaller messages), 1 otherwise."""
+    """How many slices a layer is pipelined in: `asked`, else HEXISEQ_A2A_SLICES, else 1. Not more by default:
+    on Gloo over 2 CPU processes (benchmarks/results/runtime.md) 4 slices made one-group layers slower (the
+    all-to-all wait went from about 9% to 35-39% of the layer) and 2 slices did not help reliably; on GPUs,
+    where NCCL's all-to-all runs beside the attention kernels, it is yet to be measured."""
     if asked is None:
         env = os.environ.get("HEXISEQ_A2A_SLICES", "")
         if env:
@@ -38,7 +40,7 @@ def slice_count(topology, asked):
             if asked < 1:
                 raise InvalidArgumentError(f"HEXISEQ_A2A_SLICES={env!r}: expected a positive integer")
         else:
-            asked = 4 if any(len(members) > 1 for members in topology.groups) else 1
+            asked = 1
     elif isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
         raise InvalidArgumentError(f"a2a_slices must be a positive integer, got {asked!r}")
     return asked

@@ -61,7 +61,7 @@ def _rel(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1.0)).item()
 
 
-def check_plan(rank, world, init, plan_json, dtype_name, head_dim, batch, results, kernels=""):
+def check_plan(rank, world, init, plan_json, dtype_name, head_dim, batch, results, kernels="", slices=""):
     """Run HexiSeq attention forward and backward on this rank's shard; report the relative errors of the
     output and of dq, dk, dv against the float64 single-process reference (same seed on every rank).
     kernels="torch" runs the PyTorch block kernels (the path CUDA tensors take) instead of the C ones."""
@@ -69,6 +69,7 @@ def check_plan(rank, world, init, plan_json, dtype_name, head_dim, batch, result
         import os
 
         os.environ["HEXISEQ_RUNTIME_KERNELS"] = kernels
+        os.environ["HEXISEQ_A2A_SLICES"] = slices
         import hexiseq
         from hexiseq.nn import HexiSeqAttention
 
@@ -136,6 +137,11 @@ def check_plan_in_replicas(rank, world, init, plan_json, results):
 def check_plan_torch(rank, world, init, plan_json, dtype_name, head_dim, batch, results):
     """check_plan with the PyTorch block kernels instead of the C ones."""
     check_plan(rank, world, init, plan_json, dtype_name, head_dim, batch, results, kernels="torch")
+
+
+def check_plan_sliced(rank, world, init, plan_json, dtype_name, head_dim, batch, slices, results):
+    """check_plan with the layer pipelined in `slices` slices of kv heads."""
+    check_plan(rank, world, init, plan_json, dtype_name, head_dim, batch, results, slices=str(slices))
 
 
 def check_mismatch(rank, world, init, plan_jsons, results):
