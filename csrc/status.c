@@ -19,6 +19,7 @@ const char *hexiseq_status_string(hexiseq_status status) {
     case HEXISEQ_ERR_CUDA: return "CUDA error";
     case HEXISEQ_ERR_INTERNAL: return "internal error";
     case HEXISEQ_ERR_CANCELLED: return "cancelled";
+    case HEXISEQ_STATUS_COUNT: break;
     }
     return "unknown status";
 }

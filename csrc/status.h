@@ -24,7 +24,8 @@ typedef enum {
     HEXISEQ_ERR_UNSUPPORTED = 7, /* valid request this build cannot serve (dtype, head dim, device) */
     HEXISEQ_ERR_CUDA = 8,        /* a CUDA runtime call failed */
     HEXISEQ_ERR_INTERNAL = 9,    /* a bug: an invariant did not hold */
-    HEXISEQ_ERR_CANCELLED = 10   /* a progress callback asked the call to stop */
+    HEXISEQ_ERR_CANCELLED = 10,  /* a progress callback asked the call to stop */
+    HEXISEQ_STATUS_COUNT = 11    /* how many codes there are (not a status) */
 } hexiseq_status;
 
 /* Static text for a code ("invalid argument", ...). Never NULL. */

@@ -22,7 +22,7 @@
 /* ------------------------------------------------------------------ module state and errors */
 
 typedef struct {
-    PyObject *errors[10]; /* exception class per hexiseq_status, [0] unused */
+    PyObject *errors[HEXISEQ_STATUS_COUNT]; /* exception class per hexiseq_status, [0] unused */
     PyObject *type_error; /* hexiseq.errors.ArgumentTypeError: an argument of the wrong kind */
 } core_state;
 
@@ -31,7 +31,7 @@ static core_state *get_state(PyObject *module) { return (core_state *)PyModule_G
 /* Raise the exception class mapped to `status` with the core's last-error text; returns NULL. */
 static PyObject *raise_status(PyObject *module, hexiseq_status status) {
     core_state *st = get_state(module);
-    PyObject *cls = (status > 0 && status < 10) ? st->errors[status] : NULL;
+    PyObject *cls = (status > 0 && status < HEXISEQ_STATUS_COUNT) ? st->errors[status] : NULL;
     const char *detail = hexiseq_last_error();
     PyErr_SetString(cls ? cls : PyExc_RuntimeError, detail[0] ? detail : hexiseq_status_string(status));
     return NULL;
@@ -1185,6 +1185,8 @@ static int core_exec(PyObject *module) {
         {HEXISEQ_ERR_MEMORY, "MemoryFitError"},   {HEXISEQ_ERR_NOMEM, "InternalError"},
         {HEXISEQ_ERR_UNSUPPORTED, "UnsupportedError"}, {HEXISEQ_ERR_CUDA, "CudaError"},
         {HEXISEQ_ERR_INTERNAL, "InternalError"},
+        /* a cancelled plan raises the pending KeyboardInterrupt before it gets here: reaching it is a bug */
+        {HEXISEQ_ERR_CANCELLED, "InternalError"},
     };
     for (size_t i = 0; i < sizeof map / sizeof map[0]; ++i) {
         st->errors[map[i].status] = PyObject_GetAttrString(errors, map[i].name);
@@ -1237,7 +1239,7 @@ static int core_exec(PyObject *module) {
 
 static int core_traverse(PyObject *module, visitproc visit, void *arg) {
     core_state *st = get_state(module);
-    for (int i = 0; i < 10; ++i)
+    for (int i = 0; i < HEXISEQ_STATUS_COUNT; ++i)
         Py_VISIT(st->errors[i]);
     Py_VISIT(st->type_error);
     return 0;
@@ -1245,7 +1247,7 @@ static int core_traverse(PyObject *module, visitproc visit, void *arg) {
 
 static int core_clear(PyObject *module) {
     core_state *st = get_state(module);
-    for (int i = 0; i < 10; ++i)
+    for (int i = 0; i < HEXISEQ_STATUS_COUNT; ++i)
         Py_CLEAR(st->errors[i]);
     Py_CLEAR(st->type_error);
     return 0;
