@@ -137,6 +137,8 @@ def cuda_runtime_version(nvcc):
 core = Extension(
     "hexiseq._core",
     sources=["hexiseq/_core.c"] + sorted(glob.glob("csrc/*.c")),
+    # headers too, so that editing one rebuilds the extension (setuptools compares their times with the output)
+    depends=sorted(glob.glob("csrc/*.h")) + sorted(glob.glob("kernels/*.h")),
     include_dirs=["csrc", "kernels", numpy.get_include()],
     extra_compile_args=["-std=c11", "-O3", "-fvisibility=hidden", "-Wall", "-Wno-unknown-pragmas"],
     extra_link_args=[],
