@@ -75,13 +75,11 @@ static int same_curve(const hexiseq_rate_curve *a, const hexiseq_rate_curve *b) 
     return 1;
 }
 
-/* Same model, memory, peak, efficiencies and measured curves: every figure the cost model reads of a
- * device is the same. */
-static int same_device(const hexiseq_device_info *a, const hexiseq_device_info *b) {
-    return a->gpu_index == b->gpu_index && a->memory_gib == b->memory_gib && a->peak_tflops == b->peak_tflops &&
-           a->gemm_eff == b->gemm_eff &&
-           a->attn_eff == b->attn_eff && same_curve(&a->gemm_curve, &b->gemm_curve) &&
-           same_curve(&a->attn_curve, &b->attn_curve) && same_curve(&a->attn_causal_curve, &b->attn_causal_curve);
+int hexiseq_same_device(const hexiseq_device_info *a, const hexiseq_device_info *b) {
+    return a->gpu_index == b->gpu_index && strcmp(a->gpu_name, b->gpu_name) == 0 && a->memory_gib == b->memory_gib &&
+           a->peak_tflops == b->peak_tflops && a->gemm_eff == b->gemm_eff && a->attn_eff == b->attn_eff &&
+           same_curve(&a->gemm_curve, &b->gemm_curve) && same_curve(&a->attn_curve, &b->attn_curve) &&
+           same_curve(&a->attn_causal_curve, &b->attn_causal_curve);
 }
 
 #define DEVICE_CLASSES_SEEN 16 /* recent classes a device is compared with before it opens a new one */
@@ -99,7 +97,7 @@ static int derive(hexiseq_cluster *c) {
     for (int32_t i = 0; i < n; ++i) {
         int32_t cls = i;
         for (int32_t k = 0; k < n_seen && cls == i; ++k)
-            if (same_device(&c->dev[i], &c->dev[seen[k]]))
+            if (hexiseq_same_device(&c->dev[i], &c->dev[seen[k]]))
                 cls = seen[k];
         if (cls == i) {
             memmove(seen + 1, seen, (size_t)(n_seen < DEVICE_CLASSES_SEEN ? n_seen : DEVICE_CLASSES_SEEN - 1) * sizeof *seen);

@@ -34,6 +34,10 @@ struct hexiseq_cluster {
 #define HEXISEQ_MAX_SEQ_LEN (INT64_C(1) << 30)
 
 int hexiseq_gpu_index(const char *name);
+
+/* Same model, name, memory, peak, efficiencies and measured curves: devices the cost model cannot tell apart
+ * (the cluster's rate classes and the scheduler's node classes both use it). */
+int hexiseq_same_device(const hexiseq_device_info *a, const hexiseq_device_info *b);
 double hexiseq_layer_params(const hexiseq_model *m);
 
 /* Bandwidth a -> b in bytes/s, no validation (a != b). */

@@ -19,27 +19,10 @@ typedef struct {
     int32_t *choice;         /* [n_classes] current option: node split into 2^choice parts (capped) */
 } topo;
 
-static int same_curve(const hexiseq_rate_curve *a, const hexiseq_rate_curve *b) {
-    if (a->n != b->n)
-        return 0;
-    for (int32_t i = 0; i < a->n; ++i)
-        if (a->size[i] != b->size[i] || a->tflops[i] != b->tflops[i])
-            return 0;
-    return 1;
-}
-
-/* Same model, memory, rates and measured curves: devices the cost model cannot tell apart. */
-static int same_device(const hexiseq_device_info *a, const hexiseq_device_info *b) {
-    return a->gpu_index == b->gpu_index && strcmp(a->gpu_name, b->gpu_name) == 0 && a->memory_gib == b->memory_gib &&
-           a->peak_tflops == b->peak_tflops && a->gemm_eff == b->gemm_eff && a->attn_eff == b->attn_eff &&
-           same_curve(&a->gemm_curve, &b->gemm_curve) && same_curve(&a->attn_curve, &b->attn_curve) &&
-           same_curve(&a->attn_causal_curve, &b->attn_causal_curve);
-}
-
 /* Devices a .. a + count and b .. b + count alike one by one (measured curves may differ per device). */
 static int same_devices(const hexiseq_cluster *c, int32_t a, int32_t b, int32_t count) {
     for (int32_t i = 0; i < count; ++i)
-        if (!same_device(&c->dev[a + i], &c->dev[b + i]))
+        if (!hexiseq_same_device(&c->dev[a + i], &c->dev[b + i]))
             return 0;
     return 1;
 }

@@ -9,19 +9,9 @@
 
 #include "internal.h"
 
-static int passed, failed;
+#include "check.h"
 
-#define CHECK(cond, ...)                                                                                         \
-    do {                                                                                                         \
-        if (cond) {                                                                                              \
-            ++passed;                                                                                            \
-        } else {                                                                                                 \
-            ++failed;                                                                                            \
-            printf("FAIL %s:%d: ", __FILE__, __LINE__);                                                          \
-            printf(__VA_ARGS__);                                                                                 \
-            printf("\n");                                                                                        \
-        }                                                                                                        \
-    } while (0)
+#define CHECK EXPECT
 
 static int close_rel(double a, double b, double tol) { return fabs(a - b) <= tol * fmax(fabs(a), fabs(b)) + 1e-300; }
 
@@ -145,6 +135,6 @@ int main(void) {
         test_ring_pricing(128, causal); /* and one ring step type per group pair */
     }
     test_lp_merge();
-    printf("%d passed, %d failed\n", passed, failed);
-    return failed ? 1 : 0;
+    printf("%d passed, %d failed\n", n_passed, n_failed);
+    return n_failed ? 1 : 0;
 }

@@ -8,19 +8,9 @@
 
 #include "hexiseq.h"
 
-static int passed, failed;
+#include "check.h"
 
-#define CHECK(cond, ...)                                                                                         \
-    do {                                                                                                         \
-        if (cond) {                                                                                              \
-            ++passed;                                                                                            \
-        } else {                                                                                                 \
-            ++failed;                                                                                            \
-            printf("FAIL %s:%d: ", __FILE__, __LINE__);                                                          \
-            printf(__VA_ARGS__);                                                                                 \
-            printf("\n");                                                                                        \
-        }                                                                                                        \
-    } while (0)
+#define CHECK EXPECT
 
 /* Nodes of 8 cycling H100-SXM, A100-80G, A800, L40S (benchmarks/planner_scaling.py). */
 static hexiseq_cluster *cluster_of(int32_t n) {
@@ -130,6 +120,6 @@ int main(void) {
     CHECK(st == HEXISEQ_ERR_INVALID, "infinite limit: %d", st);
     hexiseq_cluster_destroy(small);
 
-    printf("%d passed, %d failed\n", passed, failed);
-    return failed ? 1 : 0;
+    printf("%d passed, %d failed\n", n_passed, n_failed);
+    return n_failed ? 1 : 0;
 }
