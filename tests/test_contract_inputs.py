@@ -98,7 +98,7 @@ INT_CASES = [
      "intermediate_size", "[1, 16777216]"),
     ("binding", lambda v: lambda: _core.model_params((2, 64, 4, 4, 16, v, 100, 2, 0)), "model.ffn", "[1, 16777216]"),
     ("binding training", lambda v: lambda: _core.evaluate(*Cluster.example()._core_args(),
-                                                          Model.preset("7b")._as_core(), (v, 0, 0, 2.0), 4096,
+                                                          Model.preset("7b")._as_core(), (v, 0, 0, 2.0, 0), 4096,
                                                           True, {}),
      "training.sequences", "[1, 2147483647]"),
 ]

@@ -236,16 +236,45 @@ MIXED = {"nodes": [{"gpu": "H100-SXM", "count": 8, "intra_gbps": 450}, {"gpu": "
 
 
 def test_memory_error_says_the_states_do_not_fit():
-    """70B on 20 devices with 45 GiB L40S: under full sharding each device holds 1/20 of the states, more than an
-    L40S has, so no length fits; the error says so as text and as fields, with the states per device."""
+    """70B on 20 devices with 45 GiB L40S: under full sharding with even shares each device holds 1/20 of the
+    states, more than an L40S has, so no length fits; the error says so as text and as fields, with the states
+    per device."""
     with pytest.raises(MemoryFitError) as info:
-        hexiseq.plan(MIXED, model="70b", seq_len="128k", training=Training(checkpointing=True))
+        hexiseq.plan(MIXED, model="70b", seq_len="128k", training=Training(checkpointing=True, state_shares="even"))
     err, e = info.value, str(info.value)
     for needle in ("model states alone take", "device 16 (L40S, 45.0 GiB)", "no sequence fits"):
         assert needle in e, (needle, e)
     assert err.states_fit is False and err.longest_seq_len == 0 and err.longest_seq_len_checkpointing == 0
     assert len(err.states_gib) == 20 and len(set(err.states_gib)) == 1 and err.states_gib[0] > 45.0
     assert f"{err.states_gib[0]:.1f} GiB per device" in e
+
+
+def test_states_shared_by_memory_fit_where_even_shares_do_not():
+    """The same 70B, 20 devices, 64k tokens: even shares overflow the L40S, so auto shares the states by memory
+    (each device in proportion to what it has beside the unsharded part) and the plan fits and says so. Where
+    even the states shared by memory do not fit (70B on four L40S), the error says that."""
+    training = Training(checkpointing=True)
+    with pytest.raises(MemoryFitError, match="L40S"):
+        hexiseq.plan(MIXED, model="70b", seq_len="64k", training=Training(checkpointing=True, state_shares="even"))
+    p = hexiseq.plan(MIXED, model="70b", seq_len="64k", training=training)
+    assert p.fits and p.training.state_shares == "memory" and training.state_shares == "auto"
+    shares = p.state_shares
+    assert abs(shares.sum() - 1.0) < 1e-12 and shares.min() > 0
+    gpus = p.cluster.device_gpus
+    small, big = shares[gpus == "L40S"], shares[gpus != "L40S"]
+    assert len(set(small.tolist())) == 1 and small[0] < 1 / 20 < big.min()  # 80 GB H100s hold a hair less: 79.6 GiB
+    assert "shared by memory" in p.explain() and "hexiseq.shard_states" in p.explain()
+    assert hexiseq.Plan.from_json(p.to_json()).state_shares.tolist() == shares.tolist()
+    # a plan that fits with even shares keeps them, and its file is what it was (no state_shares field)
+    even = hexiseq.plan(MIXED, model="8b", seq_len="64k", training=training)
+    assert even.training.state_shares == "even" and "state_shares" not in even.to_json()
+    assert even.state_shares.tolist() == [1 / 20] * 20
+    with pytest.raises(MemoryFitError) as info:
+        hexiseq.plan({"nodes": [{"gpu": "L40S", "count": 4, "intra_gbps": 32}], "inter_node_gbps": 25}, model="70b",
+                     seq_len="8k", training=training)
+    assert "shared by memory" in str(info.value) and "no sequence fits" in str(info.value)
+    with pytest.raises(InvalidArgumentError, match="training.state_shares must be one of"):
+        Training(state_shares="uneven")
 
 
 def test_memory_error_gives_the_longest_sequence_that_fits():
