@@ -37,7 +37,6 @@ gathers again by itself. Other saved-tensor hooks active around a unit (e.g. sav
 """
 
 import math
-import numbers
 import weakref
 from fractions import Fraction
 
@@ -46,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._validate import number
 from .comm import _DTYPES, _bits_float, _code, _float_bits, _show, agree, collective_device, resolve_group
 from .errors import InvalidArgumentError
 
@@ -89,11 +89,10 @@ def _check_shares(shares, world):
     if len(shares) != world:
         raise InvalidArgumentError(f"shares must hold one share per rank of the group ({world}), got {len(shares)}: "
                                    f"{list(shares)!r}")
-    out = []
-    for i, s in enumerate(shares):
-        if isinstance(s, bool) or not isinstance(s, numbers.Real) or not math.isfinite(float(s)) or s < 0:
-            raise InvalidArgumentError(f"shares[{i}] must be a finite number >= 0, got {s!r}")
-        out.append(float(s))
+    out = [number(s, f"shares[{i}]") for i, s in enumerate(shares)]
+    for i, s in enumerate(out):
+        if s < 0:
+            raise InvalidArgumentError(f"shares[{i}] must be >= 0, got {s!r}")
     if abs(math.fsum(out) - 1.0) > SHARE_TOLERANCE:
         raise InvalidArgumentError(f"shares must sum to 1 (within {SHARE_TOLERANCE:g}), got {out!r} "
                                    f"(sum {math.fsum(out)!r})")
@@ -134,12 +133,21 @@ def _storage_key(t):
 def _pack(t):
     unit = _active.get(_storage_key(t))
     if unit is None:
-        return t.detach()  # saved as autograd would; detached so the packed value does not point back at t
+        # kept as autograd would keep it (detached, so the packed value does not point back at t), with its
+        # version: autograd skips its in-place check for tensors that went through hooks, so we make it
+        return t.detach(), t._version
     return _Saved(unit, t)
 
 
 def _unpack(saved):
-    return saved.unit.saved_view(saved) if isinstance(saved, _Saved) else saved
+    if isinstance(saved, _Saved):
+        return saved.unit.saved_view(saved)
+    t, version = saved
+    if t._version != version:
+        raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an inplace "
+                           f"operation: a {t.dtype} tensor of shape {list(t.shape)} is at version {t._version}, "
+                           f"it was saved at version {version}")
+    return t
 
 
 def _top_hooks():

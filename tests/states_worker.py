@@ -160,6 +160,39 @@ def roundtrip_scenario(rank, world):
     return max_diff(back, plain.state_dict()), same_shapes, [n for n, _ in net.named_parameters()]
 
 
+class InPlace(nn.Module):
+    """Changes in place a tensor that autograd saved."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        y = self.lin(x)
+        z = y.sin()  # saves y
+        y.add_(1)
+        return z
+
+
+def misuse_scenario(rank, world, what):
+    """Changes between a forward and its backward that autograd must refuse: "activation" changes a saved
+    activation inside a unit (where our saved-tensor hooks replace autograd's own check), "shard" changes the
+    shards (as an optimizer step would)."""
+    import hexiseq
+
+    net = make_net()
+    net.blocks.append(InPlace().double())
+    hexiseq.shard_states(net, [0.5, 0.3, 0.2])
+    if what == "activation":
+        out = net.blocks[LAYERS](torch.randn(2, DIM, dtype=torch.float64, requires_grad=True))
+    else:
+        out = loss_of(net, *batch(0, rank))
+        with torch.no_grad():
+            for p in net.parameters():
+                p.mul_(1.0)
+    out.sum().backward()
+
+
 def run_all(rank, world, init, results):
     try:
         import hexiseq
@@ -199,6 +232,8 @@ def run_all(rank, world, init, results):
         scenario("checkpoint_reentrant", lambda: train_scenario(rank, world, [0.2, 0.3, 0.5], ckpt="reentrant"))
         scenario("reduce_sum", lambda: train_scenario(rank, world, good, reduce="sum"))
         scenario("fallback", lambda: train_scenario(rank, world, [0.7, 0.3, 0.0], fallback=True))
+        scenario("inplace_activation", lambda: misuse_scenario(rank, world, "activation"))
+        scenario("inplace_shard", lambda: misuse_scenario(rank, world, "shard"))
         scenario("memory", lambda: memory_scenario(rank, world))
         scenario("memory_without_hooks", lambda: memory_scenario(rank, world, free_after_forward=False))
         scenario("optimizer", lambda: optimizer_scenario(rank, world, good))
