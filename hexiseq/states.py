@@ -151,6 +151,8 @@ def _unpack(saved):
 
 
 def _top_hooks():
+    # Where torch lacks this query (older releases) our hooks are always pushed: a non-reentrant checkpoint
+    # inside a unit then keeps its activations (correct gradients, no memory saved).
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return top(False) if top is not None else None
 
@@ -475,6 +477,8 @@ def shard_states(module, shares, *, group=None, units=None, reduce="mean"):
     about the shares, reduce or the units' sizes and dtypes) with the same message on every rank."""
     group = resolve_group(group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if rank < 0:
+        raise InvalidArgumentError("this process is not a member of the group it shards over")
     shares = getattr(shares, "state_shares", shares)
     error, found, checked = None, [], None
     try:  # every local check first: a rank that fails still meets the others in the agreement below
@@ -509,7 +513,7 @@ def shard_states(module, shares, *, group=None, units=None, reduce="mean"):
     for u, (_, _, _, places) in zip(made, found):
         u.build(shard_sizes(checked, u.total), rank)
         u.place(places)
-        hooks.append(u.module.register_forward_pre_hook(u.before))
+        hooks.append(u.module.register_forward_pre_hook(u.before, prepend=True))  # before hooks that read them
         hooks.append(u.module.register_forward_hook(u.after, always_call=True))
     module.__dict__["_hexiseq_states"] = _Record(made, comm, keys, hooks)
     return module
