@@ -17,7 +17,8 @@ EXPECTED_ALL = [
     "cuda_device_count", "gpu_catalog", "Cluster", "Node", "DeviceRates", "Model", "MODEL_PRESETS", "Training",
     "Sharding", "Strategy", "Layout", "Plan", "DeviceTable", "plan", "evaluate", "compare", "calibrate", "measure",
     "Measurement", "HexiseqError", "InvalidArgumentError", "UnknownGPUError", "LayoutError", "MemoryFitError", "RankMismatchError",
-    "UnsupportedError", "CudaError", "InternalError", "ops",
+    "UnsupportedError", "CudaError", "InternalError", "ops", "shard_states", "full_state_dict",
+    "load_full_state_dict",
 ]
 
 GPUS = ["H100-SXM", "H100-PCIe", "H200", "H800", "A100-40G", "A100-80G", "A800", "L40S", "L40", "A6000", "RTX4090",
