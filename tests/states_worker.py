@@ -224,7 +224,7 @@ def run_all(rank, world, init, results):
             hexiseq.shard_states(net, good, units=[net.head])
 
         scenario("tied_across", tied_across)
-        scenario("plan_object", lambda: type(hexiseq.shard_states(make_net(), _PlanLike(good))).__name__)
+        scenario("plan_object", lambda: plan_scenario())
 
         scenario("uneven", lambda: train_scenario(rank, world, good))
         scenario("zero_share", lambda: train_scenario(rank, world, [0.7, 0.3, 0.0], tied=True))
@@ -245,8 +245,15 @@ def run_all(rank, world, init, results):
         results.put((rank, "error", traceback.format_exc()))
 
 
-class _PlanLike:
-    """Stands in for a hexiseq.Plan: shard_states reads only its state_shares."""
+def plan_scenario():
+    """A real plan with states shared by memory (two H100s and an L40S): the shares shard_states applies are the
+    plan's; reports the plan's shares, this rank's shard elements and the model's total."""
+    import hexiseq
 
-    def __init__(self, shares):
-        self.state_shares = shares
+    cluster = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 2, "intra_gbps": 450},
+                                                   {"gpu": "L40S", "count": 1, "intra_gbps": 32}],
+                                         "inter_node_gbps": 25})
+    plan = hexiseq.plan(cluster, model="gpt-3b", seq_len=4096, training=hexiseq.Training(state_shares="memory"))
+    total = sum(p.numel() for p in make_net().parameters())
+    net = hexiseq.shard_states(make_net(), plan)
+    return plan.state_shares.tolist(), sum(p.numel() for p in net.parameters()), total
