@@ -82,6 +82,23 @@ int hexiseq_same_device(const hexiseq_device_info *a, const hexiseq_device_info 
            same_curve(&a->attn_causal_curve, &b->attn_causal_curve);
 }
 
+static int ascending(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+double hexiseq_memory_beyond(const hexiseq_cluster *c, double level) {
+    int32_t lo = 0, hi = c->n_devices; /* first device above level: mem_sorted[lo] > level */
+    while (lo < hi) {
+        int32_t mid = lo + (hi - lo) / 2;
+        if (c->mem_sorted[mid] > level)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return c->mem_above[lo] - level * (double)(c->n_devices - lo);
+}
+
 #define DEVICE_CLASSES_SEEN 16 /* recent classes a device is compared with before it opens a new one */
 
 /* The figures of struct hexiseq_cluster that are derived from the rest (see internal.h). Returns 0 when
@@ -113,6 +130,16 @@ static int derive(hexiseq_cluster *c) {
         c->ring_bw_min = fmin(c->ring_bw_min, hexiseq_bw_bytes(c, i, j));
         c->ring_lat_max_s = fmax(c->ring_lat_max_s, hexiseq_lat_s(c, i, j));
     }
+    c->mem_sorted = malloc((size_t)n * sizeof *c->mem_sorted);
+    c->mem_above = malloc(((size_t)n + 1) * sizeof *c->mem_above);
+    if (!c->mem_sorted || !c->mem_above)
+        return 0;
+    for (int32_t i = 0; i < n; ++i)
+        c->mem_sorted[i] = c->dev[i].memory_gib;
+    qsort(c->mem_sorted, (size_t)n, sizeof *c->mem_sorted, ascending);
+    c->mem_above[n] = 0.0;
+    for (int32_t i = n - 1; i >= 0; --i)
+        c->mem_above[i] = c->mem_above[i + 1] + c->mem_sorted[i];
     c->gemm_rate_sum = c->attn_rate_sum[0] = c->attn_rate_sum[1] = 0.0;
     for (int32_t i = 0; i < n; ++i) {
         c->gemm_rate_sum += hexiseq_gemm_plateau(&c->dev[i]);
@@ -273,6 +300,8 @@ void hexiseq_cluster_destroy(hexiseq_cluster *c) {
     free(c->lat);
     free(c->dev_class);
     free(c->node_of);
+    free(c->mem_sorted);
+    free(c->mem_above);
     free(c);
 }
 
@@ -380,4 +409,5 @@ void hexiseq_training_default(hexiseq_training *out) {
     out->checkpointing = 0;
     out->sharding = HEXISEQ_SHARD_FULL;
     out->reserved_gib = 2.0;
+    out->state_shares = HEXISEQ_STATES_EVEN;
 }

@@ -797,19 +797,49 @@ static double a2a_time_s(const cost_ctx *x, int32_t r, double *send_bytes, doubl
     return per_layer * x->m->layers * x->t->sequences;
 }
 
-void hexiseq_memory_coeffs(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
-                           int32_t device, int32_t heads, int32_t kv_n, double ring_block, hexiseq_memory_coeffs_t *out) {
+void hexiseq_states(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t, int32_t device,
+                    hexiseq_states_t *out) {
     double P = m->layers * hexiseq_layer_params(m) + 2.0 * (double)m->vocab * m->hidden + m->hidden;
-    double N = c->n_devices, b = m->dtype_bytes;
+    double b = m->dtype_bytes;
     double opt = 8.0 + (b < 4 ? 4.0 : 0.0); /* Adam m, v in fp32, plus an fp32 master copy below fp32 */
     double gathered = fmax(hexiseq_layer_params(m), (double)m->vocab * m->hidden) * b;
-    double states;
+    double fixed, sharded;
     switch (t->sharding) {
-    case HEXISEQ_SHARD_FULL: states = (2.0 * b + opt) * P / N + 3.0 * gathered; break; /* layer, prefetch, grads */
-    case HEXISEQ_SHARD_GRAD_OPT: states = b * P + (b + opt) * P / N + gathered; break;
-    case HEXISEQ_SHARD_OPT: states = 2.0 * b * P + opt * P / N; break;
-    default: states = (2.0 * b + opt) * P; break;
+    case HEXISEQ_SHARD_FULL: fixed = 3.0 * gathered, sharded = (2.0 * b + opt) * P; break; /* layer, prefetch, grads */
+    case HEXISEQ_SHARD_GRAD_OPT: fixed = b * P + gathered, sharded = (b + opt) * P; break;
+    case HEXISEQ_SHARD_OPT: fixed = 2.0 * b * P, sharded = opt * P; break;
+    default: fixed = (2.0 * b + opt) * P, sharded = 0.0; break;
     }
+    out->fixed_gib = fixed / GIB;
+    out->sharded_gib = sharded / GIB;
+    out->share = 1.0 / c->n_devices;
+    double part = sharded / c->n_devices; /* this device's part of the sharded states */
+    if (t->state_shares == HEXISEQ_STATES_BY_MEMORY && sharded > 0.0) {
+        /* Every device keeps the same fraction of the memory it has beside the unsharded part and the reserve:
+         * share_r = (cap_r - level)+ / sum_d (cap_d - level)+. A device with nothing beyond the level holds no
+         * share (and, short of even the unsharded part, does not fit). When no device has room, even shares
+         * stand (nothing fits either way). */
+        double level = out->fixed_gib + t->reserved_gib, room = hexiseq_memory_beyond(c, level);
+        double cap = device < 0 ? c->mem_sorted[c->n_devices - 1] : c->dev[device].memory_gib; /* -1: largest */
+        if (room > 0.0) {
+            out->share = fmax(0.0, cap - level) / room;
+            part = out->share * sharded;
+        }
+    }
+    /* summed in the order the even formulas always had, so that even shares give the same bits */
+    switch (t->sharding) {
+    case HEXISEQ_SHARD_FULL: out->gib = (part + 3.0 * gathered) / GIB; break;
+    case HEXISEQ_SHARD_GRAD_OPT: out->gib = (b * P + part + gathered) / GIB; break;
+    case HEXISEQ_SHARD_OPT: out->gib = (2.0 * b * P + part) / GIB; break;
+    default: out->gib = fixed / GIB; break;
+    }
+}
+
+void hexiseq_memory_coeffs(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
+                           int32_t device, int32_t heads, int32_t kv_n, double ring_block, hexiseq_memory_coeffs_t *out) {
+    hexiseq_states_t st;
+    hexiseq_states(c, m, t, device, &st);
+    double b = m->dtype_bytes;
     double H = m->hidden;
     /* saved per token and layer: 2 norm inputs, 2 norm outputs, attention output, MLP intermediates */
     double act_layer = b * (4.0 * H + (double)m->heads * m->head_dim + (m->gated_mlp ? 3.0 : 2.0) * m->ffn);
@@ -821,7 +851,8 @@ void hexiseq_memory_coeffs(const hexiseq_cluster *c, const hexiseq_model *m, con
     double attn = qkvo * ((t->checkpointing ? 1.0 : m->layers) + 1.0);
     /* K,V and fp32 dK,dV of a ring block, double-buffered */
     double ring = kv_n > 0 ? 2.0 * ring_block * 2.0 * kv_n * m->head_dim * (b + 4.0) : 0.0;
-    out->states_gib = states / GIB;
+    out->states_gib = st.gib;
+    out->state_share = st.share;
     out->ring_gib = ring / GIB;
     out->per_token_gib = act / GIB;
     out->per_group_token_gib = attn / GIB;
@@ -834,6 +865,7 @@ static void memory_terms(const cost_ctx *x, int32_t r, int32_t kv_n, hexiseq_dev
     hexiseq_memory_coeffs_t mc;
     hexiseq_memory_coeffs(x->c, x->m, x->t, x->l->device[r], x->l->head_count[r], kv_n, x->max_block, &mc);
     out->mem_states_gib = mc.states_gib;
+    out->state_share = mc.state_share;
     out->mem_act_gib = mc.per_token_gib * (double)x->l->tokens[r];
     out->mem_attn_gib = mc.per_group_token_gib * (double)x->l->group_seq[x->group_of[r]];
     out->mem_ring_gib = mc.ring_gib;
@@ -876,8 +908,16 @@ static void grad_sync_s(const cost_ctx *x, double b_fwd, double b_bwd, double *s
     double bw = x->c->ring_bw_min, lat = x->c->ring_lat_max_s; /* the ring 0 -> 1 -> ... -> N-1 -> 0 */
     double L = x->m->layers, seqs = x->t->sequences, ck = x->t->checkpointing ? 1.0 : 0.0;
     double P = L * hexiseq_layer_params(x->m) + 2.0 * (double)x->m->vocab * x->m->hidden + x->m->hidden;
-    /* one reduce-scatter or all-gather of every parameter (A), and its per-layer part (a) */
-    double A = (N - 1.0) / N * P * x->m->dtype_bytes / bw + L * (N - 1.0) * lat;
+    /* one reduce-scatter or all-gather of every parameter (A), and its per-layer part (a). Under uneven state
+     * shares every rank's piece is padded to the largest share (or, as a ring, every step waits for the
+     * largest piece): N - 1 steps of the largest share instead of (N - 1) / N of the whole. */
+    double moved = (N - 1.0) / N;
+    if (x->t->state_shares == HEXISEQ_STATES_BY_MEMORY && x->t->sharding != HEXISEQ_SHARD_NONE) {
+        hexiseq_states_t largest;
+        hexiseq_states(x->c, x->m, x->t, -1, &largest);
+        moved = (N - 1.0) * largest.share;
+    }
+    double A = moved * P * x->m->dtype_bytes / bw + L * (N - 1.0) * lat;
     double a = A / L;
     switch (x->t->sharding) {
     case HEXISEQ_SHARD_FULL:
@@ -908,6 +948,9 @@ static hexiseq_status validate_training(const hexiseq_training *t) {
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "training.checkpointing must be 0 or 1, got %d", t->checkpointing);
     if (t->sharding < HEXISEQ_SHARD_FULL || t->sharding > HEXISEQ_SHARD_NONE)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "training.sharding must be in [0, 3], got %d", t->sharding);
+    if (t->state_shares != HEXISEQ_STATES_EVEN && t->state_shares != HEXISEQ_STATES_BY_MEMORY)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "training.state_shares must be 0 (even) or 1 (by memory), got %d",
+                            t->state_shares);
     if (!isfinite(t->reserved_gib) || t->reserved_gib < 0)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "training.reserved_gib must be a finite number >= 0, got %g",
                             t->reserved_gib);
@@ -1073,6 +1116,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
             dc->mem_ring_gib = pc->mem_ring_gib;
             dc->mem_total_gib = pc->mem_total_gib;
             dc->mem_cap_gib = pc->mem_cap_gib;
+            dc->state_share = pc->state_share;
         } else {
             memory_terms(&x, r, dc->kv_count, dc);
         }

@@ -153,11 +153,20 @@ typedef enum {
     HEXISEQ_SHARD_NONE = 3   /* everything replicated (plain DDP) */
 } hexiseq_sharding;
 
+/* How the sharded part of the model states is divided among the devices. */
+typedef enum {
+    HEXISEQ_STATES_EVEN = 0,      /* 1/N each, as FSDP and ZeRO do */
+    HEXISEQ_STATES_BY_MEMORY = 1  /* in proportion to the memory each device has left beside the unsharded part:
+                                     a small device holds less (run it with hexiseq.shard_states) */
+} hexiseq_state_shares;
+
 typedef struct {
     int32_t sequences;       /* sequences per step, each of seq_len tokens, run one after another */
     int32_t checkpointing;   /* 1: full activation checkpointing (recompute each layer's forward) */
     int32_t sharding;        /* hexiseq_sharding */
     double reserved_gib;     /* per-device memory kept back for the framework, CUDA context, fragmentation */
+    int32_t state_shares;    /* hexiseq_state_shares (last, so that {sequences, checkpointing, sharding,
+                                reserved_gib} initialisers keep meaning even shares) */
 } hexiseq_training;
 
 HEXISEQ_API void hexiseq_training_default(hexiseq_training *out);
@@ -208,6 +217,7 @@ typedef struct {
     double mem_ring_gib;     /* ring double buffers (K, V and dK, dV) */
     double mem_total_gib;    /* the above plus reserved_gib */
     double mem_cap_gib;      /* device memory */
+    double state_share;      /* fraction of the sharded model states the device holds (1/N under even shares) */
     /* The traffic the times above charge, for checking against what the runtime sends (bytes): */
     double ring_send_bytes;  /* per token of a ring block: K, V of its first-held heads the next group needs */
     double ring_recv_bytes;  /* per token of a ring block: K, V of its kv heads from the previous group */

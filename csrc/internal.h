@@ -23,6 +23,9 @@ struct hexiseq_cluster {
     double ring_lat_max_s;    /* its largest message latency, seconds */
     double gemm_rate_sum;     /* sum over devices of hexiseq_gemm_plateau, FLOP/s */
     double attn_rate_sum[2];  /* sum over devices of hexiseq_attn_plateau, non-causal and causal, FLOP/s */
+    double *mem_sorted;       /* [n_devices] memory_gib of every device, ascending */
+    double *mem_above;        /* [n_devices + 1] mem_above[i] = sum of mem_sorted[i ..]: memory beyond any level
+                                 in O(log N) (hexiseq_memory_beyond) */
 };
 
 /* Latencies assumed when none are given, microseconds per message (see docs/cost_model.md). */
@@ -81,9 +84,22 @@ static inline int64_t hexiseq_even_share(int64_t total, int64_t parts, int64_t i
 hexiseq_status hexiseq_check_inputs(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
                                     int64_t seq_len);
 
+/* sum over devices of max(0, memory_gib - level): what the cluster holds beyond `level` GiB per device. */
+double hexiseq_memory_beyond(const hexiseq_cluster *c, double level);
+
+/* The model states of one device, `gib`: `fixed_gib` (the unsharded part: replicated parameters or gradients,
+ * gathered layers) plus `share` of `sharded_gib` (what the sharding spreads over the devices). */
+typedef struct {
+    double fixed_gib, sharded_gib, share, gib;
+} hexiseq_states_t;
+/* The states of `device` (-1: the largest share of any device, what the padded collectives of uneven shares
+ * move per device). */
+void hexiseq_states(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t, int32_t device,
+                    hexiseq_states_t *out);
+
 /* Memory of one device as states + ring + reserved + per_token * s_r + per_group_token * S_g (GiB). */
 typedef struct {
-    double states_gib, ring_gib, reserved_gib, per_token_gib, per_group_token_gib, cap_gib;
+    double states_gib, ring_gib, reserved_gib, per_token_gib, per_group_token_gib, cap_gib, state_share;
 } hexiseq_memory_coeffs_t;
 
 void hexiseq_memory_coeffs(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,

@@ -46,7 +46,21 @@ __all__ = [
     "CudaError",
     "InternalError",
     "ops",
+    "shard_states",
+    "full_state_dict",
+    "load_full_state_dict",
 ]
+
+_LAZY = {"shard_states": "states", "full_state_dict": "states", "load_full_state_dict": "states"}
+
+
+def __getattr__(name):
+    """The names that need PyTorch load their module on first use, so `import hexiseq` works without it."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_info() -> dict:

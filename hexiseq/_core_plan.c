@@ -229,12 +229,13 @@ static int parse_model(PyObject *module, PyObject *obj, hexiseq_model *m) {
     return 1;
 }
 
-/* A training setting from (sequences, checkpointing, sharding, reserved_gib). */
+/* A training setting from (sequences, checkpointing, sharding, reserved_gib, state_shares). */
 static int parse_training(PyObject *module, PyObject *obj, hexiseq_training *t) {
-    static const char *names[3] = {"training.sequences", "training.checkpointing", "training.sharding"};
-    int32_t *dst[3] = {&t->sequences, &t->checkpointing, &t->sharding};
-    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 4) {
-        PyErr_SetString(PyExc_TypeError, "training is (sequences, checkpointing, sharding, reserved_gib)");
+    static const char *names[4] = {"training.sequences", "training.checkpointing", "training.sharding",
+                                   "training.state_shares"};
+    int32_t *dst[4] = {&t->sequences, &t->checkpointing, &t->sharding, &t->state_shares};
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 5) {
+        PyErr_SetString(PyExc_TypeError, "training is (sequences, checkpointing, sharding, reserved_gib, state_shares)");
         return 0;
     }
     for (int i = 0; i < 3; ++i)
@@ -247,7 +248,7 @@ static int parse_training(PyObject *module, PyObject *obj, hexiseq_training *t) 
                      PyTuple_GET_ITEM(obj, 3));
         return 0;
     }
-    return 1;
+    return int32_arg(module, PyTuple_GET_ITEM(obj, 4), names[3], names[3], dst[3]);
 }
 
 static PyObject *layout_to_dict(const hexiseq_layout *l) {
@@ -288,6 +289,7 @@ static PyObject *device_costs_to_dict(const hexiseq_device_cost *dc, npy_intp n)
         {"mem_ring_gib", offsetof(hexiseq_device_cost, mem_ring_gib)},
         {"mem_total_gib", offsetof(hexiseq_device_cost, mem_total_gib)},
         {"mem_cap_gib", offsetof(hexiseq_device_cost, mem_cap_gib)},
+        {"state_share", offsetof(hexiseq_device_cost, state_share)},
         {"ring_send_bytes", offsetof(hexiseq_device_cost, ring_send_bytes)},
         {"ring_recv_bytes", offsetof(hexiseq_device_cost, ring_recv_bytes)},
         {"a2a_send_bytes", offsetof(hexiseq_device_cost, a2a_send_bytes)},

@@ -38,7 +38,8 @@ def _comparison_table(results, chosen: Plan) -> str:
 def cmd_plan(args) -> int:
     cluster = Cluster.from_file(args.cluster) if args.cluster else Cluster.example()
     model = _load_model(args.model)
-    training = Training(sequences=args.sequences, checkpointing=args.checkpointing, sharding=args.sharding)
+    training = Training(sequences=args.sequences, checkpointing=args.checkpointing, sharding=args.sharding,
+                        state_shares=args.state_shares)
     causal = not args.no_causal
     strategy = Strategy(args.strategy)
     seq_len = parse_tokens(args.seq_len)
@@ -82,6 +83,9 @@ def cmd_plan(args) -> int:
     print("to run it: save it with --json > plan.json, then on every rank hexiseq.Plan.from_json(...) and\n"
           "hexiseq.nn.HexiSeqContext(plan) around your attention, or hexiseq.hf.patch_model(model, plan) for a\n"
           "Hugging Face model; `hexiseq measure plan.json` times it against these predictions")
+    if chosen.training.state_shares == "memory":
+        print("its model states are shared by memory: shard them with hexiseq.shard_states(model, plan) before\n"
+              "building the optimizer (FSDP and ZeRO shard evenly, which does not fit this cluster)")
     if args.plot:
         print(f"wrote {args.plot}")
     return 0
@@ -225,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--checkpointing", action="store_true", help="full activation checkpointing")
     pl.add_argument("--sharding", default="full", choices=["full", "grad_opt", "opt", "none"],
                     help="model-state sharding (default full, ZeRO-3 style)")
+    pl.add_argument("--state-shares", default="auto", choices=["auto", "even", "memory"],
+                    help="how the sharded states are divided: even (FSDP, ZeRO), by each device's memory "
+                         "(run with hexiseq.shard_states), or auto (default: even when it fits, else by memory)")
     pl.add_argument("--no-causal", action="store_true", help="full (non-causal) attention")
     pl.add_argument("--json", action="store_true", help="print the chosen plan as JSON")
     pl.add_argument("--time-limit", type=float, metavar="SECONDS",

@@ -98,9 +98,7 @@ class Comm:
     of the group calls it with the same plan. topology: the plan's hexiseq.topology.Topology."""
 
     def __init__(self, plan, topology, group=None, causal=True, softmax_scale=None, timeout=None):
-        if not dist.is_available() or not dist.is_initialized():
-            raise HexiseqError("torch.distributed is not initialised: call torch.distributed.init_process_group first")
-        self.group = group if group is not None else dist.group.WORLD
+        self.group = resolve_group(group)
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.timeout = timeout if timeout is not None else group_timeout(self.group)
@@ -143,16 +141,11 @@ class Comm:
             return r
         return dist.get_global_rank(self.group, r)
 
-    def _device(self):
-        if "nccl" in str(dist.get_backend(self.group)) and "gloo" not in str(dist.get_backend(self.group)):
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
     # ------------------------------------------------------------------------------------------ the contract
 
     def _check_construction(self, plan, causal, softmax_scale):
         mine = torch.tensor([plan_code(plan), plan.cluster.num_devices, int(bool(causal)), _float_bits(softmax_scale)],
-                            dtype=torch.int64, device=self._device())
+                            dtype=torch.int64, device=collective_device(self.group))
         every = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(every, mine, group=self.group)
         every = [t.tolist() for t in every]
@@ -171,20 +164,7 @@ class Comm:
         """Compare this call's descriptor (describe_call) with every rank's, and learn whether any rank's inputs
         failed validation (`error`, the exception this rank would raise, or None). Raises the same error on
         every rank when they do not all agree and pass."""
-        mine = torch.tensor([0 if error is None else 1, *call], dtype=torch.int64)
-        every = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(every, mine, group=self._cpu_group)
-        every = [t.tolist() for t in every]
-        if any(e[0] for e in every):
-            # one more (rare) collective, which every rank makes since every rank saw the flag
-            messages = [None] * self.world
-            dist.all_gather_object(messages, None if error is None else str(error), group=self._cpu_group)
-            failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-            text = "; ".join(f"rank {r}: {m}" for r, m in failed)
-            raise InvalidArgumentError(f"invalid input on {len(failed)} of {self.world} ranks ({text})")
-        for i, field in enumerate(CALL_FIELDS, start=1):
-            if any(e[i] != every[0][i] for e in every):
-                raise RankMismatchError(_disagreement(field, [e[i] for e in every]))
+        agree(self._cpu_group, call, CALL_FIELDS, error)
 
     # ------------------------------------------------------------------------------------------ transfers
 
@@ -268,6 +248,51 @@ class Comm:
                     pass  # already destroyed with the whole world
 
 
-def _disagreement(field, values):
-    shown = ", ".join(f"rank {r}: {_show(field, v)}" for r, v in enumerate(values))
+def resolve_group(group):
+    """`group`, or the world when None; raises HexiseqError when torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise HexiseqError("torch.distributed is not initialised: call torch.distributed.init_process_group first")
+    return group if group is not None else dist.group.WORLD
+
+
+def collective_device(group):
+    """The device the group's collectives take tensors on: the current CUDA device on an NCCL-only group, else
+    the CPU."""
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree(group, values, fields, error=None, show=_show, device=None):
+    """Compare `values` (ints, the fields in order) with every rank's over `group`, and learn whether any rank
+    failed validation (`error`, the exception this rank would raise, or None). Raises the same HexiseqError on
+    every rank when they do not all pass and agree: InvalidArgumentError naming the ranks that failed and their
+    messages, else RankMismatchError naming the first field that differs and every rank's value. Every rank must
+    send as many values: a rank that failed sends placeholders. fields: field names, one int each, or (name,
+    width) for a field of `width` ints; show(name, value) words a value (an int, or a list for a wide field)."""
+    world = dist.get_world_size(group)
+    mine = torch.tensor([0 if error is None else 1, *values], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    every = [t.tolist() for t in every]
+    if any(e[0] for e in every):
+        # one more (rare) collective, which every rank makes since every rank saw the flag
+        messages = [None] * world
+        dist.all_gather_object(messages, None if error is None else str(error), group=group)
+        failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+        text = "; ".join(f"rank {r}: {m}" for r, m in failed)
+        raise InvalidArgumentError(f"invalid input on {len(failed)} of {world} ranks ({text})")
+    at = 1
+    for field in fields:
+        name, width = (field, 1) if isinstance(field, str) else field
+        got = [e[at] if isinstance(field, str) else e[at:at + width] for e in every]
+        if any(g != got[0] for g in got):
+            raise RankMismatchError(_disagreement(name, got, show))
+        at += width
+    return [e[1:] for e in every]
+
+
+def _disagreement(field, values, show=_show):
+    shown = ", ".join(f"rank {r}: {show(field, v)}" for r, v in enumerate(values))
     return f"ranks disagree about {field} ({shown}); every rank must make the same call"

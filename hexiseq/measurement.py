@@ -90,7 +90,8 @@ def predicted_layer(plan: Plan, layer: str = "attention"):
     """The cost model's per-device phase times for one layer, forward + backward, one sequence, no recompute
     (seconds; dicts keyed like Measurement.ranks[...]["predicted"], in device order) and the layer's step."""
     t = plan.training
-    one = Training(sequences=1, checkpointing=False, sharding=t.sharding, reserved_gib=t.reserved_gib)
+    one = Training(sequences=1, checkpointing=False, sharding=t.sharding, reserved_gib=t.reserved_gib,
+                   state_shares=t.state_shares)
     p = evaluate(plan.cluster, model=plan.model, seq_len=plan.seq_len, layout=plan.layout, training=one,
                  causal=plan.causal)
     L = plan.model.layers

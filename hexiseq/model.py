@@ -204,6 +204,8 @@ class Sharding(enum.Enum):
 
 
 _SHARDING_CODE = {s: _core.SHARDINGS[s.value] for s in Sharding}  # the core's enum values, by name
+STATE_SHARES = ("auto", "even", "memory")
+_STATE_SHARES_CODE = {"even": 0, "memory": 1}  # hexiseq_state_shares; "auto" is chosen in Python (plan.py)
 
 
 @dataclass(frozen=True)
@@ -213,12 +215,17 @@ class Training:
     sequences: sequences of seq_len tokens per step, processed one after another (gradient accumulation).
     checkpointing: full activation checkpointing (each layer's forward recomputed in backward).
     sharding: model-state sharding over all devices.
-    reserved_gib: per-device memory kept back for the CUDA context, the framework and fragmentation."""
+    reserved_gib: per-device memory kept back for the CUDA context, the framework and fragmentation.
+    state_shares: how the sharded states are divided: "even" (1/N per device, what FSDP and ZeRO do), "memory"
+        (in proportion to the memory each device has beside the unsharded part, so a small device holds less;
+        run such a plan with hexiseq.shard_states), or "auto" (even when a plan fits so, else by memory; a plan
+        records which it chose)."""
 
     sequences: int = 1
     checkpointing: bool = False
     sharding: Sharding = Sharding.FULL
     reserved_gib: float = 2.0
+    state_shares: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "sequences", core_integer(self.sequences, "training.sequences", "training.sequences"))
@@ -232,13 +239,21 @@ class Training:
         if r < 0:
             raise InvalidArgumentError(f"training.reserved_gib must be >= 0, got {r}")
         object.__setattr__(self, "reserved_gib", r)
+        if self.state_shares not in STATE_SHARES:
+            raise InvalidArgumentError(f"training.state_shares must be one of {list(STATE_SHARES)}, "
+                                       f"got {self.state_shares!r}")
 
     def _as_core(self):
-        return (self.sequences, int(self.checkpointing), _SHARDING_CODE[self.sharding], self.reserved_gib)
+        """The core's training tuple; "auto" is evaluated as even (plan() tries even first, then by memory)."""
+        return (self.sequences, int(self.checkpointing), _SHARDING_CODE[self.sharding], self.reserved_gib,
+                _STATE_SHARES_CODE.get(self.state_shares, 0))
 
     def to_dict(self) -> dict:
-        return {"sequences": self.sequences, "checkpointing": self.checkpointing, "sharding": self.sharding.value,
-                "reserved_gib": self.reserved_gib}
+        d = {"sequences": self.sequences, "checkpointing": self.checkpointing, "sharding": self.sharding.value,
+             "reserved_gib": self.reserved_gib, "state_shares": self.state_shares}
+        if self.state_shares == "even":  # absent, as before the field existed: older plan files keep their hash
+            del d["state_shares"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Training":

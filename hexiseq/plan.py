@@ -180,7 +180,8 @@ class DeviceTable:
     Columns: device, node, gpu, group, rank, tokens, head_lo, head_count, kv_lo, kv_count, first_lo,
     first_count (the kv heads the device first-holds: it sends them around the ring for its group), gemm_s,
     layer_gemm_s, attn_s, a2a_s, ring_exposed_s, busy_s, mem_states_gib, mem_act_gib, mem_attn_gib,
-    mem_ring_gib, mem_total_gib, mem_cap_gib, ring_send_bytes, ring_recv_bytes, a2a_send_bytes, a2a_recv_bytes.
+    mem_ring_gib, mem_total_gib, mem_cap_gib, state_share (the fraction of the sharded model states the device
+    holds), ring_send_bytes, ring_recv_bytes, a2a_send_bytes, a2a_recv_bytes.
     Index by name (`table["tokens"]`) or attribute (`table.tokens`). layer_gemm_s is the token-parallel compute
     of one layer, forward + backward, one sequence (no recompute, no output head): what a measured single
     layer's matmuls compare with. The byte columns are the traffic the times charge: ring K/V bytes per token of a
@@ -236,6 +237,14 @@ class Plan:
         self.stopped_early = bool(stopped_early)
         per, cost = _core.evaluate(*cluster._core_args(), model._as_core(), training._as_core(), seq_len,
                                    causal, layout._as_core())
+        if training.state_shares == "auto":  # even shares when they fit, else by memory when that fits
+            training = self.training = dataclasses.replace(training, state_shares="even")
+            if not cost["fits"]:
+                by_memory = dataclasses.replace(training, state_shares="memory")
+                per_m, cost_m = _core.evaluate(*cluster._core_args(), model._as_core(), by_memory._as_core(),
+                                               seq_len, causal, layout._as_core())
+                if cost_m["fits"]:
+                    self.training, per, cost = by_memory, per_m, cost_m
         self._cost = cost
         group = np.repeat(np.arange(len(layout.group_size), dtype=np.int32), layout.group_size)
         rank = np.concatenate([np.arange(s, dtype=np.int32) for s in layout.group_size.tolist()])
@@ -291,6 +300,16 @@ class Plan:
     @property
     def fits(self) -> bool:
         return self._cost["fits"]
+
+    @property
+    def state_shares(self) -> np.ndarray:
+        """The fraction of the sharded model states each device holds, indexed by device id (= rank): 1/N each
+        under even shares; under shares by memory (training.state_shares "memory") what
+        `hexiseq.shard_states(module, plan)` gives each rank."""
+        out = np.empty(self.cluster.num_devices)
+        out[self.devices.device] = self.devices.state_share
+        out.setflags(write=False)
+        return out
 
     @property
     def num_groups(self) -> int:
@@ -421,6 +440,7 @@ class Plan:
             f"  lower bound      {self.lower_bound_s:10.4f} s   (plan is {self.gap_to_bound:.3f}x the bound)",
             f"  memory           {'fits' if self.fits else 'DOES NOT FIT'}: peak "
             f"{float(t.mem_total_gib.max()):.1f} GiB (device {int(t.device[int(np.argmax(t.mem_total_gib))])})",
+            f"  model states     {_states_words(self)}",
             f"  groups in ring order ({self.num_groups}):",
         ]
         r = 0
@@ -500,12 +520,30 @@ class Plan:
             raise InvalidArgumentError(f"plan causal must be true or false, got {doc['causal']!r}")
         if not isinstance(doc["strategy"], str):
             raise InvalidArgumentError(f"plan strategy must be a string, got {doc['strategy']!r}")
-        p = cls(Cluster.from_dict(doc["cluster"]), Model.from_dict(doc["model"]), Training.from_dict(doc["training"]),
+        training = doc["training"]
+        if isinstance(training, dict):  # written only when not even (Training.to_dict)
+            training = {"state_shares": "even", **training}
+        p = cls(Cluster.from_dict(doc["cluster"]), Model.from_dict(doc["model"]), Training.from_dict(training),
                 parse_tokens(doc["seq_len"], "seq_len"), doc["causal"], doc["strategy"], Layout.from_dict(doc["layout"]))
         if "fingerprint" in doc and doc["fingerprint"] != p.fingerprint:
             raise InvalidArgumentError(f"plan fingerprint mismatch: file says {doc['fingerprint']}, "
                                        f"contents hash to {p.fingerprint}")
         return p
+
+
+def _states_words(plan) -> str:
+    """How the plan divides the model states, and what runs it that way."""
+    n, t = plan.cluster.num_devices, plan.training
+    if t.sharding is Sharding.NONE:
+        return f"replicated on every device ({float(plan.devices.mem_states_gib.max()):.1f} GiB each)"
+    lo, hi = (f"{float(f(plan.devices.mem_states_gib)):.1f}" for f in (np.min, np.max))
+    span = f"{lo if lo == hi else f'{lo}-{hi}'} GiB per device"
+    if t.state_shares == "memory":
+        shares = plan.state_shares
+        return (f"shared by memory, {100 * float(shares.min()):.2f}-{100 * float(shares.max()):.2f}% of the "
+                f"{t.sharding.value}-sharded states per device (even: {100 / n:.2f}%), {span}; run with "
+                f"hexiseq.shard_states(module, plan), as FSDP and ZeRO shard evenly")
+    return f"even, 1/{n} of the {t.sharding.value}-sharded states per device, {span}"
 
 
 def _sharding_words(training) -> str:
@@ -580,6 +618,15 @@ def evaluate(cluster, *, model="gpt-7b", seq_len=131072, layout, training=None, 
 
 
 def _plan_one(cluster, model, training, seq_len, causal, strategy: Strategy, time_limit_s=None) -> Plan:
+    if training.state_shares == "auto":
+        # Even shares run under FSDP or ZeRO as they are; shares by memory need hexiseq.shard_states and pad
+        # their collectives to the largest share, so they are the fallback when even shares do not fit.
+        try:
+            return _plan_one(cluster, model, dataclasses.replace(training, state_shares="even"), seq_len, causal,
+                             strategy, time_limit_s)
+        except MemoryFitError:
+            return _plan_one(cluster, model, dataclasses.replace(training, state_shares="memory"), seq_len, causal,
+                             strategy, time_limit_s)
     arrays, info = _core.plan_strategy(*cluster._core_args(), model._as_core(), training._as_core(), seq_len, causal,
                                        _CORE_STRATEGY[strategy], time_limit_s or 0.0)
     plan = Plan(cluster, model, training, seq_len, causal, strategy.value, Layout(**arrays),
@@ -623,8 +670,11 @@ def _memory_advice(cluster, model, training, seq_len, causal, strategies, error)
     the longest sequence that fits with these training settings and with checkpointing, searched by planning
     (multiples of 1024 tokens, about 2 x log2(seq_len / 1024) planner calls)."""
     n = cluster.num_devices
+    # the states under auto: those of its fallback, shares by memory, which fit wherever even shares do
+    states_training = (dataclasses.replace(training, state_shares="memory") if training.state_shares == "auto"
+                       else training)
     ring = Layout.from_groups([{"devices": [d], "seq": 1, "tokens": [1], "heads": [model.heads]} for d in range(n)])
-    probe = Plan(cluster, model, training, n, causal, "probe", ring)  # one token each: the states, in effect
+    probe = Plan(cluster, model, states_training, n, causal, "probe", ring)  # one token each: the states, in effect
     states = [round(float(x), 2) for x in probe.devices["mem_states_gib"]]
     caps = probe.devices["mem_cap_gib"]
     states_fit = bool(np.all(np.asarray(states) + training.reserved_gib <= caps))
@@ -653,9 +703,14 @@ def _memory_advice(cluster, model, training, seq_len, causal, strategies, error)
     with_ckpt = best if training.checkpointing else longest(dataclasses.replace(training, checkpointing=True))
     if not states_fit:
         short = int(np.argmax(np.asarray(states) + training.reserved_gib - caps))
-        advice = (f"the model states alone take {states[short]:.1f} GiB per device under {training.sharding.value} "
-                  f"sharding (+{training.reserved_gib:g} GiB reserved), more than device {short} "
-                  f"({probe.devices['gpu'][short]}, {caps[short]:.1f} GiB) holds: no sequence fits; "
+        where = f"device {short} ({probe.devices['gpu'][short]}, {caps[short]:.1f} GiB)"
+        if states_training.state_shares == "memory":
+            took = (f"{states[short]:.1f} GiB on {where} under {training.sharding.value} sharding shared by memory "
+                    f"(+{training.reserved_gib:g} GiB reserved), more than it holds")
+        else:
+            took = (f"{states[short]:.1f} GiB per device under {training.sharding.value} sharding "
+                    f"(+{training.reserved_gib:g} GiB reserved), more than {where} holds")
+        advice = (f"the model states alone take {took}: no sequence fits; "
                   + ("use more devices, or devices with more memory" if training.sharding is Sharding.FULL
                      else "shard more (full sharding), use more devices, or devices with more memory"))
     else:
@@ -667,7 +722,10 @@ def _memory_advice(cluster, model, training, seq_len, causal, strategies, error)
             ckpt = f" ({_tokens_text(with_ckpt)} with activation checkpointing)"
         fits_text = (f"the longest sequence that fits is {_tokens_text(best)} tokens" if best
                      else "no sequence of 1024 tokens or more fits")
-        advice = f"{fits_text}{ckpt}; model states take {max(states):.1f} GiB per device"
+        advice = f"{fits_text}{ckpt}; model states take " + (
+            f"{min(states):.1f}-{max(states):.1f} GiB per device (shared by memory)"
+            if states_training.state_shares == "memory"
+            else f"{max(states):.1f} GiB per device")
     return MemoryFitError(f"{error}; {advice}", states_gib=states, states_fit=states_fit, longest_seq_len=best,
                           longest_seq_len_checkpointing=with_ckpt)
 

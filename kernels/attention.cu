@@ -66,16 +66,16 @@
 //
 // Resource usage (nvcc 13.0 --resource-usage, -O3; bf16 shown, f16 within a few registers):
 //   forward (128 threads), registers, D = 64 / 128 / 256 (D = 128 with BK = 32 in brackets):
-//     sm_80  210 / 255 (243) / 237   sm_90  221 / 255 (241) / 237   D = 128 with BK = 64 spills: 36 / 68 bytes
-//     (sm_80), 60 / 100 (sm_90) of stores / loads. It stays the default because on an H100 it still ran 0.97-1.10x
+//     sm_80  210 / 255 (245) / 239   sm_90  224 / 255 (241) / 240   D = 128 with BK = 64 spills: 36 / 72 bytes
+//     (sm_80), 36 / 84 (sm_90) of stores / loads. It stays the default because on an H100 it still ran 0.97-1.10x
 //     the speed of the spill-free BK = 32 instance, median 1.03x (benchmarks/results/cuda_attention.md, one run).
 //   backward register kernel (256 threads; the D = 128 instance with 64-key tiles, 128 threads, in brackets),
 //   registers, D = 64 / 128 / 256:
-//     sm_80  242 / 246 (254) / 243   sm_90  250 / 246 (253) / 244   (no spills; the dK, dV accumulators take
+//     sm_80  242 / 248 (255) / 255   sm_90  244 / 250 (255) / 244   (no spills; the dK, dV accumulators take
 //     2 x 64 floats per thread at D = 128 and 256, 2 x 32 at D = 64)
-//   backward staged kernel (256 threads), D = 64 / 128: sm_80 214 / 242, sm_90 211 / 242 (no spills; its phase-1
+//   backward staged kernel (256 threads), D = 64 / 128: sm_80 221 / 252, sm_90 222 / 247 (no spills; its phase-1
 //     loops are unrolled by 2, not fully: fully unrolled, the D = 128 instance spilled 80 bytes)
-//   delta 32-40, dq 28-32, merge 66-68 registers; no spills
+//   delta 32-40, dq 28-30, merge 66-68, split-forward store 28-30 registers; no spills
 //   dynamic shared memory per CTA (opted in with cudaFuncSetAttribute on every launch):
 //     forward  D=64: 54 KiB   D=128: 102 KiB   D=256: 99 KiB (Q [BQ][D+8], 2 x K and V [BK][D+8], 16-bit)
 //     backward, register kernel: D=64 (BQ 64, BK 128): 90.5 KiB   D=128 (BQ 32, BK 128): 112.3 KiB (BK 64:
@@ -357,19 +357,17 @@ template <int D, int BK_ = fwd_default_bk(D)> struct FwdTiles {
     static constexpr int bytes = v + 2 * kv;
 };
 
-// Everything a forward CTA needs; pointers are to element [0, 0, 0, 0] of each tensor.
-struct FwdArgs {
-    const void *q;   // [batch, seq_q, heads, head_dim]
-    const void *k;   // [batch, seq_k, kv_heads, head_dim]
-    const void *v;   // [batch, seq_k, kv_heads, head_dim]
-    void *o;         // [batch, seq_q, heads, head_dim]
-    float *lse;      // [batch, heads, seq_q]
-    int64_t qs[4], ks[4], vs[4], os[4], ls[3]; // element strides, order as in hexiseq_attn_params
-    int64_t seq_q, seq_k, q_pos0, k_pos0, n_qtiles;
-    int32_t heads, group, d, causal; // group = heads / kv_heads
-    int32_t vec_q, vec_k, vec_v;     // 16-byte loads allowed for that tensor
-    float scale_log2;                // scale * log2(e): scores go through exp2
+// The kernels take the call's hexiseq_attn_params by value, as the caller filled it (kernel parameters live in
+// constant memory, so an unused field costs nothing), and next to it what only the launch decides: the grid split,
+// which tensors allow 16-byte loads, the scale in the form the exponent wants, the backward's scratch buffers.
+// Together far under the 4 KiB kernel parameter limit of every target.
+struct FwdLaunch {
+    int64_t n_qtiles;         // query tiles per (batch, head): the grid is n_qtiles x heads x batch
+    int32_t group;            // heads / kv_heads
+    int32_t vec_q, vec_k, vec_v; // 16-byte loads allowed for that tensor (vec_ok)
+    float scale_log2;         // scale * log2(e): scores go through exp2
 };
+static_assert(sizeof(hexiseq_attn_params) + sizeof(FwdLaunch) <= 4096, "kernel parameters past 4 KiB");
 
 // One CTA per (query tile of BQ rows, head, batch). Q, then each K/V tile, are staged in shared memory; every
 // warp computes S = Q K^T for its MW x 16 rows into registers (mma.sync), masks and scales it, runs the online
@@ -377,7 +375,7 @@ struct FwdArgs {
 // its O accumulator (registers) and adds P V with P taken straight from the score registers. O is stored as TO:
 // T, or float for the partial results of a key block split into pieces (see forward_typed).
 template <typename T, typename TO, int D, int BK_>
-__global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) {
+__global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const hexiseq_attn_params p, const FwdLaunch cfg) {
     using L = FwdTiles<D, BK_>;
     constexpr int MW = L::MW, BQ = L::BQ, BK = L::BK, LDT = L::LDT;
     static_assert(D % 16 == 0 && BK % 16 == 0, "tiles are whole 16x16 mma blocks");
@@ -386,23 +384,23 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
 
     // Last query tiles first: under the causal mask they have the most keys.
     const int64_t bid = blockIdx.x;
-    const int64_t qt = a.n_qtiles - 1 - bid % a.n_qtiles;
-    const int32_t h = (int32_t)(bid / a.n_qtiles % a.heads);
-    const int64_t b = bid / a.n_qtiles / a.heads;
-    const int32_t hk = h / a.group;
+    const int64_t qt = cfg.n_qtiles - 1 - bid % cfg.n_qtiles;
+    const int32_t h = (int32_t)(bid / cfg.n_qtiles % p.heads);
+    const int64_t b = bid / cfg.n_qtiles / p.heads;
+    const int32_t hk = h / cfg.group;
     const int64_t q0 = qt * BQ;
-    const int64_t nq = min((int64_t)BQ, a.seq_q - q0);
+    const int64_t nq = min((int64_t)BQ, p.seq_q - q0);
 
     // Keys past the last one any query of this tile sees are skipped (they would be masked anyway).
-    int64_t kend = a.seq_k;
-    if (a.causal)
-        kend = min(a.seq_k, max((int64_t)0, a.q_pos0 + q0 + nq - 1 - a.k_pos0 + 1));
+    int64_t kend = p.seq_k;
+    if (p.causal)
+        kend = min(p.seq_k, max((int64_t)0, p.q_pos0 + q0 + nq - 1 - p.k_pos0 + 1));
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int row0 = warp * 16 * MW + g; // this thread's rows in the tile: row0 + 16 mb + 8 i (m-block mb, i = 0, 1)
 
-    const T *qg = static_cast<const T *>(a.q) + b * a.qs[0] + q0 * a.qs[1] + h * a.qs[2];
-    load_tile<T, BQ, D, LDT, kFwdThreads>(qs, qg, a.qs[1], a.qs[3], nq, a.d, a.vec_q);
+    const T *qg = static_cast<const T *>(p.q) + b * p.q_stride[0] + q0 * p.q_stride[1] + h * p.q_stride[2];
+    load_tile<T, BQ, D, LDT, kFwdThreads>(qs, qg, p.q_stride[1], p.q_stride[3], nq, p.head_dim, cfg.vec_q);
 
     float o[MW][D / 8][4]; // O rows (row0 + 16 mb, + 8) x columns 8j + 2t + {0, 1}, unnormalised
     float m[MW][2], l[MW][2]; // per row: running max (log2 units), this thread's part of the sum of exp2(x - m)
@@ -417,13 +415,13 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
 
     // K/V tiles: with 16-byte-legal rows (the usual contiguous case) they are double-buffered with cp.async, the
     // next tile in flight while this one is used; otherwise loaded element by element into buffer 0.
-    const T *kg = static_cast<const T *>(a.k) + b * a.ks[0] + hk * a.ks[2];
-    const T *vg = static_cast<const T *>(a.v) + b * a.vs[0] + hk * a.vs[2];
-    const bool async = a.vec_k && a.vec_v;
+    const T *kg = static_cast<const T *>(p.k) + b * p.k_stride[0] + hk * p.k_stride[2];
+    const T *vg = static_cast<const T *>(p.v) + b * p.v_stride[0] + hk * p.v_stride[2];
+    const bool async = cfg.vec_k && cfg.vec_v;
     auto issue = [&](int64_t k0, int buf) {
         T *kb = reinterpret_cast<T *>(smem + L::k + buf * L::kv), *vb = reinterpret_cast<T *>(smem + L::v + buf * L::kv);
-        load_tile_pair_async<T, BK, D, LDT, kFwdThreads>(kb, kg + k0 * a.ks[1], a.ks[1], vb, vg + k0 * a.vs[1], a.vs[1],
-                                                         min((int64_t)BK, kend - k0), a.d);
+        load_tile_pair_async<T, BK, D, LDT, kFwdThreads>(kb, kg + k0 * p.k_stride[1], p.k_stride[1], vb, vg + k0 * p.v_stride[1], p.v_stride[1],
+                                                         min((int64_t)BK, kend - k0), p.head_dim);
         cp_async_commit();
     };
     if (async && kend > 0)
@@ -441,8 +439,8 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
                 cp_async_wait<0>();
             }
         } else {
-            load_tile<T, BK, D, LDT, kFwdThreads>(ks, kg + k0 * a.ks[1], a.ks[1], a.ks[3], nk, a.d, false);
-            load_tile<T, BK, D, LDT, kFwdThreads>(vs, vg + k0 * a.vs[1], a.vs[1], a.vs[3], nk, a.d, false);
+            load_tile<T, BK, D, LDT, kFwdThreads>(ks, kg + k0 * p.k_stride[1], p.k_stride[1], p.k_stride[3], nk, p.head_dim, false);
+            load_tile<T, BK, D, LDT, kFwdThreads>(vs, vg + k0 * p.v_stride[1], p.v_stride[1], p.v_stride[3], nk, p.head_dim, false);
         }
         __syncthreads(); // Q (first pass), K, V of this tile visible to every thread
 
@@ -477,12 +475,12 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
         // key tile and the tiles crossing the causal diagonal need the mask: a tile whose every key is present and at
         // or before the CTA's first query position is visible to every row (rows past nq hold zero-filled Q and are
         // never stored). The test is CTA-uniform.
-        const bool all_visible = nk == BK && (!a.causal || a.k_pos0 + k0 + BK - 1 <= a.q_pos0 + q0);
+        const bool all_visible = nk == BK && (!p.causal || p.k_pos0 + k0 + BK - 1 <= p.q_pos0 + q0);
         if (!all_visible) {
             // Key c of the tile is visible to tile row r iff c < nk and (causal) k_pos0 + k0 + c <= q_pos0 + q0 + r,
             // i.e. c <= diag + r. diag is clamped to [-BQ, BK] so the rest is 32-bit: with 0 <= r < BQ and
             // 0 <= c < BK the clamp changes no comparison.
-            const int diag = a.causal ? (int)max((int64_t)-BQ, min((int64_t)BK, a.q_pos0 + q0 - a.k_pos0 - k0)) : BK;
+            const int diag = p.causal ? (int)max((int64_t)-BQ, min((int64_t)BK, p.q_pos0 + q0 - p.k_pos0 - k0)) : BK;
 #pragma unroll
             for (int mb = 0; mb < MW; ++mb)
 #pragma unroll
@@ -501,7 +499,7 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
         // Online softmax per row on scaled scores (s scale log2(e); the maximum of the unscaled scores, scaled, is
         // the scaled maximum since the scale is positive): maxima over the quad (the 4 lanes holding a row),
         // rescale l and O, exponentiate.
-        const float sl2 = a.scale_log2;
+        const float sl2 = cfg.scale_log2;
 #pragma unroll
         for (int mb = 0; mb < MW; ++mb) {
             float mx[2] = {-INFINITY, -INFINITY};
@@ -560,7 +558,7 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
 
     // Epilogue: the quad's partial sums, then O / l and LSE = (m + log2 l) ln 2, or O = 0, LSE = -inf for a row
     // that saw no key.
-    TO *og = static_cast<TO *>(a.o) + b * a.os[0] + q0 * a.os[1] + h * a.os[2];
+    TO *og = static_cast<TO *>(p.o) + b * p.o_stride[0] + q0 * p.o_stride[1] + h * p.o_stride[2];
 #pragma unroll
     for (int mb = 0; mb < MW; ++mb)
 #pragma unroll
@@ -576,11 +574,11 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int c = 8 * j + 2 * t + e;
-                    if (c < a.d)
-                        og[r * a.os[1] + c * a.os[3]] = from_f32<TO>(o[mb][j][2 * i + e] * inv);
+                    if (c < p.head_dim)
+                        og[r * p.o_stride[1] + c * p.o_stride[3]] = from_f32<TO>(o[mb][j][2 * i + e] * inv);
                 }
             if (t == 0)
-                a.lse[b * a.ls[0] + h * a.ls[1] + (q0 + r) * a.ls[2]] =
+                static_cast<float *>(p.lse)[b * p.lse_stride[0] + h * p.lse_stride[1] + (q0 + r) * p.lse_stride[2]] =
                     l[mb][i] > 0.0f ? (m[mb][i] + log2f(l[mb][i])) * kLn2 : -INFINITY;
         }
 }
@@ -588,42 +586,34 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const FwdArgs a) 
 // ------------------------------------------------------------------------------------------------
 // Backward
 
-struct BwdArgs {
-    const void *q;    // [batch, seq_q, heads, head_dim]
-    const void *k;    // [batch, seq_k, kv_heads, head_dim]
-    const void *v;    // [batch, seq_k, kv_heads, head_dim]
-    const void *o;    // [batch, seq_q, heads, head_dim]
-    const float *lse; // [batch, heads, seq_q]
-    const void *do_;  // [batch, seq_q, heads, head_dim]
-    void *dq;         // [batch, seq_q, heads, head_dim]
-    void *dk;         // [batch, seq_k, kv_heads, head_dim]
-    void *dv;         // [batch, seq_k, kv_heads, head_dim]
-    float *delta;     // [batch, heads, seq_q] contiguous scratch: D = rowsum(dO * O)
-    float *dq_acc;    // [batch, heads, seq_q, d] contiguous scratch: fp32 dQ (already scaled)
-    int64_t qs[4], ks[4], vs[4], os[4], dos[4], dqs[4], dks[4], dvs[4], ls[3];
-    int64_t batch, seq_q, seq_k, q_pos0, k_pos0, n_ktiles;
-    int32_t heads, kv_heads, group, d, causal, accumulate;
-    int32_t vec_q, vec_k, vec_v, vec_do;
-    float scale, scale_log2;
+// What the backward's launch decides, next to the params (see FwdLaunch).
+struct BwdLaunch {
+    float *delta;    // [batch, heads, seq_q] contiguous scratch: D = rowsum(dO * O)
+    float *dq_acc;   // [batch, heads, seq_q, head_dim] contiguous scratch: fp32 dQ (already scaled)
+    int64_t n_ktiles; // key tiles per (batch, kv head): the grid is n_ktiles x kv_heads x batch
+    int32_t group;   // heads / kv_heads
+    int32_t vec_q, vec_k, vec_v, vec_do; // 16-byte loads allowed for that tensor (vec_ok)
+    float scale, scale_log2; // the softmax scale in fp32, and times log2(e)
 };
+static_assert(sizeof(hexiseq_attn_params) + sizeof(BwdLaunch) <= 4096, "kernel parameters past 4 KiB");
 
 // D[b, h, i] = sum_c dO[b, i, h, c] * O[b, i, h, c] in fp32; one warp per row.
-template <typename T> __global__ void attn_bwd_delta_kernel(const BwdArgs a) {
+template <typename T> __global__ void attn_bwd_delta_kernel(const hexiseq_attn_params p, const BwdLaunch cfg) {
     const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; // (b * heads + h) * seq_q + i
     const int lane = threadIdx.x % 32;
-    if (row >= a.batch * a.heads * a.seq_q)
+    if (row >= p.batch * p.heads * p.seq_q)
         return;
-    const int64_t i = row % a.seq_q;
-    const int64_t h = row / a.seq_q % a.heads;
-    const int64_t b = row / a.seq_q / a.heads;
-    const T *og = static_cast<const T *>(a.o) + b * a.os[0] + i * a.os[1] + h * a.os[2];
-    const T *dog = static_cast<const T *>(a.do_) + b * a.dos[0] + i * a.dos[1] + h * a.dos[2];
+    const int64_t i = row % p.seq_q;
+    const int64_t h = row / p.seq_q % p.heads;
+    const int64_t b = row / p.seq_q / p.heads;
+    const T *og = static_cast<const T *>(p.o) + b * p.o_stride[0] + i * p.o_stride[1] + h * p.o_stride[2];
+    const T *dog = static_cast<const T *>(p.do_) + b * p.do_stride[0] + i * p.do_stride[1] + h * p.do_stride[2];
     float sum = 0.0f;
-    for (int c = lane; c < a.d; c += 32)
-        sum += to_f32(og[c * a.os[3]]) * to_f32(dog[c * a.dos[3]]);
+    for (int c = lane; c < p.head_dim; c += 32)
+        sum += to_f32(og[c * p.o_stride[3]]) * to_f32(dog[c * p.do_stride[3]]);
     sum = warp_sum(sum);
     if (lane == 0)
-        a.delta[row] = sum;
+        cfg.delta[row] = sum;
 }
 
 // Backward on register-level tensor cores. One CTA per (key tile of BK keys, kv head, batch) with KB x DS warps,
@@ -693,7 +683,7 @@ template <int D, int BK_ = bwd_default_bk(D)> struct BwdMmaTiles {
 static_assert(BwdMmaTiles<64>::bytes <= 99 * 1024, "the D = 64 backward must fit a 99 KiB device");
 
 template <typename T, int D, int BK_>
-__global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_kernel(const BwdArgs a) {
+__global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_kernel(const hexiseq_attn_params p, const BwdLaunch cfg) {
     using L = BwdMmaTiles<D, BK_>;
     constexpr int BQ = L::BQ, BK = L::BK, KB = L::KB, LDT = L::LDT, LDS = L::LDS, DS = L::DS, DW = L::DW;
     constexpr int NT = L::THREADS;
@@ -705,21 +695,21 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
     float *delta_s = reinterpret_cast<float *>(smem + L::delta); // [BQ] D
 
     const int64_t bid = blockIdx.x;
-    const int64_t kt = bid % a.n_ktiles;
-    const int32_t hk = (int32_t)(bid / a.n_ktiles % a.kv_heads);
-    const int64_t b = bid / a.n_ktiles / a.kv_heads;
+    const int64_t kt = bid % cfg.n_ktiles;
+    const int32_t hk = (int32_t)(bid / cfg.n_ktiles % p.kv_heads);
+    const int64_t b = bid / cfg.n_ktiles / p.kv_heads;
     const int64_t k0 = kt * BK;
-    const int nk = (int)min((int64_t)BK, a.seq_k - k0); // keys in this tile (32-bit compares per element)
+    const int nk = (int)min((int64_t)BK, p.seq_k - k0); // keys in this tile (32-bit compares per element)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int kb = warp % KB, dh = warp / KB; // key block kb, head-dim part dh
     const int key0 = kb * 16 + g;             // this thread's key rows in the tile: key0 and key0 + 8
     const int c0 = dh * DW;                   // first head-dim column of this warp's dK, dV
 
-    const T *kg = static_cast<const T *>(a.k) + b * a.ks[0] + k0 * a.ks[1] + hk * a.ks[2];
-    const T *vg = static_cast<const T *>(a.v) + b * a.vs[0] + k0 * a.vs[1] + hk * a.vs[2];
-    load_tile<T, BK, D, LDT, NT>(ks, kg, a.ks[1], a.ks[3], nk, a.d, a.vec_k);
-    load_tile<T, BK, D, LDT, NT>(vs, vg, a.vs[1], a.vs[3], nk, a.d, a.vec_v);
+    const T *kg = static_cast<const T *>(p.k) + b * p.k_stride[0] + k0 * p.k_stride[1] + hk * p.k_stride[2];
+    const T *vg = static_cast<const T *>(p.v) + b * p.v_stride[0] + k0 * p.v_stride[1] + hk * p.v_stride[2];
+    load_tile<T, BK, D, LDT, NT>(ks, kg, p.k_stride[1], p.k_stride[3], nk, p.head_dim, cfg.vec_k);
+    load_tile<T, BK, D, LDT, NT>(vs, vg, p.v_stride[1], p.v_stride[3], nk, p.head_dim, cfg.vec_v);
 
     float dk[DW / 8][4], dv[DW / 8][4]; // rows key0, key0 + 8 x columns c0 + 8j + 2t + {0, 1}; dK unscaled
 #pragma unroll
@@ -730,8 +720,8 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
 
     // Queries before the first key of the tile see none of it under the causal mask.
     int64_t i_first = 0;
-    if (a.causal)
-        i_first = max((int64_t)0, a.k_pos0 + k0 - a.q_pos0);
+    if (p.causal)
+        i_first = max((int64_t)0, p.k_pos0 + k0 - p.q_pos0);
     const int64_t qt_first = i_first / BQ;
 
     // The dQ part of this warp: query rows 16 qm .. +15, columns [dc0, dc0 + DQ) (QM x NT / 32 / QM warps; DQ = 32
@@ -742,26 +732,26 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
     // The steps: every query head of the group x every query tile from qt_first on. Q and dO tiles are
     // double-buffered with cp.async when their rows allow 16-byte copies (the next step's tiles load during this
     // one, across head boundaries too); otherwise loaded element by element into buffer 0.
-    const int64_t n_qt = max((int64_t)0, (a.seq_q + BQ - 1) / BQ - qt_first);
-    const int64_t n_steps = (int64_t)a.group * n_qt;
-    const bool async = a.vec_q && a.vec_do;
+    const int64_t n_qt = max((int64_t)0, (p.seq_q + BQ - 1) / BQ - qt_first);
+    const int64_t n_steps = (int64_t)cfg.group * n_qt;
+    const bool async = cfg.vec_q && cfg.vec_do;
     auto q_tile = [&](int buf) { return reinterpret_cast<T *>(smem + L::q + buf * L::qt); };   // [BQ][LDT]
     auto do_tile = [&](int buf) { return reinterpret_cast<T *>(smem + L::dO + buf * L::qt); }; // [BQ][LDT]
     auto q_src = [&](int32_t h, int64_t q0) {
-        return static_cast<const T *>(a.q) + b * a.qs[0] + h * a.qs[2] + q0 * a.qs[1];
+        return static_cast<const T *>(p.q) + b * p.q_stride[0] + h * p.q_stride[2] + q0 * p.q_stride[1];
     };
     auto do_src = [&](int32_t h, int64_t q0) {
-        return static_cast<const T *>(a.do_) + b * a.dos[0] + h * a.dos[2] + q0 * a.dos[1];
+        return static_cast<const T *>(p.do_) + b * p.do_stride[0] + h * p.do_stride[2] + q0 * p.do_stride[1];
     };
     auto prefetch = [&](int32_t h, int64_t q0, int buf) { // the tiles of query head h, rows q0 ..
-        load_tile_pair_async<T, BQ, D, LDT, NT>(q_tile(buf), q_src(h, q0), a.qs[1], do_tile(buf), do_src(h, q0), a.dos[1],
-                                                min((int64_t)BQ, a.seq_q - q0), a.d);
+        load_tile_pair_async<T, BQ, D, LDT, NT>(q_tile(buf), q_src(h, q0), p.q_stride[1], do_tile(buf), do_src(h, q0), p.do_stride[1],
+                                                min((int64_t)BQ, p.seq_q - q0), p.head_dim);
         cp_async_commit();
     };
     // The step's query head h and first query row q0 advance by counting (no 64-bit divisions per step): the next
     // query tile of the head, after its last tile the first tile of the next head.
     const int64_t q0_first = qt_first * BQ;
-    int32_t h = hk * a.group;
+    int32_t h = hk * cfg.group;
     int64_t q0 = q0_first;
     if (async && n_steps > 0)
         prefetch(h, q0, 0);
@@ -769,17 +759,17 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
     for (int64_t step = 0; step < n_steps; ++step, buf ^= async ? 1 : 0) {
         int32_t h_next = h;
         int64_t q0_next = q0 + BQ;
-        if (q0_next >= a.seq_q) {
+        if (q0_next >= p.seq_q) {
             q0_next = q0_first;
             ++h_next;
         }
-        const int nq = (int)min((int64_t)BQ, a.seq_q - q0); // query rows of this tile
-        const float *lseg = a.lse + b * a.ls[0] + h * a.ls[1];
-        const float *deltag = a.delta + (b * a.heads + h) * a.seq_q;
-        float *dqg = a.dq_acc + ((b * a.heads + h) * a.seq_q + q0) * a.d; // row q0 of the tile
+        const int nq = (int)min((int64_t)BQ, p.seq_q - q0); // query rows of this tile
+        const float *lseg = static_cast<const float *>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1];
+        const float *deltag = cfg.delta + (b * p.heads + h) * p.seq_q;
+        float *dqg = cfg.dq_acc + ((b * p.heads + h) * p.seq_q + q0) * p.head_dim; // row q0 of the tile
         // Causal: key kr sees query qc iff k_pos0 + k0 + kr <= q_pos0 + q0 + qc, i.e. kr - qc <= the diagonal offset,
         // clamped here to [-BQ, BK] (kr - qc lies in (-BQ, BK)) so the per-element test is 32-bit.
-        const int diag = a.causal ? (int)max((int64_t)-BQ, min((int64_t)BK, a.q_pos0 + q0 - a.k_pos0 - k0)) : BK;
+        const int diag = p.causal ? (int)max((int64_t)-BQ, min((int64_t)BK, p.q_pos0 + q0 - p.k_pos0 - k0)) : BK;
         const T *qs = q_tile(buf), *dos = do_tile(buf);
         // No barrier is needed before refilling a Q/dO buffer or LSE, D: their last readers (the dV/dK phase
         // of an earlier step) are behind that step's "dS^T complete" barrier, and dS^T is rewritten only
@@ -792,11 +782,11 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
                 cp_async_wait<0>();
             }
         } else {
-            load_tile<T, BQ, D, LDT, NT>(q_tile(0), q_src(h, q0), a.qs[1], a.qs[3], nq, a.d, false);
-            load_tile<T, BQ, D, LDT, NT>(do_tile(0), do_src(h, q0), a.dos[1], a.dos[3], nq, a.d, false);
+            load_tile<T, BQ, D, LDT, NT>(q_tile(0), q_src(h, q0), p.q_stride[1], p.q_stride[3], nq, p.head_dim, false);
+            load_tile<T, BQ, D, LDT, NT>(do_tile(0), do_src(h, q0), p.do_stride[1], p.do_stride[3], nq, p.head_dim, false);
         }
         for (int r = threadIdx.x; r < BQ; r += NT) {
-            lse_s[r] = r < nq ? lseg[(q0 + r) * a.ls[2]] * kLog2e : -INFINITY;
+            lse_s[r] = r < nq ? lseg[(q0 + r) * p.lse_stride[2]] * kLog2e : -INFINITY;
             delta_s[r] = r < nq ? deltag[q0 + r] : 0.0f;
         }
         __syncthreads(); // K, V (first step), Q, dO, LSE, D ready
@@ -856,7 +846,7 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
                 const int kr = key0 + 8 * (e / 2), qc = 8 * j + 2 * t + (e & 1);
                 const float l2 = lse_s[qc];
                 const bool ok = kr < nk && l2 != -INFINITY && kr - qc <= diag;
-                const float pv = ok ? fast_exp2(st[j][e] * a.scale_log2 - l2) : 0.0f;
+                const float pv = ok ? fast_exp2(st[j][e] * cfg.scale_log2 - l2) : 0.0f;
                 st[j][e] = pv;
                 dpt[j][e] = pv * (dpt[j][e] - delta_s[qc]);
             }
@@ -907,24 +897,24 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
                 mma16816<T>(dq[j + 1], da, kb[2], kb[3]);
             }
         }
-        // dq[j][2i], dq[j][2i + 1] are columns col, col + 1 of one row (col even). With an even row length a.d each
-        // pair is 8-byte aligned in dq_acc (a 256-byte aligned carve of the scratch) and col < a.d implies
-        // col + 1 < a.d: one red_add_f32x2 per pair. An odd a.d (a uniform branch) takes one atomicAdd per float.
-        const bool pairs = a.d % 2 == 0;
+        // dq[j][2i], dq[j][2i + 1] are columns col, col + 1 of one row (col even). With an even row length p.head_dim each
+        // pair is 8-byte aligned in dq_acc (a 256-byte aligned carve of the scratch) and col < p.head_dim implies
+        // col + 1 < p.head_dim: one red_add_f32x2 per pair. An odd p.head_dim (a uniform branch) takes one atomicAdd per float.
+        const bool pairs = p.head_dim % 2 == 0;
 #pragma unroll
         for (int j = 0; j < DQ / 8; ++j)
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 const int r = 16 * qm + g + 8 * i, col = dc0 + 8 * j + 2 * t;
-                if (r < nq && col < a.d) {
-                    float *p = dqg + (r * a.d + col);
-                    const float x = dq[j][2 * i] * a.scale, y = dq[j][2 * i + 1] * a.scale;
+                if (r < nq && col < p.head_dim) {
+                    float *at = dqg + (r * p.head_dim + col);
+                    const float x = dq[j][2 * i] * cfg.scale, y = dq[j][2 * i + 1] * cfg.scale;
                     if (pairs) {
-                        red_add_f32x2(p, x, y);
+                        red_add_f32x2(at, x, y);
                     } else {
-                        atomicAdd(p, x);
-                        if (col + 1 < a.d)
-                            atomicAdd(p + 1, y);
+                        atomicAdd(at, x);
+                        if (col + 1 < p.head_dim)
+                            atomicAdd(at + 1, y);
                     }
                 }
             }
@@ -933,19 +923,19 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
     }
 
     // dK = scale dS^T Q and dV; one thread owns each element, so plain stores (accumulate: add to old values).
-    T *dkg = static_cast<T *>(a.dk) + b * a.dks[0] + k0 * a.dks[1] + hk * a.dks[2];
-    T *dvg = static_cast<T *>(a.dv) + b * a.dvs[0] + k0 * a.dvs[1] + hk * a.dvs[2];
+    T *dkg = static_cast<T *>(p.dk) + b * p.dk_stride[0] + k0 * p.dk_stride[1] + hk * p.dk_stride[2];
+    T *dvg = static_cast<T *>(p.dv) + b * p.dv_stride[0] + k0 * p.dv_stride[1] + hk * p.dv_stride[2];
 #pragma unroll
     for (int j = 0; j < DW / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int r = key0 + 8 * (e / 2), col = c0 + 8 * j + 2 * t + (e & 1);
-            if (r >= nk || col >= a.d)
+            if (r >= nk || col >= p.head_dim)
                 continue;
-            T *pk = dkg + r * a.dks[1] + col * a.dks[3];
-            T *pv = dvg + r * a.dvs[1] + col * a.dvs[3];
-            float gk = dk[j][e] * a.scale, gv = dv[j][e];
-            if (a.accumulate) {
+            T *pk = dkg + r * p.dk_stride[1] + col * p.dk_stride[3];
+            T *pv = dvg + r * p.dv_stride[1] + col * p.dv_stride[3];
+            float gk = dk[j][e] * cfg.scale, gv = dv[j][e];
+            if (p.accumulate) {
                 gk += to_f32(*pk);
                 gv += to_f32(*pv);
             }
@@ -996,7 +986,7 @@ template <int D> struct BwdStagedTiles {
 };
 
 template <typename T, int D>
-__global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_kernel(const BwdArgs a) {
+__global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_kernel(const hexiseq_attn_params p, const BwdLaunch cfg) {
     using L = BwdStagedTiles<D>;
     constexpr int BQ = L::BQ, BK = L::BK, LDT = L::LDT, LDP = L::LDP, NT = L::THREADS, DV = L::DV, DQ = L::DQ;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -1008,21 +998,21 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
     float *delta_s = reinterpret_cast<float *>(smem + L::delta); // [BQ] D
 
     const int64_t bid = blockIdx.x;
-    const int64_t kt = bid % a.n_ktiles;
-    const int32_t hk = (int32_t)(bid / a.n_ktiles % a.kv_heads);
-    const int64_t b = bid / a.n_ktiles / a.kv_heads;
+    const int64_t kt = bid % cfg.n_ktiles;
+    const int32_t hk = (int32_t)(bid / cfg.n_ktiles % p.kv_heads);
+    const int64_t b = bid / cfg.n_ktiles / p.kv_heads;
     const int64_t k0 = kt * BK;
-    const int nk = (int)min((int64_t)BK, a.seq_k - k0); // keys in this tile (32-bit compares per element)
+    const int nk = (int)min((int64_t)BK, p.seq_k - k0); // keys in this tile (32-bit compares per element)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int sm = 32 * (warp / 4), sn = 32 * (warp % 4); // product 1: query rows sm .., keys sn ..
     const int vk = 32 * (warp % 4), vc = DV * (warp / 4); // product 2: keys vk .., columns vc ..
     const int qm = 32 * (warp % 2), qc = DQ * (warp / 2); // product 3: query rows qm .., columns qc ..
 
-    const T *kg = static_cast<const T *>(a.k) + b * a.ks[0] + k0 * a.ks[1] + hk * a.ks[2];
-    const T *vg = static_cast<const T *>(a.v) + b * a.vs[0] + k0 * a.vs[1] + hk * a.vs[2];
-    load_tile<T, BK, D, LDT, NT>(ks, kg, a.ks[1], a.ks[3], nk, a.d, a.vec_k);
-    load_tile<T, BK, D, LDT, NT>(vs, vg, a.vs[1], a.vs[3], nk, a.d, a.vec_v);
+    const T *kg = static_cast<const T *>(p.k) + b * p.k_stride[0] + k0 * p.k_stride[1] + hk * p.k_stride[2];
+    const T *vg = static_cast<const T *>(p.v) + b * p.v_stride[0] + k0 * p.v_stride[1] + hk * p.v_stride[2];
+    load_tile<T, BK, D, LDT, NT>(ks, kg, p.k_stride[1], p.k_stride[3], nk, p.head_dim, cfg.vec_k);
+    load_tile<T, BK, D, LDT, NT>(vs, vg, p.v_stride[1], p.v_stride[3], nk, p.head_dim, cfg.vec_v);
 
     float dk[2][DV / 8][4], dv[2][DV / 8][4]; // key rows vk + 16 i + g (+ 8), columns vc + 8 j + 2 t (+ 1)
 #pragma unroll
@@ -1034,26 +1024,26 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
                 dk[i][j][e] = dv[i][j][e] = 0.0f;
 
     int64_t i_first = 0; // queries before the first key of the tile see none of it under the causal mask
-    if (a.causal)
-        i_first = max((int64_t)0, a.k_pos0 + k0 - a.q_pos0);
+    if (p.causal)
+        i_first = max((int64_t)0, p.k_pos0 + k0 - p.q_pos0);
     const int64_t q0_first = i_first / BQ * BQ;
-    const int64_t n_qt = max((int64_t)0, (a.seq_q - q0_first + BQ - 1) / BQ);
-    const int64_t n_steps = (int64_t)a.group * n_qt;
-    const bool async = a.vec_q && a.vec_do;
+    const int64_t n_qt = max((int64_t)0, (p.seq_q - q0_first + BQ - 1) / BQ);
+    const int64_t n_steps = (int64_t)cfg.group * n_qt;
+    const bool async = cfg.vec_q && cfg.vec_do;
     auto q_tile = [&](int buf) { return reinterpret_cast<T *>(smem + L::q + buf * L::qt); };   // [BQ][LDT]
     auto do_tile = [&](int buf) { return reinterpret_cast<T *>(smem + L::dO + buf * L::qt); }; // [BQ][LDT]
     auto q_src = [&](int32_t h, int64_t q0) {
-        return static_cast<const T *>(a.q) + b * a.qs[0] + h * a.qs[2] + q0 * a.qs[1];
+        return static_cast<const T *>(p.q) + b * p.q_stride[0] + h * p.q_stride[2] + q0 * p.q_stride[1];
     };
     auto do_src = [&](int32_t h, int64_t q0) {
-        return static_cast<const T *>(a.do_) + b * a.dos[0] + h * a.dos[2] + q0 * a.dos[1];
+        return static_cast<const T *>(p.do_) + b * p.do_stride[0] + h * p.do_stride[2] + q0 * p.do_stride[1];
     };
     auto prefetch = [&](int32_t h, int64_t q0, int buf) {
-        load_tile_pair_async<T, BQ, D, LDT, NT>(q_tile(buf), q_src(h, q0), a.qs[1], do_tile(buf), do_src(h, q0), a.dos[1],
-                                                min((int64_t)BQ, a.seq_q - q0), a.d);
+        load_tile_pair_async<T, BQ, D, LDT, NT>(q_tile(buf), q_src(h, q0), p.q_stride[1], do_tile(buf), do_src(h, q0), p.do_stride[1],
+                                                min((int64_t)BQ, p.seq_q - q0), p.head_dim);
         cp_async_commit();
     };
-    int32_t h = hk * a.group;
+    int32_t h = hk * cfg.group;
     int64_t q0 = q0_first;
     if (async && n_steps > 0)
         prefetch(h, q0, 0);
@@ -1061,25 +1051,25 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
     for (int64_t step = 0; step < n_steps; ++step, buf ^= async ? 1 : 0) {
         int32_t h_next = h;
         int64_t q0_next = q0 + BQ;
-        if (q0_next >= a.seq_q) {
+        if (q0_next >= p.seq_q) {
             q0_next = q0_first;
             ++h_next;
         }
-        const int nq = (int)min((int64_t)BQ, a.seq_q - q0);
-        const float *lseg = a.lse + b * a.ls[0] + h * a.ls[1];
-        const float *deltag = a.delta + (b * a.heads + h) * a.seq_q;
-        float *dqg = a.dq_acc + ((b * a.heads + h) * a.seq_q + q0) * a.d;
+        const int nq = (int)min((int64_t)BQ, p.seq_q - q0);
+        const float *lseg = static_cast<const float *>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1];
+        const float *deltag = cfg.delta + (b * p.heads + h) * p.seq_q;
+        float *dqg = cfg.dq_acc + ((b * p.heads + h) * p.seq_q + q0) * p.head_dim;
         // key kr sees query qr iff kr - qr <= diag (clamped to [-BQ, BK], where kr - qr lies in (-BQ, BK))
-        const int diag = a.causal ? (int)max((int64_t)-BQ, min((int64_t)BK, a.q_pos0 + q0 - a.k_pos0 - k0)) : BK;
+        const int diag = p.causal ? (int)max((int64_t)-BQ, min((int64_t)BK, p.q_pos0 + q0 - p.k_pos0 - k0)) : BK;
         if (async) {
             cp_async_wait<0>(); // this step's tiles, prefetched during the previous step
         } else {
             __syncthreads(); // buffer 0's last readers (the previous step's product 2) are done
-            load_tile<T, BQ, D, LDT, NT>(q_tile(0), q_src(h, q0), a.qs[1], a.qs[3], nq, a.d, false);
-            load_tile<T, BQ, D, LDT, NT>(do_tile(0), do_src(h, q0), a.dos[1], a.dos[3], nq, a.d, false);
+            load_tile<T, BQ, D, LDT, NT>(q_tile(0), q_src(h, q0), p.q_stride[1], p.q_stride[3], nq, p.head_dim, false);
+            load_tile<T, BQ, D, LDT, NT>(do_tile(0), do_src(h, q0), p.do_stride[1], p.do_stride[3], nq, p.head_dim, false);
         }
         for (int r = threadIdx.x; r < BQ; r += NT) {
-            lse_s[r] = r < nq ? lseg[(q0 + r) * a.ls[2]] * kLog2e : -INFINITY;
+            lse_s[r] = r < nq ? lseg[(q0 + r) * p.lse_stride[2]] * kLog2e : -INFINITY;
             delta_s[r] = r < nq ? deltag[q0 + r] : 0.0f;
         }
         __syncthreads(); // K, V (first step), Q, dO, LSE, D ready; the previous step's readers of P, dS done
@@ -1131,7 +1121,7 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
         }
         // P and dS = P (dP - D); masked entries and rows past nq are 0 (lse_s = -inf there), keys past nk too: row
         // qr keeps keys kr <= last, one compare per entry.
-        const float scale_log2 = a.scale_log2;
+        const float scale_log2 = cfg.scale_log2;
 #pragma unroll
         for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -1207,7 +1197,7 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
         }
         // As in attn_bwd_mma_kernel, written out in both: as one shared inline helper (with the dK/dV stores below)
         // the sm_80 build of the register kernel's 64-key instance went from 254 registers to 255 and a spill.
-        const bool pairs = a.d % 2 == 0;
+        const bool pairs = p.head_dim % 2 == 0;
 #pragma unroll
         for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -1215,15 +1205,15 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
 #pragma unroll
                 for (int hi = 0; hi < 2; ++hi) {
                     const int r = qm + 16 * i + g + 8 * hi, col = qc + 8 * j + 2 * t;
-                    if (r < nq && col < a.d) {
-                        float *p = dqg + (r * a.d + col);
-                        const float x = dq[i][j][2 * hi] * a.scale, y = dq[i][j][2 * hi + 1] * a.scale;
+                    if (r < nq && col < p.head_dim) {
+                        float *at = dqg + (r * p.head_dim + col);
+                        const float x = dq[i][j][2 * hi] * cfg.scale, y = dq[i][j][2 * hi + 1] * cfg.scale;
                         if (pairs) {
-                            red_add_f32x2(p, x, y);
+                            red_add_f32x2(at, x, y);
                         } else {
-                            atomicAdd(p, x);
-                            if (col + 1 < a.d)
-                                atomicAdd(p + 1, y);
+                            atomicAdd(at, x);
+                            if (col + 1 < p.head_dim)
+                                atomicAdd(at + 1, y);
                         }
                     }
                 }
@@ -1231,8 +1221,8 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
         q0 = q0_next;
     }
 
-    T *dkg = static_cast<T *>(a.dk) + b * a.dks[0] + k0 * a.dks[1] + hk * a.dks[2];
-    T *dvg = static_cast<T *>(a.dv) + b * a.dvs[0] + k0 * a.dvs[1] + hk * a.dvs[2];
+    T *dkg = static_cast<T *>(p.dk) + b * p.dk_stride[0] + k0 * p.dk_stride[1] + hk * p.dk_stride[2];
+    T *dvg = static_cast<T *>(p.dv) + b * p.dv_stride[0] + k0 * p.dv_stride[1] + hk * p.dv_stride[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -1240,12 +1230,12 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int r = vk + 16 * i + g + 8 * (e / 2), col = vc + 8 * j + 2 * t + (e & 1);
-                if (r >= nk || col >= a.d)
+                if (r >= nk || col >= p.head_dim)
                     continue;
-                T *pk = dkg + r * a.dks[1] + col * a.dks[3];
-                T *pv = dvg + r * a.dvs[1] + col * a.dvs[3];
-                float gk = dk[i][j][e] * a.scale, gv = dv[i][j][e];
-                if (a.accumulate) {
+                T *pk = dkg + r * p.dk_stride[1] + col * p.dk_stride[3];
+                T *pv = dvg + r * p.dv_stride[1] + col * p.dv_stride[3];
+                float gk = dk[i][j][e] * cfg.scale, gv = dv[i][j][e];
+                if (p.accumulate) {
                     gk += to_f32(*pk);
                     gv += to_f32(*pv);
                 }
@@ -1255,17 +1245,17 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
 }
 
 // dq[b, i, h, c] = (accumulate ? dq : 0) + dq_acc[b, h, i, c], one thread per element.
-template <typename T> __global__ void attn_bwd_dq_kernel(const BwdArgs a) {
-    const int64_t n = a.batch * a.heads * a.seq_q * a.d;
+template <typename T> __global__ void attn_bwd_dq_kernel(const hexiseq_attn_params p, const BwdLaunch cfg) {
+    const int64_t n = p.batch * p.heads * p.seq_q * p.head_dim;
     for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
          idx += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t c = idx % a.d;
-        const int64_t i = idx / a.d % a.seq_q;
-        const int64_t h = idx / a.d / a.seq_q % a.heads;
-        const int64_t b = idx / a.d / a.seq_q / a.heads;
-        T *pq = static_cast<T *>(a.dq) + b * a.dqs[0] + i * a.dqs[1] + h * a.dqs[2] + c * a.dqs[3];
-        float g = a.dq_acc[idx];
-        if (a.accumulate)
+        const int64_t c = idx % p.head_dim;
+        const int64_t i = idx / p.head_dim % p.seq_q;
+        const int64_t h = idx / p.head_dim / p.seq_q % p.heads;
+        const int64_t b = idx / p.head_dim / p.seq_q / p.heads;
+        T *pq = static_cast<T *>(p.dq) + b * p.dq_stride[0] + i * p.dq_stride[1] + h * p.dq_stride[2] + c * p.dq_stride[3];
+        float g = cfg.dq_acc[idx];
+        if (p.accumulate)
             g += to_f32(*pq);
         *pq = from_f32<T>(g);
     }
@@ -1310,17 +1300,6 @@ __global__ void attn_merge_kernel(const hexiseq_attn_merge_params m) {
         store_any(m.lse_acc, la_dt, la_at, lnew);
 }
 
-// The last step of a forward split into key pieces: o[b, i, h, c] = acc[b, i, h, c] rounded to the output dtype
-// (acc: double, contiguous [batch, seq, heads, d]; 0 for a row whose lse_acc is -inf) and lse[b, h, i] = lse_acc
-// (double, [batch, heads, seq]), one thread per element of acc.
-struct FwdStoreArgs {
-    const double *acc, *lse_acc;
-    void *o;
-    float *lse;
-    int64_t os[4], ls[3];
-    int64_t batch, seq, heads, d;
-    int32_t dtype;
-};
 
 // x[i] = value for i < n (grid-stride).
 __global__ void attn_fill_kernel(double *x, int64_t n, double value) {
@@ -1328,19 +1307,25 @@ __global__ void attn_fill_kernel(double *x, int64_t n, double value) {
         x[i] = value;
 }
 
-__global__ void attn_fwd_store_kernel(const FwdStoreArgs a) {
-    const int64_t n = a.batch * a.seq * a.heads * a.d;
+// The last step of a forward split into key pieces, for one slice of query rows (p: the call's params with o, lse at
+// the slice's first row and seq_q its row count): o[b, i, h, c] = acc[b, i, h, c] rounded to p.dtype (acc: double,
+// contiguous [batch, seq_q, heads, head_dim]; 0 for a row whose lse_acc is -inf) and lse[b, h, i] = lse_acc (double,
+// contiguous [batch, heads, seq_q]), one thread per element of acc.
+__global__ void attn_fwd_store_kernel(const hexiseq_attn_params p, const double *acc, const double *lse_acc) {
+    const int64_t seq = p.seq_q;
+    const int64_t n = p.batch * seq * p.heads * p.head_dim;
     for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
          idx += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t c = idx % a.d;
-        const int64_t h = idx / a.d % a.heads;
-        const int64_t i = idx / a.d / a.heads % a.seq;
-        const int64_t b = idx / a.d / a.heads / a.seq;
-        const double lse = a.lse_acc[(b * a.heads + h) * a.seq + i];
+        const int64_t c = idx % p.head_dim;
+        const int64_t h = idx / p.head_dim % p.heads;
+        const int64_t i = idx / p.head_dim / p.heads % seq;
+        const int64_t b = idx / p.head_dim / p.heads / seq;
+        const double lse = lse_acc[(b * p.heads + h) * seq + i];
         // a row no piece saw anything of was never written by the merge: O = 0
-        store_any(a.o, a.dtype, b * a.os[0] + i * a.os[1] + h * a.os[2] + c * a.os[3], lse == -INFINITY ? 0.0 : a.acc[idx]);
+        store_any(p.o, p.dtype, b * p.o_stride[0] + i * p.o_stride[1] + h * p.o_stride[2] + c * p.o_stride[3],
+                  lse == -INFINITY ? 0.0 : acc[idx]);
         if (c == 0)
-            a.lse[b * a.ls[0] + h * a.ls[1] + i * a.ls[2]] = (float)lse;
+            static_cast<float *>(p.lse)[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] = (float)lse;
     }
 }
 
@@ -1381,16 +1366,17 @@ hexiseq_status check_launch(const char *kernel) {
 int padded_head_dim(int32_t d) { return d <= 64 ? 64 : d <= 128 ? 128 : 256; }
 
 // Launch a kernel that needs more than the default 48 KiB of dynamic shared memory: opt in, launch, check.
-template <typename Args>
-hexiseq_status launch_with_smem(void (*kernel)(Args), const char *name, int64_t blocks, int threads, int bytes,
-                                cudaStream_t stream, const Args &a) {
+template <typename Launch>
+hexiseq_status launch_with_smem(void (*kernel)(hexiseq_attn_params, Launch), const char *name, int64_t blocks,
+                                int threads, int bytes, cudaStream_t stream, const hexiseq_attn_params &p,
+                                const Launch &cfg) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) {
         char what[160];
         snprintf(what, sizeof what, "cudaFuncSetAttribute(%s, MaxDynamicSharedMemorySize = %d bytes)", name, bytes);
         return cuda_fail(e, what);
     }
-    HEXISEQ_LAUNCH(kernel, (unsigned)blocks, threads, bytes, stream, a);
+    HEXISEQ_LAUNCH(kernel, (unsigned)blocks, threads, bytes, stream, p, cfg);
     char what[96];
     snprintf(what, sizeof what, "%s launch", name);
     return check_launch(what);
@@ -1410,46 +1396,55 @@ int smem_optin_limit() {
 
 // The query tile (BQ rows) depends on D, so the grid is sized here.
 template <typename T, typename TO, int D, int BK = fwd_default_bk(D)>
-hexiseq_status launch_fwd(FwdArgs a, int64_t batch, cudaStream_t stream) {
+hexiseq_status launch_fwd(const hexiseq_attn_params &p, FwdLaunch cfg, cudaStream_t stream) {
     using L = FwdTiles<D, BK>;
-    a.n_qtiles = ceil_div(a.seq_q, L::BQ);
-    const int64_t blocks = a.n_qtiles * a.heads * batch;
+    cfg.n_qtiles = ceil_div(p.seq_q, L::BQ);
+    const int64_t blocks = cfg.n_qtiles * p.heads * p.batch;
     if (blocks > INT32_MAX)
         return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED,
                             "batch * heads * ceil(seq_q / %d) = %lld CTAs exceeds the CUDA grid limit 2^31 - 1", L::BQ,
                             (long long)blocks);
     return launch_with_smem(attn_fwd_kernel<T, TO, D, BK>, "attn_fwd_kernel", blocks, kFwdThreads, L::bytes, stream,
-                            a);
+                            p, cfg);
 }
 
 // The key tile (BK keys per CTA) depends on the instance, so the grid is sized here (backward_typed has checked
 // it against the grid limit for the smallest key tile).
-template <typename T, int D, int BK = bwd_default_bk(D)> hexiseq_status launch_bwd_mma(BwdArgs a, cudaStream_t stream) {
+template <typename T, int D, int BK = bwd_default_bk(D)>
+hexiseq_status launch_bwd_mma(const hexiseq_attn_params &p, BwdLaunch cfg, cudaStream_t stream) {
     using L = BwdMmaTiles<D, BK>;
-    a.n_ktiles = ceil_div(a.seq_k, BK);
-    const int64_t blocks = a.n_ktiles * a.kv_heads * a.batch;
+    cfg.n_ktiles = ceil_div(p.seq_k, BK);
+    const int64_t blocks = cfg.n_ktiles * p.kv_heads * p.batch;
     return launch_with_smem(attn_bwd_mma_kernel<T, D, BK>, "attn_bwd_mma_kernel", blocks, L::THREADS, L::bytes, stream,
-                            a);
+                            p, cfg);
 }
 
-template <typename T, int D> hexiseq_status launch_bwd_staged(BwdArgs a, cudaStream_t stream) {
+template <typename T, int D> hexiseq_status launch_bwd_staged(const hexiseq_attn_params &p, BwdLaunch cfg,
+                                                              cudaStream_t stream) {
     using L = BwdStagedTiles<D>;
-    a.n_ktiles = ceil_div(a.seq_k, L::BK);
-    const int64_t blocks = a.n_ktiles * a.kv_heads * a.batch;
+    cfg.n_ktiles = ceil_div(p.seq_k, L::BK);
+    const int64_t blocks = cfg.n_ktiles * p.kv_heads * p.batch;
     return launch_with_smem(attn_bwd_staged_kernel<T, D>, "attn_bwd_staged_kernel", blocks, L::THREADS, L::bytes,
-                            stream, a);
+                            stream, p, cfg);
 }
 
-// One forward launch of args a (a key block of at most one piece), O stored as TO; keys: HEXISEQ_CUDA_FORWARD_KEYS.
-template <typename T, typename TO> hexiseq_status launch_fwd_any(const FwdArgs &a, int64_t batch, int32_t d,
-                                                                 const char *keys, cudaStream_t stream) {
-    switch (padded_head_dim(d)) {
-    case 64: return launch_fwd<T, TO, 64>(a, batch, stream);
+// One forward launch of p (a key block of at most one piece), O stored as TO; keys: HEXISEQ_CUDA_FORWARD_KEYS.
+template <typename T, typename TO>
+hexiseq_status launch_fwd_any(const hexiseq_attn_params &p, const char *keys, cudaStream_t stream) {
+    FwdLaunch cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.group = p.heads / p.kv_heads;
+    cfg.vec_q = vec_ok(p.q, p.q_stride, p.head_dim);
+    cfg.vec_k = vec_ok(p.k, p.k_stride, p.head_dim);
+    cfg.vec_v = vec_ok(p.v, p.v_stride, p.head_dim);
+    cfg.scale_log2 = (float)(p.scale * 1.4426950408889634);
+    switch (padded_head_dim(p.head_dim)) {
+    case 64: return launch_fwd<T, TO, 64>(p, cfg, stream);
     case 128:
         if (smem_optin_limit() >= FwdTiles<128>::bytes && !(keys && strcmp(keys, "32") == 0))
-            return launch_fwd<T, TO, 128>(a, batch, stream);
-        return launch_fwd<T, TO, 128, 32>(a, batch, stream);
-    default: return launch_fwd<T, TO, 256>(a, batch, stream);
+            return launch_fwd<T, TO, 128>(p, cfg, stream);
+        return launch_fwd<T, TO, 128, 32>(p, cfg, stream);
+    default: return launch_fwd<T, TO, 256>(p, cfg, stream);
     }
 }
 
@@ -1464,30 +1459,6 @@ constexpr int64_t kFwdPieceKeys = (int64_t)1 << 16;
 constexpr int64_t kFwdSplitScratchBytes = (int64_t)256 << 20;
 
 template <typename T> hexiseq_status forward_typed(const hexiseq_attn_params *p, cudaStream_t stream) {
-    FwdArgs a;
-    memset(&a, 0, sizeof a);
-    a.q = p->q;
-    a.k = p->k;
-    a.v = p->v;
-    a.o = p->o;
-    a.lse = static_cast<float *>(p->lse);
-    memcpy(a.qs, p->q_stride, sizeof a.qs);
-    memcpy(a.ks, p->k_stride, sizeof a.ks);
-    memcpy(a.vs, p->v_stride, sizeof a.vs);
-    memcpy(a.os, p->o_stride, sizeof a.os);
-    memcpy(a.ls, p->lse_stride, sizeof a.ls);
-    a.seq_q = p->seq_q;
-    a.seq_k = p->seq_k;
-    a.q_pos0 = p->q_pos0;
-    a.k_pos0 = p->k_pos0;
-    a.heads = p->heads;
-    a.group = p->heads / p->kv_heads;
-    a.d = p->head_dim;
-    a.causal = p->causal;
-    a.vec_q = vec_ok(p->q, p->q_stride, p->head_dim);
-    a.vec_k = vec_ok(p->k, p->k_stride, p->head_dim);
-    a.vec_v = vec_ok(p->v, p->v_stride, p->head_dim);
-    a.scale_log2 = (float)(p->scale * 1.4426950408889634);
     // HEXISEQ_CUDA_FORWARD_KEYS=64 or =32 forces the D = 128 key tile where it fits (to time one against the other:
     // benchmarks/bench_cuda_attention.py --fwd-keys); unset: 64 where shared memory allows.
     const char *keys = getenv("HEXISEQ_CUDA_FORWARD_KEYS");
@@ -1505,7 +1476,7 @@ template <typename T> hexiseq_status forward_typed(const hexiseq_attn_params *p,
         piece = v;
     }
     if (p->seq_k <= piece)
-        return launch_fwd_any<T, T>(a, p->batch, p->head_dim, keys, stream);
+        return launch_fwd_any<T, T>(*p, keys, stream);
 
     // Split: per slice of query rows, piece 0 writes fp32 (O, LSE) partials straight into part, which the first merge
     // moves into the double accumulators (acc, whose LSE starts at -inf: the merge then takes the partial as it is);
@@ -1545,44 +1516,39 @@ template <typename T> hexiseq_status forward_typed(const hexiseq_attn_params *p,
         m.acc_dtype = HEXISEQ_DTYPE_F64, m.part_dtype = HEXISEQ_DTYPE_F32;
         const int64_t rows = B * H * nq;
         for (int64_t k0 = 0; k0 < p->seq_k && s == HEXISEQ_OK; k0 += piece) {
-            FwdArgs ap = a;
-            ap.q = static_cast<const T *>(p->q) + q0 * p->q_stride[1];
-            ap.seq_q = nq;
-            ap.q_pos0 = p->q_pos0 + q0;
-            ap.k = static_cast<const T *>(p->k) + k0 * p->k_stride[1];
-            ap.v = static_cast<const T *>(p->v) + k0 * p->v_stride[1];
-            ap.seq_k = std::min(piece, p->seq_k - k0);
-            ap.k_pos0 = p->k_pos0 + k0;
-            ap.vec_q = vec_ok(ap.q, p->q_stride, p->head_dim);
-            ap.vec_k = vec_ok(ap.k, p->k_stride, p->head_dim);
-            ap.vec_v = vec_ok(ap.v, p->v_stride, p->head_dim);
-            ap.o = part, ap.lse = lpart;
-            memcpy(ap.os, o_st, sizeof o_st);
-            memcpy(ap.ls, l_st, sizeof l_st);
+            // The piece is itself an attention call: this slice's queries against this piece's keys, its O (fp32,
+            // whatever p->dtype says: the kernel's TO decides) and LSE into the contiguous partials.
+            hexiseq_attn_params pp = *p;
+            pp.q = static_cast<const T *>(p->q) + q0 * p->q_stride[1];
+            pp.seq_q = nq;
+            pp.q_pos0 = p->q_pos0 + q0;
+            pp.k = static_cast<const T *>(p->k) + k0 * p->k_stride[1];
+            pp.v = static_cast<const T *>(p->v) + k0 * p->v_stride[1];
+            pp.seq_k = std::min(piece, p->seq_k - k0);
+            pp.k_pos0 = p->k_pos0 + k0;
+            pp.o = part, pp.lse = lpart;
+            memcpy(pp.o_stride, o_st, sizeof o_st);
+            memcpy(pp.lse_stride, l_st, sizeof l_st);
             if (k0 == 0) { // acc's LSE to -inf: the first merge takes the partial as it is (acc is never read)
                 HEXISEQ_LAUNCH(attn_fill_kernel, (unsigned)std::min(ceil_div(rows, kThreads), (int64_t)1 << 20),
                                kThreads, 0, stream, lacc, rows, -INFINITY);
                 s = check_launch("attn_fill_kernel launch");
             }
             if (s == HEXISEQ_OK)
-                s = launch_fwd_any<T, float>(ap, B, p->head_dim, keys, stream);
+                s = launch_fwd_any<T, float>(pp, keys, stream);
             if (s == HEXISEQ_OK) {
                 HEXISEQ_LAUNCH(attn_merge_kernel, (unsigned)ceil_div(rows, kThreads / 32), kThreads, 0, stream, m);
                 s = check_launch("attn_merge_kernel launch");
             }
         }
         if (s == HEXISEQ_OK) {
-            FwdStoreArgs st;
-            memset(&st, 0, sizeof st);
-            st.acc = acc, st.lse_acc = lacc;
-            st.o = static_cast<T *>(p->o) + q0 * p->o_stride[1];
-            st.lse = static_cast<float *>(p->lse) + q0 * p->lse_stride[2];
-            memcpy(st.os, p->o_stride, sizeof st.os);
-            memcpy(st.ls, p->lse_stride, sizeof st.ls);
-            st.batch = B, st.seq = nq, st.heads = H, st.d = d, st.dtype = p->dtype;
+            hexiseq_attn_params ps = *p; // this slice's rows of o and lse
+            ps.o = static_cast<T *>(p->o) + q0 * p->o_stride[1];
+            ps.lse = static_cast<float *>(p->lse) + q0 * p->lse_stride[2];
+            ps.seq_q = nq;
             const int64_t n = B * nq * H * d;
             HEXISEQ_LAUNCH(attn_fwd_store_kernel, (unsigned)std::min(ceil_div(n, kThreads), (int64_t)1 << 20), kThreads,
-                           0, stream, st);
+                           0, stream, ps, static_cast<const double *>(acc), static_cast<const double *>(lacc));
             s = check_launch("attn_fwd_store_kernel launch");
         }
     }
@@ -1594,43 +1560,15 @@ template <typename T> hexiseq_status forward_typed(const hexiseq_attn_params *p,
 
 template <typename T>
 hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream) {
-    BwdArgs a;
-    memset(&a, 0, sizeof a);
-    a.q = p->q;
-    a.k = p->k;
-    a.v = p->v;
-    a.o = p->o;
-    a.lse = static_cast<const float *>(p->lse);
-    a.do_ = p->do_;
-    a.dq = p->dq;
-    a.dk = p->dk;
-    a.dv = p->dv;
-    memcpy(a.qs, p->q_stride, sizeof a.qs);
-    memcpy(a.ks, p->k_stride, sizeof a.ks);
-    memcpy(a.vs, p->v_stride, sizeof a.vs);
-    memcpy(a.os, p->o_stride, sizeof a.os);
-    memcpy(a.dos, p->do_stride, sizeof a.dos);
-    memcpy(a.dqs, p->dq_stride, sizeof a.dqs);
-    memcpy(a.dks, p->dk_stride, sizeof a.dks);
-    memcpy(a.dvs, p->dv_stride, sizeof a.dvs);
-    memcpy(a.ls, p->lse_stride, sizeof a.ls);
-    a.batch = p->batch;
-    a.seq_q = p->seq_q;
-    a.seq_k = p->seq_k;
-    a.q_pos0 = p->q_pos0;
-    a.k_pos0 = p->k_pos0;
-    a.heads = p->heads;
-    a.kv_heads = p->kv_heads;
-    a.group = p->heads / p->kv_heads;
-    a.d = p->head_dim;
-    a.causal = p->causal;
-    a.accumulate = p->accumulate;
-    a.vec_q = vec_ok(p->q, p->q_stride, p->head_dim);
-    a.vec_k = vec_ok(p->k, p->k_stride, p->head_dim);
-    a.vec_v = vec_ok(p->v, p->v_stride, p->head_dim);
-    a.vec_do = vec_ok(p->do_, p->do_stride, p->head_dim);
-    a.scale = (float)p->scale;
-    a.scale_log2 = (float)(p->scale * 1.4426950408889634);
+    BwdLaunch cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.group = p->heads / p->kv_heads;
+    cfg.vec_q = vec_ok(p->q, p->q_stride, p->head_dim);
+    cfg.vec_k = vec_ok(p->k, p->k_stride, p->head_dim);
+    cfg.vec_v = vec_ok(p->v, p->v_stride, p->head_dim);
+    cfg.vec_do = vec_ok(p->do_, p->do_stride, p->head_dim);
+    cfg.scale = (float)p->scale;
+    cfg.scale_log2 = (float)(p->scale * 1.4426950408889634);
 
     const int D = padded_head_dim(p->head_dim);
     const int64_t rows = p->batch * p->heads * p->seq_q;
@@ -1655,15 +1593,15 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
     cudaError_t e = cudaMallocAsync(&scratch, delta_bytes + 256 + acc_bytes, stream);
     if (e != cudaSuccess)
         return cuda_fail(e, "cudaMallocAsync of the backward scratch (D and the fp32 dQ accumulator)");
-    a.delta = static_cast<float *>(scratch);
-    a.dq_acc = reinterpret_cast<float *>(static_cast<char *>(scratch) + (delta_bytes + 255) / 256 * 256);
+    cfg.delta = static_cast<float *>(scratch);
+    cfg.dq_acc = reinterpret_cast<float *>(static_cast<char *>(scratch) + (delta_bytes + 255) / 256 * 256);
 
     hexiseq_status s = HEXISEQ_OK;
-    e = cudaMemsetAsync(a.dq_acc, 0, acc_bytes, stream);
+    e = cudaMemsetAsync(cfg.dq_acc, 0, acc_bytes, stream);
     if (e != cudaSuccess)
         s = cuda_fail(e, "cudaMemsetAsync of the dQ accumulator");
     if (s == HEXISEQ_OK) {
-        HEXISEQ_LAUNCH(attn_bwd_delta_kernel<T>, (unsigned)delta_blocks, kThreads, 0, stream, a);
+        HEXISEQ_LAUNCH(attn_bwd_delta_kernel<T>, (unsigned)delta_blocks, kThreads, 0, stream, *p, cfg);
         s = check_launch("attn_bwd_delta_kernel launch");
     }
     if (s == HEXISEQ_OK) {
@@ -1675,25 +1613,25 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
         switch (D) {
         case 64:
             if (force && strcmp(force, "staged") == 0 && limit >= BwdStagedTiles<64>::bytes)
-                s = launch_bwd_staged<T, 64>(a, stream);
+                s = launch_bwd_staged<T, 64>(*p, cfg, stream);
             else
-                s = launch_bwd_mma<T, 64>(a, stream);
+                s = launch_bwd_mma<T, 64>(*p, cfg, stream);
             break;
         case 128:
             if (staged_ok && limit >= BwdStagedTiles<128>::bytes)
-                s = launch_bwd_staged<T, 128>(a, stream);
+                s = launch_bwd_staged<T, 128>(*p, cfg, stream);
             else if (limit >= BwdMmaTiles<128>::bytes)
-                s = launch_bwd_mma<T, 128>(a, stream);
+                s = launch_bwd_mma<T, 128>(*p, cfg, stream);
             else
-                s = launch_bwd_mma<T, 128, 64>(a, stream);
+                s = launch_bwd_mma<T, 128, 64>(*p, cfg, stream);
             break;
-        default: s = launch_bwd_mma<T, 256>(a, stream); break;
+        default: s = launch_bwd_mma<T, 256>(*p, cfg, stream); break;
         }
     }
     if (s == HEXISEQ_OK) {
         const int64_t n = rows * p->head_dim;
         const int64_t blocks = ceil_div(n, kThreads) < (1 << 20) ? ceil_div(n, kThreads) : (1 << 20); // grid-stride
-        HEXISEQ_LAUNCH(attn_bwd_dq_kernel<T>, (unsigned)blocks, kThreads, 0, stream, a);
+        HEXISEQ_LAUNCH(attn_bwd_dq_kernel<T>, (unsigned)blocks, kThreads, 0, stream, *p, cfg);
         s = check_launch("attn_bwd_dq_kernel launch");
     }
     e = cudaFreeAsync(scratch, stream);

@@ -7,6 +7,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from reference import attention
+
 
 def spawn(fn, world, args, tmp_path, timeout_s=120):
     """Run fn(rank, world, init, *args, results) in `world` spawned processes that rendezvous through a file
@@ -38,18 +40,6 @@ def spawn(fn, world, args, tmp_path, timeout_s=120):
     assert len(out) == world, (f"only ranks {sorted(out)} reported within {timeout_s} s (exit codes of the others: "
                                f"{dead}): {out}")
     return out
-
-
-def reference_attention(q, k, v, causal, scale):
-    """Plain single-process attention over the full sequence, float64: [B, S, A, d]."""
-    q, k, v = q.double(), k.double(), v.double()
-    A, Akv = q.shape[2], k.shape[2]
-    kk, vv = k.repeat_interleave(A // Akv, 2), v.repeat_interleave(A // Akv, 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
-    if causal:
-        S = q.shape[1]
-        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vv)
 
 
 def _rel(a, b):
@@ -85,7 +75,7 @@ def check_plan(rank, world, init, plan_json, dtype_name, head_dim, batch, result
         v = torch.randn(batch, S, m.kv_heads, head_dim, generator=g, dtype=torch.float64)
         go = torch.randn(batch, S, m.heads, head_dim, generator=g, dtype=torch.float64)
         qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-        ref = reference_attention(qr, kr, vr, plan.causal, head_dim ** -0.5)
+        ref, _ = attention(qr, kr, vr, causal=plan.causal, scale=head_dim ** -0.5)
         ref.backward(go)
         attn = HexiSeqAttention(plan, causal=plan.causal)
         ql, kl, vl = (plan.shard(t, 1, rank).to(dtype).requires_grad_() for t in (q, k, v))
@@ -120,7 +110,7 @@ def check_plan_in_replicas(rank, world, init, plan_json, results):
         v = torch.randn(1, S, m.kv_heads, d, generator=g, dtype=torch.float64)
         go = torch.randn(1, S, m.heads, d, generator=g, dtype=torch.float64)
         qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-        ref = reference_attention(qr, kr, vr, plan.causal, d ** -0.5)
+        ref, _ = attention(qr, kr, vr, causal=plan.causal, scale=d ** -0.5)
         ref.backward(go)
         attn = HexiSeqAttention(plan, group=mine)
         ql, kl, vl = (plan.shard(t, 1, local).requires_grad_() for t in (q, k, v))

@@ -17,7 +17,8 @@ EXPECTED_ALL = [
     "cuda_device_count", "gpu_catalog", "Cluster", "Node", "DeviceRates", "Model", "MODEL_PRESETS", "Training",
     "Sharding", "Strategy", "Layout", "Plan", "DeviceTable", "plan", "evaluate", "compare", "calibrate", "measure",
     "Measurement", "HexiseqError", "InvalidArgumentError", "UnknownGPUError", "LayoutError", "MemoryFitError", "RankMismatchError",
-    "UnsupportedError", "CudaError", "InternalError", "ops",
+    "UnsupportedError", "CudaError", "InternalError", "ops", "shard_states", "full_state_dict",
+    "load_full_state_dict",
 ]
 
 GPUS = ["H100-SXM", "H100-PCIe", "H200", "H800", "A100-40G", "A100-80G", "A800", "L40S", "L40", "A6000", "RTX4090",
@@ -209,7 +210,7 @@ def _check_plan(p, cluster, seq_len, heads):
     expected_cols = ["device", "node", "gpu", "group", "rank", "tokens", "head_lo", "head_count", "kv_lo",
                      "kv_count", "first_lo", "first_count", "gemm_s", "layer_gemm_s", "attn_s", "a2a_s",
                      "ring_exposed_s", "busy_s",
-                     "mem_states_gib", "mem_act_gib", "mem_attn_gib", "mem_ring_gib", "mem_total_gib", "mem_cap_gib",
+                     "mem_states_gib", "mem_act_gib", "mem_attn_gib", "mem_ring_gib", "mem_total_gib", "mem_cap_gib", "state_share",
                      "ring_send_bytes", "ring_recv_bytes", "a2a_send_bytes", "a2a_recv_bytes"]
     assert t.columns == expected_cols
     assert len(t) == n and all(len(t[c]) == n for c in expected_cols)

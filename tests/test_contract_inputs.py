@@ -13,21 +13,12 @@ import numpy as np
 import pytest
 
 import hexiseq
-from hexiseq import (Cluster, HexiseqError, InvalidArgumentError, LayoutError, Model, Node, Plan, Training,
+from hexiseq import (Cluster, InvalidArgumentError, LayoutError, Model, Node, Plan, Training,
                      UnsupportedError, _core)
 
+from errcheck import raises_with
+
 BIG = [2**31, 2**32 + 5, 2**63, 2**70]  # past a C int, past int64
-
-
-def _expect(exc, fn, *needles):
-    """fn() raises exactly a subclass of `exc` (itself a HexiseqError) with every needle in its message."""
-    assert issubclass(exc, HexiseqError)
-    with pytest.raises(exc) as info:
-        fn()
-    msg = str(info.value)
-    for needle in needles:
-        assert str(needle) in msg, (needle, msg)
-    return msg
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +46,7 @@ def test_seq_len_shorter_than_the_cluster(example, nodes, seq_len, strategy):
     groups the user never wrote; that least does plan."""
     cluster = example if nodes == "example" else Cluster(nodes, 25)
     n = cluster.num_devices
-    msg = _expect(UnsupportedError, lambda: hexiseq.plan(cluster, seq_len=seq_len, strategy=strategy),
+    msg = raises_with(UnsupportedError, lambda: hexiseq.plan(cluster, seq_len=seq_len, strategy=strategy),
                   f"seq_len {seq_len}", f"seq_len >= {n}")
     assert "groups[" not in msg, msg
     if strategy in ("hexiseq", "ring") and n <= 5:
@@ -98,7 +89,7 @@ INT_CASES = [
      "intermediate_size", "[1, 16777216]"),
     ("binding", lambda v: lambda: _core.model_params((2, 64, 4, 4, 16, v, 100, 2, 0)), "model.ffn", "[1, 16777216]"),
     ("binding training", lambda v: lambda: _core.evaluate(*Cluster.example()._core_args(),
-                                                          Model.preset("7b")._as_core(), (v, 0, 0, 2.0), 4096,
+                                                          Model.preset("7b")._as_core(), (v, 0, 0, 2.0, 0), 4096,
                                                           True, {}),
      "training.sequences", "[1, 2147483647]"),
 ]
@@ -107,7 +98,7 @@ INT_CASES = [
 @pytest.mark.parametrize("value", BIG, ids=str)
 @pytest.mark.parametrize("name,make,field,allowed", INT_CASES, ids=[c[0] for c in INT_CASES])
 def test_integers_past_a_c_int(name, make, field, allowed, value):
-    _expect(InvalidArgumentError, make(value), field, value, allowed)
+    raises_with(InvalidArgumentError, make(value), field, value, allowed)
 
 
 PLAN_INT_CASES = [
@@ -125,7 +116,7 @@ PLAN_INT_CASES = [
 @pytest.mark.parametrize("value", BIG, ids=str)
 @pytest.mark.parametrize("path,exc,field", PLAN_INT_CASES, ids=[c[2] for c in PLAN_INT_CASES])
 def test_integers_past_a_c_int_in_plan_files(small_plan, path, exc, field, value):
-    _expect(exc, _plan_doc_with(small_plan, path, value), field, value)
+    raises_with(exc, _plan_doc_with(small_plan, path, value), field, value)
 
 
 @pytest.mark.parametrize("value", BIG, ids=str)
@@ -133,7 +124,7 @@ def test_integers_past_a_c_int_in_yaml_files(tmp_path, value):
     path = tmp_path / "c.yaml"
     path.write_text(f"nodes:\n  - {{gpu: H100, count: 2, intra_gbps: 450}}\n  - {{gpu: A100, count: {value}, "
                     f"intra_gbps: 300}}\ninter_node_gbps: 25\n")
-    _expect(InvalidArgumentError, lambda: Cluster.from_file(path), "nodes[1].count", value, "[1, 65536]")
+    raises_with(InvalidArgumentError, lambda: Cluster.from_file(path), "nodes[1].count", value, "[1, 65536]")
 
 
 # ------------------------------------------------------------------ 12: raw exceptions of every other kind
@@ -162,7 +153,7 @@ HF_CASES = [  # a 0 or a wrong type is refused by the key the config used, never
 
 @pytest.mark.parametrize("change,field,value", HF_CASES, ids=[c[1] + "=" + c[2] for c in HF_CASES])
 def test_hf_config_values(change, field, value):
-    _expect(InvalidArgumentError, lambda: Model.from_hf_config(_hf(**change)), field, value)
+    raises_with(InvalidArgumentError, lambda: Model.from_hf_config(_hf(**change)), field, value)
 
 
 def _write(tmp_path, name, data):
@@ -201,7 +192,7 @@ def test_files_undecodable_or_nested_too_deeply(tmp_path, name, kind):
         needles = ("calibration", "nested too deeply")
     if name != "plan.json":
         needles += (name,)
-    _expect(InvalidArgumentError, lambda: FILE_READERS[name](path), *needles)
+    raises_with(InvalidArgumentError, lambda: FILE_READERS[name](path), *needles)
 
 
 def _layout_case(**change):
@@ -230,7 +221,7 @@ LAYOUT_TYPE_CASES = [
 @pytest.mark.parametrize("change,field,value", LAYOUT_TYPE_CASES, ids=[c[1] + "=" + c[2] for c in LAYOUT_TYPE_CASES])
 def test_layout_fields_of_the_wrong_type(small_plan, change, field, value):
     layout = _layout_case(**change)
-    _expect(LayoutError, lambda: hexiseq.evaluate(small_plan.cluster, model="7b", seq_len=4096, layout=layout),
+    raises_with(LayoutError, lambda: hexiseq.evaluate(small_plan.cluster, model="7b", seq_len=4096, layout=layout),
             field, value)
 
 
@@ -249,7 +240,7 @@ def test_layout_fields_of_the_wrong_type(small_plan, change, field, value):
         "chunks -1", "chunks True", "positions -2"])
 def test_indices_out_of_range(small_plan, call, field, value):
     x = np.arange(4096)
-    _expect(InvalidArgumentError, lambda: call(small_plan, x), field, value)
+    raises_with(InvalidArgumentError, lambda: call(small_plan, x), field, value)
     assert small_plan.group_chunks(1) == [(1024, 1024), (2048, 1024)]  # the valid neighbours still answer
 
 
@@ -273,7 +264,7 @@ FLOAT_LAYOUTS = [
 
 @pytest.mark.parametrize("layout,field,value", FLOAT_LAYOUTS, ids=[c[1] for c in FLOAT_LAYOUTS])
 def test_layout_values_not_integral(small_plan, layout, field, value):
-    _expect(LayoutError, lambda: hexiseq.evaluate(small_plan.cluster, model="7b", seq_len=4096, layout=layout),
+    raises_with(LayoutError, lambda: hexiseq.evaluate(small_plan.cluster, model="7b", seq_len=4096, layout=layout),
             field, value)
 
 
@@ -293,7 +284,7 @@ def test_unshard_checks_every_shard_size(small_plan, rank, change, dim):
         pad = np.zeros_like(np.take(bad[rank], np.arange(change), axis=axis))
         bad[rank] = np.concatenate([bad[rank], pad], axis=axis)
     want = int(small_plan.layout.tokens[rank])
-    _expect(InvalidArgumentError, lambda: small_plan.unshard(bad, axis), f"shards[{rank}]", f"rank {rank}",
+    raises_with(InvalidArgumentError, lambda: small_plan.unshard(bad, axis), f"shards[{rank}]", f"rank {rank}",
             f"{want} tokens", f"got {want + change}")
 
 
@@ -303,10 +294,10 @@ def test_unshard_checks_every_shard_size(small_plan, rank, change, dim):
 def test_plan_format_version(small_plan, version):
     doc = json.loads(small_plan.to_json())
     doc["format_version"] = version
-    _expect(InvalidArgumentError, lambda: Plan.from_json(json.dumps(doc)), "format_version", repr(version),
+    raises_with(InvalidArgumentError, lambda: Plan.from_json(json.dumps(doc)), "format_version", repr(version),
             "format_version 1")
     del doc["format_version"]
-    _expect(InvalidArgumentError, lambda: Plan.from_json(json.dumps(doc)), "format_version", "None")
+    raises_with(InvalidArgumentError, lambda: Plan.from_json(json.dumps(doc)), "format_version", "None")
 
 
 def _strict(text):
@@ -322,7 +313,7 @@ def test_bandwidth_diagonal_must_be_finite(entry, value):
     bw = np.full((3, 3), 100.0)
     np.fill_diagonal(bw, 0.0)
     bw[entry] = value
-    _expect(InvalidArgumentError, lambda: Cluster([Node("H100", 3, 450)], 25, bandwidth_gbps=bw),
+    raises_with(InvalidArgumentError, lambda: Cluster([Node("H100", 3, 450)], 25, bandwidth_gbps=bw),
             f"bandwidth_gbps[{entry[0]}][{entry[1]}]", repr(value))
     np.fill_diagonal(bw, 7.0)  # any finite diagonal is accepted, carried, and written as strict JSON
     plan = hexiseq.plan(Cluster([Node("H100", 3, 450)], 25, bandwidth_gbps=bw), seq_len=4096, strategy="ring")
@@ -347,8 +338,8 @@ def test_model_config_paths(tmp_path, example):
     assert Model.from_hf_config(cfg) == m
     assert hexiseq.plan(example, model=str(cfg), seq_len=4096).model == m
     assert hexiseq.plan(example, model=cfg, seq_len=4096).model == m
-    _expect(InvalidArgumentError, lambda: Model.from_dict(str(cfg)), "cfg.json", "from_hf_config")
-    _expect(InvalidArgumentError, lambda: Cluster.from_dict("cluster.yaml"), "cluster.yaml", "from_file")
+    raises_with(InvalidArgumentError, lambda: Model.from_dict(str(cfg)), "cfg.json", "from_hf_config")
+    raises_with(InvalidArgumentError, lambda: Cluster.from_dict("cluster.yaml"), "cluster.yaml", "from_file")
 
 
 # ------------------------------------------------------------------ 16: the CLI

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from hexiseq import ops
+from reference import attention
 
 U32 = 2.0 ** -24
 
@@ -58,19 +59,8 @@ def _long_random(rng, n, dtype=np.float32):
 
 def _ref_one_head(q, k, v, scale):
     """float64 (out [Sq, D], lse [Sq]) of batch 0, head 0, no mask, computed in key chunks (memory)."""
-    qd = q[0, :, 0].astype(np.float64)
-    m = np.full(qd.shape[0], -np.inf)
-    num = np.zeros((qd.shape[0], v.shape[3]))
-    den = np.zeros(qd.shape[0])
-    for j in range(0, k.shape[1], 1 << 22):
-        s = qd @ k[0, j:j + (1 << 22), 0].astype(np.float64).T * scale
-        m_new = np.maximum(m, s.max(1))
-        w = np.exp(m - m_new)
-        p = np.exp(s - m_new[:, None])
-        num = num * w[:, None] + p @ v[0, j:j + (1 << 22), 0].astype(np.float64)
-        den = den * w + p.sum(1)
-        m = m_new
-    return num / den[:, None], m + np.log(den)
+    out, lse = attention(q[:, :, :1], k[:, :, :1], v[:, :, :1], scale=scale, key_chunk=1 << 22)
+    return out[0, :, 0], lse[0, 0]
 
 
 def test_long_random_float32_stays_at_rounding(long_block):
@@ -107,18 +97,6 @@ def test_long_random_bfloat16_is_within_one_ulp():
     assert np.abs(lse[0, 0].double().numpy() - ref_l).max() <= 16 * U32 * np.abs(ref_l).max()
 
 
-def _ref_causal(q, k, v, q_pos0, scale):
-    """float64 out [B, Sq, H, D] of causal attention, k_pos0 = 0, kv heads expanded (GQA)."""
-    g = q.shape[2] // k.shape[2]
-    kk = np.repeat(k.astype(np.float64), g, axis=2)
-    vv = np.repeat(v.astype(np.float64), g, axis=2)
-    s = np.einsum("bqhd,bkhd->bhqk", q.astype(np.float64), kk) * scale
-    qpos = q_pos0 + np.arange(q.shape[1])
-    s = np.where(np.arange(k.shape[1])[None, :] <= qpos[:, None], s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    return np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), vv)
-
-
 @pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-12), (np.float32, 1e-5)])
 @pytest.mark.parametrize("seq_k", [2047, 2048, 2049, 4096, 4097, 6145])
 def test_key_blocks_around_piece_boundaries(dtype, rtol, seq_k):
@@ -132,10 +110,10 @@ def test_key_blocks_around_piece_boundaries(dtype, rtol, seq_k):
     v = rng.standard_normal((1, seq_k, 1, 16)).astype(dtype)
     q_pos0 = seq_k - sq + 40  # the last 40 rows see every key, earlier rows fewer
     out, _ = ops.attention_forward(q, k, v, causal=True, q_pos0=q_pos0, scale=0.3)
-    ref = _ref_causal(q, k, v, q_pos0, 0.3)
+    ref, _ = attention(q, k, v, causal=True, q_pos0=q_pos0, scale=0.3)
     assert np.abs(out - ref).max() <= rtol * np.abs(ref).max()
     out, _ = ops.attention_forward(q, k, v, causal=False, scale=0.3)
-    ref = _ref_causal(q, k, v, seq_k, 0.3)
+    ref, _ = attention(q, k, v, causal=True, q_pos0=seq_k, scale=0.3)
     assert np.abs(out - ref).max() <= rtol * np.abs(ref).max()
 
 

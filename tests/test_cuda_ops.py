@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 import hexiseq  # noqa: E402
 from hexiseq import ops  # noqa: E402
 from hexiseq.errors import InvalidArgumentError, UnsupportedError  # noqa: E402
+from reference import attention, visible  # noqa: E402
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device visible to torch (torch.cuda.is_available() is False)", allow_module_level=True)
@@ -26,34 +27,6 @@ if not hexiseq.build_info()["cuda"]:
 
 DEV = torch.device("cuda")
 LOW = [torch.bfloat16, torch.float16]
-
-
-def visible(sq, sk, q_pos0, k_pos0, causal, device=DEV):
-    """[sq, sk] bool: key j visible to query i."""
-    if not causal:
-        return torch.ones(sq, sk, dtype=torch.bool, device=device)
-    qp = q_pos0 + torch.arange(sq, device=device)
-    kp = k_pos0 + torch.arange(sk, device=device)
-    return kp[None, :] <= qp[:, None]
-
-
-def ref_attention(q, k, v, *, causal, q_pos0, k_pos0, scale, dtype):
-    """(out [B,Sq,H,D], lse [B,H,Sq]) computed with torch ops in `dtype`; differentiable. Rows that see no key:
-    out = 0, lse = -inf, no gradient (scores of such rows are set to 0 before the softmax, so no NaN)."""
-    B, Sq, H, D = q.shape
-    Hkv = k.shape[2]
-    qq = q.to(dtype).transpose(1, 2)                                    # [B, H, Sq, D]
-    kk = k.to(dtype).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)  # [B, H, Sk, D]
-    vv = v.to(dtype).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
-    mask = visible(Sq, k.shape[1], q_pos0, k_pos0, causal, q.device)
-    dead = ~mask.any(-1)                                                  # [Sq] fully masked rows
-    s = (qq * scale) @ kk.transpose(-1, -2)                               # [B, H, Sq, Sk]
-    s = s.masked_fill(~mask, -math.inf).masked_fill(dead[:, None], 0.0)
-    lse = torch.logsumexp(s.float() if dtype != torch.float64 else s, dim=-1)
-    p = torch.softmax(s, dim=-1).masked_fill(~mask, 0.0)
-    out = (p @ vv).transpose(1, 2)
-    lse = lse.masked_fill(dead, -math.inf)
-    return out, lse
 
 
 def sdpa(q, k, v, *, causal, q_pos0, k_pos0, scale):
@@ -103,14 +76,14 @@ def check_forward(q, k, v, causal, q_pos0, k_pos0, scale=None):
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     out, lse = ops.attention_forward(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale)
-    ref_out, ref_lse = ref_attention(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale,
-                                     dtype=torch.float64)
-    rows = visible(q.shape[1], k.shape[1], q_pos0, k_pos0, causal).any(-1)
+    ref_out, ref_lse = attention(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale,
+                                 dtype=torch.float64)
+    rows = visible(q.shape[1], k.shape[1], q_pos0, k_pos0, causal, DEV).any(-1)
     if rows.any():
         base = sdpa(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale)
         assert_close_2x(out[:, rows], base[:, rows], ref_out[:, rows], "out")
         # lse: fp32 in both; compare against the low-precision math's fp32 logsumexp
-        _, base_lse = ref_attention(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale, dtype=q.dtype)
+        _, base_lse = attention(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale, dtype=q.dtype)
         assert_close_2x(lse[:, :, rows], base_lse[:, :, rows], ref_lse[:, :, rows], "lse")
     dead = ~rows
     if dead.any():  # fully masked rows: exactly 0 and -inf
@@ -168,7 +141,7 @@ def check_backward(q, k, v, causal, q_pos0, k_pos0, accumulate=False):
     grads = {}
     for dtype in (torch.float64, q.dtype):
         qq, kk, vv = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
-        o, _ = ref_attention(qq, kk, vv, dtype=dtype, **kw)
+        o, _ = attention(qq, kk, vv, dtype=dtype, **kw)
         o.backward(dout.to(dtype))
         grads[dtype] = (qq.grad, kk.grad, vv.grad)
     # dS = P (dP - D) subtracts two fp32 sums of the same products (dO_i . V_j and dO_i . O_i) that the kernel and
@@ -214,7 +187,7 @@ def test_matches_cpu_kernels():
     kw = dict(causal=True, q_pos0=60, k_pos0=0)
     out, lse = ops.attention_forward(q, k, v, **kw)
     cpu_out, cpu_lse = ops.attention_forward(*(x.cpu().double() for x in (q, k, v)), **kw)
-    ref_out, _ = ref_attention(q.cpu(), k.cpu(), v.cpu(), scale=1 / 8, dtype=torch.float64, **kw)
+    ref_out, _ = attention(q.cpu(), k.cpu(), v.cpu(), scale=1 / 8, dtype=torch.float64, **kw)
     assert torch.allclose(cpu_out, ref_out, atol=1e-10)  # the CPU reference is itself right
     base = sdpa(q, k, v, scale=1 / 8, **kw)
     assert_close_2x(out.cpu(), base.cpu(), cpu_out, "out vs CPU kernel")
@@ -257,7 +230,7 @@ def test_split_kv_merge_equals_unsplit():
     for a, b in zip(cuts[:-1], cuts[1:]):
         o, l = ops.attention_forward(q, k[:, a:b], v[:, a:b], causal=True, q_pos0=100, k_pos0=a)
         ops.merge_(acc, acc_lse, o, l)
-    ref_out, ref_lse = ref_attention(q, k, v, scale=1 / 8, dtype=torch.float64, **kw)
+    ref_out, ref_lse = attention(q, k, v, scale=1 / 8, dtype=torch.float64, **kw)
     base = sdpa(q, k, v, scale=1 / 8, **kw)
     assert_close_2x(acc, base, ref_out, "merged out")
     assert torch.allclose(acc_lse.double(), ref_lse, atol=1e-3)
@@ -360,8 +333,8 @@ def test_runtime_torch_blocks(case, D):
     assert (fused is None) == (case == "partial"), f"{case}: flash op applies = {fused is not None}"
     out, lse = blocks._block_forward_torch(q, k, v, causal, qp, kp, scale)
     kw = dict(causal=causal, q_pos0=qp, k_pos0=kp, scale=scale)
-    ref_out, ref_lse = ref_attention(q, k, v, dtype=torch.float64, **kw)
-    base_out, base_lse = ref_attention(q, k, v, dtype=torch.bfloat16, **kw)
+    ref_out, ref_lse = attention(q, k, v, dtype=torch.float64, **kw)
+    base_out, base_lse = attention(q, k, v, dtype=torch.bfloat16, **kw)
     assert_close_2x(out, base_out, ref_out, "out")
     assert_close_2x(lse, base_lse, ref_lse, "lse")
     g = torch.Generator(device=DEV).manual_seed(12)
@@ -370,7 +343,7 @@ def test_runtime_torch_blocks(case, D):
     refs = {}
     for dtype in (torch.float64, torch.bfloat16):
         qq, kk, vv = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
-        ref_attention(qq, kk, vv, dtype=dtype, **kw)[0].backward(dout.to(dtype))
+        attention(qq, kk, vv, dtype=dtype, **kw)[0].backward(dout.to(dtype))
         refs[dtype] = (qq.grad, kk.grad, vv.grad)
     for name, ours, ref, base in zip(("dq", "dk", "dv"), grads, refs[torch.float64], refs[torch.bfloat16]):
         assert ours.shape == ref.shape, f"{name}: shape {list(ours.shape)} != {list(ref.shape)}"
@@ -407,10 +380,10 @@ def test_runtime_on_one_gpu(causal, kernels, tmp_path, monkeypatch):
     finally:
         dist.destroy_process_group()
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ref, _ = ref_attention(qr, kr, vr, causal=causal, q_pos0=0, k_pos0=0, scale=D ** -0.5, dtype=torch.float64)
+    ref, _ = attention(qr, kr, vr, causal=causal, q_pos0=0, k_pos0=0, scale=D ** -0.5, dtype=torch.float64)
     ref.backward(go.double())
     qb, kb, vb = (t.detach().requires_grad_() for t in (q, k, v))
-    base, _ = ref_attention(qb, kb, vb, causal=causal, q_pos0=0, k_pos0=0, scale=D ** -0.5, dtype=torch.bfloat16)
+    base, _ = attention(qb, kb, vb, causal=causal, q_pos0=0, k_pos0=0, scale=D ** -0.5, dtype=torch.bfloat16)
     base.backward(go)
     assert_close_2x(out, plan.shard(base, 1, 0), plan.shard(ref, 1, 0), "runtime out")
     for name, ours, b, r in (("dq", ql, qb, qr), ("dk", kl, kb, kr), ("dv", vl, vb, vr)):

@@ -9,18 +9,9 @@ import hexiseq
 from hexiseq import (Cluster, HexiseqError, InvalidArgumentError, LayoutError, MemoryFitError, Model, Node, Plan,
                      Training, UnknownGPUError)
 
+from errcheck import raises_with
+
 GOOD_NODE = {"gpu": "H100-SXM", "count": 2, "intra_gbps": 450}
-
-
-def _raises(exc, fn, *needles):
-    """fn() must raise `exc` (a HexiseqError subclass) with every needle in its message."""
-    assert issubclass(exc, HexiseqError)
-    with pytest.raises(exc) as info:
-        fn()
-    msg = str(info.value)
-    for needle in needles:
-        assert str(needle) in msg, (needle, msg)
-    return msg
 
 
 def _two_nodes(**override):
@@ -31,15 +22,15 @@ def _two_nodes(**override):
 # ------------------------------------------------------------------ GPU names
 
 def test_unknown_gpu_lists_known_models():
-    msg = _raises(UnknownGPUError, lambda: Cluster.from_dict({"nodes": [{**GOOD_NODE, "gpu": "H999"}]}),
+    msg = raises_with(UnknownGPUError, lambda: Cluster.from_dict({"nodes": [{**GOOD_NODE, "gpu": "H999"}]}),
                   "nodes[0].gpu", "H999")
     for known in ("H100-SXM", "A100-80G", "L40S", "RTX4090", "V100"):
         assert known in msg
-    _raises(UnknownGPUError, lambda: Cluster([Node("B300", 1, 1.0)]), "B300")
+    raises_with(UnknownGPUError, lambda: Cluster([Node("B300", 1, 1.0)]), "B300")
 
 
 def test_gpu_name_not_a_string():
-    _raises(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": [{**GOOD_NODE, "gpu": 100}]}), "gpu", "100")
+    raises_with(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": [{**GOOD_NODE, "gpu": 100}]}), "gpu", "100")
 
 
 # ------------------------------------------------------------------ counts and bandwidths
@@ -50,13 +41,13 @@ BAD_BANDWIDTHS = [0, -1, -0.5, float("nan"), float("inf"), "450", None, True, Fa
 
 @pytest.mark.parametrize("value", BAD_COUNTS, ids=repr)
 def test_bad_count(value):
-    _raises(InvalidArgumentError, lambda: Cluster.from_dict(_two_nodes(count=value)), "nodes[1].count", repr(value)
+    raises_with(InvalidArgumentError, lambda: Cluster.from_dict(_two_nodes(count=value)), "nodes[1].count", repr(value)
             if not isinstance(value, int) or isinstance(value, bool) else value)
 
 
 @pytest.mark.parametrize("value", BAD_BANDWIDTHS, ids=repr)
 def test_bad_intra_bandwidth(value):
-    msg = _raises(InvalidArgumentError, lambda: Cluster.from_dict(_two_nodes(intra_gbps=value)), "nodes[1].intra_gbps")
+    msg = raises_with(InvalidArgumentError, lambda: Cluster.from_dict(_two_nodes(intra_gbps=value)), "nodes[1].intra_gbps")
     assert _value_text(value) in msg, msg
 
 
@@ -64,20 +55,20 @@ def test_bad_intra_bandwidth(value):
 def test_bad_inter_bandwidth(value):
     spec = _two_nodes()
     spec["inter_node_gbps"] = value
-    msg = _raises(InvalidArgumentError, lambda: Cluster.from_dict(spec), "inter_node_gbps")
+    msg = raises_with(InvalidArgumentError, lambda: Cluster.from_dict(spec), "inter_node_gbps")
     assert _value_text(value) in msg, msg
 
 
 @pytest.mark.parametrize("field", ["memory_gib", "peak_tflops", "gemm_eff", "attn_eff"])
 @pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), "x", True], ids=repr)
 def test_bad_override(field, value):
-    msg = _raises(InvalidArgumentError, lambda: Cluster.from_dict(_two_nodes(**{field: value})), f"nodes[1].{field}")
+    msg = raises_with(InvalidArgumentError, lambda: Cluster.from_dict(_two_nodes(**{field: value})), f"nodes[1].{field}")
     assert _value_text(value) in msg, msg
 
 
 @pytest.mark.parametrize("field", ["gemm_eff", "attn_eff"])
 def test_efficiency_above_one(field):
-    _raises(InvalidArgumentError, lambda: Cluster.from_dict(_two_nodes(**{field: 1.5})), f"nodes[1].{field}", "1.5")
+    raises_with(InvalidArgumentError, lambda: Cluster.from_dict(_two_nodes(**{field: 1.5})), f"nodes[1].{field}", "1.5")
 
 
 def _value_text(value):
@@ -93,21 +84,21 @@ def _value_text(value):
 def test_bad_bandwidth_matrix_entry(value):
     bw = [[0, 100], [100, 0]]
     bw[1][0] = value
-    _raises(InvalidArgumentError, lambda: Cluster([Node("H100", 2, 450)], 25, bandwidth_gbps=bw),
+    raises_with(InvalidArgumentError, lambda: Cluster([Node("H100", 2, 450)], 25, bandwidth_gbps=bw),
             "bandwidth_gbps[1][0]")
 
 
 def test_bandwidth_matrix_of_wrong_size():
     # 2 devices, 3 x 3 matrix
     bw = [[0, 1, 1], [1, 0, 1], [1, 1, 0]]
-    _raises(InvalidArgumentError, lambda: Cluster([Node("H100", 2, 450)], 25, bandwidth_gbps=bw),
+    raises_with(InvalidArgumentError, lambda: Cluster([Node("H100", 2, 450)], 25, bandwidth_gbps=bw),
             "bandwidth_gbps", "2 x 2")
 
 
 def test_bandwidth_matrix_not_numbers():
-    _raises(InvalidArgumentError, lambda: Cluster([Node("H100", 2, 450)], 25, bandwidth_gbps=[["a", "b"], [1, 0]]),
+    raises_with(InvalidArgumentError, lambda: Cluster([Node("H100", 2, 450)], 25, bandwidth_gbps=[["a", "b"], [1, 0]]),
             "bandwidth_gbps")
-    _raises(InvalidArgumentError, lambda: Cluster([Node("H100", 2, 450)], 25, bandwidth_gbps=[1, 2]),
+    raises_with(InvalidArgumentError, lambda: Cluster([Node("H100", 2, 450)], 25, bandwidth_gbps=[1, 2]),
             "bandwidth_gbps")
 
 
@@ -137,53 +128,53 @@ def test_bad_yaml_values(tmp_path, line, field, value):
     text = text.replace(f"    {key}: {'8' if key == 'count' else '300'}\n", f"    {key}: {val}\n")
     path = tmp_path / "cluster.yaml"
     path.write_text(text)
-    _raises(InvalidArgumentError, lambda: Cluster.from_file(path), field, value)
+    raises_with(InvalidArgumentError, lambda: Cluster.from_file(path), field, value)
 
 
 def test_bad_yaml_inter_node_and_gpu(tmp_path):
     path = tmp_path / "c.yml"
     path.write_text("nodes:\n  - {gpu: H100, count: 8, intra_gbps: 450}\n  - {gpu: A100, count: 8, intra_gbps: 300}\n"
                     "inter_node_gbps: -25\n")
-    _raises(InvalidArgumentError, lambda: Cluster.from_file(path), "inter_node_gbps", "-25")
+    raises_with(InvalidArgumentError, lambda: Cluster.from_file(path), "inter_node_gbps", "-25")
     path.write_text("nodes:\n  - {gpu: Z80, count: 8, intra_gbps: 450}\n")
-    _raises(UnknownGPUError, lambda: Cluster.from_file(path), "nodes[0].gpu", "Z80")
+    raises_with(UnknownGPUError, lambda: Cluster.from_file(path), "nodes[0].gpu", "Z80")
 
 
 def test_unreadable_and_malformed_files(tmp_path):
-    _raises(InvalidArgumentError, lambda: Cluster.from_file(tmp_path / "missing.yaml"), "missing.yaml")
+    raises_with(InvalidArgumentError, lambda: Cluster.from_file(tmp_path / "missing.yaml"), "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("nodes: [ {gpu: H100\n")
-    _raises(InvalidArgumentError, lambda: Cluster.from_file(bad), "bad.yaml")
+    raises_with(InvalidArgumentError, lambda: Cluster.from_file(bad), "bad.yaml")
     bad = tmp_path / "bad.json"
     bad.write_text("{nodes: }")
-    _raises(InvalidArgumentError, lambda: Cluster.from_file(bad), "bad.json")
+    raises_with(InvalidArgumentError, lambda: Cluster.from_file(bad), "bad.json")
     scalar = tmp_path / "scalar.yaml"
     scalar.write_text("42\n")
-    _raises(InvalidArgumentError, lambda: Cluster.from_file(scalar), "mapping")
+    raises_with(InvalidArgumentError, lambda: Cluster.from_file(scalar), "mapping")
 
 
 # ------------------------------------------------------------------ missing and unknown fields
 
 def test_missing_fields():
-    _raises(InvalidArgumentError, lambda: Cluster.from_dict({}), "nodes")
-    _raises(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": [{"count": 2, "intra_gbps": 1}]}), "nodes[0].gpu")
-    _raises(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": [{"gpu": "H100", "intra_gbps": 1}]}),
+    raises_with(InvalidArgumentError, lambda: Cluster.from_dict({}), "nodes")
+    raises_with(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": [{"count": 2, "intra_gbps": 1}]}), "nodes[0].gpu")
+    raises_with(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": [{"gpu": "H100", "intra_gbps": 1}]}),
             "nodes[0].count")
-    _raises(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": [{"gpu": "H100", "count": 2}]}),
+    raises_with(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": [{"gpu": "H100", "count": 2}]}),
             "nodes[0].intra_gbps")
     spec = _two_nodes()
     del spec["inter_node_gbps"]
-    _raises(InvalidArgumentError, lambda: Cluster.from_dict(spec), "inter_node_gbps")
-    _raises(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": []}), "nodes")
-    _raises(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": "H100"}), "nodes")
-    _raises(InvalidArgumentError, lambda: Cluster.from_dict([GOOD_NODE]), "mapping")
+    raises_with(InvalidArgumentError, lambda: Cluster.from_dict(spec), "inter_node_gbps")
+    raises_with(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": []}), "nodes")
+    raises_with(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": "H100"}), "nodes")
+    raises_with(InvalidArgumentError, lambda: Cluster.from_dict([GOOD_NODE]), "mapping")
 
 
 def test_unknown_fields():
-    _raises(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": [{**GOOD_NODE, "colour": "red"}]}), "colour")
-    _raises(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": [GOOD_NODE], "gpus": 4}), "gpus")
-    _raises(InvalidArgumentError, lambda: Model.from_dict({**Model.preset("7b").to_dict(), "experts": 8}), "experts")
-    _raises(InvalidArgumentError, lambda: hexiseq.Training.from_dict({"sequences": 1, "micro_batch": 4}),
+    raises_with(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": [{**GOOD_NODE, "colour": "red"}]}), "colour")
+    raises_with(InvalidArgumentError, lambda: Cluster.from_dict({"nodes": [GOOD_NODE], "gpus": 4}), "gpus")
+    raises_with(InvalidArgumentError, lambda: Model.from_dict({**Model.preset("7b").to_dict(), "experts": 8}), "experts")
+    raises_with(InvalidArgumentError, lambda: hexiseq.Training.from_dict({"sequences": 1, "micro_batch": 4}),
             "micro_batch")
 
 
@@ -192,7 +183,7 @@ def test_unknown_fields():
 @pytest.mark.parametrize("value", [0, -1, -131072, "0", "-5", "abc", "", "12q", "1.5", "nan", "inf", None, True, 1.5,
                                    2 ** 31, 2 ** 70, float("nan")], ids=repr)
 def test_bad_seq_len(value):
-    msg = _raises(InvalidArgumentError, lambda: hexiseq.plan(Cluster.example(), seq_len=value, strategy="ring"),
+    msg = raises_with(InvalidArgumentError, lambda: hexiseq.plan(Cluster.example(), seq_len=value, strategy="ring"),
                   "seq_len")
     if not isinstance(value, int) or isinstance(value, bool):
         assert repr(value) in msg or str(value) in msg, msg
@@ -201,8 +192,8 @@ def test_bad_seq_len(value):
 # ------------------------------------------------------------------ models
 
 def test_heads_not_divisible_by_kv_heads():
-    _raises(InvalidArgumentError, lambda: Model(32, 4096, 32, 5, 128, 11008, 32000), "kv_heads", "5", "32")
-    _raises(InvalidArgumentError, lambda: Model(32, 4096, 8, 16, 128, 11008, 32000), "kv_heads", "16")
+    raises_with(InvalidArgumentError, lambda: Model(32, 4096, 32, 5, 128, 11008, 32000), "kv_heads", "5", "32")
+    raises_with(InvalidArgumentError, lambda: Model(32, 4096, 8, 16, 128, 11008, 32000), "kv_heads", "16")
 
 
 @pytest.mark.parametrize("field", ["layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab"])
@@ -210,24 +201,24 @@ def test_heads_not_divisible_by_kv_heads():
 def test_bad_model_fields(field, value):
     d = Model.preset("7b").to_dict()
     d[field] = value
-    _raises(InvalidArgumentError, lambda: Model.from_dict(d), f"model.{field}", value if isinstance(value, int)
+    raises_with(InvalidArgumentError, lambda: Model.from_dict(d), f"model.{field}", value if isinstance(value, int)
             else repr(value))
 
 
 def test_unknown_preset_and_hf_config():
-    _raises(InvalidArgumentError, lambda: Model.preset("gpt-5"), "gpt-5", "llama3-8b")
-    _raises(InvalidArgumentError, lambda: hexiseq.plan(Cluster.example(), model="175b"), "175b")
-    _raises(InvalidArgumentError, lambda: Model.from_hf_config({"hidden_size": 512}), "num_hidden_layers")
+    raises_with(InvalidArgumentError, lambda: Model.preset("gpt-5"), "gpt-5", "llama3-8b")
+    raises_with(InvalidArgumentError, lambda: hexiseq.plan(Cluster.example(), model="175b"), "175b")
+    raises_with(InvalidArgumentError, lambda: Model.from_hf_config({"hidden_size": 512}), "num_hidden_layers")
 
 
 # ------------------------------------------------------------------ memory
 
 def test_nothing_fits():
     cluster = {"nodes": [{"gpu": "RTX3090", "count": 2, "intra_gbps": 32}]}
-    msg = _raises(MemoryFitError, lambda: hexiseq.plan(cluster, model="llama3-70b", seq_len="1m"), "device", "GiB")
+    msg = raises_with(MemoryFitError, lambda: hexiseq.plan(cluster, model="llama3-70b", seq_len="1m"), "device", "GiB")
     assert "RTX3090" in msg
     for strategy in ("ring", "ulysses", "usp"):
-        _raises(MemoryFitError, lambda: hexiseq.plan(cluster, model="70b", seq_len="1m", strategy=strategy),
+        raises_with(MemoryFitError, lambda: hexiseq.plan(cluster, model="70b", seq_len="1m", strategy=strategy),
                 "device", "GiB", strategy)
 
 
@@ -236,16 +227,45 @@ MIXED = {"nodes": [{"gpu": "H100-SXM", "count": 8, "intra_gbps": 450}, {"gpu": "
 
 
 def test_memory_error_says_the_states_do_not_fit():
-    """70B on 20 devices with 45 GiB L40S: under full sharding each device holds 1/20 of the states, more than an
-    L40S has, so no length fits; the error says so as text and as fields, with the states per device."""
+    """70B on 20 devices with 45 GiB L40S: under full sharding with even shares each device holds 1/20 of the
+    states, more than an L40S has, so no length fits; the error says so as text and as fields, with the states
+    per device."""
     with pytest.raises(MemoryFitError) as info:
-        hexiseq.plan(MIXED, model="70b", seq_len="128k", training=Training(checkpointing=True))
+        hexiseq.plan(MIXED, model="70b", seq_len="128k", training=Training(checkpointing=True, state_shares="even"))
     err, e = info.value, str(info.value)
     for needle in ("model states alone take", "device 16 (L40S, 45.0 GiB)", "no sequence fits"):
         assert needle in e, (needle, e)
     assert err.states_fit is False and err.longest_seq_len == 0 and err.longest_seq_len_checkpointing == 0
     assert len(err.states_gib) == 20 and len(set(err.states_gib)) == 1 and err.states_gib[0] > 45.0
     assert f"{err.states_gib[0]:.1f} GiB per device" in e
+
+
+def test_states_shared_by_memory_fit_where_even_shares_do_not():
+    """The same 70B, 20 devices, 64k tokens: even shares overflow the L40S, so auto shares the states by memory
+    (each device in proportion to what it has beside the unsharded part) and the plan fits and says so. Where
+    even the states shared by memory do not fit (70B on four L40S), the error says that."""
+    training = Training(checkpointing=True)
+    with pytest.raises(MemoryFitError, match="L40S"):
+        hexiseq.plan(MIXED, model="70b", seq_len="64k", training=Training(checkpointing=True, state_shares="even"))
+    p = hexiseq.plan(MIXED, model="70b", seq_len="64k", training=training)
+    assert p.fits and p.training.state_shares == "memory" and training.state_shares == "auto"
+    shares = p.state_shares
+    assert abs(shares.sum() - 1.0) < 1e-12 and shares.min() > 0
+    gpus = p.cluster.device_gpus
+    small, big = shares[gpus == "L40S"], shares[gpus != "L40S"]
+    assert len(set(small.tolist())) == 1 and small[0] < 1 / 20 < big.min()  # 80 GB H100s hold a hair less: 79.6 GiB
+    assert "shared by memory" in p.explain() and "hexiseq.shard_states" in p.explain()
+    assert hexiseq.Plan.from_json(p.to_json()).state_shares.tolist() == shares.tolist()
+    # a plan that fits with even shares keeps them, and its file is what it was (no state_shares field)
+    even = hexiseq.plan(MIXED, model="8b", seq_len="64k", training=training)
+    assert even.training.state_shares == "even" and "state_shares" not in even.to_json()
+    assert even.state_shares.tolist() == [1 / 20] * 20
+    with pytest.raises(MemoryFitError) as info:
+        hexiseq.plan({"nodes": [{"gpu": "L40S", "count": 4, "intra_gbps": 32}], "inter_node_gbps": 25}, model="70b",
+                     seq_len="8k", training=training)
+    assert "shared by memory" in str(info.value) and "no sequence fits" in str(info.value)
+    with pytest.raises(InvalidArgumentError, match="training.state_shares must be one of"):
+        Training(state_shares="uneven")
 
 
 def test_memory_error_gives_the_longest_sequence_that_fits():
@@ -286,47 +306,47 @@ def test_valid_layout_baseline():
 
 
 def test_layout_shares_that_do_not_sum():
-    _raises(LayoutError, lambda: _evaluate(_layout(g1_tokens=[8192] * 7 + [8000])), "groups[1]", "65344")
-    _raises(LayoutError, lambda: _evaluate(_layout(g0_seq=65535)), "seq_len=131072", "131071")
-    _raises(LayoutError, lambda: _evaluate(_layout(), seq_len=131073), "131073")
-    _raises(LayoutError, lambda: _evaluate(_layout(g1_heads=[4] * 7 + [3])), "groups[1]", "31")
-    _raises(LayoutError, lambda: _evaluate(_layout(g0_tokens=[-8192, 24576] + [8192] * 6)), "tokens", "-8192")
-    _raises(LayoutError, lambda: _evaluate(_layout(g0_tokens=[8192] * 7)), "groups[0].tokens")
+    raises_with(LayoutError, lambda: _evaluate(_layout(g1_tokens=[8192] * 7 + [8000])), "groups[1]", "65344")
+    raises_with(LayoutError, lambda: _evaluate(_layout(g0_seq=65535)), "seq_len=131072", "131071")
+    raises_with(LayoutError, lambda: _evaluate(_layout(), seq_len=131073), "131073")
+    raises_with(LayoutError, lambda: _evaluate(_layout(g1_heads=[4] * 7 + [3])), "groups[1]", "31")
+    raises_with(LayoutError, lambda: _evaluate(_layout(g0_tokens=[-8192, 24576] + [8192] * 6)), "tokens", "-8192")
+    raises_with(LayoutError, lambda: _evaluate(_layout(g0_tokens=[8192] * 7)), "groups[0].tokens")
 
 
 def test_layout_overlapping_heads():
     ranges = [[0, 4], [2, 8]] + [[4 * i, 4 * i + 4] for i in range(2, 8)]
-    _raises(LayoutError, lambda: _evaluate({"groups": [
+    raises_with(LayoutError, lambda: _evaluate({"groups": [
         {"devices": list(range(8)), "seq": 65536, "tokens": [8192] * 8, "head_ranges": ranges},
         _layout()["groups"][1]]}), "head ranges in groups[0]", "device 1")
-    _raises(LayoutError, lambda: _evaluate(_layout(g1_heads=[4] * 7 + [-4])), "head")
+    raises_with(LayoutError, lambda: _evaluate(_layout(g1_heads=[4] * 7 + [-4])), "head")
 
 
 def test_layout_device_twice_or_missing():
-    _raises(LayoutError, lambda: _evaluate(_layout(g1_devices=[0] + list(range(9, 16)))), "device 0", "twice")
-    _raises(LayoutError, lambda: _evaluate(_layout(g1_devices=[16] + list(range(9, 16)))), "device 16")
-    _raises(LayoutError, lambda: _evaluate(_layout(g1_devices=list(range(9, 16)), g1_tokens=[8192] * 6 + [16384],
+    raises_with(LayoutError, lambda: _evaluate(_layout(g1_devices=[0] + list(range(9, 16)))), "device 0", "twice")
+    raises_with(LayoutError, lambda: _evaluate(_layout(g1_devices=[16] + list(range(9, 16)))), "device 16")
+    raises_with(LayoutError, lambda: _evaluate(_layout(g1_devices=list(range(9, 16)), g1_tokens=[8192] * 6 + [16384],
                                                    g1_heads=[4] * 6 + [8])), "16", "15")
 
 
 def test_layout_malformed():
-    _raises(LayoutError, lambda: _evaluate({"groups": []}), "groups")
-    _raises(LayoutError, lambda: _evaluate({"groups": [{"devices": [0]}]}), "groups[0].seq")
-    _raises(LayoutError, lambda: _evaluate({"rings": 3}), "groups")
-    _raises(LayoutError, lambda: _evaluate({"groups": [{"devices": list(range(16)), "seq": 131072,
+    raises_with(LayoutError, lambda: _evaluate({"groups": []}), "groups")
+    raises_with(LayoutError, lambda: _evaluate({"groups": [{"devices": [0]}]}), "groups[0].seq")
+    raises_with(LayoutError, lambda: _evaluate({"rings": 3}), "groups")
+    raises_with(LayoutError, lambda: _evaluate({"groups": [{"devices": list(range(16)), "seq": 131072,
                                                         "tokens": [8192] * 16}]}), "heads")
 
 
 # ------------------------------------------------------------------ strategies and plans
 
 def test_unknown_strategy():
-    _raises(InvalidArgumentError, lambda: hexiseq.plan(Cluster.example(), strategy="zigzag"), "strategy", "zigzag")
-    _raises(InvalidArgumentError, lambda: hexiseq.plan(Cluster.example(), strategy=None), "strategy", "None")
+    raises_with(InvalidArgumentError, lambda: hexiseq.plan(Cluster.example(), strategy="zigzag"), "strategy", "zigzag")
+    raises_with(InvalidArgumentError, lambda: hexiseq.plan(Cluster.example(), strategy=None), "strategy", "None")
 
 
 def test_ulysses_unsupported():
     c = Cluster([Node("H100", 3, 450)])
-    _raises(hexiseq.UnsupportedError, lambda: hexiseq.plan(c, model="7b", seq_len=4096, strategy="ulysses"),
+    raises_with(hexiseq.UnsupportedError, lambda: hexiseq.plan(c, model="7b", seq_len=4096, strategy="ulysses"),
             "heads", "32", "3")
 
 

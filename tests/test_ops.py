@@ -1,4 +1,5 @@
-"""Numerics of hexiseq.ops (forward, backward, merge_) against a float64 NumPy reference and torch SDPA.
+"""Numerics of hexiseq.ops (forward, backward, merge_) against the float64 reference (tests/reference.py) and
+torch SDPA.
 
 Tolerances (relative: max |error| / max |reference|):
   float64  1e-12: the kernels compute in float64; rounding error of sums of up to 1025 terms is ~1e-14.
@@ -17,63 +18,12 @@ import numpy as np
 import pytest
 
 from hexiseq import ops
+from reference import attention, attention_backward
 
 RTOL = {"float64": 1e-12, "float32": 1e-5, "float16": 1e-3}
 
 
-# ------------------------------------------------------------------------------------------------ reference
-
-def ref_scores(q, k, causal, q_pos0, k_pos0, scale):
-    """float64 scores [B, H, Sq, Sk] with -inf where masked; k is expanded to q's heads (GQA)."""
-    g = q.shape[2] // k.shape[2]
-    kk = np.repeat(np.asarray(k, np.float64), g, axis=2)
-    s = np.einsum("bqhd,bkhd->bhqk", np.asarray(q, np.float64), kk) * scale
-    if causal:
-        qpos = q_pos0 + np.arange(q.shape[1])
-        kpos = k_pos0 + np.arange(k.shape[1])
-        s = np.where(kpos[None, :] <= qpos[:, None], s, -np.inf)
-    return s
-
-
-def ref_forward(q, k, v, causal=True, q_pos0=0, k_pos0=0, scale=None):
-    """float64 (out [B, Sq, H, D], lse [B, H, Sq]); fully masked rows: out 0, lse -inf."""
-    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
-    g = q.shape[2] // k.shape[2]
-    s = ref_scores(q, k, causal, q_pos0, k_pos0, scale)
-    m = s.max(axis=-1, keepdims=True) if s.shape[-1] else np.full(s.shape[:-1] + (1,), -np.inf)
-    m = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m)
-    l = p.sum(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        lse = np.where(l > 0, np.log(l) + m, -np.inf)[..., 0]
-        pn = np.where(l > 0, p / l, 0.0)
-    vv = np.repeat(np.asarray(v, np.float64), g, axis=2)
-    out = np.einsum("bhqk,bkhd->bqhd", pn, vv)
-    return out, lse
-
-
-def ref_backward(q, k, v, out, lse, dout, causal=True, q_pos0=0, k_pos0=0, scale=None):
-    """float64 (dq, dk, dv) from the given out and lse (not recomputed), as the kernels define it."""
-    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
-    B, Sq, H, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
-    g = H // Hkv
-    f = lambda x: np.asarray(x, np.float64)  # noqa: E731
-    q, k, v, out, lse, dout = map(f, (q, k, v, out, lse, dout))
-    s = ref_scores(q, k, causal, q_pos0, k_pos0, scale)
-    lse_f = np.where(np.isfinite(lse), lse, np.inf)[..., None]  # fully masked rows: P = 0
-    p = np.exp(s - lse_f)
-    kk, vv = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
-    dv = np.einsum("bhqk,bqhd->bkhd", p, dout)
-    dp = np.einsum("bqhd,bkhd->bhqk", dout, vv)
-    delta = np.einsum("bqhd,bqhd->bhq", dout, out)[..., None]
-    ds = p * (dp - delta)
-    dq = np.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
-    dk = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
-    dk = dk.reshape(B, Sk, Hkv, g, D).sum(axis=3)
-    dv = dv.reshape(B, Sk, Hkv, g, D).sum(axis=3)
-    return dq, dk, dv
-
+# ------------------------------------------------------------------------------------------------ helpers
 
 def rel_err(x, ref, floor=0.0):
     """max |x - ref| / max(max |ref|, floor); floor = 1 for gradients, which vanish exactly in some cases (one
@@ -120,7 +70,7 @@ def test_forward_backward_numpy(shape, dtype, causal):
     out, lse = ops.attention_forward(q, k, v, causal=causal, q_pos0=q_pos0)
     assert out.dtype == np.dtype(dtype) and out.shape == (B, Sq, H, D)
     assert lse.dtype == (np.float64 if dtype == "float64" else np.float32) and lse.shape == (B, H, Sq)
-    ref_o, ref_l = ref_forward(q, k, v, causal, q_pos0)
+    ref_o, ref_l = attention(q, k, v, causal=causal, q_pos0=q_pos0)
     tol = RTOL[dtype]
     assert rel_err(out, ref_o) <= tol
     assert np.abs(lse - ref_l).max() <= tol * max(1.0, np.abs(ref_l).max())
@@ -128,7 +78,7 @@ def test_forward_backward_numpy(shape, dtype, causal):
         return
     dout = rand(rng, (B, Sq, H, D), dtype)
     dq, dk, dv = ops.attention_backward(q, k, v, out, lse, dout, causal=causal, q_pos0=q_pos0)
-    refs = ref_backward(q, k, v, out, lse, dout, causal, q_pos0)
+    refs = attention_backward(q, k, v, out, lse, dout, causal=causal, q_pos0=q_pos0)
     for got, ref in zip((dq, dk, dv), refs):
         assert got.dtype == np.dtype(dtype)
         assert rel_err(got, ref, 1.0) <= 4 * tol, (rel_err(got, ref, 1.0), tol)
@@ -146,7 +96,7 @@ def test_causal_offsets(q_pos0, k_pos0, case):
     B, Sq, Sk, H, Hkv, D = 2, 97, 61, 4, 2, 16
     q, k, v = rand(rng, (B, Sq, H, D)), rand(rng, (B, Sk, Hkv, D)), rand(rng, (B, Sk, Hkv, D))
     out, lse = ops.attention_forward(q, k, v, q_pos0=q_pos0, k_pos0=k_pos0)
-    ref_o, ref_l = ref_forward(q, k, v, True, q_pos0, k_pos0)
+    ref_o, ref_l = attention(q, k, v, causal=True, q_pos0=q_pos0, k_pos0=k_pos0)
     assert rel_err(out, ref_o) <= 1e-12, case
     assert np.array_equal(np.isneginf(lse), np.isneginf(ref_l)), case
     fin = np.isfinite(ref_l)
@@ -154,7 +104,7 @@ def test_causal_offsets(q_pos0, k_pos0, case):
         assert np.abs(lse[fin] - ref_l[fin]).max() <= 1e-12 * max(1.0, np.abs(ref_l[fin]).max()), case
     dout = rand(rng, (B, Sq, H, D))
     got = ops.attention_backward(q, k, v, out, lse, dout, q_pos0=q_pos0, k_pos0=k_pos0)
-    for g, r in zip(got, ref_backward(q, k, v, out, lse, dout, True, q_pos0, k_pos0)):
+    for g, r in zip(got, attention_backward(q, k, v, out, lse, dout, causal=True, q_pos0=q_pos0, k_pos0=k_pos0)):
         assert np.all(np.isfinite(g)), case
         assert rel_err(g, r, 1.0) <= 1e-12, case
 
@@ -186,13 +136,13 @@ def test_non_contiguous_numpy():
     assert not (q.flags.c_contiguous or k.flags.c_contiguous or v.flags.c_contiguous or out.flags.c_contiguous)
     res = ops.attention_forward(q, k, v, out=out, lse=lse, q_pos0=3, k_pos0=0)
     assert res[0] is out and res[1] is lse
-    ref_o, ref_l = ref_forward(q, k, v, True, 3, 0)
+    ref_o, ref_l = attention(q, k, v, causal=True, q_pos0=3)
     assert rel_err(out, ref_o) <= 1e-12 and rel_err(lse, ref_l) <= 1e-12
     dout = rand(rng, (B, S, H, D))
     big = np.zeros((B, S, Hkv, 3 * D))
     dv_t = np.zeros((Hkv, D, B, S)).transpose(2, 3, 0, 1)
     dq, dk, dv = ops.attention_backward(q, k, v, out, lse, dout, q_pos0=3, dk=big[..., D:2 * D], dv=dv_t)
-    for g, r in zip((dq, dk, dv), ref_backward(q, k, v, out, lse, dout, True, 3, 0)):
+    for g, r in zip((dq, dk, dv), attention_backward(q, k, v, out, lse, dout, causal=True, q_pos0=3)):
         assert rel_err(g, r, 1.0) <= 1e-12
     assert np.all(big[..., :D] == 0.0) and np.all(big[..., 2 * D:] == 0.0)  # around dk: untouched
 
@@ -259,7 +209,7 @@ def test_scale_argument():
     rng = np.random.default_rng(3)
     q, k, v = rand(rng, (1, 17, 2, 8)), rand(rng, (1, 17, 2, 8)), rand(rng, (1, 17, 2, 8))
     out, lse = ops.attention_forward(q, k, v, causal=False, scale=0.3)
-    ref_o, ref_l = ref_forward(q, k, v, False, 0, 0, 0.3)
+    ref_o, ref_l = attention(q, k, v, causal=False, scale=0.3)
     assert rel_err(out, ref_o) <= 1e-12 and rel_err(lse, ref_l) <= 1e-12
 
 
@@ -327,7 +277,7 @@ def test_float64_vs_torch_sdpa(case, causal):
     assert rel_err(dk.numpy(), dk_ref.numpy(), 1.0) <= 1e-12
     assert rel_err(dv.numpy(), dv_ref.numpy(), 1.0) <= 1e-12
     # lse against the float64 NumPy reference
-    _, ref_l = ref_forward(q.numpy(), k.numpy(), v.numpy(), causal, qp, kp)
+    _, ref_l = attention(q.numpy(), k.numpy(), v.numpy(), causal=causal, q_pos0=qp, k_pos0=kp)
     assert rel_err(lse.numpy(), ref_l) <= 1e-12
 
 

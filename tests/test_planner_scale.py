@@ -137,7 +137,9 @@ def test_ctrl_c_ends_the_cli_cleanly(tmp_path):
     path = tmp_path / "big.json"
     path.write_text(json.dumps(cluster_dict(LONG_N)))
     # the cluster file is read and checked before planning; `-u` so the readiness line is not buffered
-    code = ("import runpy, sys\n"
+    # hexiseq is imported before the readiness line, so that a slow import on a loaded machine does not take
+    # the SIGINT meant for the planner
+    code = ("import runpy, sys, hexiseq.cli\n"
             "print('planning', flush=True)\n"
             f"sys.argv = ['hexiseq', 'plan', {str(path)!r}, '--model', '70b', '--seq-len', '{8192 * LONG_N}', "
             "'--checkpointing', '--strategy', 'hexiseq']\n"

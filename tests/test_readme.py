@@ -55,14 +55,22 @@ def test_other_things_to_try_run(tmp_path):
     assert "hexiseq-plan" in (tmp_path / "plan.json").read_text()
 
 
-def test_the_70b_sentence_is_what_the_error_says(tmp_path):
+def test_the_70b_sentences_are_what_the_planner_says(tmp_path):
     first_cluster = _section("Describing a cluster").split("```yaml", 1)[1].split("```", 1)[0]
     (tmp_path / "cluster.yaml").write_text(first_cluster)
+    assert yaml.safe_load(first_cluster)["nodes"][2]["gpu"] == "L40S"
+    out = _hexiseq(["plan", "cluster.yaml", "--model", "70b", "--seq-len", "64k", "--checkpointing"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "shared by memory, 2.86-5.55% of the full-sharded states per device (even: 5.00%)" in out.stdout
+    words = " ".join(README.split())
+    assert "2.86% on an L40S and 5.52-5.55% on the 80 GB devices" in words and "(5.00% each" in words
+    even = _hexiseq(["plan", "cluster.yaml", "--model", "70b", "--seq-len", "64k", "--checkpointing",
+                     "--state-shares", "even"], tmp_path)
+    assert even.returncode == 1 and "L40S, 45.0 GiB" in even.stderr, even.stderr
     out = _hexiseq(["plan", "cluster.yaml", "--model", "70b", "--seq-len", "1m", "--checkpointing"], tmp_path)
     assert out.returncode == 1
-    assert "model states alone take 58.4 GiB per device under full sharding" in out.stderr, out.stderr
-    assert "L40S, 45.0 GiB" in out.stderr and "58.4 GiB per device" in README
-    assert yaml.safe_load(first_cluster)["nodes"][2]["gpu"] == "L40S"
+    assert "the longest sequence that fits is 106k tokens" in out.stderr, out.stderr
+    assert "longest sequence that fits is 106k tokens" in words
 
 
 def test_python_block_runs():

@@ -12,6 +12,7 @@
  * LSE is float for f32/f16/bf16 and checked at 1e-5 (relative to max(1, max |lse|)) in all three.
  */
 #include "attention.h"
+#include "half.h" /* fp16 / bf16 conversions of the test data */
 
 #include <math.h>
 #include <stdint.h>

@@ -37,7 +37,7 @@
 
 #include <functional>
 
-#include "attention.h" // the project's fp16/bf16 conversions (round to nearest even)
+#include "half.h" // the project's fp16/bf16 conversions (round to nearest even)
 
 #define __global__
 #define __device__

@@ -1,0 +1,599 @@
+"""Uneven sharding of the model states (ZeRO-3 with unequal shards), for plans whose devices differ in memory.
+
+FSDP and DeepSpeed give every rank 1/N of the parameters, gradients and optimizer states; a plan from
+`hexiseq.plan` may instead give each device a share proportional to its free memory (`plan.state_shares`).
+`shard_states(model, plan)` realises such a plan over torch.distributed:
+
+- The parameters are grouped in units (by default the elements of the model's outermost `nn.ModuleList`s, e.g.
+  the decoder layers, plus one root unit of every other parameter). A unit's parameters are flattened into one
+  vector of T elements; rank r keeps the contiguous slice [off_r, off_r + n_r), n_r from its share by largest
+  remainder, as an `nn.Parameter` registered on the unit's module under the name `hexiseq_shard`. The original
+  parameters leave the module, so `model.parameters()` yields the local shards and an optimizer built afterwards
+  keeps optimizer states for the local shards only: the uneven optimizer-state memory.
+- Before a unit's forward, its flat vector is all-gathered and its parameters are set as views of it (plain
+  tensor attributes). After the forward the views are dropped; what autograd saved of them is kept as a small
+  marker (saved-tensor hooks) and gathered again, once per unit, when the backward needs it. So a unit's full
+  parameters live only while its forward or its backward runs, never in between.
+- The backward of the gather reduces the unit's full gradient to its owners (a padded reduce-scatter), divided
+  by the group size for reduce="mean" (FSDP's semantics: the mean of the ranks' gradients), not for "sum".
+
+Cost: every collective is padded to the largest shard, so a rank sends and receives (N - 1) * max_r n_r elements
+per gather and per reduce; with uneven shares that is N * max share times an even collective's volume (1 for
+even shares; 1.5 for shares [0.5, 0.3, 0.2]). Each unit is gathered twice per step (forward, backward) and its
+gradient reduced once, as in ZeRO-3.
+
+What a user must not do (the ranks would meet in different collectives and hang until the group's timeout, or
+compute wrong gradients):
+- run a unit on some ranks only, or a different number of times, or in a different order, or run the backward
+  through a unit on some ranks only: every gather and every reduction is a collective of the whole group.
+  Autograd runs the same graph in the same order on every rank;
+- use a unit's parameters outside its forward (between forwards they are placeholders on the meta device), or
+  call `unit.forward(...)` directly (the gather runs in the module's forward hooks, i.e. through `unit(...)`);
+- change the shards between a forward and its backward (raises, as autograd does for in-place changes);
+- move the model to another device or dtype after sharding, or build the optimizer before sharding;
+- read saved tensors by hand (`grad_fn._saved_*`): each read is a gather.
+Activation checkpointing (torch.utils.checkpoint, reentrant or not) around units works: the recomputation
+gathers again by itself. Other saved-tensor hooks active around a unit (e.g. save_on_cpu) take precedence.
+"""
+
+import math
+import weakref
+from fractions import Fraction
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._validate import number
+from .comm import _DTYPES, _bits_float, _code, _float_bits, _show, agree, collective_device, resolve_group
+from .errors import InvalidArgumentError
+
+__all__ = ["shard_states", "full_state_dict", "load_full_state_dict", "shard_sizes"]
+
+SHARD_NAME = "hexiseq_shard"
+REDUCES = ("mean", "sum")
+SHARE_TOLERANCE = 1e-9
+
+# Gathered flat vectors whose unit's forward is running, by storage address: what the pack hook turns into
+# markers. A weak set of every gathered vector still alive, for tests that check what outlives a forward.
+_active = {}
+_gathered = weakref.WeakSet()
+# Tests switch this off to show that without the saved-tensor hooks the gathered parameters outlive the forward.
+_free_after_forward = True
+
+
+def shard_sizes(shares, total):
+    """Elements of a flat vector of `total` per rank: the floor of each rank's exact quota share * total, and the
+    leftover elements one each to the largest remainders (ties to the lower rank). Exact rational arithmetic on
+    the float shares, so every rank computes the same sizes and they sum to `total`; a zero share gets nothing."""
+    exact = [Fraction(s) for s in shares]
+    whole = sum(exact)
+    quotas = [q * total / whole for q in exact]
+    sizes = [math.floor(q) for q in quotas]
+    order = sorted(range(len(sizes)), key=lambda r: (sizes[r] - quotas[r], r))
+    for r in order[:total - sum(sizes)]:
+        sizes[r] += 1
+    return sizes
+
+
+def _check_shares(shares, world):
+    """The shares as a list of floats; InvalidArgumentError naming the argument and the value otherwise."""
+    if isinstance(shares, torch.Tensor):
+        shares = shares.tolist()
+    elif isinstance(shares, np.ndarray):
+        shares = shares.tolist()
+    if isinstance(shares, (str, bytes, dict)) or not isinstance(shares, (list, tuple)):
+        raise InvalidArgumentError(f"shares must be a list of floats, one per rank, or a plan with state_shares; "
+                                   f"got {shares!r}")
+    if len(shares) != world:
+        raise InvalidArgumentError(f"shares must hold one share per rank of the group ({world}), got {len(shares)}: "
+                                   f"{list(shares)!r}")
+    out = [number(s, f"shares[{i}]") for i, s in enumerate(shares)]
+    for i, s in enumerate(out):
+        if s < 0:
+            raise InvalidArgumentError(f"shares[{i}] must be >= 0, got {s!r}")
+    if abs(math.fsum(out) - 1.0) > SHARE_TOLERANCE:
+        raise InvalidArgumentError(f"shares must sum to 1 (within {SHARE_TOLERANCE:g}), got {out!r} "
+                                   f"(sum {math.fsum(out)!r})")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ units
+
+class _Param:
+    """One original parameter of a unit: where it sits in the flat vector, and every (module, name) it was
+    registered under (more than one when it is tied inside the unit)."""
+
+    def __init__(self, names, shape, offset):
+        self.names = names
+        self.shape = shape
+        self.numel = math.prod(shape)
+        self.offset = offset
+        self.places = []  # (owner module, attribute name)
+
+
+class _Saved:
+    """What the pack hook keeps instead of a saved view of a unit's gathered parameters."""
+
+    __slots__ = ("unit", "version", "size", "stride", "offset")
+
+    def __init__(self, unit, t):
+        self.unit, self.version = unit, unit.shard._version
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+
+
+def _storage_key(t):
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # sparse tensors, tensor subclasses without storage
+        return None
+
+
+def _pack(t):
+    unit = _active.get(_storage_key(t))
+    if unit is None:
+        # kept as autograd would keep it (detached, so the packed value does not point back at t), with its
+        # version: autograd skips its in-place check for tensors that went through hooks, so we make it
+        return t.detach(), t._version
+    return _Saved(unit, t)
+
+
+def _unpack(saved):
+    if isinstance(saved, _Saved):
+        return saved.unit.saved_view(saved)
+    t, version = saved
+    if t._version != version:
+        raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an inplace "
+                           f"operation: a {t.dtype} tensor of shape {list(t.shape)} is at version {t._version}, "
+                           f"it was saved at version {version}")
+    return t
+
+
+def _top_hooks():
+    # Where torch lacks this query (older releases) our hooks are always pushed: a non-reentrant checkpoint
+    # inside a unit then keeps its activations (correct gradients, no memory saved).
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+def _in_backward():
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def _should_push_hooks():
+    """Push our saved-tensor hooks around a unit's forward only when nothing else decides what is saved: not
+    when our hooks are already on top (an outer unit's: they cover every active unit), nor under someone else's
+    (a non-reentrant checkpoint discards what is saved and recomputes, gathering again; save_on_cpu copies),
+    nor inside a backward (a reentrant checkpoint's recomputation, whose saved tensors are used at once)."""
+    if not _free_after_forward or not torch.is_grad_enabled() or _in_backward():
+        return False
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        return False
+    return _top_hooks() is None
+
+
+class _Gather(torch.autograd.Function):
+    """shard -> the unit's full flat vector; the backward reduces the full gradient to the shard owners."""
+
+    @staticmethod
+    def forward(ctx, shard, unit):
+        ctx.unit = unit
+        return unit.gather()
+
+    @staticmethod
+    def backward(ctx, grad):
+        unit = ctx.unit
+        # every node that used this call's views has run: what the backward gathered for them can go
+        unit.backward_flat = None
+        return unit.reduce(grad), None
+
+
+class _Unit:
+    """A group of parameters gathered together: the flat layout, this rank's shard, the forward hooks."""
+
+    def __init__(self, index, module, name, params, comm):
+        self.index, self.module, self.name, self.params = index, module, name, params
+        self.comm = comm
+        first = params[0][1]
+        self.dtype, self.device, self.requires_grad = first.dtype, first.device, first.requires_grad
+        self.total = sum(p.numel() for _, p in params)
+        self.shard = None
+        self.flat = None
+        self.backward_flat = None
+        self.pushed = []
+
+    def check(self):
+        """A message when the unit cannot be flattened into one vector, else None."""
+        for kind, get in (("dtype", lambda p: p.dtype), ("device", lambda p: p.device),
+                          ("requires_grad", lambda p: p.requires_grad)):
+            seen = {}
+            for names, p in self.params:
+                seen.setdefault(get(p), names[0])
+            if len(seen) > 1:
+                shown = ", ".join(f"{n} {v}" for v, n in seen.items())
+                return (f"the parameters of unit {self.name or '<root>'} differ in {kind} ({shown}); a unit is "
+                        "flattened into one vector: pass units that separate them")
+        if not self.dtype.is_floating_point:
+            return f"unit {self.name or '<root>'} holds {self.dtype} parameters; only floating point ones shard"
+        return None
+
+    def describe(self):
+        return [self.total, _code(_DTYPES, self.dtype), int(self.requires_grad)]
+
+    def build(self, sizes, rank):
+        """Cut this rank's shard out of the parameters and take the originals off their modules."""
+        self.sizes = sizes
+        self.offsets = [sum(sizes[:r]) for r in range(len(sizes))]
+        self.width = max(sizes)
+        self.rank = rank
+        lo, n = self.offsets[rank], sizes[rank]
+        layout, offset, pieces = [], 0, []
+        for names, p in self.params:
+            entry = _Param(names, tuple(p.shape), offset)
+            a, b = max(lo, offset), min(lo + n, offset + entry.numel)
+            if a < b:
+                pieces.append(p.detach().reshape(-1)[a - offset:b - offset])
+            offset += entry.numel
+            layout.append(entry)
+        with torch.no_grad():
+            data = torch.cat(pieces) if pieces else torch.empty(0, dtype=self.dtype, device=self.device)
+            self.shard = nn.Parameter(data.clone(), requires_grad=self.requires_grad)
+        self.layout = layout
+        self.module.register_parameter(SHARD_NAME, self.shard)
+
+    def place(self, places):
+        """Replace the original parameters with placeholders: meta tensors of the original shape and dtype, so a
+        use outside the unit's forward fails loudly instead of reading stale values."""
+        for entry, owners in zip(self.layout, places):
+            entry.places = owners
+            for owner, attr in owners:
+                owner._parameters.pop(attr, None)
+        self._set_views(None)
+
+    def _set_views(self, flat):
+        for entry in self.layout:
+            if flat is None:
+                t = torch.empty(entry.shape, dtype=self.dtype, device="meta")
+            else:
+                t = flat[entry.offset:entry.offset + entry.numel].view(entry.shape)
+            for owner, attr in entry.places:
+                owner.__dict__[attr] = t  # a plain attribute, as nn.Module keeps non-parameter values
+
+    # -------------------------------------------------------------------------------------- collectives
+
+    def gather(self):
+        """The unit's full flat vector: every rank sends its shard padded to the widest, one all-gather of
+        N x width, then the real elements are copied out in rank order (no copy when the shards are even)."""
+        with torch.no_grad():
+            shard = self.shard.detach()
+            if self.width == 0:
+                flat = shard.new_empty(0)
+            else:
+                send = shard if shard.numel() == self.width else torch.cat(
+                    [shard, shard.new_zeros(self.width - shard.numel())])
+                recv = shard.new_empty(len(self.sizes) * self.width)
+                self.comm.all_gather(recv, send)
+                if all(n == self.width for n in self.sizes):
+                    flat = recv
+                else:
+                    flat = torch.cat([recv[r * self.width:r * self.width + n] for r, n in enumerate(self.sizes)])
+        _gathered.add(flat)
+        return flat
+
+    def reduce(self, grad):
+        """This rank's part of the sum (or mean) over ranks of the unit's full flat gradient."""
+        if self.width == 0:
+            return grad.new_empty(0)
+        out = self.comm.reduce_scatter(grad.contiguous(), self.sizes, self.offsets, self.width, self.rank)
+        if self.comm.reduce == "mean":
+            out = out / len(self.sizes)
+        return out
+
+    # -------------------------------------------------------------------------------------- hooks
+
+    def before(self, module, args):
+        if torch.is_grad_enabled() and self.shard.requires_grad:
+            flat = _Gather.apply(self.shard, self)
+        else:
+            flat = self.gather()
+        self.flat = flat
+        if flat.numel():
+            _active[_storage_key(flat)] = self
+        self._set_views(flat)
+        push = _should_push_hooks()
+        if push:
+            torch._C._autograd._push_saved_tensors_default_hooks(_pack, _unpack)
+        self.pushed.append(push)
+
+    def after(self, module, args, output):
+        # runs even when the forward raised (always_call): a checkpoint's recomputation stops early that way
+        if self.pushed and self.pushed.pop():
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        if self.flat is not None and self.flat.numel():
+            _active.pop(_storage_key(self.flat), None)
+        self.flat = None
+        self._set_views(None)
+
+    def saved_view(self, saved):
+        """A saved view of the gathered parameters, for the backward: gathered again once per unit per backward
+        (kept until the unit's gather node has run, or the backward ends)."""
+        if self.shard._version != saved.version:
+            raise RuntimeError(f"the shard of unit {self.name or '<root>'} was modified between the forward and "
+                               "the backward (an optimizer step or an in-place change): its gradients would be "
+                               "computed with other parameters than the forward's")
+        flat = self.backward_flat
+        if flat is None:
+            flat = self.gather()
+            if _in_backward():
+                self.backward_flat = flat
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        return flat.as_strided(saved.size, saved.stride, saved.offset)
+
+    def _end_of_backward(self):
+        self.backward_flat = None
+
+
+class _Comm:
+    """The collectives of a sharded module: padded all-gather and reduce-scatter over `group`, with fallbacks
+    for backends that lack the single-tensor forms (Gloo in older torch)."""
+
+    def __init__(self, group, reduce):
+        self.group, self.reduce = group, reduce
+        self.world = dist.get_world_size(group)
+        self._gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._rs_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        self.single_gather = self.single_reduce = True
+
+    def probe(self, device, dtype):
+        """Whether the backend has the single-tensor collectives: a backend without one refuses it on every
+        rank before communicating, so every rank comes to the same answer."""
+        x = torch.zeros(self.world, dtype=dtype, device=device)
+        self.single_gather = _supported(lambda: self._gather_single(x, x[:1].clone(), group=self.group))
+        self.single_reduce = _supported(lambda: self._rs_single(x[:1].clone(), x, group=self.group))
+
+    def all_gather(self, recv, send):
+        if self.single_gather:
+            self._gather_single(recv, send, group=self.group)
+        else:  # the list form: the same bytes on the wire, one more copy out of the list
+            parts = list(recv.chunk(self.world))
+            dist.all_gather(parts, send, group=self.group)
+
+    def reduce_scatter(self, grad, sizes, offsets, width, rank):
+        """This rank's slice of the gradient summed over ranks: a padded reduce-scatter, which moves (N - 1) x
+        width elements per rank; or, without one, an all-reduce of the whole gradient (T elements), which moves
+        about 2 (N - 1) / N x T per rank and holds the whole sum on every rank before the slice is cut."""
+        if not self.single_reduce:
+            summed = grad.clone()
+            dist.all_reduce(summed, group=self.group)
+            return summed[offsets[rank]:offsets[rank] + sizes[rank]]
+        if all(n == width for n in sizes):
+            padded = grad
+        else:
+            padded = grad.new_zeros(len(sizes), width)
+            for r, (lo, n) in enumerate(zip(offsets, sizes)):
+                padded[r, :n] = grad[lo:lo + n]
+            padded = padded.reshape(-1)
+        out = grad.new_empty(width)
+        self._rs_single(out, padded, group=self.group)
+        return out[:sizes[rank]]
+
+
+def _supported(call):
+    try:
+        call()
+        return True
+    except (RuntimeError, NotImplementedError) as e:
+        if "support" not in str(e).lower():
+            raise  # a failure of the collective itself, not a missing operation
+        return False
+
+
+class _Record:
+    """What shard_states left on a module: its units and the original state dict's keys, in order."""
+
+    def __init__(self, units, comm, keys, hooks):
+        self.units, self.comm, self.keys, self.hooks = units, comm, keys, hooks
+
+
+# ------------------------------------------------------------------------------------------------ the API
+
+def _default_units(module):
+    """The elements of the outermost ModuleLists (a ModuleList inside an element stays in that element's unit:
+    an expert list, say, whose members may not run on every rank, gathered with its layer). A ModuleList that is
+    itself an element is entered, since only callable modules can gather in their forward hooks."""
+    units = []
+
+    def walk(m):
+        if isinstance(m, nn.ModuleList):
+            for child in m:
+                walk(child) if isinstance(child, nn.ModuleList) else units.append(child)
+        else:
+            for child in m.children():
+                walk(child)
+
+    walk(module)
+    return units
+
+
+def _find_units(module, units):
+    """The units as (module, qualified name, [(names, parameter)]) in module order, root first; an error
+    message instead when the units are not submodules or a parameter is tied across units."""
+    paths = {}  # each module's first qualified name, in module order
+    for name, m in module.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), name)
+    rank_of = {key: i for i, key in enumerate(paths)}
+    if units is None:
+        units = _default_units(module)
+    else:
+        units = list(units)
+        for i, u in enumerate(units):
+            if not isinstance(u, nn.Module) or id(u) not in paths:
+                return None, f"units[{i}] must be a submodule of the module, got {type(u).__name__}"
+    chosen = {id(module): module}
+    for u in units:
+        chosen.setdefault(id(u), u)
+    modules = dict(module.named_modules(remove_duplicate=False))
+    owner_of, places = {}, {}
+    for full, p in module.named_parameters(remove_duplicate=False):
+        prefix, _, attr = full.rpartition(".")
+        parts = prefix.split(".") if prefix else []
+        unit = module
+        for k in range(1, len(parts) + 1):
+            m = modules[".".join(parts[:k])]
+            if id(m) in chosen:
+                unit = m
+        if id(p) in owner_of and owner_of[id(p)][0] is not unit:
+            first = owner_of[id(p)][1][0]
+            return None, (f"parameter {full} is the same tensor as {first}, which is in another unit; tied "
+                          "parameters must be in the same unit (pass units that keep them together)")
+        owner_of.setdefault(id(p), (unit, [], p))[1].append(full)
+        places.setdefault(id(p), []).append((modules[prefix], attr))
+    found = []
+    for m in sorted(chosen.values(), key=lambda m: rank_of[id(m)]):
+        params = [(names, p) for u, names, p in owner_of.values() if u is m]
+        if params:
+            found.append((m, paths[id(m)], params, [places[id(p)] for _, p in params]))
+    return found, None
+
+
+def shard_states(module, shares, *, group=None, units=None, reduce="mean"):
+    """Shard `module`'s parameters over the ranks of `group` (default: the world) in unequal parts; returns the
+    module. Collective: every rank calls it with the same shares and an identical module.
+
+    shares: one non-negative float per rank of the group, summing to 1 (within 1e-9), or a plan (anything with
+    a `state_shares` attribute). A zero share is allowed: that rank holds no states but takes part in every
+    collective. units: the submodules whose parameters are gathered together (default: every element of the
+    outermost nn.ModuleLists); every other parameter belongs to the root unit, the module itself. A parameter
+    tied across units is refused; tied inside one unit it is stored once. reduce: "mean" (default) divides the
+    summed gradient by the group size, "sum" does not.
+
+    Build the optimizer after sharding: `module.parameters()` then yields this rank's shards (one flat
+    parameter per unit, named `hexiseq_shard` on the unit's module). See the module docstring for how it works,
+    what it costs and what a user must not do. `full_state_dict` gathers the full parameters back.
+
+    Raises InvalidArgumentError (bad shares, units or reduce on any rank) or RankMismatchError (ranks disagree
+    about the shares, reduce or the units' sizes and dtypes) with the same message on every rank."""
+    group = resolve_group(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if rank < 0:
+        raise InvalidArgumentError("this process is not a member of the group it shards over")
+    shares = getattr(shares, "state_shares", shares)
+    error, found, checked = None, [], None
+    try:  # every local check first: a rank that fails still meets the others in the agreement below
+        if not isinstance(module, nn.Module):
+            raise InvalidArgumentError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if "_hexiseq_states" in module.__dict__:
+            raise InvalidArgumentError("module is already sharded by shard_states")
+        if reduce not in REDUCES:
+            raise InvalidArgumentError(f"reduce must be one of {list(REDUCES)}, got {reduce!r}")
+        checked = _check_shares(shares, world)
+        found, message = _find_units(module, units)
+        if message is not None:
+            raise InvalidArgumentError(message)
+    except Exception as e:  # noqa: BLE001  (whatever it is, the other ranks must learn of it, not hang)
+        error, found = e, []
+    comm = _Comm(group, reduce if reduce in REDUCES else REDUCES[0])
+    made = [_Unit(i, m, name, params, comm) for i, (m, name, params, _) in enumerate(found)]
+    for u in made:
+        message = u.check()
+        if message is not None and error is None:
+            error = InvalidArgumentError(message)
+    device = collective_device(group)
+    header = [_code(REDUCES, reduce), len(made)] + [_float_bits(s) for s in (checked or [0.0] * world)]
+    agree(group, header, ("reduce", "units", ("shares", world)), error, _show_field, device)
+    fields = [f"units[{i}].{f}" for i in range(len(made)) for f in ("numel", "dtype", "requires_grad")]
+    agree(group, [v for u in made for v in u.describe()], fields, None, _show_field, device)
+
+    if made:
+        comm.probe(made[0].device, made[0].dtype)
+    keys = list(module.state_dict(keep_vars=True).keys())
+    hooks = []
+    for u, (_, _, _, places) in zip(made, found):
+        u.build(shard_sizes(checked, u.total), rank)
+        u.place(places)
+        hooks.append(u.module.register_forward_pre_hook(u.before, prepend=True))  # before hooks that read them
+        hooks.append(u.module.register_forward_hook(u.after, always_call=True))
+    module.__dict__["_hexiseq_states"] = _Record(made, comm, keys, hooks)
+    return module
+
+
+def _show_field(field, value):
+    if field == "shares":
+        return repr([_bits_float(b) for b in value])
+    if field == "reduce":
+        return REDUCES[value] if value < len(REDUCES) else "other"
+    if field.endswith(".dtype"):
+        return _show("dtype", value)
+    if field.endswith(".requires_grad"):
+        return str(bool(value))
+    return str(value)
+
+
+def _record(module):
+    rec = module.__dict__.get("_hexiseq_states")
+    if rec is None:
+        raise InvalidArgumentError("module is not sharded: call hexiseq.shard_states(module, shares) first")
+    return rec
+
+
+def full_state_dict(module, device=None):
+    """The module's state dict with the full parameters under their original names and shapes, as before
+    sharding (buffers as they are now). Collective: every rank calls it, and every rank gets the whole dict,
+    gathered one unit at a time. device: where the full tensors go (e.g. "cpu", so the full model need not fit
+    beside the shards on the accelerator); default: the parameters' device."""
+    rec = _record(module)
+    full = {}
+    for u in rec.units:
+        flat = u.gather()
+        for entry in u.layout:
+            t = flat[entry.offset:entry.offset + entry.numel].view(entry.shape)
+            t = t.to(device, copy=True) if device is not None else t.clone()
+            for name in entry.names:
+                full[name] = t
+        del flat
+    now = module.state_dict()
+    shard_keys = {k for k in now if k.rpartition(".")[2] == SHARD_NAME}
+    out = {k: full[k] if k in full else now[k] for k in rec.keys if k in full or k in now}
+    out.update((k, v) for k, v in now.items() if k not in out and k not in shard_keys)
+    return out
+
+
+def load_full_state_dict(module, state_dict, strict=True):
+    """Load a full state dict (as full_state_dict returns, or the unsharded model's) into a sharded module: each
+    rank copies its own slice of every unit's parameters; buffers load as usual. Not collective. strict: every
+    parameter must be present, and no unknown key, else InvalidArgumentError."""
+    rec = _record(module)
+    taken = set()
+    for u in rec.units:
+        lo, n = u.offsets[u.rank], u.sizes[u.rank]
+        pieces = []
+        for entry in u.layout:
+            name = next((k for k in entry.names if k in state_dict), None)
+            if name is None:
+                if strict:
+                    raise InvalidArgumentError(f"state_dict lacks the parameter {entry.names[0]}")
+                t = None
+            else:
+                t = state_dict[name]
+                if tuple(t.shape) != entry.shape:
+                    raise InvalidArgumentError(f"state_dict[{name!r}] has shape {list(t.shape)}, the parameter "
+                                               f"{list(entry.shape)}")
+                taken.update(k for k in entry.names if k in state_dict)
+            a, b = max(lo, entry.offset), min(lo + n, entry.offset + entry.numel)
+            if a < b:
+                part = u.shard.detach()[a - lo:b - lo] if t is None else t.detach().reshape(-1)[
+                    a - entry.offset:b - entry.offset]
+                pieces.append(part.to(u.shard.device, u.shard.dtype))
+        if pieces:
+            with torch.no_grad():
+                u.shard.copy_(torch.cat(pieces))
+    rest = {k: v for k, v in state_dict.items() if k not in taken}
+    result = module.load_state_dict(rest, strict=False)
+    unexpected = list(result.unexpected_keys)
+    missing = [k for k in result.missing_keys if k.rpartition(".")[2] != SHARD_NAME]
+    if strict and (unexpected or missing):
+        raise InvalidArgumentError(f"state_dict does not match the module: unexpected keys {unexpected}, "
+                                   f"missing keys {missing}")
+    return module

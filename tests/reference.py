@@ -1,0 +1,106 @@
+"""The attention reference of the Python tests: softmax attention written plainly with torch ops, on NumPy arrays or
+torch tensors, with the kernels' semantics (csrc/attention.h):
+
+  O = softmax(scale Q K^T + mask) V per (batch, query head); query head h reads kv head h // (heads / kv_heads)
+  (GQA, MQA); query row i sits at position q_pos0 + i, key row j at k_pos0 + j, and under the causal mask key j is
+  visible to query i iff k_pos0 + j <= q_pos0 + i. LSE is the natural log of the row sum of exp(scores). A row that
+  sees no key: O = 0, LSE = -inf, no gradient.
+
+`attention` is the forward (float64 by default: the reference; in a low-precision dtype it is the baseline that
+FlashAttention's tests call attention_ref(upcast=False)), differentiable when given tensors that require grad.
+`attention_backward` is the closed-form backward from a given O and LSE, as the kernels define theirs.
+"""
+
+import math
+
+import numpy as np
+import torch
+
+
+def visible(sq, sk, q_pos0, k_pos0, causal, device="cpu"):
+    """[sq, sk] bool: key j visible to query i."""
+    if not causal:
+        return torch.ones(sq, sk, dtype=torch.bool, device=device)
+    qp = q_pos0 + torch.arange(sq, device=device)
+    kp = k_pos0 + torch.arange(sk, device=device)
+    return kp[None, :] <= qp[:, None]
+
+
+def _tensor(x, dtype):
+    """x as a torch tensor of `dtype` (a NumPy array through float64, which holds every NumPy float exactly)."""
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(np.ascontiguousarray(x, np.float64))  # a copy: NumPy views may run backwards
+    return x.to(dtype)
+
+
+def _heads_major(x, dtype, group):
+    """[B, S, A, D] -> [B, A * group, S, D] in dtype, each head repeated `group` times (kv heads to query heads)."""
+    x = _tensor(x, dtype).transpose(1, 2)
+    return x.repeat_interleave(group, dim=1) if group > 1 else x
+
+
+def _merge(acc, part):
+    """(O, LSE) of two disjoint key sets folded by log-sum-exp; a side with LSE = -inf contributes nothing."""
+    (oa, la), (op, lp) = acc, part
+    ln = torch.logaddexp(la, lp)
+    safe = torch.where(torch.isinf(ln), torch.zeros_like(ln), ln)  # both -inf: the row stays O = 0, LSE = -inf
+    wa = torch.exp(la - safe).transpose(1, 2)[..., None]
+    wp = torch.exp(lp - safe).transpose(1, 2)[..., None]
+    return oa * wa + op * wp, ln
+
+
+def attention(q, k, v, *, causal=False, q_pos0=0, k_pos0=0, scale=None, dtype=torch.float64, key_chunk=None):
+    """(out [B, Sq, H, D], lse [B, H, Sq]) of q [B, Sq, H, D], k, v [B, Sk, Hkv, D], computed with torch ops in
+    `dtype` on q's device (lse in float32 below float64, as the kernels give it). scale: default 1 / sqrt(D).
+    NumPy inputs give float64 NumPy results. key_chunk: compute the keys that many at a time and fold the pieces
+    (memory of key blocks too long for one score matrix; float64 only)."""
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
+    if key_chunk is not None and k.shape[1] > key_chunk:
+        acc = None
+        for j in range(0, k.shape[1], key_chunk):
+            part = attention(q, k[:, j:j + key_chunk], v[:, j:j + key_chunk], causal=causal, q_pos0=q_pos0,
+                             k_pos0=k_pos0 + j, scale=scale, dtype=dtype)
+            part = tuple(_tensor(x, dtype) for x in part)
+            acc = part if acc is None else _merge(acc, part)
+        return tuple(x.numpy() for x in acc) if isinstance(q, np.ndarray) else acc
+    Sq, H = q.shape[1], q.shape[2]
+    Sk, Hkv = k.shape[1], k.shape[2]
+    qq = _heads_major(q, dtype, 1)                                          # [B, H, Sq, D]
+    kk, vv = _heads_major(k, dtype, H // Hkv), _heads_major(v, dtype, H // Hkv)  # [B, H, Sk, D]
+    mask = visible(Sq, Sk, q_pos0, k_pos0, causal, qq.device)
+    dead = ~mask.any(-1)                                                    # [Sq] rows that see no key
+    s = (qq * scale) @ kk.transpose(-1, -2)                                 # [B, H, Sq, Sk]
+    s = s.masked_fill(~mask, -math.inf).masked_fill(dead[:, None], 0.0)     # dead rows: 0, so no NaN below
+    lse = torch.logsumexp(s.float() if dtype != torch.float64 else s, dim=-1)
+    p = torch.softmax(s, dim=-1).masked_fill(~mask, 0.0)
+    out = (p @ vv).transpose(1, 2)
+    lse = lse.masked_fill(dead, -math.inf)
+    if isinstance(q, np.ndarray):
+        return out.numpy(), lse.numpy()
+    return out, lse
+
+
+def attention_backward(q, k, v, out, lse, dout, *, causal=False, q_pos0=0, k_pos0=0, scale=None):
+    """float64 (dq, dk, dv) from the given out and lse (not recomputed), as the kernels define it:
+    P = exp(scale Q K^T - LSE) masked, D = rowsum(dO * O), dS = P (dO V^T - D), dQ = scale dS K, dK = scale dS^T Q,
+    dV = P^T dO, with dK and dV summed over each kv head's query heads. NumPy inputs give NumPy results."""
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
+    B, Sq, H, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    g = H // Hkv
+    f64 = torch.float64
+    qq, oo, do = (_heads_major(x, f64, 1) for x in (q, out, dout))  # [B, H, Sq, D]
+    kk, vv = _heads_major(k, f64, g), _heads_major(v, f64, g)        # [B, H, Sk, D]
+    ll = _tensor(lse, f64)
+    mask = visible(Sq, Sk, q_pos0, k_pos0, causal, qq.device)
+    s = (qq @ kk.transpose(-1, -2) * scale).masked_fill(~mask, -math.inf)
+    ll = torch.where(torch.isfinite(ll), ll, torch.full_like(ll, math.inf))  # rows that see no key: P = 0
+    p = torch.exp(s - ll[..., None])
+    delta = (do * oo).sum(-1, keepdim=True)
+    ds = p * (do @ vv.transpose(-1, -2) - delta)
+    dq = (ds @ kk * scale).transpose(1, 2)
+    dk = (ds.transpose(-1, -2) @ qq * scale).reshape(B, Hkv, g, Sk, D).sum(2).transpose(1, 2)
+    dv = (p.transpose(-1, -2) @ do).reshape(B, Hkv, g, Sk, D).sum(2).transpose(1, 2)
+    if isinstance(q, np.ndarray):
+        return dq.numpy(), dk.numpy(), dv.numpy()
+    return dq, dk, dv

@@ -1,0 +1,259 @@
+"""The rank side of tests/test_states.py (imported by spawned children, so it lives in a module): uneven
+sharding of model states against a single-process reference, its memory behaviour, and its contract."""
+
+import datetime
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+VOCAB, DIM, HIDDEN, LAYERS, TOKENS = 23, 13, 29, 3, 7  # odd sizes: shards cut parameters in the middle
+
+
+class Block(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, h)
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class Net(nn.Module):
+    """Embedding, a ModuleList of blocks, a norm and a head; `ckpt`: None, "plain" (non-reentrant) or
+    "reentrant" checkpointing around each block; `tied`: the head shares the embedding's weight."""
+
+    def __init__(self, dim=DIM, tied=False, ckpt=None):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(Block(dim, HIDDEN) for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+        self.ckpt = ckpt
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for b in self.blocks:
+            if self.ckpt is None:
+                x = b(x)
+            else:
+                x = checkpoint(b, x, use_reentrant=self.ckpt == "reentrant")
+        return self.head(self.norm(x))
+
+
+def make_net(seed=0, **kw):
+    torch.manual_seed(seed)
+    net = Net(**kw).double()
+    with torch.no_grad():  # LayerNorm starts at ones and zeros: perturb it so its gradients are exercised
+        for m in net.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.add_(0.1 * torch.randn_like(m.weight))
+                m.bias.add_(0.1 * torch.randn_like(m.bias))
+    return net
+
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, VOCAB, (2, TOKENS), generator=g), torch.randint(0, VOCAB, (2, TOKENS), generator=g)
+
+
+def loss_of(net, idx, target):
+    return F.cross_entropy(net(idx).reshape(-1, VOCAB), target.reshape(-1))
+
+
+def max_diff(a, b):
+    assert list(a) == list(b), (list(a), list(b))
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def train_scenario(rank, world, shares, reduce="mean", ckpt=None, tied=False, fallback=False, steps=3):
+    """`steps` Adam steps sharded, each rank on its own batch, against the reference on all the batches; the
+    largest difference of the full parameters over the steps, and the state dicts' keys and shapes agreement."""
+    import hexiseq
+
+    ref = make_net(tied=tied)
+    net = hexiseq.shard_states(make_net(tied=tied, ckpt=ckpt), shares, reduce=reduce)
+    if fallback:  # the all-gather-list and all-reduce paths of backends without the single-tensor collectives
+        rec = net._hexiseq_states
+        rec.comm.single_gather = rec.comm.single_reduce = False
+    opt = torch.optim.Adam(net.parameters(), lr=0.05)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.05)
+    worst = max_diff(hexiseq.full_state_dict(net), ref.state_dict())
+    for step in range(steps):
+        opt.zero_grad()
+        loss_of(net, *batch(step, rank)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        for r in range(world):
+            loss_of(ref, *batch(step, r)).backward()
+        if reduce == "mean":
+            for p in ref.parameters():
+                p.grad /= world
+        ref_opt.step()
+        worst = max(worst, max_diff(hexiseq.full_state_dict(net), ref.state_dict()))
+    return worst
+
+
+def memory_scenario(rank, world, free_after_forward=True):
+    """Gathered flat vectors alive after the forward (before the backward), gathers made by the forward and by
+    the backward, with the saved-tensor hooks on or off."""
+    import hexiseq
+    from hexiseq import states
+
+    net = hexiseq.shard_states(make_net(), [0.5, 0.3, 0.2])
+    calls = []
+    original = states._Unit.gather
+
+    def counting(unit):
+        calls.append(unit.index)
+        return original(unit)
+
+    states._Unit.gather = counting
+    states._free_after_forward = free_after_forward
+    try:
+        loss = loss_of(net, *batch(0, rank))
+        alive = len(states._gathered)
+        forward = len(calls)
+        loss.backward()
+        backward = len(calls) - forward
+        del loss
+        after = len(states._gathered)
+    finally:
+        states._Unit.gather = original
+        states._free_after_forward = True
+    return {"alive_after_forward": alive, "forward_gathers": forward, "backward_gathers": backward,
+            "alive_after_backward": after, "units": len(net._hexiseq_states.units)}
+
+
+def optimizer_scenario(rank, world, shares):
+    """Elements of this rank's Adam state (exp_avg and exp_avg_sq) after one step, this rank's shard elements,
+    and the units' sizes."""
+    import hexiseq
+
+    net = hexiseq.shard_states(make_net(), shares)
+    opt = torch.optim.Adam(net.parameters(), lr=0.05)
+    loss_of(net, *batch(0, rank)).backward()
+    opt.step()
+    state = sum(s[k].numel() for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq"))
+    mine = sum(p.numel() for p in net.parameters())
+    totals = [u.total for u in net._hexiseq_states.units]
+    return {"state": state, "shard": mine, "totals": totals}
+
+
+def roundtrip_scenario(rank, world):
+    """Load a full state dict into a sharded model and read it back; names and shapes as the plain model's."""
+    import hexiseq
+
+    plain = make_net(seed=7, tied=True)
+    net = hexiseq.shard_states(make_net(seed=0, tied=True), [0.6, 0.0, 0.4])
+    hexiseq.load_full_state_dict(net, plain.state_dict())
+    back = hexiseq.full_state_dict(net, device="cpu")
+    same_shapes = all(back[k].shape == v.shape for k, v in plain.state_dict().items())
+    return max_diff(back, plain.state_dict()), same_shapes, [n for n, _ in net.named_parameters()]
+
+
+class InPlace(nn.Module):
+    """Changes in place a tensor that autograd saved."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        y = self.lin(x)
+        z = y.sin()  # saves y
+        y.add_(1)
+        return z
+
+
+def misuse_scenario(rank, world, what):
+    """Changes between a forward and its backward that autograd must refuse: "activation" changes a saved
+    activation inside a unit (where our saved-tensor hooks replace autograd's own check), "shard" changes the
+    shards (as an optimizer step would)."""
+    import hexiseq
+
+    net = make_net()
+    net.blocks.append(InPlace().double())
+    hexiseq.shard_states(net, [0.5, 0.3, 0.2])
+    if what == "activation":
+        out = net.blocks[LAYERS](torch.randn(2, DIM, dtype=torch.float64, requires_grad=True))
+    else:
+        out = loss_of(net, *batch(0, rank))
+        with torch.no_grad():
+            for p in net.parameters():
+                p.mul_(1.0)
+    out.sum().backward()
+
+
+def run_all(rank, world, init, results):
+    try:
+        import hexiseq
+
+        torch.set_num_threads(1)  # three ranks on a small shared machine: no intra-op threads fighting for it
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=10))
+        report = {}
+
+        def scenario(name, fn):
+            t0 = time.monotonic()
+            try:
+                report[name] = ("ok", fn(), time.monotonic() - t0)
+            except Exception as e:  # noqa: BLE001  (the test asserts on the class)
+                report[name] = (type(e).__name__, str(e), time.monotonic() - t0)
+
+        good = [0.5, 0.3, 0.2]
+        # the contract first: the ranks must still be in step for everything after it
+        scenario("wrong_length", lambda: hexiseq.shard_states(make_net(), [0.5, 0.5]))
+        scenario("negative", lambda: hexiseq.shard_states(make_net(), [0.5, 0.6, -0.1] if rank == 1 else good))
+        scenario("sum", lambda: hexiseq.shard_states(make_net(), [0.5, 0.3, 0.3]))
+        scenario("nan", lambda: hexiseq.shard_states(make_net(), [float("nan"), 0.5, 0.5] if rank == 2 else good))
+        scenario("reduce", lambda: hexiseq.shard_states(make_net(), good, reduce="max" if rank == 0 else "mean"))
+        scenario("mismatch", lambda: hexiseq.shard_states(make_net(), [0.4, 0.4, 0.2] if rank == 2 else good))
+        scenario("units", lambda: hexiseq.shard_states(make_net(dim=DIM + 1 if rank == 1 else DIM), good))
+
+        def tied_across():  # the head's weight is the embedding's, which stays in the root unit
+            net = make_net(tied=True)
+            hexiseq.shard_states(net, good, units=[net.head])
+
+        scenario("tied_across", tied_across)
+        scenario("plan_object", lambda: plan_scenario())
+
+        scenario("uneven", lambda: train_scenario(rank, world, good))
+        scenario("zero_share", lambda: train_scenario(rank, world, [0.7, 0.3, 0.0], tied=True))
+        scenario("checkpoint", lambda: train_scenario(rank, world, good, ckpt="plain"))
+        scenario("checkpoint_reentrant", lambda: train_scenario(rank, world, [0.2, 0.3, 0.5], ckpt="reentrant"))
+        scenario("reduce_sum", lambda: train_scenario(rank, world, good, reduce="sum"))
+        scenario("fallback", lambda: train_scenario(rank, world, [0.7, 0.3, 0.0], fallback=True))
+        scenario("inplace_activation", lambda: misuse_scenario(rank, world, "activation"))
+        scenario("inplace_shard", lambda: misuse_scenario(rank, world, "shard"))
+        scenario("memory", lambda: memory_scenario(rank, world))
+        scenario("memory_without_hooks", lambda: memory_scenario(rank, world, free_after_forward=False))
+        scenario("optimizer", lambda: optimizer_scenario(rank, world, good))
+        scenario("optimizer_zero", lambda: optimizer_scenario(rank, world, [0.7, 0.3, 0.0]))
+        scenario("roundtrip", lambda: roundtrip_scenario(rank, world))
+        results.put((rank, "ok", report))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def plan_scenario():
+    """A real plan with states shared by memory (two H100s and an L40S): the shares shard_states applies are the
+    plan's; reports the plan's shares, this rank's shard elements and the model's total."""
+    import hexiseq
+
+    cluster = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 2, "intra_gbps": 450},
+                                                   {"gpu": "L40S", "count": 1, "intra_gbps": 32}],
+                                         "inter_node_gbps": 25})
+    plan = hexiseq.plan(cluster, model="gpt-3b", seq_len=4096, training=hexiseq.Training(state_shares="memory"))
+    total = sum(p.numel() for p in make_net().parameters())
+    net = hexiseq.shard_states(make_net(), plan)
+    return plan.state_shares.tolist(), sum(p.numel() for p in net.parameters()), total

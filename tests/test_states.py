@@ -1,0 +1,185 @@
+"""Uneven sharding of model states (hexiseq.shard_states): exact against a single-process reference (uneven and
+zero shares, activation checkpointing, reduce="sum", the fallback collectives), the gathered parameters freed
+between forward and backward, optimizer states only for the local shards, and the contract: bad shares or
+ranks that disagree raise the same error on every rank, quickly. One spawn of three Gloo ranks runs every
+scenario in turn (tests/states_worker.run_all)."""
+
+import os
+import sys
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+import hexiseq  # noqa: E402
+from hexiseq.states import shard_sizes  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import dist_worker  # noqa: E402
+import states_worker  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+WORLD = 3
+GOOD = [0.5, 0.3, 0.2]
+ZERO = [0.7, 0.3, 0.0]
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    t0 = time.monotonic()
+    out = dist_worker.spawn(states_worker.run_all, WORLD, (), tmp_path_factory.mktemp("states"), timeout_s=150)
+    for rank, (status, report) in sorted(out.items()):
+        assert status == "ok", f"rank {rank}: {report}"
+    return {rank: report for rank, (_, report) in out.items()}, time.monotonic() - t0
+
+
+def _same_on_every_rank(by_rank, name):
+    got = {rank: by_rank[rank][name] for rank in by_rank}
+    kinds = {kind for kind, _, _ in got.values()}
+    messages = {str(value) for _, value, _ in got.values()}
+    assert len(kinds) == 1 and len(messages) == 1, f"{name}: ranks differ: {got}"
+    return got[0]
+
+
+# ------------------------------------------------------------------------------------------------ sizes
+
+def test_shard_sizes_by_largest_remainder():
+    assert shard_sizes(GOOD, 10) == [5, 3, 2]
+    assert shard_sizes(GOOD, 7) == [4, 2, 1]  # quotas 3.5, 2.1, 1.4: the leftover goes to the largest remainder
+    assert shard_sizes([0.25, 0.25, 0.25, 0.25], 6) == [2, 2, 1, 1]  # equal remainders: the lower ranks
+    assert shard_sizes(ZERO, 10) == [7, 3, 0]
+    # the float shares are taken exactly: 0.7 and 0.3 are a little under, so 5 x 0.3 is nearer 2 than 5 x 0.7 is
+    # to 4 (remainders 0.4999999999999999722 and 0.4999999999999997780)
+    assert shard_sizes(ZERO, 5) == [3, 2, 0]
+    assert shard_sizes([0.0, 1.0, 0.0], 9) == [0, 9, 0]
+    for total in (0, 1, 2, 3, 822, 10**12 + 7):
+        for shares in (GOOD, ZERO, [0.1, 0.2, 0.7], [1 / 3] * 3):
+            sizes = shard_sizes(shares, total)
+            assert sum(sizes) == total and min(sizes) >= 0, (shares, total, sizes)
+            assert all(abs(n - s * total) < 1 for n, s in zip(sizes, shares)), (shares, total, sizes)
+            assert all(n == 0 for n, s in zip(sizes, shares) if s == 0)
+
+
+def test_needs_an_initialised_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    with pytest.raises(hexiseq.HexiseqError, match="not initialised"):
+        hexiseq.shard_states(states_worker.make_net(), GOOD)
+
+
+# ------------------------------------------------------------------------------------------------ the contract
+
+# (scenario, the class every rank raises, words its message must hold)
+CONTRACT = [
+    ("wrong_length", "InvalidArgumentError",
+     ["3 of 3 ranks", "shares must hold one share per rank of the group (3), got 2: [0.5, 0.5]"]),
+    ("negative", "InvalidArgumentError", ["1 of 3 ranks", "rank 1: shares[2] must be >= 0, got -0.1"]),
+    ("sum", "InvalidArgumentError", ["shares must sum to 1", "[0.5, 0.3, 0.3]"]),
+    ("nan", "InvalidArgumentError", ["rank 2: shares[0]", "got nan"]),
+    ("reduce", "InvalidArgumentError", ["rank 0: reduce must be one of ['mean', 'sum'], got 'max'"]),
+    ("tied_across", "InvalidArgumentError", ["head.weight is the same tensor as embed.weight", "another unit"]),
+    ("mismatch", "RankMismatchError",
+     ["shares", "rank 0: [0.5, 0.3, 0.2]", "rank 1: [0.5, 0.3, 0.2]", "rank 2: [0.4, 0.4, 0.2]"]),
+    ("units", "RankMismatchError", ["units[0].numel", "rank 0: 624", "rank 1: 672", "rank 2: 624"]),
+]
+
+
+@pytest.mark.parametrize("name,cls,words", CONTRACT, ids=[s[0] for s in CONTRACT])
+def test_every_rank_raises_the_same_error(reports, name, cls, words):
+    """Bad arguments on one rank or all, and ranks that disagree: the same error on every rank, before the
+    group's timeout (10 s) could have expired, never an abort."""
+    kind, message, seconds = _same_on_every_rank(reports[0], name)
+    assert kind == cls, message
+    for w in words:
+        assert w in message, f"{name}: the message lacks {w!r}: {message}"
+    assert seconds < 8, f"{name} took {seconds:.1f} s (the group timeout is 10 s: a rank waited)"
+
+
+def test_a_plan_gives_its_state_shares(reports):
+    """A plan whose L40S holds less of the states than the H100s: each rank holds its share of the model's
+    elements, up to one element per unit of rounding, and together every element once."""
+    mine = {}
+    for rank, report in reports[0].items():
+        assert report["plan_object"][0] == "ok", (rank, report["plan_object"])
+        shares, mine[rank], total = report["plan_object"][1]
+        assert shares[2] < 1 / 3 < shares[0] == shares[1] and abs(sum(shares) - 1) < 1e-12, shares
+        assert abs(mine[rank] - shares[rank] * total) <= 8, (rank, mine[rank], shares[rank] * total)
+    assert sum(mine.values()) == total
+
+
+# ------------------------------------------------------------------------------------------------ exactness
+
+TRAINING = ["uneven", "zero_share", "checkpoint", "checkpoint_reentrant", "reduce_sum", "fallback"]
+
+
+@pytest.mark.parametrize("name", TRAINING)
+def test_training_matches_the_single_process_reference(reports, name):
+    """Three Adam steps, each rank on its own batch: the full parameters after every step equal those of one
+    process that trains on all the batches with the mean (or sum) of their gradients. The scenarios follow the
+    contract's failures, so they also show that the ranks stayed in step."""
+    for rank, report in sorted(reports[0].items()):
+        kind, worst, _ = report[name]
+        assert kind == "ok", f"{name}: rank {rank} raised {kind}: {worst}"
+        assert worst <= 1e-12, f"{name}: rank {rank}: parameters differ from the reference by {worst:.3g}"
+
+
+# ------------------------------------------------------------------------------------------------ memory
+
+def test_gathered_parameters_do_not_outlive_the_forward(reports):
+    """Between the forward and the backward no gathered flat vector is alive; the backward gathers each unit
+    once. Without the saved-tensor hooks every unit's vector would still be alive (what the first check would
+    catch)."""
+    for rank, report in sorted(reports[0].items()):
+        kind, got, _ = report["memory"]
+        assert kind == "ok", (rank, got)
+        units = got["units"]
+        assert units == 4  # the root (embedding, norm, head) and three blocks
+        assert got["alive_after_forward"] == 0, (rank, got)
+        assert got["forward_gathers"] == units and got["backward_gathers"] == units, (rank, got)
+        assert got["alive_after_backward"] == 0, (rank, got)
+        kind, without, _ = report["memory_without_hooks"]
+        assert kind == "ok", (rank, without)
+        assert without["alive_after_forward"] == units and without["backward_gathers"] == 0, (rank, without)
+
+
+@pytest.mark.parametrize("name,words", [
+    ("inplace_activation", ["modified by an inplace operation", "saved at version 0"]),
+    ("inplace_shard", ["modified between the forward and the backward"])])
+def test_changes_between_forward_and_backward_are_refused(reports, name, words):
+    """A saved activation changed in place inside a unit (our saved-tensor hooks take autograd's own check
+    away, so they must make it), or the shards changed before the backward gathers them again."""
+    kind, message, _ = _same_on_every_rank(reports[0], name)
+    assert kind == "RuntimeError", message
+    for w in words:
+        assert w in message, message
+
+
+# ------------------------------------------------------------------------------------------------ optimizer
+
+@pytest.mark.parametrize("name,shares", [("optimizer", GOOD), ("optimizer_zero", ZERO)])
+def test_optimizer_state_only_for_the_local_shards(reports, name, shares):
+    by_rank = reports[0]
+    got = {}
+    for rank, report in sorted(by_rank.items()):
+        kind, value, _ = report[name]
+        assert kind == "ok", (rank, value)
+        got[rank] = value
+    totals = got[0]["totals"]
+    assert sum(g["state"] for g in got.values()) == 2 * sum(totals)
+    for rank, g in got.items():
+        expected = sum(shard_sizes(shares, t)[rank] for t in totals)
+        assert g["shard"] == expected and g["state"] == 2 * expected, (rank, g, expected)
+        assert abs(g["shard"] - shares[rank] * sum(totals)) < len(totals), (rank, g)
+
+
+def test_full_state_dict_round_trip(reports):
+    for rank, report in sorted(reports[0].items()):
+        kind, value, _ = report["roundtrip"]
+        assert kind == "ok", (rank, value)
+        worst, same_shapes, names = value
+        assert worst == 0.0 and same_shapes, (rank, value)
+        # the module holds only the shards: one flat parameter per unit
+        assert names == ["hexiseq_shard"] + [f"blocks.{i}.hexiseq_shard" for i in range(3)], names
