@@ -109,11 +109,8 @@ class BuildExt(build_ext):
             print(" ".join(cmd), file=sys.stderr)
             subprocess.check_call(cmd)
             objects.append(obj)
-        # the status helpers and the params validation, compiled into the library too (its error text is read
-        # through its own copy of the status helpers)
-        objects += self.compiler.compile([os.path.join("csrc", "status.c"), os.path.join("csrc", "attention_check.c")],
-                                         output_dir=os.path.join(objdir, "c"),
-                                         extra_postargs=["-std=c11", "-O2", "-fPIC", "-fvisibility=hidden"])
+        # No csrc/ objects: the library borrows the extension's status helpers and params validation when it is
+        # attached (kernels/entry.cu), so the process has one error buffer and one copy of the rules.
         library_dirs = [os.path.join(cuda_home, d) for d in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"))
                         if os.path.isdir(os.path.join(cuda_home, d))]
         target = os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), CUDA_LIB)
@@ -136,10 +133,11 @@ def cuda_runtime_version(nvcc):
 
 core = Extension(
     "hexiseq._core",
-    sources=["hexiseq/_core.c"] + sorted(glob.glob("csrc/*.c")),
+    sources=sorted(glob.glob("hexiseq/_core*.c")) + sorted(glob.glob("csrc/*.c")),
     # headers too, so that editing one rebuilds the extension (setuptools compares their times with the output);
     # csrc/*.inc are code included by a csrc/*.c file (the typed attention tiles), never compiled alone
-    depends=sorted(glob.glob("csrc/*.h")) + sorted(glob.glob("csrc/*.inc")) + sorted(glob.glob("kernels/*.h")),
+    depends=["hexiseq/_core.h"] + sorted(glob.glob("csrc/*.h")) + sorted(glob.glob("csrc/*.inc"))
+    + sorted(glob.glob("kernels/*.h")),
     include_dirs=["csrc", "kernels", numpy.get_include()],
     extra_compile_args=["-std=c11", "-O3", "-fvisibility=hidden", "-Wall", "-Wno-unknown-pragmas"],
     extra_link_args=[],

@@ -1,4 +1,5 @@
-/* Status strings and the per-thread last-error buffer. */
+/* Status strings and the per-thread last-error buffer: the only one in the process, since the CUDA kernels
+ * library writes it through the extension (kernels/launch.h, hexiseq_cuda_host). */
 #include "status.h"
 
 #include <stdarg.h>
@@ -28,10 +29,15 @@ const char *hexiseq_last_error(void) { return last_error; }
 
 void hexiseq_clear_error(void) { last_error[0] = '\0'; }
 
+hexiseq_status hexiseq_vfail(hexiseq_status status, const char *fmt, va_list ap) {
+    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    return status;
+}
+
 hexiseq_status hexiseq_fail(hexiseq_status status, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    hexiseq_vfail(status, fmt, ap);
     va_end(ap);
     return status;
 }

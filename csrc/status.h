@@ -2,6 +2,8 @@
 #ifndef HEXISEQ_STATUS_H
 #define HEXISEQ_STATUS_H
 
+#include <stdarg.h>
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -39,6 +41,13 @@ HEXISEQ_API const char *hexiseq_last_error(void);
 hexiseq_status hexiseq_fail(hexiseq_status status, const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+/* Internal: hexiseq_fail with a va_list (what the CUDA kernels library forwards its failures to). */
+hexiseq_status hexiseq_vfail(hexiseq_status status, const char *fmt, va_list ap)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 0)))
 #endif
     ;
 

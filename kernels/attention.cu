@@ -1332,7 +1332,7 @@ __global__ void attn_fwd_store_kernel(const hexiseq_attn_params p, const double 
 // ------------------------------------------------------------------------------------------------
 // Host side: validation and launches
 
-// The shared rules (csrc/attention_check.c, compiled into this library too), then what this CUDA build serves.
+// The shared rules (csrc/attention_check.c, the extension's copy: see kernels/entry.cu), then what this CUDA build serves.
 hexiseq_status check_params(const hexiseq_attn_params *p, int backward) {
     HEXISEQ_CHECK(hexiseq_attn_check_params(p, backward));
     // What this CUDA build serves.

@@ -557,3 +557,26 @@ def test_producer_errors_are_prefixed_with_the_name():
     ops.attention_forward(q, r, q)
     with raises(TypeError, "k.__dlpack__()", "used_dltensor_versioned", "already consumed"):
         ops.attention_forward(q, r, q)
+
+
+# ------------------------------------------------------------------------------------------------ CUDA library
+
+@pytest.mark.skipif(not hexiseq.build_info()["cuda"], reason="hexiseq was built without CUDA kernels")
+@pytest.mark.parametrize("case", ["float32", "scale"])
+def test_cuda_library_refusals_reach_python(case):
+    """Refusals the CUDA kernels library makes before it touches a GPU, so host memory labelled kDLCUDA is never
+    read and no GPU is needed: one of its own (float32 is not served) and one of the params validation it borrows
+    from the extension (the scale). Both texts travel through the extension's error buffer; every import is
+    released once."""
+    from hexiseq import _core
+
+    rng = np.random.default_rng(12)
+    q, k, v = small(rng, dtype=np.float32 if case == "float32" else np.float16)
+    out, lse = np.empty_like(q), np.empty((1, 2, 5), np.float32)
+    wrapped = [Crafted(a, device=KDLCUDA) for a in (q, k, v, out, lse)]
+    scale = -1.0 if case == "scale" else 0.125
+    expected = {"float32": (UnsupportedError, "dtype float32", "float16 and bfloat16 only"),
+                "scale": (InvalidArgumentError, "scale must be finite and > 0, got -1")}[case]
+    with raises(*expected):
+        _core.attention_forward_cuda(*wrapped, False, 0, 0, scale, 0)
+    assert [w.deleted for w in wrapped] == [1] * 5

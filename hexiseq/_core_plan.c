@@ -1,0 +1,623 @@
+/* The planner's binding: the GPU catalog, clusters, models and training settings from Python tuples and lists,
+ * layouts and costs back as dicts of NumPy arrays; evaluate and plan_strategy run the core without the GIL. It
+ * holds no algorithm; everything it calls is declared in csrc/hexiseq.h. */
+#include "_core.h"
+
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include <numpy/arrayobject.h>
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <string.h>
+
+#define MAX_NODES 65536
+#define HEXISEQ_MAX_DEVICES_BINDING 65536 /* the core rejects larger clusters by itself */
+
+/* ------------------------------------------------------------------ conversions */
+
+static PyObject *new_array(int typenum, npy_intp n, const void *src, size_t elem) {
+    PyObject *arr = PyArray_SimpleNew(1, &n, typenum);
+    if (arr && n)
+        memcpy(PyArray_DATA((PyArrayObject *)arr), src, (size_t)n * elem);
+    return arr;
+}
+
+/* Read a 1-D sequence into a contiguous array of `typenum` with exactly `n` elements (n < 0: any). */
+static PyArrayObject *as_array(PyObject *obj, int typenum, npy_intp n, const char *name) {
+    PyArrayObject *arr = (PyArrayObject *)PyArray_FROMANY(obj, typenum, 1, 1, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
+    if (!arr) {
+        PyErr_Format(PyExc_TypeError, "%s must be a 1-D sequence of numbers", name);
+        return NULL;
+    }
+    if (n >= 0 && PyArray_SIZE(arr) != n) {
+        PyErr_Format(PyExc_ValueError, "%s must have %zd entries, got %zd", name, (Py_ssize_t)n,
+                     (Py_ssize_t)PyArray_SIZE(arr));
+        Py_DECREF(arr);
+        return NULL;
+    }
+    return arr;
+}
+
+/* Raise InvalidArgumentError with a formatted message; returns -1. */
+static int invalid(PyObject *module, const char *fmt, ...) {
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    PyOS_vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    PyErr_SetString(get_state(module)->errors[HEXISEQ_ERR_INVALID], msg);
+    return -1;
+}
+
+/* An integer for the core input `field` (a hexiseq_int_range name), `shown` as in messages ("nodes[3].count"):
+ * a value outside int32 raises InvalidArgumentError naming the value and the core's range, never OverflowError;
+ * values inside int32 are range-checked by the core itself. Returns 1, or 0 with an exception set. */
+static int int32_arg(PyObject *module, PyObject *obj, const char *field, const char *shown, int32_t *out) {
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(get_state(module)->errors[HEXISEQ_ERR_INVALID], "%s must be an integer, got %R", shown, obj);
+        return 0;
+    }
+    if (overflow || v < INT32_MIN || v > INT32_MAX) {
+        int64_t lo = INT32_MIN, hi = INT32_MAX;
+        hexiseq_int_range(field, &lo, &hi);
+        PyErr_Format(get_state(module)->errors[HEXISEQ_ERR_INVALID], "%s must be in [%lld, %lld], got %S", shown,
+                     (long long)lo, (long long)hi, obj);
+        return 0;
+    }
+    *out = (int32_t)v;
+    return 1;
+}
+
+/* A measured curve from None or a sequence of (size, tflops) pairs. */
+static int parse_curve(PyObject *module, PyObject *obj, Py_ssize_t dev, const char *field, hexiseq_rate_curve *out) {
+    memset(out, 0, sizeof *out);
+    if (obj == Py_None)
+        return 0;
+    PyObject *seq = PySequence_Fast(obj, "");
+    if (!seq) {
+        PyErr_Clear();
+        return invalid(module, "devices[%zd].%s must be a list of [size, tflops] pairs", dev, field);
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > HEXISEQ_MAX_CURVE) {
+        Py_DECREF(seq);
+        return invalid(module, "devices[%zd].%s has %zd points, at most %d", dev, field, n, HEXISEQ_MAX_CURVE);
+    }
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyArg_ParseTuple(pair, "dd", &out->size[i], &out->tflops[i])) {
+            PyErr_Clear();
+            Py_DECREF(seq);
+            return invalid(module, "devices[%zd].%s[%zd] must be a [size, tflops] pair of numbers", dev, field, i);
+        }
+    }
+    out->n = (int32_t)n;
+    Py_DECREF(seq);
+    return 0;
+}
+
+/* Per-device descriptions from None or a list of n entries, each None or (memory_gib, gemm, attn, attn_causal)
+ * with curves as above. Returns a PyMem block (NULL with *none set when not given) or NULL on error. */
+static hexiseq_device_desc *parse_devices(PyObject *module, PyObject *obj, int64_t n, int *none) {
+    *none = obj == Py_None;
+    if (*none)
+        return NULL;
+    if (!PyList_Check(obj)) {
+        invalid(module, "devices must be a list with one entry per device");
+        return NULL;
+    }
+    if (PyList_GET_SIZE(obj) != n) {
+        invalid(module, "devices must have one entry per device (%lld), got %zd", (long long)n, PyList_GET_SIZE(obj));
+        return NULL;
+    }
+    hexiseq_device_desc *dd = PyMem_Calloc(n ? (size_t)n : 1, sizeof *dd);
+    if (!dd) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < (Py_ssize_t)n; ++i) {
+        PyObject *item = PyList_GET_ITEM(obj, i), *g, *a, *ac;
+        if (item == Py_None)
+            continue;
+        if (!PyArg_ParseTuple(item, "dOOO;devices entries are (memory_gib, gemm, attn, attn_causal)", &dd[i].memory_gib,
+                              &g, &a, &ac) ||
+            parse_curve(module, g, i, "gemm_tflops", &dd[i].gemm) < 0 ||
+            parse_curve(module, a, i, "attn_tflops", &dd[i].attn) < 0 ||
+            parse_curve(module, ac, i, "attn_causal_tflops", &dd[i].attn_causal) < 0) {
+            PyMem_Free(dd);
+            return NULL;
+        }
+    }
+    return dd;
+}
+
+/* A square matrix of the cluster's size from None or a 2-D sequence; *arr stays NULL for None. */
+static int parse_matrix(PyObject *obj, int64_t n, const char *name, PyArrayObject **arr) {
+    *arr = NULL;
+    if (obj == Py_None)
+        return 0;
+    *arr = (PyArrayObject *)PyArray_FROMANY(obj, NPY_DOUBLE, 2, 2, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
+    if (!*arr)
+        return -1;
+    if (PyArray_DIM(*arr, 0) != n || PyArray_DIM(*arr, 1) != n) {
+        PyErr_Format(PyExc_ValueError, "%s must be a %lld x %lld matrix (one row per device), got %zd x %zd", name,
+                     (long long)n, (long long)n, (Py_ssize_t)PyArray_DIM(*arr, 0), (Py_ssize_t)PyArray_DIM(*arr, 1));
+        Py_CLEAR(*arr);
+        return -1;
+    }
+    return 0;
+}
+
+/* A cluster from (nodes, inter_node_gbps, bandwidth matrix or None, latency matrix or None, devices or None),
+ * nodes being tuples (gpu, count, intra_gbps, memory_gib, peak_tflops, gemm_eff, attn_eff). */
+static hexiseq_cluster *make_cluster(PyObject *module, PyObject *nodes, double inter, PyObject *bw_obj,
+                                     PyObject *lat_obj, PyObject *dev_obj) {
+    if (!PyList_Check(nodes)) {
+        PyErr_SetString(PyExc_TypeError, "nodes must be a list of tuples");
+        return NULL;
+    }
+    Py_ssize_t n_nodes = PyList_GET_SIZE(nodes);
+    if (n_nodes > MAX_NODES) {
+        PyErr_Format(PyExc_ValueError, "nodes: at most %d nodes, got %zd", MAX_NODES, n_nodes);
+        return NULL;
+    }
+    hexiseq_node_desc *desc = PyMem_Calloc(n_nodes ? (size_t)n_nodes : 1, sizeof *desc);
+    if (!desc)
+        return (hexiseq_cluster *)PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n_nodes; ++i) {
+        hexiseq_node_desc *d = &desc[i];
+        PyObject *count;
+        char shown[48];
+        PyOS_snprintf(shown, sizeof shown, "nodes[%zd].count", i);
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(nodes, i), "sOddddd;nodes entries are (gpu, count, intra_gbps, memory_gib, peak_tflops, gemm_eff, attn_eff)",
+                              &d->gpu, &count, &d->intra_gbps, &d->memory_gib, &d->peak_tflops, &d->gemm_eff,
+                              &d->attn_eff) ||
+            !int32_arg(module, count, "nodes.count", shown, &d->count)) {
+            PyMem_Free(desc);
+            return NULL;
+        }
+    }
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < n_nodes; ++i)
+        total += desc[i].count > 0 ? desc[i].count : 0;
+    PyArrayObject *bw = NULL, *lat = NULL;
+    hexiseq_device_desc *devices = NULL;
+    hexiseq_cluster *c = NULL;
+    hexiseq_cluster_options opt = {NULL, NULL};
+    hexiseq_status s;
+    int no_devices = 1;
+    if (parse_matrix(bw_obj, total, "bandwidth_gbps", &bw) < 0 || parse_matrix(lat_obj, total, "latency_us", &lat) < 0)
+        goto done;
+    if (total <= HEXISEQ_MAX_DEVICES_BINDING) {
+        devices = parse_devices(module, dev_obj, total, &no_devices);
+        if (!devices && !no_devices)
+            goto done;
+    }
+    opt.devices = devices;
+    opt.latency_us = lat ? (const double *)PyArray_DATA(lat) : NULL;
+    s = hexiseq_cluster_create_ex((int32_t)n_nodes, desc, inter, bw ? (const double *)PyArray_DATA(bw) : NULL,
+                                                 &opt, &c);
+    if (s != HEXISEQ_OK) {
+        raise_status(module, s);
+        c = NULL;
+    }
+done:
+    Py_XDECREF(bw);
+    Py_XDECREF(lat);
+    PyMem_Free(devices);
+    PyMem_Free(desc);
+    return c;
+}
+
+/* A model from (layers, hidden, heads, kv_heads, head_dim, ffn, vocab, dtype_bytes, gated_mlp). */
+static int parse_model(PyObject *module, PyObject *obj, hexiseq_model *m) {
+    static const char *names[9] = {"model.layers", "model.hidden", "model.heads", "model.kv_heads", "model.head_dim",
+                                   "model.ffn", "model.vocab", "model.dtype_bytes", "model.gated_mlp"};
+    int32_t *dst[9] = {&m->layers, &m->hidden, &m->heads, &m->kv_heads, &m->head_dim, &m->ffn, &m->vocab,
+                       &m->dtype_bytes, &m->gated_mlp};
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 9) {
+        PyErr_SetString(PyExc_TypeError,
+                        "model is (layers, hidden, heads, kv_heads, head_dim, ffn, vocab, dtype_bytes, gated_mlp)");
+        return 0;
+    }
+    for (int i = 0; i < 9; ++i)
+        if (!int32_arg(module, PyTuple_GET_ITEM(obj, i), names[i], names[i], dst[i]))
+            return 0;
+    return 1;
+}
+
+/* A training setting from (sequences, checkpointing, sharding, reserved_gib, state_shares). */
+static int parse_training(PyObject *module, PyObject *obj, hexiseq_training *t) {
+    static const char *names[4] = {"training.sequences", "training.checkpointing", "training.sharding",
+                                   "training.state_shares"};
+    int32_t *dst[4] = {&t->sequences, &t->checkpointing, &t->sharding, &t->state_shares};
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 5) {
+        PyErr_SetString(PyExc_TypeError, "training is (sequences, checkpointing, sharding, reserved_gib, state_shares)");
+        return 0;
+    }
+    for (int i = 0; i < 3; ++i)
+        if (!int32_arg(module, PyTuple_GET_ITEM(obj, i), names[i], names[i], dst[i]))
+            return 0;
+    t->reserved_gib = PyFloat_AsDouble(PyTuple_GET_ITEM(obj, 3));
+    if (t->reserved_gib == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(get_state(module)->errors[HEXISEQ_ERR_INVALID], "training.reserved_gib must be a number, got %R",
+                     PyTuple_GET_ITEM(obj, 3));
+        return 0;
+    }
+    return int32_arg(module, PyTuple_GET_ITEM(obj, 4), names[3], names[3], dst[3]);
+}
+
+static PyObject *layout_to_dict(const hexiseq_layout *l) {
+    return Py_BuildValue("{s:N,s:N,s:N,s:N,s:N,s:N}",
+                         "group_size", new_array(NPY_INT32, l->n_groups, l->group_size, sizeof(int32_t)),
+                         "group_seq", new_array(NPY_INT64, l->n_groups, l->group_seq, sizeof(int64_t)),
+                         "device", new_array(NPY_INT32, l->n_devices, l->device, sizeof(int32_t)),
+                         "tokens", new_array(NPY_INT64, l->n_devices, l->tokens, sizeof(int64_t)),
+                         "head_lo", new_array(NPY_INT32, l->n_devices, l->head_lo, sizeof(int32_t)),
+                         "head_count", new_array(NPY_INT32, l->n_devices, l->head_count, sizeof(int32_t)));
+}
+
+static PyObject *plan_cost_to_dict(const hexiseq_plan_cost *p) {
+    return Py_BuildValue("{s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:i,s:i,s:i,s:O,s:i,s:d}", "step_time_s", p->step_time_s,
+                         "gemm_phase_s", p->gemm_phase_s, "a2a_phase_s", p->a2a_phase_s, "ring_phase_s",
+                         p->ring_phase_s, "grad_sync_s", p->grad_sync_s, "grad_exposed_s", p->grad_exposed_s,
+                         "lower_bound_s", p->lower_bound_s, "tokens_per_s", p->tokens_per_s, "gemm_bottleneck",
+                         p->gemm_bottleneck, "a2a_bottleneck", p->a2a_bottleneck, "ring_bottleneck",
+                         p->ring_bottleneck, "fits", p->fits ? Py_True : Py_False, "short_device", p->short_device,
+                         "short_gib", p->short_gib);
+}
+
+/* Per-device cost columns, in the layout's device order. */
+static PyObject *device_costs_to_dict(const hexiseq_device_cost *dc, npy_intp n) {
+    static const struct {
+        const char *name;
+        size_t offset;
+    } cols[] = {
+        {"gemm_s", offsetof(hexiseq_device_cost, gemm_s)},
+        {"layer_gemm_s", offsetof(hexiseq_device_cost, layer_gemm_s)},
+        {"attn_s", offsetof(hexiseq_device_cost, attn_s)},
+        {"a2a_s", offsetof(hexiseq_device_cost, a2a_s)},
+        {"ring_exposed_s", offsetof(hexiseq_device_cost, ring_exposed_s)},
+        {"busy_s", offsetof(hexiseq_device_cost, busy_s)},
+        {"mem_states_gib", offsetof(hexiseq_device_cost, mem_states_gib)},
+        {"mem_act_gib", offsetof(hexiseq_device_cost, mem_act_gib)},
+        {"mem_attn_gib", offsetof(hexiseq_device_cost, mem_attn_gib)},
+        {"mem_ring_gib", offsetof(hexiseq_device_cost, mem_ring_gib)},
+        {"mem_total_gib", offsetof(hexiseq_device_cost, mem_total_gib)},
+        {"mem_cap_gib", offsetof(hexiseq_device_cost, mem_cap_gib)},
+        {"state_share", offsetof(hexiseq_device_cost, state_share)},
+        {"ring_send_bytes", offsetof(hexiseq_device_cost, ring_send_bytes)},
+        {"ring_recv_bytes", offsetof(hexiseq_device_cost, ring_recv_bytes)},
+        {"a2a_send_bytes", offsetof(hexiseq_device_cost, a2a_send_bytes)},
+        {"a2a_recv_bytes", offsetof(hexiseq_device_cost, a2a_recv_bytes)},
+    };
+    PyObject *out = PyDict_New();
+    if (!out)
+        return NULL;
+    for (size_t c = 0; c < sizeof cols / sizeof cols[0]; ++c) {
+        PyObject *arr = PyArray_SimpleNew(1, &n, NPY_DOUBLE);
+        if (!arr) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        double *dst = PyArray_DATA((PyArrayObject *)arr);
+        for (npy_intp i = 0; i < n; ++i)
+            dst[i] = *(const double *)((const char *)&dc[i] + cols[c].offset);
+        int rc = PyDict_SetItemString(out, cols[c].name, arr);
+        Py_DECREF(arr);
+        if (rc < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    static const struct {
+        const char *name;
+        size_t offset;
+    } ints[] = {
+        {"kv_lo", offsetof(hexiseq_device_cost, kv_lo)},
+        {"kv_count", offsetof(hexiseq_device_cost, kv_count)},
+        {"first_lo", offsetof(hexiseq_device_cost, first_lo)},
+        {"first_count", offsetof(hexiseq_device_cost, first_count)},
+    };
+    for (size_t c = 0; c < sizeof ints / sizeof ints[0]; ++c) {
+        PyObject *arr = PyArray_SimpleNew(1, &n, NPY_INT32);
+        if (!arr) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        int32_t *dst = PyArray_DATA((PyArrayObject *)arr);
+        for (npy_intp i = 0; i < n; ++i)
+            dst[i] = *(const int32_t *)((const char *)&dc[i] + ints[c].offset);
+        int rc = PyDict_SetItemString(out, ints[c].name, arr);
+        Py_DECREF(arr);
+        if (rc < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
+/* ------------------------------------------------------------------ functions */
+
+static PyObject *core_gpu_catalog(PyObject *module, PyObject *Py_UNUSED(ignored)) {
+    int n = hexiseq_gpu_catalog_size();
+    PyObject *out = PyList_New(n);
+    if (!out)
+        return NULL;
+    for (int i = 0; i < n; ++i) {
+        hexiseq_gpu_spec g;
+        hexiseq_status s = hexiseq_gpu_catalog_get(i, &g);
+        if (s != HEXISEQ_OK) {
+            Py_DECREF(out);
+            return raise_status(module, s);
+        }
+        PyObject *aliases = PyList_New(0);
+        for (int a = 0; aliases && a < hexiseq_gpu_alias_count(); ++a) {
+            const char *alias, *name;
+            if (hexiseq_gpu_alias_get(a, &alias, &name) != HEXISEQ_OK || strcmp(name, g.name) != 0)
+                continue;
+            PyObject *text = PyUnicode_FromString(alias);
+            if (!text || PyList_Append(aliases, text) < 0) {
+                Py_XDECREF(text);
+                Py_CLEAR(aliases);
+                break;
+            }
+            Py_DECREF(text);
+        }
+        PyObject *item = aliases ? Py_BuildValue("{s:s,s:d,s:d,s:d,s:d,s:d,s:s,s:N}", "name", g.name, "peak_tflops",
+                                                 g.peak_tflops, "memory_gib", g.memory_gib, "hbm_gbps", g.hbm_gbps,
+                                                 "gemm_eff", g.gemm_eff, "attn_eff", g.attn_eff, "source", g.source,
+                                                 "aliases", aliases)
+                                 : NULL;
+        if (!item) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+    return out;
+}
+
+/* gpu_find(name) -> canonical name; raises UnknownGPUError listing the known models. */
+static PyObject *core_gpu_find(PyObject *module, PyObject *arg) {
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name)
+        return NULL;
+    hexiseq_gpu_spec g;
+    hexiseq_status s = hexiseq_gpu_find(name, &g);
+    if (s != HEXISEQ_OK)
+        return raise_status(module, s);
+    return PyUnicode_FromString(g.name);
+}
+
+/* check_cluster(nodes, inter_gbps, bandwidth, latency, devices) -> number of devices; validates through the core. */
+static PyObject *core_check_cluster(PyObject *module, PyObject *args) {
+    PyObject *nodes, *bw, *lat, *dev;
+    double inter;
+    if (!PyArg_ParseTuple(args, "OdOOO:check_cluster", &nodes, &inter, &bw, &lat, &dev))
+        return NULL;
+    hexiseq_cluster *c = make_cluster(module, nodes, inter, bw, lat, dev);
+    if (!c)
+        return NULL;
+    int32_t n = hexiseq_cluster_num_devices(c);
+    hexiseq_cluster_destroy(c);
+    return PyLong_FromLong(n);
+}
+
+/* int_range(field) -> (lo, hi): the range the core accepts for an integer input (see hexiseq_int_range). */
+static PyObject *core_int_range(PyObject *module, PyObject *arg) {
+    const char *field = PyUnicode_AsUTF8(arg);
+    if (!field)
+        return NULL;
+    int64_t lo, hi;
+    hexiseq_status s = hexiseq_int_range(field, &lo, &hi);
+    if (s != HEXISEQ_OK)
+        return raise_status(module, s);
+    return Py_BuildValue("(LL)", (long long)lo, (long long)hi);
+}
+
+/* layout_spans(group_seq) -> (front_start, front_len, back_start, back_len), int64 arrays by group: the
+ * positions each group owns under the balanced causal layout (hexiseq_layout_spans, the rule the cost model
+ * prices with). group_seq: a 1-D array of int64. */
+static PyObject *core_layout_spans(PyObject *module, PyObject *arg) {
+    PyArrayObject *seq = (PyArrayObject *)PyArray_FROMANY(arg, NPY_INT64, 1, 1, NPY_ARRAY_IN_ARRAY);
+    if (!seq)
+        return NULL;
+    npy_intp n = PyArray_DIM(seq, 0);
+    hexiseq_layout l;
+    memset(&l, 0, sizeof l);
+    l.n_groups = (int32_t)n;
+    l.group_seq = (int64_t *)PyArray_DATA(seq);
+    hexiseq_group_span *spans = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *spans);
+    if (!spans) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    hexiseq_status st = n > INT32_MAX ? HEXISEQ_ERR_INVALID : hexiseq_layout_spans(&l, spans);
+    Py_DECREF(seq);
+    if (st != HEXISEQ_OK) {
+        PyMem_Free(spans);
+        return raise_status(module, st);
+    }
+    PyObject *cols[4] = {NULL, NULL, NULL, NULL};
+    for (int c = 0; c < 4; ++c) {
+        cols[c] = PyArray_SimpleNew(1, &n, NPY_INT64);
+        if (!cols[c])
+            break;
+        int64_t *dst = PyArray_DATA((PyArrayObject *)cols[c]);
+        for (npy_intp g = 0; g < n; ++g)
+            dst[g] = c == 0 ? spans[g].front_start : c == 1 ? spans[g].front_len
+                     : c == 2 ? spans[g].back_start : spans[g].back_len;
+    }
+    PyMem_Free(spans);
+    PyObject *out = NULL;
+    if (cols[0] && cols[1] && cols[2] && cols[3])
+        out = PyTuple_Pack(4, cols[0], cols[1], cols[2], cols[3]);
+    for (int c = 0; c < 4; ++c)
+        Py_XDECREF(cols[c]);
+    return out;
+}
+
+/* model_params(model) -> parameter count (float). */
+static PyObject *core_model_params(PyObject *module, PyObject *arg) {
+    hexiseq_model m;
+    if (!parse_model(module, arg, &m))
+        return NULL;
+    double p;
+    hexiseq_status s = hexiseq_model_params(&m, &p);
+    if (s != HEXISEQ_OK)
+        return raise_status(module, s);
+    return PyFloat_FromDouble(p);
+}
+
+/* evaluate(nodes, inter_gbps, bandwidth, latency, devices, model, training, seq_len, causal, layout_dict)
+ *   -> (per_device dict of arrays, plan dict) */
+static PyObject *core_evaluate(PyObject *module, PyObject *args) {
+    PyObject *nodes, *bw, *lat, *dev, *model_obj, *train_obj, *layout_obj;
+    double inter;
+    long long seq_len;
+    int causal;
+    if (!PyArg_ParseTuple(args, "OdOOOOOLpO!:evaluate", &nodes, &inter, &bw, &lat, &dev, &model_obj, &train_obj,
+                          &seq_len, &causal, &PyDict_Type, &layout_obj))
+        return NULL;
+    hexiseq_model m;
+    hexiseq_training t;
+    if (!parse_model(module, model_obj, &m) || !parse_training(module, train_obj, &t))
+        return NULL;
+
+    static const char *keys[6] = {"group_size", "group_seq", "device", "tokens", "head_lo", "head_count"};
+    static const int types[6] = {NPY_INT32, NPY_INT64, NPY_INT32, NPY_INT64, NPY_INT32, NPY_INT32};
+    PyArrayObject *arr[6] = {NULL};
+    PyObject *result = NULL;
+    hexiseq_cluster *c = NULL;
+    hexiseq_device_cost *per = NULL;
+    for (int i = 0; i < 6; ++i) {
+        PyObject *item = PyDict_GetItemString(layout_obj, keys[i]);
+        if (!item) {
+            PyErr_Format(PyExc_KeyError, "layout is missing '%s'", keys[i]);
+            goto done;
+        }
+        arr[i] = as_array(item, types[i], -1, keys[i]);
+        if (!arr[i])
+            goto done;
+    }
+    npy_intp n_groups = PyArray_SIZE(arr[0]), n_dev = PyArray_SIZE(arr[2]);
+    if (PyArray_SIZE(arr[1]) != n_groups) {
+        PyErr_Format(PyExc_ValueError, "group_seq must have one entry per group (%zd), got %zd", (Py_ssize_t)n_groups,
+                     (Py_ssize_t)PyArray_SIZE(arr[1]));
+        goto done;
+    }
+    for (int i = 3; i < 6; ++i)
+        if (PyArray_SIZE(arr[i]) != n_dev) {
+            PyErr_Format(PyExc_ValueError, "%s must have one entry per device (%zd), got %zd", keys[i], (Py_ssize_t)n_dev,
+                         (Py_ssize_t)PyArray_SIZE(arr[i]));
+            goto done;
+        }
+    if (n_dev > INT32_MAX || n_groups > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "layout is too large");
+        goto done;
+    }
+    c = make_cluster(module, nodes, inter, bw, lat, dev);
+    if (!c)
+        goto done;
+    hexiseq_layout l = {(int32_t)n_groups, (int32_t)n_dev, PyArray_DATA(arr[0]), PyArray_DATA(arr[1]),
+                        PyArray_DATA(arr[2]), PyArray_DATA(arr[3]), PyArray_DATA(arr[4]), PyArray_DATA(arr[5])};
+    per = PyMem_Calloc(n_dev ? (size_t)n_dev : 1, sizeof *per);
+    if (!per) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    hexiseq_plan_cost pc;
+    hexiseq_status s;
+    Py_BEGIN_ALLOW_THREADS s = hexiseq_evaluate(c, &m, &t, seq_len, causal, &l, per, &pc);
+    Py_END_ALLOW_THREADS if (s != HEXISEQ_OK) {
+        raise_status(module, s);
+        goto done;
+    }
+    result = Py_BuildValue("(NN)", device_costs_to_dict(per, n_dev), plan_cost_to_dict(&pc));
+done:
+    for (int i = 0; i < 6; ++i)
+        Py_XDECREF(arr[i]);
+    hexiseq_cluster_destroy(c);
+    PyMem_Free(per);
+    return result;
+}
+
+/* Cancellation of a long plan: the core polls this about every 50 ms from the planning thread, which runs
+ * without the GIL; it takes the GIL back just long enough to run pending signal handlers (Ctrl-C raises
+ * KeyboardInterrupt there) and asks the core to stop when one raised. */
+typedef struct {
+    PyThreadState *saved; /* the thread state released around the core call */
+} plan_progress;
+
+static int plan_progress_check(void *user) {
+    plan_progress *p = (plan_progress *)user;
+    PyEval_RestoreThread(p->saved);
+    int stop = PyErr_CheckSignals() != 0;
+    p->saved = PyEval_SaveThread();
+    return stop;
+}
+
+/* plan_strategy(nodes, inter_gbps, bandwidth, latency, devices, model, training, seq_len, causal, strategy
+ *               [, time_limit_s]) -> (layout dict, info dict {stopped_early, evaluations, elapsed_s})
+ * time_limit_s <= 0: no limit. A signal handler that raises (Ctrl-C) ends the call with its exception. */
+static PyObject *core_plan_strategy(PyObject *module, PyObject *args) {
+    PyObject *nodes, *bw, *lat, *dev, *model_obj, *train_obj;
+    double inter, time_limit_s = 0.0;
+    long long seq_len;
+    int causal, strategy;
+    if (!PyArg_ParseTuple(args, "OdOOOOOLpi|d:plan_strategy", &nodes, &inter, &bw, &lat, &dev, &model_obj, &train_obj,
+                          &seq_len, &causal, &strategy, &time_limit_s))
+        return NULL;
+    hexiseq_model m;
+    hexiseq_training t;
+    if (!parse_model(module, model_obj, &m) || !parse_training(module, train_obj, &t))
+        return NULL;
+    hexiseq_cluster *c = make_cluster(module, nodes, inter, bw, lat, dev);
+    if (!c)
+        return NULL;
+    hexiseq_layout l;
+    hexiseq_plan_cost pc;
+    hexiseq_plan_info info;
+    plan_progress progress;
+    hexiseq_plan_options opt = {time_limit_s, plan_progress_check, &progress};
+    progress.saved = PyEval_SaveThread();
+    hexiseq_status s = hexiseq_plan_strategy_ex(c, &m, &t, seq_len, causal, (hexiseq_strategy)strategy, &opt, &l, &pc,
+                                                &info);
+    PyEval_RestoreThread(progress.saved);
+    hexiseq_cluster_destroy(c);
+    if (s != HEXISEQ_OK) {
+        hexiseq_layout_free(&l);
+        if (s == HEXISEQ_ERR_CANCELLED && PyErr_Occurred())
+            return NULL; /* the exception a signal handler raised, KeyboardInterrupt for Ctrl-C */
+        return raise_status(module, s);
+    }
+    PyObject *out = layout_to_dict(&l);
+    hexiseq_layout_free(&l);
+    if (!out)
+        return NULL;
+    return Py_BuildValue("(N{s:O,s:L,s:d})", out, "stopped_early", info.stopped_early ? Py_True : Py_False,
+                         "evaluations", (long long)info.evaluations, "elapsed_s", info.elapsed_s);
+}
+
+PyMethodDef core_plan_methods[] = {
+    {"gpu_catalog", core_gpu_catalog, METH_NOARGS, "The built-in GPU catalog, a list of dicts."},
+    {"gpu_find", core_gpu_find, METH_O, "Canonical catalog name of a GPU model name or alias."},
+    {"check_cluster", core_check_cluster, METH_VARARGS, "Validate a cluster description; returns its device count."},
+    {"int_range", core_int_range, METH_O, "(lo, hi) the core accepts for a named integer input."},
+    {"layout_spans", core_layout_spans, METH_O, "(front_start, front_len, back_start, back_len) of each group."},
+    {"model_params", core_model_params, METH_O, "Parameter count of a model tuple."},
+    {"evaluate", core_evaluate, METH_VARARGS, "Score a layout: (per-device dict, plan dict)."},
+    {"plan_strategy", core_plan_strategy, METH_VARARGS, "Best layout of a strategy, as a dict of arrays, and what the search did."},
+    {NULL, NULL, 0, NULL},
+};
+
+int core_plan_exec(PyObject *module) {
+    (void)module;
+    return PyArray_ImportNumPyAPI() < 0 ? -1 : 0;
+}

@@ -1,0 +1,82 @@
+"""The extension opens the CUDA kernels library only when its one export, the entry table, is the one this build
+made: a table of another version or layout, or a library without one, is refused with UnsupportedError naming the
+library, and nothing in it is called. Checked on a copy of the package whose library is altered, in a child
+process (loading the library is what is tested, and this process should not carry it). No GPU needed."""
+
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+
+import hexiseq
+
+if not hexiseq.build_info()["cuda"]:
+    pytest.skip("hexiseq was built without CUDA kernels (no nvcc or HEXISEQ_CUDA=0)", allow_module_level=True)
+
+PACKAGE = os.path.dirname(os.path.abspath(hexiseq.__file__))
+SYMBOL = b"hexiseq_cuda_entry_table"
+# The table's head as kernels/launch.h lays it out: version 1, then its size (4 uint32 and 5 function pointers).
+HEAD = struct.pack("<II", 1, 4 * 4 + 5 * 8)
+
+
+def child(package_parent):
+    """Load the package at `package_parent` in a fresh interpreter and ask for the CUDA devices."""
+    code = ("import hexiseq\n"
+            "print(hexiseq.__file__)\n"
+            "try:\n"
+            "    print('devices', hexiseq.cuda_device_count())\n"
+            "except hexiseq.HexiseqError as e:\n"
+            "    print(type(e).__name__, e)\n")
+    env = dict(os.environ, PYTHONPATH=str(package_parent))
+    # run from there too: `python -c` puts the working directory first on sys.path, ahead of PYTHONPATH
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                       cwd=package_parent)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"{package_parent}{os.sep}hexiseq{os.sep}"), r.stdout
+    return r.stdout.split("\n", 1)[1].strip()
+
+
+def copy_package(tmp_path, alter):
+    dst = tmp_path / "hexiseq"
+    shutil.copytree(PACKAGE, dst, ignore=shutil.ignore_patterns("__pycache__", "*.c", "*.h"))
+    lib = dst / "libhexiseq_cuda.so"
+    data = bytearray(lib.read_bytes())
+    alter(data)
+    lib.write_bytes(bytes(data))
+    return tmp_path
+
+
+def only(data, pattern):
+    assert data.count(pattern) == 1, pattern
+    return data.find(pattern)
+
+
+def test_unaltered_copy_loads(tmp_path):
+    out = child(copy_package(tmp_path, lambda data: None))
+    assert out.startswith("devices "), out
+
+
+@pytest.mark.parametrize("field", ["version", "size"])
+def test_table_from_another_build_is_refused(tmp_path, field):
+    def alter(data):
+        at = only(data, HEAD) + (0 if field == "version" else 4)
+        data[at:at + 4] = struct.pack("<I", 99)
+
+    out = child(copy_package(tmp_path, alter))
+    assert out.startswith("UnsupportedError"), out
+    assert "libhexiseq_cuda.so is from another build" in out and "rebuild hexiseq" in out, out
+
+
+def test_library_without_the_table_is_refused(tmp_path):
+    def alter(data):
+        # the symbol's name, in the dynamic string table and the static one: renamed, dlsym no longer finds it
+        name = SYMBOL + b"\0"
+        assert data.count(name) >= 1
+        data[:] = data.replace(name, SYMBOL[:-1] + b"X\0")
+
+    out = child(copy_package(tmp_path, alter))
+    assert out.startswith("UnsupportedError"), out
+    assert "has no hexiseq_cuda_entry_table" in out, out
