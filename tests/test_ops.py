@@ -1,5 +1,6 @@
-"""Numerics of hexiseq.ops (forward, backward, merge_) against the float64 reference (tests/reference.py) and
-torch SDPA.
+"""Numerics of hexiseq.ops (forward, backward, merge_) on the CPU kernels against the float64 reference
+(tests/reference.py) and torch SDPA: the CPU-only cases. The cases every backend shares (causal offsets, fully masked
+rows, non-contiguous inputs, split-KV merge, merge) are in tests/test_attention_ops.py.
 
 Tolerances (relative: max |error| / max |reference|):
   float64  1e-12: the kernels compute in float64; rounding error of sums of up to 1025 terms is ~1e-14.
@@ -19,28 +20,9 @@ import pytest
 
 from hexiseq import ops
 from reference import attention, attention_backward
+from attention_backends import rand, rel_err
 
 RTOL = {"float64": 1e-12, "float32": 1e-5, "float16": 1e-3}
-
-
-# ------------------------------------------------------------------------------------------------ helpers
-
-def rel_err(x, ref, floor=0.0):
-    """max |x - ref| / max(max |ref|, floor); floor = 1 for gradients, which vanish exactly in some cases (one
-    visible key) while the unit-variance inputs put their natural scale at ~1."""
-    x = np.asarray(x, np.float64)
-    ref = np.asarray(ref, np.float64)
-    assert x.shape == ref.shape
-    if ref.size == 0:
-        return 0.0
-    fin = np.isfinite(ref)
-    assert np.array_equal(fin, np.isfinite(x)), "non-finite entries differ"
-    denom = max(np.abs(ref[fin]).max(initial=0.0), floor, 1e-300)
-    return np.abs(x[fin] - ref[fin]).max(initial=0.0) / denom
-
-
-def rand(rng, shape, dtype=np.float64):
-    return rng.standard_normal(shape).astype(dtype)
 
 
 # ------------------------------------------------------------------------------------------------ NumPy
@@ -84,47 +66,6 @@ def test_forward_backward_numpy(shape, dtype, causal):
         assert rel_err(got, ref, 1.0) <= 4 * tol, (rel_err(got, ref, 1.0), tol)
 
 
-@pytest.mark.parametrize("q_pos0,k_pos0,case", [
-    (0, 200, "q block before the key block: every row fully masked"),
-    (300, 0, "q block after the key block: nothing masked"),
-    (50, 20, "overlap, queries start later"),
-    (20, 50, "overlap, keys start later: the first rows fully masked"),
-    (37, 37, "same block"),
-])
-def test_causal_offsets(q_pos0, k_pos0, case):
-    rng = np.random.default_rng(q_pos0 * 1000 + k_pos0)
-    B, Sq, Sk, H, Hkv, D = 2, 97, 61, 4, 2, 16
-    q, k, v = rand(rng, (B, Sq, H, D)), rand(rng, (B, Sk, Hkv, D)), rand(rng, (B, Sk, Hkv, D))
-    out, lse = ops.attention_forward(q, k, v, q_pos0=q_pos0, k_pos0=k_pos0)
-    ref_o, ref_l = attention(q, k, v, causal=True, q_pos0=q_pos0, k_pos0=k_pos0)
-    assert rel_err(out, ref_o) <= 1e-12, case
-    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_l)), case
-    fin = np.isfinite(ref_l)
-    if fin.any():
-        assert np.abs(lse[fin] - ref_l[fin]).max() <= 1e-12 * max(1.0, np.abs(ref_l[fin]).max()), case
-    dout = rand(rng, (B, Sq, H, D))
-    got = ops.attention_backward(q, k, v, out, lse, dout, q_pos0=q_pos0, k_pos0=k_pos0)
-    for g, r in zip(got, attention_backward(q, k, v, out, lse, dout, causal=True, q_pos0=q_pos0, k_pos0=k_pos0)):
-        assert np.all(np.isfinite(g)), case
-        assert rel_err(g, r, 1.0) <= 1e-12, case
-
-
-def test_fully_masked_rows_exact():
-    rng = np.random.default_rng(5)
-    B, Sq, Sk, H, D = 1, 9, 5, 2, 8
-    q, k, v = rand(rng, (B, Sq, H, D)), rand(rng, (B, Sk, H, D)), rand(rng, (B, Sk, H, D))
-    # keys at positions 4..8, queries 0..8: rows 0..3 see no key
-    out, lse = ops.attention_forward(q, k, v, q_pos0=0, k_pos0=4)
-    assert np.all(np.isneginf(lse[:, :, :4])) and np.all(np.isfinite(lse[:, :, 4:]))
-    assert np.all(out[:, :4] == 0.0)
-    dq, dk, dv = ops.attention_backward(q, k, v, out, lse, rand(rng, (B, Sq, H, D)), q_pos0=0, k_pos0=4)
-    assert np.all(dq[:, :4] == 0.0)
-    assert all(np.all(np.isfinite(x)) for x in (dq, dk, dv))
-    # empty key block: every row fully masked
-    out, lse = ops.attention_forward(q, k[:, :0], v[:, :0])
-    assert np.all(out == 0.0) and np.all(np.isneginf(lse))
-
-
 def test_non_contiguous_numpy():
     rng = np.random.default_rng(7)
     B, S, H, Hkv, D = 2, 97, 8, 2, 16
@@ -145,64 +86,6 @@ def test_non_contiguous_numpy():
     for g, r in zip((dq, dk, dv), attention_backward(q, k, v, out, lse, dout, causal=True, q_pos0=3)):
         assert rel_err(g, r, 1.0) <= 1e-12
     assert np.all(big[..., :D] == 0.0) and np.all(big[..., 2 * D:] == 0.0)  # around dk: untouched
-
-
-def cuts(rng, n, parts):
-    """parts + 1 boundaries 0 = c0 <= c1 <= ... = n at random places (blocks may be empty or single rows)."""
-    inner = np.sort(rng.integers(0, n + 1, size=parts - 1))
-    return [0, *map(int, inner), n]
-
-
-@pytest.mark.parametrize("parts", [2, 3, 4, 5])
-@pytest.mark.parametrize("causal", [True, False])
-def test_split_kv_merge_equals_unsplit(parts, causal):
-    rng = np.random.default_rng(parts * 10 + causal)
-    B, Sq, Sk, H, Hkv, D = 2, 97, 211, 8, 2, 16
-    q_pos0 = 150  # queries overlap the keys: the later key blocks are partly or fully masked for some rows
-    q, k, v = rand(rng, (B, Sq, H, D)), rand(rng, (B, Sk, Hkv, D)), rand(rng, (B, Sk, Hkv, D))
-    full_o, full_l = ops.attention_forward(q, k, v, causal=causal, q_pos0=q_pos0)
-    acc_o = np.zeros_like(full_o)
-    acc_l = np.full_like(full_l, -np.inf)
-    c = cuts(rng, Sk, parts)
-    for a, b in zip(c[:-1], c[1:]):
-        part_o, part_l = ops.attention_forward(q, k[:, a:b], v[:, a:b], causal=causal, q_pos0=q_pos0, k_pos0=a)
-        assert ops.merge_(acc_o, acc_l, part_o, part_l) is None
-    assert rel_err(acc_o, full_o) <= 1e-12
-    assert rel_err(acc_l, full_l) <= 1e-12
-
-    # backward pieces with the global out/lse, summed in place, equal the unsplit backward
-    dout = rand(rng, (B, Sq, H, D))
-    full = ops.attention_backward(q, k, v, full_o, full_l, dout, causal=causal, q_pos0=q_pos0)
-    dq = np.zeros_like(q)
-    dk = np.zeros_like(k)
-    dv = np.zeros_like(v)
-    for a, b in zip(c[:-1], c[1:]):
-        ops.attention_backward(q, k[:, a:b], v[:, a:b], full_o, full_l, dout, causal=causal, q_pos0=q_pos0, k_pos0=a,
-                               dq=dq, dk=dk[:, a:b], dv=dv[:, a:b], accumulate=True)
-    for got, ref in zip((dq, dk, dv), full):
-        assert rel_err(got, ref, 1.0) <= 1e-12
-
-
-def test_merge_mixed_dtypes_and_masked_rows():
-    rng = np.random.default_rng(11)
-    B, S, H, D = 1, 13, 2, 8
-    acc_o = rand(rng, (B, S, H, D), np.float32)
-    acc_l = rand(rng, (B, H, S), np.float32)
-    part_o = rand(rng, (B, S, H, D), np.float16)
-    part_l = rand(rng, (B, H, S), np.float32)
-    part_l[:, :, :3] = -np.inf  # a partial that saw no key leaves the accumulator bit-for-bit unchanged
-    acc_l[:, :, 5:7] = -np.inf  # an empty accumulator takes the partial
-    o0, l0 = acc_o.copy(), acc_l.copy()
-    ops.merge_(acc_o, acc_l, part_o, part_l)
-    assert np.array_equal(acc_o[:, :3], o0[:, :3]) and np.array_equal(acc_l[:, :, :3], l0[:, :, :3])
-    assert np.array_equal(acc_o[:, 5:7], part_o[:, 5:7].astype(np.float32))
-    la, lp = l0.astype(np.float64), part_l.astype(np.float64)
-    ln = np.logaddexp(la, lp)
-    wa = np.exp(la - ln).transpose(0, 2, 1)[..., None]
-    wp = np.exp(lp - ln).transpose(0, 2, 1)[..., None]
-    ref = np.where(np.isneginf(lp).transpose(0, 2, 1)[..., None], o0, wa * o0 + wp * part_o.astype(np.float64))
-    assert rel_err(acc_o, ref) <= 1e-6
-    assert rel_err(acc_l, ln) <= 1e-6
 
 
 def test_scale_argument():

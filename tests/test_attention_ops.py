@@ -1,0 +1,198 @@
+"""Cases of hexiseq.ops that every backend must pass, one body each, run over the backends present
+(tests/attention_backends.py): "cpu" always, "cuda" with a GPU and a CUDA build (skipped otherwise). Each case table
+is per backend: the CPU cases run float64 at 1e-12, the CUDA cases bf16/fp16 under the 2x-torch rule.
+
+Backend-specific tests stay in tests/test_ops.py (CPU: NumPy dtypes, torch SDPA in float64, scale, no-torch use)
+and tests/test_cuda_ops.py (CUDA: shapes and head dims, long sequences, streams, errors, the runtime on a GPU).
+"""
+
+import math
+
+import numpy as np
+import torch
+
+from hexiseq import ops
+from reference import visible
+from attention_backends import case, over_backends
+
+# ------------------------------------------------------------------------------------------------ causal offsets
+
+# (q_pos0, k_pos0) of a 97-query block against a 61-key block
+CPU_OFFSETS = {
+    "q_before_k": (0, 200),        # every row fully masked
+    "q_after_k": (300, 0),         # nothing masked
+    "overlap_q_later": (50, 20),
+    "overlap_k_later": (20, 50),   # the first rows fully masked
+    "aligned": (37, 37),           # same block
+}
+# (q_pos0, k_pos0) as a function of (Sq, Sk), for 97 queries against 193 keys
+CUDA_OFFSETS = {
+    "aligned": lambda sq, sk: (0, 0),                 # same block (the diagonal)
+    "q_after_k": lambda sq, sk: (sk + 5, 0),           # queries after every key: nothing masked
+    "q_before_k": lambda sq, sk: (0, sq + 3),          # queries before every key: every row fully masked
+    "overlap_q_later": lambda sq, sk: (50, 20),       # partly visible
+    "overlap_k_later": lambda sq, sk: (0, 30),        # first 30 query rows fully masked
+}
+
+CAUSAL_OFFSET_CASES = dict(
+    cpu=[case(name, shape=(2, 97, 61, 4, 2, 16), dtype=np.float64, seed=qp * 1000 + kp, pos=(qp, kp),
+              forward=True, backward=True)
+         for name, (qp, kp) in CPU_OFFSETS.items()],
+    cuda=[case(f"{name}-forward-D{D}", shape=(2, 97, 193, 4, 4, D), dtype=torch.bfloat16, seed=1,
+               pos=CUDA_OFFSETS[name](97, 193), forward=True, backward=False)
+          for name in sorted(CUDA_OFFSETS) for D in (64, 128)]
+    + [case(f"{name}-backward", shape=(2, 97, 193, 4, 2, 64), dtype=torch.bfloat16, seed=5,
+            pos=CUDA_OFFSETS[name](97, 193), forward=False, backward=True)
+       for name in sorted(CUDA_OFFSETS)],
+)
+
+
+@over_backends(**CAUSAL_OFFSET_CASES)
+def test_causal_offsets(backend, case):
+    """A query block against a key block at every relative placement: before, after, overlapping either way, the
+    same positions; rows that see no key come out 0 / -inf with no gradient."""
+    (q, k, v), gen = backend.make(case.shape, case.dtype, case.seed)
+    if case.forward:
+        backend.check_forward(q, k, v, True, *case.pos, what=case.name)
+    if case.backward:
+        backend.check_backward(q, k, v, True, *case.pos, gen, what=case.name)
+
+
+# ------------------------------------------------------------------------------------------------ fully masked rows
+
+FULLY_MASKED_CASES = dict(
+    # keys at positions 4..8, queries 0..8: rows 0..3 see no key; then an empty key block
+    cpu=[case("first-rows", shape=(1, 9, 5, 2, 2, 8), dtype=np.float64, seed=5, pos=(0, 4), dout="randn",
+              empty_keys=True)],
+    # every query before every key
+    cuda=[case("all-rows", shape=(2, 64, 64, 4, 2, 64), dtype=torch.bfloat16, seed=11, pos=(0, 1000), dout="ones",
+               empty_keys=False)],
+)
+
+
+@over_backends(**FULLY_MASKED_CASES)
+def test_fully_masked_rows(backend, case):
+    """Rows that see no key: out exactly 0, lse -inf, dq exactly 0; keys no row sees: dk, dv exactly 0; every
+    gradient finite."""
+    (q, k, v), gen = backend.make(case.shape, case.dtype, case.seed)
+    kw = dict(causal=True, q_pos0=case.pos[0], k_pos0=case.pos[1])
+    seen = visible(q.shape[1], k.shape[1], *case.pos, True, backend.device)
+    dead, unseen = ~seen.any(1), ~seen.any(0)
+    t = backend.tensor
+    out, lse = ops.attention_forward(q, k, v, **kw)
+    assert torch.all(t(lse)[:, :, dead] == -math.inf) and torch.all(torch.isfinite(t(lse)[:, :, ~dead]))
+    assert torch.all(t(out)[:, dead] == 0)
+    dout = torch.ones_like(q) if case.dout == "ones" else backend.randn(gen, q.shape)
+    dq, dk, dv = (t(x) for x in ops.attention_backward(q, k, v, out, lse, dout, **kw))
+    assert torch.all(dq[:, dead] == 0)
+    assert torch.all(dk[:, unseen] == 0) and torch.all(dv[:, unseen] == 0)
+    assert all(torch.all(torch.isfinite(x)) for x in (dq, dk, dv))
+    if case.empty_keys:  # an empty key block: every row fully masked
+        out, lse = ops.attention_forward(q, k[:, :0], v[:, :0])
+        assert torch.all(t(out) == 0) and torch.all(t(lse) == -math.inf)
+
+
+# ------------------------------------------------------------------------------------------------ split-KV merge
+
+def random_cuts(n, parts):
+    """parts + 1 boundaries 0 = c0 <= c1 <= ... = n at random places (blocks may be empty or single rows)."""
+    def draw(rng):
+        inner = np.sort(rng.integers(0, n + 1, size=parts - 1))
+        return [0, *map(int, inner), n]
+    return draw
+
+
+SPLIT_KV_CASES = dict(
+    # queries overlap the keys: the later key blocks are partly or fully masked for some rows. The backward pieces
+    # add into one set of gradient buffers in place (accumulate=True; dk, dv through slices).
+    cpu=[case(f"parts{parts}-{'causal' if causal else 'full'}", shape=(2, 97, 211, 8, 2, 16), dtype=np.float64,
+              seed=parts * 10 + causal, causal=causal, q_pos0=150, cuts=random_cuts(211, parts), acc_dtype=np.float64,
+              lse_dtype=np.float64, accumulate=True)
+         for causal in (True, False) for parts in (2, 3, 4, 5)],
+    # three fixed blocks into an fp32 accumulator; each backward piece returns its own gradients
+    cuda=[case("3blocks", shape=(2, 257, 300, 4, 2, 64), dtype=torch.bfloat16, seed=10, causal=True, q_pos0=100,
+               cuts=lambda gen: [0, 97, 200, 300], acc_dtype=torch.float32, lse_dtype=torch.float32,
+               accumulate=False)],
+)
+
+
+@over_backends(**SPLIT_KV_CASES)
+def test_split_kv_merge_equals_unsplit(backend, case):
+    """Forward over key blocks merged by merge_ equals the unsplit forward; backward of each block with the global
+    out / lse sums to the unsplit gradients."""
+    (q, k, v), gen = backend.make(case.shape, case.dtype, case.seed)
+    B, Sq, Sk, H, Hkv, D = case.shape
+    kw = dict(causal=case.causal, q_pos0=case.q_pos0)
+    c = case.cuts(gen)
+    acc = backend.zeros((B, Sq, H, D), case.acc_dtype)
+    acc_lse = backend.zeros((B, H, Sq), case.lse_dtype)
+    acc_lse[...] = -math.inf
+    for a, b in zip(c[:-1], c[1:]):
+        part_o, part_l = ops.attention_forward(q, k[:, a:b], v[:, a:b], k_pos0=a, **kw)
+        assert ops.merge_(acc, acc_lse, part_o, part_l) is None
+    out, lse = backend.check_merged(acc, acc_lse, q, k, v, dict(kw, k_pos0=0))
+
+    dout = backend.split_dout(gen, q)
+    full = ops.attention_backward(q, k, v, out, lse, dout, k_pos0=0, **kw)
+    if case.accumulate:
+        dq, dk, dv = (backend.zeros(x.shape, x.dtype) for x in (q, k, v))
+        for a, b in zip(c[:-1], c[1:]):
+            ops.attention_backward(q, k[:, a:b], v[:, a:b], out, lse, dout, k_pos0=a, dq=dq, dk=dk[:, a:b],
+                                   dv=dv[:, a:b], accumulate=True, **kw)
+    else:  # dq: the pieces summed in float32; dk, dv: each block's slice
+        dq, dks, dvs = backend.zeros(q.shape, torch.float32), [], []
+        for a, b in zip(c[:-1], c[1:]):
+            dqb, dkb, dvb = ops.attention_backward(q, k[:, a:b], v[:, a:b], out, lse, dout, k_pos0=a, **kw)
+            dq += dqb.float()
+            dks.append(dkb)
+            dvs.append(dvb)
+        dk, dv = torch.cat(dks, 1), torch.cat(dvs, 1)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), full):
+        backend.check_split_grad(name, got, ref)
+
+
+# ------------------------------------------------------------------------------------------------ merge
+
+MERGE_CASES = dict(
+    # float16 partials into a float32 accumulator; checked against the float64 log-sum-exp formula
+    cpu=[case("f32+f16", shape=(1, 13, 2, 8), seed=11, acc=(np.float32, np.float32), part=(np.float16, np.float32),
+              acc_dead=slice(5, 7), part_dead=slice(0, 3), acc_nan=None, tol=1e-6, exact_rows=True)],
+    # checked against the CPU kernel on the same values (within tol: no bitwise row checks)
+    cuda=[case(f"{str(a).split('.')[1]}+{str(p).split('.')[1]}", shape=(2, 97, 3, 80), seed=12,
+               acc=(a, torch.float64 if a == torch.float64 else torch.float32),
+               part=(p, torch.float64 if p == torch.float64 else torch.float32),
+               acc_dead=slice(0, 10), part_dead=slice(5, 15), acc_nan=slice(0, 5),
+               tol={torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-3}[a], exact_rows=False)
+          for a, p in [(torch.float32, torch.bfloat16), (torch.float16, torch.float16), (torch.float64, torch.float32)]],
+)
+
+
+@over_backends(**MERGE_CASES)
+def test_merge(backend, case):
+    """merge_ of a partial into an accumulator of another dtype, with rows where either side saw no key (lse = -inf):
+    a partial that saw no key leaves the accumulator unchanged, an empty accumulator takes the partial, both empty
+    stays empty, and the accumulator's out is never read where its lse is -inf."""
+    B, S, H, D = case.shape
+    g = backend.gen(case.seed)
+    oa = backend.randn(g, (B, S, H, D), case.acc[0])
+    op = backend.randn(g, (B, S, H, D), case.part[0])
+    la = backend.randn(g, (B, H, S), case.acc[1])
+    lp = backend.randn(g, (B, H, S), case.part[1])
+    la[:, :, case.acc_dead] = -math.inf
+    lp[:, :, case.part_dead] = -math.inf
+    if case.acc_nan is not None:
+        oa[:, case.acc_nan] = math.nan
+    t = backend.tensor
+    o0, l0 = t(oa).clone(), t(la).clone()
+    want = backend.merge_expected(oa, la, op, lp)
+    assert ops.merge_(oa, la, op, lp) is None
+    backend.check_merge(oa, la, want, case.tol)
+    rows = torch.arange(S, device=backend.device)
+    acc_dead = (rows >= case.acc_dead.start) & (rows < case.acc_dead.stop)
+    part_dead = (rows >= case.part_dead.start) & (rows < case.part_dead.stop)
+    assert torch.all(t(la)[:, :, acc_dead & part_dead] == -math.inf)  # both -inf: unchanged
+    if case.exact_rows:
+        keep, take = part_dead & ~acc_dead, acc_dead & ~part_dead
+        # a partial that saw no key leaves the accumulator bit-for-bit unchanged
+        assert torch.equal(t(oa)[:, keep], o0[:, keep]) and torch.equal(t(la)[:, :, keep], l0[:, :, keep])
+        assert torch.equal(t(oa)[:, take], t(op)[:, take].to(o0.dtype))  # an empty accumulator takes the partial
