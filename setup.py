@@ -86,7 +86,18 @@ class BuildExt(build_ext):
         else:
             print("hexiseq: warning: nvcc not found (or HEXISEQ_CUDA=0); building the CPU-only extension",
                   file=sys.stderr)
+        # A CPU-only and a CUDA build compile the same sources with different macros: rebuild when the macros
+        # differ from the last successful build's, or the other build's extension would be kept as up to date.
+        stamp, macros = os.path.join(self.build_temp, "hexiseq-macros"), repr(sorted(ext.define_macros))
+        try:
+            with open(stamp) as f:
+                self.force = self.force or f.read() != macros
+        except OSError:
+            self.force = True
         super().build_extensions()
+        os.makedirs(self.build_temp, exist_ok=True)
+        with open(stamp, "w") as f:
+            f.write(macros)
 
     def build_cuda(self, ext, nvcc, sources):
         """Compile kernels/*.cu into libhexiseq_cuda.so beside the extension. The extension opens it only when a
