@@ -49,7 +49,7 @@ typedef struct hexiseq_cuda_host {
 
 /* Bumped whenever this table or anything it passes across (the params structs, hexiseq_cuda_host, the status
  * codes) changes meaning; sizes are checked besides, so a library from another build is refused, not called. */
-#define HEXISEQ_CUDA_ENTRY_VERSION 2u
+#define HEXISEQ_CUDA_ENTRY_VERSION 1u
 #define HEXISEQ_CUDA_ENTRY_SYMBOL "hexiseq_cuda_entry_table"
 
 typedef struct hexiseq_cuda_entries {
