@@ -41,6 +41,12 @@ typedef enum {
  * k_pos0 + j <= q_pos0 + i. A query row that sees no key is "fully masked": O = 0, LSE = -inf,
  * and it contributes nothing to any gradient.
  *
+ * Document mask (packed sequences): with q_doc != NULL, q_doc[b, i] is the absolute position at which
+ * the document of query row i starts, 0 <= q_doc[b, i] <= q_pos0 + i, and key j is visible to query i
+ * iff q_doc[b, i] <= k_pos0 + j <= q_pos0 + i. It needs causal = 1. Being in absolute positions, it
+ * holds for any block of queries against any block of keys (ring steps, zigzag chunks). Served by the
+ * CPU kernels; the CUDA launchers refuse it.
+ *
  * Strides are in elements (not bytes), may be any value (views, heads-major layouts, negative)
  * as long as every addressed element lies inside the caller's buffer. Outputs must not overlap inputs.
  * LSE (natural log of the row sum of exp(scale * scores)) is double when dtype is F64, float otherwise.
@@ -71,6 +77,8 @@ typedef struct hexiseq_attn_params {
     int64_t seq_k;    /* rows of this key/value block */
     int64_t q_pos0;   /* absolute position of query row 0, >= 0 */
     int64_t k_pos0;   /* absolute position of key row 0, >= 0 */
+    const int64_t *q_doc;    /* [batch, seq_q] document start of each query row, or NULL: no document mask */
+    int64_t q_doc_stride[2]; /* [batch, seq] element strides of q_doc; 0 repeats a row (one layout per batch) */
     double scale;     /* softmax scale, usually 1/sqrt(head_dim); finite and > 0 */
     int32_t heads;    /* query heads A */
     int32_t kv_heads; /* key/value heads A_kv; heads % kv_heads == 0 */

@@ -56,6 +56,30 @@ static hexiseq_status check_pointer(const char *field, const void *ptr) {
     return HEXISEQ_OK;
 }
 
+/* The document mask: causal, q_doc's strides in range, and every start inside [0, q_pos0 + i] (the kernels skip
+ * key tiles from the starts, so a start past its own row would read as "sees nothing" and one before 0 is no
+ * position). One pass over batch * seq_q values: small next to the kernels' batch * seq_q * seq_k work. */
+static hexiseq_status check_documents(const hexiseq_attn_params *p) {
+    if (p->causal != 1)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID,
+                            "q_doc (a document mask) needs causal = 1, got causal = %lld: keys are visible from "
+                            "their document's start up to the query's own position",
+                            (long long)p->causal);
+    const int64_t dsize[2] = {p->batch, p->seq_q};
+    HEXISEQ_CHECK(check_extent("q_doc", p->q_doc_stride, dsize, 2));
+    for (int64_t b = 0; b < p->batch; ++b)
+        for (int64_t i = 0; i < p->seq_q; ++i) {
+            const int64_t start = p->q_doc[b * p->q_doc_stride[0] + i * p->q_doc_stride[1]];
+            if (start < 0 || start > p->q_pos0 + i)
+                return hexiseq_fail(HEXISEQ_ERR_INVALID,
+                                    "q_doc[%lld, %lld] = %lld must be in [0, q_pos0 + %lld = %lld]: a query's "
+                                    "document starts at or before its own position",
+                                    (long long)b, (long long)i, (long long)start, (long long)i,
+                                    (long long)(p->q_pos0 + i));
+        }
+    return HEXISEQ_OK;
+}
+
 hexiseq_status hexiseq_attn_check_params(const hexiseq_attn_params *p, int backward) {
     if (p == NULL)
         return hexiseq_fail(HEXISEQ_ERR_NULL, "params must not be NULL");
@@ -112,6 +136,8 @@ hexiseq_status hexiseq_attn_check_params(const hexiseq_attn_params *p, int backw
         HEXISEQ_CHECK(check_extent("dk", p->dk_stride, ksize, 4));
         HEXISEQ_CHECK(check_extent("dv", p->dv_stride, ksize, 4));
     }
+    if (p->q_doc != NULL)
+        HEXISEQ_CHECK(check_documents(p));
     return HEXISEQ_OK;
 }
 

@@ -17,7 +17,11 @@
  * optional per-row scale of C, which folds the online-softmax rescale into O += P V); the forward works
  * on transposed scores st = K (scale Q)^T [keys][queries], so its online softmax runs down columns, one
  * SIMD lane per query. Under the causal mask, key tiles no query of the task sees are skipped, queries
- * that see none of a tile are left out of its GEMMs, and only the diagonal tiles mask.
+ * that see none of a tile are left out of its GEMMs, and only the diagonal tiles mask. The document mask
+ * (q_doc) bounds each query's keys from below the same way: a (query tile, key tile) pair in which no query
+ * reaches back to the key tile is skipped, and only tiles that hold a document start mask (in the forward
+ * by -inf scores before the column softmax and zero probabilities after it, in the backward by zeroing P
+ * and dS of the masked keys), so the SIMD kernels keep their prefix-of-keys contract.
  *
  * Speed: float (F32, F16, BF16) runs its gemm / softmax / backward-row kernels through a table chosen
  * at run time (AVX-512F, AVX2+FMA, or portable C; see attention_simd.c), so the production
@@ -173,6 +177,40 @@ static inline int64_t visible_keys(const hexiseq_attn_params *p, int64_t qpos) {
     return min64(p->seq_k, max64(0, qpos - p->k_pos0 + 1));
 }
 
+/* Under the document mask (q_doc), the first key of the block that query row i of batch b may see: its
+ * document's start, as an index into the block clamped to [0, seq_k]; 0 without a document mask. Keys before
+ * it are masked as keys past the diagonal are under the causal mask. */
+static inline int64_t doc_first_key(const hexiseq_attn_params *p, int64_t b, int64_t i) {
+    if (p->q_doc == NULL)
+        return 0;
+    const int64_t start = p->q_doc[b * p->q_doc_stride[0] + i * p->q_doc_stride[1]];
+    return min64(p->seq_k, max64(0, start - p->k_pos0));
+}
+
+/* Per (batch, query tile of BQ rows): the smallest doc_first_key of its rows, [batch][nqt]. A key tile that ends
+ * at or before it is seen by no row of the query tile and is skipped, as causal skips tiles past the diagonal:
+ * that skip is what makes a packed sequence of short documents cost its documents' lengths, not the sequence's.
+ * NULL without a document mask; *failed set when the allocation fails. */
+static int64_t *doc_tile_first_keys(const hexiseq_attn_params *p, int *failed) {
+    *failed = 0;
+    if (p->q_doc == NULL)
+        return NULL;
+    const int64_t nqt = (p->seq_q + BQ - 1) / BQ;
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(p->batch * nqt));
+    if (first == NULL) {
+        *failed = 1;
+        return NULL;
+    }
+    for (int64_t t = 0; t < p->batch * nqt; ++t) {
+        const int64_t b = t / nqt, q0 = t % nqt * BQ;
+        int64_t lo = p->seq_k;
+        for (int64_t i = q0; i < min64(p->seq_q, q0 + BQ); ++i)
+            lo = min64(lo, doc_first_key(p, b, i));
+        first[t] = lo;
+    }
+    return first;
+}
+
 /* dp: head_dim rounded up to a whole number of DCHUNK columns. */
 static int32_t padded_dim(int32_t head_dim) { return (head_dim + DCHUNK - 1) / DCHUNK * DCHUNK; }
 
@@ -274,6 +312,12 @@ hexiseq_status hexiseq_attn_forward_cpu(const hexiseq_attn_params *p) {
         return hexiseq_fail(HEXISEQ_ERR_NOMEM, "forward scratch of %zu bytes could not be allocated",
                             per_thread * (size_t)nthreads);
     char *scratch = scratch_raw + (64 - (uintptr_t)scratch_raw % 64) % 64;
+    int doc_failed;
+    int64_t *tile_first = doc_tile_first_keys(p, &doc_failed);
+    if (doc_failed) {
+        free(scratch_raw);
+        return hexiseq_fail(HEXISEQ_ERR_NOMEM, "forward: the document mask's per-tile starts could not be allocated");
+    }
 
     HX_OMP("omp parallel for num_threads(nthreads) schedule(dynamic, 1)")
     for (int64_t t = 0; t < ntasks; ++t) {
@@ -286,12 +330,14 @@ hexiseq_status hexiseq_attn_forward_cpu(const hexiseq_attn_params *p) {
         const int64_t qt0 = g * group;
         const int64_t ntile = min64(group, nqt - qt0);
         char *mine = scratch + per_thread * (size_t)thread_id();
+        const int64_t *first = tile_first != NULL ? tile_first + b * nqt + qt0 : NULL;
         if (f64)
-            fwd_tiles_f64(p, b, h, qt0, ntile, (double *)(void *)mine, dp);
+            fwd_tiles_f64(p, b, h, qt0, ntile, first, (double *)(void *)mine, dp);
         else
-            fwd_tiles_f32(p, b, h, qt0, ntile, (float *)(void *)mine, dp);
+            fwd_tiles_f32(p, b, h, qt0, ntile, first, (float *)(void *)mine, dp);
     }
     free(scratch_raw);
+    free(tile_first);
     return HEXISEQ_OK;
 }
 
@@ -321,11 +367,14 @@ hexiseq_status hexiseq_attn_backward_cpu(const hexiseq_attn_params *p) {
     /* double dq buffers, folded into every PIECE_TILES key tiles, when a task takes more key tiles than that */
     const int split_dq = (nkt + nchunk - 1) / nchunk > PIECE_TILES;
     double *dqhi = split_dq ? calloc(buf_elems * (size_t)nchunk, sizeof(double)) : NULL;
-    if (scratch == NULL || delta == NULL || dqbuf == NULL || (split_dq && dqhi == NULL)) {
+    int doc_failed;
+    int64_t *tile_first = doc_tile_first_keys(p, &doc_failed);
+    if (scratch == NULL || delta == NULL || dqbuf == NULL || (split_dq && dqhi == NULL) || doc_failed) {
         free(scratch);
         free(delta);
         free(dqbuf);
         free(dqhi);
+        free(tile_first);
         return hexiseq_fail(HEXISEQ_ERR_NOMEM, "backward scratch of %zu bytes could not be allocated",
                             per_thread * (size_t)nthreads + (size_t)rows * esize +
                                 buf_elems * (size_t)nchunk * (esize + (split_dq ? sizeof(double) : 0)));
@@ -350,11 +399,12 @@ hexiseq_status hexiseq_attn_backward_cpu(const hexiseq_attn_params *p) {
             char *mine = scratch + per_thread * (size_t)thread_id();
             char *buf = dqbuf + buf_elems * (size_t)c * esize;
             double *hi = split_dq ? dqhi + buf_elems * (size_t)c : NULL;
+            const int64_t *first = tile_first != NULL ? tile_first + b * ((p->seq_q + BQ - 1) / BQ) : NULL;
             if (f64)
-                bwd_kv_task_f64(p, b, hk, c, nchunk, (const double *)(void *)delta, (double *)(void *)buf, hi,
+                bwd_kv_task_f64(p, b, hk, c, nchunk, first, (const double *)(void *)delta, (double *)(void *)buf, hi,
                                 (double *)(void *)mine, dp);
             else
-                bwd_kv_task_f32(p, b, hk, c, nchunk, (const float *)(void *)delta, (float *)(void *)buf, hi,
+                bwd_kv_task_f32(p, b, hk, c, nchunk, first, (const float *)(void *)delta, (float *)(void *)buf, hi,
                                 (float *)(void *)mine, dp);
         }
         /* implicit barrier: every dq contribution is in its buffer */
@@ -370,6 +420,7 @@ hexiseq_status hexiseq_attn_backward_cpu(const hexiseq_attn_params *p) {
     free(delta);
     free(dqbuf);
     free(dqhi);
+    free(tile_first);
     return HEXISEQ_OK;
 }
 

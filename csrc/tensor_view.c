@@ -54,6 +54,7 @@ static const char *hx_dtype_name(int32_t dtype) {
     case HEXISEQ_DTYPE_F32: return "float32";
     case HEXISEQ_DTYPE_F16: return "float16";
     case HEXISEQ_DTYPE_BF16: return "bfloat16";
+    case HEXISEQ_VIEW_INT64: return "int64";
     }
     return "?";
 }
@@ -69,13 +70,29 @@ static const char *shape_text(const hexiseq_tensor_view *v, char *buf, size_t si
     return buf;
 }
 
+/* The float views (index == 0: exactly ndim dimensions, a hexiseq_dtype) and the int64 index views (index != 0:
+ * 1..ndim dimensions, HEXISEQ_VIEW_INT64), one set of device, shape, stride and alignment rules. */
+static hexiseq_status view_from_dl(const DLTensor *t, int read_only, const char *name, int32_t ndim, const char *layout,
+                                   int cuda, int index, hexiseq_tensor_view *out);
+
 hexiseq_status hexiseq_tensor_view_from_dl(const DLTensor *t, int read_only, const char *name, int32_t ndim,
                                            const char *layout, hexiseq_tensor_view *out) {
-    return hexiseq_tensor_view_from_dl_on(t, read_only, name, ndim, layout, 0, out);
+    return view_from_dl(t, read_only, name, ndim, layout, 0, 0, out);
 }
 
 hexiseq_status hexiseq_tensor_view_from_dl_on(const DLTensor *t, int read_only, const char *name, int32_t ndim,
                                               const char *layout, int cuda, hexiseq_tensor_view *out) {
+    return view_from_dl(t, read_only, name, ndim, layout, cuda, 0, out);
+}
+
+hexiseq_status hexiseq_tensor_view_index_from_dl_on(const DLTensor *t, int read_only, const char *name,
+                                                    int32_t max_ndim, const char *layout, int cuda,
+                                                    hexiseq_tensor_view *out) {
+    return view_from_dl(t, read_only, name, max_ndim, layout, cuda, 1, out);
+}
+
+static hexiseq_status view_from_dl(const DLTensor *t, int read_only, const char *name, int32_t ndim, const char *layout,
+                                   int cuda, int index, hexiseq_tensor_view *out) {
     if (name == NULL)
         name = "tensor";
     if (layout == NULL)
@@ -105,7 +122,13 @@ hexiseq_status hexiseq_tensor_view_from_dl_on(const DLTensor *t, int read_only, 
 
     char dbuf[32];
     int32_t dtype, eb;
-    if (t->dtype.lanes == 1 && t->dtype.code == kDLFloat && t->dtype.bits == 64) {
+    if (index) {
+        if (t->dtype.lanes != 1 || t->dtype.code != kDLInt || t->dtype.bits != 64)
+            return hexiseq_fail(HEXISEQ_ERR_INVALID, "%s must have dtype int64, got %s", name,
+                                dtype_name(t->dtype, dbuf, sizeof dbuf));
+        dtype = HEXISEQ_VIEW_INT64;
+        eb = 8;
+    } else if (t->dtype.lanes == 1 && t->dtype.code == kDLFloat && t->dtype.bits == 64) {
         dtype = HEXISEQ_DTYPE_F64;
         eb = 8;
     } else if (t->dtype.lanes == 1 && t->dtype.code == kDLFloat && t->dtype.bits == 32) {
@@ -123,6 +146,11 @@ hexiseq_status hexiseq_tensor_view_from_dl_on(const DLTensor *t, int read_only, 
                             dtype_name(t->dtype, dbuf, sizeof dbuf));
     }
 
+    if (index && (t->ndim < 1 || t->ndim > ndim))
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "%s must be 1-D to %d-D %s, got %d-D", name, (int)ndim, layout,
+                            (int)t->ndim);
+    if (index)
+        ndim = t->ndim;
     if (t->ndim != ndim)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "%s must be %d-D %s, got %d-D", name, (int)ndim, layout,
                             (int)t->ndim);
@@ -353,6 +381,12 @@ hexiseq_status hexiseq_attn_params_from_views(const hexiseq_attn_views *v, int b
         HEXISEQ_CHECK(expect_output(&v->dk, dk_others, 8));
         HEXISEQ_CHECK(expect_output(&v->dv, dv_others, 8));
     }
+    /* q_doc is an input: no output may overlap it */
+    const hexiseq_tensor_view *outs[] = {&v->o, &v->lse, &v->dq, &v->dk, &v->dv};
+    for (int i = 0; i < (backward ? 5 : 2); ++i)
+        if (v->q_doc.ndim != 0 && hexiseq_tensor_view_ranges_overlap(outs[i], &v->q_doc))
+            return hexiseq_fail(HEXISEQ_ERR_INVALID, "%s overlaps the memory of q_doc; outputs must not share memory "
+                                "with inputs or other outputs", outs[i]->name);
 
     memset(p, 0, sizeof *p);
     p->q = q->data;
@@ -382,6 +416,20 @@ hexiseq_status hexiseq_attn_params_from_views(const hexiseq_attn_views *v, int b
     p->kv_heads = (int32_t)Hkv;
     p->head_dim = (int32_t)D;
     p->dtype = dtype;
+    if (v->q_doc.ndim != 0) {
+        const hexiseq_tensor_view *d = &v->q_doc;
+        if (d->dtype != HEXISEQ_VIEW_INT64)
+            return hexiseq_fail(HEXISEQ_ERR_INTERNAL, "q_doc was not built as an int64 index view");
+        if (d->ndim == 2 ? d->shape[0] != B || d->shape[1] != Sq : d->shape[0] != Sq)
+            return hexiseq_fail(HEXISEQ_ERR_INVALID,
+                                "q_doc must have shape [batch, seq_q] = [%lld, %lld] or [seq_q] = [%lld] (one "
+                                "layout for every batch row), got %s",
+                                (long long)B, (long long)Sq, (long long)Sq, shape_text(d, got, sizeof got));
+        p->q_doc = (const int64_t *)(const void *)d->data;
+        /* [seq_q] repeats over the batch: stride 0 */
+        p->q_doc_stride[0] = d->ndim == 2 ? d->stride[0] : 0;
+        p->q_doc_stride[1] = d->stride[d->ndim - 1];
+    }
     *empty = (B == 0 || Sq == 0 || Sk == 0 || H == 0);
     return HEXISEQ_OK;
 }

@@ -14,6 +14,10 @@ extern "C" {
 
 #define HEXISEQ_VIEW_MAX_DIM 4
 
+/* dtype of an index view (hexiseq_tensor_view_index_from_dl_on): int64, which no kernel takes as data, so the
+ * code lies outside hexiseq_dtype. */
+#define HEXISEQ_VIEW_INT64 64
+
 /* One tensor argument as the kernels see it. Plain data: it owns nothing and outlives nothing;
  * the DLPack managed tensor it came from must stay alive while the view is used. */
 typedef struct {
@@ -47,6 +51,12 @@ hexiseq_status hexiseq_tensor_view_from_dl(const DLTensor *t, int read_only, con
 hexiseq_status hexiseq_tensor_view_from_dl_on(const DLTensor *t, int read_only, const char *name, int32_t ndim,
                                               const char *layout, int cuda, hexiseq_tensor_view *out);
 
+/* As hexiseq_tensor_view_from_dl_on for an int64 index tensor (the document starts q_doc) of 1 to max_ndim
+ * dimensions: the view's ndim is the tensor's, its dtype HEXISEQ_VIEW_INT64; other dtypes are HEXISEQ_ERR_INVALID. */
+hexiseq_status hexiseq_tensor_view_index_from_dl_on(const DLTensor *t, int read_only, const char *name,
+                                                    int32_t max_ndim, const char *layout, int cuda,
+                                                    hexiseq_tensor_view *out);
+
 /* 1 when the byte ranges [data + lo, data + hi) of two non-empty views intersect (a conservative test:
  * two interleaved views of one buffer count as overlapping). */
 int hexiseq_tensor_view_ranges_overlap(const hexiseq_tensor_view *a, const hexiseq_tensor_view *b);
@@ -57,13 +67,15 @@ int hexiseq_tensor_view_self_overlaps(const hexiseq_tensor_view *v);
 
 /* The tensors of one attention call. q, k, v: [batch, seq, heads, head_dim] inputs; o, lse: forward
  * outputs / backward inputs ([batch, seq_q, heads, head_dim] and [batch, heads, seq_q]); do_: backward
- * input; dq, dk, dv: backward outputs. */
+ * input; dq, dk, dv: backward outputs; q_doc: the document mask's starts (csrc/attention.h), if any. */
 typedef struct {
     hexiseq_tensor_view q, k, v, o, lse, do_, dq, dk, dv;
+    hexiseq_tensor_view q_doc; /* optional document starts, [batch, seq_q] or [seq_q] int64; ndim 0 when absent */
 } hexiseq_attn_views;
 
 /* Check that the views of a forward (backward != 0: backward) call agree and fill the tensor fields of
- * *p (pointers, strides, batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype); the caller sets causal,
+ * *p (pointers, strides, batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, and q_doc with its strides when
+ * v->q_doc is present: [seq_q] gets batch stride 0); the caller sets causal,
  * q_pos0, k_pos0, scale and accumulate. Checks: shapes as documented above (k and v alike, heads a
  * multiple of kv_heads), one dtype for every 4-D tensor, lse float64 for float64 data and float32
  * otherwise, 1 <= head_dim <= HEXISEQ_ATTN_MAX_HEAD_DIM, outputs writable, not self-overlapping, and not

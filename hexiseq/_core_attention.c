@@ -78,6 +78,7 @@ typedef struct {
     const char *layout; /* "[batch, seq, heads, head_dim]" */
     int output;         /* written in place */
     hexiseq_tensor_view *view;
+    int index;          /* an int64 index tensor of 1 to ndim dimensions (q_doc), not float data */
 } dl_arg;
 
 /* Steps 1-4 of the protocol for one argument; fills *held and *arg->view. Returns 0, or -1 with an
@@ -159,8 +160,10 @@ static int dl_import(PyObject *module, const dl_arg *arg, int cuda, dl_held *hel
                      arg->name);
         return -1;
     }
-    hexiseq_status s = hexiseq_tensor_view_from_dl_on(t, (flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0, arg->name,
-                                                      arg->ndim, arg->layout, cuda, arg->view);
+    const int read_only = (flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
+    hexiseq_status s =
+        arg->index ? hexiseq_tensor_view_index_from_dl_on(t, read_only, arg->name, arg->ndim, arg->layout, cuda, arg->view)
+                   : hexiseq_tensor_view_from_dl_on(t, read_only, arg->name, arg->ndim, arg->layout, cuda, arg->view);
     if (s != HEXISEQ_OK) {
         raise_status(module, s);
         return -1;
@@ -185,6 +188,7 @@ static int dl_import_all(PyObject *module, const dl_arg *args, int n, int cuda, 
 
 #define DL_QKV "[batch, seq, heads, head_dim]"
 #define DL_LSE "[batch, heads, seq]"
+#define DL_DOC "[batch, seq_q] (or [seq_q])"
 
 static int check_positions(PyObject *module, long long q_pos0, long long k_pos0) {
     if (q_pos0 < 0 || k_pos0 < 0) {
@@ -237,7 +241,7 @@ static PyObject *run_attention(PyObject *module, const dl_arg *a, int n, attn_ca
         return NULL;
     if (c->kind != ATTN_MERGE && check_positions(module, c->q_pos0, c->k_pos0) < 0)
         return NULL;
-    enum { MAX_TENSORS = 9 }; /* the backward's q, k, v, out, lse, dout, dq, dk, dv */
+    enum { MAX_TENSORS = 10 }; /* the backward's q, k, v, out, lse, dout, dq, dk, dv, q_doc */
     dl_held held[MAX_TENSORS];
     if (n > MAX_TENSORS) {
         PyErr_Format(PyExc_SystemError, "run_attention: %d tensors, at most %d", n, (int)MAX_TENSORS);
@@ -281,50 +285,52 @@ done:
     return ret;
 }
 
-/* attention_forward(q, k, v, out, lse, causal, q_pos0, k_pos0, scale) -> None; writes out and lse.
+/* attention_forward(q, k, v, out, lse, causal, q_pos0, k_pos0, scale[, q_doc]) -> None; writes out and lse.
+ * q_doc: the document mask's int64 starts (csrc/attention.h), [batch, seq_q] or [seq_q]; None or absent: none.
  * attention_forward_cuda(..., scale, stream): the same on CUDA tensors, enqueued on the cudaStream_t `stream`. */
 static PyObject *attention_forward_impl(PyObject *module, PyObject *args, int cuda) {
-    PyObject *q, *k, *v, *o, *lse;
+    PyObject *q, *k, *v, *o, *lse, *doc = Py_None;
     attn_call c;
     memset(&c, 0, sizeof c);
     c.kind = ATTN_FORWARD;
     c.cuda = cuda;
-    if (cuda ? !PyArg_ParseTuple(args, "OOOOOpLLdK:attention_forward_cuda", &q, &k, &v, &o, &lse, &c.causal,
-                                 &c.q_pos0, &c.k_pos0, &c.scale, &c.stream)
-             : !PyArg_ParseTuple(args, "OOOOOpLLd:attention_forward", &q, &k, &v, &o, &lse, &c.causal, &c.q_pos0,
-                                 &c.k_pos0, &c.scale))
+    if (cuda ? !PyArg_ParseTuple(args, "OOOOOpLLdK|O:attention_forward_cuda", &q, &k, &v, &o, &lse, &c.causal,
+                                 &c.q_pos0, &c.k_pos0, &c.scale, &c.stream, &doc)
+             : !PyArg_ParseTuple(args, "OOOOOpLLd|O:attention_forward", &q, &k, &v, &o, &lse, &c.causal, &c.q_pos0,
+                                 &c.k_pos0, &c.scale, &doc))
         return NULL;
     hexiseq_attn_views *views = &c.views.attn;
     const dl_arg a[] = {
-        {q, "q", 4, DL_QKV, 0, &views->q},     {k, "k", 4, DL_QKV, 0, &views->k},
-        {v, "v", 4, DL_QKV, 0, &views->v},     {o, "out", 4, DL_QKV, 1, &views->o},
-        {lse, "lse", 3, DL_LSE, 1, &views->lse},
+        {q, "q", 4, DL_QKV, 0, &views->q, 0},     {k, "k", 4, DL_QKV, 0, &views->k, 0},
+        {v, "v", 4, DL_QKV, 0, &views->v, 0},     {o, "out", 4, DL_QKV, 1, &views->o, 0},
+        {lse, "lse", 3, DL_LSE, 1, &views->lse, 0}, {doc, "q_doc", 2, DL_DOC, 0, &views->q_doc, 1},
     };
-    return run_attention(module, a, (int)(sizeof a / sizeof a[0]), &c);
+    /* q_doc is optional and last: None leaves it out (its view stays ndim 0: no document mask) */
+    return run_attention(module, a, (int)(sizeof a / sizeof a[0]) - (doc == Py_None), &c);
 }
 
-/* attention_backward(q, k, v, out, lse, dout, dq, dk, dv, causal, q_pos0, k_pos0, scale, accumulate) -> None;
+/* attention_backward(q, k, v, out, lse, dout, dq, dk, dv, causal, q_pos0, k_pos0, scale, accumulate[, q_doc]) -> None;
  * writes (or adds into) dq, dk, dv. attention_backward_cuda(..., accumulate, stream): the same on CUDA tensors. */
 static PyObject *attention_backward_impl(PyObject *module, PyObject *args, int cuda) {
-    PyObject *q, *k, *v, *o, *lse, *dout, *dq, *dk, *dv;
+    PyObject *q, *k, *v, *o, *lse, *dout, *dq, *dk, *dv, *doc = Py_None;
     attn_call c;
     memset(&c, 0, sizeof c);
     c.kind = ATTN_BACKWARD;
     c.cuda = cuda;
-    if (cuda ? !PyArg_ParseTuple(args, "OOOOOOOOOpLLdpK:attention_backward_cuda", &q, &k, &v, &o, &lse, &dout, &dq,
-                                 &dk, &dv, &c.causal, &c.q_pos0, &c.k_pos0, &c.scale, &c.accumulate, &c.stream)
-             : !PyArg_ParseTuple(args, "OOOOOOOOOpLLdp:attention_backward", &q, &k, &v, &o, &lse, &dout, &dq, &dk,
-                                 &dv, &c.causal, &c.q_pos0, &c.k_pos0, &c.scale, &c.accumulate))
+    if (cuda ? !PyArg_ParseTuple(args, "OOOOOOOOOpLLdpK|O:attention_backward_cuda", &q, &k, &v, &o, &lse, &dout, &dq,
+                                 &dk, &dv, &c.causal, &c.q_pos0, &c.k_pos0, &c.scale, &c.accumulate, &c.stream, &doc)
+             : !PyArg_ParseTuple(args, "OOOOOOOOOpLLdp|O:attention_backward", &q, &k, &v, &o, &lse, &dout, &dq, &dk,
+                                 &dv, &c.causal, &c.q_pos0, &c.k_pos0, &c.scale, &c.accumulate, &doc))
         return NULL;
     hexiseq_attn_views *views = &c.views.attn;
     const dl_arg a[] = {
-        {q, "q", 4, DL_QKV, 0, &views->q},         {k, "k", 4, DL_QKV, 0, &views->k},
-        {v, "v", 4, DL_QKV, 0, &views->v},         {o, "out", 4, DL_QKV, 0, &views->o},
-        {lse, "lse", 3, DL_LSE, 0, &views->lse},   {dout, "dout", 4, DL_QKV, 0, &views->do_},
-        {dq, "dq", 4, DL_QKV, 1, &views->dq},      {dk, "dk", 4, DL_QKV, 1, &views->dk},
-        {dv, "dv", 4, DL_QKV, 1, &views->dv},
+        {q, "q", 4, DL_QKV, 0, &views->q, 0},         {k, "k", 4, DL_QKV, 0, &views->k, 0},
+        {v, "v", 4, DL_QKV, 0, &views->v, 0},         {o, "out", 4, DL_QKV, 0, &views->o, 0},
+        {lse, "lse", 3, DL_LSE, 0, &views->lse, 0},   {dout, "dout", 4, DL_QKV, 0, &views->do_, 0},
+        {dq, "dq", 4, DL_QKV, 1, &views->dq, 0},      {dk, "dk", 4, DL_QKV, 1, &views->dk, 0},
+        {dv, "dv", 4, DL_QKV, 1, &views->dv, 0},      {doc, "q_doc", 2, DL_DOC, 0, &views->q_doc, 1},
     };
-    return run_attention(module, a, (int)(sizeof a / sizeof a[0]), &c);
+    return run_attention(module, a, (int)(sizeof a / sizeof a[0]) - (doc == Py_None), &c);
 }
 
 /* attention_merge(out_acc, lse_acc, out_part, lse_part) -> None; updates out_acc and lse_acc in place.
@@ -367,18 +373,18 @@ static PyObject *core_attention_merge_cuda(PyObject *module, PyObject *args) {
 
 PyMethodDef core_attention_methods[] = {
     {"attention_forward", core_attention_forward, METH_VARARGS,
-     "attention_forward(q, k, v, out, lse, causal, q_pos0, k_pos0, scale): CPU forward over DLPack tensors."},
+     "attention_forward(q, k, v, out, lse, causal, q_pos0, k_pos0, scale[, q_doc]): CPU forward over DLPack tensors."},
     {"attention_backward", core_attention_backward, METH_VARARGS,
-     "attention_backward(q, k, v, out, lse, dout, dq, dk, dv, causal, q_pos0, k_pos0, scale, accumulate): "
+     "attention_backward(q, k, v, out, lse, dout, dq, dk, dv, causal, q_pos0, k_pos0, scale, accumulate[, q_doc]): "
      "CPU backward over DLPack tensors."},
     {"attention_merge", core_attention_merge, METH_VARARGS,
      "attention_merge(out_acc, lse_acc, out_part, lse_part): fold a partial (out, lse) into an accumulator."},
     {"attention_forward_cuda", core_attention_forward_cuda, METH_VARARGS,
-     "attention_forward_cuda(q, k, v, out, lse, causal, q_pos0, k_pos0, scale, stream): CUDA forward over "
+     "attention_forward_cuda(q, k, v, out, lse, causal, q_pos0, k_pos0, scale, stream[, q_doc]): CUDA forward over "
      "DLPack CUDA tensors, enqueued on the cudaStream_t `stream` (an int; 0 = legacy default stream)."},
     {"attention_backward_cuda", core_attention_backward_cuda, METH_VARARGS,
      "attention_backward_cuda(q, k, v, out, lse, dout, dq, dk, dv, causal, q_pos0, k_pos0, scale, "
-     "accumulate, stream): CUDA backward over DLPack CUDA tensors, enqueued on `stream`."},
+     "accumulate, stream[, q_doc]): CUDA backward over DLPack CUDA tensors, enqueued on `stream`."},
     {"attention_merge_cuda", core_attention_merge_cuda, METH_VARARGS,
      "attention_merge_cuda(out_acc, lse_acc, out_part, lse_part, stream): CUDA merge, enqueued on `stream`."},
     {NULL, NULL, 0, NULL},

@@ -23,7 +23,7 @@ import numpy as np
 from . import _core
 from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedError
 
-__all__ = ["attention_forward", "attention_backward", "merge_"]
+__all__ = ["attention_forward", "attention_backward", "merge_", "document_starts"]
 
 # Absolute positions are limited to 2^62 so that every position difference stays inside int64 (the C rule is
 # q_pos0 <= 2^62 - seq_q, checked there with the sequence length).
@@ -210,13 +210,68 @@ def _flag(value, name):
     raise ArgumentTypeError(f"{name} must be a bool, got {type(value).__name__} {_short(value)}")
 
 
-def attention_forward(q, k, v, *, causal=True, q_pos0=0, k_pos0=0, scale=None, out=None, lse=None):
+def _doc_operand(q_doc, causal):
+    """q_doc checked for kind and for the causal mask it needs; shape, dtype and values are the C side's (its
+    messages name q_doc too)."""
+    if q_doc is None:
+        return None
+    _require_tensor(q_doc, "q_doc")
+    if not causal:
+        raise InvalidArgumentError("q_doc (a document mask) needs causal=True: a query sees the keys from its "
+                                   "document's start up to its own position")
+    return q_doc
+
+
+def document_starts(lengths, positions=None):
+    """The q_doc of a packed sequence: for each absolute position, the position at which its document starts.
+
+    Args:
+        lengths: the documents' lengths in sequence order (ints >= 0; a sequence, NumPy array or torch tensor),
+            summing to the sequence length S >= 1.
+        positions: the absolute positions to answer for (ints in [0, S), any shape), e.g. the positions of one
+            ring or zigzag chunk; default 0 .. S - 1.
+
+    Returns:
+        int64 starts shaped like positions: a NumPy array, or a torch tensor on positions' device when positions
+        is a torch tensor. For a batch of sequences, stack one row per sequence ([batch, seq_q]).
+    """
+    as_torch = _is_torch(positions)
+    device = positions.device if as_torch else None
+    if _is_torch(lengths):
+        lengths = lengths.detach().cpu().numpy()
+    if _is_torch(positions):
+        positions = positions.detach().cpu().numpy()
+    lens = np.asarray(lengths)
+    if lens.ndim != 1 or not (np.issubdtype(lens.dtype, np.integer) or lens.size == 0):
+        raise ArgumentTypeError(f"lengths must be a 1-D sequence of ints, got {_short(lengths)}")
+    if (lens < 0).any():
+        raise InvalidArgumentError(f"lengths must be >= 0, got {_short(lengths)}")
+    ends = np.cumsum(lens.astype(np.int64))
+    total = int(ends[-1]) if ends.size else 0
+    if total < 1:
+        raise InvalidArgumentError(f"lengths must sum to a sequence length >= 1, got {_short(lengths)}")
+    pos = np.arange(total, dtype=np.int64) if positions is None else np.asarray(positions)
+    if not np.issubdtype(pos.dtype, np.integer):
+        raise ArgumentTypeError(f"positions must be ints, got dtype {pos.dtype}")
+    if pos.size and (pos.min() < 0 or pos.max() >= total):
+        raise InvalidArgumentError(f"positions must be in [0, {total}) (the sum of lengths), got values from "
+                                   f"{int(pos.min())} to {int(pos.max())}")
+    starts = np.concatenate(([0], ends[:-1]))
+    # the document of position x is the first whose end lies past x (empty documents end where they start)
+    q_doc = starts[np.searchsorted(ends, pos, side="right")].astype(np.int64)
+    if as_torch:
+        return _torch_module().from_numpy(q_doc).to(device)
+    return q_doc
+
+
+def attention_forward(q, k, v, *, causal=True, q_pos0=0, k_pos0=0, scale=None, out=None, lse=None, q_doc=None):
     """Attention of one query block against one key/value block; returns (out, lse).
 
     out = softmax(scale * q k^T + mask) v per (batch, query head); query head h reads kv head
     h // (heads // kv_heads). Query row i sits at absolute position q_pos0 + i and key row j at k_pos0 + j;
-    with causal=True key j is visible to query i iff k_pos0 + j <= q_pos0 + i. A query row that sees no key
-    gets out = 0 and lse = -inf.
+    with causal=True key j is visible to query i iff k_pos0 + j <= q_pos0 + i. With a document mask q_doc (packed
+    sequences), key j is visible to query i of batch b iff q_doc[b, i] <= k_pos0 + j <= q_pos0 + i. A query row that
+    sees no key gets out = 0 and lse = -inf.
 
     Args:
         q: [batch, seq_q, heads, head_dim], float64/float32/float16/bfloat16, torch.Tensor or numpy.ndarray.
@@ -228,6 +283,9 @@ def attention_forward(q, k, v, *, causal=True, q_pos0=0, k_pos0=0, scale=None, o
         out: [batch, seq_q, heads, head_dim], q's dtype, written in place; allocated with q's library if None.
         lse: [batch, heads, seq_q], float64 for float64 q else float32: natural log of each row's sum of
             exp(scale * scores); written in place; allocated if None.
+        q_doc: int64 [batch, seq_q], or [seq_q] for every batch row: the absolute position at which each query
+            row's document starts, 0 <= q_doc[b, i] <= q_pos0 + i (see document_starts). Needs causal=True. CPU
+            kernels only for now (CUDA tensors raise UnsupportedError). None: no document mask.
 
     Returns:
         (out, lse) as above (the given objects when passed).
@@ -253,6 +311,7 @@ def attention_forward(q, k, v, *, causal=True, q_pos0=0, k_pos0=0, scale=None, o
     scale = _default_scale(scale, D)
     q_pos0 = _position(q_pos0, "q_pos0")
     k_pos0 = _position(k_pos0, "k_pos0")
+    q_doc = _doc_operand(q_doc, causal)
     for x, n in ((out, "out"), (lse, "lse")):
         if x is not None:
             _require_tensor(x, n)
@@ -261,13 +320,15 @@ def attention_forward(q, k, v, *, causal=True, q_pos0=0, k_pos0=0, scale=None, o
     if lse is None:
         lse = _new(q, (B, H, Sq), lse=True)
     named = ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))
+    named += ((q_doc, "q_doc"),) if q_doc is not None else ()
     device = _device_of(named)
     args = [_as_operand(x, n, device, output=n in ("out", "lse")) for x, n in named]
+    doc = args[5:]  # [q_doc] or []: the binding's optional last argument
     if device is None:
-        _core.attention_forward(*args, causal, q_pos0, k_pos0, scale)
+        _core.attention_forward(*args[:5], causal, q_pos0, k_pos0, scale, *doc)
     else:
         with _torch_module().cuda.device(device):
-            _core.attention_forward_cuda(*args, causal, q_pos0, k_pos0, scale, _stream_of(device))
+            _core.attention_forward_cuda(*args[:5], causal, q_pos0, k_pos0, scale, _stream_of(device), *doc)
     if Sk == 0 and B * Sq * H > 0:  # no key at all: every row is fully masked (the kernel was not called)
         _fill(out, 0.0)
         _fill(lse, -math.inf)
@@ -275,7 +336,7 @@ def attention_forward(q, k, v, *, causal=True, q_pos0=0, k_pos0=0, scale=None, o
 
 
 def attention_backward(q, k, v, out, lse, dout, *, causal=True, q_pos0=0, k_pos0=0, scale=None, dq=None, dk=None,
-                       dv=None, accumulate=False):
+                       dv=None, accumulate=False, q_doc=None):
     """Gradients of attention_forward; returns (dq, dk, dv).
 
     out and lse are taken as given, never recomputed: with the globally merged out and lse of a ring (see
@@ -287,7 +348,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal=True, q_pos0=0, k_pos0
         out: [batch, seq_q, heads, head_dim], the forward output (q's dtype).
         lse: [batch, heads, seq_q], the forward log-sum-exp (float64 for float64 q else float32).
         dout: [batch, seq_q, heads, head_dim], gradient of out (q's dtype).
-        causal, q_pos0, k_pos0, scale: as in attention_forward (must match the forward call).
+        causal, q_pos0, k_pos0, scale, q_doc: as in attention_forward (must match the forward call).
         dq: [batch, seq_q, heads, head_dim]; dk, dv: [batch, seq_k, kv_heads, head_dim]; q's dtype. Written in
             place (or added into when accumulate=True); allocated with q's library if None (zeros when
             accumulating).
@@ -308,6 +369,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal=True, q_pos0=0, k_pos0
     q_pos0 = _position(q_pos0, "q_pos0")
     k_pos0 = _position(k_pos0, "k_pos0")
     accumulate = _flag(accumulate, "accumulate")
+    q_doc = _doc_operand(q_doc, causal)
     for x, n in ((dq, "dq"), (dk, "dk"), (dv, "dv")):
         if x is not None:
             _require_tensor(x, n)
@@ -318,14 +380,16 @@ def attention_backward(q, k, v, out, lse, dout, *, causal=True, q_pos0=0, k_pos0
     if dv is None:
         dv = _new(q, kshape, zero=accumulate)
     named = ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"), (dout, "dout"), (dq, "dq"), (dk, "dk"),
-             (dv, "dv"))
+             (dv, "dv")) + (((q_doc, "q_doc"),) if q_doc is not None else ())
     device = _device_of(named)
     args = [_as_operand(x, n, device, output=n in ("dq", "dk", "dv")) for x, n in named]
+    doc = args[9:]  # [q_doc] or []: the binding's optional last argument
     if device is None:
-        _core.attention_backward(*args, causal, q_pos0, k_pos0, scale, accumulate)
+        _core.attention_backward(*args[:9], causal, q_pos0, k_pos0, scale, accumulate, *doc)
     else:
         with _torch_module().cuda.device(device):
-            _core.attention_backward_cuda(*args, causal, q_pos0, k_pos0, scale, accumulate, _stream_of(device))
+            _core.attention_backward_cuda(*args[:9], causal, q_pos0, k_pos0, scale, accumulate, _stream_of(device),
+                                          *doc)
     if not accumulate:  # the kernel was not called when a sequence is empty: the other side gets no gradient
         if kshape[1] == 0 and B * Sq * H > 0:
             _fill(dq, 0.0)

@@ -1334,6 +1334,11 @@ __global__ void attn_fwd_store_kernel(const hexiseq_attn_params p, const double 
 
 // The shared rules (csrc/attention_check.c, the extension's copy: see kernels/entry.cu), then what this CUDA build serves.
 hexiseq_status check_params(const hexiseq_attn_params *p, int backward) {
+    // Before the shared rules: they read every q_doc value on the host, and here q_doc would be device memory.
+    if (p != nullptr && p->q_doc != nullptr)
+        return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED,
+                            "q_doc (a document mask) is not served by the CUDA attention kernels: document masks run "
+                            "on the CPU kernels for now");
     HEXISEQ_CHECK(hexiseq_attn_check_params(p, backward));
     // What this CUDA build serves.
     if (p->dtype != HEXISEQ_DTYPE_F16 && p->dtype != HEXISEQ_DTYPE_BF16)

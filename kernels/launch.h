@@ -26,7 +26,8 @@ typedef hexiseq_status hexiseq_cuda_info_fn(int *runtime_version, int *device_co
  * of the current CUDA device. `stream` is a cudaStream_t (NULL: the legacy default stream); the kernels are
  * enqueued on it and the call returns without waiting, so results are ready when the stream reaches them.
  * Served: dtype float16 and bfloat16 (fp32 accumulation), head_dim 1..256, any element strides, causal or not,
- * GQA/MQA; float32/float64 give HEXISEQ_ERR_UNSUPPORTED (the CPU kernels take them). The merge takes every
+ * GQA/MQA; float32/float64 and a document mask (q_doc) give HEXISEQ_ERR_UNSUPPORTED (the CPU kernels take
+ * them). The merge takes every
  * dtype on both sides. Failures: as the CPU versions, plus HEXISEQ_ERR_CUDA with the CUDA error text when a
  * launch, the shared-memory opt-in or the stream-ordered scratch allocation of the backward fails.
  * The backward's dq is summed with fp32 atomics: it is not bit-for-bit deterministic across runs. */

@@ -3,8 +3,9 @@ torch tensors, with the kernels' semantics (csrc/attention.h):
 
   O = softmax(scale Q K^T + mask) V per (batch, query head); query head h reads kv head h // (heads / kv_heads)
   (GQA, MQA); query row i sits at position q_pos0 + i, key row j at k_pos0 + j, and under the causal mask key j is
-  visible to query i iff k_pos0 + j <= q_pos0 + i. LSE is the natural log of the row sum of exp(scores). A row that
-  sees no key: O = 0, LSE = -inf, no gradient.
+  visible to query i iff k_pos0 + j <= q_pos0 + i; with a document mask q_doc ([B, Sq] or [Sq] absolute starts), key j
+  is visible to query i of batch b iff q_doc[b, i] <= k_pos0 + j <= q_pos0 + i. LSE is the natural log of the row sum
+  of exp(scores). A row that sees no key: O = 0, LSE = -inf, no gradient.
 
 `attention` is the forward (float64 by default: the reference; in a low-precision dtype it is the baseline that
 FlashAttention's tests call attention_ref(upcast=False)), differentiable when given tensors that require grad.
@@ -17,13 +18,19 @@ import numpy as np
 import torch
 
 
-def visible(sq, sk, q_pos0, k_pos0, causal, device="cpu"):
-    """[sq, sk] bool: key j visible to query i."""
+def visible(sq, sk, q_pos0, k_pos0, causal, device="cpu", q_doc=None):
+    """[sq, sk] bool: key j visible to query i; with q_doc (document starts, [B, sq] or [sq]) [B, 1, sq, sk] or
+    [sq, sk], the causal mask cut at each query's document start."""
     if not causal:
         return torch.ones(sq, sk, dtype=torch.bool, device=device)
     qp = q_pos0 + torch.arange(sq, device=device)
     kp = k_pos0 + torch.arange(sk, device=device)
-    return kp[None, :] <= qp[:, None]
+    mask = kp[None, :] <= qp[:, None]
+    if q_doc is None:
+        return mask
+    doc = torch.as_tensor(q_doc).to(device, torch.int64)
+    mask = mask & (kp[None, :] >= doc[..., :, None])  # [.., sq, sk]: from each query's document start
+    return mask[:, None] if mask.dim() == 3 else mask
 
 
 def _tensor(x, dtype):
@@ -49,7 +56,8 @@ def _merge(acc, part):
     return oa * wa + op * wp, ln
 
 
-def attention(q, k, v, *, causal=False, q_pos0=0, k_pos0=0, scale=None, dtype=torch.float64, key_chunk=None):
+def attention(q, k, v, *, causal=False, q_pos0=0, k_pos0=0, scale=None, dtype=torch.float64, key_chunk=None,
+              q_doc=None):
     """(out [B, Sq, H, D], lse [B, H, Sq]) of q [B, Sq, H, D], k, v [B, Sk, Hkv, D], computed with torch ops in
     `dtype` on q's device (lse in float32 below float64, as the kernels give it). scale: default 1 / sqrt(D).
     NumPy inputs give float64 NumPy results. key_chunk: compute the keys that many at a time and fold the pieces
@@ -59,7 +67,7 @@ def attention(q, k, v, *, causal=False, q_pos0=0, k_pos0=0, scale=None, dtype=to
         acc = None
         for j in range(0, k.shape[1], key_chunk):
             part = attention(q, k[:, j:j + key_chunk], v[:, j:j + key_chunk], causal=causal, q_pos0=q_pos0,
-                             k_pos0=k_pos0 + j, scale=scale, dtype=dtype)
+                             k_pos0=k_pos0 + j, scale=scale, dtype=dtype, q_doc=q_doc)
             part = tuple(_tensor(x, dtype) for x in part)
             acc = part if acc is None else _merge(acc, part)
         return tuple(x.numpy() for x in acc) if isinstance(q, np.ndarray) else acc
@@ -67,10 +75,10 @@ def attention(q, k, v, *, causal=False, q_pos0=0, k_pos0=0, scale=None, dtype=to
     Sk, Hkv = k.shape[1], k.shape[2]
     qq = _heads_major(q, dtype, 1)                                          # [B, H, Sq, D]
     kk, vv = _heads_major(k, dtype, H // Hkv), _heads_major(v, dtype, H // Hkv)  # [B, H, Sk, D]
-    mask = visible(Sq, Sk, q_pos0, k_pos0, causal, qq.device)
-    dead = ~mask.any(-1)                                                    # [Sq] rows that see no key
+    mask = visible(Sq, Sk, q_pos0, k_pos0, causal, qq.device, q_doc)       # [Sq, Sk] or [B, 1, Sq, Sk]
+    dead = ~mask.any(-1)                                                    # [Sq] ([B, 1, Sq]) rows that see no key
     s = (qq * scale) @ kk.transpose(-1, -2)                                 # [B, H, Sq, Sk]
-    s = s.masked_fill(~mask, -math.inf).masked_fill(dead[:, None], 0.0)     # dead rows: 0, so no NaN below
+    s = s.masked_fill(~mask, -math.inf).masked_fill(dead[..., None], 0.0)   # dead rows: 0, so no NaN below
     lse = torch.logsumexp(s.float() if dtype != torch.float64 else s, dim=-1)
     p = torch.softmax(s, dim=-1).masked_fill(~mask, 0.0)
     out = (p @ vv).transpose(1, 2)
@@ -80,7 +88,7 @@ def attention(q, k, v, *, causal=False, q_pos0=0, k_pos0=0, scale=None, dtype=to
     return out, lse
 
 
-def attention_backward(q, k, v, out, lse, dout, *, causal=False, q_pos0=0, k_pos0=0, scale=None):
+def attention_backward(q, k, v, out, lse, dout, *, causal=False, q_pos0=0, k_pos0=0, scale=None, q_doc=None):
     """float64 (dq, dk, dv) from the given out and lse (not recomputed), as the kernels define it:
     P = exp(scale Q K^T - LSE) masked, D = rowsum(dO * O), dS = P (dO V^T - D), dQ = scale dS K, dK = scale dS^T Q,
     dV = P^T dO, with dK and dV summed over each kv head's query heads. NumPy inputs give NumPy results."""
@@ -92,7 +100,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal=False, q_pos0=0, k_pos
     qq, oo, do = (_heads_major(x, f64, 1) for x in (q, out, dout))  # [B, H, Sq, D]
     kk, vv = _heads_major(k, f64, g), _heads_major(v, f64, g)        # [B, H, Sk, D]
     ll = _tensor(lse, f64)
-    mask = visible(Sq, Sk, q_pos0, k_pos0, causal, qq.device)
+    mask = visible(Sq, Sk, q_pos0, k_pos0, causal, qq.device, q_doc)
     s = (qq @ kk.transpose(-1, -2) * scale).masked_fill(~mask, -math.inf)
     ll = torch.where(torch.isfinite(ll), ll, torch.full_like(ll, math.inf))  # rows that see no key: P = 0
     p = torch.exp(s - ll[..., None])

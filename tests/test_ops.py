@@ -199,3 +199,140 @@ def test_low_precision_vs_torch_sdpa(case, dtype):
         err_torch = (theirs.double() - r).abs().max().item()
         floor = 1e-6 * r.abs().max().item() if dtype == "float32" else 0.0  # float32 errors can both be ~0
         assert err_mine <= 2 * err_torch + floor, (name, err_mine, err_torch)
+
+
+# ------------------------------------------------------------------------------------------------ document mask
+
+def _doc_lengths(rng, total, longest):
+    """Random document lengths summing to total, 1..longest each (length-1 documents included)."""
+    lengths = []
+    while sum(lengths) < total:
+        lengths.append(int(min(rng.integers(1, longest + 1), total - sum(lengths))))
+    return lengths
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("longest", [1, 5, 130])
+def test_document_mask_numpy(dtype, longest):
+    B, S, H, Hkv, D = 2, 301, 4, 2, 16
+    rng = np.random.default_rng(longest)
+    q, k, v = rand(rng, (B, S, H, D), dtype), rand(rng, (B, S, Hkv, D), dtype), rand(rng, (B, S, Hkv, D), dtype)
+    q_doc = np.stack([ops.document_starts(_doc_lengths(rng, S, longest)) for _ in range(B)])
+    out, lse = ops.attention_forward(q, k, v, q_doc=q_doc)
+    ref_o, ref_l = attention(q, k, v, causal=True, q_doc=q_doc)
+    tol = RTOL[dtype]
+    assert rel_err(out, ref_o) <= tol
+    assert np.abs(lse - ref_l).max() <= tol * max(1.0, np.abs(ref_l).max())
+    dout = rand(rng, (B, S, H, D), dtype)
+    grads = ops.attention_backward(q, k, v, out, lse, dout, q_doc=q_doc)
+    refs = attention_backward(q, k, v, out, lse, dout, causal=True, q_doc=q_doc)
+    for got, ref in zip(grads, refs):
+        assert rel_err(got, ref, 1.0) <= 4 * tol, (rel_err(got, ref, 1.0), tol)
+
+
+@pytest.mark.parametrize("q_range,k_range", [((300, 400), (0, 150)), ((150, 250), (100, 250)), ((0, 97), (0, 97))],
+                         ids=["zigzag-back-chunk", "ring-step", "diagonal"])
+def test_document_mask_blocks(q_range, k_range):
+    """Blocks from anywhere in the sequence with the starts of their own positions ([seq_q]: one layout for the
+    batch), against the reference on the same blocks."""
+    rng = np.random.default_rng(q_range[0] + 7 * k_range[0])
+    B, H, Hkv, D = 2, 4, 1, 8
+    lengths = [1, 120, 1, 1, 230, 47]  # the long document reaches from the back chunk into the first keys
+    q_doc = ops.document_starts(lengths, positions=np.arange(*q_range))
+    Sq, Sk = q_range[1] - q_range[0], k_range[1] - k_range[0]
+    q, k, v = rand(rng, (B, Sq, H, D)), rand(rng, (B, Sk, Hkv, D)), rand(rng, (B, Sk, Hkv, D))
+    pos = dict(q_pos0=q_range[0], k_pos0=k_range[0])
+    out, lse = ops.attention_forward(q, k, v, q_doc=q_doc, **pos)
+    ref_o, ref_l = attention(q, k, v, causal=True, q_doc=q_doc, **pos)
+    assert rel_err(out, ref_o) <= 1e-12
+    fin = np.isfinite(ref_l)
+    assert fin.any() and np.array_equal(fin, np.isfinite(lse))
+    assert np.abs(lse[fin] - ref_l[fin]).max() <= 1e-12 * np.abs(ref_l[fin]).max()
+    dout = rand(rng, (B, Sq, H, D))
+    grads = ops.attention_backward(q, k, v, out, lse, dout, q_doc=q_doc, **pos)
+    refs = attention_backward(q, k, v, out, lse, dout, causal=True, q_doc=q_doc, **pos)
+    for got, ref in zip(grads, refs):
+        assert rel_err(got, ref, 1.0) <= 4e-12
+
+
+def test_document_mask_split_merge():
+    """Keys split into blocks (ring steps), each forward merged with merge_ and each backward taking the merged
+    out and lse: the unsplit document-masked result."""
+    rng = np.random.default_rng(11)
+    B, S, H, Hkv, D = 1, 257, 2, 1, 8
+    q, k, v, dout = rand(rng, (B, S, H, D)), rand(rng, (B, S, Hkv, D)), rand(rng, (B, S, Hkv, D)), rand(rng, (B, S, H, D))
+    q_doc = ops.document_starts(_doc_lengths(rng, S, 60))[None]
+    out, lse = ops.attention_forward(q, k, v, q_doc=q_doc)
+    dq, dk, dv = ops.attention_backward(q, k, v, out, lse, dout, q_doc=q_doc)
+    acc_o, acc_l = np.zeros_like(out), np.full_like(lse, -np.inf)
+    bounds = [0, 64, 150, S]
+    for a, b in zip(bounds, bounds[1:]):
+        o_p, l_p = ops.attention_forward(q, k[:, a:b], v[:, a:b], k_pos0=a, q_doc=q_doc)
+        ops.merge_(acc_o, acc_l, o_p, l_p)
+    assert rel_err(acc_o, out) <= 1e-12
+    assert np.abs(acc_l - lse).max() <= 1e-12 * np.abs(lse).max()
+    sdq = np.zeros_like(dq)
+    for a, b in zip(bounds, bounds[1:]):
+        _, dk_p, dv_p = ops.attention_backward(q, k[:, a:b], v[:, a:b], acc_o, acc_l, dout, k_pos0=a, q_doc=q_doc,
+                                               dq=sdq, accumulate=True)
+        assert rel_err(dk_p, dk[:, a:b], 1.0) <= 1e-12 and rel_err(dv_p, dv[:, a:b], 1.0) <= 1e-12
+    assert rel_err(sdq, dq, 1.0) <= 1e-12
+
+
+def test_document_mask_torch_and_one_document():
+    """torch operands (q_doc a CPU int64 tensor); one document over everything is the plain causal result."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 130, 2, 8, generator=g) for _ in range(3))
+    one = torch.zeros(130, dtype=torch.int64)
+    out, lse = ops.attention_forward(q, k, v, q_doc=one)
+    plain_o, plain_l = ops.attention_forward(q, k, v)
+    assert torch.equal(out, plain_o) and torch.equal(lse, plain_l)
+    dout = torch.randn(2, 130, 2, 8, generator=g)
+    for got, ref in zip(ops.attention_backward(q, k, v, out, lse, dout, q_doc=one),
+                        ops.attention_backward(q, k, v, out, lse, dout)):
+        assert torch.equal(got, ref)
+    starts = ops.document_starts(torch.tensor([100, 30]), positions=torch.arange(130))
+    assert isinstance(starts, torch.Tensor) and starts.dtype == torch.int64
+    out, lse = ops.attention_forward(q, k, v, q_doc=starts.expand(2, 130))
+    ref_o, _ = attention(q, k, v, causal=True, q_doc=starts)
+    assert rel_err(out.numpy(), ref_o.numpy()) <= 1e-5
+
+
+def test_document_starts():
+    assert ops.document_starts([3, 1, 0, 4]).tolist() == [0, 0, 0, 3, 4, 4, 4, 4]
+    assert ops.document_starts(np.array([3, 1, 0, 4]), positions=[7, 2, 3]).tolist() == [4, 0, 3]
+    got = ops.document_starts([2, 2], positions=np.array([[0, 1], [2, 3]]))
+    assert got.dtype == np.int64 and got.tolist() == [[0, 0], [2, 2]]
+    with pytest.raises(ops.InvalidArgumentError, match="positions"):
+        ops.document_starts([2, 2], positions=[4])
+    with pytest.raises(ops.InvalidArgumentError, match="lengths"):
+        ops.document_starts([2, -1, 3])
+    with pytest.raises(ops.InvalidArgumentError, match="lengths"):
+        ops.document_starts([0, 0])
+    with pytest.raises(ops.ArgumentTypeError, match="lengths"):
+        ops.document_starts([1.5, 2])
+
+
+def test_document_mask_errors():
+    rng = np.random.default_rng(5)
+    q, k, v = rand(rng, (2, 9, 2, 4)), rand(rng, (2, 9, 1, 4)), rand(rng, (2, 9, 1, 4))
+    good = np.zeros((2, 9), np.int64)
+    cases = [
+        (dict(q_doc=good.astype(np.float64)), ops.InvalidArgumentError, "q_doc must have dtype int64"),
+        (dict(q_doc=good[:, :5]), ops.InvalidArgumentError, r"q_doc must have shape \[batch, seq_q\]"),
+        (dict(q_doc=np.zeros(8, np.int64)), ops.InvalidArgumentError, "q_doc must have shape"),
+        (dict(q_doc=np.zeros((2, 9, 1), np.int64)), ops.InvalidArgumentError, "q_doc must be 1-D to 2-D"),
+        (dict(q_doc=good + 1), ops.InvalidArgumentError, r"q_doc\[0, 0\] = 1"),
+        (dict(q_doc=good - 1), ops.InvalidArgumentError, r"q_doc\[0, 0\] = -1"),
+        (dict(q_doc=good, causal=False), ops.InvalidArgumentError, "q_doc .*causal"),
+        (dict(q_doc=[0] * 9), ops.ArgumentTypeError, "q_doc must be"),
+    ]
+    for kwargs, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            ops.attention_forward(q, k, v, **kwargs)
+    out, lse = ops.attention_forward(q, k, v, q_doc=good)
+    with pytest.raises(ops.InvalidArgumentError, match=r"q_doc\[1, 3\] = 4"):
+        bad = good.copy()
+        bad[1, 3] = 4
+        ops.attention_backward(q, k, v, out, lse, q, q_doc=bad)

@@ -206,27 +206,33 @@ static int64_t idx4(int64_t S, int64_t H, int64_t D, int64_t b, int64_t s, int64
     return ((b * S + s) * H + h) * D + c;
 }
 
-static int visible(const config *c, int64_t i, int64_t j) { return !c->causal || c->kp + j <= c->qp + i; }
+/* doc: the document mask's q_doc as a contiguous [B][Sq] array of absolute starts, or NULL. */
+static int visible(const config *c, const int64_t *doc, int64_t b, int64_t i, int64_t j) {
+    if (doc != NULL && c->kp + j < doc[b * c->Sq + i])
+        return 0;
+    return !c->causal || c->kp + j <= c->qp + i;
+}
 
 /* scores[i][j] = scale * q_i . k_j for one (b, h), -inf where masked. */
-static void ref_scores(const config *c, const double *q, const double *k, int64_t b, int h, double *sc) {
+static void ref_scores(const config *c, const int64_t *doc, const double *q, const double *k, int64_t b, int h,
+                       double *sc) {
     int hk = h / (c->A / c->Akv);
     for (int64_t i = 0; i < c->Sq; ++i)
         for (int64_t j = 0; j < c->Sk; ++j) {
             double s = 0;
             for (int x = 0; x < c->D; ++x)
                 s += q[idx4(c->Sq, c->A, c->D, b, i, h, x)] * k[idx4(c->Sk, c->Akv, c->D, b, j, hk, x)];
-            sc[i * c->Sk + j] = visible(c, i, j) ? c->scale * s : -INFINITY;
+            sc[i * c->Sk + j] = visible(c, doc, b, i, j) ? c->scale * s : -INFINITY;
         }
 }
 
-static void ref_forward(const config *c, const double *q, const double *k, const double *v, double *o,
-                        double *lse) {
+static void ref_forward(const config *c, const int64_t *doc, const double *q, const double *k, const double *v,
+                        double *o, double *lse) {
     double *sc = malloc(sizeof(double) * (size_t)(c->Sq * c->Sk));
     for (int64_t b = 0; b < c->B; ++b)
         for (int h = 0; h < c->A; ++h) {
             int hk = h / (c->A / c->Akv);
-            ref_scores(c, q, k, b, h, sc);
+            ref_scores(c, doc, q, k, b, h, sc);
             for (int64_t i = 0; i < c->Sq; ++i) {
                 double m = -INFINITY;
                 for (int64_t j = 0; j < c->Sk; ++j)
@@ -255,8 +261,8 @@ static void ref_forward(const config *c, const double *q, const double *k, const
 
 /* P = exp(S - lse) with the given lse, D_i = do_i . o_i, dV = P^T dO, dP = dO V^T, dS = P * (dP - D),
  * dQ = scale * dS K, dK = scale * dS^T Q. dk, dv sum over the query heads of a kv head. */
-static void ref_backward(const config *c, const double *q, const double *k, const double *v, const double *o,
-                         const double *lse, const double *dout, double *dq, double *dk, double *dv) {
+static void ref_backward(const config *c, const int64_t *doc, const double *q, const double *k, const double *v,
+                         const double *o, const double *lse, const double *dout, double *dq, double *dk, double *dv) {
     double *sc = malloc(sizeof(double) * (size_t)(c->Sq * c->Sk));
     memset(dq, 0, sizeof(double) * (size_t)(c->B * c->Sq * c->A * c->D));
     memset(dk, 0, sizeof(double) * (size_t)(c->B * c->Sk * c->Akv * c->D));
@@ -264,7 +270,7 @@ static void ref_backward(const config *c, const double *q, const double *k, cons
     for (int64_t b = 0; b < c->B; ++b)
         for (int h = 0; h < c->A; ++h) {
             int hk = h / (c->A / c->Akv);
-            ref_scores(c, q, k, b, h, sc);
+            ref_scores(c, doc, q, k, b, h, sc);
             for (int64_t i = 0; i < c->Sq; ++i) {
                 double l = lse[(b * c->A + h) * c->Sq + i];
                 if (l == -INFINITY)
@@ -344,6 +350,7 @@ static void set_strides(int64_t dst[4], const tensor *t) { memcpy(dst, t->stride
 /* Everything one configuration needs: inputs, kernel outputs, reference values. */
 typedef struct {
     config c;
+    const int64_t *doc; /* q_doc, contiguous [B][Sq], or NULL */
     tensor q, k, v, o, dout, dq, dk, dv;
     lse_buf lse;
     double *qd, *kd, *vd, *dod, *oref, *lseref, *od, *lsed, *dqref, *dkref, *dvref, *tmp_q, *tmp_k;
@@ -367,6 +374,10 @@ static hexiseq_attn_params params_of(problem *pr) {
     p.batch = c->B, p.seq_q = c->Sq, p.seq_k = c->Sk, p.q_pos0 = c->qp, p.k_pos0 = c->kp;
     p.heads = c->A, p.kv_heads = c->Akv, p.head_dim = c->D, p.causal = c->causal, p.scale = c->scale;
     p.dtype = c->dtype;
+    if (pr->doc != NULL) {
+        p.q_doc = pr->doc;
+        p.q_doc_stride[0] = c->Sq, p.q_doc_stride[1] = 1;
+    }
     return p;
 }
 
@@ -419,15 +430,18 @@ static void read_lse(problem *pr, double *out) {
                 out[(b * c->A + h) * c->Sq + i] = lse_get(&pr->lse, b, h, i);
 }
 
-/* Forward + backward of one configuration against the reference. */
-static void check_config(const config *c) {
+/* Forward + backward of one configuration against the reference; doc: its document mask (see visible) or NULL. */
+static void check_config(const config *c, const int64_t *doc) {
     char name[256];
     describe(name, sizeof name, c);
+    if (doc != NULL)
+        strncat(name, " documents", sizeof name - strlen(name) - 1);
     problem pr = problem_make(c);
+    pr.doc = doc;
     hexiseq_attn_params p = params_of(&pr);
     double tol = tol_for(c->dtype);
 
-    ref_forward(c, pr.qd, pr.kd, pr.vd, pr.oref, pr.lseref);
+    ref_forward(c, doc, pr.qd, pr.kd, pr.vd, pr.oref, pr.lseref);
     hexiseq_status st = hexiseq_attn_forward_cpu(&p);
     EXPECT(st == HEXISEQ_OK, "forward %s: status %d (%s)", name, st, hexiseq_last_error());
     tensor_to(&pr.o, pr.od);
@@ -438,7 +452,7 @@ static void check_config(const config *c) {
 
     /* Backward from the kernel's own (rounded) o and lse; the reference uses the same values. */
     read_lse(&pr, pr.lsed);
-    ref_backward(c, pr.qd, pr.kd, pr.vd, pr.od, pr.lsed, pr.dod, pr.dqref, pr.dkref, pr.dvref);
+    ref_backward(c, doc, pr.qd, pr.kd, pr.vd, pr.od, pr.lsed, pr.dod, pr.dqref, pr.dkref, pr.dvref);
     st = hexiseq_attn_backward_cpu(&p);
     EXPECT(st == HEXISEQ_OK, "backward %s: status %d (%s)", name, st, hexiseq_last_error());
     tensor_to(&pr.dq, pr.tmp_q);
@@ -460,10 +474,13 @@ static void *row_ptr(const tensor *t, int64_t start) {
 /* Splits K/V into nblocks at random boundaries: forward per block merged into an accumulator must
  * equal the unsplit result; backward per block with the global o/lse, dq accumulated across blocks
  * and dk/dv written into each block's rows, must equal the unsplit gradient. */
-static void check_split(const config *c, int nblocks) {
+static void check_split(const config *c, const int64_t *doc, int nblocks) {
     char name[256];
     describe(name, sizeof name, c);
+    if (doc != NULL)
+        strncat(name, " documents", sizeof name - strlen(name) - 1);
     problem pr = problem_make(c);
+    pr.doc = doc;
     double tol = tol_for(c->dtype);
     int64_t bounds[8];
     bounds[0] = 0;
@@ -472,7 +489,7 @@ static void check_split(const config *c, int nblocks) {
         int64_t lo = bounds[i - 1] + 1, hi = c->Sk - (nblocks - i);
         bounds[i] = lo + irand(hi - lo + 1);
     }
-    ref_forward(c, pr.qd, pr.kd, pr.vd, pr.oref, pr.lseref);
+    ref_forward(c, doc, pr.qd, pr.kd, pr.vd, pr.oref, pr.lseref);
 
     /* accumulator: o (garbage values) with lse = -inf, so the first merge must overwrite it */
     for (int64_t b = 0; b < c->B; ++b)
@@ -523,7 +540,7 @@ static void check_split(const config *c, int nblocks) {
 
     /* backward pieces with the global (merged) o and lse */
     read_lse(&pr, pr.lsed);
-    ref_backward(c, pr.qd, pr.kd, pr.vd, pr.od, pr.lsed, pr.dod, pr.dqref, pr.dkref, pr.dvref);
+    ref_backward(c, doc, pr.qd, pr.kd, pr.vd, pr.od, pr.lsed, pr.dod, pr.dqref, pr.dkref, pr.dvref);
     memset(pr.tmp_q, 0, sizeof(double) * (size_t)numel(&pr.dq));
     tensor_from(&pr.dq, pr.tmp_q);
     ok = 1;
@@ -631,7 +648,7 @@ static void test_configs(void) {
         {1, 97, 130, 4, 1, 64, 0, 0, 0, s64, HEXISEQ_DTYPE_F16, LAYOUT_COL_STRIDE2},
     };
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; ++i)
-        check_config(&cs[i]);
+        check_config(&cs[i], NULL);
 }
 
 static void test_splits(void) {
@@ -646,7 +663,7 @@ static void test_splits(void) {
     };
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; ++i)
         for (int nb = 2; nb <= 5; ++nb)
-            check_split(&cs[i], nb);
+            check_split(&cs[i], NULL, nb);
 }
 
 static void test_merge_inf(void) {
@@ -800,6 +817,205 @@ static void test_bad_inputs(void) {
     problem_free(&pr);
 }
 
+/* ------------------------------------------------------------------------------------------------ */
+/* Document mask (q_doc) */
+
+/* Documents of a packed sequence, per batch: lengths 1..maxlen at random, or all exactly `fixed` long when
+ * fixed > 0 (boundaries on tile edges for multiples of 64). Returns q_doc for the query block [qp, qp + Sq):
+ * [B][Sq] absolute starts (malloc'd). maxlen 0 and fixed 0: one document (every start 0). */
+static int64_t *make_docs(int64_t B, int64_t qp, int64_t Sq, int64_t maxlen, int64_t fixed) {
+    int64_t *doc = malloc(sizeof(int64_t) * (size_t)(B * Sq));
+    for (int64_t b = 0; b < B; ++b) {
+        int64_t start = 0, next = fixed > 0 ? fixed : maxlen > 0 ? 1 + irand(maxlen) : INT64_MAX;
+        for (int64_t a = 0; a < qp + Sq; ++a) {
+            if (a == next) {
+                start = a;
+                next = a + (fixed > 0 ? fixed : 1 + irand(maxlen));
+            }
+            if (a >= qp)
+                doc[b * Sq + a - qp] = start;
+        }
+    }
+    return doc;
+}
+
+static void test_documents(void) {
+    const double s64 = 0.125;
+    typedef struct {
+        config c;
+        int64_t maxlen, fixed;
+    } doc_case;
+    const doc_case cs[] = {
+        /* B  Sq   Sk   A  Akv D   causal qp   kp   scale  dtype layout;  maxlen fixed */
+        {{1, 300, 300, 2, 1, 8, 1, 0, 0, 0.35, HEXISEQ_DTYPE_F64, LAYOUT_CONTIG}, 3, 0},        /* tiny documents */
+        {{2, 300, 300, 4, 2, 16, 1, 0, 0, 0.25, HEXISEQ_DTYPE_F64, LAYOUT_HEADS_MAJOR}, 90, 0}, /* GQA, batch 2 */
+        {{1, 257, 257, 2, 2, 5, 1, 0, 0, 0.5, HEXISEQ_DTYPE_F64, LAYOUT_EMBEDDED}, 0, 64},      /* BK tile edges */
+        {{1, 257, 257, 2, 2, 5, 1, 0, 0, 0.5, HEXISEQ_DTYPE_F64, LAYOUT_COL_STRIDE2}, 0, 128},  /* BQ tile edges */
+        {{1, 150, 200, 4, 1, 7, 1, 400, 200, 0.4, HEXISEQ_DTYPE_F64, LAYOUT_CONTIG}, 120, 0},   /* ring step */
+        {{1, 100, 100, 2, 1, 9, 1, 300, 0, 0.3, HEXISEQ_DTYPE_F64, LAYOUT_CONTIG}, 150, 0},     /* zigzag back chunk */
+        {{1, 300, 300, 2, 1, 8, 1, 0, 0, 0.35, HEXISEQ_DTYPE_F32, LAYOUT_CONTIG}, 3, 0},
+        {{2, 300, 300, 4, 2, 16, 1, 0, 0, 0.25, HEXISEQ_DTYPE_F32, LAYOUT_HEADS_MAJOR}, 90, 0},
+        {{1, 257, 257, 2, 2, 64, 1, 0, 0, s64, HEXISEQ_DTYPE_F32, LAYOUT_EMBEDDED}, 0, 64},
+        {{1, 150, 200, 4, 1, 7, 1, 400, 200, 0.4, HEXISEQ_DTYPE_F32, LAYOUT_CONTIG}, 120, 0},
+        {{1, 100, 100, 2, 1, 9, 1, 300, 0, 0.3, HEXISEQ_DTYPE_F32, LAYOUT_COL_STRIDE2}, 150, 0},
+        /* long key block under one long document: the forward's pieces and the backward's dq folds */
+        {{1, 40, 8300, 2, 1, 4, 1, 8300, 0, 0.5, HEXISEQ_DTYPE_F32, LAYOUT_CONTIG}, 6000, 0},
+        {{2, 97, 130, 4, 2, 16, 1, 50, 0, 0.25, HEXISEQ_DTYPE_BF16, LAYOUT_CONTIG}, 40, 0},
+        {{1, 97, 130, 4, 1, 64, 1, 50, 0, s64, HEXISEQ_DTYPE_F16, LAYOUT_HEADS_MAJOR}, 40, 0},
+    };
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; ++i) {
+        const config *c = &cs[i].c;
+        int64_t *doc = make_docs(c->B, c->qp, c->Sq, cs[i].maxlen, cs[i].fixed);
+        check_config(c, doc);
+        free(doc);
+    }
+    /* split over key blocks + merge == unsplit */
+    const config sp[] = {
+        {1, 200, 200, 4, 2, 16, 1, 0, 0, 0.25, HEXISEQ_DTYPE_F64, LAYOUT_CONTIG},
+        {2, 70, 150, 4, 1, 8, 1, 60, 0, 0.3, HEXISEQ_DTYPE_F64, LAYOUT_HEADS_MAJOR},
+        {1, 200, 200, 4, 2, 16, 1, 0, 0, 0.25, HEXISEQ_DTYPE_F32, LAYOUT_EMBEDDED},
+    };
+    for (size_t i = 0; i < sizeof sp / sizeof sp[0]; ++i)
+        for (int nb = 2; nb <= 4; ++nb) {
+            int64_t *doc = make_docs(sp[i].B, sp[i].qp, sp[i].Sq, 40, 0);
+            check_split(&sp[i], doc, nb);
+            free(doc);
+        }
+}
+
+/* Runs forward then backward; out receives o, dq ([B][Sq][A][D]), dk, dv ([B][Sk][Akv][D]) and lse ([B][A][Sq])
+ * as doubles (exact for every dtype, so equal doubles are equal bits). Returns 1 when both calls succeed. */
+static int run_both(problem *pr, double *out) {
+    hexiseq_attn_params p = params_of(pr);
+    int ok = hexiseq_attn_forward_cpu(&p) == HEXISEQ_OK && hexiseq_attn_backward_cpu(&p) == HEXISEQ_OK;
+    const tensor *ts[] = {&pr->o, &pr->dq, &pr->dk, &pr->dv};
+    for (size_t i = 0; i < 4; ++i) {
+        tensor_to(ts[i], out);
+        out += numel(ts[i]);
+    }
+    read_lse(pr, out);
+    return ok;
+}
+
+/* Doubles run_both writes for a configuration. */
+static size_t both_size(const config *c) {
+    return (size_t)(2 * c->B * c->Sq * c->A * c->D + 2 * c->B * c->Sk * c->Akv * c->D + c->B * c->A * c->Sq);
+}
+
+/* One document over everything (q_doc at or before the key block's start) is the plain causal mask: the same
+ * results bit for bit, forward and backward. */
+static void test_documents_one(void) {
+    const config cs[] = {
+        {1, 300, 300, 4, 2, 16, 1, 0, 0, 0.25, HEXISEQ_DTYPE_F32, LAYOUT_CONTIG},
+        {2, 150, 200, 2, 1, 8, 1, 400, 200, 0.4, HEXISEQ_DTYPE_F32, LAYOUT_CONTIG},
+        {1, 300, 300, 4, 2, 16, 1, 0, 0, 0.25, HEXISEQ_DTYPE_F64, LAYOUT_CONTIG},
+        {1, 130, 130, 2, 2, 8, 1, 0, 0, 0.3, HEXISEQ_DTYPE_BF16, LAYOUT_CONTIG},
+    };
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; ++i) {
+        const config *c = &cs[i];
+        problem pr = problem_make(c);
+        const size_t n = both_size(c);
+        double *plain = malloc(n * sizeof(double)), *docs = malloc(n * sizeof(double));
+        int ok = run_both(&pr, plain);
+        int64_t *doc = malloc(sizeof(int64_t) * (size_t)(c->B * c->Sq));
+        for (int64_t r = 0; r < c->B * c->Sq; ++r)
+            doc[r] = r % 2 ? 0 : c->kp; /* both mean "from before the block" */
+        pr.doc = doc;
+        ok &= run_both(&pr, docs);
+        char name[256];
+        describe(name, sizeof name, c);
+        EXPECT(ok && memcmp(plain, docs, n * sizeof(double)) == 0, "one document != causal bit for bit: %s (%s)", name,
+               hexiseq_last_error());
+        free(doc);
+        free(plain);
+        free(docs);
+        problem_free(&pr);
+    }
+}
+
+/* A (query tile, key tile) pair no query reaches is skipped, not computed with a mask: infinite keys and NaN values
+ * in the first document (rows 0..127, one BQ query tile) reach neither the later query tiles' o, lse, dq nor the
+ * later keys' dk, dv; a masked computation would carry them there (P V = 0 * NaN in the forward, dS K = 0 * inf in
+ * the backward). */
+static void test_documents_skip(void) {
+#ifdef _OPENMP
+    /* one thread makes the forward give a task two query tiles (tasks per thread), so the per-tile skip inside a
+     * task is exercised, not only the task's first key tile */
+    const int prev = omp_get_max_threads();
+#endif
+    for (int dt = 0; dt < 4; ++dt) {
+#ifdef _OPENMP
+        omp_set_num_threads(dt < 2 ? 1 : prev);
+#endif
+        const config c = {1, 384, 384, 2, 1, 8, 1, 0, 0, 0.3, dt % 2 ? HEXISEQ_DTYPE_F32 : HEXISEQ_DTYPE_F64,
+                          LAYOUT_CONTIG};
+        problem pr = problem_make(&c);
+        int64_t *doc = make_docs(1, 0, c.Sq, 0, 128);
+        pr.doc = doc;
+        const size_t n = both_size(&c);
+        double *clean = malloc(n * sizeof(double)), *poisoned = malloc(n * sizeof(double));
+        int ok = run_both(&pr, clean);
+        for (int64_t j = 0; j < 128; ++j)
+            for (int x = 0; x < c.D; ++x) {
+                store_elem(pr.k.base, c.dtype, tensor_at(&pr.k, 0, j, 0, x), INFINITY);
+                store_elem(pr.v.base, c.dtype, tensor_at(&pr.v, 0, j, 0, x), NAN);
+            }
+        ok &= run_both(&pr, poisoned);
+        /* rows >= 128 of o, dq, dk, dv (batch 1: each is [S][heads * D]) and of each head's lse */
+        const int64_t qrow = c.A * c.D, krow = c.Akv * c.D;
+        const int64_t off[4] = {0, c.Sq * qrow, 2 * c.Sq * qrow, 2 * c.Sq * qrow + c.Sk * krow};
+        const int64_t row[4] = {qrow, qrow, krow, krow}, len[4] = {c.Sq, c.Sq, c.Sk, c.Sk};
+        int same = 1;
+        for (int t = 0; t < 4; ++t)
+            same &= memcmp(clean + off[t] + 128 * row[t], poisoned + off[t] + 128 * row[t],
+                           sizeof(double) * (size_t)((len[t] - 128) * row[t])) == 0;
+        for (int h = 0; h < c.A; ++h) {
+            const int64_t at = 2 * c.Sq * qrow + 2 * c.Sk * krow + h * c.Sq + 128;
+            same &= memcmp(clean + at, poisoned + at, sizeof(double) * (size_t)(c.Sq - 128)) == 0;
+        }
+        /* and the poison is there: the first document's o rows changed */
+        const int nan_seen = memcmp(clean, poisoned, sizeof(double) * (size_t)(128 * qrow)) != 0;
+        EXPECT(ok && same && nan_seen, "%s: the poisoned first document reached later ones (ok %d, "
+               "same %d, first document poisoned %d)", dtype_name(c.dtype), ok, same, nan_seen);
+        free(clean);
+        free(poisoned);
+        free(doc);
+        problem_free(&pr);
+    }
+#ifdef _OPENMP
+    omp_set_num_threads(prev);
+#endif
+}
+
+static void test_documents_refused(void) {
+    config c = {2, 8, 8, 2, 1, 4, 1, 3, 0, 0.5, HEXISEQ_DTYPE_F32, LAYOUT_CONTIG};
+    problem pr = problem_make(&c);
+    int64_t doc[16];
+    for (int i = 0; i < 16; ++i)
+        doc[i] = 0;
+    pr.doc = doc;
+    hexiseq_attn_params p = params_of(&pr);
+    EXPECT(hexiseq_attn_forward_cpu(&p) == HEXISEQ_OK, "documents: %s", hexiseq_last_error());
+    p.causal = 0;
+    expect_fail(hexiseq_attn_forward_cpu(&p), HEXISEQ_ERR_INVALID, "q_doc", "q_doc without causal");
+    expect_fail(hexiseq_attn_backward_cpu(&p), HEXISEQ_ERR_INVALID, "causal", "q_doc without causal (backward)");
+    p = params_of(&pr);
+    doc[8 + 5] = -1; /* batch 1, row 5 */
+    expect_fail(hexiseq_attn_forward_cpu(&p), HEXISEQ_ERR_INVALID, "q_doc[1, 5]", "q_doc below 0");
+    doc[8 + 5] = 3 + 5; /* its own position: allowed */
+    EXPECT(hexiseq_attn_backward_cpu(&p) == HEXISEQ_OK, "q_doc at its own position: %s", hexiseq_last_error());
+    doc[8 + 5] = 3 + 6; /* past it */
+    expect_fail(hexiseq_attn_backward_cpu(&p), HEXISEQ_ERR_INVALID, "q_doc[1, 5]", "q_doc past its row");
+    doc[8 + 5] = 0;
+    p.q_doc_stride[1] = (int64_t)1 << 61;
+    expect_fail(hexiseq_attn_forward_cpu(&p), HEXISEQ_ERR_INVALID, "q_doc_stride[1]", "q_doc stride");
+    /* stride 0 over the batch: one layout for every batch row */
+    p = params_of(&pr);
+    p.q_doc_stride[0] = 0;
+    EXPECT(hexiseq_attn_forward_cpu(&p) == HEXISEQ_OK, "q_doc broadcast over the batch: %s", hexiseq_last_error());
+    problem_free(&pr);
+}
+
 int main(void) {
     clock_t t0 = clock();
     test_conversions();
@@ -808,6 +1024,10 @@ int main(void) {
     test_configs();
     test_splits();
     test_determinism();
+    test_documents();
+    test_documents_one();
+    test_documents_skip();
+    test_documents_refused();
     fprintf(stderr, "cpu time %.2f s\n", (double)(clock() - t0) / CLOCKS_PER_SEC);
     printf("%d passed, %d failed\n", n_passed, n_failed);
     return n_failed == 0 ? 0 : 1;

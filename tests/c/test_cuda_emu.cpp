@@ -544,6 +544,16 @@ void test_refusals() {
                strstr(hexiseq_last_error(), "HEXISEQ_CUDA_BACKWARD=fast") != nullptr,
            "HEXISEQ_CUDA_BACKWARD=fast must be refused by name: %s", hexiseq_last_error());
     unsetenv("HEXISEQ_CUDA_BACKWARD");
+    // A document mask runs on the CPU kernels only: refused by name, forward and backward, before any q_doc value
+    // is read (on a GPU it would be device memory).
+    const int64_t doc[1] = {0};
+    p.q_doc = doc, p.causal = 1;
+    for (int backward = 0; backward < 2; ++backward) {
+        const hexiseq_status s = backward ? hexiseq_attn_backward_cuda(&p, nullptr) : hexiseq_attn_forward_cuda(&p, nullptr);
+        EXPECT(s == HEXISEQ_ERR_UNSUPPORTED && strstr(hexiseq_last_error(), "q_doc") != nullptr &&
+                   strstr(hexiseq_last_error(), "CPU") != nullptr,
+               "q_doc must be refused by the CUDA %s: %s", backward ? "backward" : "forward", hexiseq_last_error());
+    }
 }
 
 } // namespace
