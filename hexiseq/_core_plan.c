@@ -273,66 +273,52 @@ static PyObject *plan_cost_to_dict(const hexiseq_plan_cost *p) {
 
 /* Per-device cost columns, in the layout's device order. */
 static PyObject *device_costs_to_dict(const hexiseq_device_cost *dc, npy_intp n) {
+    /* every column of hexiseq_device_cost: a double, or an int32 where is_int */
     static const struct {
         const char *name;
         size_t offset;
+        int is_int;
     } cols[] = {
-        {"gemm_s", offsetof(hexiseq_device_cost, gemm_s)},
-        {"layer_gemm_s", offsetof(hexiseq_device_cost, layer_gemm_s)},
-        {"attn_s", offsetof(hexiseq_device_cost, attn_s)},
-        {"a2a_s", offsetof(hexiseq_device_cost, a2a_s)},
-        {"ring_exposed_s", offsetof(hexiseq_device_cost, ring_exposed_s)},
-        {"busy_s", offsetof(hexiseq_device_cost, busy_s)},
-        {"mem_states_gib", offsetof(hexiseq_device_cost, mem_states_gib)},
-        {"mem_act_gib", offsetof(hexiseq_device_cost, mem_act_gib)},
-        {"mem_attn_gib", offsetof(hexiseq_device_cost, mem_attn_gib)},
-        {"mem_ring_gib", offsetof(hexiseq_device_cost, mem_ring_gib)},
-        {"mem_total_gib", offsetof(hexiseq_device_cost, mem_total_gib)},
-        {"mem_cap_gib", offsetof(hexiseq_device_cost, mem_cap_gib)},
-        {"state_share", offsetof(hexiseq_device_cost, state_share)},
-        {"ring_send_bytes", offsetof(hexiseq_device_cost, ring_send_bytes)},
-        {"ring_recv_bytes", offsetof(hexiseq_device_cost, ring_recv_bytes)},
-        {"a2a_send_bytes", offsetof(hexiseq_device_cost, a2a_send_bytes)},
-        {"a2a_recv_bytes", offsetof(hexiseq_device_cost, a2a_recv_bytes)},
+        {"gemm_s", offsetof(hexiseq_device_cost, gemm_s), 0},
+        {"layer_gemm_s", offsetof(hexiseq_device_cost, layer_gemm_s), 0},
+        {"attn_s", offsetof(hexiseq_device_cost, attn_s), 0},
+        {"a2a_s", offsetof(hexiseq_device_cost, a2a_s), 0},
+        {"ring_exposed_s", offsetof(hexiseq_device_cost, ring_exposed_s), 0},
+        {"busy_s", offsetof(hexiseq_device_cost, busy_s), 0},
+        {"mem_states_gib", offsetof(hexiseq_device_cost, mem_states_gib), 0},
+        {"mem_act_gib", offsetof(hexiseq_device_cost, mem_act_gib), 0},
+        {"mem_attn_gib", offsetof(hexiseq_device_cost, mem_attn_gib), 0},
+        {"mem_ring_gib", offsetof(hexiseq_device_cost, mem_ring_gib), 0},
+        {"mem_total_gib", offsetof(hexiseq_device_cost, mem_total_gib), 0},
+        {"mem_cap_gib", offsetof(hexiseq_device_cost, mem_cap_gib), 0},
+        {"state_share", offsetof(hexiseq_device_cost, state_share), 0},
+        {"ring_send_bytes", offsetof(hexiseq_device_cost, ring_send_bytes), 0},
+        {"ring_recv_bytes", offsetof(hexiseq_device_cost, ring_recv_bytes), 0},
+        {"a2a_send_bytes", offsetof(hexiseq_device_cost, a2a_send_bytes), 0},
+        {"a2a_recv_bytes", offsetof(hexiseq_device_cost, a2a_recv_bytes), 0},
+        {"kv_lo", offsetof(hexiseq_device_cost, kv_lo), 1},
+        {"kv_count", offsetof(hexiseq_device_cost, kv_count), 1},
+        {"first_lo", offsetof(hexiseq_device_cost, first_lo), 1},
+        {"first_count", offsetof(hexiseq_device_cost, first_count), 1},
     };
     PyObject *out = PyDict_New();
     if (!out)
         return NULL;
     for (size_t c = 0; c < sizeof cols / sizeof cols[0]; ++c) {
-        PyObject *arr = PyArray_SimpleNew(1, &n, NPY_DOUBLE);
+        PyObject *arr = PyArray_SimpleNew(1, &n, cols[c].is_int ? NPY_INT32 : NPY_DOUBLE);
         if (!arr) {
             Py_DECREF(out);
             return NULL;
         }
-        double *dst = PyArray_DATA((PyArrayObject *)arr);
-        for (npy_intp i = 0; i < n; ++i)
-            dst[i] = *(const double *)((const char *)&dc[i] + cols[c].offset);
+        void *dst = PyArray_DATA((PyArrayObject *)arr);
+        for (npy_intp i = 0; i < n; ++i) {
+            const char *field = (const char *)&dc[i] + cols[c].offset;
+            if (cols[c].is_int)
+                ((int32_t *)dst)[i] = *(const int32_t *)field;
+            else
+                ((double *)dst)[i] = *(const double *)field;
+        }
         int rc = PyDict_SetItemString(out, cols[c].name, arr);
-        Py_DECREF(arr);
-        if (rc < 0) {
-            Py_DECREF(out);
-            return NULL;
-        }
-    }
-    static const struct {
-        const char *name;
-        size_t offset;
-    } ints[] = {
-        {"kv_lo", offsetof(hexiseq_device_cost, kv_lo)},
-        {"kv_count", offsetof(hexiseq_device_cost, kv_count)},
-        {"first_lo", offsetof(hexiseq_device_cost, first_lo)},
-        {"first_count", offsetof(hexiseq_device_cost, first_count)},
-    };
-    for (size_t c = 0; c < sizeof ints / sizeof ints[0]; ++c) {
-        PyObject *arr = PyArray_SimpleNew(1, &n, NPY_INT32);
-        if (!arr) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        int32_t *dst = PyArray_DATA((PyArrayObject *)arr);
-        for (npy_intp i = 0; i < n; ++i)
-            dst[i] = *(const int32_t *)((const char *)&dc[i] + ints[c].offset);
-        int rc = PyDict_SetItemString(out, ints[c].name, arr);
         Py_DECREF(arr);
         if (rc < 0) {
             Py_DECREF(out);
