@@ -410,4 +410,5 @@ void hexiseq_training_default(hexiseq_training *out) {
     out->sharding = HEXISEQ_SHARD_FULL;
     out->reserved_gib = 2.0;
     out->state_shares = HEXISEQ_STATES_EVEN;
+    out->documents = NULL;
 }

@@ -66,12 +66,15 @@ void hexiseq_layout_copy(hexiseq_layout *dst, const hexiseq_layout *src) {
     memcpy(dst->tokens, src->tokens, (size_t)src->n_devices * sizeof *src->tokens);
     memcpy(dst->head_lo, src->head_lo, (size_t)src->n_devices * sizeof *src->head_lo);
     memcpy(dst->head_count, src->head_count, (size_t)src->n_devices * sizeof *src->head_count);
+    dst->chunking = src->chunking;
 }
 
 hexiseq_status hexiseq_layout_spans(const hexiseq_layout *l, hexiseq_group_span *spans) {
     hexiseq_clear_error();
     if (!l || !spans || !l->group_seq)
         return hexiseq_fail(HEXISEQ_ERR_NULL, "layout and spans must not be NULL");
+    if (l->chunking != HEXISEQ_CHUNK_ZIGZAG && l->chunking != HEXISEQ_CHUNK_CONTIGUOUS)
+        return hexiseq_fail(HEXISEQ_ERR_LAYOUT, "chunking must be 0 (zigzag) or 1 (contiguous), got %d", l->chunking);
     int64_t total = 0;
     for (int32_t g = 0; g < l->n_groups; ++g) {
         if (l->group_seq[g] < 0 || l->group_seq[g] > HEXISEQ_MAX_SEQ_LEN - total)
@@ -81,10 +84,10 @@ hexiseq_status hexiseq_layout_spans(const hexiseq_layout *l, hexiseq_group_span 
     }
     int64_t front = 0, back_end = total;
     for (int32_t g = 0; g < l->n_groups; ++g) {
-        int64_t b = l->group_seq[g] / 2, a = l->group_seq[g] - b;
+        int64_t b = l->chunking == HEXISEQ_CHUNK_CONTIGUOUS ? 0 : l->group_seq[g] / 2, a = l->group_seq[g] - b;
         spans[g].front_start = front;
         spans[g].front_len = a;
-        spans[g].back_start = back_end - b;
+        spans[g].back_start = l->chunking == HEXISEQ_CHUNK_CONTIGUOUS ? front + a : back_end - b;
         spans[g].back_len = b;
         front += a;
         back_end -= b;
@@ -109,15 +112,17 @@ int64_t hexiseq_causal_pairs(int64_t q0, int64_t q1, int64_t k0, int64_t k1) {
     return pairs;
 }
 
-/* Visible (query, key) pairs between the positions of groups gq (queries) and gk (keys). */
-static double group_pairs(const hexiseq_group_span *sq, const hexiseq_group_span *sk, int32_t causal) {
+/* Visible (query, key) pairs between the positions of groups gq (queries) and gk (keys); under `docs` (not
+ * NULL only when causal) inside one document. */
+static double group_pairs(const hexiseq_group_span *sq, const hexiseq_group_span *sk, int32_t causal,
+                          const hexiseq_documents *docs) {
     int64_t qs[2][2] = {{sq->front_start, sq->front_start + sq->front_len}, {sq->back_start, sq->back_start + sq->back_len}};
     int64_t ks[2][2] = {{sk->front_start, sk->front_start + sk->front_len}, {sk->back_start, sk->back_start + sk->back_len}};
     double total = 0.0;
     for (int i = 0; i < 2; ++i)
         for (int j = 0; j < 2; ++j) {
             if (causal)
-                total += (double)hexiseq_causal_pairs(qs[i][0], qs[i][1], ks[j][0], ks[j][1]);
+                total += (double)hexiseq_visible_pairs(docs, qs[i][0], qs[i][1], ks[j][0], ks[j][1]);
             else
                 total += (double)(qs[i][1] - qs[i][0]) * (double)(ks[j][1] - ks[j][0]);
         }
@@ -153,6 +158,8 @@ static hexiseq_status validate_layout(const hexiseq_cluster *c, const hexiseq_mo
     if (seq_sum != seq_len)
         return hexiseq_fail(HEXISEQ_ERR_LAYOUT, "group sequence lengths must add up to seq_len=%lld, they add up to %lld",
                             (long long)seq_len, (long long)seq_sum);
+    if (l->chunking != HEXISEQ_CHUNK_ZIGZAG && l->chunking != HEXISEQ_CHUNK_CONTIGUOUS)
+        return hexiseq_fail(HEXISEQ_ERR_LAYOUT, "chunking must be 0 (zigzag) or 1 (contiguous), got %d", l->chunking);
     unsigned char *seen = calloc((size_t)c->n_devices, 1);
     if (!seen)
         return hexiseq_fail(HEXISEQ_ERR_NOMEM, "cannot allocate %d bytes", c->n_devices);
@@ -221,6 +228,7 @@ typedef struct {
     const hexiseq_layout *l;
     int64_t seq_len;
     int32_t causal;
+    const hexiseq_documents *docs; /* the training's documents, or NULL */
     int32_t *group_of;        /* [n_devices] group of layout slot r */
     int32_t *offset;          /* [n_groups + 1] first slot of each group */
     hexiseq_group_span *span; /* [n_groups] */
@@ -450,12 +458,15 @@ static void ring_step(const cost_ctx *x, const hexiseq_device_info *d, int32_t h
     double fwd_passes = 1.0 + (x->t->checkpointing ? 1.0 : 0.0);
     double sq = (double)x->l->group_seq[g];
     /* causal blocks run as zigzag half-chunks: the kernel sees blocks half as long */
-    double block = (sq < sk ? sq : sk) * (x->causal ? 0.5 : 1.0);
+    double block = (sq < sk ? sq : sk) * (x->causal && x->l->chunking == HEXISEQ_CHUNK_ZIGZAG ? 0.5 : 1.0);
     double fwd = 0.0;
-    if (pairs > 0 && split_diag && diag) {
+    if (pairs > 0 && split_diag && diag) { /* (x->docs: the diagonal blocks' pairs are the documents' own) */
         /* own positions: front x front and back x back are causal diagonal blocks, back x front full */
-        double fl = (double)x->span[g].front_len, bl = (double)x->span[g].back_len;
-        double diag_f = fl * (fl + 1.0) / 2.0, diag_b = bl * (bl + 1.0) / 2.0, rest = pairs - diag_f - diag_b;
+        const hexiseq_group_span *sp = &x->span[g];
+        double fl = (double)sp->front_len, bl = (double)sp->back_len;
+        int64_t f0 = sp->front_start, f1 = f0 + sp->front_len, b0 = sp->back_start, b1 = b0 + sp->back_len;
+        double diag_f = (double)hexiseq_visible_pairs(x->docs, f0, f1, f0, f1);
+        double diag_b = (double)hexiseq_visible_pairs(x->docs, b0, b1, b0, b1), rest = pairs - diag_f - diag_b;
         double pair_time = 0.0; /* sum over blocks of pairs / rate; times FLOPs per pair = seconds */
         if (fl > 0)
             pair_time += diag_f / attn_diag_rate_flops(d, fl);
@@ -494,7 +505,7 @@ static double side_pairs(const cost_ctx *x, int32_t g, int64_t sk, int before) {
         k.front_start = q->front_start + q->front_len;
         k.back_start = q->back_start - k.back_len;
     }
-    return group_pairs(q, &k, x->causal);
+    return group_pairs(q, &k, x->causal, NULL); /* grouped pricing runs without documents */
 }
 
 /* Attention and exposed ring time of slot r over the whole step. Ring step k attends the group's queries
@@ -581,7 +592,8 @@ static int cmp_ring_pair(const void *a, const void *b) {
 static int ring_types_build(cost_ctx *x) {
     int32_t G = x->l->n_groups;
     x->n_types = 0;
-    if (G <= hexiseq_grouped_above)
+    /* documents and contiguous chunks break the stand-in spans of side_pairs: price step by step */
+    if (G <= hexiseq_grouped_above || x->docs || x->l->chunking != HEXISEQ_CHUNK_ZIGZAG)
         return 1;
     ring_pair *pairs = malloc((size_t)G * sizeof *pairs);
     x->type_of = malloc((size_t)G * sizeof *x->type_of);
@@ -880,7 +892,7 @@ static double lower_bound_s(const cost_ctx *x) {
     double gemm_flops = seqs * S *
                         (x->m->layers * layer_gemm_flops_per_token(x->m) * gemm_passes(x->t) +
                          head_gemm_flops_per_token(x->m) * (1.0 + GEMM_BWD_FACTOR));
-    double pairs = x->causal ? S * (S + 1.0) / 2.0 : S * S;
+    double pairs = x->docs ? (double)x->docs->tri[x->docs->n] : x->causal ? S * (S + 1.0) / 2.0 : S * S;
     double attn_flops = seqs * x->m->layers * attn_fwd_flops(x->m, pairs, x->m->heads) * attn_passes(x->t);
     return gemm_flops / gemm_rate + attn_flops / attn_rate;
 }
@@ -957,6 +969,20 @@ static hexiseq_status validate_training(const hexiseq_training *t) {
     return HEXISEQ_OK;
 }
 
+hexiseq_status hexiseq_check_documents(const hexiseq_training *t, int64_t seq_len, int32_t causal) {
+    const hexiseq_documents *d = t->documents;
+    if (!d)
+        return HEXISEQ_OK;
+    if (d->n < 1 || !d->end || !d->tri)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "training.documents must come from hexiseq_documents_init");
+    if (!causal)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "documents need causal attention (the document mask is causal)");
+    if (d->end[d->n - 1] != seq_len)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "documents must add up to seq_len=%lld, they add up to %lld",
+                            (long long)seq_len, (long long)d->end[d->n - 1]);
+    return HEXISEQ_OK;
+}
+
 hexiseq_status hexiseq_check_inputs(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
                                     int64_t seq_len) {
     if (!c || !m || !t)
@@ -978,6 +1004,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     HEXISEQ_CHECK(hexiseq_check_inputs(c, m, t, seq_len));
     if (causal != 0 && causal != 1)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "causal must be 0 or 1, got %d", causal);
+    HEXISEQ_CHECK(hexiseq_check_documents(t, seq_len, causal));
     HEXISEQ_CHECK(validate_layout(c, m, seq_len, l));
 
     cost_ctx x;
@@ -988,6 +1015,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     x.l = l;
     x.seq_len = seq_len;
     x.causal = causal;
+    x.docs = t->documents;
     x.a2a_group = -1;
     x.group_of = malloc((size_t)l->n_devices * sizeof *x.group_of);
     x.offset = malloc(((size_t)l->n_groups + 1) * sizeof *x.offset);
@@ -1051,7 +1079,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         int first = r == x.offset[g];
         if (first) { /* the group's pairs per ring step (grouped pricing needs only its own block's) */
             for (int32_t k = 0; k < (x.n_types ? 1 : G); ++k)
-                x.step_pairs[k] = group_pairs(&x.span[g], &x.span[(g - k + G) % G], causal);
+                x.step_pairs[k] = group_pairs(&x.span[g], &x.span[(g - k + G) % G], causal, x.docs);
             if (x.n_types && g > 0)
                 x.type_before[x.type_of[g - 1]]++;
             if (!a2a_kinds_build(&x, g)) {

@@ -160,13 +160,32 @@ typedef enum {
                                      a small device holds less (run it with hexiseq.shard_states) */
 } hexiseq_state_shares;
 
+/* The documents packed into each sequence, for the document-causal mask (a query sees the keys of its own
+ * document up to itself). Built once per batch by hexiseq_documents_init from the lengths in sequence order;
+ * the cost model then counts the visible pairs of any two position ranges in O(log n). */
+typedef struct {
+    int64_t n;     /* documents */
+    int64_t *end;  /* [n] exclusive end position of each document, increasing; end[n - 1] = seq_len */
+    int64_t *tri;  /* [n + 1] tri[i] = visible pairs of documents 0 .. i-1 (sum of len (len + 1) / 2) */
+} hexiseq_documents;
+
+/* lengths[0 .. n): every length >= 1, sum <= HEXISEQ's longest sequence. Free with hexiseq_documents_free. */
+HEXISEQ_API hexiseq_status hexiseq_documents_init(const int64_t *lengths, int64_t n, hexiseq_documents *out);
+HEXISEQ_API void hexiseq_documents_free(hexiseq_documents *docs);
+/* Visible (query, key) pairs for queries in [q0, q1) and keys in [k0, k1): causal, and inside one document
+ * when `docs` is not NULL. */
+HEXISEQ_API int64_t hexiseq_visible_pairs(const hexiseq_documents *docs, int64_t q0, int64_t q1, int64_t k0,
+                                          int64_t k1);
+
 typedef struct {
     int32_t sequences;       /* sequences per step, each of seq_len tokens, run one after another */
     int32_t checkpointing;   /* 1: full activation checkpointing (recompute each layer's forward) */
     int32_t sharding;        /* hexiseq_sharding */
     double reserved_gib;     /* per-device memory kept back for the framework, CUDA context, fragmentation */
-    int32_t state_shares;    /* hexiseq_state_shares (last, so that {sequences, checkpointing, sharding,
-                                reserved_gib} initialisers keep meaning even shares) */
+    int32_t state_shares;    /* hexiseq_state_shares (after the first four, so that {sequences, checkpointing,
+                                sharding, reserved_gib} initialisers keep meaning even shares) */
+    const hexiseq_documents *documents; /* NULL: one causal document per sequence; else every sequence packs
+                                these documents (causal only; their lengths sum to seq_len) */
 } hexiseq_training;
 
 HEXISEQ_API void hexiseq_training_default(hexiseq_training *out);
@@ -177,6 +196,14 @@ HEXISEQ_API void hexiseq_training_default(hexiseq_training *out);
  * with offset_g = sum of earlier group sizes; per-device arrays share that order.
  * Inside a group the member order is the rank order: token shares are laid out in it and head ranges
  * must tile [0, heads) in it (head_lo[first] = 0, each next starts where the last ended). */
+/* How a group's S_g positions lie in the sequence. */
+typedef enum {
+    HEXISEQ_CHUNK_ZIGZAG = 0,     /* a front chunk and its mirrored back chunk: balances one causal document */
+    HEXISEQ_CHUNK_CONTIGUOUS = 1  /* one contiguous range per group, in ring order from position 0: with many
+                                     short documents the work sits near the diagonal and is balanced by
+                                     lengths alone, and a group's queries meet fewer remote keys */
+} hexiseq_chunking;
+
 typedef struct {
     int32_t n_groups;
     int32_t n_devices;
@@ -186,15 +213,17 @@ typedef struct {
     int64_t *tokens;         /* [n_devices] s_r, token-parallel share; sum over a group = S_g */
     int32_t *head_lo;        /* [n_devices] first query head of the device's range */
     int32_t *head_count;     /* [n_devices] h_r, may be 0 */
+    int32_t chunking;        /* hexiseq_chunking (hexiseq_layout_alloc: zigzag) */
 } hexiseq_layout;
 
 /* Allocates the arrays (zeroed); free with hexiseq_layout_free. */
 HEXISEQ_API hexiseq_status hexiseq_layout_alloc(int32_t n_groups, int32_t n_devices, hexiseq_layout *out);
 HEXISEQ_API void hexiseq_layout_free(hexiseq_layout *layout);
 
-/* Positions of group g under the load-balanced causal layout: a front chunk [front_start, front_start +
- * front_len) and a back chunk [back_start, back_start + back_len). Front chunks follow the ring order from
- * position 0; back chunks mirror them from the end of the sequence (zigzag, generalised to unequal S_g). */
+/* Positions of group g: a front chunk [front_start, front_start + front_len) and a back chunk [back_start,
+ * back_start + back_len). Front chunks follow the ring order from position 0. Zigzag: back chunks mirror
+ * them from the end of the sequence (generalised to unequal S_g). Contiguous: the front chunk is all S_g
+ * positions and the back chunk is empty (back_start = its end). */
 typedef struct {
     int64_t front_start, front_len, back_start, back_len;
 } hexiseq_group_span;

@@ -81,6 +81,8 @@ static inline int64_t hexiseq_even_share(int64_t total, int64_t parts, int64_t i
 }
 
 /* Validates cluster, model, training and seq_len (not the layout). */
+/* Documents of the training (if any) against the sequence: causal, lengths adding up to seq_len. */
+hexiseq_status hexiseq_check_documents(const hexiseq_training *t, int64_t seq_len, int32_t causal);
 hexiseq_status hexiseq_check_inputs(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
                                     int64_t seq_len);
 

@@ -453,10 +453,9 @@ static void round_groups(sched *s, hexiseq_layout *l, shares_ws *w) {
     round_shares(w->gseq, l->n_groups, s->S, TOKEN_GRANULE, 1, l->group_seq, w->tmpd, w->order);
 }
 
-/* Complete and optimise the shares of a structure (l->group_size, l->device set) and offer the result.
- * `unit` is the head granularity (1 or heads per kv head). */
-hexiseq_status hexiseq_sched_optimise_shares(sched *s, hexiseq_layout *l, shares_ws *w, int32_t unit,
-                                      hexiseq_plan_cost *out) {
+/* Complete and optimise the shares of a structure under its chunking (l->chunking). */
+static hexiseq_status optimise_chunking(sched *s, hexiseq_layout *l, shares_ws *w, int32_t unit,
+                                        hexiseq_plan_cost *out) {
     int32_t G = l->n_groups;
     w->offset[0] = 0;
     for (int32_t g = 0; g < G; ++g)
@@ -526,6 +525,40 @@ hexiseq_status hexiseq_sched_optimise_shares(sched *s, hexiseq_layout *l, shares
     free(capacity);
     if (out && have_local)
         *out = best_local;
+    return st;
+}
+
+/* Complete and optimise the shares of a structure (l->group_size, l->device set) and offer the result.
+ * `unit` is the head granularity (1 or heads per kv head). One causal document is balanced by the zigzag
+ * chunks alone. Packed documents may favour contiguous chunks (short documents keep the work near the
+ * diagonal, where contiguous ranges split it by length and meet fewer remote keys), so under documents both
+ * chunkings are optimised and the faster kept. */
+hexiseq_status hexiseq_sched_optimise_shares(sched *s, hexiseq_layout *l, shares_ws *w, int32_t unit,
+                                             hexiseq_plan_cost *out) {
+    l->chunking = HEXISEQ_CHUNK_ZIGZAG;
+    hexiseq_plan_cost zig;
+    zig.fits = 0;
+    zig.step_time_s = INFINITY;
+    HEXISEQ_CHECK(optimise_chunking(s, l, w, unit, &zig));
+    if (!s->t->documents) {
+        if (out)
+            *out = zig;
+        return HEXISEQ_OK;
+    }
+    hexiseq_layout alt;
+    HEXISEQ_CHECK(hexiseq_layout_alloc(l->n_groups, l->n_devices, &alt));
+    hexiseq_layout_copy(&alt, l);
+    alt.chunking = HEXISEQ_CHUNK_CONTIGUOUS;
+    hexiseq_plan_cost con;
+    con.fits = 0;
+    con.step_time_s = INFINITY;
+    hexiseq_status st = optimise_chunking(s, &alt, w, unit, &con);
+    int take = st == HEXISEQ_OK && hexiseq_cost_better(&con, &zig);
+    if (take)
+        hexiseq_layout_copy(l, &alt);
+    hexiseq_layout_free(&alt);
+    if (out)
+        *out = take ? con : zig;
     return st;
 }
 

@@ -62,6 +62,7 @@ hexiseq_status hexiseq_plan_strategy_ex(const hexiseq_cluster *c, const hexiseq_
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "strategy must be in [0, %d), got %d", HEXISEQ_STRATEGY_COUNT, strategy);
     if (causal != 0 && causal != 1)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "causal must be 0 or 1, got %d", causal);
+    HEXISEQ_CHECK(hexiseq_check_documents(t, seq_len, causal));
     if (options && !(options->time_limit_s <= 0 || isfinite(options->time_limit_s)))
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "time_limit_s must be finite (or <= 0 for none), got %g",
                             options->time_limit_s);

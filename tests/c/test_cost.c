@@ -149,7 +149,7 @@ static void test_one_device(void) {
     hexiseq_node_desc nd = node("A100-80G", 1, 100.0, 10.0, 2.0, 0.5, 0.25);
     hexiseq_cluster *c = NULL;
     EXPECT_OK(hexiseq_cluster_create(1, &nd, 10.0, NULL, &c));
-    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.5, HEXISEQ_STATES_EVEN};
+    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.5, HEXISEQ_STATES_EVEN, NULL};
     hexiseq_layout l;
     EXPECT_OK(hexiseq_layout_alloc(1, 1, &l));
     const int32_t gs[] = {1}, dv[] = {0}, lo[] = {0}, cnt[] = {4};
@@ -278,7 +278,7 @@ static void test_two_devices(void) {
     EXPECT_OK(hexiseq_cluster_latency(c, 1, 0, &lus));
     EXPECT(lus == 20.0, "default latency between nodes %g us", lus);
     const double pk[2] = {2.0, 4.0}, ge[2] = {0.5, 0.75}, ae[2] = {0.25, 0.5};
-    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN};
+    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL};
     const double S = 10, N = 2, P = tiny_params(), opt = 12.0;
     const double fpt = L * tiny_layer_fpt() * 3.0 + tiny_head_fpt() * 3.0;
     const double states = (2.0 * b + opt) * P / N + 3.0 * fmax(tiny_layer_params(), V * H) * b;
@@ -454,7 +454,7 @@ static void test_three_devices(void) {
     hexiseq_cluster *c = NULL;
     EXPECT_OK(hexiseq_cluster_create(2, nd, 5.0, NULL, &c));
     EXPECT(hexiseq_cluster_num_devices(c) == 3 && hexiseq_cluster_num_nodes(c) == 2, "3-device cluster sizes");
-    hexiseq_training t = {3, 1, HEXISEQ_SHARD_GRAD_OPT, 1.0, HEXISEQ_STATES_EVEN};
+    hexiseq_training t = {3, 1, HEXISEQ_SHARD_GRAD_OPT, 1.0, HEXISEQ_STATES_EVEN, NULL};
     hexiseq_layout l;
     EXPECT_OK(hexiseq_layout_alloc(2, 3, &l));
     const int32_t gs[] = {2, 1}, dv[] = {0, 1, 2}, lo[] = {0, 3, 0}, cnt[] = {3, 1, 4};
@@ -592,7 +592,7 @@ static void test_four_devices(void) {
         ge[r] = sp->gemm_eff;
         ae[r] = sp->attn_eff;
     }
-    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN};
+    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL};
     hexiseq_layout l;
     EXPECT_OK(hexiseq_layout_alloc(4, 4, &l));
     const int32_t gs[] = {1, 1, 1, 1}, dv[] = {0, 1, 2, 3}, lo[] = {0, 0, 0, 0}, cnt[] = {4, 4, 4, 4};
@@ -1272,7 +1272,7 @@ static void test_curves(void) {
     EXPECT(di.gemm_curve.n == 2 && di.attn_curve.n == 3 && di.attn_causal_curve.n == 3 && di.attn_curve.size[2] == 16 &&
                di.memory_gib == 7.0 && di.gpu_index >= 0 && strcmp(di.gpu_name, "A100-80G") == 0,
            "device info carries the curves and the device's memory");
-    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN};
+    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL};
     const double fpt = L * tiny_layer_fpt() * 3.0 + tiny_head_fpt() * 3.0;
     hexiseq_device_cost per[2];
     hexiseq_plan_cost pc;
@@ -1404,7 +1404,7 @@ static void test_latency(void) {
      * receives, in every forward step but the last (times 2 with checkpointing) and every backward step:
      * per layer and sequence ((G - 1) * fwd_passes + G) * lat(prev -> me). */
     for (int ck = 0; ck <= 1; ++ck) {
-        hexiseq_training t = {2, ck, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN};
+        hexiseq_training t = {2, ck, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL};
         const double reps = L * 2.0, fp = 1.0 + ck;
         hexiseq_layout l3, l2;
         EXPECT_OK(hexiseq_layout_alloc(3, 3, &l3));
@@ -1446,7 +1446,7 @@ static void test_latency(void) {
     /* Group {0 (heads 0-1: kv 0), 1 (heads 2-3: kv 1)} and group {2}: device 2 receives kv 0 from 0 and kv 1
      * from 1 (two messages; its sync is the larger latency); sends kv 0 to 0 and kv 1 to 1. The all-to-all
      * inside group 0 pays lat(0 -> 1) per message device 0 sends and lat(1 -> 0) per message it receives. */
-    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN};
+    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL};
     hexiseq_layout l;
     EXPECT_OK(hexiseq_layout_alloc(2, 3, &l));
     const int32_t gs[] = {2, 1}, dv[] = {0, 1, 2}, lo[] = {0, 2, 0}, cnt[] = {2, 2, 4};
@@ -1492,7 +1492,7 @@ static void test_grad_collectives(void) {
         for (int32_t sh = HEXISEQ_SHARD_FULL; sh <= HEXISEQ_SHARD_NONE; ++sh)
             for (int ck = 0; ck <= 1; ++ck)
                 for (int seqs = 1; seqs <= 3; seqs += 2) {
-                    hexiseq_training t = {seqs, ck, sh, 0.0, HEXISEQ_STATES_EVEN};
+                    hexiseq_training t = {seqs, ck, sh, 0.0, HEXISEQ_STATES_EVEN, NULL};
                     hexiseq_device_cost per[2];
                     hexiseq_plan_cost pc;
                     EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 10, 0, &l, per, &pc));
@@ -1533,7 +1533,7 @@ static void test_unknown_gpu(void) {
     EXPECT(di.gpu_index == -1 && strcmp(di.gpu_name, "MI300X") == 0 && di.memory_gib == 64.0 && di.peak_tflops == 500.0 &&
                di.gemm_eff == 0.6 && di.attn_eff == 0.4,
            "unknown GPU device: index %d name %s", di.gpu_index, di.gpu_name);
-    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN};
+    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL};
     hexiseq_layout l;
     EXPECT_OK(hexiseq_layout_alloc(1, 2, &l));
     const int32_t gs[] = {2}, dv[] = {0, 1}, lo[] = {0, 2}, cnt[] = {2, 2};
@@ -1679,8 +1679,8 @@ static void test_state_shares(void) {
                                   node("A100", 1, 100.0, (fixed + 0.15 * S) / GIB, 100.0, 0.5, 0.5)};
     hexiseq_cluster *c = NULL;
     EXPECT_OK(hexiseq_cluster_create(2, nodes, 10.0, NULL, &c));
-    hexiseq_training even = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN};
-    hexiseq_training mem = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_BY_MEMORY};
+    hexiseq_training even = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL};
+    hexiseq_training mem = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_BY_MEMORY, NULL};
     hexiseq_layout l;
     EXPECT_OK(hexiseq_layout_alloc(4, 4, &l));
     const int32_t gs[] = {1, 1, 1, 1}, dv[] = {0, 1, 2, 3}, lo[] = {0, 0, 0, 0}, cnt[] = {4, 4, 4, 4};
@@ -1726,10 +1726,10 @@ static void test_state_shares(void) {
         NEAR(pm[r].state_share, 0.25, "alike devices");
     NEAR(cm.grad_sync_s, 3 * (0.75 * P * b / 10e9 + lat), "alike devices' collectives");
     /* replicated states have no shares to move; a bad mode is refused by name */
-    hexiseq_training none = {1, 0, HEXISEQ_SHARD_NONE, 0.0, HEXISEQ_STATES_BY_MEMORY};
+    hexiseq_training none = {1, 0, HEXISEQ_SHARD_NONE, 0.0, HEXISEQ_STATES_BY_MEMORY, NULL};
     EXPECT_OK(hexiseq_evaluate(c, &TINY, &none, 4, 1, &l, pm, &cm));
     NEAR(pm[0].mem_states_gib, (2.0 * b + 12.0) * P / GIB, "replicated states");
-    hexiseq_training bad = {1, 0, HEXISEQ_SHARD_FULL, 0.0, 7};
+    hexiseq_training bad = {1, 0, HEXISEQ_SHARD_FULL, 0.0, 7, NULL};
     EXPECT_ERR(hexiseq_evaluate(c, &TINY, &bad, 4, 1, &l, pm, &cm), HEXISEQ_ERR_INVALID, "training.state_shares");
     hexiseq_layout_free(&l);
     hexiseq_cluster_destroy(c);

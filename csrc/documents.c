@@ -1,0 +1,100 @@
+/* Packed documents: the document-causal mask's visible pairs between two position ranges, for the cost
+ * model. A query at position q sees the keys of its own document from the document's start up to q. For
+ * queries [q0, q1) and keys [k0, k1) only documents meeting both ranges contribute; every document strictly
+ * between the first and the last of those lies inside both ranges and adds its whole triangle, which the
+ * prefix sums give at once. So a count costs two binary searches and two triangle clips: O(log n). */
+#include <stdlib.h>
+
+#include "internal.h"
+#include "status.h"
+
+hexiseq_status hexiseq_documents_init(const int64_t *lengths, int64_t n, hexiseq_documents *out) {
+    hexiseq_clear_error();
+    if (!out || (!lengths && n > 0))
+        return hexiseq_fail(HEXISEQ_ERR_NULL, "lengths and out must not be NULL");
+    out->n = 0;
+    out->end = NULL;
+    out->tri = NULL;
+    if (n < 1 || n > HEXISEQ_MAX_SEQ_LEN)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "documents must hold 1 to %lld lengths, got %lld",
+                            (long long)HEXISEQ_MAX_SEQ_LEN, (long long)n);
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        if (lengths[i] < 1 || lengths[i] > HEXISEQ_MAX_SEQ_LEN - total)
+            return hexiseq_fail(HEXISEQ_ERR_INVALID,
+                                "documents[%lld] must be >= 1 with a total <= %lld, got %lld", (long long)i,
+                                (long long)HEXISEQ_MAX_SEQ_LEN, (long long)lengths[i]);
+        total += lengths[i];
+    }
+    out->end = malloc((size_t)n * sizeof *out->end);
+    out->tri = malloc(((size_t)n + 1) * sizeof *out->tri);
+    if (!out->end || !out->tri) {
+        hexiseq_documents_free(out);
+        return hexiseq_fail(HEXISEQ_ERR_NOMEM, "cannot allocate %lld documents", (long long)n);
+    }
+    int64_t pos = 0;
+    out->tri[0] = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        pos += lengths[i];
+        out->end[i] = pos;
+        out->tri[i + 1] = out->tri[i] + lengths[i] * (lengths[i] + 1) / 2; /* <= total^2 / 2 < 2^60 */
+    }
+    out->n = n;
+    return HEXISEQ_OK;
+}
+
+void hexiseq_documents_free(hexiseq_documents *docs) {
+    if (!docs)
+        return;
+    free(docs->end);
+    free(docs->tri);
+    docs->end = NULL;
+    docs->tri = NULL;
+    docs->n = 0;
+}
+
+/* The document holding position p (p < end[n - 1]): the first with end > p. */
+static int64_t doc_of(const hexiseq_documents *d, int64_t p) {
+    int64_t lo = 0, hi = d->n - 1;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (d->end[mid] > p)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return lo;
+}
+
+/* Causal pairs of [q0, q1) x [k0, k1), both clipped to document i. */
+static int64_t in_doc(const hexiseq_documents *d, int64_t i, int64_t q0, int64_t q1, int64_t k0, int64_t k1) {
+    int64_t start = i ? d->end[i - 1] : 0, end = d->end[i];
+    return hexiseq_causal_pairs(q0 > start ? q0 : start, q1 < end ? q1 : end, k0 > start ? k0 : start,
+                                k1 < end ? k1 : end);
+}
+
+int64_t hexiseq_visible_pairs(const hexiseq_documents *d, int64_t q0, int64_t q1, int64_t k0, int64_t k1) {
+    if (!d || d->n == 0)
+        return hexiseq_causal_pairs(q0, q1, k0, k1);
+    int64_t S = d->end[d->n - 1];
+    q0 = q0 > 0 ? q0 : 0;
+    k0 = k0 > 0 ? k0 : 0;
+    q1 = q1 < S ? q1 : S;
+    k1 = k1 < S ? k1 : S;
+    if (q1 <= q0 || k1 <= k0 || k0 >= q1) /* empty, or every key after every query */
+        return 0;
+    /* keys ending before the queries start: only the document holding both k1 - 1 and q0, if one does */
+    if (k1 <= q0) {
+        int64_t i = doc_of(d, q0);
+        return (i ? d->end[i - 1] : 0) < k1 ? in_doc(d, i, q0, q1, k0, k1) : 0;
+    }
+    /* overlapping ranges: a document with a visible pair meets the overlap [max(q0, k0), min(q1, k1)), so
+     * the documents from a (holding its first position) to b (its last) are all that count; in_doc clips
+     * a and b to their own bounds, and the ones strictly between lie inside both ranges */
+    int64_t a = doc_of(d, q0 > k0 ? q0 : k0), b = doc_of(d, (q1 < k1 ? q1 : k1) - 1);
+    if (a == b)
+        return in_doc(d, a, q0, q1, k0, k1);
+    int64_t pairs = in_doc(d, a, q0, q1, k0, k1) + in_doc(d, b, q0, q1, k0, k1);
+    pairs += d->tri[b] - d->tri[a + 1];
+    return pairs;
+}
