@@ -329,6 +329,15 @@ HEXISEQ_API hexiseq_status hexiseq_plan_strategy_ex(const hexiseq_cluster *clust
                                                     const hexiseq_plan_options *options, hexiseq_layout *out,
                                                     hexiseq_plan_cost *cost, hexiseq_plan_info *info);
 
+/* Re-balance a layout for another batch: the same groups, members, head ranges and ring order (so the
+ * same all-to-all groups and ring), with the sequence split (S_g, token shares and chunking) optimised
+ * again for `training->documents`. For packed batches whose documents change every step: a few cost
+ * model evaluations instead of a full search. The result is never predicted slower than `in` itself
+ * when `in` already splits seq_len. `out` is allocated (free with hexiseq_layout_free). */
+HEXISEQ_API hexiseq_status hexiseq_rebalance(const hexiseq_cluster *cluster, const hexiseq_model *model,
+                                             const hexiseq_training *training, int64_t seq_len, int32_t causal,
+                                             const hexiseq_layout *in, hexiseq_layout *out, hexiseq_plan_cost *cost);
+
 #ifdef __cplusplus
 }
 #endif

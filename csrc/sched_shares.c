@@ -460,7 +460,8 @@ static hexiseq_status optimise_chunking(sched *s, hexiseq_layout *l, shares_ws *
     w->offset[0] = 0;
     for (int32_t g = 0; g < G; ++g)
         w->offset[g + 1] = w->offset[g] + l->group_size[g];
-    fill_heads(s, l, w, unit);
+    if (unit > 0)
+        fill_heads(s, l, w, unit);
     double *capacity = malloc((size_t)s->n * sizeof *capacity);
     if (!capacity)
         return hexiseq_fail(HEXISEQ_ERR_NOMEM, "scheduler scratch");

@@ -51,35 +51,60 @@ hexiseq_status hexiseq_sched_offer(sched *s, const hexiseq_layout *l, const hexi
     return HEXISEQ_OK;
 }
 
+static hexiseq_status sched_init(sched *s, const hexiseq_cluster *c, const hexiseq_model *m,
+                                 const hexiseq_training *t, int64_t seq_len, int32_t causal, hexiseq_budget *b) {
+    memset(s, 0, sizeof *s);
+    s->c = c;
+    s->m = m;
+    s->t = t;
+    s->S = seq_len;
+    s->causal = causal;
+    s->budget = b;
+    s->n = c->n_devices;
+    s->per = malloc((size_t)s->n * sizeof *s->per);
+    s->fgemm = malloc((size_t)s->n * sizeof *s->fgemm);
+    s->fattn = malloc((size_t)s->n * sizeof *s->fattn);
+    s->fgemm0 = malloc((size_t)s->n * sizeof *s->fgemm0);
+    s->fattn0 = malloc((size_t)s->n * sizeof *s->fattn0);
+    if (!s->per || !s->fgemm || !s->fattn || !s->fgemm0 || !s->fattn0)
+        return hexiseq_fail(HEXISEQ_ERR_NOMEM, "scheduler scratch for %d devices", s->n);
+    for (int32_t r = 0; r < s->n; ++r) {
+        s->fgemm[r] = hexiseq_gemm_plateau(&c->dev[r]);
+        s->fattn[r] = hexiseq_attn_plateau(&c->dev[r], causal);
+        s->fgemm0[r] = s->fgemm[r];
+        s->fattn0[r] = s->fattn[r];
+    }
+    return HEXISEQ_OK;
+}
+
+/* Hands the best layout to out/cost when the call succeeded (or ran out of time with one), frees the rest. */
+static hexiseq_status sched_finish(sched *s, hexiseq_status st, hexiseq_layout *out, hexiseq_plan_cost *cost) {
+    if (st == HEXISEQ_OK && !s->have_best)
+        st = hexiseq_fail(HEXISEQ_ERR_INTERNAL, "scheduler found no candidate");
+    int out_of_time = st == HEXISEQ_ERR_CANCELLED && s->budget->stopped == HEXISEQ_BUDGET_TIME && s->have_best;
+    if (st == HEXISEQ_OK || out_of_time) {
+        *out = s->best;
+        *cost = s->best_cost;
+        s->have_best = 0;
+    }
+    if (s->have_best)
+        hexiseq_layout_free(&s->best);
+    free(s->per);
+    free(s->fgemm);
+    free(s->fattn);
+    free(s->fgemm0);
+    free(s->fattn0);
+    return st;
+}
+
 hexiseq_status hexiseq_schedule(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
                                 int64_t seq_len, int32_t causal, const hexiseq_layout *seed,
                                 const hexiseq_plan_cost *seed_cost, hexiseq_budget *b, hexiseq_layout *out,
                                 hexiseq_plan_cost *cost) {
     sched s;
-    memset(&s, 0, sizeof s);
-    s.c = c;
-    s.m = m;
-    s.t = t;
-    s.S = seq_len;
-    s.causal = causal;
-    s.budget = b;
-    s.n = c->n_devices;
-    s.per = malloc((size_t)s.n * sizeof *s.per);
-    s.fgemm = malloc((size_t)s.n * sizeof *s.fgemm);
-    s.fattn = malloc((size_t)s.n * sizeof *s.fattn);
-    s.fgemm0 = malloc((size_t)s.n * sizeof *s.fgemm0);
-    s.fattn0 = malloc((size_t)s.n * sizeof *s.fattn0);
-    hexiseq_status st = HEXISEQ_OK;
-    if (!s.per || !s.fgemm || !s.fattn || !s.fgemm0 || !s.fattn0) {
-        st = hexiseq_fail(HEXISEQ_ERR_NOMEM, "scheduler scratch for %d devices", s.n);
-        goto out;
-    }
-    for (int32_t r = 0; r < s.n; ++r) {
-        s.fgemm[r] = hexiseq_gemm_plateau(&c->dev[r]);
-        s.fattn[r] = hexiseq_attn_plateau(&c->dev[r], causal);
-        s.fgemm0[r] = s.fgemm[r];
-        s.fattn0[r] = s.fattn[r];
-    }
+    hexiseq_status st = sched_init(&s, c, m, t, seq_len, causal, b);
+    if (st != HEXISEQ_OK)
+        return sched_finish(&s, st, out, cost);
     /* 0. the best uniform baseline, scored by the dispatcher */
     if (seed)
         st = hexiseq_sched_offer(&s, seed, seed_cost);
@@ -111,22 +136,75 @@ hexiseq_status hexiseq_schedule(const hexiseq_cluster *c, const hexiseq_model *m
             hexiseq_layout_free(&start);
         }
     }
-    if (st == HEXISEQ_OK && !s.have_best)
-        st = hexiseq_fail(HEXISEQ_ERR_INTERNAL, "scheduler found no candidate");
-    int out_of_time = st == HEXISEQ_ERR_CANCELLED && b->stopped == HEXISEQ_BUDGET_TIME && s.have_best;
-    if (st == HEXISEQ_OK || out_of_time) {
-        *out = s.best;
-        *cost = s.best_cost;
-        s.have_best = 0;
+    return sched_finish(&s, st, out, cost);
+}
+
+hexiseq_status hexiseq_rebalance(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
+                                 int64_t seq_len, int32_t causal, const hexiseq_layout *in, hexiseq_layout *out,
+                                 hexiseq_plan_cost *cost) {
+    hexiseq_clear_error();
+    if (!in || !out || !cost)
+        return hexiseq_fail(HEXISEQ_ERR_NULL, "in, out and cost must not be NULL");
+    memset(out, 0, sizeof *out);
+    HEXISEQ_CHECK(hexiseq_check_inputs(c, m, t, seq_len));
+    if (causal != 0 && causal != 1)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "causal must be 0 or 1, got %d", causal);
+    HEXISEQ_CHECK(hexiseq_check_documents(t, seq_len, causal));
+    if (in->n_devices != c->n_devices)
+        return hexiseq_fail(HEXISEQ_ERR_LAYOUT, "layout must place every one of the cluster's %d devices, it lists %d",
+                            c->n_devices, in->n_devices);
+    int64_t members = 0;
+    for (int32_t g = 0; g < in->n_groups && members <= in->n_devices; ++g)
+        members += in->group_size[g] >= 1 ? in->group_size[g] : in->n_devices + 1;
+    if (in->n_groups < 1 || members != in->n_devices)
+        return hexiseq_fail(HEXISEQ_ERR_LAYOUT, "layout groups must be non-empty and hold the %d devices",
+                            in->n_devices);
+    hexiseq_budget b;
+    hexiseq_budget_init(&b, NULL);
+    sched s;
+    hexiseq_status st = sched_init(&s, c, m, t, seq_len, causal, &b);
+    hexiseq_layout l;
+    memset(&l, 0, sizeof l);
+    shares_ws w;
+    memset(&w, 0, sizeof w);
+    if (st == HEXISEQ_OK)
+        st = hexiseq_layout_alloc(in->n_groups, in->n_devices, &l);
+    if (st == HEXISEQ_OK)
+        st = hexiseq_sched_ws_alloc(&w, in->n_groups, in->n_devices);
+    if (st == HEXISEQ_OK) {
+        hexiseq_layout_copy(&l, in);
+        /* the layout as it is, first: re-balancing never predicts worse than keeping it (this also
+         * validates it against the new sequence) */
+        hexiseq_plan_cost kept;
+        if (in->n_groups > 0) {
+            int64_t sum = 0;
+            for (int32_t g = 0; g < in->n_groups; ++g)
+                sum += in->group_seq[g];
+            if (sum == seq_len) {
+                st = hexiseq_sched_eval(&s, &l, &kept);
+                if (st == HEXISEQ_OK)
+                    st = hexiseq_sched_offer(&s, &l, &kept);
+            }
+        }
+        /* parked members stay parked; head ranges stay as they are */
+        for (int32_t r = 0; r < in->n_devices && st == HEXISEQ_OK; ++r) {
+            int32_t d = in->device[r];
+            if (d < 0 || d >= s.n) {
+                st = hexiseq_fail(HEXISEQ_ERR_LAYOUT, "layout lists device %d, not in [0, %d)", d, s.n);
+                break;
+            }
+            if (in->tokens[r] == 0)
+                s.fgemm[d] = 0.0;
+            if (in->head_count[r] == 0)
+                s.fattn[d] = 0.0;
+        }
+        if (st == HEXISEQ_OK) {
+            hexiseq_plan_cost got;
+            st = hexiseq_sched_optimise_shares(&s, &l, &w, 0, &got);
+        }
     }
-out:
-    if (s.have_best)
-        hexiseq_layout_free(&s.best);
-    free(s.per);
-    free(s.fgemm);
-    free(s.fattn);
-    free(s.fgemm0);
-    free(s.fattn0);
-    return st;
+    hexiseq_sched_ws_free(&w);
+    hexiseq_layout_free(&l);
+    return sched_finish(&s, st, out, cost);
 }
 

@@ -61,7 +61,8 @@ typedef struct {
 hexiseq_status hexiseq_sched_ws_alloc(shares_ws *w, int32_t G, int32_t n);
 void hexiseq_sched_ws_free(shares_ws *w);
 /* Complete and optimise the shares of a structure (l->group_size, l->device set), offer every round's
- * result, and leave the best round's layout in l (its cost in *out). `unit`: head granularity. */
+ * result, and leave the best round's layout in l (its cost in *out). `unit`: head granularity; 0 keeps
+ * the layout's head ranges as they are. */
 hexiseq_status hexiseq_sched_optimise_shares(sched *s, hexiseq_layout *l, shares_ws *w, int32_t unit,
                                              hexiseq_plan_cost *out);
 

@@ -251,14 +251,36 @@ static int parse_training(PyObject *module, PyObject *obj, hexiseq_training *t) 
     return int32_arg(module, PyTuple_GET_ITEM(obj, 4), names[3], names[3], dst[3]);
 }
 
+/* Documents from None (none) or a 1-D sequence of lengths into *d (free with hexiseq_documents_free);
+ * *use is d, or NULL for None. Returns 0 with an exception set on failure. */
+static int parse_documents(PyObject *module, PyObject *obj, hexiseq_documents *d, const hexiseq_documents **use) {
+    d->n = 0;
+    d->end = d->tri = NULL;
+    *use = NULL;
+    if (!obj || obj == Py_None)
+        return 1;
+    PyArrayObject *arr = as_array(obj, NPY_INT64, -1, "documents");
+    if (!arr)
+        return 0;
+    hexiseq_status st = hexiseq_documents_init(PyArray_DATA(arr), PyArray_SIZE(arr), d);
+    Py_DECREF(arr);
+    if (st != HEXISEQ_OK) {
+        raise_status(module, st);
+        return 0;
+    }
+    *use = d;
+    return 1;
+}
+
 static PyObject *layout_to_dict(const hexiseq_layout *l) {
-    return Py_BuildValue("{s:N,s:N,s:N,s:N,s:N,s:N}",
+    return Py_BuildValue("{s:N,s:N,s:N,s:N,s:N,s:N,s:i}",
                          "group_size", new_array(NPY_INT32, l->n_groups, l->group_size, sizeof(int32_t)),
                          "group_seq", new_array(NPY_INT64, l->n_groups, l->group_seq, sizeof(int64_t)),
                          "device", new_array(NPY_INT32, l->n_devices, l->device, sizeof(int32_t)),
                          "tokens", new_array(NPY_INT64, l->n_devices, l->tokens, sizeof(int64_t)),
                          "head_lo", new_array(NPY_INT32, l->n_devices, l->head_lo, sizeof(int32_t)),
-                         "head_count", new_array(NPY_INT32, l->n_devices, l->head_count, sizeof(int32_t)));
+                         "head_count", new_array(NPY_INT32, l->n_devices, l->head_count, sizeof(int32_t)),
+                         "chunking", (int)l->chunking);
 }
 
 static PyObject *plan_cost_to_dict(const hexiseq_plan_cost *p) {
@@ -407,10 +429,14 @@ static PyObject *core_int_range(PyObject *module, PyObject *arg) {
     return Py_BuildValue("(LL)", (long long)lo, (long long)hi);
 }
 
-/* layout_spans(group_seq) -> (front_start, front_len, back_start, back_len), int64 arrays by group: the
- * positions each group owns under the balanced causal layout (hexiseq_layout_spans, the rule the cost model
- * prices with). group_seq: a 1-D array of int64. */
-static PyObject *core_layout_spans(PyObject *module, PyObject *arg) {
+/* layout_spans(group_seq, chunking=0) -> (front_start, front_len, back_start, back_len), int64 arrays by
+ * group: the positions each group owns (hexiseq_layout_spans, the rule the cost model prices with).
+ * group_seq: a 1-D array of int64; chunking: hexiseq_chunking. */
+static PyObject *core_layout_spans(PyObject *module, PyObject *args) {
+    PyObject *arg;
+    int chunking = HEXISEQ_CHUNK_ZIGZAG;
+    if (!PyArg_ParseTuple(args, "O|i:layout_spans", &arg, &chunking))
+        return NULL;
     PyArrayObject *seq = (PyArrayObject *)PyArray_FROMANY(arg, NPY_INT64, 1, 1, NPY_ARRAY_IN_ARRAY);
     if (!seq)
         return NULL;
@@ -419,6 +445,7 @@ static PyObject *core_layout_spans(PyObject *module, PyObject *arg) {
     memset(&l, 0, sizeof l);
     l.n_groups = (int32_t)n;
     l.group_seq = (int64_t *)PyArray_DATA(seq);
+    l.chunking = chunking;
     hexiseq_group_span *spans = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *spans);
     if (!spans) {
         Py_DECREF(seq);
@@ -461,58 +488,75 @@ static PyObject *core_model_params(PyObject *module, PyObject *arg) {
     return PyFloat_FromDouble(p);
 }
 
-/* evaluate(nodes, inter_gbps, bandwidth, latency, devices, model, training, seq_len, causal, layout_dict)
- *   -> (per_device dict of arrays, plan dict) */
-static PyObject *core_evaluate(PyObject *module, PyObject *args) {
-    PyObject *nodes, *bw, *lat, *dev, *model_obj, *train_obj, *layout_obj;
-    double inter;
-    long long seq_len;
-    int causal;
-    if (!PyArg_ParseTuple(args, "OdOOOOOLpO!:evaluate", &nodes, &inter, &bw, &lat, &dev, &model_obj, &train_obj,
-                          &seq_len, &causal, &PyDict_Type, &layout_obj))
-        return NULL;
-    hexiseq_model m;
-    hexiseq_training t;
-    if (!parse_model(module, model_obj, &m) || !parse_training(module, train_obj, &t))
-        return NULL;
-
+/* A layout dict (the arrays, and "chunking" when not zigzag) as a hexiseq_layout over the arrays it converts
+ * into arr[6] (the caller releases them). Returns 0 with an exception set. */
+static int parse_layout(PyObject *module, PyObject *layout_obj, PyArrayObject **arr, hexiseq_layout *l) {
     static const char *keys[6] = {"group_size", "group_seq", "device", "tokens", "head_lo", "head_count"};
     static const int types[6] = {NPY_INT32, NPY_INT64, NPY_INT32, NPY_INT64, NPY_INT32, NPY_INT32};
-    PyArrayObject *arr[6] = {NULL};
-    PyObject *result = NULL;
-    hexiseq_cluster *c = NULL;
-    hexiseq_device_cost *per = NULL;
+    int32_t chunking = HEXISEQ_CHUNK_ZIGZAG;
+    PyObject *chunk_obj = PyDict_GetItemString(layout_obj, "chunking");
+    if (chunk_obj && !int32_arg(module, chunk_obj, "layout.chunking", "layout.chunking", &chunking))
+        return 0;
     for (int i = 0; i < 6; ++i) {
         PyObject *item = PyDict_GetItemString(layout_obj, keys[i]);
         if (!item) {
             PyErr_Format(PyExc_KeyError, "layout is missing '%s'", keys[i]);
-            goto done;
+            return 0;
         }
         arr[i] = as_array(item, types[i], -1, keys[i]);
         if (!arr[i])
-            goto done;
+            return 0;
     }
     npy_intp n_groups = PyArray_SIZE(arr[0]), n_dev = PyArray_SIZE(arr[2]);
     if (PyArray_SIZE(arr[1]) != n_groups) {
         PyErr_Format(PyExc_ValueError, "group_seq must have one entry per group (%zd), got %zd", (Py_ssize_t)n_groups,
                      (Py_ssize_t)PyArray_SIZE(arr[1]));
-        goto done;
+        return 0;
     }
     for (int i = 3; i < 6; ++i)
         if (PyArray_SIZE(arr[i]) != n_dev) {
             PyErr_Format(PyExc_ValueError, "%s must have one entry per device (%zd), got %zd", keys[i], (Py_ssize_t)n_dev,
                          (Py_ssize_t)PyArray_SIZE(arr[i]));
-            goto done;
+            return 0;
         }
     if (n_dev > INT32_MAX || n_groups > INT32_MAX) {
         PyErr_SetString(PyExc_ValueError, "layout is too large");
-        goto done;
+        return 0;
     }
+    *l = (hexiseq_layout){(int32_t)n_groups, (int32_t)n_dev, PyArray_DATA(arr[0]), PyArray_DATA(arr[1]),
+                          PyArray_DATA(arr[2]), PyArray_DATA(arr[3]), PyArray_DATA(arr[4]), PyArray_DATA(arr[5]),
+                          chunking};
+    return 1;
+}
+
+/* evaluate(nodes, inter_gbps, bandwidth, latency, devices, model, training, seq_len, causal, layout_dict
+ *          [, documents]) -> (per_device dict of arrays, plan dict). layout_dict may hold "chunking";
+ * documents: None or the lengths packed in each sequence. */
+static PyObject *core_evaluate(PyObject *module, PyObject *args) {
+    PyObject *nodes, *bw, *lat, *dev, *model_obj, *train_obj, *layout_obj, *docs_obj = Py_None;
+    double inter;
+    long long seq_len;
+    int causal;
+    if (!PyArg_ParseTuple(args, "OdOOOOOLpO!|O:evaluate", &nodes, &inter, &bw, &lat, &dev, &model_obj, &train_obj,
+                          &seq_len, &causal, &PyDict_Type, &layout_obj, &docs_obj))
+        return NULL;
+    hexiseq_model m;
+    hexiseq_training t;
+    hexiseq_documents docs;
+    if (!parse_model(module, model_obj, &m) || !parse_training(module, train_obj, &t) ||
+        !parse_documents(module, docs_obj, &docs, &t.documents))
+        return NULL;
+    PyArrayObject *arr[6] = {NULL};
+    PyObject *result = NULL;
+    hexiseq_cluster *c = NULL;
+    hexiseq_device_cost *per = NULL;
+    hexiseq_layout l;
+    if (!parse_layout(module, layout_obj, arr, &l))
+        goto done;
     c = make_cluster(module, nodes, inter, bw, lat, dev);
     if (!c)
         goto done;
-    hexiseq_layout l = {(int32_t)n_groups, (int32_t)n_dev, PyArray_DATA(arr[0]), PyArray_DATA(arr[1]),
-                        PyArray_DATA(arr[2]), PyArray_DATA(arr[3]), PyArray_DATA(arr[4]), PyArray_DATA(arr[5])};
+    npy_intp n_dev = l.n_devices;
     per = PyMem_Calloc(n_dev ? (size_t)n_dev : 1, sizeof *per);
     if (!per) {
         PyErr_NoMemory();
@@ -531,6 +575,7 @@ done:
         Py_XDECREF(arr[i]);
     hexiseq_cluster_destroy(c);
     PyMem_Free(per);
+    hexiseq_documents_free(&docs);
     return result;
 }
 
@@ -550,23 +595,27 @@ static int plan_progress_check(void *user) {
 }
 
 /* plan_strategy(nodes, inter_gbps, bandwidth, latency, devices, model, training, seq_len, causal, strategy
- *               [, time_limit_s]) -> (layout dict, info dict {stopped_early, evaluations, elapsed_s})
+ *               [, time_limit_s[, documents]]) -> (layout dict, info dict {stopped_early, evaluations, elapsed_s})
  * time_limit_s <= 0: no limit. A signal handler that raises (Ctrl-C) ends the call with its exception. */
 static PyObject *core_plan_strategy(PyObject *module, PyObject *args) {
-    PyObject *nodes, *bw, *lat, *dev, *model_obj, *train_obj;
+    PyObject *nodes, *bw, *lat, *dev, *model_obj, *train_obj, *docs_obj = Py_None;
     double inter, time_limit_s = 0.0;
     long long seq_len;
     int causal, strategy;
-    if (!PyArg_ParseTuple(args, "OdOOOOOLpi|d:plan_strategy", &nodes, &inter, &bw, &lat, &dev, &model_obj, &train_obj,
-                          &seq_len, &causal, &strategy, &time_limit_s))
+    if (!PyArg_ParseTuple(args, "OdOOOOOLpi|dO:plan_strategy", &nodes, &inter, &bw, &lat, &dev, &model_obj,
+                          &train_obj, &seq_len, &causal, &strategy, &time_limit_s, &docs_obj))
         return NULL;
     hexiseq_model m;
     hexiseq_training t;
-    if (!parse_model(module, model_obj, &m) || !parse_training(module, train_obj, &t))
+    hexiseq_documents docs;
+    if (!parse_model(module, model_obj, &m) || !parse_training(module, train_obj, &t) ||
+        !parse_documents(module, docs_obj, &docs, &t.documents))
         return NULL;
     hexiseq_cluster *c = make_cluster(module, nodes, inter, bw, lat, dev);
-    if (!c)
+    if (!c) {
+        hexiseq_documents_free(&docs);
         return NULL;
+    }
     hexiseq_layout l;
     hexiseq_plan_cost pc;
     hexiseq_plan_info info;
@@ -577,6 +626,7 @@ static PyObject *core_plan_strategy(PyObject *module, PyObject *args) {
                                                 &info);
     PyEval_RestoreThread(progress.saved);
     hexiseq_cluster_destroy(c);
+    hexiseq_documents_free(&docs);
     if (s != HEXISEQ_OK) {
         hexiseq_layout_free(&l);
         if (s == HEXISEQ_ERR_CANCELLED && PyErr_Occurred())
@@ -591,12 +641,56 @@ static PyObject *core_plan_strategy(PyObject *module, PyObject *args) {
                          "evaluations", (long long)info.evaluations, "elapsed_s", info.elapsed_s);
 }
 
+/* rebalance(nodes, inter_gbps, bandwidth, latency, devices, model, training, seq_len, causal, layout_dict,
+ *           documents) -> layout dict: hexiseq_rebalance. */
+static PyObject *core_rebalance(PyObject *module, PyObject *args) {
+    PyObject *nodes, *bw, *lat, *dev, *model_obj, *train_obj, *layout_obj, *docs_obj;
+    double inter;
+    long long seq_len;
+    int causal;
+    if (!PyArg_ParseTuple(args, "OdOOOOOLpO!O:rebalance", &nodes, &inter, &bw, &lat, &dev, &model_obj, &train_obj,
+                          &seq_len, &causal, &PyDict_Type, &layout_obj, &docs_obj))
+        return NULL;
+    hexiseq_model m;
+    hexiseq_training t;
+    hexiseq_documents docs;
+    if (!parse_model(module, model_obj, &m) || !parse_training(module, train_obj, &t) ||
+        !parse_documents(module, docs_obj, &docs, &t.documents))
+        return NULL;
+    PyObject *result = NULL;
+    hexiseq_cluster *c = NULL;
+    hexiseq_layout in;
+    PyArrayObject *arr[6] = {NULL};
+    if (!parse_layout(module, layout_obj, arr, &in))
+        goto done;
+    c = make_cluster(module, nodes, inter, bw, lat, dev);
+    if (!c)
+        goto done;
+    hexiseq_layout out;
+    hexiseq_plan_cost pc;
+    hexiseq_status s;
+    Py_BEGIN_ALLOW_THREADS s = hexiseq_rebalance(c, &m, &t, seq_len, causal, &in, &out, &pc);
+    Py_END_ALLOW_THREADS if (s != HEXISEQ_OK) {
+        raise_status(module, s);
+        goto done;
+    }
+    result = layout_to_dict(&out);
+    hexiseq_layout_free(&out);
+done:
+    for (int i = 0; i < 6; ++i)
+        Py_XDECREF(arr[i]);
+    hexiseq_cluster_destroy(c);
+    hexiseq_documents_free(&docs);
+    return result;
+}
+
 PyMethodDef core_plan_methods[] = {
     {"gpu_catalog", core_gpu_catalog, METH_NOARGS, "The built-in GPU catalog, a list of dicts."},
     {"gpu_find", core_gpu_find, METH_O, "Canonical catalog name of a GPU model name or alias."},
     {"check_cluster", core_check_cluster, METH_VARARGS, "Validate a cluster description; returns its device count."},
     {"int_range", core_int_range, METH_O, "(lo, hi) the core accepts for a named integer input."},
-    {"layout_spans", core_layout_spans, METH_O, "(front_start, front_len, back_start, back_len) of each group."},
+    {"rebalance", core_rebalance, METH_VARARGS, "A layout's sequence split re-optimised for new documents."},
+    {"layout_spans", core_layout_spans, METH_VARARGS, "(front_start, front_len, back_start, back_len) of each group."},
     {"model_params", core_model_params, METH_O, "Parameter count of a model tuple."},
     {"evaluate", core_evaluate, METH_VARARGS, "Score a layout: (per-device dict, plan dict)."},
     {"plan_strategy", core_plan_strategy, METH_VARARGS, "Best layout of a strategy, as a dict of arrays, and what the search did."},

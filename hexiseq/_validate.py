@@ -114,6 +114,24 @@ def parse_tokens(value, field="seq_len"):
 MAX_TOKENS = 1 << 30  # the core's limit (HEXISEQ_MAX_SEQ_LEN): keeps its pair counts inside int64
 
 
+def document_lengths(value, seq_len, field="documents"):
+    """Packed documents: their lengths in sequence order (a list, tuple, 1-D array or tensor of integers >= 1)
+    adding up to seq_len, as a read-only int64 array; None stays None (one document per sequence)."""
+    if value is None:
+        return None
+    if hasattr(value, "detach") and hasattr(value, "tolist"):  # a torch tensor
+        value = value.detach().cpu().numpy()
+    lengths = np.asarray(integers(value, field, 1, MAX_TOKENS), dtype=np.int64)
+    if lengths.size == 0:
+        raise InvalidArgumentError(f"{field} must hold at least one length, got {value!r}")
+    total = int(lengths.sum())
+    if total != seq_len:
+        raise InvalidArgumentError(f"{field} must add up to seq_len={seq_len}, they add up to {total} "
+                                   f"({lengths.size} lengths)")
+    lengths.setflags(write=False)
+    return lengths
+
+
 def nesting(value, field, limit=MAX_NESTING, max_items=MAX_ITEMS):
     """Refuse lists and mappings nested deeper than `limit` levels or holding more than `max_items` entries in all
     (a YAML file's aliases can make a few lines hold billions), checked without recursion, so that what reads,

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Union
 import numpy as np
 
 from . import _core
-from ._validate import boolean, integer, integers, load_json, number, parse_tokens
+from ._validate import boolean, document_lengths, integer, integers, load_json, number, parse_tokens
 from .cluster import Cluster
 from .errors import InternalError, InvalidArgumentError, LayoutError, MemoryFitError, UnsupportedError
 from .model import Model, Sharding, Training
@@ -36,6 +36,14 @@ class Strategy(str, enum.Enum):
 _CORE_STRATEGY = {s: _core.STRATEGIES[s.value] for s in Strategy if s is not Strategy.AUTO}  # the core's values
 BASELINES = (Strategy.RING, Strategy.ULYSSES, Strategy.USP)
 ALL_STRATEGIES = (Strategy.HEXISEQ,) + BASELINES
+
+
+def _documents(documents, seq_len, causal):
+    """Checked document lengths (or None): they add up to seq_len and need causal attention."""
+    documents = document_lengths(documents, seq_len)
+    if documents is not None and not causal:
+        raise InvalidArgumentError("documents need causal attention (the document mask is causal), got causal=False")
+    return documents
 
 
 def _strategy(value) -> Strategy:
@@ -63,12 +71,21 @@ class Layout:
 
     group_size[g], group_seq[g]: members and token positions of group g.
     device[r], tokens[r], head_lo[r], head_count[r]: the device at slot r, its token-parallel share, and
-    its query-head range [head_lo, head_lo + head_count)."""
+    its query-head range [head_lo, head_lo + head_count).
+    chunking: where a group's positions lie. "zigzag" (a front chunk and its mirrored back chunk, which
+    balances one causal document) or "contiguous" (one range per group in ring order, which the planner may
+    choose for packed documents)."""
 
     _ARRAYS = (("group_size", np.int32), ("group_seq", np.int64), ("device", np.int32), ("tokens", np.int64),
                ("head_lo", np.int32), ("head_count", np.int32))
+    CHUNKINGS = ("zigzag", "contiguous")  # by the core's value (hexiseq_chunking)
 
-    def __init__(self, group_size, group_seq, device, tokens, head_lo, head_count):
+    def __init__(self, group_size, group_seq, device, tokens, head_lo, head_count, chunking="zigzag"):
+        if isinstance(chunking, (int, np.integer)) and not isinstance(chunking, bool) and 0 <= chunking < 2:
+            chunking = self.CHUNKINGS[chunking]  # as the core hands it back
+        if chunking not in self.CHUNKINGS:
+            raise LayoutError(f"layout.chunking must be one of {list(self.CHUNKINGS)}, got {chunking!r}")
+        self.chunking = chunking
         values = dict(group_size=group_size, group_seq=group_seq, device=device, tokens=tokens, head_lo=head_lo,
                       head_count=head_count)
         for name, dtype in self._ARRAYS:
@@ -89,7 +106,7 @@ class Layout:
             raise LayoutError(f"group sizes add up to {int(self.group_size.sum())} devices, the layout lists {n}")
 
     @classmethod
-    def from_groups(cls, groups: List[dict]) -> "Layout":
+    def from_groups(cls, groups: List[dict], chunking="zigzag") -> "Layout":
         """From a list of groups in ring order, each {"devices": [...], "seq": S_g, "tokens": [...],
         "heads": [counts...]} or with "head_ranges": [[lo, hi), ...] instead of "heads"."""
         if not isinstance(groups, (list, tuple)) or not groups:
@@ -135,14 +152,14 @@ class Layout:
             tok += tokens
             lo += lows
             cnt += counts
-        return cls(gs, gq, dev, tok, lo, cnt)
+        return cls(gs, gq, dev, tok, lo, cnt, chunking)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Layout":
         if isinstance(d, dict) and "groups" in d:
-            return cls.from_groups(d["groups"])
+            return cls.from_groups(d["groups"], d.get("chunking", "zigzag"))
         if isinstance(d, dict) and all(name in d for name, _ in cls._ARRAYS):
-            return cls(*(d[name] for name, _ in cls._ARRAYS))
+            return cls(*(d[name] for name, _ in cls._ARRAYS), d.get("chunking", "zigzag"))
         raise LayoutError("a layout is {'groups': [...]} or a dict of the arrays "
                           + ", ".join(name for name, _ in cls._ARRAYS))
 
@@ -161,17 +178,20 @@ class Layout:
         return out
 
     def to_dict(self) -> dict:
-        return {"groups": self.groups()}
+        # zigzag is left out, so plans written before chunking existed keep their fingerprints
+        return {"groups": self.groups(), **({"chunking": self.chunking} if self.chunking != "zigzag" else {})}
 
     def _as_core(self) -> dict:
-        return {name: getattr(self, name) for name, _ in self._ARRAYS}
+        return {**{name: getattr(self, name) for name, _ in self._ARRAYS},
+                "chunking": self.CHUNKINGS.index(self.chunking)}
 
     def __eq__(self, other):
-        return isinstance(other, Layout) and all(
+        return isinstance(other, Layout) and self.chunking == other.chunking and all(
             np.array_equal(getattr(self, n), getattr(other, n)) for n, _ in self._ARRAYS)
 
     def __repr__(self):
-        return f"Layout(groups={self.group_size.tolist()}, group_seq={self.group_seq.tolist()})"
+        chunks = "" if self.chunking == "zigzag" else f", chunking={self.chunking!r}"
+        return f"Layout(groups={self.group_size.tolist()}, group_seq={self.group_seq.tolist()}{chunks})"
 
 
 class DeviceTable:
@@ -222,11 +242,16 @@ class Plan:
     write the layout). Times are for one training step: every layer, forward and backward.
 
     stopped_early: True when the planner's time limit (`plan(..., time_limit_s=...)`) ended the search:
-    the layout is the best found by then, valid but perhaps not the one a full search would return."""
+    the layout is the best found by then, valid but perhaps not the one a full search would return.
+    documents: the lengths of the documents packed in each sequence the plan was balanced and priced for (a
+    read-only int64 array), or None for one causal document per sequence. The runtime takes the documents of
+    each batch per call; a plan made for other documents still runs them exactly, only less balanced."""
 
     def __init__(self, cluster: Cluster, model: Model, training: Training, seq_len: int, causal: bool,
-                 strategy: str, layout: Layout, stopped_early: bool = False):
+                 strategy: str, layout: Layout, stopped_early: bool = False, documents=None):
         model.check_seq_len(seq_len)  # also for plans read from files
+        documents = _documents(documents, seq_len, causal)
+        self.documents = documents
         self.cluster = cluster
         self.model = model
         self.training = training
@@ -236,13 +261,13 @@ class Plan:
         self.layout = layout
         self.stopped_early = bool(stopped_early)
         per, cost = _core.evaluate(*cluster._core_args(), model._as_core(), training._as_core(), seq_len,
-                                   causal, layout._as_core())
+                                   causal, layout._as_core(), documents)
         if training.state_shares == "auto":  # even shares when they fit, else by memory when that fits
             training = self.training = dataclasses.replace(training, state_shares="even")
             if not cost["fits"]:
                 by_memory = dataclasses.replace(training, state_shares="memory")
                 per_m, cost_m = _core.evaluate(*cluster._core_args(), model._as_core(), by_memory._as_core(),
-                                               seq_len, causal, layout._as_core())
+                                               seq_len, causal, layout._as_core(), documents)
                 if cost_m["fits"]:
                     self.training, per, cost = by_memory, per_m, cost_m
         self._cost = cost
@@ -323,16 +348,18 @@ class Plan:
 
     def group_positions(self, group: int) -> np.ndarray:
         """Absolute token positions owned by a group, in the order its members' shares are laid out:
-        the front chunk then the mirrored back chunk (load-balanced causal layout)."""
+        the front chunk then, under zigzag chunking, the mirrored back chunk."""
         return np.concatenate([np.arange(p0, p0 + n) for p0, n in self.group_chunks(group)] or [np.arange(0)])
 
     def group_chunks(self, group: int):
         """The group's positions as contiguous chunks: [(first position, length), ...] in layout order, as the
-        core lays them out (hexiseq_layout_spans: the front chunk then the mirrored back chunk)."""
+        core lays them out (hexiseq_layout_spans: the front chunk then, under zigzag chunking, the mirrored back
+        chunk)."""
         group = self._group(group)
         spans = self.__dict__.get("_spans")
         if spans is None:
-            spans = self.__dict__["_spans"] = [a.tolist() for a in _core.layout_spans(self.layout.group_seq)]
+            chunking = Layout.CHUNKINGS.index(self.layout.chunking)
+            spans = self.__dict__["_spans"] = [a.tolist() for a in _core.layout_spans(self.layout.group_seq, chunking)]
         f0, fn, b0, bn = (col[group] for col in spans)
         return [(p0, n) for p0, n in ((f0, fn), (b0, bn)) if n > 0]
 
@@ -342,6 +369,20 @@ class Plan:
         if isinstance(group, (bool, np.bool_)) or not isinstance(group, (int, np.integer)) or not 0 <= group < g:
             raise InvalidArgumentError(f"group must be in [0, {g}), got {group!r}")
         return int(group)
+
+    def rebalanced(self, documents=None, seq_len=None) -> "Plan":
+        """This plan's structure (groups, members, head ranges, ring order) with the sequence split (S_g, token
+        shares, chunking) optimised again for another batch: `documents` (lengths in sequence order, or None for
+        one causal document) and, if given, another `seq_len`. It costs a few cost-model evaluations instead of a
+        search (milliseconds at 128 devices), so it can run every step; the all-to-all groups and the ring stay
+        the same. The result is never predicted slower than this plan's own split under the new batch."""
+        seq_len = self.seq_len if seq_len is None else parse_tokens(seq_len)
+        self.model.check_seq_len(seq_len)
+        documents = _documents(documents, seq_len, self.causal)
+        arrays = _core.rebalance(*self.cluster._core_args(), self.model._as_core(), self.training._as_core(),
+                                 seq_len, self.causal, self.layout._as_core(), documents)
+        return Plan(self.cluster, self.model, self.training, seq_len, self.causal, self.strategy, Layout(**arrays),
+                    documents=documents)
 
     def _dim(self, dim, ndim: int, what: str) -> int:
         """An axis of a tensor of `ndim` dimensions, negative counting from the end as NumPy and torch do."""
@@ -430,6 +471,8 @@ class Plan:
         ]
         if self.stopped_early:
             lines.append("  search           STOPPED EARLY at the time limit: the best plan found by then")
+        if self.documents is not None:
+            lines += _documents_lines(self)
         lines += [
             f"  step time        {self.step_time_s:10.4f} s   ({self.tokens_per_s:,.0f} tokens/s)",
             f"    token-parallel {c['gemm_phase_s']:10.4f} s   slowest {dev(c['gemm_bottleneck'])}",
@@ -496,6 +539,8 @@ class Plan:
         on load: `from_json` recomputes them)."""
         doc = {"format": "hexiseq-plan", "format_version": PLAN_FORMAT_VERSION, "hexiseq_version": _core.VERSION,
                "strategy": self.strategy, **self._identity(), "fingerprint": self.fingerprint,
+               # what the plan was balanced for; not part of the fingerprint: execution takes documents per call
+               **({"documents": self.documents.tolist()} if self.documents is not None else {}),
                "predicted": {k: self._cost[k] for k in ("step_time_s", "tokens_per_s", "lower_bound_s",
                                                          "gemm_phase_s", "a2a_phase_s", "ring_phase_s",
                                                          "grad_sync_s", "grad_exposed_s")}}
@@ -524,11 +569,27 @@ class Plan:
         if isinstance(training, dict):  # written only when not even (Training.to_dict)
             training = {"state_shares": "even", **training}
         p = cls(Cluster.from_dict(doc["cluster"]), Model.from_dict(doc["model"]), Training.from_dict(training),
-                parse_tokens(doc["seq_len"], "seq_len"), doc["causal"], doc["strategy"], Layout.from_dict(doc["layout"]))
+                parse_tokens(doc["seq_len"], "seq_len"), doc["causal"], doc["strategy"], Layout.from_dict(doc["layout"]),
+                documents=doc.get("documents"))
         if "fingerprint" in doc and doc["fingerprint"] != p.fingerprint:
             raise InvalidArgumentError(f"plan fingerprint mismatch: file says {doc['fingerprint']}, "
                                        f"contents hash to {p.fingerprint}")
         return p
+
+
+def _documents_lines(plan) -> List[str]:
+    """What the packed documents change: the pairs the mask leaves, the chunking, and the same layout priced as
+    one causal document."""
+    d = plan.documents
+    S = plan.seq_len
+    kept = float(np.sum(d * (d + 1) / 2)) / (S * (S + 1) / 2)
+    one = Plan(plan.cluster, plan.model, plan.training, S, plan.causal, plan.strategy, plan.layout)
+    return [
+        f"  documents        {d.size:,} packed (mean {S / d.size:,.0f}, longest {int(d.max()):,} tokens): "
+        f"{100 * kept:.3g}% of one causal document's pairs; {plan.layout.chunking} chunks",
+        f"                   this layout priced as one causal document: {one.step_time_s:.4f} s "
+        f"(attention+ring {one._cost['ring_phase_s']:.4f} s)",
+    ]
 
 
 def _states_words(plan) -> str:
@@ -604,8 +665,9 @@ def _inputs(cluster, model, training, seq_len):
 
 
 def evaluate(cluster, *, model="gpt-7b", seq_len=131072, layout, training=None, causal=True,
-             strategy="custom") -> Plan:
+             strategy="custom", documents=None) -> Plan:
     """Score a layout the caller writes down (a Layout, or a dict as in Layout.from_dict) and return its Plan.
+    documents: as in plan(), the lengths of the documents packed in each sequence, to price the layout under.
 
     An invalid layout (shares that don't add up, overlapping or missing heads, a device twice or missing)
     raises LayoutError naming the field."""
@@ -614,48 +676,53 @@ def evaluate(cluster, *, model="gpt-7b", seq_len=131072, layout, training=None, 
         raise InvalidArgumentError(f"strategy must be a name (a string), got {strategy!r}")
     if not isinstance(layout, Layout):
         layout = Layout.from_dict(layout)
-    return Plan(cluster, model, training, seq_len, boolean(causal, "causal"), strategy, layout)
+    return Plan(cluster, model, training, seq_len, boolean(causal, "causal"), strategy, layout, documents=documents)
 
 
-def _plan_one(cluster, model, training, seq_len, causal, strategy: Strategy, time_limit_s=None) -> Plan:
+def _plan_one(cluster, model, training, seq_len, causal, strategy: Strategy, time_limit_s=None,
+              documents=None) -> Plan:
     if training.state_shares == "auto":
         # Even shares run under FSDP or ZeRO as they are; shares by memory need hexiseq.shard_states and pad
         # their collectives to the largest share, so they are the fallback when even shares do not fit.
         try:
             return _plan_one(cluster, model, dataclasses.replace(training, state_shares="even"), seq_len, causal,
-                             strategy, time_limit_s)
+                             strategy, time_limit_s, documents)
         except MemoryFitError:
             return _plan_one(cluster, model, dataclasses.replace(training, state_shares="memory"), seq_len, causal,
-                             strategy, time_limit_s)
+                             strategy, time_limit_s, documents)
     arrays, info = _core.plan_strategy(*cluster._core_args(), model._as_core(), training._as_core(), seq_len, causal,
-                                       _CORE_STRATEGY[strategy], time_limit_s or 0.0)
+                                       _CORE_STRATEGY[strategy], time_limit_s or 0.0, documents)
     plan = Plan(cluster, model, training, seq_len, causal, strategy.value, Layout(**arrays),
-                stopped_early=info["stopped_early"])
+                stopped_early=info["stopped_early"], documents=documents)
     plan._search = info  # what the search did: evaluations, elapsed_s (for benchmarks)
     return plan
 
 
-def compare(cluster, *, model="gpt-7b", seq_len=131072, training=None, causal=True) -> Dict[str, Union[Plan, Exception]]:
+def compare(cluster, *, model="gpt-7b", seq_len=131072, training=None, causal=True,
+            documents=None) -> Dict[str, Union[Plan, Exception]]:
     """Every strategy's best plan, or the error that says why it has none, keyed by strategy name
-    (the scheduler first, then the baselines)."""
+    (the scheduler first, then the baselines). documents: as in plan()."""
     cluster, model, training, seq_len = _inputs(cluster, model, training, seq_len)
+    causal = boolean(causal, "causal")
+    documents = _documents(documents, seq_len, causal)
     out = {}
     for s in ALL_STRATEGIES:
         try:
-            out[s.value] = _plan_one(cluster, model, training, seq_len, boolean(causal, "causal"), s)
+            out[s.value] = _plan_one(cluster, model, training, seq_len, causal, s, documents=documents)
         except (UnsupportedError, MemoryFitError) as e:
             out[s.value] = e
     return out
 
 
-def _compare_within(cluster, model, training, seq_len, causal, time_limit_s) -> Dict[str, Union[Plan, Exception]]:
+def _compare_within(cluster, model, training, seq_len, causal, time_limit_s,
+                    documents=None) -> Dict[str, Union[Plan, Exception]]:
     """compare() on checked inputs, every strategy within what is left of `time_limit_s` seconds (past the
     deadline each still completes a first plan that fits)."""
     deadline, results = time.monotonic() + time_limit_s, {}
     for s in ALL_STRATEGIES:
         left = max(deadline - time.monotonic(), 1e-6)
         try:
-            results[s.value] = _plan_one(cluster, model, training, seq_len, causal, s, left)
+            results[s.value] = _plan_one(cluster, model, training, seq_len, causal, s, left, documents)
         except (UnsupportedError, MemoryFitError) as e:
             results[s.value] = e
     return results
@@ -731,7 +798,7 @@ def _memory_advice(cluster, model, training, seq_len, causal, strategies, error)
 
 
 def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=None, causal=True,
-         time_limit_s=None) -> Plan:
+         time_limit_s=None, documents=None) -> Plan:
     """The best plan of `strategy` for training `model` on sequences of `seq_len` tokens.
 
     cluster: a Cluster, a dict (Cluster.from_dict) or a YAML/JSON file path.
@@ -741,6 +808,11 @@ def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=N
     strategy: "auto" (best of all; the scheduler's plan unless a baseline is strictly faster), "hexiseq"
         (the asymmetric scheduler), "ring", "ulysses" or "usp".
     training: a Training (sequences per step, checkpointing, sharding, reserved memory).
+    documents: None (one causal document per sequence) or the lengths of the documents packed into each
+        sequence, in sequence order, adding up to seq_len: the cost model counts the pairs the document mask
+        leaves visible and the scheduler balances by them, choosing zigzag or contiguous chunks
+        (`plan.layout.chunking`). Documents change every batch: `plan.rebalanced(documents)` re-plans the
+        sequence split of a plan's structure in milliseconds.
     time_limit_s: None (search to the end) or seconds: the search stops at about this time with the best plan
         found so far, marked `stopped_early` (a first valid plan is always completed, so a tiny limit on a huge
         cluster may take longer). "auto" shares the limit among the strategies.
@@ -755,15 +827,17 @@ def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=N
     time_limit_s = number(time_limit_s, "time_limit_s", positive=True, optional=True)
     cluster, model, training, seq_len = _inputs(cluster, model, training, seq_len)
     causal = boolean(causal, "causal")
+    documents = _documents(documents, seq_len, causal)
     if strategy is not Strategy.AUTO:
         try:
-            return _plan_one(cluster, model, training, seq_len, causal, strategy, time_limit_s)
+            return _plan_one(cluster, model, training, seq_len, causal, strategy, time_limit_s, documents)
         except MemoryFitError as e:
             raise no_fit_error(cluster, model, training, seq_len, causal, {strategy.value: e}) from None
     if time_limit_s is None:
-        results = compare(cluster, model=model, seq_len=seq_len, training=training, causal=causal)
+        results = compare(cluster, model=model, seq_len=seq_len, training=training, causal=causal,
+                          documents=documents)
     else:
-        results = _compare_within(cluster, model, training, seq_len, causal, time_limit_s)
+        results = _compare_within(cluster, model, training, seq_len, causal, time_limit_s, documents)
     plans = [p for p in results.values() if isinstance(p, Plan)]
     if plans:
         best = min(plans, key=lambda p: p.step_time_s)  # ties keep the earlier: the scheduler's plan

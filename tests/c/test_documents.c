@@ -255,12 +255,76 @@ static void test_scheduler(void) {
     hexiseq_cluster_destroy(c);
 }
 
+/* Re-balancing keeps the structure (groups, members, heads, order), re-splits the sequence for new documents,
+ * and is never predicted slower than the layout it starts from. */
+static void test_rebalance(void) {
+    hexiseq_node_desc nodes[2] = {{"H100-SXM", 4, 450.0, 0, 0, 0, 0}, {"L40S", 4, 32.0, 0, 0, 0, 0}};
+    hexiseq_cluster *c = NULL;
+    hexiseq_cluster_create(2, nodes, 25.0, NULL, &c);
+    const hexiseq_model m = {8, 4096, 32, 8, 128, 11008, 32000, 2, 1};
+    const int64_t S = 65536;
+    int64_t *len = malloc((size_t)S * sizeof *len);
+    hexiseq_training t;
+    hexiseq_training_default(&t);
+    t.checkpointing = 1;
+    hexiseq_layout base, re, full;
+    hexiseq_plan_cost bc, rc, fc, kept;
+    hexiseq_device_cost per[8];
+    /* the structure of the plan for one causal document (two groups, a ring between the nodes) */
+    EXPECT(hexiseq_plan_strategy(c, &m, &t, S, 1, HEXISEQ_STRATEGY_HEXISEQ, &base, &bc) == HEXISEQ_OK, "base");
+    EXPECT(base.n_groups > 1, "a ring to re-balance: %d groups", base.n_groups);
+    int gained = 0;
+    for (int trial = 0; trial < 3; ++trial) {
+        hexiseq_documents d[1];
+        int64_t n = 0;
+        for (int64_t left = S; left > 0; left -= len[n++]) { /* short, long, mixed */
+            int64_t want = trial == 0 ? 300 + rand_below(500) : trial == 1 ? 8000 + rand_below(9000)
+                                                                           : (rand_below(9) ? 200 : 12000);
+            len[n] = left < want ? left : want;
+        }
+        hexiseq_documents_init(len, n, &d[0]);
+        t.documents = &d[0];
+        EXPECT(hexiseq_evaluate(c, &m, &t, S, 1, &base, per, &kept) == HEXISEQ_OK, "base under documents");
+        EXPECT(hexiseq_rebalance(c, &m, &t, S, 1, &base, &re, &rc) == HEXISEQ_OK, "rebalance: %s", hexiseq_last_error());
+        EXPECT(hexiseq_plan_strategy(c, &m, &t, S, 1, HEXISEQ_STRATEGY_HEXISEQ, &full, &fc) == HEXISEQ_OK, "full");
+        EXPECT(re.n_groups == base.n_groups, "same groups");
+        int same = 1;
+        for (int32_t r = 0; r < base.n_devices; ++r)
+            same &= re.device[r] == base.device[r] && re.head_lo[r] == base.head_lo[r] &&
+                    re.head_count[r] == base.head_count[r];
+        EXPECT(same, "same members, order and heads");
+        EXPECT(rc.step_time_s <= kept.step_time_s, "rebalanced %.5g s, kept %.5g s", rc.step_time_s, kept.step_time_s);
+        gained += rc.step_time_s < kept.step_time_s * 0.99;
+        printf("rebalance, %lld documents: kept %.4f s, rebalanced %.4f s (%s), full re-plan %.4f s\n", (long long)n,
+               kept.step_time_s, rc.step_time_s, re.chunking ? "contiguous" : "zigzag", fc.step_time_s);
+        hexiseq_layout_free(&re);
+        hexiseq_layout_free(&full);
+        hexiseq_documents_free(&d[0]);
+    }
+    EXPECT(gained > 0, "re-balancing gains on some batch");
+    /* another sequence length: the layout cannot be kept, only re-split */
+    t.documents = NULL;
+    EXPECT(hexiseq_rebalance(c, &m, &t, S / 2 + 7, 1, &base, &re, &rc) == HEXISEQ_OK, "new length: %s",
+           hexiseq_last_error());
+    int64_t sum = 0;
+    for (int32_t g = 0; g < re.n_groups; ++g)
+        sum += re.group_seq[g];
+    EXPECT(sum == S / 2 + 7, "split of the new length: %lld", (long long)sum);
+    hexiseq_layout_free(&re);
+    base.group_size[0] += 1;
+    EXPECT(hexiseq_rebalance(c, &m, &t, S, 1, &base, &re, &rc) == HEXISEQ_ERR_LAYOUT, "bad group sizes refused");
+    hexiseq_layout_free(&base);
+    free(len);
+    hexiseq_cluster_destroy(c);
+}
+
 int main(void) {
     test_pairs_brute();
     test_init_refusals();
     test_steps_cover_the_mask();
     test_refusals();
     test_scheduler();
+    test_rebalance();
     printf("%d passed, %d failed\n", n_passed, n_failed);
     return n_failed ? 1 : 0;
 }
