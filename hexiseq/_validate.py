@@ -127,7 +127,7 @@ def document_lengths(value, seq_len, field="documents"):
     total = int(lengths.sum())
     if total != seq_len:
         raise InvalidArgumentError(f"{field} must add up to seq_len={seq_len}, they add up to {total} "
-                                   f"({lengths.size} lengths)")
+                                   f"({lengths.size} length{'' if lengths.size == 1 else 's'})")
     lengths.setflags(write=False)
     return lengths
 

@@ -3,14 +3,16 @@
 import argparse
 import errno
 import json
+import os
+import re
 import sys
 
 from . import __version__, build_info, cuda_device_count
 from .cluster import Cluster, gpu_catalog
-from .errors import HexiseqError
+from .errors import HexiseqError, InvalidArgumentError
 from .model import MODEL_PRESETS, Model, Training
 from ._validate import number, parse_tokens, read_text
-from .plan import TABLE_LEGEND, Plan, Strategy, _compare_within, compare, no_fit_error
+from .plan import TABLE_LEGEND, Plan, Strategy, _compare_within, _documents, compare, no_fit_error
 
 DESCRIPTION = "Plan asymmetric sequence and head parallelism for a heterogeneous GPU cluster."
 
@@ -35,6 +37,21 @@ def _comparison_table(results, chosen: Plan) -> str:
     return "\n".join(rows)
 
 
+def _documents_arg(text):
+    """--documents: lengths separated by commas or whitespace, given inline or in a file (None: not given)."""
+    if text is None:
+        return None
+    if os.path.isfile(text):
+        text = read_text(text, "documents file")
+    parts = [t for t in re.split(r"[\s,]+", text.strip()) if t]
+    try:
+        return [int(t) for t in parts]
+    except ValueError:
+        bad = next(t for t in parts if not t.lstrip("-").isdigit())
+        raise InvalidArgumentError(f"--documents must be document lengths (integers) separated by commas or "
+                                   f"whitespace, inline or in a file; got {bad!r}") from None
+
+
 def cmd_plan(args) -> int:
     cluster = Cluster.from_file(args.cluster) if args.cluster else Cluster.example()
     model = _load_model(args.model)
@@ -43,11 +60,14 @@ def cmd_plan(args) -> int:
     causal = not args.no_causal
     strategy = Strategy(args.strategy)
     seq_len = parse_tokens(args.seq_len)
+    documents = _documents_arg(args.documents)
     if args.time_limit is None:
-        results = compare(cluster, model=model, seq_len=seq_len, training=training, causal=causal)
+        results = compare(cluster, model=model, seq_len=seq_len, training=training, causal=causal,
+                          documents=documents)
     else:
         limit = number(args.time_limit, "--time-limit", positive=True)
-        results = _compare_within(cluster, model, training, seq_len, causal, limit)
+        results = _compare_within(cluster, model, training, seq_len, causal, limit,
+                                  _documents(documents, seq_len, causal))
     if strategy is Strategy.AUTO:
         plans = [p for p in results.values() if isinstance(p, Plan)]
         if not plans:
@@ -233,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how the sharded states are divided: even (FSDP, ZeRO), by each device's memory "
                          "(run with hexiseq.shard_states), or auto (default: even when it fits, else by memory)")
     pl.add_argument("--no-causal", action="store_true", help="full (non-causal) attention")
+    pl.add_argument("--documents", metavar="LENGTHS|FILE",
+                    help="packed documents: their lengths in sequence order (adding up to --seq-len), e.g. "
+                         "4096,2048,2048, or a file of lengths; plans under the document mask")
     pl.add_argument("--json", action="store_true", help="print the chosen plan as JSON")
     pl.add_argument("--time-limit", type=float, metavar="SECONDS",
                     help="stop the search after about this long with the best plan found so far (marked stopped early)")

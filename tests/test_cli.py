@@ -160,3 +160,17 @@ def test_plan_output_explains_itself():
     for needle in ("columns: tokens", "gemm s = token-parallel", "bound gap =",
                    "to run it:", "hexiseq.hf.patch_model", "hexiseq measure plan.json"):
         assert needle in proc.stdout, needle
+
+
+def test_plan_documents_inline_and_from_a_file(tmp_path):
+    lengths = [3000, 5000, 1384, 7000] * 4  # 65,536 tokens
+    path = tmp_path / "docs.txt"
+    path.write_text("\n".join(map(str, lengths)) + "\n")
+    inline = run("plan", "--seq-len", "64k", "--checkpointing", "--json", "--documents", ",".join(map(str, lengths)))
+    from_file = run("plan", "--seq-len", "64k", "--checkpointing", "--json", "--documents", str(path))
+    assert inline.returncode == 0 and from_file.returncode == 0, (inline.stderr, from_file.stderr)
+    a, b = Plan.from_json(inline.stdout), Plan.from_json(from_file.stdout)
+    assert a.documents.tolist() == lengths and a.layout == b.layout
+    assert_clean_error(run("plan", "--seq-len", "64k", "--documents", "4096,x"), "--documents", "'x'")
+    assert_clean_error(run("plan", "--seq-len", "64k", "--documents", "4096"),
+                       "documents must add up to seq_len=65536, they add up to 4096 (1 length)")
