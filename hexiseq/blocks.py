@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from . import ops
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, UnsupportedError
 
 _warned_fallback = False
 
@@ -28,38 +28,61 @@ def _tiles(n, tile):
     return [(s, min(tile, n - s)) for s in range(0, n, tile)]
 
 
-def _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, tile=None):
+def _key_tiles(qs, qn, Sk, causal, q_pos0, k_pos0, tile, doc_lo):
+    """The key pieces [(ks, kn)] that some query of the piece [qs, qs + qn) can see: none after its last query
+    (causal), none ending before its earliest document start (doc_lo, absolute; None without documents)."""
+    out = []
+    for ks, kn in _tiles(Sk, tile):
+        if causal and k_pos0 + ks > q_pos0 + qs + qn - 1:
+            break  # this key piece and the later ones are after every query of the piece
+        if doc_lo is not None and k_pos0 + ks + kn <= doc_lo:
+            continue  # every key of the piece lies before every query's document
+        out.append((ks, kn))
+    return out
+
+
+def _doc_lows(q_doc, Sq, tile):
+    """Per query piece of _tiles(Sq, tile), the earliest document start of its rows (one host transfer), or
+    Nones without documents."""
+    pieces = _tiles(Sq, tile)
+    if q_doc is None:
+        return [None] * len(pieces)
+    rows = q_doc.reshape(-1, Sq)
+    return torch.stack([rows[:, qs:qs + qn].amin() for qs, qn in pieces]).tolist() if pieces else []
+
+
+def _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, tile=None, q_doc=None):
     """PyTorch path for one block pair: (out [B, Sq, H, d], lse [B, H, Sq] fp32/fp64). Same contract as
-    hexiseq.ops.attention_forward: K/V heads already expanded to H or in GQA ratio. torch's fused flash op where
-    it applies (see _flash_causal); else tiled matmuls (tile: force those, with this tile size)."""
-    is_causal = _flash_causal(q, k, causal, q_pos0, k_pos0) if tile is None else None
+    hexiseq.ops.attention_forward, document mask q_doc ([Sq] or [B, Sq] absolute starts) included: K/V heads
+    already expanded to H or in GQA ratio. torch's fused flash op where it applies (see _flash_causal; never
+    with documents, which it cannot mask); else tiled matmuls (tile: force those, with this tile size)."""
+    is_causal = _flash_causal(q, k, causal, q_pos0, k_pos0) if tile is None and q_doc is None else None
     if is_causal is not None:
         return _flash_forward(q, k, v, is_causal, scale)
     if q.device.type == "cuda":
-        _warn_once(f"no fused attention for this block pair ({q.dtype}, head dim {q.shape[3]}); using tiled "
-                   "matmuls (correct, slow)")
+        why = "a document mask" if q_doc is not None else f"this block pair ({q.dtype}, head dim {q.shape[3]})"
+        _warn_once(f"no fused attention for {why}; using tiled matmuls (correct, slow)")
     tile = tile or _TORCH_TILE
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, Sq, H, d = q.shape
     outs, lses = [], []
-    for qs, qn in _tiles(Sq, tile):
+    for (qs, qn), lo in zip(_tiles(Sq, tile), _doc_lows(q_doc, Sq, tile)):
         o_acc = torch.zeros(B, qn, H, d, dtype=acc, device=q.device)
         l_acc = torch.full((B, H, qn), float("-inf"), dtype=acc, device=q.device)
-        for ks, kn in _tiles(k.shape[1], tile):
-            if causal and k_pos0 + ks > q_pos0 + qs + qn - 1:
-                break  # this key piece and the later ones are after every query of the piece
+        doc = None if q_doc is None else q_doc[..., qs:qs + qn]
+        for ks, kn in _key_tiles(qs, qn, k.shape[1], causal, q_pos0, k_pos0, tile, lo):
             o_p, l_p = _tile_forward_torch(q[:, qs:qs + qn], k[:, ks:ks + kn], v[:, ks:ks + kn], causal,
-                                           q_pos0 + qs, k_pos0 + ks, scale)
+                                           q_pos0 + qs, k_pos0 + ks, scale, doc)
             merge(o_acc, l_acc, o_p, l_p, False)
         outs.append(o_acc)
         lses.append(l_acc)
     return torch.cat(outs, 1).to(q.dtype), torch.cat(lses, 2)
 
 
-def _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, tile=None):
+def _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, tile=None, q_doc=None):
     """PyTorch backward of one block pair with the final (o, lse): (dq, dk, dv) in q's dtype from torch's flash op
-    where it applies (see _flash_causal), else in fp32/fp64 from tiled matmuls."""
-    is_causal = _flash_causal(q, k, causal, q_pos0, k_pos0) if tile is None else None
+    where it applies (see _flash_causal; never with documents), else in fp32/fp64 from tiled matmuls."""
+    is_causal = _flash_causal(q, k, causal, q_pos0, k_pos0) if tile is None and q_doc is None else None
     if is_causal is not None:
         return _flash_backward(q, k, v, o, lse, do, is_causal, scale)
     tile = tile or _TORCH_TILE
@@ -67,20 +90,35 @@ def _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, ti
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-    for qs, qn in _tiles(q.shape[1], tile):
-        for ks, kn in _tiles(k.shape[1], tile):
-            if causal and k_pos0 + ks > q_pos0 + qs + qn - 1:
-                break
+    for (qs, qn), lo in zip(_tiles(q.shape[1], tile), _doc_lows(q_doc, q.shape[1], tile)):
+        doc = None if q_doc is None else q_doc[..., qs:qs + qn]
+        for ks, kn in _key_tiles(qs, qn, k.shape[1], causal, q_pos0, k_pos0, tile, lo):
             dq_p, dk_p, dv_p = _tile_backward_torch(
                 q[:, qs:qs + qn], k[:, ks:ks + kn], v[:, ks:ks + kn], o[:, qs:qs + qn], lse[:, :, qs:qs + qn],
-                do[:, qs:qs + qn], causal, q_pos0 + qs, k_pos0 + ks, scale)
+                do[:, qs:qs + qn], causal, q_pos0 + qs, k_pos0 + ks, scale, doc)
             dq[:, qs:qs + qn] += dq_p
             dk[:, ks:ks + kn] += dk_p
             dv[:, ks:ks + kn] += dv_p
     return dq, dk, dv
 
 
-def _tile_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale):
+def _masked(s, causal, q_pos0, k_pos0, q_doc):
+    """Scores s [B, H, Sq, Sk] with the invisible keys at -inf: after the query (causal), before the query's
+    document start (q_doc, [Sq] or [B, Sq] absolute positions)."""
+    if not causal:
+        return s
+    Sq, Sk = s.shape[2], s.shape[3]
+    qp = torch.arange(Sq, device=s.device) + q_pos0
+    kp = torch.arange(Sk, device=s.device) + k_pos0
+    hidden = kp[None, :] > qp[:, None]                                  # [Sq, Sk]
+    if q_doc is not None:
+        hidden = hidden | (kp < q_doc.to(s.device)[..., None])          # [Sq, Sk] or [B, Sq, Sk]
+        if hidden.dim() == 3:
+            hidden = hidden[:, None]
+    return s.masked_fill(hidden, float("-inf"))
+
+
+def _tile_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, q_doc=None):
     """One piece of _block_forward_torch, scores materialised: (out in fp32/fp64, lse)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, Sq, H, d = q.shape
@@ -89,11 +127,7 @@ def _tile_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale):
     qf = q.to(acc).permute(0, 2, 1, 3)                                  # [B, H, Sq, d]
     kf = k.to(acc).permute(0, 2, 1, 3).repeat_interleave(rep, dim=1)   # [B, H, Sk, d]
     vf = v.to(acc).permute(0, 2, 1, 3).repeat_interleave(rep, dim=1)
-    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale                 # [B, H, Sq, Sk]
-    if causal:
-        qp = torch.arange(Sq, device=q.device) + q_pos0
-        kp = torch.arange(k.shape[1], device=q.device) + k_pos0
-        s = s.masked_fill(kp[None, :] > qp[:, None], float("-inf"))
+    s = _masked(torch.matmul(qf, kf.transpose(-1, -2)) * scale, causal, q_pos0, k_pos0, q_doc)  # [B, H, Sq, Sk]
     lse = torch.logsumexp(s, dim=-1)                                    # [B, H, Sq]
     p = torch.exp(s - lse[..., None].masked_fill(torch.isinf(lse[..., None]), 0.0))
     p = torch.nan_to_num(p, nan=0.0)
@@ -101,7 +135,7 @@ def _tile_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale):
     return o, lse
 
 
-def _tile_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale):
+def _tile_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, q_doc=None):
     """One piece of _block_backward_torch, scores materialised, with the block's final (o, lse)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, Sq, H, d = q.shape
@@ -112,11 +146,7 @@ def _tile_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale):
     vf = v.to(acc).permute(0, 2, 1, 3).repeat_interleave(rep, dim=1)
     dof = do.to(acc).permute(0, 2, 1, 3)
     of = o.to(acc).permute(0, 2, 1, 3)
-    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-    if causal:
-        qp = torch.arange(Sq, device=q.device) + q_pos0
-        kp = torch.arange(k.shape[1], device=q.device) + k_pos0
-        s = s.masked_fill(kp[None, :] > qp[:, None], float("-inf"))
+    s = _masked(torch.matmul(qf, kf.transpose(-1, -2)) * scale, causal, q_pos0, k_pos0, q_doc)
     l = lse.to(acc)[..., None]
     p = torch.exp(s - l.masked_fill(torch.isinf(l), 0.0))
     p = torch.nan_to_num(p, nan=0.0).masked_fill(torch.isinf(l), 0.0)
@@ -241,29 +271,59 @@ class BlockKernels:
         self.acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         # the merge is one C/CUDA kernel where one is built for the device, instead of eight torch ops
         self._merge_c = self.name == "hexiseq" or (probe.device.type == "cuda" and ops._cuda_built())
+        self._documents_c = None  # whether hexiseq.ops takes q_doc here: learnt at the first documents call
 
-    def forward(self, q, k, v, causal, q_pos0, k_pos0, scale):
-        if self.name == "hexiseq":
-            return ops.attention_forward(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale)
-        return _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale)
+    def forward(self, q, k, v, causal, q_pos0, k_pos0, scale, q_doc=None):
+        if self._c_for(q_doc):
+            return ops.attention_forward(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale,
+                                         q_doc=q_doc)
+        return _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, q_doc=q_doc)
 
-    def backward_into(self, q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, dq, dk, dv):
-        """Add the pair's gradients into dq [B, Sq, H, d], dk and dv [B, Sk, ., d] (accumulator dtype)."""
-        if self.name == "hexiseq" and self.acc_dtype == self.dtype:  # the kernel adds in place
+    def backward_into(self, q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, dq, dk, dv, q_doc=None):
+        """Add the pair's gradients into dq [B, Sq, H, d], dk and dv [B, Sk, ., d] (accumulator dtype). q_doc:
+        the document mask of the pair's queries, as in hexiseq.ops (None: none)."""
+        c = self._c_for(q_doc)
+        if c and self.acc_dtype == self.dtype:  # the kernel adds in place
             ops.attention_backward(q, k, v, o, lse.to(self.acc_dtype), do, causal=causal, q_pos0=q_pos0,
-                                   k_pos0=k_pos0, scale=scale, dq=dq, dk=dk, dv=dv, accumulate=True)
+                                   k_pos0=k_pos0, scale=scale, dq=dq, dk=dk, dv=dv, accumulate=True, q_doc=q_doc)
             return
-        if self.name == "hexiseq":
+        if c:
             dq_p, dk_p, dv_p = ops.attention_backward(q, k, v, o, lse.to(torch.float32), do, causal=causal,
-                                                      q_pos0=q_pos0, k_pos0=k_pos0, scale=scale)
+                                                      q_pos0=q_pos0, k_pos0=k_pos0, scale=scale, q_doc=q_doc)
         else:
-            dq_p, dk_p, dv_p = _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale)
+            dq_p, dk_p, dv_p = _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale,
+                                                     q_doc=q_doc)
         dq += dq_p.to(self.acc_dtype)
         dk += dk_p.to(self.acc_dtype)
         dv += dv_p.to(self.acc_dtype)
 
+    def _c_for(self, q_doc):
+        """Whether hexiseq.ops runs this pair: the chosen implementation, except that a document mask goes to the
+        PyTorch path on a device whose hexiseq kernels refuse q_doc (CUDA kernels built without it)."""
+        if self.name != "hexiseq" or q_doc is None:
+            return self.name == "hexiseq"
+        if self._documents_c is None:
+            self._documents_c = _takes_documents(q_doc.device, self.dtype)
+            if not self._documents_c:
+                _warn_once(f"the hexiseq kernels on {q_doc.device.type} take no document mask; documents run on "
+                           "the PyTorch block attention")
+        return self._documents_c
+
     def merge(self, o_acc, lse_acc, o_part, lse_part):
         merge(o_acc, lse_acc, o_part.to(self.acc_dtype), lse_part.to(self.acc_dtype), self._merge_c)
+
+
+def _takes_documents(device, dtype):
+    """Whether hexiseq.ops takes a document mask for tensors on `device` of `dtype`: the CPU kernels do; for the
+    CUDA kernels one row of one token is tried, since whether they do is a property of the built library."""
+    if device.type == "cpu":
+        return True
+    one = torch.zeros(1, 1, 1, 8, dtype=dtype, device=device)
+    try:
+        ops.attention_forward(one, one, one, q_doc=torch.zeros(1, dtype=torch.int64, device=device))
+    except UnsupportedError:
+        return False
+    return True
 
 
 def kernels_for(device, dtype, cache=None):

@@ -7,7 +7,8 @@ all-to-all disagree) or a silently wrong result. So:
 - at construction the ranks compare the plan's fingerprint, the device count, the causal flag and the softmax
   scale (one all-gather);
 - before every forward and backward call they compare a small descriptor of the call (batch, head dim, dtype,
-  device kind, causal, scale, whether a backward will follow) and whether each rank's inputs passed validation:
+  device kind, causal, scale, whether a backward will follow, a digest of the packed documents' lengths) and
+  whether each rank's inputs passed validation:
   one all-gather of a few integers over a CPU group, so a CUDA run does not wait for the device. A rank whose
   inputs fail makes every rank raise the same error, naming the rank and the field;
 - the HP subgroups inherit the parent group's timeout (torch would give them its 30-minute default).
@@ -16,6 +17,7 @@ asking it; if one rank skipped the check while another made it, they would meet 
 which is the abort this avoids. The check costs one small all-gather per call (tens of microseconds on Gloo).
 """
 
+import hashlib
 import math
 import struct
 import time
@@ -36,7 +38,10 @@ _DEVICES = ["cpu", "cuda"]
 # The fields of a call's descriptor, in order; each is an int64 on the wire.
 # "plan" tells two contexts apart (ranks calling different layers' contexts at once); "phase" a forward from a
 # backward (a rank that skipped a backward and went on to the next forward).
-CALL_FIELDS = ("plan", "phase", "batch", "head_dim", "dtype", "device", "causal", "softmax_scale", "backward")
+# "documents" is a digest of the call's document lengths (0: none), so that ranks packing different documents
+# fail together instead of masking differently.
+CALL_FIELDS = ("plan", "phase", "batch", "head_dim", "dtype", "device", "causal", "softmax_scale", "backward",
+               "documents")
 _PHASES = ["forward", "backward"]
 
 
@@ -59,11 +64,25 @@ def plan_code(plan):
     return fp - (1 << 64) if fp >= (1 << 63) else fp
 
 
-def describe_call(plan, phase, q, causal, scale, backward):
+def describe_call(plan, phase, q, causal, scale, backward, documents=None):
     """The descriptor of a call as a tuple of ints in CALL_FIELDS order. q: the query (forward) or the output
-    gradient (backward), [batch, tokens, heads, head_dim]."""
+    gradient (backward), [batch, tokens, heads, head_dim]. documents: the call's document lengths, one tuple of
+    ints per batch row (None: none)."""
     return (plan_code(plan), _PHASES.index(phase), q.shape[0], q.shape[3], _code(_DTYPES, q.dtype),
-            _code(_DEVICES, q.device.type), int(bool(causal)), _float_bits(scale), int(bool(backward)))
+            _code(_DEVICES, q.device.type), int(bool(causal)), _float_bits(scale), int(bool(backward)),
+            documents_code(documents))
+
+
+def documents_code(rows):
+    """A nonzero signed int64 digest of document lengths (a sequence of tuples of ints, one per batch row), 0 for
+    None. Equal lengths give equal digests on every rank; different ones collide with probability 2^-64."""
+    if rows is None:
+        return 0
+    h = hashlib.sha256()
+    for row in rows:
+        h.update(struct.pack(f"<q{len(row)}q", len(row), *row))
+    code = int.from_bytes(h.digest()[:8], "little", signed=True)
+    return code or 1
 
 
 def _show(field, value):
@@ -74,6 +93,8 @@ def _show(field, value):
     if field == "softmax_scale":
         s = _bits_float(value)
         return "default" if math.isnan(s) else repr(s)
+    if field == "documents":
+        return "none" if value == 0 else f"lengths digest {value % (1 << 64):016x}"
     if field in ("causal", "backward"):
         return str(bool(value))
     if field == "phase":

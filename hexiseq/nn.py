@@ -11,6 +11,7 @@ here; the work is in rooms of one concern each:
 
 import atexit
 import math
+import numbers
 import weakref
 from typing import Optional
 
@@ -41,9 +42,9 @@ class HexiSeqContext:
     once (collective: every rank of `group` calls it with the same plan, causal and softmax_scale) and reuse it
     for every layer; `HexiSeqAttention` does that for you.
 
-    Ranks that disagree (about the plan at construction; about batch, head dim, dtype, causal, scale or whether
-    a backward follows at a call) or whose inputs fail validation raise the same HexiseqError on every rank
-    instead of aborting or hanging. timeout: for the subgroups it creates (default: the group's own).
+    Ranks that disagree (about the plan at construction; about batch, head dim, dtype, causal, scale, whether
+    a backward follows or the documents at a call) or whose inputs fail validation raise the same HexiseqError
+    on every rank instead of aborting or hanging. timeout: for the subgroups it creates (default: the group's own).
     a2a_slices: how many slices of kv heads a layer is pipelined in, so that all-to-alls travel while attention
     runs (default: HEXISEQ_A2A_SLICES, else 1; see hexiseq.ring.slice_count)."""
 
@@ -101,28 +102,86 @@ class HexiSeqContext:
             return InvalidArgumentError(f"q dtype must be float64, float32, bfloat16 or float16, got {q.dtype}")
         return None
 
-    def forward(self, q, k, v, backward: bool = False):
-        """q [B, s_r, A, d], k/v [B, s_r, A_kv, d] -> (o [B, s_r, A, d], what backward needs). backward: whether
-        this rank will run the backward of this call (every rank must agree)."""
-        error = self._input_error(q, k, v)
-        call = describe_call(self.plan, "forward", q if error is None else torch.empty(0, 0, 0, 0), self.causal,
-                             self.scale, backward)
-        self.comm.agree(call, error)
-        kern = blocks.kernels_for(q.device, q.dtype, self._kernels)
-        return ring.layer_forward(self.comm, self.slices, kern, q, k, v, self.causal, self._scale(q.shape[3]))
+    def _documents_error(self, documents, batch):
+        """(the InvalidArgumentError these documents deserve or None, their lengths: a tuple of ints for the whole
+        batch or a tuple of such tuples, one per batch row; None without documents)."""
+        if documents is None:
+            return None, None
+        if not self.causal:
+            return InvalidArgumentError("documents (a document mask) need a causal context (causal=True): a query "
+                                        "sees the keys from its document's start up to itself"), None
+        value = _frozen(documents)
+        S = self.plan.seq_len
+        if not isinstance(value, tuple) or not value:
+            return InvalidArgumentError(f"documents must be a list of document lengths (ints > 0 summing to the "
+                                        f"plan's seq_len {S}), or one such list per batch row, got "
+                                        f"{_short(documents)}"), None
+        per_row = all(isinstance(row, tuple) for row in value)
+        if per_row and len(value) != batch:
+            return InvalidArgumentError(f"documents has {len(value)} lists (one per batch row) but the batch has "
+                                        f"{batch} rows"), None
+        for b, row in enumerate(value if per_row else (value,)):
+            where = f"documents[{b}]" if per_row else "documents"
+            if not row:
+                return InvalidArgumentError(f"{where} must hold at least one document length, got []"), None
+            for i, n in enumerate(row):
+                if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+                    return InvalidArgumentError(f"{where}[{i}] must be an int (a document length), got "
+                                                f"{_short(n)}"), None
+                if n <= 0:
+                    return InvalidArgumentError(f"{where}[{i}] must be > 0 (a document length), got {n}"), None
+            if sum(row) != S:
+                return InvalidArgumentError(f"{where} must sum to the plan's seq_len {S}, got {sum(row)} "
+                                            f"({_short(list(row))})"), None
+        lengths = tuple(tuple(int(n) for n in row) for row in value) if per_row else tuple(int(n) for n in value)
+        return None, lengths
 
-    def backward(self, do, saved):
-        """dO of this rank's output and forward's saved tensors -> (dq, dk, dv)."""
-        self.comm.agree(describe_call(self.plan, "backward", do, self.causal, self.scale, True))
+    def _call(self, phase, t, error, backward, documents):
+        """Agree on a call with every rank (raising the same error on all when any fails or they differ); the
+        document mask of this rank's query chunks, or None."""
+        if error is None:
+            error, lengths = self._documents_error(documents, t.shape[0])
+        if error is not None:
+            t, lengths = torch.empty(0, 0, 0, 0), None
+        rows = None if lengths is None else lengths if isinstance(lengths[0], tuple) else (lengths,) * t.shape[0]
+        self.comm.agree(describe_call(self.plan, phase, t, self.causal, self.scale, backward, rows), error)
+        return None if lengths is None else ring.chunk_documents(self.topology, self.rank, lengths, t.device)
+
+    def forward(self, q, k, v, backward: bool = False, documents=None):
+        """q [B, s_r, A, d], k/v [B, s_r, A_kv, d] -> (o [B, s_r, A, d], what backward needs). backward: whether
+        this rank will run the backward of this call (every rank must agree). documents: see hexiseq_attn_func."""
+        docs = self._call("forward", q, self._input_error(q, k, v), backward, documents)
+        kern = blocks.kernels_for(q.device, q.dtype, self._kernels)
+        return ring.layer_forward(self.comm, self.slices, kern, q, k, v, self.causal, self._scale(q.shape[3]), docs)
+
+    def backward(self, do, saved, documents=None):
+        """dO of this rank's output and forward's saved tensors -> (dq, dk, dv). documents: the forward's."""
+        docs = self._call("backward", do, None, True, documents)
         kern = blocks.kernels_for(do.device, do.dtype, self._kernels)
-        return ring.layer_backward(self.comm, self.slices, kern, do, saved, self.causal, self._scale(do.shape[3]))
+        return ring.layer_backward(self.comm, self.slices, kern, do, saved, self.causal, self._scale(do.shape[3]),
+                                   docs)
+
+
+def _frozen(value):
+    """A copy of documents that later changes to the caller's lists cannot reach (the backward reads it): tensors
+    and arrays as lists, lists as tuples, anything else as it is (validation words it)."""
+    if isinstance(value, torch.Tensor) or hasattr(value, "tolist") and hasattr(value, "ndim"):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(x) for x in value)
+    return value
+
+
+def _short(value):
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class _HexiSeqAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, context, backward):
-        o, saved = context.forward(q, k, v, backward)
-        ctx.context = context
+    def forward(ctx, q, k, v, context, backward, documents):
+        o, saved = context.forward(q, k, v, backward, documents)
+        ctx.context, ctx.documents = context, documents
         ctx.n_lse = [len(s[4]) for s in saved]  # per slice: Qg, Kg, Vg, Og, then its lse chunks
         ctx.save_for_backward(*[t for s in saved for t in (*s[:4], *s[4])])
         return o
@@ -133,19 +192,23 @@ class _HexiSeqAttentionFn(torch.autograd.Function):
         for n in ctx.n_lse:
             saved.append((*flat[:4], flat[4:4 + n]))
             flat = flat[4 + n:]
-        dq, dk, dv = ctx.context.backward(do, saved)
-        return dq, dk, dv, None, None
+        dq, dk, dv = ctx.context.backward(do, saved, ctx.documents)
+        return dq, dk, dv, None, None, None
 
 
-def hexiseq_attn_func(q, k, v, context: HexiSeqContext):
+def hexiseq_attn_func(q, k, v, context: HexiSeqContext, documents=None):
     """Attention of this rank's token shard under a plan, with autograd.
 
     q: [batch, s_r, heads, head_dim]; k, v: [batch, s_r, kv_heads, head_dim], where s_r is this rank's token
     count in the plan (`plan.devices.tokens` of its slot; shard with `plan.shard(x, 1, rank)`).
+    documents: packed sequences, per call: the documents' lengths in sequence order over the FULL sequence (ints
+    > 0 summing to plan.seq_len), one list for every batch row or one list per batch row; a query then sees only
+    the keys of its own document, up to itself (document-causal; needs a causal context). Every rank passes the
+    same documents (checked: a digest travels with the call). None: one causal document per sequence.
     Returns the output [batch, s_r, heads, head_dim] for the same tokens. Every rank of the context's group
     must call it (it communicates), all with or all without gradients."""
     backward = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
-    return _HexiSeqAttentionFn.apply(q, k, v, context, backward)
+    return _HexiSeqAttentionFn.apply(q, k, v, context, backward, _frozen(documents))
 
 
 class HexiSeqAttention(torch.nn.Module):
@@ -163,8 +226,9 @@ class HexiSeqAttention(torch.nn.Module):
         self.context = HexiSeqContext(plan, group=group, causal=causal, softmax_scale=softmax_scale, timeout=timeout,
                                       a2a_slices=a2a_slices)
 
-    def forward(self, q, k, v):
-        return hexiseq_attn_func(q, k, v, self.context)
+    def forward(self, q, k, v, documents=None):
+        """documents: the packed documents' lengths of this call (see hexiseq_attn_func), or None."""
+        return hexiseq_attn_func(q, k, v, self.context, documents)
 
 
 def gather_sequence(x, plan, dim: int = 1, group=None):

@@ -19,8 +19,10 @@ attention from hexiseq.blocks.
 
 import os
 
+import numpy as np
 import torch
 
+from . import ops
 from .comm import TAG_ACC, TAG_KV, TAG_REDUCE
 from .errors import InvalidArgumentError
 
@@ -52,8 +54,11 @@ def _cols(t, topo, kv):
     return t[:, :, a:b] if kv else t[:, :, a * topo.per_kv:b * topo.per_kv]
 
 
-def layer_forward(comm, slices, kern, q, k, v, causal, scale):
+def layer_forward(comm, slices, kern, q, k, v, causal, scale, docs=None):
     """q [B, s_r, A, d], k/v [B, s_r, A_kv, d] -> (o [B, s_r, A, d], what layer_backward needs).
+
+    docs: the document mask of the rank's group's query chunks (chunk_documents), or None for one causal document
+    per sequence. Documents do not change who holds what: only the block kernels see them.
 
     slices: the plan's Topology cut by kv heads (Topology.slices). They are pipelined: the all-to-all into slice
     i + 1 travels while slice i's attention runs, and slice i's output all-to-all while slice i + 1's runs, so
@@ -84,7 +89,7 @@ def layer_forward(comm, slices, kern, q, k, v, causal, scale):
             ks.append(flat[nq:nq + nk].view(B, mb.tokens, me.kv_n, d))
             vs.append(flat[nq + nk:nq + 2 * nk].view(B, mb.tokens, me.kv_n, d))
         Qg, Kg, Vg = torch.cat(qs, 1), torch.cat(ks, 1), torch.cat(vs, 1)   # [B, S_g, h|kv, d]
-        Og, lses = _ring_forward(comm, topo, kern, Qg, Kg, Vg, causal, scale)
+        Og, lses = _ring_forward(comm, topo, kern, Qg, Kg, Vg, causal, scale, docs)
         # my heads of member j's tokens go back to member j
         parts = [Og[:, mb.tok_lo:mb.tok_lo + mb.tokens].reshape(-1) for mb in members]
         outs.append(comm.a2a_start(parts, topo.a2a_out(rank), B * d, dt, dev))
@@ -97,9 +102,9 @@ def layer_forward(comm, slices, kern, q, k, v, causal, scale):
     return o, saved
 
 
-def layer_backward(comm, slices, kern, do, saved, causal, scale):
+def layer_backward(comm, slices, kern, do, saved, causal, scale, docs=None):
     """dO [B, s_r, A, d] and layer_forward's saved tensors -> (dq, dk, dv) of this rank's shards, pipelined over
-    the slices as the forward is."""
+    the slices as the forward is. docs: as given to layer_forward."""
     rank = comm.rank
     B, s_r, A, d = do.shape
     dev, dt = do.device, do.dtype
@@ -120,7 +125,7 @@ def layer_backward(comm, slices, kern, do, saved, causal, scale):
         members, me = topo.groups[topo.group_of(rank)], topo.member(rank)
         dOg = torch.cat([flat.view(B, mb.tokens, me.heads, d) for mb, flat in zip(members, got)], 1)
         Qg, Kg, Vg, Og, lses = saved[i]
-        dQg, dKg, dVg = _ring_backward(comm, topo, kern, Qg, Kg, Vg, Og, lses, dOg, causal, scale)
+        dQg, dKg, dVg = _ring_backward(comm, topo, kern, Qg, Kg, Vg, Og, lses, dOg, causal, scale, docs)
         # dQ of member j's tokens for my heads, dK/dV for the kv heads I first-hold
         f = slice(me.first_lo - me.kv_lo, me.first_lo - me.kv_lo + me.first_n)
         parts = []
@@ -143,6 +148,21 @@ def layer_backward(comm, slices, kern, do, saved, causal, scale):
     return dq, dk, dv
 
 
+def chunk_documents(topo, rank, rows, device):
+    """The document mask of `rank`'s group's query chunks (the plan's spans, in layout order), built once per call:
+    per chunk (q_doc, earliest start), q_doc int64 [n] (one document list for the whole batch) or [B, n] (one per
+    batch row) holding each query's absolute document start, as hexiseq.ops takes it. rows: the lengths, a tuple
+    of ints or a tuple of such tuples (one per batch row). The earliest start lets a ring step skip a key block
+    that ends before every query's document."""
+    per_row = bool(rows) and isinstance(rows[0], tuple)
+    out = []
+    for p0, n in topo.chunks[topo.group_of(rank)]:
+        pos = np.arange(p0, p0 + n, dtype=np.int64)
+        starts = np.stack([ops.document_starts(r, pos) for r in rows]) if per_row else ops.document_starts(rows, pos)
+        out.append((torch.from_numpy(starts).to(device), int(starts.min()) if n else 0))
+    return out
+
+
 def _aligned(topo, mb):
     """Whether the member's query heads cover whole kv heads (the kernels then take K/V in GQA ratio)."""
     return mb.head_lo % topo.per_kv == 0 and mb.heads % topo.per_kv == 0
@@ -154,7 +174,7 @@ def _kv_index(topo, mb, device):
     return h // topo.per_kv - mb.kv_lo
 
 
-def _ring_forward(comm, topo, kern, Qg, Kg, Vg, causal, scale):
+def _ring_forward(comm, topo, kern, Qg, Kg, Vg, causal, scale, docs):
     rank = comm.rank
     g, me, G = topo.group_of(rank), topo.member(rank), topo.n_groups
     B, Sg, h, d = Qg.shape
@@ -180,9 +200,12 @@ def _ring_forward(comm, topo, kern, Qg, Kg, Vg, causal, scale):
         Kb = cur[0] if kv_idx is None else cur[0].index_select(2, kv_idx)
         Vb = cur[1] if kv_idx is None else cur[1].index_select(2, kv_idx)
         for qo, qp0, qn, ko, kp0, kn in topo.block_pairs(g, src):
-            t0 = comm.clock(dev)
-            o_p, l_p = kern.forward(Qg[:, qo:qo + qn], Kb[:, ko:ko + kn], Vb[:, ko:ko + kn], causal, qp0, kp0, scale)
             i = qoff.index(qo)
+            if docs is not None and kp0 + kn <= docs[i][1]:
+                continue  # every key lies before every query's document
+            t0 = comm.clock(dev)
+            o_p, l_p = kern.forward(Qg[:, qo:qo + qn], Kb[:, ko:ko + kn], Vb[:, ko:ko + kn], causal, qp0, kp0, scale,
+                                    None if docs is None else docs[i][0])
             kern.merge(O[i], L[i], o_p, l_p)
             comm.phase_s["attn"] += comm.clock(dev) - t0
         if pending is not None:
@@ -194,7 +217,7 @@ def _ring_forward(comm, topo, kern, Qg, Kg, Vg, causal, scale):
     return torch.cat(O, 1).to(dt), L
 
 
-def _ring_backward(comm, topo, kern, Qg, Kg, Vg, Og, lses, dOg, causal, scale):
+def _ring_backward(comm, topo, kern, Qg, Kg, Vg, Og, lses, dOg, causal, scale, docs):
     rank = comm.rank
     g, me, G = topo.group_of(rank), topo.member(rank), topo.n_groups
     B, Sg, h, d = Qg.shape
@@ -240,10 +263,13 @@ def _ring_backward(comm, topo, kern, Qg, Kg, Vg, Og, lses, dOg, causal, scale):
         Vb = cur[1] if kv_idx is None else cur[1].index_select(2, kv_idx)
         for qo, qp0, qn, ko, kp0, kn in topo.block_pairs(g, src):
             i = qoff.index(qo)
+            if docs is not None and kp0 + kn <= docs[i][1]:
+                continue
             t0 = comm.clock(dev)
             kern.backward_into(Qg[:, qo:qo + qn], Kb[:, ko:ko + kn], Vb[:, ko:ko + kn], Og[:, qo:qo + qn], lses[i],
                                dOg[:, qo:qo + qn], causal, qp0, kp0, scale, dQ[:, qo:qo + qn],
-                               contrib[0, :, ko:ko + kn], contrib[1, :, ko:ko + kn])
+                               contrib[0, :, ko:ko + kn], contrib[1, :, ko:ko + kn],
+                               None if docs is None else docs[i][0])
             comm.phase_s["attn"] += comm.clock(dev) - t0
         if kv_idx is not None:  # fold per-query-head pieces back onto my kv heads
             folded = torch.zeros(2, B, Ssrc, kv, d, dtype=acc_dt, device=dev)
