@@ -4,6 +4,7 @@ import datetime
 import time
 import traceback
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -67,23 +68,64 @@ def check_plan(rank, world, init, plan_json, dtype_name, head_dim, batch, result
                                 timeout=datetime.timedelta(seconds=60))
         plan = hexiseq.Plan.from_json(plan_json)
         dtype = getattr(torch, dtype_name)
-        m = plan.model
-        g = torch.Generator().manual_seed(1234)
-        S = plan.seq_len
-        q = torch.randn(batch, S, m.heads, head_dim, generator=g, dtype=torch.float64)
-        k = torch.randn(batch, S, m.kv_heads, head_dim, generator=g, dtype=torch.float64)
-        v = torch.randn(batch, S, m.kv_heads, head_dim, generator=g, dtype=torch.float64)
-        go = torch.randn(batch, S, m.heads, head_dim, generator=g, dtype=torch.float64)
-        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-        ref, _ = attention(qr, kr, vr, causal=plan.causal, scale=head_dim ** -0.5)
-        ref.backward(go)
         attn = HexiSeqAttention(plan, causal=plan.causal)
-        ql, kl, vl = (plan.shard(t, 1, rank).to(dtype).requires_grad_() for t in (q, k, v))
-        o = attn(ql, kl, vl)
-        o.backward(plan.shard(go, 1, rank).to(dtype))
-        errs = [_rel(o, plan.shard(ref.detach(), 1, rank)), _rel(ql.grad, plan.shard(qr.grad, 1, rank)),
-                _rel(kl.grad, plan.shard(kr.grad, 1, rank)), _rel(vl.grad, plan.shard(vr.grad, 1, rank))]
-        results.put((rank, "ok", errs, o.dtype == dtype and ql.grad.dtype == dtype))
+        errs, dtype_ok = _errors(plan, rank, attn, dtype, head_dim, batch)
+        results.put((rank, "ok", errs, dtype_ok))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc(), None))
+
+
+def _errors(plan, rank, attn, dtype, head_dim, batch, documents=None, seed=1234):
+    """HexiSeq attention forward and backward on this rank's shard against the float64 single-process reference
+    (same seed on every rank), with the document mask of `documents` (one list, or one per batch row) on both
+    sides: ([relative errors of out, dq, dk, dv], whether the results are in `dtype`)."""
+    from hexiseq.ops import document_starts
+
+    m = plan.model
+    g = torch.Generator().manual_seed(seed)
+    S = plan.seq_len
+    q = torch.randn(batch, S, m.heads, head_dim, generator=g, dtype=torch.float64)
+    k = torch.randn(batch, S, m.kv_heads, head_dim, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, S, m.kv_heads, head_dim, generator=g, dtype=torch.float64)
+    go = torch.randn(batch, S, m.heads, head_dim, generator=g, dtype=torch.float64)
+    q_doc = None
+    if documents is not None:
+        per_row = isinstance(documents[0], (list, tuple))
+        q_doc = torch.as_tensor(np.stack([document_starts(r) for r in documents]) if per_row
+                                else document_starts(documents))
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref, _ = attention(qr, kr, vr, causal=plan.causal, scale=head_dim ** -0.5, q_doc=q_doc)
+    ref.backward(go)
+    ql, kl, vl = (plan.shard(t, 1, rank).to(dtype).requires_grad_() for t in (q, k, v))
+    o = attn(ql, kl, vl) if documents is None else attn(ql, kl, vl, documents=documents)
+    o.backward(plan.shard(go, 1, rank).to(dtype))
+    errs = [_rel(o, plan.shard(ref.detach(), 1, rank)), _rel(ql.grad, plan.shard(qr.grad, 1, rank)),
+            _rel(kl.grad, plan.shard(kr.grad, 1, rank)), _rel(vl.grad, plan.shard(vr.grad, 1, rank))]
+    return errs, o.dtype == dtype and ql.grad.dtype == dtype
+
+
+def check_documents(rank, world, init, plan_json, cases, results):
+    """Packed documents: every case (name, documents, batch, kernels, slices) in turn in one process group, each
+    with a context built under its HEXISEQ_RUNTIME_KERNELS and a2a_slices, float64 against the reference with the
+    same document mask. Reports (rank, "ok", {name: [errors of out, dq, dk, dv]}, None)."""
+    try:
+        import os
+
+        import hexiseq
+        from hexiseq.nn import HexiSeqAttention
+
+        torch.set_num_threads(1)  # several processes share the machine's cores
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        plan = hexiseq.Plan.from_json(plan_json)
+        report = {}
+        for name, documents, batch, kernels, slices in cases:
+            os.environ["HEXISEQ_RUNTIME_KERNELS"] = kernels
+            attn = HexiSeqAttention(plan, a2a_slices=slices)
+            report[name] = _errors(plan, rank, attn, torch.float64, 8, batch, documents, seed=len(report))[0]
+            attn.context.close()
+        results.put((rank, "ok", report, None))
         dist.destroy_process_group()
     except Exception:
         results.put((rank, "error", traceback.format_exc(), None))
@@ -175,9 +217,9 @@ def contract_scenarios(rank, world, init, plan_json, results):
             v = torch.randn(batch, tokens, m.kv_heads, d, generator=g, dtype=dtype)
             return [t.requires_grad_(grad) for t in (q, k, v)]
 
-        def step(attn, **kw):
+        def step(attn, documents=None, **kw):
             q, k, v = inputs(**kw)
-            o = attn(q, k, v)
+            o = attn(q, k, v) if documents is None else attn(q, k, v, documents=documents)
             if o.requires_grad:
                 o.sum().backward()
 
@@ -208,6 +250,23 @@ def contract_scenarios(rank, world, init, plan_json, results):
                 o.sum().backward()
 
         scenario("phase", skipped_backward)
+        # packed documents of the plan's 45 tokens: agreed on by digest, validated on every rank
+        scenario("documents_good", lambda: step(attn, documents=[10, 1, 34]))
+        scenario("documents", lambda: step(attn, documents=[11, 34] if rank == 1 else [10, 35]))
+        scenario("documents_none", lambda: step(attn, documents=None if rank == 2 else [45]))
+        scenario("documents_sum", lambda: step(attn, documents=[10, 30] if rank == 2 else [10, 35]))
+        scenario("documents_type", lambda: step(attn, documents=[10.0, 35]))
+        scenario("documents_zero", lambda: step(attn, documents=[0, 45] if rank == 0 else [45]))
+        scenario("documents_rows", lambda: step(attn, documents=[[10, 35], [45]]))
+
+        def noncausal():
+            other = HexiSeqAttention(plan, causal=False)
+            try:
+                step(other, documents=[45])
+            finally:
+                other.context.close()
+
+        scenario("documents_noncausal", noncausal)
         scenario("good_after", lambda: step(attn))
         report["hp_timeout"] = (str(group_timeout(attn.context.comm.hp_group))
                                 if attn.context.comm.hp_group is not None else None, "", 0.0)

@@ -28,6 +28,14 @@ MISMATCHES = [
     ("phase", "RankMismatchError", ["phase", "rank 0: forward", "rank 1: backward"]),
     ("causal", "RankMismatchError", ["causal", "rank 1: False", "rank 0: True"]),
     ("softmax_scale", "RankMismatchError", ["softmax_scale", "rank 2: 0.5", "rank 0: default"]),
+    ("documents", "RankMismatchError", ["documents", "rank 0: lengths digest", "rank 1: lengths digest"]),
+    ("documents_none", "RankMismatchError", ["documents", "rank 0: lengths digest", "rank 2: none"]),
+    ("documents_sum", "InvalidArgumentError", ["1 of 3 ranks", "rank 2", "documents must sum to the plan's seq_len 45, "
+                                                                      "got 40 ([10, 30])"]),
+    ("documents_type", "InvalidArgumentError", ["3 of 3 ranks", "documents[0] must be an int", "got 10.0"]),
+    ("documents_zero", "InvalidArgumentError", ["rank 0", "documents[0] must be > 0", "got 0"]),
+    ("documents_rows", "InvalidArgumentError", ["documents has 2 lists (one per batch row) but the batch has 1"]),
+    ("documents_noncausal", "InvalidArgumentError", ["documents", "need a causal context"]),
 ]
 
 
@@ -70,3 +78,10 @@ def test_subgroups_inherit_the_group_timeout(reports):
     by_rank, _ = reports
     assert by_rank[0]["hp_timeout"][0] == "0:00:10" and by_rank[1]["hp_timeout"][0] == "0:00:10"
     assert by_rank[2]["hp_timeout"][0] is None  # alone in its group: no subgroup
+
+
+def test_documents_call_runs_on_every_rank(reports):
+    """A call with packed documents that every rank agrees on runs (before the failing document scenarios)."""
+    by_rank, _ = reports
+    for rank, report in sorted(by_rank.items()):
+        assert report["documents_good"][0] == "ok", (rank, report["documents_good"])

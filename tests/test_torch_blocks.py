@@ -69,3 +69,37 @@ def test_runtime_kernels_setting(monkeypatch):
     monkeypatch.setenv("HEXISEQ_RUNTIME_KERNELS", "cuda")
     with pytest.raises(InvalidArgumentError, match="HEXISEQ_RUNTIME_KERNELS='cuda'"):
         blocks.use_c_kernels(t)
+
+
+DOC_CASES = [  # Sq, Sk, q_pos0, k_pos0, document lengths over positions [0, total), per batch row or one for both
+    (40, 60, 50, 0, [[1, 30, 45, 14], [60, 30]]),  # keys before the queries' documents: whole tiles skipped
+    (45, 45, 10, 10, [[3, 2, 1, 7, 4, 20, 8, 5, 10]]),  # the diagonal, short documents, one of one token
+    (30, 40, 70, 20, [[55, 45]]),                   # a document boundary one key after a tile's end
+]
+
+
+@pytest.mark.parametrize("case", DOC_CASES)
+@pytest.mark.parametrize("tile", [16, 10**9])
+def test_documents_tiled_equal_c_kernels(case, tile):
+    """The PyTorch path with a document mask ([Sq] for both batch rows or [B, Sq]) equals the C kernels with the
+    same q_doc, forward and backward (float64, 1e-12), tiles skipped where no query of a piece sees its keys."""
+    Sq, Sk, qp, kp, lengths = case
+    g = torch.Generator().manual_seed(Sq + Sk)
+    q = torch.randn(2, Sq, 4, 16, dtype=torch.float64, generator=g)
+    k = torch.randn(2, Sk, 2, 16, dtype=torch.float64, generator=g)
+    v = torch.randn(2, Sk, 2, 16, dtype=torch.float64, generator=g)
+    do = torch.randn(2, Sq, 4, 16, dtype=torch.float64, generator=g)
+    pos = torch.arange(qp, qp + Sq)
+    q_doc = torch.stack([ops.document_starts(r, pos) for r in lengths]).squeeze(0)
+    out, lse = blocks._block_forward_torch(q, k, v, True, qp, kp, 0.3, tile=tile, q_doc=q_doc)
+    c_out, c_lse = ops.attention_forward(q, k, v, q_pos0=qp, k_pos0=kp, scale=0.3, q_doc=q_doc)
+    plain, _ = ops.attention_forward(q, k, v, q_pos0=qp, k_pos0=kp, scale=0.3)
+    assert (plain - c_out).abs().max().item() > 1e-3  # the documents cut something off
+    dead = torch.isinf(c_lse)
+    assert (out - c_out).abs().max().item() <= 1e-12
+    assert torch.equal(torch.isinf(lse), dead)
+    assert (lse[~dead] - c_lse[~dead]).abs().max().item() <= 1e-12
+    grads = blocks._block_backward_torch(q, k, v, c_out, c_lse, do, True, qp, kp, 0.3, tile=tile, q_doc=q_doc)
+    grads_c = ops.attention_backward(q, k, v, c_out, c_lse, do, q_pos0=qp, k_pos0=kp, scale=0.3, q_doc=q_doc)
+    for gt, gc in zip(grads, grads_c):
+        assert (gt - gc).abs().max().item() <= 1e-12
