@@ -28,17 +28,34 @@ chunk)::
     for p in model.parameters():                          # each rank's gradients cover its own tokens:
         dist.all_reduce(p.grad)                           # SUM them (under DDP, which averages, use loss * world)
 
+Packed documents (several documents in one sequence, as transformers' `DataCollatorWithFlattening` builds a
+batch: position_ids restarting at 0 at each document, labels -100 at each document's first token) run with a
+document mask: give shard_inputs the FULL sequence's position_ids, and the loss the collator's labels. Every rank
+reads the same documents from the same full position_ids (a document starts wherever a position id is not its
+predecessor's plus one), gets its shard of those position_ids for RoPE, and the patched attention lets each query
+see only its own document (the ranks check that they agree on the documents)::
+
+    batch = collator(features)                            # input_ids, labels, position_ids: [1, seq_len]
+    inputs = shard_inputs(batch["input_ids"], plan, rank, position_ids=batch["position_ids"])
+    logits = model(**inputs).logits                       # inputs["hexiseq_documents"]: the documents' lengths
+    loss = sharded_causal_lm_loss(logits, batch["labels"], plan, rank)   # no token predicts across a boundary
+
+Without position_ids, shard_inputs gives absolute positions and the whole sequence is one causal document. The
+patched attention refuses position_ids that do not fit its call: other than the absolute positions without
+documents, not restarting at each document with them.
+
 A rank the plan parks (no tokens: the scheduler leaves a slow device out of a short sequence) runs the same loop:
 shard_inputs gives it one placeholder token whose attention output is 0 and whose logits the loss ignores, so its
 attention layers take part in every collective, forward and backward.
 
 Tested with transformers 5.23.0 on LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM (float64, CPU, Gloo),
-with and without a parked rank.
+with and without a parked rank, with and without packed documents.
 Other models whose attention modules call `ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)`
 with the Llama signature and scale by `module.scaling` should work the same way.
 
 Not supported (each raises a HexiseqError rather than computing something else): padding masks that are not all
-ones and custom 4-D masks (HexiSeq applies the causal mask by absolute position itself; pack or trim instead),
+ones and custom 4-D masks (HexiSeq applies the causal mask by absolute position itself, document-causal for packed
+documents; pack or trim instead),
 KV caches / generation (`patch_model` sets `config.use_cache = False`), attention dropout, logit soft-capping,
 sliding windows shorter than the plan's sequence, and `output_attentions` (the weights are returned as None).
 
@@ -53,9 +70,13 @@ import torch.distributed as dist
 from .errors import HexiseqError, InvalidArgumentError, UnsupportedError
 from .model import hf_sliding_window
 
-__all__ = ["patch_model", "unpatch_model", "shard_inputs", "sharded_causal_lm_loss", "ATTN_IMPLEMENTATION"]
+__all__ = ["patch_model", "unpatch_model", "shard_inputs", "sharded_causal_lm_loss", "documents_from_position_ids",
+           "ATTN_IMPLEMENTATION", "DOCUMENTS_KWARG"]
 
 ATTN_IMPLEMENTATION = "hexiseq"
+# The model keyword that carries the packed documents' lengths (shard_inputs sets it): transformers hands a
+# model's extra keywords down to every attention call.
+DOCUMENTS_KWARG = "hexiseq_documents"
 
 _CTX = "_hexiseq_context"
 _CHECK_POS = "_hexiseq_check_positions"
@@ -110,13 +131,14 @@ def hexiseq_attention_forward(module, query, key, value, attention_mask, scaling
     if scaling is not None and not math.isclose(scaling, context.scale, rel_tol=1e-12):
         raise UnsupportedError(f"hexiseq: {type(module).__name__} scales by {scaling}, the model's HexiSeq context "
                                f"by {context.scale}; every layer must use the same softmax scale")
+    from .nn import _frozen, hexiseq_attn_func
+
     tokens = context.me.tokens
+    documents = _frozen(kwargs.get(DOCUMENTS_KWARG))
     if tokens == 0 and query.shape[2] == 1 and key.shape[2] == 1:
         # a parked rank's placeholder token (see shard_inputs): attention runs its collectives with no tokens, and
         # the placeholder's output, 0, is tied to that empty output so that the backward's collectives run too
-        from .nn import hexiseq_attn_func
-
-        out = hexiseq_attn_func(*(x.transpose(1, 2)[:, :0] for x in (query, key, value)), context)
+        out = hexiseq_attn_func(*(x.transpose(1, 2)[:, :0] for x in (query, key, value)), context, documents)
         return out.new_zeros(out.shape[0], 1, out.shape[2], out.shape[3]) + out.sum(), None
     if query.shape[2] != tokens or key.shape[2] != tokens:
         if key.shape[2] != query.shape[2]:
@@ -128,20 +150,42 @@ def hexiseq_attention_forward(module, query, key, value, attention_mask, scaling
             "feed this rank's shard: hexiseq.hf.shard_inputs(input_ids, plan, rank)")
     want = getattr(module, _CHECK_POS, None)
     if want is not None:
-        pos = kwargs.get("position_ids")
-        if pos is None or pos.shape[-1] != want.numel() or not bool(
-                (pos.reshape(-1, pos.shape[-1]) == want.to(pos.device)).all()):
-            raise InvalidArgumentError(
-                f"hexiseq: position_ids must be the absolute positions of rank {context.rank}'s tokens, "
-                "plan.positions(rank), so that RoPE sees where each token sits in the full sequence "
-                "(use hexiseq.hf.shard_inputs(input_ids, plan, rank))")
-    from .nn import hexiseq_attn_func
-
+        _check_positions(kwargs.get("position_ids"), want, documents, context.rank)
     q = query.transpose(1, 2)   # [batch, s_r, heads, head_dim]
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
-    out = hexiseq_attn_func(q, k, v, context)
+    out = hexiseq_attn_func(q, k, v, context, documents)
     return out, None
+
+
+def _check_positions(pos, want, documents, rank):
+    """position_ids must be what RoPE needs at this rank's tokens (their absolute positions `want`): those
+    positions, or with packed documents the positions restarting at each document (plus any one offset per row,
+    the collator's position_ids_start)."""
+    if documents is not None:
+        from .ops import document_starts
+
+        rows = documents if isinstance(documents, tuple) and all(isinstance(r, tuple) for r in documents) else \
+            (documents,)
+        try:
+            starts = torch.stack([torch.as_tensor(document_starts(r, want.numpy())) for r in rows])
+        except InvalidArgumentError:
+            return  # bad documents: the attention call refuses them on every rank alike
+        want = want - starts   # [1 or batch rows, s_r]
+    ok = pos is not None and pos.shape[-1] == want.shape[-1]
+    if ok:
+        diff = pos.reshape(-1, pos.shape[-1]) - want.to(pos.device)
+        ok = bool((diff == (diff[:, :1] if documents is not None else 0)).all())
+    if not ok and documents is not None:
+        raise InvalidArgumentError(
+            f"hexiseq: position_ids must be rank {rank}'s shard of the packed sequence's position ids, restarting at "
+            f"each document (what DataCollatorWithFlattening gives), so that RoPE sees where each token sits in its "
+            f"document (use hexiseq.hf.shard_inputs(input_ids, plan, rank, position_ids=full_position_ids))")
+    if not ok:
+        raise InvalidArgumentError(
+            f"hexiseq: position_ids must be the absolute positions of rank {rank}'s tokens, "
+            "plan.positions(rank), so that RoPE sees where each token sits in the full sequence "
+            "(use hexiseq.hf.shard_inputs(input_ids, plan, rank))")
 
 
 # ------------------------------------------------------------------------------------------ patching
@@ -173,8 +217,9 @@ def patch_model(model, plan, group=None):
         # or: out = model(**hexiseq.hf.shard_inputs(input_ids, plan, rank))
 
     and no attention mask (HexiSeq masks causally by absolute position; an all-ones padding mask is accepted,
-    anything else raises). The logits are those of the rank's tokens; `sharded_causal_lm_loss` turns them into the
-    global loss. `config.use_cache` is set to False (no KV caches / generation while patched).
+    anything else raises). Packed documents: `shard_inputs(input_ids, plan, rank, position_ids=full_position_ids)`
+    (see the module's docstring). The logits are those of the rank's tokens; `sharded_causal_lm_loss` turns them
+    into the global loss. `config.use_cache` is set to False (no KV caches / generation while patched).
 
     Raises InvalidArgumentError when the model's num_attention_heads / num_key_value_heads differ from
     plan.model.heads / kv_heads, UnsupportedError for a model whose attention does not follow the
@@ -273,10 +318,17 @@ def _rank(plan, rank, group):
     return rank
 
 
-def shard_inputs(input_ids, plan, rank=None, group=None):
+def shard_inputs(input_ids, plan, rank=None, group=None, position_ids=None):
     """{"input_ids": this rank's shard of `input_ids` [batch, seq_len], "position_ids": [1, s_r] absolute positions,
     "attention_mask": [batch, s_r] all ones} to call a patched model with: `model(**shard_inputs(input_ids, plan,
     rank))`.
+
+    Packed documents (several documents in one sequence, as transformers' DataCollatorWithFlattening makes them):
+    pass the FULL sequence's `position_ids` ([1 or batch, seq_len], restarting at each document). The documents are
+    read from them (a document starts wherever a position id is not its predecessor's plus one) and the result
+    also holds "hexiseq_documents" (their lengths, which the patched attention reads: every query then sees only
+    its own document) and "position_ids" becomes this rank's shard of the given ones (RoPE rotates each token by
+    its place in its document).
 
     A rank the plan parks (no tokens) must still run the model, so that its attention layers take part in the
     collectives; transformers' attention modules cannot reshape an empty sequence, so such a rank gets one
@@ -284,11 +336,42 @@ def shard_inputs(input_ids, plan, rank=None, group=None):
     The all-ones mask masks nothing (HexiSeq masks causally by absolute position); without a mask transformers
     inspects position_ids for packed sequences, which only finds the shard's chunk boundary (HexiSeq ignores it)."""
     rank = _rank(plan, rank, group)
-    pos = torch.as_tensor(plan.positions(rank), dtype=torch.long, device=input_ids.device).unsqueeze(0)
+    documents = None
+    if position_ids is None:
+        pos = torch.as_tensor(plan.positions(rank), dtype=torch.long, device=input_ids.device).unsqueeze(0)
+    else:
+        documents = documents_from_position_ids(position_ids, plan.seq_len)
+        pos = plan.shard(position_ids.reshape(-1, position_ids.shape[-1]), 1, rank)
     ids = plan.shard(input_ids, 1, rank)
     if ids.shape[1] == 0:
         ids, pos = input_ids[:, :1], torch.zeros(1, 1, dtype=torch.long, device=input_ids.device)
-    return {"input_ids": ids, "position_ids": pos, "attention_mask": torch.ones_like(ids, dtype=torch.long)}
+    out = {"input_ids": ids, "position_ids": pos, "attention_mask": torch.ones_like(ids, dtype=torch.long)}
+    if documents is not None:
+        out[DOCUMENTS_KWARG] = documents
+    return out
+
+
+def documents_from_position_ids(position_ids, seq_len=None):
+    """The lengths of the documents packed in a sequence, from its position ids ([seq_len] or [rows, seq_len], a
+    tensor or a list), which restart at each document: a document starts at position 0 and wherever a position
+    id is not its predecessor's plus one (transformers' own rule for packed sequences). Returns a tuple of
+    lengths, or a tuple of such tuples, one per row, when the rows differ."""
+    pos = torch.as_tensor(position_ids)
+    pos = pos.reshape(1, -1) if pos.dim() == 1 else pos
+    if pos.dim() != 2 or pos.shape[1] == 0 or pos.dtype.is_floating_point or pos.dtype == torch.bool:
+        raise InvalidArgumentError(f"position_ids must be integer [rows, seq_len], got {pos.dtype} "
+                                   f"{list(pos.shape)}")
+    if seq_len is not None and pos.shape[1] != seq_len:
+        raise InvalidArgumentError(f"position_ids must cover the full sequence of the plan, {seq_len} tokens (before "
+                                   f"sharding), got {pos.shape[1]}")
+    pos = pos.detach().cpu()
+    starts = torch.ones(pos.shape, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    rows = []
+    for row in starts:
+        at = torch.nonzero(row).flatten().tolist() + [pos.shape[1]]
+        rows.append(tuple(b - a for a, b in zip(at, at[1:])))
+    return rows[0] if all(r == rows[0] for r in rows) else tuple(rows)
 
 
 def sharded_causal_lm_loss(logits, labels_full, plan, rank=None, group=None, ignore_index: int = -100):

@@ -120,6 +120,8 @@ def check_model(rank, plan, family, batch, check_errors):
     m["grad"], m["grad_worst_param"], m["grad_missing"] = worst, worst_name, missing
     m["n_params"] = sum(1 for _ in model.parameters())
 
+    m.update(check_packed(rank, plan, model, ref_model, batch))
+
     if check_errors:
         # without shard_inputs' all-ones mask (transformers then looks for packed sequences in position_ids): the
         # same logits
@@ -144,4 +146,70 @@ def check_model(rank, plan, family, batch, check_errors):
         m["unpatched_impl"] = model.config._attn_implementation
         with torch.no_grad():
             m["unpatched_logits"] = _rel(model(input_ids=ids).logits, ref_logits)
+    return m
+
+
+# Packed documents per batch row of the 61-token sequences: one of one token, documents across the groups' chunks
+PACKED = ([1, 17, 25, 3, 15], [30, 31])
+
+
+def check_packed(rank, plan, model, ref_model, batch):
+    """Packed documents as transformers' DataCollatorWithFlattening gives them (position_ids restarting at each
+    document, labels -100 at each document's first token), through shard_inputs(..., position_ids=) on the patched
+    model, against the unpatched model run document by document (so nothing crosses a boundary by construction):
+    logits, loss and the gradients summed over the ranks. `model` is patched; both models' gradients are reset."""
+    import torch.nn.functional as F
+
+    from hexiseq.hf import shard_inputs, sharded_causal_lm_loss
+
+    S = plan.seq_len
+    rows = PACKED[:batch]
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, ref_model.config.vocab_size, (batch, S), generator=g)
+    position_ids = torch.stack([torch.cat([torch.arange(n) for n in r]) for r in rows])
+    labels = ids.clone()
+    for b, r in enumerate(rows):
+        labels[b, torch.cumsum(torch.tensor([0] + r[:-1]), 0)] = -100   # no token predicts a document's first
+    m = {}
+    for mod in (model, ref_model):
+        mod.zero_grad(set_to_none=True)
+
+    # reference: each document alone through the unpatched model, the loss over the pairs inside documents
+    logits, total, count = [], 0.0, 0
+    for b, r in enumerate(rows):
+        row, at = [], 0
+        for n in r:
+            out = ref_model(input_ids=ids[b:b + 1, at:at + n], position_ids=torch.arange(n)[None]).logits
+            row.append(out)
+            if n > 1:
+                total = total + F.cross_entropy(out[0, :-1], ids[b, at + 1:at + n], reduction="sum")
+                count += n - 1
+            at += n
+        logits.append(torch.cat(row, 1))
+    ref_logits = torch.cat(logits, 0).detach()
+    ref_loss = total / count
+    ref_loss.backward()
+    ref_grads = {n: p.grad.detach().clone() for n, p in ref_model.named_parameters()}
+    # transformers' own packed handling on the full sequence (float32 loss): the reference means the same thing
+    with torch.no_grad():
+        hf = ref_model(input_ids=ids, position_ids=position_ids, labels=labels)
+    m["packed_hf_loss_vs_ref"] = abs(hf.loss.item() - ref_loss.item()) / abs(ref_loss.item())
+
+    inputs = shard_inputs(ids, plan, rank, position_ids=position_ids)
+    m["packed_documents"] = inputs.get("hexiseq_documents")
+    dout = model(**inputs)
+    loss = sharded_causal_lm_loss(dout.logits, labels, plan, rank)
+    loss.backward()
+    parked = len(plan.positions(rank)) == 0
+    m["packed_logits"] = None if parked else _rel(dout.logits.detach(), plan.shard(ref_logits, 1, rank))
+    m["packed_loss"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+    worst, missing = 0.0, []
+    for n, p in model.named_parameters():
+        if p.grad is None:
+            missing.append(n)
+            continue
+        gsum = p.grad.detach().clone()
+        dist.all_reduce(gsum)
+        worst = max(worst, _rel(gsum, ref_grads[n]))
+    m["packed_grad"], m["packed_grad_missing"] = worst, missing
     return m

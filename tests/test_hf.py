@@ -57,11 +57,31 @@ def asymmetric_plan():
 FAMILIES = ("llama", "mistral", "qwen2")
 
 
-def test_patched_models_match_full_sequence(tmp_path):
+@pytest.fixture(scope="module")
+def asymmetric_run(tmp_path_factory):
+    """Every family through the asymmetric plan, batch 2, with the error and unpatch checks: one spawn, which the
+    packed-documents test below reads too."""
     plan = asymmetric_plan()
     world = plan.cluster.num_devices
     assert world == 4 and plan.seq_len % world != 0
-    out = spawn(hf_worker.check_models, world, (plan.to_json(), FAMILIES, 2, True), tmp_path)
+    return spawn(hf_worker.check_models, world, (plan.to_json(), FAMILIES, 2, True), tmp_path_factory.mktemp("a"))
+
+
+@pytest.fixture(scope="module")
+def parked_run(tmp_path_factory):
+    """Every family through a plan that parks a device (no tokens, no heads), batch 1: one spawn."""
+    cluster = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 1, "intra_gbps": 300.0},
+                                                   {"gpu": "A100-80G", "count": 1, "intra_gbps": 300.0}],
+                                         "inter_node_gbps": 25.0})
+    model = hexiseq.Model(layers=2, hidden=64, heads=8, kv_heads=2, head_dim=8, ffn=128, vocab=97, gated_mlp=True)
+    plan = hexiseq.evaluate(cluster, model=model, seq_len=61, layout={"groups": [
+        {"devices": [0, 1], "seq": 61, "tokens": [61, 0], "heads": [8, 0]}]})
+    assert len(plan.positions(1)) == 0
+    return spawn(hf_worker.check_models, 2, (plan.to_json(), FAMILIES, 1, False), tmp_path_factory.mktemp("p"))
+
+
+def test_patched_models_match_full_sequence(asymmetric_run):
+    out = asymmetric_run
     for rank, (status, per_family) in sorted(out.items()):
         assert status == "ok", f"rank {rank}: {per_family}"
         for family in FAMILIES:
@@ -85,18 +105,11 @@ def test_patched_models_match_full_sequence(tmp_path):
         assert m["unpatched_logits"] <= 1e-12
 
 
-def test_parked_rank_runs_every_model(tmp_path):
+def test_parked_rank_runs_every_model(parked_run):
     """A plan that parks a device (no tokens, no heads: what the scheduler does with a slow device on a short
     sequence) runs every supported model: the parked rank runs the model on an empty shard and takes part in the
     collectives, and the result equals the full-sequence reference."""
-    cluster = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 1, "intra_gbps": 300.0},
-                                                   {"gpu": "A100-80G", "count": 1, "intra_gbps": 300.0}],
-                                         "inter_node_gbps": 25.0})
-    model = hexiseq.Model(layers=2, hidden=64, heads=8, kv_heads=2, head_dim=8, ffn=128, vocab=97, gated_mlp=True)
-    plan = hexiseq.evaluate(cluster, model=model, seq_len=61, layout={"groups": [
-        {"devices": [0, 1], "seq": 61, "tokens": [61, 0], "heads": [8, 0]}]})
-    assert len(plan.positions(1)) == 0
-    out = spawn(hf_worker.check_models, 2, (plan.to_json(), FAMILIES, 1, False), tmp_path)
+    out = parked_run
     for rank, (status, per_family) in sorted(out.items()):
         assert status == "ok", f"rank {rank}: {per_family}"
         for family in FAMILIES:
@@ -114,3 +127,67 @@ def test_importable_without_distributed_setup():
 
     assert callable(hf.patch_model) and callable(hf.sharded_causal_lm_loss)
     assert hf.ATTN_IMPLEMENTATION == "hexiseq"
+
+
+@pytest.mark.parametrize("run", ["asymmetric_run", "parked_run"])
+def test_packed_documents_match_each_document_alone(run, request):
+    """Packed inputs as DataCollatorWithFlattening makes them (position_ids restarting at each document, labels -100
+    at each document's first token; batch 2 with other documents in each row on the asymmetric plan, batch 1 with
+    a parked rank) through shard_inputs(..., position_ids=): logits, loss and summed gradients equal the unpatched
+    model run document by document, to the tolerances of the full-sequence test. Transformers' own packed run of
+    the full sequence agrees with that reference (to its float32 loss)."""
+    out = request.getfixturevalue(run)
+    for rank, (status, per_family) in sorted(out.items()):
+        assert status == "ok", f"rank {rank}: {per_family}"
+        for family in FAMILIES:
+            m = per_family[family]
+            where = f"{family} rank {rank}"
+            assert m["packed_documents"] in (tuple(hf_worker.PACKED[0]), tuple(map(tuple, hf_worker.PACKED)))
+            assert m["packed_hf_loss_vs_ref"] <= 1e-6, f"{where}: {m['packed_hf_loss_vs_ref']:.3g}"
+            assert m["packed_loss"] <= 1e-10, f"{where}: loss {m['packed_loss']:.3g}"
+            if m["packed_logits"] is not None:
+                assert m["packed_logits"] <= 1e-10, f"{where}: logits {m['packed_logits']:.3g}"
+            assert not m["packed_grad_missing"], f"{where}: no gradient for {m['packed_grad_missing']}"
+            assert m["packed_grad"] <= 1e-8, f"{where}: gradient off by {m['packed_grad']:.3g}"
+
+
+def test_documents_from_position_ids():
+    from hexiseq.hf import documents_from_position_ids
+
+    assert documents_from_position_ids(torch.tensor([[0, 1, 2, 0, 0, 1]])) == (3, 1, 2)
+    assert documents_from_position_ids([5, 6, 0, 1]) == (2, 2)  # any first id; a restart anywhere
+    assert documents_from_position_ids(torch.tensor([[0, 1, 0], [0, 1, 0]])) == (2, 1)  # equal rows: one list
+    assert documents_from_position_ids(torch.tensor([[0, 1, 0], [0, 1, 2]])) == ((2, 1), (3,))
+    assert documents_from_position_ids(torch.arange(4)) == (4,)
+    with pytest.raises(hexiseq.InvalidArgumentError, match="full sequence of the plan, 5 tokens"):
+        documents_from_position_ids(torch.arange(4), 5)
+    with pytest.raises(hexiseq.InvalidArgumentError, match="position_ids must be integer"):
+        documents_from_position_ids(torch.zeros(1, 3))
+
+
+def test_shard_inputs_with_packed_position_ids():
+    """shard_inputs reads the documents from the full position_ids and hands each rank its shard of them."""
+    from hexiseq.hf import DOCUMENTS_KWARG, _check_positions, shard_inputs
+
+    plan = asymmetric_plan()
+    pos = torch.cat([torch.arange(n) for n in hf_worker.PACKED[0]])[None]
+    ids = torch.arange(61)[None].repeat(2, 1)
+    checked = 0
+    for rank in range(4):
+        got = shard_inputs(ids, plan, rank, position_ids=pos)
+        assert got[DOCUMENTS_KWARG] == tuple(hf_worker.PACKED[0])
+        assert torch.equal(got["position_ids"], plan.shard(pos, 1, rank))
+        assert torch.equal(got["input_ids"], plan.shard(ids, 1, rank))
+        want = torch.as_tensor(plan.positions(rank))
+        _check_positions(got["position_ids"], want, got[DOCUMENTS_KWARG], rank)  # accepted
+        _check_positions(got["position_ids"] + 3, want, got[DOCUMENTS_KWARG], rank)  # a collator's start offset
+        if len(set(hexiseq.ops.document_starts(hf_worker.PACKED[0], want.numpy()).tolist())) > 1:
+            # the rank's tokens span documents: absolute positions where the restarting ones belong are refused,
+            # and the reverse
+            checked += 1
+            with pytest.raises(hexiseq.InvalidArgumentError, match="restarting at each document"):
+                _check_positions(want[None], want, got[DOCUMENTS_KWARG], rank)
+            with pytest.raises(hexiseq.InvalidArgumentError, match="absolute positions"):
+                _check_positions(got["position_ids"], want, None, rank)
+    assert DOCUMENTS_KWARG not in shard_inputs(ids, plan, 0)
+    assert checked >= 2
