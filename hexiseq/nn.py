@@ -11,7 +11,6 @@ here; the work is in rooms of one concern each:
 
 import atexit
 import math
-import numbers
 import weakref
 from typing import Optional
 
@@ -22,6 +21,8 @@ except ImportError as e:  # pragma: no cover
     raise ImportError("hexiseq.nn needs PyTorch (pip install torch)") from e
 
 from . import blocks, ring
+from ._validate import document_lengths
+from .ops import _short
 from .comm import Comm, describe_call
 from .errors import InvalidArgumentError
 from .topology import Topology
@@ -111,30 +112,21 @@ class HexiSeqContext:
             return InvalidArgumentError("documents (a document mask) need a causal context (causal=True): a query "
                                         "sees the keys from its document's start up to itself"), None
         value = _frozen(documents)
-        S = self.plan.seq_len
         if not isinstance(value, tuple) or not value:
-            return InvalidArgumentError(f"documents must be a list of document lengths (ints > 0 summing to the "
-                                        f"plan's seq_len {S}), or one such list per batch row, got "
+            return InvalidArgumentError(f"documents must be a list of document lengths (ints > 0 adding up to the "
+                                        f"plan's seq_len {self.plan.seq_len}), or one such list per batch row, got "
                                         f"{_short(documents)}"), None
         per_row = all(isinstance(row, tuple) for row in value)
         if per_row and len(value) != batch:
             return InvalidArgumentError(f"documents has {len(value)} lists (one per batch row) but the batch has "
                                         f"{batch} rows"), None
-        for b, row in enumerate(value if per_row else (value,)):
-            where = f"documents[{b}]" if per_row else "documents"
-            if not row:
-                return InvalidArgumentError(f"{where} must hold at least one document length, got []"), None
-            for i, n in enumerate(row):
-                if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-                    return InvalidArgumentError(f"{where}[{i}] must be an int (a document length), got "
-                                                f"{_short(n)}"), None
-                if n <= 0:
-                    return InvalidArgumentError(f"{where}[{i}] must be > 0 (a document length), got {n}"), None
-            if sum(row) != S:
-                return InvalidArgumentError(f"{where} must sum to the plan's seq_len {S}, got {sum(row)} "
-                                            f"({_short(list(row))})"), None
-        lengths = tuple(tuple(int(n) for n in row) for row in value) if per_row else tuple(int(n) for n in value)
-        return None, lengths
+        try:  # the planner's rules for document lengths, with its messages
+            rows = [document_lengths(row, self.plan.seq_len, f"documents[{b}]" if per_row else "documents")
+                    for b, row in enumerate(value if per_row else (value,))]
+        except InvalidArgumentError as e:
+            return e, None
+        lengths = tuple(tuple(row.tolist()) for row in rows)
+        return None, lengths if per_row else lengths[0]
 
     def _call(self, phase, t, error, backward, documents):
         """Agree on a call with every rank (raising the same error on all when any fails or they differ); the
@@ -170,11 +162,6 @@ def _frozen(value):
     if isinstance(value, (list, tuple)):
         return tuple(_frozen(x) for x in value)
     return value
-
-
-def _short(value):
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class _HexiSeqAttentionFn(torch.autograd.Function):

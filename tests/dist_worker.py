@@ -105,10 +105,11 @@ def _errors(plan, rank, attn, dtype, head_dim, batch, documents=None, seed=1234)
     return errs, o.dtype == dtype and ql.grad.dtype == dtype
 
 
-def check_documents(rank, world, init, plan_json, cases, results):
-    """Packed documents: every case (name, documents, batch, kernels, slices) in turn in one process group, each
-    with a context built under its HEXISEQ_RUNTIME_KERNELS and a2a_slices, float64 against the reference with the
-    same document mask. Reports (rank, "ok", {name: [errors of out, dq, dk, dv]}, None)."""
+def check_documents(rank, world, init, runs, results):
+    """Packed documents: for each (plan, cases) of `runs` in turn (plans of `world` devices), in one process group,
+    every case (name, documents, batch, kernels, slices) with a context built under its HEXISEQ_RUNTIME_KERNELS and
+    a2a_slices, float64 against the reference with the same document mask.
+    Reports (rank, "ok", [{name: [errors of out, dq, dk, dv]} per run], None)."""
     try:
         import os
 
@@ -118,13 +119,16 @@ def check_documents(rank, world, init, plan_json, cases, results):
         torch.set_num_threads(1)  # several processes share the machine's cores
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
-        plan = hexiseq.Plan.from_json(plan_json)
-        report = {}
-        for name, documents, batch, kernels, slices in cases:
-            os.environ["HEXISEQ_RUNTIME_KERNELS"] = kernels
-            attn = HexiSeqAttention(plan, a2a_slices=slices)
-            report[name] = _errors(plan, rank, attn, torch.float64, 8, batch, documents, seed=len(report))[0]
-            attn.context.close()
+        report = []
+        for plan_json, cases in runs:
+            plan = hexiseq.Plan.from_json(plan_json)
+            report.append({})
+            for name, documents, batch, kernels, slices in cases:
+                os.environ["HEXISEQ_RUNTIME_KERNELS"] = kernels
+                attn = HexiSeqAttention(plan, a2a_slices=slices)
+                report[-1][name] = _errors(plan, rank, attn, torch.float64, 8, batch, documents,
+                                           seed=len(report[-1]))[0]
+                attn.context.close()
         results.put((rank, "ok", report, None))
         dist.destroy_process_group()
     except Exception:
@@ -255,7 +259,7 @@ def contract_scenarios(rank, world, init, plan_json, results):
         scenario("documents", lambda: step(attn, documents=[11, 34] if rank == 1 else [10, 35]))
         scenario("documents_none", lambda: step(attn, documents=None if rank == 2 else [45]))
         scenario("documents_sum", lambda: step(attn, documents=[10, 30] if rank == 2 else [10, 35]))
-        scenario("documents_type", lambda: step(attn, documents=[10.0, 35]))
+        scenario("documents_type", lambda: step(attn, documents=[10.5, 35]))
         scenario("documents_zero", lambda: step(attn, documents=[0, 45] if rank == 0 else [45]))
         scenario("documents_rows", lambda: step(attn, documents=[[10, 35], [45]]))
 

@@ -67,6 +67,22 @@ def check_models(rank, world, init, plan_json, families, batch, errors, results)
         results.put((rank, "error", traceback.format_exc()))
 
 
+def _grad_errors(model, ref_grads):
+    """(largest relative error of a parameter's gradient summed over the ranks against ref_grads, that parameter's
+    name, the parameters without a gradient). Collective: one all_reduce per parameter that has a gradient."""
+    worst, worst_name, missing = 0.0, None, []
+    for n, p in model.named_parameters():
+        if p.grad is None:
+            missing.append(n)
+            continue
+        gsum = p.grad.detach().clone()
+        dist.all_reduce(gsum)
+        e = _rel(gsum, ref_grads[n])
+        if e > worst:
+            worst, worst_name = e, n
+    return worst, worst_name, missing
+
+
 def check_model(rank, plan, family, batch, check_errors):
     """Reference: the unpatched model on the full sequence (float64 loss with transformers' formula, and
     transformers' own .loss). Distributed: the patched model on this rank's shard, sharded_causal_lm_loss,
@@ -107,17 +123,7 @@ def check_model(rank, plan, family, batch, check_errors):
     m["loss_vs_ref64"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
     m["loss_vs_hf"] = abs(loss.item() - out.loss.item()) / abs(out.loss.item())
     m["loss_dtype"] = str(loss.dtype)
-    worst, worst_name, missing = 0.0, None, []
-    for n, p in model.named_parameters():
-        if p.grad is None:
-            missing.append(n)
-            continue
-        gsum = p.grad.detach().clone()
-        dist.all_reduce(gsum)
-        e = _rel(gsum, ref_grads[n])
-        if e > worst:
-            worst, worst_name = e, n
-    m["grad"], m["grad_worst_param"], m["grad_missing"] = worst, worst_name, missing
+    m["grad"], m["grad_worst_param"], m["grad_missing"] = _grad_errors(model, ref_grads)
     m["n_params"] = sum(1 for _ in model.parameters())
 
     m.update(check_packed(rank, plan, model, ref_model, batch))
@@ -203,13 +209,5 @@ def check_packed(rank, plan, model, ref_model, batch):
     parked = len(plan.positions(rank)) == 0
     m["packed_logits"] = None if parked else _rel(dout.logits.detach(), plan.shard(ref_logits, 1, rank))
     m["packed_loss"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
-    worst, missing = 0.0, []
-    for n, p in model.named_parameters():
-        if p.grad is None:
-            missing.append(n)
-            continue
-        gsum = p.grad.detach().clone()
-        dist.all_reduce(gsum)
-        worst = max(worst, _rel(gsum, ref_grads[n]))
-    m["packed_grad"], m["packed_grad_missing"] = worst, missing
+    m["packed_grad"], _, m["packed_grad_missing"] = _grad_errors(model, ref_grads)
     return m

@@ -149,23 +149,37 @@ def document_cases(plan):
             ("crossing-sliced", crossing, 2, "", 2)]
 
 
+def contiguous_for_documents(plan):
+    """The plan's groups in contiguous chunks (every back chunk empty), priced for the crossing documents: what
+    the planner may choose for packed documents."""
+    layout = dict(plan.layout.to_dict(), chunking="contiguous")
+    S = plan.seq_len
+    return hexiseq.evaluate(plan.cluster, model=plan.model, seq_len=S, layout=layout,
+                            documents=[1, 20, S - 40, 19])
+
+
 @pytest.mark.parametrize("case", ["asymmetric", "gqa4-three-groups"])
 def test_documents_match_single_process(case, tmp_path):
     """Packed documents: forward and backward in float64 within 1e-10 of the one-process reference with the same
     document mask, on unequal groups, unequal and unaligned head shares, a kv head split between two ranks, a
-    one-token rank and GQA, for every case of document_cases in one spawn. The plans are made without
-    documents: a documents call runs on any plan (only less balanced). The PyTorch path is held to the 1e-8 of
-    test_torch_block_kernels_path."""
+    one-token rank and GQA, for every case of document_cases, on the plan made without documents (a documents call
+    runs on any plan, only less balanced) and then on its layout in contiguous chunks made for documents, in one
+    spawn. The PyTorch path is held to the 1e-8 of test_torch_block_kernels_path."""
     plan = CASES[case]()
-    cases = document_cases(plan)
+    contiguous = contiguous_for_documents(plan)
+    assert [len(contiguous.group_chunks(g)) for g in range(contiguous.num_groups)] == [1] * contiguous.num_groups
+    runs = [(plan.to_json(), document_cases(plan)),
+            (contiguous.to_json(), [c for c in document_cases(contiguous) if c[0] in ("crossing", "edges-torch")])]
     t0 = time.monotonic()
-    out = spawn(dist_worker.check_documents, plan.cluster.num_devices, (plan.to_json(), cases), tmp_path)
+    out = spawn(dist_worker.check_documents, plan.cluster.num_devices, (runs,), tmp_path)
     elapsed = time.monotonic() - t0
     for rank, (status, report, _) in sorted(out.items()):
         assert status == "ok", f"rank {rank}: {report}"
-        assert sorted(report) == sorted(c[0] for c in cases)
-        for name, errs in report.items():
-            tol = 1e-8 if "torch" in name else 1e-10
-            for what, e in zip(("out", "dq", "dk", "dv"), errs):
-                assert e <= tol, f"{case} documents {name} rank {rank}: {what} relative error {e:.3g} > {tol}"
+        for (_, cases), (chunks, per_case) in zip(runs, zip(("zigzag", "contiguous"), report)):
+            assert sorted(per_case) == sorted(c[0] for c in cases)
+            for name, errs in per_case.items():
+                tol = 1e-8 if "torch" in name else 1e-10
+                for what, e in zip(("out", "dq", "dk", "dv"), errs):
+                    assert e <= tol, (f"{case} {chunks} documents {name} rank {rank}: {what} relative error {e:.3g} "
+                                      f"> {tol}")
     assert elapsed < 100, f"took {elapsed:.1f} s"

@@ -30,10 +30,10 @@ MISMATCHES = [
     ("softmax_scale", "RankMismatchError", ["softmax_scale", "rank 2: 0.5", "rank 0: default"]),
     ("documents", "RankMismatchError", ["documents", "rank 0: lengths digest", "rank 1: lengths digest"]),
     ("documents_none", "RankMismatchError", ["documents", "rank 0: lengths digest", "rank 2: none"]),
-    ("documents_sum", "InvalidArgumentError", ["1 of 3 ranks", "rank 2", "documents must sum to the plan's seq_len 45, "
-                                                                      "got 40 ([10, 30])"]),
-    ("documents_type", "InvalidArgumentError", ["3 of 3 ranks", "documents[0] must be an int", "got 10.0"]),
-    ("documents_zero", "InvalidArgumentError", ["rank 0", "documents[0] must be > 0", "got 0"]),
+    ("documents_sum", "InvalidArgumentError", ["1 of 3 ranks", "rank 2", "documents must add up to seq_len=45, "
+                                                                      "they add up to 40"]),
+    ("documents_type", "InvalidArgumentError", ["3 of 3 ranks", "documents[0] must be an integer, got 10.5"]),
+    ("documents_zero", "InvalidArgumentError", ["rank 0", "documents[0] must be in [1, ", "got 0"]),
     ("documents_rows", "InvalidArgumentError", ["documents has 2 lists (one per batch row) but the batch has 1"]),
     ("documents_noncausal", "InvalidArgumentError", ["documents", "need a causal context"]),
 ]
