@@ -22,9 +22,9 @@ except ImportError as e:  # pragma: no cover
 
 from . import blocks, ring
 from ._validate import document_lengths
-from .ops import _short
 from .comm import Comm, describe_call
 from .errors import InvalidArgumentError
+from .ops import _short
 from .topology import Topology
 
 __all__ = ["HexiSeqAttention", "HexiSeqContext", "hexiseq_attn_func", "gather_sequence"]
