@@ -131,10 +131,11 @@ def hexiseq_attention_forward(module, query, key, value, attention_mask, scaling
     if scaling is not None and not math.isclose(scaling, context.scale, rel_tol=1e-12):
         raise UnsupportedError(f"hexiseq: {type(module).__name__} scales by {scaling}, the model's HexiSeq context "
                                f"by {context.scale}; every layer must use the same softmax scale")
-    from .nn import _frozen, hexiseq_attn_func
+    from .documents import frozen
+    from .nn import hexiseq_attn_func
 
     tokens = context.me.tokens
-    documents = _frozen(kwargs.get(DOCUMENTS_KWARG))
+    documents = frozen(kwargs.get(DOCUMENTS_KWARG))
     if tokens == 0 and query.shape[2] == 1 and key.shape[2] == 1:
         # a parked rank's placeholder token (see shard_inputs): attention runs its collectives with no tokens, and
         # the placeholder's output, 0, is tied to that empty output so that the backward's collectives run too

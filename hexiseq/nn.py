@@ -6,7 +6,8 @@ here; the work is in rooms of one concern each:
 - hexiseq.comm: process groups, the all-to-all, tagged P2P, timers, and the contract that ranks which disagree
   fail together with the same error instead of aborting or hanging;
 - hexiseq.ring: one layer forward and backward (all-to-all in, ring attention, all-to-all out);
-- hexiseq.blocks: the attention of one block pair, the C kernels or the PyTorch path, chosen once per dtype.
+- hexiseq.blocks: the attention of one block pair, the C kernels or the PyTorch path, chosen once per dtype;
+- hexiseq.documents: packed documents per call, checked, and turned into each query chunk's document starts.
 """
 
 import atexit
@@ -21,10 +22,9 @@ except ImportError as e:  # pragma: no cover
     raise ImportError("hexiseq.nn needs PyTorch (pip install torch)") from e
 
 from . import blocks, ring
-from ._validate import document_lengths
+from . import documents as documents_mod
 from .comm import Comm, describe_call
 from .errors import InvalidArgumentError
-from .ops import _short
 from .topology import Topology
 
 __all__ = ["HexiSeqAttention", "HexiSeqContext", "hexiseq_attn_func", "gather_sequence"]
@@ -103,41 +103,16 @@ class HexiSeqContext:
             return InvalidArgumentError(f"q dtype must be float64, float32, bfloat16 or float16, got {q.dtype}")
         return None
 
-    def _documents_error(self, documents, batch):
-        """(the InvalidArgumentError these documents deserve or None, their lengths: a tuple of ints for the whole
-        batch or a tuple of such tuples, one per batch row; None without documents)."""
-        if documents is None:
-            return None, None
-        if not self.causal:
-            return InvalidArgumentError("documents (a document mask) need a causal context (causal=True): a query "
-                                        "sees the keys from its document's start up to itself"), None
-        value = _frozen(documents)
-        if not isinstance(value, tuple) or not value:
-            return InvalidArgumentError(f"documents must be a list of document lengths (ints > 0 adding up to the "
-                                        f"plan's seq_len {self.plan.seq_len}), or one such list per batch row, got "
-                                        f"{_short(documents)}"), None
-        per_row = all(isinstance(row, tuple) for row in value)
-        if per_row and len(value) != batch:
-            return InvalidArgumentError(f"documents has {len(value)} lists (one per batch row) but the batch has "
-                                        f"{batch} rows"), None
-        try:  # the planner's rules for document lengths, with its messages
-            rows = [document_lengths(row, self.plan.seq_len, f"documents[{b}]" if per_row else "documents")
-                    for b, row in enumerate(value if per_row else (value,))]
-        except InvalidArgumentError as e:
-            return e, None
-        lengths = tuple(tuple(row.tolist()) for row in rows)
-        return None, lengths if per_row else lengths[0]
-
     def _call(self, phase, t, error, backward, documents):
         """Agree on a call with every rank (raising the same error on all when any fails or they differ); the
         document mask of this rank's query chunks, or None."""
         if error is None:
-            error, lengths = self._documents_error(documents, t.shape[0])
+            error, lengths = documents_mod.check(documents, self.plan.seq_len, self.causal, t.shape[0])
         if error is not None:
             t, lengths = torch.empty(0, 0, 0, 0), None
         rows = None if lengths is None else lengths if isinstance(lengths[0], tuple) else (lengths,) * t.shape[0]
         self.comm.agree(describe_call(self.plan, phase, t, self.causal, self.scale, backward, rows), error)
-        return None if lengths is None else ring.chunk_documents(self.topology, self.rank, lengths, t.device)
+        return None if lengths is None else documents_mod.chunk_starts(self.topology, self.rank, lengths, t.device)
 
     def forward(self, q, k, v, backward: bool = False, documents=None):
         """q [B, s_r, A, d], k/v [B, s_r, A_kv, d] -> (o [B, s_r, A, d], what backward needs). backward: whether
@@ -152,16 +127,6 @@ class HexiSeqContext:
         kern = blocks.kernels_for(do.device, do.dtype, self._kernels)
         return ring.layer_backward(self.comm, self.slices, kern, do, saved, self.causal, self._scale(do.shape[3]),
                                    docs)
-
-
-def _frozen(value):
-    """A copy of documents that later changes to the caller's lists cannot reach (the backward reads it): tensors
-    and arrays as lists, lists as tuples, anything else as it is (validation words it)."""
-    if isinstance(value, torch.Tensor) or hasattr(value, "tolist") and hasattr(value, "ndim"):
-        value = value.tolist()
-    if isinstance(value, (list, tuple)):
-        return tuple(_frozen(x) for x in value)
-    return value
 
 
 class _HexiSeqAttentionFn(torch.autograd.Function):
@@ -195,7 +160,7 @@ def hexiseq_attn_func(q, k, v, context: HexiSeqContext, documents=None):
     Returns the output [batch, s_r, heads, head_dim] for the same tokens. Every rank of the context's group
     must call it (it communicates), all with or all without gradients."""
     backward = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
-    return _HexiSeqAttentionFn.apply(q, k, v, context, backward, _frozen(documents))
+    return _HexiSeqAttentionFn.apply(q, k, v, context, backward, documents_mod.frozen(documents))
 
 
 class HexiSeqAttention(torch.nn.Module):

@@ -19,10 +19,8 @@ attention from hexiseq.blocks.
 
 import os
 
-import numpy as np
 import torch
 
-from . import ops
 from .comm import TAG_ACC, TAG_KV, TAG_REDUCE
 from .errors import InvalidArgumentError
 
@@ -57,7 +55,7 @@ def _cols(t, topo, kv):
 def layer_forward(comm, slices, kern, q, k, v, causal, scale, docs=None):
     """q [B, s_r, A, d], k/v [B, s_r, A_kv, d] -> (o [B, s_r, A, d], what layer_backward needs).
 
-    docs: the document mask of the rank's group's query chunks (chunk_documents), or None for one causal document
+    docs: the document mask of the rank's group's query chunks (hexiseq.documents.chunk_starts), or None for one causal document
     per sequence. Documents do not change who holds what: only the block kernels see them.
 
     slices: the plan's Topology cut by kv heads (Topology.slices). They are pipelined: the all-to-all into slice
@@ -146,21 +144,6 @@ def layer_backward(comm, slices, kern, do, saved, causal, scale, docs=None):
             dkc[:, :, mb.first_lo:mb.first_lo + mb.first_n] = flat[nq:nq + nk].view(B, me.tokens, mb.first_n, d)
             dvc[:, :, mb.first_lo:mb.first_lo + mb.first_n] = flat[nq + nk:].view(B, me.tokens, mb.first_n, d)
     return dq, dk, dv
-
-
-def chunk_documents(topo, rank, rows, device):
-    """The document mask of `rank`'s group's query chunks (the plan's spans, in layout order), built once per call:
-    per chunk (q_doc, earliest start), q_doc int64 [n] (one document list for the whole batch) or [B, n] (one per
-    batch row) holding each query's absolute document start, as hexiseq.ops takes it. rows: the lengths, a tuple
-    of ints or a tuple of such tuples (one per batch row). The earliest start lets a ring step skip a key block
-    that ends before every query's document."""
-    per_row = bool(rows) and isinstance(rows[0], tuple)
-    out = []
-    for p0, n in topo.chunks[topo.group_of(rank)]:
-        pos = np.arange(p0, p0 + n, dtype=np.int64)
-        starts = np.stack([ops.document_starts(r, pos) for r in rows]) if per_row else ops.document_starts(rows, pos)
-        out.append((torch.from_numpy(starts).to(device), int(starts.min()) if n else 0))
-    return out
 
 
 def _aligned(topo, mb):
