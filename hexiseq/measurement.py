@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from ._validate import document_lengths
 from .calibration import _barrier, _dtype, _torch
 from .errors import HexiseqError, InvalidArgumentError
 from .model import Training
@@ -86,14 +87,15 @@ class Measurement:
         return "\n".join(lines)
 
 
-def predicted_layer(plan: Plan, layer: str = "attention"):
+def predicted_layer(plan: Plan, layer: str = "attention", documents=None):
     """The cost model's per-device phase times for one layer, forward + backward, one sequence, no recompute
-    (seconds; dicts keyed like Measurement.ranks[...]["predicted"], in device order) and the layer's step."""
+    (seconds; dicts keyed like Measurement.ranks[...]["predicted"], in device order) and the layer's step, under
+    `documents` (packed document lengths, or None for one causal document)."""
     t = plan.training
     one = Training(sequences=1, checkpointing=False, sharding=t.sharding, reserved_gib=t.reserved_gib,
                    state_shares=t.state_shares)
     p = evaluate(plan.cluster, model=plan.model, seq_len=plan.seq_len, layout=plan.layout, training=one,
-                 causal=plan.causal)
+                 causal=plan.causal, documents=documents)
     L = plan.model.layers
     dev = p.devices
     out = {}
@@ -163,13 +165,16 @@ def _llama_layer(model, attention, device, dtype, seed):
 
 
 def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=None, layer: str = "attention",
-            seed: int = 0) -> Measurement:
+            seed: int = 0, documents="plan") -> Measurement:
     """Run the plan's layer forward and backward `warmup + iters` times on every rank of `group` (default: the
     world; rank r is cluster device r) and return the Measurement (equal on every rank).
 
     layer: "attention" (HexiSeqAttention alone) or "llama" (a whole Llama-style layer around it).
     dtype: the inputs' dtype; default the one of the plan's model.dtype_bytes (2: bf16, 4: fp32, 8: fp64). It
-    must have model.dtype_bytes bytes, so that the prediction moves the bytes the run moves."""
+    must have model.dtype_bytes bytes, so that the prediction moves the bytes the run moves.
+    documents: the packed documents every call runs with and the prediction is priced under: "plan" (default:
+    the ones the plan was made for, `plan.documents`, None for one causal document), None, or a list of lengths
+    adding up to plan.seq_len (to run a plan on a batch it was not made for)."""
     torch, dist = _torch()
     from .nn import HexiSeqAttention
 
@@ -181,6 +186,9 @@ def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=No
         raise InvalidArgumentError(f"iters must be an int >= 1 and warmup an int >= 0, got iters={iters!r}, "
                                    f"warmup={warmup!r}")
     dt = _dtype_for(plan, dtype)
+    if isinstance(documents, str) and documents == "plan":
+        documents = plan.documents
+    documents = None if documents is None else document_lengths(documents, plan.seq_len).tolist()
     if not dist.is_available() or not dist.is_initialized():
         raise HexiseqError("torch.distributed is not initialised: call torch.distributed.init_process_group first "
                            "(or run `torchrun --nproc_per_node N -m hexiseq measure plan.json`)")
@@ -195,7 +203,7 @@ def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=No
     s = int(plan.devices.tokens[plan._slot(rank)])
     g = torch.Generator(device=device).manual_seed(seed * 7919 + rank)
     if layer == "llama":
-        block = _llama_layer(m, attn, device, dt, seed)
+        block = _llama_layer(m, lambda q, k, v: attn(q, k, v, documents=documents), device, dt, seed)
         x = torch.randn(1, s, m.hidden, generator=g, device=device, dtype=dt).requires_grad_()
         dy = torch.randn(1, s, m.hidden, generator=g, device=device, dtype=dt)
 
@@ -208,7 +216,7 @@ def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=No
         do = torch.randn(1, s, m.heads, m.head_dim, generator=g, device=device, dtype=dt)
 
         def run():
-            attn(q, k, v).backward(do)
+            attn(q, k, v, documents=documents).backward(do)
 
     def barrier():
         _barrier(group, device)
@@ -230,7 +238,7 @@ def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=No
         ctx.close()  # release the plan's HP subgroup: a measurement leaves no process group behind
     every = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, samples, group=group)
-    pred, pred_step = predicted_layer(plan, layer)
+    pred, pred_step = predicted_layer(plan, layer, documents)
     steps = [max(every[r][i][0] for r in range(len(every))) for i in range(iters)]
     ranks = []
     for r, rs in enumerate(every):
