@@ -103,3 +103,14 @@ def test_documents_need_causal(mixed):
     base = hexiseq.plan(mixed, model="llama3-8b", seq_len=S, training=TRAIN, strategy="ring")
     with pytest.raises(InvalidArgumentError, match="add up to seq_len=65536"):
         base.rebalanced([100])
+
+
+def test_measure_prices_and_checks_documents(mixed):
+    from hexiseq.measurement import predicted_layer
+
+    p = hexiseq.plan(mixed, model="llama3-8b", seq_len=S, training=TRAIN, strategy="ring")
+    _, plain = predicted_layer(p)
+    _, packed = predicted_layer(p, documents=short_docs(3))
+    assert packed < plain
+    with pytest.raises(InvalidArgumentError, match="documents must add up to seq_len=65536"):
+        hexiseq.measure(p, documents=[5])  # checked before anything distributed
