@@ -63,6 +63,15 @@
 //     accumulator) is allocated with cudaMallocAsync / cudaFreeAsync on the stream.
 //   * merge: one warp per (batch, head, row); lane 0 reads both LSEs, the warp updates the row, lane 0
 //     writes the new LSE last (so no thread reads an LSE another already rewrote).
+//   * document mask (q_doc, packed sequences; key j visible to query i iff q_doc[b, i] <= k_pos0 + j <= q_pos0 + i):
+//     instances of their own of the forward and of both backward kernels (template flag DOC), so the plain ones
+//     carry none of it. Forward: each CTA reduces its rows' smallest and largest start once; the key loop starts at
+//     the tile holding the smallest (earlier tiles are neither loaded nor computed), and only tiles beginning before
+//     the largest read the rows' starts for the per-element mask. Backward: two small kernels write per 16-row chunk
+//     the smallest and largest start and the suffix minimum; a key tile's CTA walks only the query tiles some row of
+//     which may see it and stops once the suffix minimum passes its last key; the per-element mask runs only in
+//     steps whose tile holds a start past the key tile's first key. Rows that see nothing: O = 0, LSE = -inf, no
+//     gradient, as under the causal mask. Not yet run on a GPU (tested on the emulator only).
 //
 // Resource usage (nvcc 13.0 --resource-usage, -O3; bf16 shown, f16 within a few registers):
 //   forward (128 threads), registers, D = 64 / 128 / 256 (D = 128 with BK = 32 in brackets):
@@ -812,10 +821,10 @@ template <int D, int BK_ = bwd_default_bk(D)> struct BwdMmaTiles {
     static constexpr int ds = dO + 2 * qt;
     static constexpr int lse = ds + smem_round(BK * LDS * 2);
     static constexpr int delta = lse + smem_round(BQ * 4);
-    static constexpr int doc = delta + smem_round(BQ * 4); // document mask: each row's first key in the tile
-    static constexpr int xch = doc + smem_round(BQ * 4); // DS = 2: per warp, its partial S^T and dP^T
+    static constexpr int xch = delta + smem_round(BQ * 4); // DS = 2: per warp, its partial S^T and dP^T
     static constexpr int xch_warp = 2 * 16 * BQ * 4;         // bytes per warp
-    static constexpr int bytes = xch + (DS > 1 ? THREADS / 32 * xch_warp : 0);
+    static constexpr int doc = xch + (DS > 1 ? THREADS / 32 * xch_warp : 0); // document mask: each row's first key
+    static constexpr int bytes = doc + smem_round(BQ * 4);
     // The dQ phase: THREADS / 32 warps over QM blocks of 16 query rows x (warps / QM) parts of DQ head-dim columns.
     static constexpr int QM = BQ / 16, DQ = D / (THREADS / 32 / QM);
     static_assert(THREADS / 32 % QM == 0 && D % (THREADS / 32 / QM) == 0 && DQ % 16 == 0,
@@ -853,19 +862,11 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
     const int key0 = kb * 16 + g;             // this thread's key rows in the tile: key0 and key0 + 8
     const int c0 = dh * DW;                   // first head-dim column of this warp's dK, dV
 
-    // Queries before the first key of the tile see none of it under the causal mask.
-    int64_t i_first = 0;
-    if (p.causal)
-        i_first = max((int64_t)0, p.k_pos0 + k0 - p.q_pos0);
-    const int64_t qt_first = i_first / BQ;
-    // Document mask: the first query tile with a row that may see the tile; seq_q: none (K, V are not even loaded).
-    int64_t q0_start = qt_first * BQ;
-    if constexpr (DOC)
-        q0_start = doc_next_tile<BQ>(p, cfg, b, q0_start, key_first + nk - 1);
-
+    // K and V first in the plain instance, as they always were (computing the start below first moved the sm_80
+    // D = 256 build into a 4-byte spill); the document instance loads them only if some query tile sees them.
     const T *kg = static_cast<const T *>(p.k) + b * p.k_stride[0] + k0 * p.k_stride[1] + hk * p.k_stride[2];
     const T *vg = static_cast<const T *>(p.v) + b * p.v_stride[0] + k0 * p.v_stride[1] + hk * p.v_stride[2];
-    if (!DOC || q0_start < p.seq_q) {
+    if constexpr (!DOC) {
         load_tile<T, BK, D, LDT, NT>(ks, kg, p.k_stride[1], p.k_stride[3], nk, p.head_dim, cfg.vec_k);
         load_tile<T, BK, D, LDT, NT>(vs, vg, p.v_stride[1], p.v_stride[3], nk, p.head_dim, cfg.vec_v);
     }
@@ -876,6 +877,21 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
 #pragma unroll
         for (int e = 0; e < 4; ++e)
             dk[j][e] = dv[j][e] = 0.0f;
+
+    // Queries before the first key of the tile see none of it under the causal mask.
+    int64_t i_first = 0;
+    if (p.causal)
+        i_first = max((int64_t)0, p.k_pos0 + k0 - p.q_pos0);
+    const int64_t qt_first = i_first / BQ;
+    // Document mask: the first query tile with a row that may see the tile; seq_q: none (K, V are not even loaded).
+    int64_t q0_start = qt_first * BQ;
+    if constexpr (DOC) {
+        q0_start = doc_next_tile<BQ>(p, cfg, b, q0_start, key_first + nk - 1);
+        if (q0_start < p.seq_q) {
+            load_tile<T, BK, D, LDT, NT>(ks, kg, p.k_stride[1], p.k_stride[3], nk, p.head_dim, cfg.vec_k);
+            load_tile<T, BK, D, LDT, NT>(vs, vg, p.v_stride[1], p.v_stride[3], nk, p.head_dim, cfg.vec_v);
+        }
+    }
 
     // The dQ part of this warp: query rows 16 qm .. +15, columns [dc0, dc0 + DQ) (QM x NT / 32 / QM warps; DQ = 32
     // at BK = 128 and at D = 256, 64 in the D = 128 BK = 64 fallback).

@@ -4,7 +4,8 @@
 // This tests the kernels' logic on machines without a GPU: tiling and tile tails, causal masking by absolute
 // positions (every offset case, fully masked rows and blocks), GQA/MQA, padded head dims, the vector-load and
 // element-by-element paths, strides (heads-major, strided head_dim, negative, misaligned), the online softmax
-// and LSE, the backward's accumulators and dQ atomics, accumulate, and the merge. Every case runs under four
+// and LSE, the backward's accumulators and dQ atomics, accumulate, the merge, and the document mask (against a
+// brute-force float64 reference, test_documents). Every case runs under four
 // thread schedules (lockstep, run-ahead from either end, pseudo-random; see emu.h) and must give bit-identical
 // outputs: a difference is a race between two barriers. What it cannot test: speed, hardware memory ordering,
 // a misreading of the PTX fragment layouts shared by the kernels and the emulator, and anything only a GPU
