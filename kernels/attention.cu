@@ -84,7 +84,12 @@
 //     2 x 64 floats per thread at D = 128 and 256, 2 x 32 at D = 64)
 //   backward staged kernel (256 threads), D = 64 / 128: sm_80 221 / 252, sm_90 222 / 247 (no spills; its phase-1
 //     loops are unrolled by 2, not fully: fully unrolled, the D = 128 instance spilled 80 bytes)
-//   delta 32-40, dq 28-30, merge 66-68, split-forward store 28-30 registers; no spills
+//   document-mask instances (DOC), sm_80 / sm_90: forward D = 64 233 / 233, D = 128 BK = 32 252 / 250, D = 256 241 / 244
+//     (no spills), D = 128 BK = 64 255 with 56 / 76 bytes (sm_80) and 56 / 56 (sm_90) of spill stores / loads (the
+//     plain instance spills there already); register backward D = 64 / 128 (BK 128) / 128 (BK 64) / 256: sm_80 242 /
+//     250 / 255 / 252, sm_90 244 / 242 / 254 / 254; staged D = 64 / 128: sm_80 226 / 249, sm_90 227 / 246 (no spills);
+//     the plain instances are unchanged by them (same registers, no new spill)
+//   delta 32-40, dq 28-30, merge 66-68, split-forward store 28-30, document bounds 28-32 registers; no spills
 //   dynamic shared memory per CTA (opted in with cudaFuncSetAttribute on every launch):
 //     forward  D=64: 54 KiB   D=128: 102 KiB   D=256: 99 KiB (Q [BQ][D+8], 2 x K and V [BK][D+8], 16-bit)
 //     backward, register kernel: D=64 (BQ 64, BK 128): 90.5 KiB   D=128 (BQ 32, BK 128): 112.3 KiB (BK 64:
@@ -937,7 +942,6 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
             q0_next = q0_first;
             ++h_next;
         }
-        const bool more = DOC ? h_next < h_end : step + 1 < n_steps; // a step follows this one
         const int nq = (int)min((int64_t)BQ, p.seq_q - q0); // query rows of this tile
         const float *lseg = static_cast<const float *>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1];
         const float *deltag = cfg.delta + (b * p.heads + h) * p.seq_q;
@@ -950,7 +954,7 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
         // of an earlier step) are behind that step's "dS^T complete" barrier, and dS^T is rewritten only
         // after the "ready" barrier below, which every warp reaches only after its previous dQ phase.
         if (async) {
-            if (more) {
+            if (DOC ? h_next < h_end : step + 1 < n_steps) { // a step follows this one
                 prefetch(h_next, q0_next, buf ^ 1);
                 cp_async_wait<1>(); // this thread's copies for this step are done
             } else {
