@@ -45,7 +45,8 @@ typedef enum {
  * the document of query row i starts, 0 <= q_doc[b, i] <= q_pos0 + i, and key j is visible to query i
  * iff q_doc[b, i] <= k_pos0 + j <= q_pos0 + i. It needs causal = 1. Being in absolute positions, it
  * holds for any block of queries against any block of keys (ring steps, zigzag chunks). Served by the
- * CPU kernels; the CUDA launchers refuse it.
+ * CPU and the CUDA kernels; only the CPU entry points check the values (on CUDA q_doc is device memory, see
+ * kernels/launch.h).
  *
  * Strides are in elements (not bytes), may be any value (views, heads-major layouts, negative)
  * as long as every addressed element lies inside the caller's buffer. Outputs must not overlap inputs.
@@ -129,8 +130,12 @@ HEXISEQ_API hexiseq_status hexiseq_attn_backward_cpu(const hexiseq_attn_params *
 HEXISEQ_API hexiseq_status hexiseq_attn_merge_cpu(const hexiseq_attn_merge_params *m);
 
 /* Check a params struct before launching (CPU or CUDA): pointers, sizes, dtype, positions, and that every
- * addressed element stays within +-2^60 elements. backward: also do_, dq, dk, dv and accumulate. Internal. */
+ * addressed element stays within +-2^60 elements; with q_doc, causal and q_doc's layout, not its values (it may be
+ * device memory). backward: also do_, dq, dk, dv and accumulate. Internal. */
 hexiseq_status hexiseq_attn_check_params(const hexiseq_attn_params *p, int backward);
+/* With q_doc (host memory), every start in [0, q_pos0 + i]. The CPU entry points call it after
+ * hexiseq_attn_check_params; the CUDA launchers cannot (q_doc is device memory there). Internal. */
+hexiseq_status hexiseq_attn_check_doc_values(const hexiseq_attn_params *p);
 hexiseq_status hexiseq_attn_check_merge(const hexiseq_attn_merge_params *m);
 
 #ifdef __cplusplus

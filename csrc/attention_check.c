@@ -56,9 +56,8 @@ static hexiseq_status check_pointer(const char *field, const void *ptr) {
     return HEXISEQ_OK;
 }
 
-/* The document mask: causal, q_doc's strides in range, and every start inside [0, q_pos0 + i] (the kernels skip
- * key tiles from the starts, so a start past its own row would read as "sees nothing" and one before 0 is no
- * position). One pass over batch * seq_q values: small next to the kernels' batch * seq_q * seq_k work. */
+/* The document mask's layout: causal, and q_doc's strides in range. Its values are checked apart
+ * (hexiseq_attn_check_doc_values): they can be read only where q_doc lies in host memory. */
 static hexiseq_status check_documents(const hexiseq_attn_params *p) {
     if (p->causal != 1)
         return hexiseq_fail(HEXISEQ_ERR_INVALID,
@@ -66,7 +65,15 @@ static hexiseq_status check_documents(const hexiseq_attn_params *p) {
                             "their document's start up to the query's own position",
                             (long long)p->causal);
     const int64_t dsize[2] = {p->batch, p->seq_q};
-    HEXISEQ_CHECK(check_extent("q_doc", p->q_doc_stride, dsize, 2));
+    return check_extent("q_doc", p->q_doc_stride, dsize, 2);
+}
+
+/* Every start inside [0, q_pos0 + i] (the kernels skip key tiles from the starts, so a start past its own row would
+ * read as "sees nothing" and one before 0 is no position). One pass over batch * seq_q values: small next to the
+ * kernels' batch * seq_q * seq_k work. */
+hexiseq_status hexiseq_attn_check_doc_values(const hexiseq_attn_params *p) {
+    if (p->q_doc == NULL)
+        return HEXISEQ_OK;
     for (int64_t b = 0; b < p->batch; ++b)
         for (int64_t i = 0; i < p->seq_q; ++i) {
             const int64_t start = p->q_doc[b * p->q_doc_stride[0] + i * p->q_doc_stride[1]];

@@ -294,6 +294,7 @@ static size_t bwd_scratch_bytes(int32_t dp, size_t esize) {
 hexiseq_status hexiseq_attn_forward_cpu(const hexiseq_attn_params *p) {
     hexiseq_clear_error();
     HEXISEQ_CHECK(hexiseq_attn_check_params(p, 0));
+    HEXISEQ_CHECK(hexiseq_attn_check_doc_values(p));
     const int32_t dp = padded_dim(p->head_dim);
     const int nthreads = max_threads();
     const int64_t nqt = (p->seq_q + BQ - 1) / BQ;
@@ -344,6 +345,7 @@ hexiseq_status hexiseq_attn_forward_cpu(const hexiseq_attn_params *p) {
 hexiseq_status hexiseq_attn_backward_cpu(const hexiseq_attn_params *p) {
     hexiseq_clear_error();
     HEXISEQ_CHECK(hexiseq_attn_check_params(p, 1));
+    HEXISEQ_CHECK(hexiseq_attn_check_doc_values(p));
     const int32_t dp = padded_dim(p->head_dim);
     const int nthreads = max_threads();
     const int f64 = p->dtype == HEXISEQ_DTYPE_F64;

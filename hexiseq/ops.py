@@ -284,8 +284,10 @@ def attention_forward(q, k, v, *, causal=True, q_pos0=0, k_pos0=0, scale=None, o
         lse: [batch, heads, seq_q], float64 for float64 q else float32: natural log of each row's sum of
             exp(scale * scores); written in place; allocated if None.
         q_doc: int64 [batch, seq_q], or [seq_q] for every batch row: the absolute position at which each query
-            row's document starts, 0 <= q_doc[b, i] <= q_pos0 + i (see document_starts). Needs causal=True. CPU
-            kernels only for now (CUDA tensors raise UnsupportedError). None: no document mask.
+            row's document starts, 0 <= q_doc[b, i] <= q_pos0 + i (see document_starts). Needs causal=True. On the
+            CPU the values are checked; with CUDA tensors they are not (reading them would synchronise the stream):
+            there a start past its own position leaves the row seeing nothing and one below 0 acts as 0. None: no
+            document mask.
 
     Returns:
         (out, lse) as above (the given objects when passed).

@@ -63,6 +63,15 @@
 //     accumulator) is allocated with cudaMallocAsync / cudaFreeAsync on the stream.
 //   * merge: one warp per (batch, head, row); lane 0 reads both LSEs, the warp updates the row, lane 0
 //     writes the new LSE last (so no thread reads an LSE another already rewrote).
+//   * document mask (q_doc, packed sequences; key j visible to query i iff q_doc[b, i] <= k_pos0 + j <= q_pos0 + i):
+//     instances of their own of the forward and of both backward kernels (template flag DOC), so the plain ones
+//     carry none of it. Forward: each CTA reduces its rows' smallest and largest start once; the key loop starts at
+//     the tile holding the smallest (earlier tiles are neither loaded nor computed), and only tiles beginning before
+//     the largest read the rows' starts for the per-element mask. Backward: two small kernels write per 16-row chunk
+//     the smallest and largest start and the suffix minimum; a key tile's CTA walks only the query tiles some row of
+//     which may see it and stops once the suffix minimum passes its last key; the per-element mask runs only in
+//     steps whose tile holds a start past the key tile's first key. Rows that see nothing: O = 0, LSE = -inf, no
+//     gradient, as under the causal mask. Not yet run on a GPU (tested on the emulator only).
 //
 // Resource usage (nvcc 13.0 --resource-usage, -O3; bf16 shown, f16 within a few registers):
 //   forward (128 threads), registers, D = 64 / 128 / 256 (D = 128 with BK = 32 in brackets):
@@ -75,7 +84,12 @@
 //     2 x 64 floats per thread at D = 128 and 256, 2 x 32 at D = 64)
 //   backward staged kernel (256 threads), D = 64 / 128: sm_80 221 / 252, sm_90 222 / 247 (no spills; its phase-1
 //     loops are unrolled by 2, not fully: fully unrolled, the D = 128 instance spilled 80 bytes)
-//   delta 32-40, dq 28-30, merge 66-68, split-forward store 28-30 registers; no spills
+//   document-mask instances (DOC), sm_80 / sm_90: forward D = 64 233 / 233, D = 128 BK = 32 252 / 250, D = 256 241 / 244
+//     (no spills), D = 128 BK = 64 255 with 56 / 76 bytes (sm_80) and 56 / 56 (sm_90) of spill stores / loads (the
+//     plain instance spills there already); register backward D = 64 / 128 (BK 128) / 128 (BK 64) / 256: sm_80 242 /
+//     250 / 255 / 252, sm_90 244 / 242 / 254 / 254; staged D = 64 / 128: sm_80 226 / 249, sm_90 227 / 246 (no spills);
+//     the plain instances are unchanged by them (same registers, no new spill)
+//   delta 32-40, dq 28-30, merge 66-68, split-forward store 28-30, document bounds 28-32 registers; no spills
 //   dynamic shared memory per CTA (opted in with cudaFuncSetAttribute on every launch):
 //     forward  D=64: 54 KiB   D=128: 102 KiB   D=256: 99 KiB (Q [BQ][D+8], 2 x K and V [BK][D+8], 16-bit)
 //     backward, register kernel: D=64 (BQ 64, BK 128): 90.5 KiB   D=128 (BQ 32, BK 128): 112.3 KiB (BK 64:
@@ -374,7 +388,11 @@ static_assert(sizeof(hexiseq_attn_params) + sizeof(FwdLaunch) <= 4096, "kernel p
 // softmax on its registers (a row's 4 owners are the 4 lanes of a quad: max and sum need two shuffles), rescales
 // its O accumulator (registers) and adds P V with P taken straight from the score registers. O is stored as TO:
 // T, or float for the partial results of a key block split into pieces (see forward_typed).
-template <typename T, typename TO, int D, int BK_>
+// DOC: the document mask (p.q_doc, device memory) is applied. A separate instance, so that the plain kernel carries
+// none of its registers: the tile's smallest and largest document start, read once per CTA, give the first key tile
+// any row sees (the loop starts there: earlier tiles are neither loaded nor computed) and the last that holds a
+// document start past its first key (only up to there does the per-element mask read the rows' starts).
+template <typename T, typename TO, int D, int BK_, bool DOC>
 __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const hexiseq_attn_params p, const FwdLaunch cfg) {
     using L = FwdTiles<D, BK_>;
     constexpr int MW = L::MW, BQ = L::BQ, BK = L::BK, LDT = L::LDT;
@@ -398,6 +416,28 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const hexiseq_att
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int row0 = warp * 16 * MW + g; // this thread's rows in the tile: row0 + 16 mb + 8 i (m-block mb, i = 0, 1)
+
+    // Document mask: every warp reduces the tile's starts itself (the same values, so the results are CTA-uniform
+    // without a barrier or shared memory). Key tiles ending before the smallest start are skipped whole; a key tile
+    // starting at or after the largest needs no per-element document mask.
+    int64_t kbeg = 0, doc_hi = 0; // first key tile; the largest start (absolute)
+    const int64_t *docg = nullptr; // q_doc of the tile's row 0
+    if constexpr (DOC) {
+        docg = p.q_doc + b * p.q_doc_stride[0] + q0 * p.q_doc_stride[1];
+        int64_t lo = INT64_MAX, hi = INT64_MIN;
+        for (int r = lane; r < nq; r += 32) {
+            const int64_t s = docg[r * p.q_doc_stride[1]];
+            lo = min(lo, s);
+            hi = max(hi, s);
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+            hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+        }
+        if (lo > p.k_pos0) // no overflow: lo > k_pos0 >= 0
+            kbeg = (lo - p.k_pos0) / BK * BK;
+        doc_hi = hi;
+    }
 
     const T *qg = static_cast<const T *>(p.q) + b * p.q_stride[0] + q0 * p.q_stride[1] + h * p.q_stride[2];
     load_tile<T, BQ, D, LDT, kFwdThreads>(qs, qg, p.q_stride[1], p.q_stride[3], nq, p.head_dim, cfg.vec_q);
@@ -424,10 +464,10 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const hexiseq_att
                                                          min((int64_t)BK, kend - k0), p.head_dim);
         cp_async_commit();
     };
-    if (async && kend > 0)
-        issue(0, 0);
+    if (async && kbeg < kend)
+        issue(kbeg, 0);
     int buf = 0;
-    for (int64_t k0 = 0; k0 < kend; k0 += BK, buf ^= async ? 1 : 0) {
+    for (int64_t k0 = kbeg; k0 < kend; k0 += BK, buf ^= async ? 1 : 0) {
         const int64_t nk = min((int64_t)BK, kend - k0);
         T *ks = reinterpret_cast<T *>(smem + L::k + buf * L::kv); // [BK][LDT]
         T *vs = reinterpret_cast<T *>(smem + L::v + buf * L::kv); // [BK][LDT]
@@ -474,8 +514,10 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const hexiseq_att
         // Mask (the scores stay unscaled: the scale is folded into the exponent's FFMA below). Only the last, partial
         // key tile and the tiles crossing the causal diagonal need the mask: a tile whose every key is present and at
         // or before the CTA's first query position is visible to every row (rows past nq hold zero-filled Q and are
-        // never stored). The test is CTA-uniform.
-        const bool all_visible = nk == BK && (!p.causal || p.k_pos0 + k0 + BK - 1 <= p.q_pos0 + q0);
+        // never stored). Under the document mask also the tiles whose first key lies before some row's document
+        // start (doc_cut). The tests are CTA-uniform.
+        const bool doc_cut = DOC && p.k_pos0 + k0 < doc_hi;
+        const bool all_visible = nk == BK && (!p.causal || p.k_pos0 + k0 + BK - 1 <= p.q_pos0 + q0) && !doc_cut;
         if (!all_visible) {
             // Key c of the tile is visible to tile row r iff c < nk and (causal) k_pos0 + k0 + c <= q_pos0 + q0 + r,
             // i.e. c <= diag + r. diag is clamped to [-BQ, BK] so the rest is 32-bit: with 0 <= r < BQ and
@@ -487,6 +529,20 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const hexiseq_att
                 for (int i = 0; i < 2; ++i) {
                     // This thread's columns are 8j + 2t + e: visible iff 8j + e <= last, a compare with a constant.
                     const int last = min((int)nk - 1, diag + row0 + 16 * mb + 8 * i) - 2 * t;
+                    if (doc_cut) {
+                        // and (document) iff 8j + e >= first: the row's start as a tile column, clamped to [0, BK]
+                        // (a start past the tile hides all of it); rows past nq read none
+                        const int r = row0 + 16 * mb + 8 * i;
+                        const int64_t start = r < nq ? docg[r * p.q_doc_stride[1]] : 0, base = p.k_pos0 + k0;
+                        const int first = (start > base ? (int)min((int64_t)BK, start - base) : 0) - 2 * t;
+#pragma unroll
+                        for (int j = 0; j < BK / 8; ++j)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e)
+                                if (8 * j + e > last || 8 * j + e < first)
+                                    s[mb][j][2 * i + e] = -INFINITY;
+                        continue;
+                    }
 #pragma unroll
                     for (int j = 0; j < BK / 8; ++j)
 #pragma unroll
@@ -594,6 +650,10 @@ struct BwdLaunch {
     int32_t group;   // heads / kv_heads
     int32_t vec_q, vec_k, vec_v, vec_do; // 16-byte loads allowed for that tensor (vec_ok)
     float scale, scale_log2; // the softmax scale in fp32, and times log2(e)
+    // Document mask only (attn_doc_chunks_kernel, attn_doc_suffix_kernel): per batch row and chunk of kDocChunk
+    // query rows, the smallest and largest start, and the smallest start of that chunk and every later one.
+    int64_t *doc_min, *doc_max, *doc_suf; // [batch][doc_chunks] scratch
+    int64_t doc_chunks;                         // ceil(seq_q / kDocChunk)
 };
 static_assert(sizeof(hexiseq_attn_params) + sizeof(BwdLaunch) <= 4096, "kernel parameters past 4 KiB");
 
@@ -614,6 +674,101 @@ template <typename T> __global__ void attn_bwd_delta_kernel(const hexiseq_attn_p
     sum = warp_sum(sum);
     if (lane == 0)
         cfg.delta[row] = sum;
+}
+
+// The document mask's per-chunk bounds for the backward kernels, which walk query tiles for a fixed key tile: a tile
+// whose every start lies past the key tile's last key is skipped (its smallest start: the min over its chunks, every
+// query tile being whole chunks), and once the suffix minimum passes that key no later tile can see it either, so the
+// walk stops (exactly after the last visible tile when the starts do not decrease, as in packed sequences, and
+// correctly, if later, for any starts). Chunks of 16 rows: every backward query tile (16, 32, 64 rows) is whole ones.
+constexpr int kDocChunk = 16;
+
+// doc_min, doc_max of chunk c of batch row b, one thread per (b, c).
+__global__ void attn_doc_chunks_kernel(const hexiseq_attn_params p, const BwdLaunch cfg) {
+    const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; // b * doc_chunks + c
+    if (idx >= p.batch * cfg.doc_chunks)
+        return;
+    const int64_t b = idx / cfg.doc_chunks, i0 = idx % cfg.doc_chunks * kDocChunk;
+    const int64_t *docg = p.q_doc + b * p.q_doc_stride[0];
+    int64_t lo = INT64_MAX, hi = INT64_MIN;
+    for (int64_t i = i0; i < min(i0 + kDocChunk, p.seq_q); ++i) {
+        const int64_t s = docg[i * p.q_doc_stride[1]];
+        lo = min(lo, s);
+        hi = max(hi, s);
+    }
+    cfg.doc_min[idx] = lo;
+    cfg.doc_max[idx] = hi;
+}
+
+// doc_suf[b][c] = min over chunks c' >= c of doc_min[b][c']: one warp per batch row, 32 chunks at a time from the
+// end (a suffix scan within the window, then the minimum of everything after it).
+__global__ void attn_doc_suffix_kernel(const hexiseq_attn_params p, const BwdLaunch cfg) {
+    const int64_t b = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (b >= p.batch) // whole warps: blockDim is a multiple of 32
+        return;
+    const int64_t n = cfg.doc_chunks;
+    int64_t after = INT64_MAX; // the smallest start of the chunks past the window
+    for (int64_t w = (n - 1) / 32 * 32; w >= 0; w -= 32) {
+        const int64_t c = w + lane;
+        int64_t x = c < n ? cfg.doc_min[b * n + c] : INT64_MAX;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int64_t y = __shfl_down_sync(0xffffffffu, x, o);
+            if (lane + o < 32)
+                x = min(x, y);
+        }
+        x = min(x, after);
+        if (c < n)
+            cfg.doc_suf[b * n + c] = x;
+        for (int o = 16; o > 0; o >>= 1) // lane 0's x, on every lane: the window's minimum and what follows it
+            x = min(x, __shfl_xor_sync(0xffffffffu, x, o));
+        after = x;
+    }
+}
+
+// The first tile start q0' >= q0 (q0 a tile start, q0' = q0 + a multiple of BQ) of a query tile with a row whose
+// document starts at or before key_last, the key tile's last key (absolute); seq_q when there is none. The same for
+// every thread of the CTA (uniform loads).
+template <int BQ>
+__device__ int64_t doc_next_tile(const hexiseq_attn_params &p, const BwdLaunch &cfg, int64_t b, int64_t q0,
+                                 int64_t key_last) {
+    static_assert(BQ % kDocChunk == 0, "query tiles are whole document chunks");
+    const int64_t *mn = cfg.doc_min + b * cfg.doc_chunks, *suf = cfg.doc_suf + b * cfg.doc_chunks;
+    for (; q0 < p.seq_q; q0 += BQ) {
+        const int64_t c = q0 / kDocChunk;
+        if (suf[c] > key_last)
+            break; // every row from here on starts its document past the key tile
+        int64_t lo = mn[c];
+        for (int i = 1; i < BQ / kDocChunk && c + i < cfg.doc_chunks; ++i)
+            lo = min(lo, mn[c + i]);
+        if (lo <= key_last)
+            return q0;
+    }
+    return p.seq_q;
+}
+
+// Whether a row of the query tile at q0 starts its document after key_first, the key tile's first key (absolute):
+// only then do its keys need the per-element document mask.
+template <int BQ>
+__device__ bool doc_tile_cut(const BwdLaunch &cfg, int64_t b, int64_t q0, int64_t key_first) {
+    const int64_t *mx = cfg.doc_max + b * cfg.doc_chunks;
+    const int64_t c = q0 / kDocChunk;
+    int64_t hi = mx[c];
+    for (int i = 1; i < BQ / kDocChunk && c + i < cfg.doc_chunks; ++i)
+        hi = max(hi, mx[c + i]);
+    return hi > key_first;
+}
+
+// Document starts of the query tile's rows as key-tile columns clamped to [0, BK] (the first key each row may see;
+// BK: none), into doc_s[r] for r < BQ (0 past nq). Threads r, r + NT, ...
+template <int BQ, int BK, int NT>
+__device__ __forceinline__ void doc_tile_starts(int *doc_s, const hexiseq_attn_params &p, int64_t b, int64_t q0, int nq,
+                                                int64_t key_first) {
+    const int64_t *docg = p.q_doc + b * p.q_doc_stride[0];
+    for (int r = threadIdx.x; r < BQ; r += NT) {
+        const int64_t start = r < nq ? docg[(q0 + r) * p.q_doc_stride[1]] : 0;
+        doc_s[r] = start > key_first ? (int)min((int64_t)BK, start - key_first) : 0; // no overflow: key_first >= 0
+    }
 }
 
 // Backward on register-level tensor cores. One CTA per (key tile of BK keys, kv head, batch) with KB x DS warps,
@@ -673,7 +828,8 @@ template <int D, int BK_ = bwd_default_bk(D)> struct BwdMmaTiles {
     static constexpr int delta = lse + smem_round(BQ * 4);
     static constexpr int xch = delta + smem_round(BQ * 4); // DS = 2: per warp, its partial S^T and dP^T
     static constexpr int xch_warp = 2 * 16 * BQ * 4;         // bytes per warp
-    static constexpr int bytes = xch + (DS > 1 ? THREADS / 32 * xch_warp : 0);
+    static constexpr int doc = xch + (DS > 1 ? THREADS / 32 * xch_warp : 0); // document mask: each row's first key
+    static constexpr int bytes = doc + smem_round(BQ * 4);
     // The dQ phase: THREADS / 32 warps over QM blocks of 16 query rows x (warps / QM) parts of DQ head-dim columns.
     static constexpr int QM = BQ / 16, DQ = D / (THREADS / 32 / QM);
     static_assert(THREADS / 32 % QM == 0 && D % (THREADS / 32 / QM) == 0 && DQ % 16 == 0,
@@ -682,7 +838,10 @@ template <int D, int BK_ = bwd_default_bk(D)> struct BwdMmaTiles {
 // Only the D = 128 instance has a smaller-tile fallback: D = 64 with BK = 128 fits every target (99 KiB and up).
 static_assert(BwdMmaTiles<64>::bytes <= 99 * 1024, "the D = 64 backward must fit a 99 KiB device");
 
-template <typename T, int D, int BK_>
+// DOC: the document mask, in its own instance (see attn_fwd_kernel): query tiles no row of which sees the key tile are
+// skipped (doc_next_tile; neither loaded nor computed), and the per-element mask reads the rows' starts only in the
+// steps whose tile holds a start past the key tile's first key.
+template <typename T, int D, int BK_, bool DOC>
 __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_kernel(const hexiseq_attn_params p, const BwdLaunch cfg) {
     using L = BwdMmaTiles<D, BK_>;
     constexpr int BQ = L::BQ, BK = L::BK, KB = L::KB, LDT = L::LDT, LDS = L::LDS, DS = L::DS, DW = L::DW;
@@ -693,6 +852,7 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
     T *dst = reinterpret_cast<T *>(smem + L::ds);                // [BK][LDS] dS^T, unscaled
     float *lse_s = reinterpret_cast<float *>(smem + L::lse);     // [BQ] LSE * log2(e); -inf: no key seen / past nq
     float *delta_s = reinterpret_cast<float *>(smem + L::delta); // [BQ] D
+    int *doc_s = reinterpret_cast<int *>(smem + L::doc);         // [BQ] first key of each row (document mask)
 
     const int64_t bid = blockIdx.x;
     const int64_t kt = bid % cfg.n_ktiles;
@@ -700,16 +860,21 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
     const int64_t b = bid / cfg.n_ktiles / p.kv_heads;
     const int64_t k0 = kt * BK;
     const int nk = (int)min((int64_t)BK, p.seq_k - k0); // keys in this tile (32-bit compares per element)
+    const int64_t key_first = p.k_pos0 + k0;             // absolute position of the tile's first key
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int kb = warp % KB, dh = warp / KB; // key block kb, head-dim part dh
     const int key0 = kb * 16 + g;             // this thread's key rows in the tile: key0 and key0 + 8
     const int c0 = dh * DW;                   // first head-dim column of this warp's dK, dV
 
+    // K and V first in the plain instance, as they always were (computing the start below first moved the sm_80
+    // D = 256 build into a 4-byte spill); the document instance loads them only if some query tile sees them.
     const T *kg = static_cast<const T *>(p.k) + b * p.k_stride[0] + k0 * p.k_stride[1] + hk * p.k_stride[2];
     const T *vg = static_cast<const T *>(p.v) + b * p.v_stride[0] + k0 * p.v_stride[1] + hk * p.v_stride[2];
-    load_tile<T, BK, D, LDT, NT>(ks, kg, p.k_stride[1], p.k_stride[3], nk, p.head_dim, cfg.vec_k);
-    load_tile<T, BK, D, LDT, NT>(vs, vg, p.v_stride[1], p.v_stride[3], nk, p.head_dim, cfg.vec_v);
+    if constexpr (!DOC) {
+        load_tile<T, BK, D, LDT, NT>(ks, kg, p.k_stride[1], p.k_stride[3], nk, p.head_dim, cfg.vec_k);
+        load_tile<T, BK, D, LDT, NT>(vs, vg, p.v_stride[1], p.v_stride[3], nk, p.head_dim, cfg.vec_v);
+    }
 
     float dk[DW / 8][4], dv[DW / 8][4]; // rows key0, key0 + 8 x columns c0 + 8j + 2t + {0, 1}; dK unscaled
 #pragma unroll
@@ -723,6 +888,15 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
     if (p.causal)
         i_first = max((int64_t)0, p.k_pos0 + k0 - p.q_pos0);
     const int64_t qt_first = i_first / BQ;
+    // Document mask: the first query tile with a row that may see the tile; seq_q: none (K, V are not even loaded).
+    int64_t q0_start = qt_first * BQ;
+    if constexpr (DOC) {
+        q0_start = doc_next_tile<BQ>(p, cfg, b, q0_start, key_first + nk - 1);
+        if (q0_start < p.seq_q) {
+            load_tile<T, BK, D, LDT, NT>(ks, kg, p.k_stride[1], p.k_stride[3], nk, p.head_dim, cfg.vec_k);
+            load_tile<T, BK, D, LDT, NT>(vs, vg, p.v_stride[1], p.v_stride[3], nk, p.head_dim, cfg.vec_v);
+        }
+    }
 
     // The dQ part of this warp: query rows 16 qm .. +15, columns [dc0, dc0 + DQ) (QM x NT / 32 / QM warps; DQ = 32
     // at BK = 128 and at D = 256, 64 in the D = 128 BK = 64 fallback).
@@ -749,16 +923,21 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
         cp_async_commit();
     };
     // The step's query head h and first query row q0 advance by counting (no 64-bit divisions per step): the next
-    // query tile of the head, after its last tile the first tile of the next head.
-    const int64_t q0_first = qt_first * BQ;
-    int32_t h = hk * cfg.group;
+    // query tile of the head, after its last tile the first tile of the next head. Under the document mask the next
+    // tile is the next one doc_next_tile keeps, and the steps end with the group's heads (their count is not known
+    // ahead).
+    const int64_t q0_first = q0_start;
+    const int32_t h_end = (hk + 1) * cfg.group;
+    int32_t h = DOC && q0_start >= p.seq_q ? h_end : hk * cfg.group;
     int64_t q0 = q0_first;
-    if (async && n_steps > 0)
+    if (async && (DOC ? h < h_end : n_steps > 0))
         prefetch(h, q0, 0);
     int buf = 0;
-    for (int64_t step = 0; step < n_steps; ++step, buf ^= async ? 1 : 0) {
+    for (int64_t step = 0; DOC ? h < h_end : step < n_steps; ++step, buf ^= async ? 1 : 0) {
         int32_t h_next = h;
         int64_t q0_next = q0 + BQ;
+        if constexpr (DOC)
+            q0_next = doc_next_tile<BQ>(p, cfg, b, q0_next, key_first + nk - 1);
         if (q0_next >= p.seq_q) {
             q0_next = q0_first;
             ++h_next;
@@ -775,7 +954,7 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
         // of an earlier step) are behind that step's "dS^T complete" barrier, and dS^T is rewritten only
         // after the "ready" barrier below, which every warp reaches only after its previous dQ phase.
         if (async) {
-            if (step + 1 < n_steps) {
+            if (DOC ? h_next < h_end : step + 1 < n_steps) { // a step follows this one
                 prefetch(h_next, q0_next, buf ^ 1);
                 cp_async_wait<1>(); // this thread's copies for this step are done
             } else {
@@ -789,7 +968,10 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
             lse_s[r] = r < nq ? lseg[(q0 + r) * p.lse_stride[2]] * kLog2e : -INFINITY;
             delta_s[r] = r < nq ? deltag[q0 + r] : 0.0f;
         }
-        __syncthreads(); // K, V (first step), Q, dO, LSE, D ready
+        const bool doc_cut = DOC && doc_tile_cut<BQ>(cfg, b, q0, key_first); // uniform
+        if (doc_cut) // rewritten under the same rule as LSE and D (see above)
+            doc_tile_starts<BQ, BK, NT>(doc_s, p, b, q0, nq, key_first);
+        __syncthreads(); // K, V (first step), Q, dO, LSE, D, document starts ready
 
         // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x BQ queries (query block j: 8j .. 8j+7),
         // over this warp's head-dim columns (all of them when DS = 1).
@@ -845,7 +1027,9 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
             for (int e = 0; e < 4; ++e) {
                 const int kr = key0 + 8 * (e / 2), qc = 8 * j + 2 * t + (e & 1);
                 const float l2 = lse_s[qc];
-                const bool ok = kr < nk && l2 != -INFINITY && kr - qc <= diag;
+                bool ok = kr < nk && l2 != -INFINITY && kr - qc <= diag;
+                if constexpr (DOC)
+                    ok = ok && (!doc_cut || kr >= doc_s[qc]);
                 const float pv = ok ? fast_exp2(st[j][e] * cfg.scale_log2 - l2) : 0.0f;
                 st[j][e] = pv;
                 dpt[j][e] = pv * (dpt[j][e] - delta_s[qc]);
@@ -982,10 +1166,12 @@ template <int D> struct BwdStagedTiles {
     static constexpr int ds = p + pt;
     static constexpr int lse = ds + pt;
     static constexpr int delta = lse + smem_round(BQ * 4);
-    static constexpr int bytes = delta + smem_round(BQ * 4);
+    static constexpr int doc = delta + smem_round(BQ * 4); // document mask: each row's first key in the tile
+    static constexpr int bytes = doc + smem_round(BQ * 4);
 };
 
-template <typename T, int D>
+// DOC: the document mask, as in attn_bwd_mma_kernel.
+template <typename T, int D, bool DOC>
 __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_kernel(const hexiseq_attn_params p, const BwdLaunch cfg) {
     using L = BwdStagedTiles<D>;
     constexpr int BQ = L::BQ, BK = L::BK, LDT = L::LDT, LDP = L::LDP, NT = L::THREADS, DV = L::DV, DQ = L::DQ;
@@ -996,6 +1182,7 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
     T *dss = reinterpret_cast<T *>(smem + L::ds);                // [BQ][LDP] dS, unscaled, rounded to T
     float *lse_s = reinterpret_cast<float *>(smem + L::lse);     // [BQ] LSE * log2(e); -inf: no key seen / past nq
     float *delta_s = reinterpret_cast<float *>(smem + L::delta); // [BQ] D
+    int *doc_s = reinterpret_cast<int *>(smem + L::doc);         // [BQ] first key of each row (document mask)
 
     const int64_t bid = blockIdx.x;
     const int64_t kt = bid % cfg.n_ktiles;
@@ -1003,16 +1190,27 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
     const int64_t b = bid / cfg.n_ktiles / p.kv_heads;
     const int64_t k0 = kt * BK;
     const int nk = (int)min((int64_t)BK, p.seq_k - k0); // keys in this tile (32-bit compares per element)
+    const int64_t key_first = p.k_pos0 + k0;             // absolute position of the tile's first key
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int sm = 32 * (warp / 4), sn = 32 * (warp % 4); // product 1: query rows sm .., keys sn ..
     const int vk = 32 * (warp % 4), vc = DV * (warp / 4); // product 2: keys vk .., columns vc ..
     const int qm = 32 * (warp % 2), qc = DQ * (warp / 2); // product 3: query rows qm .., columns qc ..
 
+    int64_t i_first = 0; // queries before the first key of the tile see none of it under the causal mask
+    if (p.causal)
+        i_first = max((int64_t)0, p.k_pos0 + k0 - p.q_pos0);
+    // Document mask: the first query tile with a row that may see the tile; seq_q: none (K, V are not even loaded).
+    int64_t q0_start = i_first / BQ * BQ;
+    if constexpr (DOC)
+        q0_start = doc_next_tile<BQ>(p, cfg, b, q0_start, key_first + nk - 1);
+
     const T *kg = static_cast<const T *>(p.k) + b * p.k_stride[0] + k0 * p.k_stride[1] + hk * p.k_stride[2];
     const T *vg = static_cast<const T *>(p.v) + b * p.v_stride[0] + k0 * p.v_stride[1] + hk * p.v_stride[2];
-    load_tile<T, BK, D, LDT, NT>(ks, kg, p.k_stride[1], p.k_stride[3], nk, p.head_dim, cfg.vec_k);
-    load_tile<T, BK, D, LDT, NT>(vs, vg, p.v_stride[1], p.v_stride[3], nk, p.head_dim, cfg.vec_v);
+    if (!DOC || q0_start < p.seq_q) {
+        load_tile<T, BK, D, LDT, NT>(ks, kg, p.k_stride[1], p.k_stride[3], nk, p.head_dim, cfg.vec_k);
+        load_tile<T, BK, D, LDT, NT>(vs, vg, p.v_stride[1], p.v_stride[3], nk, p.head_dim, cfg.vec_v);
+    }
 
     float dk[2][DV / 8][4], dv[2][DV / 8][4]; // key rows vk + 16 i + g (+ 8), columns vc + 8 j + 2 t (+ 1)
 #pragma unroll
@@ -1023,10 +1221,7 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
             for (int e = 0; e < 4; ++e)
                 dk[i][j][e] = dv[i][j][e] = 0.0f;
 
-    int64_t i_first = 0; // queries before the first key of the tile see none of it under the causal mask
-    if (p.causal)
-        i_first = max((int64_t)0, p.k_pos0 + k0 - p.q_pos0);
-    const int64_t q0_first = i_first / BQ * BQ;
+    const int64_t q0_first = q0_start;
     const int64_t n_qt = max((int64_t)0, (p.seq_q - q0_first + BQ - 1) / BQ);
     const int64_t n_steps = (int64_t)cfg.group * n_qt;
     const bool async = cfg.vec_q && cfg.vec_do;
@@ -1043,18 +1238,23 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
                                                 min((int64_t)BQ, p.seq_q - q0), p.head_dim);
         cp_async_commit();
     };
-    int32_t h = hk * cfg.group;
+    // Under the document mask the steps walk the tiles doc_next_tile keeps and end with the group's heads.
+    const int32_t h_end = (hk + 1) * cfg.group;
+    int32_t h = DOC && q0_start >= p.seq_q ? h_end : hk * cfg.group;
     int64_t q0 = q0_first;
-    if (async && n_steps > 0)
+    if (async && (DOC ? h < h_end : n_steps > 0))
         prefetch(h, q0, 0);
     int buf = 0;
-    for (int64_t step = 0; step < n_steps; ++step, buf ^= async ? 1 : 0) {
+    for (int64_t step = 0; DOC ? h < h_end : step < n_steps; ++step, buf ^= async ? 1 : 0) {
         int32_t h_next = h;
         int64_t q0_next = q0 + BQ;
+        if constexpr (DOC)
+            q0_next = doc_next_tile<BQ>(p, cfg, b, q0_next, key_first + nk - 1);
         if (q0_next >= p.seq_q) {
             q0_next = q0_first;
             ++h_next;
         }
+        const bool more = DOC ? h_next < h_end : step + 1 < n_steps; // a step follows this one
         const int nq = (int)min((int64_t)BQ, p.seq_q - q0);
         const float *lseg = static_cast<const float *>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1];
         const float *deltag = cfg.delta + (b * p.heads + h) * p.seq_q;
@@ -1072,7 +1272,11 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
             lse_s[r] = r < nq ? lseg[(q0 + r) * p.lse_stride[2]] * kLog2e : -INFINITY;
             delta_s[r] = r < nq ? deltag[q0 + r] : 0.0f;
         }
-        __syncthreads(); // K, V (first step), Q, dO, LSE, D ready; the previous step's readers of P, dS done
+        const bool doc_cut = DOC && doc_tile_cut<BQ>(cfg, b, q0, key_first); // uniform
+        if (doc_cut) // rewritten under the same rule as LSE and D
+            doc_tile_starts<BQ, BK, NT>(doc_s, p, b, q0, nq, key_first);
+        __syncthreads(); // K, V (first step), Q, dO, LSE, D, document starts ready; the previous step's readers of P,
+                         // dS done
         const T *qs = q_tile(buf), *dos = do_tile(buf);
 
         // 1. S and dP for query rows sm + 16 i + g (+ 8) x keys sn + 8 j + 2 t (+ 1): S first, then dP, so that
@@ -1129,13 +1333,19 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
                 const int qr = sm + 16 * i + g + 8 * hi;
                 const float l2 = lse_s[qr], dr = delta_s[qr];
                 const int last = l2 == -INFINITY ? -1 : min(nk - 1, qr + diag);
+                int first = 0; // document mask: the row's first key in the tile
+                if constexpr (DOC)
+                    first = doc_cut ? doc_s[qr] : 0;
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     float pv[2], sv[2];
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int kr = sn + 8 * j + 2 * t + e;
-                        pv[e] = kr <= last ? fast_exp2(s[i][j][2 * hi + e] * scale_log2 - l2) : 0.0f;
+                        bool ok = kr <= last;
+                        if constexpr (DOC)
+                            ok = ok && kr >= first;
+                        pv[e] = ok ? fast_exp2(s[i][j][2 * hi + e] * scale_log2 - l2) : 0.0f;
                         sv[e] = pv[e] * (dp[i][j][2 * hi + e] - dr);
                     }
                     const int at = qr * LDP + sn + 8 * j + 2 * t;
@@ -1144,7 +1354,7 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
                 }
             }
         __syncthreads(); // P and dS complete; product 1's readers of LSE, D and the other Q/dO buffer done
-        if (async && step + 1 < n_steps)
+        if (async && more)
             prefetch(h_next, q0_next, buf ^ 1);
 
         // 2. dV += P^T dO, dK += dS^T Q over the BQ queries: A = P^T, dS^T (ldmatrix.trans), B = dO, Q rows.
@@ -1333,12 +1543,10 @@ __global__ void attn_fwd_store_kernel(const hexiseq_attn_params p, const double 
 // Host side: validation and launches
 
 // The shared rules (csrc/attention_check.c, the extension's copy: see kernels/entry.cu), then what this CUDA build serves.
+// q_doc's values are not checked: they are device memory here, and reading them would cost a copy and a stream
+// synchronisation. The kernels apply the visibility rule start <= key <= query as it stands, so a start outside
+// [0, q_pos0 + i] reads no memory out of place: past its own position the row sees nothing, below 0 it is causal.
 hexiseq_status check_params(const hexiseq_attn_params *p, int backward) {
-    // Before the shared rules: they read every q_doc value on the host, and here q_doc would be device memory.
-    if (p != nullptr && p->q_doc != nullptr)
-        return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED,
-                            "q_doc (a document mask) is not served by the CUDA attention kernels: document masks run "
-                            "on the CPU kernels for now");
     HEXISEQ_CHECK(hexiseq_attn_check_params(p, backward));
     // What this CUDA build serves.
     if (p->dtype != HEXISEQ_DTYPE_F16 && p->dtype != HEXISEQ_DTYPE_BF16)
@@ -1409,8 +1617,11 @@ hexiseq_status launch_fwd(const hexiseq_attn_params &p, FwdLaunch cfg, cudaStrea
         return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED,
                             "batch * heads * ceil(seq_q / %d) = %lld CTAs exceeds the CUDA grid limit 2^31 - 1", L::BQ,
                             (long long)blocks);
-    return launch_with_smem(attn_fwd_kernel<T, TO, D, BK>, "attn_fwd_kernel", blocks, kFwdThreads, L::bytes, stream,
-                            p, cfg);
+    if (p.q_doc != nullptr)
+        return launch_with_smem(attn_fwd_kernel<T, TO, D, BK, true>, "attn_fwd_kernel", blocks, kFwdThreads, L::bytes,
+                                stream, p, cfg);
+    return launch_with_smem(attn_fwd_kernel<T, TO, D, BK, false>, "attn_fwd_kernel", blocks, kFwdThreads, L::bytes,
+                            stream, p, cfg);
 }
 
 // The key tile (BK keys per CTA) depends on the instance, so the grid is sized here (backward_typed has checked
@@ -1420,8 +1631,11 @@ hexiseq_status launch_bwd_mma(const hexiseq_attn_params &p, BwdLaunch cfg, cudaS
     using L = BwdMmaTiles<D, BK>;
     cfg.n_ktiles = ceil_div(p.seq_k, BK);
     const int64_t blocks = cfg.n_ktiles * p.kv_heads * p.batch;
-    return launch_with_smem(attn_bwd_mma_kernel<T, D, BK>, "attn_bwd_mma_kernel", blocks, L::THREADS, L::bytes, stream,
-                            p, cfg);
+    if (p.q_doc != nullptr)
+        return launch_with_smem(attn_bwd_mma_kernel<T, D, BK, true>, "attn_bwd_mma_kernel", blocks, L::THREADS,
+                                L::bytes, stream, p, cfg);
+    return launch_with_smem(attn_bwd_mma_kernel<T, D, BK, false>, "attn_bwd_mma_kernel", blocks, L::THREADS, L::bytes,
+                            stream, p, cfg);
 }
 
 template <typename T, int D> hexiseq_status launch_bwd_staged(const hexiseq_attn_params &p, BwdLaunch cfg,
@@ -1429,8 +1643,11 @@ template <typename T, int D> hexiseq_status launch_bwd_staged(const hexiseq_attn
     using L = BwdStagedTiles<D>;
     cfg.n_ktiles = ceil_div(p.seq_k, L::BK);
     const int64_t blocks = cfg.n_ktiles * p.kv_heads * p.batch;
-    return launch_with_smem(attn_bwd_staged_kernel<T, D>, "attn_bwd_staged_kernel", blocks, L::THREADS, L::bytes,
-                            stream, p, cfg);
+    if (p.q_doc != nullptr)
+        return launch_with_smem(attn_bwd_staged_kernel<T, D, true>, "attn_bwd_staged_kernel", blocks, L::THREADS,
+                                L::bytes, stream, p, cfg);
+    return launch_with_smem(attn_bwd_staged_kernel<T, D, false>, "attn_bwd_staged_kernel", blocks, L::THREADS,
+                            L::bytes, stream, p, cfg);
 }
 
 // One forward launch of p (a key block of at most one piece), O stored as TO; keys: HEXISEQ_CUDA_FORWARD_KEYS.
@@ -1525,6 +1742,8 @@ template <typename T> hexiseq_status forward_typed(const hexiseq_attn_params *p,
             // whatever p->dtype says: the kernel's TO decides) and LSE into the contiguous partials.
             hexiseq_attn_params pp = *p;
             pp.q = static_cast<const T *>(p->q) + q0 * p->q_stride[1];
+            if (p->q_doc != nullptr) // this slice's rows of the document starts (absolute: the piece needs no shift)
+                pp.q_doc = p->q_doc + q0 * p->q_doc_stride[1];
             pp.seq_q = nq;
             pp.q_pos0 = p->q_pos0 + q0;
             pp.k = static_cast<const T *>(p->k) + k0 * p->k_stride[1];
@@ -1591,15 +1810,25 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "HEXISEQ_CUDA_BACKWARD=%s: expected staged, register or unset", force);
     const bool staged_ok = !force || !*force || strcmp(force, "staged") == 0;
 
-    // Scratch: D [rows] and the fp32 dQ accumulator [rows][d], stream-ordered.
+    // Scratch: D [rows], the fp32 dQ accumulator [rows][d] and, with a document mask, its three [batch][chunks]
+    // bound arrays; stream-ordered.
     const size_t delta_bytes = (size_t)rows * sizeof(float);
     const size_t acc_bytes = (size_t)rows * (size_t)p->head_dim * sizeof(float);
+    cfg.doc_chunks = p->q_doc != nullptr ? ceil_div(p->seq_q, kDocChunk) : 0;
+    const size_t doc_bytes = (size_t)(p->batch * cfg.doc_chunks) * sizeof(int64_t);
+    auto up = [](size_t x) { return (x + 255) / 256 * 256; };
     void *scratch = nullptr;
-    cudaError_t e = cudaMallocAsync(&scratch, delta_bytes + 256 + acc_bytes, stream);
+    cudaError_t e = cudaMallocAsync(&scratch, up(delta_bytes) + up(acc_bytes) + 3 * up(doc_bytes), stream);
     if (e != cudaSuccess)
         return cuda_fail(e, "cudaMallocAsync of the backward scratch (D and the fp32 dQ accumulator)");
     cfg.delta = static_cast<float *>(scratch);
-    cfg.dq_acc = reinterpret_cast<float *>(static_cast<char *>(scratch) + (delta_bytes + 255) / 256 * 256);
+    cfg.dq_acc = reinterpret_cast<float *>(static_cast<char *>(scratch) + up(delta_bytes));
+    if (p->q_doc != nullptr) {
+        int64_t *doc = reinterpret_cast<int64_t *>(static_cast<char *>(scratch) + up(delta_bytes) + up(acc_bytes));
+        cfg.doc_min = doc;
+        cfg.doc_max = reinterpret_cast<int64_t *>(reinterpret_cast<char *>(doc) + up(doc_bytes));
+        cfg.doc_suf = reinterpret_cast<int64_t *>(reinterpret_cast<char *>(doc) + 2 * up(doc_bytes));
+    }
 
     hexiseq_status s = HEXISEQ_OK;
     e = cudaMemsetAsync(cfg.dq_acc, 0, acc_bytes, stream);
@@ -1608,6 +1837,16 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
     if (s == HEXISEQ_OK) {
         HEXISEQ_LAUNCH(attn_bwd_delta_kernel<T>, (unsigned)delta_blocks, kThreads, 0, stream, *p, cfg);
         s = check_launch("attn_bwd_delta_kernel launch");
+    }
+    if (s == HEXISEQ_OK && p->q_doc != nullptr) {
+        HEXISEQ_LAUNCH(attn_doc_chunks_kernel, (unsigned)ceil_div(p->batch * cfg.doc_chunks, kThreads), kThreads, 0,
+                       stream, *p, cfg);
+        s = check_launch("attn_doc_chunks_kernel launch");
+        if (s == HEXISEQ_OK) {
+            HEXISEQ_LAUNCH(attn_doc_suffix_kernel, (unsigned)ceil_div(p->batch, kThreads / 32), kThreads, 0, stream,
+                           *p, cfg);
+            s = check_launch("attn_doc_suffix_kernel launch");
+        }
     }
     if (s == HEXISEQ_OK) {
         // D = 128: the staged kernel where the device's shared memory holds it (170.5 KiB), else the register

@@ -26,9 +26,9 @@ typedef hexiseq_status hexiseq_cuda_info_fn(int *runtime_version, int *device_co
  * of the current CUDA device. `stream` is a cudaStream_t (NULL: the legacy default stream); the kernels are
  * enqueued on it and the call returns without waiting, so results are ready when the stream reaches them.
  * Served: dtype float16 and bfloat16 (fp32 accumulation), head_dim 1..256, any element strides, causal or not,
- * GQA/MQA; float32/float64 and a document mask (q_doc) give HEXISEQ_ERR_UNSUPPORTED (the CPU kernels take
- * them). The merge takes every
- * dtype on both sides. Failures: as the CPU versions, plus HEXISEQ_ERR_CUDA with the CUDA error text when a
+ * GQA/MQA, the document mask (q_doc, device memory: its layout is checked, its values are not; the kernels apply
+ * start <= key <= query as it stands, so out-of-range starts read nothing out of place); float32/float64 give
+ * HEXISEQ_ERR_UNSUPPORTED (the CPU kernels take them). The merge takes every dtype on both sides. Failures: as the CPU versions, plus HEXISEQ_ERR_CUDA with the CUDA error text when a
  * launch, the shared-memory opt-in or the stream-ordered scratch allocation of the backward fails.
  * The backward's dq is summed with fp32 atomics: it is not bit-for-bit deterministic across runs. */
 typedef hexiseq_status hexiseq_cuda_attn_fn(const hexiseq_attn_params *p, void *stream);
@@ -48,8 +48,10 @@ typedef struct hexiseq_cuda_host {
 } hexiseq_cuda_host;
 
 /* Bumped whenever this table or anything it passes across (the params structs, hexiseq_cuda_host, the status
- * codes) changes meaning; sizes are checked besides, so a library from another build is refused, not called. */
-#define HEXISEQ_CUDA_ENTRY_VERSION 1u
+ * codes) changes meaning; sizes are checked besides, so a library from another build is refused, not called.
+ * 2: check_params no longer reads q_doc's values (the launchers pass device memory there); an extension of version 1
+ * would read them on the host. */
+#define HEXISEQ_CUDA_ENTRY_VERSION 2u
 #define HEXISEQ_CUDA_ENTRY_SYMBOL "hexiseq_cuda_entry_table"
 
 typedef struct hexiseq_cuda_entries {

@@ -96,10 +96,10 @@ class _Cpu:
         """x as a torch tensor, for assertions written once for both backends."""
         return torch.from_numpy(np.ascontiguousarray(x))
 
-    def check_forward(self, q, k, v, causal, q_pos0, k_pos0, what=""):
+    def check_forward(self, q, k, v, causal, q_pos0, k_pos0, what="", q_doc=None):
         """Forward within 1e-12 of the float64 reference; the same rows fully masked (lse = -inf)."""
-        out, lse = ops.attention_forward(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0)
-        ref_o, ref_l = attention(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0)
+        out, lse = ops.attention_forward(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, q_doc=q_doc)
+        ref_o, ref_l = attention(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, q_doc=q_doc)
         assert rel_err(out, ref_o) <= 1e-12, what
         assert np.array_equal(np.isneginf(lse), np.isneginf(ref_l)), what
         fin = np.isfinite(ref_l)
@@ -107,9 +107,9 @@ class _Cpu:
             assert np.abs(lse[fin] - ref_l[fin]).max() <= 1e-12 * max(1.0, np.abs(ref_l[fin]).max()), what
         return out, lse
 
-    def check_backward(self, q, k, v, causal, q_pos0, k_pos0, gen, what=""):
+    def check_backward(self, q, k, v, causal, q_pos0, k_pos0, gen, what="", q_doc=None):
         """Backward (dout drawn from gen) finite and within 1e-12 of the float64 reference from the same out, lse."""
-        kw = dict(causal=causal, q_pos0=q_pos0, k_pos0=k_pos0)
+        kw = dict(causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, q_doc=q_doc)
         out, lse = ops.attention_forward(q, k, v, **kw)
         dout = rand(gen, q.shape)
         got = ops.attention_backward(q, k, v, out, lse, dout, **kw)
@@ -151,13 +151,13 @@ DEV = torch.device("cuda")
 LOW = [torch.bfloat16, torch.float16]
 
 
-def sdpa(q, k, v, *, causal, q_pos0, k_pos0, scale):
+def sdpa(q, k, v, *, causal, q_pos0, k_pos0, scale, q_doc=None):
     """torch SDPA in q's dtype on the same mask; [B, Sq, H, D]."""
     H, Hkv = q.shape[2], k.shape[2]
     qq = q.transpose(1, 2)
     kk = k.transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
     vv = v.transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
-    mask = visible(q.shape[1], k.shape[1], q_pos0, k_pos0, causal, q.device)
+    mask = visible(q.shape[1], k.shape[1], q_pos0, k_pos0, causal, q.device, q_doc)
     out = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale)
     return out.transpose(1, 2)
 
@@ -184,18 +184,20 @@ def make(B, Sq, Sk, H, Hkv, D, dtype, seed=0):
     return q, k, v
 
 
-def check_forward(q, k, v, causal, q_pos0, k_pos0, scale=None):
+def check_forward(q, k, v, causal, q_pos0, k_pos0, scale=None, q_doc=None):
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    out, lse = ops.attention_forward(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale)
-    ref_out, ref_lse = attention(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale,
-                                 dtype=torch.float64)
-    rows = visible(q.shape[1], k.shape[1], q_pos0, k_pos0, causal, DEV).any(-1)
+    kw = dict(causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale, q_doc=q_doc)
+    out, lse = ops.attention_forward(q, k, v, **kw)
+    ref_out, ref_lse = attention(q, k, v, dtype=torch.float64, **kw)
+    seen = visible(q.shape[1], k.shape[1], q_pos0, k_pos0, causal, DEV, q_doc)
+    assert seen.dim() == 2, "q_doc: one [seq_q] layout for every batch row, so that the rows that see a key are one set"
+    rows = seen.any(-1)
     if rows.any():
-        base = sdpa(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale)
+        base = sdpa(q, k, v, **kw)
         assert_close_2x(out[:, rows], base[:, rows], ref_out[:, rows], "out")
         # lse: fp32 in both; compare against the low-precision math's fp32 logsumexp
-        _, base_lse = attention(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale, dtype=q.dtype)
+        _, base_lse = attention(q, k, v, dtype=q.dtype, **kw)
         assert_close_2x(lse[:, :, rows], base_lse[:, :, rows], ref_lse[:, :, rows], "lse")
     dead = ~rows
     if dead.any():  # fully masked rows: exactly 0 and -inf
@@ -204,10 +206,10 @@ def check_forward(q, k, v, causal, q_pos0, k_pos0, scale=None):
     return out, lse
 
 
-def check_backward(q, k, v, causal, q_pos0, k_pos0, accumulate=False):
+def check_backward(q, k, v, causal, q_pos0, k_pos0, accumulate=False, q_doc=None):
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D)
-    kw = dict(causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale)
+    kw = dict(causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale, q_doc=q_doc)
     g = torch.Generator(device=DEV).manual_seed(7)
     dout = torch.randn(q.shape, device=DEV, generator=g).to(q.dtype)
     out, lse = ops.attention_forward(q, k, v, **kw)
@@ -255,11 +257,11 @@ class _Cuda:
     def tensor(self, x):
         return x
 
-    def check_forward(self, q, k, v, causal, q_pos0, k_pos0, what=""):
-        return check_forward(q, k, v, causal, q_pos0, k_pos0)
+    def check_forward(self, q, k, v, causal, q_pos0, k_pos0, what="", q_doc=None):
+        return check_forward(q, k, v, causal, q_pos0, k_pos0, q_doc=q_doc)
 
-    def check_backward(self, q, k, v, causal, q_pos0, k_pos0, gen, what=""):
-        check_backward(q, k, v, causal, q_pos0, k_pos0)
+    def check_backward(self, q, k, v, causal, q_pos0, k_pos0, gen, what="", q_doc=None):
+        check_backward(q, k, v, causal, q_pos0, k_pos0, q_doc=q_doc)
 
     def check_merged(self, acc, acc_lse, q, k, v, kw):
         """Split-KV forward merged into fp32: the 2x rule against float64 for out, lse within 1e-3; returns the

@@ -196,3 +196,34 @@ def test_merge(backend, case):
         # a partial that saw no key leaves the accumulator bit-for-bit unchanged
         assert torch.equal(t(oa)[:, keep], o0[:, keep]) and torch.equal(t(la)[:, :, keep], l0[:, :, keep])
         assert torch.equal(t(oa)[:, take], t(op)[:, take].to(o0.dtype))  # an empty accumulator takes the partial
+
+
+# ------------------------------------------------------------------------------------------------ document mask
+
+DOC_LENGTHS = [1, 120, 1, 1, 230, 47]  # the long document reaches from the back chunk into the first keys
+# (query positions, key positions) of a block pair; the queries' starts are those of their own positions
+DOC_BLOCKS = {"zigzag-back-chunk": ((300, 400), (0, 150)), "ring-step": ((150, 250), (100, 250)),
+              "diagonal": ((0, 97), (0, 97))}
+
+DOCUMENT_BLOCK_CASES = dict(
+    cpu=[case(name, shape=(2, qr[1] - qr[0], kr[1] - kr[0], 4, 1, 8), dtype=np.float64, seed=qr[0] + 7 * kr[0],
+              q_range=qr, k_range=kr)
+         for name, (qr, kr) in DOC_BLOCKS.items()],
+    cuda=[case(f"{name}-D{D}", shape=(2, qr[1] - qr[0], kr[1] - kr[0], 4, 2, D), dtype=dtype, seed=3, q_range=qr,
+               k_range=kr)
+          for name, (qr, kr) in DOC_BLOCKS.items() for D, dtype in ((64, torch.bfloat16), (128, torch.float16))],
+)
+
+
+@over_backends(**DOCUMENT_BLOCK_CASES)
+def test_document_mask_blocks(backend, case):
+    """Blocks from anywhere in the sequence with the starts of their own positions ([seq_q]: one layout for the
+    batch), against the reference on the same blocks: forward, then backward."""
+    q_doc = ops.document_starts(DOC_LENGTHS, positions=np.arange(*case.q_range))
+    if backend.name == "cuda":
+        q_doc = torch.from_numpy(q_doc).to(backend.device)
+    (q, k, v), gen = backend.make(case.shape, case.dtype, case.seed)
+    pos = (case.q_range[0], case.k_range[0])
+    assert visible(q.shape[1], k.shape[1], *pos, True, "cpu", torch.as_tensor(q_doc).cpu()).any()  # some row sees
+    backend.check_forward(q, k, v, True, *pos, what=case.name, q_doc=q_doc)
+    backend.check_backward(q, k, v, True, *pos, gen, what=case.name, q_doc=q_doc)

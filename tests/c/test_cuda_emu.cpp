@@ -4,7 +4,8 @@
 // This tests the kernels' logic on machines without a GPU: tiling and tile tails, causal masking by absolute
 // positions (every offset case, fully masked rows and blocks), GQA/MQA, padded head dims, the vector-load and
 // element-by-element paths, strides (heads-major, strided head_dim, negative, misaligned), the online softmax
-// and LSE, the backward's accumulators and dQ atomics, accumulate, and the merge. Every case runs under four
+// and LSE, the backward's accumulators and dQ atomics, accumulate, the merge, and the document mask (against a
+// brute-force float64 reference, test_documents). Every case runs under four
 // thread schedules (lockstep, run-ahead from either end, pseudo-random; see emu.h) and must give bit-identical
 // outputs: a difference is a race between two barriers. What it cannot test: speed, hardware memory ordering,
 // a misreading of the PTX fragment layouts shared by the kernels and the emulator, and anything only a GPU
@@ -149,15 +150,72 @@ struct Case {
     Layout layout;
     int lse_transposed; // LSE stored [batch][seq][heads] instead of [batch][heads][seq]
     int accumulate;     // backward adds into preset gradients
+    int docs = 0;       // document mask (Docs below); 0: none
 };
+
+// Document layouts of the document-masked cases, over absolute positions from 0 (each batch row its own draw).
+enum Docs {
+    DOCS_NONE = 0,
+    DOCS_RANDOM,    // random lengths 1..40 (length-1 documents included)
+    DOCS_ONES,      // every document one token: each query sees only its own key
+    DOCS_TILE_EDGE, // boundaries at 64, 128, 160, 192, 320: tile edges of every kernel (16 to 128 rows or keys)
+    DOCS_ONE,       // one document over everything: must equal the plain causal result bit for bit
+    DOCS_NAN_SKIP,  // [0, 130), [130, 330), [330, ..): with NaN in the keys and values before 128 (see nan_keys)
+    DOCS_LONG,      // random lengths 1..250: documents that reach from a query block back into an earlier key block
+};
+const char *docs_name(int d) {
+    static const char *names[] = {"",           " docs-random",   " docs-ones", " docs-tile-edge",
+                                  " docs-one", " docs-nan-skip", " docs-long"};
+    return names[d];
+}
+// Key rows [0, nan_keys(c)) hold NaN: under DOCS_NAN_SKIP every query's document starts at or after 130 and the keys
+// are at positions 0.., so those rows lie in key tiles (of 32 to 128 keys) that no query tile sees. They must be
+// neither loaded into a product nor reach any output.
+int64_t nan_keys(const Case &c) { return c.docs == DOCS_NAN_SKIP ? 128 : 0; }
+
+// q_doc [batch][seq_q] of a case: the start of the document holding each query's absolute position.
+std::vector<int64_t> document_starts(const Case &c) {
+    std::vector<int64_t> out;
+    if (c.docs == DOCS_NONE)
+        return out;
+    const int64_t end = c.q_pos0 + c.seq_q;
+    for (int64_t b = 0; b < c.batch; ++b) {
+        std::vector<int64_t> start_of((size_t)end);
+        int64_t s = 0, len = 0;
+        static const int64_t edges[] = {64, 128, 160, 192, 320}, nan_docs[] = {130, 330};
+        for (int64_t x = 0; x < end; ++x) {
+            bool cut = false;
+            switch (c.docs) {
+            case DOCS_RANDOM:
+            case DOCS_LONG:
+                if (x == s + len) {
+                    cut = true;
+                    const int64_t longest = c.docs == DOCS_LONG ? 250 : 40;
+                    len = 1 + (int64_t)((urand() + 1) * 0.5 * (double)longest) % longest;
+                }
+                break;
+            case DOCS_ONES: cut = true; break;
+            case DOCS_TILE_EDGE: cut = std::find(std::begin(edges), std::end(edges), x) != std::end(edges); break;
+            case DOCS_NAN_SKIP: cut = std::find(std::begin(nan_docs), std::end(nan_docs), x) != std::end(nan_docs); break;
+            default: break;
+            }
+            if (cut)
+                s = x;
+            start_of[(size_t)x] = s;
+        }
+        for (int64_t i = 0; i < c.seq_q; ++i)
+            out.push_back(start_of[(size_t)(c.q_pos0 + i)]);
+    }
+    return out;
+}
 
 std::string describe(const Case &c) {
     char buf[256];
-    snprintf(buf, sizeof buf, "%s B%lld Sq%lld Sk%lld H%d/%d d%d %s qp%lld kp%lld %s%s%s",
+    snprintf(buf, sizeof buf, "%s B%lld Sq%lld Sk%lld H%d/%d d%d %s qp%lld kp%lld %s%s%s%s",
              c.dtype == HEXISEQ_DTYPE_F16 ? "f16" : "bf16", (long long)c.batch, (long long)c.seq_q,
              (long long)c.seq_k, c.heads, c.kv_heads, c.head_dim, c.causal ? "causal" : "full", (long long)c.q_pos0,
              (long long)c.k_pos0, layout_name(c.layout), c.lse_transposed ? " lse-T" : "",
-             c.accumulate ? " acc" : "");
+             c.accumulate ? " acc" : "", docs_name(c.docs));
     return buf;
 }
 
@@ -172,15 +230,82 @@ struct Problem {
     Case c;
     Half4 q, k, v, dout;
     std::vector<double> rq, rk, rv, rdo, rg_q, rg_k, rg_v; // values; preset gradients for accumulate
+    std::vector<int64_t> doc;                               // q_doc [batch][seq_q]; empty: no document mask
+    bool use_doc = true; // false: run the emulated kernels without the mask (the one-document comparison)
     Problem(const Case &c_)
         : c(c_), q(c.dtype, c.batch, c.seq_q, c.heads, c.head_dim, for_role(c.layout, Q)),
           k(c.dtype, c.batch, c.seq_k, c.kv_heads, c.head_dim, for_role(c.layout, K)),
           v(c.dtype, c.batch, c.seq_k, c.kv_heads, c.head_dim, for_role(c.layout, V)),
-          dout(c.dtype, c.batch, c.seq_q, c.heads, c.head_dim, for_role(c.layout, DO)) {
+          dout(c.dtype, c.batch, c.seq_q, c.heads, c.head_dim, for_role(c.layout, DO)), doc(document_starts(c)) {
         q.fill_random(rq);
         k.fill_random(rk);
         v.fill_random(rv);
         dout.fill_random(rdo);
+        for (Half4 *t : {&k, &v})
+            for (int64_t b = 0; b < c.batch; ++b)
+                for (int64_t s = 0; s < nan_keys(c); ++s)
+                    for (int64_t h = 0; h < c.kv_heads; ++h)
+                        for (int64_t x = 0; x < c.head_dim; ++x) {
+                            t->mem[(size_t)t->at(b, s, h, x)] = to_bits(c.dtype, NAN);
+                            (t == &k ? rk : rv)[(size_t)t->lin(b, s, h, x)] = NAN;
+                        }
+    }
+
+    // Brute-force float64 attention under the document mask, straight from the definition (csrc/attention.h): key j
+    // visible to query i iff doc[b, i] <= k_pos0 + j <= q_pos0 + i. Only visible keys are read (NaN keys are not).
+    // The backward is the exact gradient of that forward (D from the float64 O).
+    void reference_documents(Outputs &r) {
+        const int64_t B = c.batch, Sq = c.seq_q, Sk = c.seq_k, H = c.heads, G = c.heads / c.kv_heads, Dh = c.head_dim;
+        const int64_t nq = B * Sq * H * Dh, nk = B * Sk * c.kv_heads * Dh;
+        r.o.assign((size_t)nq, 0), r.lse.assign((size_t)(B * H * Sq), -INFINITY);
+        r.dq = c.accumulate ? rg_q : std::vector<double>((size_t)nq, 0.0);
+        r.dk = c.accumulate ? rg_k : std::vector<double>((size_t)nk, 0.0);
+        r.dv = c.accumulate ? rg_v : std::vector<double>((size_t)nk, 0.0);
+        auto qi = [&](int64_t b, int64_t i, int64_t h, int64_t x) { return (size_t)(((b * Sq + i) * H + h) * Dh + x); };
+        auto ki = [&](int64_t b, int64_t j, int64_t h, int64_t x) {
+            return (size_t)(((b * Sk + j) * c.kv_heads + h / G) * Dh + x);
+        };
+        std::vector<double> pr((size_t)Sk);
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t h = 0; h < H; ++h)
+                for (int64_t i = 0; i < Sq; ++i) {
+                    const int64_t lo = std::max<int64_t>(0, doc[(size_t)(b * Sq + i)] - c.k_pos0);
+                    const int64_t hi = std::min<int64_t>(Sk, c.q_pos0 + i - c.k_pos0 + 1); // keys [lo, hi)
+                    if (lo >= hi)
+                        continue; // sees nothing: O = 0, LSE = -inf, no gradient
+                    double mx = -INFINITY;
+                    for (int64_t j = lo; j < hi; ++j) {
+                        double dot = 0;
+                        for (int64_t x = 0; x < Dh; ++x)
+                            dot += rq[qi(b, i, h, x)] * rk[ki(b, j, h, x)];
+                        pr[(size_t)j] = dot * scale();
+                        mx = std::max(mx, pr[(size_t)j]);
+                    }
+                    double sum = 0;
+                    for (int64_t j = lo; j < hi; ++j)
+                        sum += (pr[(size_t)j] = exp(pr[(size_t)j] - mx));
+                    r.lse[(size_t)((b * H + h) * Sq + i)] = mx + log(sum);
+                    double dd = 0; // D = rowsum(dO * O)
+                    for (int64_t x = 0; x < Dh; ++x) {
+                        double o = 0;
+                        for (int64_t j = lo; j < hi; ++j)
+                            o += pr[(size_t)j] / sum * rv[ki(b, j, h, x)];
+                        r.o[qi(b, i, h, x)] = o;
+                        dd += o * rdo[qi(b, i, h, x)];
+                    }
+                    for (int64_t j = lo; j < hi; ++j) {
+                        const double pj = pr[(size_t)j] / sum;
+                        double dp = 0;
+                        for (int64_t x = 0; x < Dh; ++x)
+                            dp += rdo[qi(b, i, h, x)] * rv[ki(b, j, h, x)];
+                        const double ds = pj * (dp - dd) * scale();
+                        for (int64_t x = 0; x < Dh; ++x) {
+                            r.dv[ki(b, j, h, x)] += pj * rdo[qi(b, i, h, x)];
+                            r.dq[qi(b, i, h, x)] += ds * rk[ki(b, j, h, x)];
+                            r.dk[ki(b, j, h, x)] += ds * rq[qi(b, i, h, x)];
+                        }
+                    }
+                }
     }
 
     // twice the usual 1/sqrt(d): peaked softmax rows, so a wrong max or rescale shows
@@ -240,6 +365,11 @@ struct Problem {
         p.q = q.base(), p.k = k.base(), p.v = v.base(), p.o = o.base(), p.lse = lse.data();
         set_strides(p, q.st, k.st, v.st, o.st, dout.st, dq.st, dk.st, dv.st);
         lse_strides(p.lse_stride);
+        if (!doc.empty() && use_doc) {
+            p.q_doc = doc.data(), p.q_doc_stride[0] = c.seq_q, p.q_doc_stride[1] = 1;
+            if (c.batch == 1) // one layout for the batch: a repeated row
+                p.q_doc_stride[0] = 0;
+        }
         EXPECT(hexiseq_attn_forward_cuda(&p, nullptr) == HEXISEQ_OK, "emulated forward %s: %s",
                describe(c).c_str(), hexiseq_last_error());
         if (c.accumulate) {
@@ -295,7 +425,10 @@ void run_case(const Case &c) {
     Outputs ref, a, b;
     hexiseq_emu::set_schedule(hexiseq_emu::SCHEDULE_ROUND_ROBIN, 0);
     pr.emulated(a); // first: draws the accumulate presets the reference needs
-    pr.reference(ref);
+    if (c.docs != DOCS_NONE)
+        pr.reference_documents(ref);
+    else
+        pr.reference(ref);
     const double u = unit_roundoff(c.dtype);
     const double eo = rel_err(a.o, ref.o), el = lse_err(a.lse, ref.lse);
     const double eq = rel_err(a.dq, ref.dq), ek = rel_err(a.dk, ref.dk), ev = rel_err(a.dv, ref.dv);
@@ -328,6 +461,17 @@ void run_case(const Case &c) {
     if (all_masked)
         EXPECT(a.dq == ref.dq && a.dk == ref.dk && a.dv == ref.dv, "%s: gradients of a fully masked block are not zero",
                name.c_str());
+
+    // One document over everything is the plain causal mask: the masked kernels must give its very bits (they
+    // skip nothing and mask no element more).
+    if (c.docs == DOCS_ONE) {
+        pr.use_doc = false;
+        pr.emulated(b);
+        pr.use_doc = true;
+        EXPECT(a.raw_o == b.raw_o && memcmp(a.raw_lse.data(), b.raw_lse.data(), a.raw_lse.size() * sizeof(float)) == 0 &&
+                   a.raw_dq == b.raw_dq && a.raw_dk == b.raw_dk && a.raw_dv == b.raw_dv,
+               "%s: one document differs from the plain causal result", name.c_str());
+    }
 
     // The other thread schedules must give the same bits (else: a race between barriers, see emu.h).
     static const char *names[] = {"round-robin", "lowest-first", "highest-first", "random"};
@@ -544,16 +688,70 @@ void test_refusals() {
                strstr(hexiseq_last_error(), "HEXISEQ_CUDA_BACKWARD=fast") != nullptr,
            "HEXISEQ_CUDA_BACKWARD=fast must be refused by name: %s", hexiseq_last_error());
     unsetenv("HEXISEQ_CUDA_BACKWARD");
-    // A document mask runs on the CPU kernels only: refused by name, forward and backward, before any q_doc value
-    // is read (on a GPU it would be device memory).
+    // A document mask: its layout is checked like the CPU entry points' (it needs causal = 1; strides in range), its
+    // values are not read by the checks (on a GPU they are device memory).
     const int64_t doc[1] = {0};
-    p.q_doc = doc, p.causal = 1;
+    p.q_doc = doc, p.causal = 0;
     for (int backward = 0; backward < 2; ++backward) {
         const hexiseq_status s = backward ? hexiseq_attn_backward_cuda(&p, nullptr) : hexiseq_attn_forward_cuda(&p, nullptr);
-        EXPECT(s == HEXISEQ_ERR_UNSUPPORTED && strstr(hexiseq_last_error(), "q_doc") != nullptr &&
-                   strstr(hexiseq_last_error(), "CPU") != nullptr,
-               "q_doc must be refused by the CUDA %s: %s", backward ? "backward" : "forward", hexiseq_last_error());
+        EXPECT(s == HEXISEQ_ERR_INVALID && strstr(hexiseq_last_error(), "q_doc") != nullptr &&
+                   strstr(hexiseq_last_error(), "causal") != nullptr,
+               "q_doc without causal must be refused by the CUDA %s: %s", backward ? "backward" : "forward",
+               hexiseq_last_error());
     }
+    p.causal = 1, p.q_doc_stride[1] = INT64_MAX;
+    EXPECT(hexiseq_attn_forward_cuda(&p, nullptr) == HEXISEQ_ERR_INVALID &&
+               strstr(hexiseq_last_error(), "q_doc_stride") != nullptr,
+           "a q_doc stride out of range must be refused: %s", hexiseq_last_error());
+}
+
+// The document mask (q_doc) against the brute-force float64 reference (Problem::reference_documents): random
+// documents, documents of one token, boundaries on tile edges, one document (bit for bit the plain causal result),
+// blocks at ring-step offsets (keys before the queries, keys overlapping them), GQA and MQA, fp16 and bf16, head dims
+// 64, 128, 256 and a padded one, accumulate; every backward kernel (register at D = 64, 128 and 256, staged at 128 and,
+// forced, at 64; the small-shared-memory instances); the forward split into key pieces merged in double (each piece a
+// key block of its own: split + merge == unsplit); and NaN keys and values in tiles no query sees (skipped, so they
+// reach nothing).
+void test_documents() {
+    const int BF = HEXISEQ_DTYPE_BF16, F16 = HEXISEQ_DTYPE_F16;
+    const Case cases[] = {
+        // dtype B  Sq   Sk  H  Hkv d  causal qp kp  layout  lseT acc docs
+        {BF, 2, 200, 200, 4, 2, 64, 1, 0, 0, CONTIG, 0, 0, DOCS_RANDOM},
+        {F16, 1, 150, 150, 2, 1, 128, 1, 0, 0, CONTIG, 1, 0, DOCS_RANDOM},
+        {BF, 1, 90, 90, 2, 1, 256, 1, 0, 0, CONTIG, 0, 0, DOCS_RANDOM},
+        {F16, 1, 100, 100, 2, 2, 64, 1, 0, 0, HEADS_MAJOR, 0, 1, DOCS_ONES},
+        {BF, 1, 70, 70, 2, 1, 128, 1, 0, 0, CONTIG, 0, 0, DOCS_ONES},
+        {BF, 1, 330, 330, 2, 1, 64, 1, 0, 0, CONTIG, 0, 0, DOCS_TILE_EDGE},
+        {F16, 1, 330, 330, 2, 2, 128, 1, 0, 0, MIXED_K, 0, 0, DOCS_TILE_EDGE},
+        {BF, 1, 200, 200, 1, 1, 256, 1, 0, 0, CONTIG, 0, 0, DOCS_TILE_EDGE},
+        {F16, 1, 130, 130, 2, 1, 128, 1, 0, 0, CONTIG, 0, 0, DOCS_ONE},
+        {BF, 2, 97, 97, 4, 1, 64, 1, 0, 0, CONTIG, 0, 1, DOCS_ONE},
+        // ring steps: the key block before the queries, and overlapping them from behind
+        {BF, 2, 100, 150, 4, 2, 64, 1, 200, 0, CONTIG, 0, 0, DOCS_LONG},
+        {F16, 1, 120, 90, 2, 1, 128, 1, 60, 30, CONTIG, 0, 1, DOCS_LONG},
+        {BF, 1, 70, 150, 2, 2, 100, 1, 160, 20, NEG_SEQ, 0, 0, DOCS_TILE_EDGE},
+        {F16, 1, 64, 256, 2, 1, 64, 1, 300, 0, CONTIG, 0, 0, DOCS_NAN_SKIP},
+        {BF, 1, 64, 256, 2, 1, 128, 1, 300, 0, CONTIG, 0, 0, DOCS_NAN_SKIP},
+        {F16, 1, 40, 256, 1, 1, 256, 1, 300, 0, CONTIG, 0, 0, DOCS_NAN_SKIP},
+    };
+    hexiseq_emu::set_smem_optin_limit(227 * 1024); // sm_90: the staged backward at D = 128
+    for (const Case &c : cases)
+        run_case(c);
+    const Case some[] = {cases[0], cases[5], cases[10], cases[13]};
+    setenv("HEXISEQ_CUDA_BACKWARD", "staged", 1); // the staged kernel at D = 64
+    for (const Case &c : some)
+        run_case(c);
+    unsetenv("HEXISEQ_CUDA_BACKWARD");
+    setenv("HEXISEQ_CUDA_FORWARD_PIECE", "64", 1); // the forward in 64-key pieces merged in double
+    for (const Case &c : {cases[0], cases[6], cases[11], cases[14]})
+        run_case(c);
+    unsetenv("HEXISEQ_CUDA_FORWARD_PIECE");
+    for (int limit : {166912, 99 * 1024}) { // sm_80 (register backward at D = 128) and sm_86 (the smaller tiles)
+        hexiseq_emu::set_smem_optin_limit(limit);
+        for (const Case &c : {cases[1], cases[6], cases[11], cases[14]})
+            run_case(c);
+    }
+    hexiseq_emu::set_smem_optin_limit(166912);
 }
 
 } // namespace
@@ -562,6 +760,7 @@ int main(int argc, char **argv) {
     verbose = argc > 1 && strcmp(argv[1], "-v") == 0;
     test_refusals();
     test_merge();
+    test_documents();
     test_attention_cases();
     test_small_smem_device();
     // The tile pitches (row length + 16 bytes) are chosen so that no ldmatrix pays a bank conflict.

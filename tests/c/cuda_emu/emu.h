@@ -146,6 +146,21 @@ template <typename T> inline T __shfl_xor_sync(unsigned mask, T value, int lane_
     return out;
 }
 
+// __shfl_down_sync: lane l reads lane l + delta's value, its own where that is past the warp (as the hardware does
+// with width 32).
+template <typename T> inline T __shfl_down_sync(unsigned mask, T value, unsigned delta) {
+    static_assert(sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");
+    hexiseq_emu::ThreadState *t = hexiseq_emu::current_thread();
+    if (delta > 31)
+        hexiseq_emu::fail("__shfl_down_sync delta %u outside 0..31", delta);
+    uint64_t *slots = static_cast<uint64_t *>(hexiseq_emu::warp_exchange_buffer(32 * sizeof(uint64_t)));
+    memcpy(&slots[t->lane], &value, sizeof(T));
+    hexiseq_emu::sync_warp(mask, "__shfl_down_sync");
+    T out;
+    memcpy(&out, &slots[t->lane + (int)delta < 32 ? t->lane + (int)delta : t->lane], sizeof(T));
+    return out;
+}
+
 template <typename T> inline T atomicAdd(T *address, T value) { // fibers never interleave inside a statement
     T old = *address;
     *address = old + value;
