@@ -229,6 +229,8 @@ typedef struct {
     int64_t seq_len;
     int32_t causal;
     const hexiseq_documents *docs; /* the training's documents, or NULL */
+    double *doc_len;          /* [n_groups] under documents: the pair-weighted mean length of the document pieces
+                                 in the group's positions, the block length its kernels effectively run at */
     int32_t *group_of;        /* [n_devices] group of layout slot r */
     int32_t *offset;          /* [n_groups + 1] first slot of each group */
     hexiseq_group_span *span; /* [n_groups] */
@@ -457,8 +459,12 @@ static void ring_step(const cost_ctx *x, const hexiseq_device_info *d, int32_t h
     int split_diag = x->causal && (d->attn_causal_curve.n > 0 || d->attn_curve.n > 0);
     double fwd_passes = 1.0 + (x->t->checkpointing ? 1.0 : 0.0);
     double sq = (double)x->l->group_seq[g];
-    /* causal blocks run as zigzag half-chunks: the kernel sees blocks half as long */
+    /* causal blocks run as zigzag half-chunks: the kernel sees blocks half as long; under documents it runs
+     * at most at the rate of the documents' length (short documents: short diagonal blocks, per-row and
+     * partly masked tile work that the pairs alone do not count) */
     double block = (sq < sk ? sq : sk) * (x->causal && x->l->chunking == HEXISEQ_CHUNK_ZIGZAG ? 0.5 : 1.0);
+    double doc = x->docs ? x->doc_len[g] : INFINITY;
+    block = fmin(block, doc);
     double fwd = 0.0;
     if (pairs > 0 && split_diag && diag) { /* (x->docs: the diagonal blocks' pairs are the documents' own) */
         /* own positions: front x front and back x back are causal diagonal blocks, back x front full */
@@ -469,9 +475,9 @@ static void ring_step(const cost_ctx *x, const hexiseq_device_info *d, int32_t h
         double diag_b = (double)hexiseq_visible_pairs(x->docs, b0, b1, b0, b1), rest = pairs - diag_f - diag_b;
         double pair_time = 0.0; /* sum over blocks of pairs / rate; times FLOPs per pair = seconds */
         if (fl > 0)
-            pair_time += diag_f / attn_diag_rate_flops(d, fl);
+            pair_time += diag_f / attn_diag_rate_flops(d, fmin(fl, doc));
         if (bl > 0)
-            pair_time += diag_b / attn_diag_rate_flops(d, bl);
+            pair_time += diag_b / attn_diag_rate_flops(d, fmin(bl, doc));
         if (rest > 0)
             pair_time += rest / attn_rate_flops(d, block);
         fwd = attn_fwd_flops(x->m, 1.0, h) * pair_time;
@@ -973,7 +979,7 @@ hexiseq_status hexiseq_check_documents(const hexiseq_training *t, int64_t seq_le
     const hexiseq_documents *d = t->documents;
     if (!d)
         return HEXISEQ_OK;
-    if (d->n < 1 || !d->end || !d->tri)
+    if (d->n < 1 || !d->end || !d->tri || !d->tri_len)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "training.documents must come from hexiseq_documents_init");
     if (!causal)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "documents need causal attention (the document mask is causal)");
@@ -1022,12 +1028,13 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     x.span = malloc((size_t)l->n_groups * sizeof *x.span);
     double *group_a2a = calloc((size_t)l->n_groups, sizeof *group_a2a);
     x.step_pairs = malloc((size_t)l->n_groups * sizeof *x.step_pairs);
+    x.doc_len = malloc((size_t)l->n_groups * sizeof *x.doc_len);
     x.hold = malloc((size_t)l->n_devices * sizeof *x.hold);
     x.hold_off = malloc(((size_t)l->n_groups + 1) * sizeof *x.hold_off);
     x.first_holder = malloc((size_t)l->n_groups * (size_t)m->kv_heads * sizeof *x.first_holder);
     x.kv_lo = malloc((size_t)l->n_devices * sizeof *x.kv_lo);
     x.kv_n = malloc((size_t)l->n_devices * sizeof *x.kv_n);
-    if (!x.group_of || !x.offset || !x.span || !group_a2a || !x.step_pairs || !x.hold || !x.hold_off ||
+    if (!x.group_of || !x.offset || !x.span || !group_a2a || !x.step_pairs || !x.doc_len || !x.hold || !x.hold_off ||
         !x.first_holder || !x.kv_lo || !x.kv_n || !ring_types_build(&x)) {
         free(x.kv_lo);
         free(x.kv_n);
@@ -1036,6 +1043,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         free(x.hold_off);
         ring_types_free(&x);
         free(x.step_pairs);
+        free(x.doc_len);
         free(x.group_of);
         free(x.offset);
         free(x.span);
@@ -1056,6 +1064,14 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     }
     first_holders(&x);
     hexiseq_layout_spans(l, x.span);
+    if (x.docs)
+        for (int32_t g = 0; g < l->n_groups; ++g) {
+            double w = 0.0, wl = 0.0;
+            const hexiseq_group_span *sp = &x.span[g];
+            hexiseq_document_pieces(x.docs, sp->front_start, sp->front_start + sp->front_len, &w, &wl);
+            hexiseq_document_pieces(x.docs, sp->back_start, sp->back_start + sp->back_len, &w, &wl);
+            x.doc_len[g] = w > 0 ? wl / w : 1.0;
+        }
     if (l->n_groups > 1)
         for (int32_t g = 0; g < l->n_groups; ++g)
             x.max_block = fmax(x.max_block, (double)l->group_seq[g]);
@@ -1187,6 +1203,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     free(x.offset);
     free(x.span);
     free(x.step_pairs);
+    free(x.doc_len);
     free(group_a2a);
     free(x.hold);
     free(x.hold_off);

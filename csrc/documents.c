@@ -15,6 +15,7 @@ hexiseq_status hexiseq_documents_init(const int64_t *lengths, int64_t n, hexiseq
     out->n = 0;
     out->end = NULL;
     out->tri = NULL;
+    out->tri_len = NULL;
     if (n < 1 || n > HEXISEQ_MAX_SEQ_LEN)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "documents must hold 1 to %lld lengths, got %lld",
                             (long long)HEXISEQ_MAX_SEQ_LEN, (long long)n);
@@ -28,16 +29,20 @@ hexiseq_status hexiseq_documents_init(const int64_t *lengths, int64_t n, hexiseq
     }
     out->end = malloc((size_t)n * sizeof *out->end);
     out->tri = malloc(((size_t)n + 1) * sizeof *out->tri);
-    if (!out->end || !out->tri) {
+    out->tri_len = malloc(((size_t)n + 1) * sizeof *out->tri_len);
+    if (!out->end || !out->tri || !out->tri_len) {
         hexiseq_documents_free(out);
         return hexiseq_fail(HEXISEQ_ERR_NOMEM, "cannot allocate %lld documents", (long long)n);
     }
     int64_t pos = 0;
     out->tri[0] = 0;
+    out->tri_len[0] = 0.0;
     for (int64_t i = 0; i < n; ++i) {
         pos += lengths[i];
         out->end[i] = pos;
-        out->tri[i + 1] = out->tri[i] + lengths[i] * (lengths[i] + 1) / 2; /* <= total^2 / 2 < 2^60 */
+        int64_t t = lengths[i] * (lengths[i] + 1) / 2;
+        out->tri[i + 1] = out->tri[i] + t; /* <= total^2 / 2 < 2^60 */
+        out->tri_len[i + 1] = out->tri_len[i] + (double)t * (double)lengths[i];
     }
     out->n = n;
     return HEXISEQ_OK;
@@ -48,8 +53,10 @@ void hexiseq_documents_free(hexiseq_documents *docs) {
         return;
     free(docs->end);
     free(docs->tri);
+    free(docs->tri_len);
     docs->end = NULL;
     docs->tri = NULL;
+    docs->tri_len = NULL;
     docs->n = 0;
 }
 
@@ -97,4 +104,25 @@ int64_t hexiseq_visible_pairs(const hexiseq_documents *d, int64_t q0, int64_t q1
     int64_t pairs = in_doc(d, a, q0, q1, k0, k1) + in_doc(d, b, q0, q1, k0, k1);
     pairs += d->tri[b] - d->tri[a + 1];
     return pairs;
+}
+
+void hexiseq_document_pieces(const hexiseq_documents *d, int64_t p0, int64_t p1, double *pairs, double *pairs_len) {
+    if (!d || d->n == 0)
+        return;
+    int64_t S = d->end[d->n - 1];
+    p0 = p0 > 0 ? p0 : 0;
+    p1 = p1 < S ? p1 : S;
+    if (p1 <= p0)
+        return;
+    int64_t a = doc_of(d, p0), b = doc_of(d, p1 - 1);
+    for (int64_t i = a; i <= b; i += (b > a ? b - a : 1)) { /* the two end pieces, clipped */
+        int64_t s0 = i ? d->end[i - 1] : 0, e0 = d->end[i];
+        double len = (double)((e0 < p1 ? e0 : p1) - (s0 > p0 ? s0 : p0)), t = len * (len + 1.0) / 2.0;
+        *pairs += t;
+        *pairs_len += t * len;
+    }
+    if (b > a + 1) { /* the documents strictly between, whole */
+        *pairs += (double)(d->tri[b] - d->tri[a + 1]);
+        *pairs_len += d->tri_len[b] - d->tri_len[a + 1];
+    }
 }

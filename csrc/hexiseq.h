@@ -167,6 +167,7 @@ typedef struct {
     int64_t n;     /* documents */
     int64_t *end;  /* [n] exclusive end position of each document, increasing; end[n - 1] = seq_len */
     int64_t *tri;  /* [n + 1] tri[i] = visible pairs of documents 0 .. i-1 (sum of len (len + 1) / 2) */
+    double *tri_len; /* [n + 1] the same sums with each document's pairs weighted by its length */
 } hexiseq_documents;
 
 /* lengths[0 .. n): every length >= 1, sum <= HEXISEQ's longest sequence. Free with hexiseq_documents_free. */
@@ -176,6 +177,11 @@ HEXISEQ_API void hexiseq_documents_free(hexiseq_documents *docs);
  * when `docs` is not NULL. */
 HEXISEQ_API int64_t hexiseq_visible_pairs(const hexiseq_documents *docs, int64_t q0, int64_t q1, int64_t k0,
                                           int64_t k1);
+/* The documents' pieces inside [p0, p1) (each document clipped to the range): adds to *pairs the pieces'
+ * own visible pairs and to *pairs_len the same weighted by the piece's length, so that pairs_len / pairs is
+ * the pair-weighted mean length of the documents a kernel meets there. O(log n). */
+HEXISEQ_API void hexiseq_document_pieces(const hexiseq_documents *docs, int64_t p0, int64_t p1, double *pairs,
+                                         double *pairs_len);
 
 typedef struct {
     int32_t sequences;       /* sequences per step, each of seq_len tokens, run one after another */

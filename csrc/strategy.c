@@ -24,6 +24,13 @@ static hexiseq_status memory_error(const hexiseq_cluster *c, const char *strateg
                         strategy, cost->short_device, di->gpu_name, di->memory_gib, cost->short_gib);
 }
 
+/* Under documents: the plan for one causal document, priced under the documents, when it beats the seed
+ * (or there is none). The scheduler's search is local, so on its own it may miss that layout; seeded with
+ * it, a plan made for the documents is never predicted slower than the plan made without them. */
+static hexiseq_status one_document_seed(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
+                                        int64_t seq_len, int32_t causal, hexiseq_budget *b, hexiseq_layout *seed,
+                                        hexiseq_plan_cost *seed_cost, int *have_seed);
+
 /* The scheduler, seeded with the best uniform layout (USP covers Ring and Ulysses: every factorisation
  * hp x cp, hp = 1 and hp = N included), so its plan is never predicted slower than a baseline. */
 static hexiseq_status plan_hexiseq(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
@@ -32,6 +39,23 @@ static hexiseq_status plan_hexiseq(const hexiseq_cluster *c, const hexiseq_model
     hexiseq_layout seed;
     hexiseq_plan_cost seed_cost;
     hexiseq_status st = hexiseq_plan_baseline(c, m, t, seq_len, causal, HEXISEQ_STRATEGY_USP, b, &seed, &seed_cost);
+    if (t->documents && (st == HEXISEQ_OK || st == HEXISEQ_ERR_UNSUPPORTED)) {
+        int have = st == HEXISEQ_OK;
+        if (!have)
+            hexiseq_clear_error();
+        hexiseq_status s2 = one_document_seed(c, m, t, seq_len, causal, b, &seed, &seed_cost, &have);
+        if (s2 == HEXISEQ_ERR_CANCELLED && b->stopped == HEXISEQ_BUDGET_TIME && have) {
+            *out = seed;
+            *cost = seed_cost;
+            return s2;
+        }
+        if (s2 != HEXISEQ_OK) {
+            if (have)
+                hexiseq_layout_free(&seed);
+            return s2;
+        }
+        st = have ? HEXISEQ_OK : HEXISEQ_ERR_UNSUPPORTED;
+    }
     if (st == HEXISEQ_ERR_CANCELLED && b->stopped == HEXISEQ_BUDGET_TIME) {
         *out = seed; /* out of time among the baselines: the best of them */
         *cost = seed_cost;
@@ -43,6 +67,37 @@ static hexiseq_status plan_hexiseq(const hexiseq_cluster *c, const hexiseq_model
     } else if (st == HEXISEQ_OK) {
         st = hexiseq_schedule(c, m, t, seq_len, causal, &seed, &seed_cost, b, out, cost);
         hexiseq_layout_free(&seed);
+    }
+    return st;
+}
+
+static hexiseq_status one_document_seed(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
+                                        int64_t seq_len, int32_t causal, hexiseq_budget *b, hexiseq_layout *seed,
+                                        hexiseq_plan_cost *seed_cost, int *have_seed) {
+    hexiseq_training plain = *t;
+    plain.documents = NULL;
+    hexiseq_layout one;
+    hexiseq_plan_cost one_cost;
+    hexiseq_status st = plan_hexiseq(c, m, &plain, seq_len, causal, b, &one, &one_cost);
+    if (st == HEXISEQ_ERR_CANCELLED && b->stopped == HEXISEQ_BUDGET_TIME)
+        st = HEXISEQ_OK; /* the best one-document layout found in time is still a candidate */
+    else if (st != HEXISEQ_OK)
+        return st;
+    hexiseq_device_cost *per = malloc((size_t)c->n_devices * sizeof *per);
+    if (!per) {
+        hexiseq_layout_free(&one);
+        return hexiseq_fail(HEXISEQ_ERR_NOMEM, "cannot allocate cost scratch for %d devices", c->n_devices);
+    }
+    st = hexiseq_evaluate(c, m, t, seq_len, causal, &one, per, &one_cost);
+    free(per);
+    if (st == HEXISEQ_OK && (!*have_seed || hexiseq_cost_better(&one_cost, seed_cost))) {
+        if (*have_seed)
+            hexiseq_layout_free(seed);
+        *seed = one;
+        *seed_cost = one_cost;
+        *have_seed = 1;
+    } else {
+        hexiseq_layout_free(&one);
     }
     return st;
 }

@@ -254,8 +254,7 @@ static int parse_training(PyObject *module, PyObject *obj, hexiseq_training *t) 
 /* Documents from None (none) or a 1-D sequence of lengths into *d (free with hexiseq_documents_free);
  * *use is d, or NULL for None. Returns 0 with an exception set on failure. */
 static int parse_documents(PyObject *module, PyObject *obj, hexiseq_documents *d, const hexiseq_documents **use) {
-    d->n = 0;
-    d->end = d->tri = NULL;
+    memset(d, 0, sizeof *d);
     *use = NULL;
     if (!obj || obj == Py_None)
         return 1;

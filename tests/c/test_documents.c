@@ -89,12 +89,22 @@ static void test_init_refusals(void) {
     EXPECT(hexiseq_documents_init(NULL, 2, &d) == HEXISEQ_ERR_NULL, "NULL lengths");
 }
 
-static hexiseq_cluster *alike_cluster(int32_t n) {
+/* n alike devices; flat: measured curves of one point each, so that every kernel size runs at one rate. */
+static hexiseq_cluster *alike_cluster_ex(int32_t n, int flat) {
     hexiseq_node_desc node = {"A100-80G", n, 300.0, 0, 0, 0, 0};
+    hexiseq_device_desc dev[8];
+    memset(dev, 0, sizeof dev);
+    for (int32_t i = 0; i < n && i < 8; ++i) {
+        dev[i].gemm = (hexiseq_rate_curve){1, {1024}, {200.0}};
+        dev[i].attn = (hexiseq_rate_curve){1, {1024}, {150.0}};
+        dev[i].attn_causal = (hexiseq_rate_curve){1, {1024}, {150.0}};
+    }
+    hexiseq_cluster_options opt = {dev, NULL};
     hexiseq_cluster *c = NULL;
-    hexiseq_status st = hexiseq_cluster_create(1, &node, 25.0, NULL, &c);
+    hexiseq_status st = hexiseq_cluster_create_ex(1, &node, 25.0, NULL, flat ? &opt : NULL, &c);
     return st == HEXISEQ_OK ? c : NULL;
 }
+static hexiseq_cluster *alike_cluster(int32_t n) { return alike_cluster_ex(n, 0); }
 
 static const hexiseq_model MODEL = {2, 512, 8, 8, 64, 2048, 1000, 2, 1};
 
@@ -112,12 +122,11 @@ static void ring_layout(int32_t n, const int64_t *seq, int32_t chunking, hexiseq
     }
 }
 
-/* Without measured curves attention time is pairs / rate at the block size, and the block size of a step is
- * min(S_g, S_src) (halved under zigzag): with equal S_g every step runs at the same rate, so the devices'
- * attention times add up to the whole mask's pairs times one constant. Both chunkings, random documents. */
+/* With flat measured curves attention time is pairs / one rate, so the devices' attention times add up to the
+ * whole mask's pairs times one constant. Both chunkings, random documents. */
 static void test_steps_cover_the_mask(void) {
     enum { N = 5, SG = 640 };
-    hexiseq_cluster *c = alike_cluster(N);
+    hexiseq_cluster *c = alike_cluster_ex(N, 1);
     EXPECT(c != NULL, "cluster");
     if (!c)
         return;
@@ -181,6 +190,57 @@ static void test_steps_cover_the_mask(void) {
     EXPECT(hexiseq_layout_spans(&l, sp) == HEXISEQ_ERR_LAYOUT, "unknown chunking refused");
     hexiseq_layout_free(&l);
     free(len);
+    hexiseq_cluster_destroy(c);
+}
+
+/* The pieces' pair-weighted length against a brute force, and its effect: at the same pairs, short documents
+ * run at a shorter block's rate than long ones. */
+static void test_document_length(void) {
+    enum { S = 300 };
+    int64_t len[S];
+    for (int trial = 0; trial < 40; ++trial) {
+        int64_t n = random_docs(S, len);
+        hexiseq_documents d;
+        hexiseq_documents_init(len, n, &d);
+        int64_t p0 = rand_below(S), p1 = p0 + 1 + rand_below(S - p0);
+        double w = 0, wl = 0, bw = 0, bwl = 0;
+        hexiseq_document_pieces(&d, p0, p1, &w, &wl);
+        for (int64_t i = 0, at = 0; i < n; at += len[i++]) {
+            int64_t a = at > p0 ? at : p0, b = at + len[i] < p1 ? at + len[i] : p1;
+            if (b > a) {
+                double l = (double)(b - a);
+                bw += l * (l + 1) / 2;
+                bwl += l * (l + 1) / 2 * l;
+            }
+        }
+        EXPECT(w == bw && fabs(wl - bwl) <= 1e-12 * bwl, "trial %d [%lld,%lld): %g %g vs %g %g", trial, (long long)p0,
+               (long long)p1, w, wl, bw, bwl);
+        hexiseq_documents_free(&d);
+    }
+    /* one group, catalog rates (a rate that grows with the block): documents of 64 tokens against documents
+     * of 1024, compared per visible pair */
+    hexiseq_cluster *c = alike_cluster(1);
+    const int64_t seq[1] = {4096};
+    hexiseq_layout l;
+    ring_layout(1, seq, HEXISEQ_CHUNK_ZIGZAG, &l);
+    hexiseq_training t;
+    hexiseq_training_default(&t);
+    hexiseq_device_cost per[1];
+    hexiseq_plan_cost pc;
+    double per_pair[2];
+    for (int k = 0; k < 2; ++k) {
+        int64_t each = k ? 1024 : 64, many[64];
+        for (int i = 0; i < 4096 / each; ++i)
+            many[i] = each;
+        hexiseq_documents d;
+        hexiseq_documents_init(many, 4096 / each, &d);
+        t.documents = &d;
+        EXPECT(hexiseq_evaluate(c, &MODEL, &t, 4096, 1, &l, per, &pc) == HEXISEQ_OK, "evaluate");
+        per_pair[k] = per[0].attn_s / (double)d.tri[d.n];
+        hexiseq_documents_free(&d);
+    }
+    EXPECT(per_pair[0] > 1.5 * per_pair[1], "short documents cost more per pair: %g vs %g s", per_pair[0], per_pair[1]);
+    hexiseq_layout_free(&l);
     hexiseq_cluster_destroy(c);
 }
 
@@ -279,7 +339,7 @@ static void test_rebalance(void) {
         int64_t n = 0;
         for (int64_t left = S; left > 0; left -= len[n++]) { /* short, long, mixed */
             int64_t want = trial == 0 ? 300 + rand_below(500) : trial == 1 ? 8000 + rand_below(9000)
-                                                                           : (rand_below(9) ? 200 : 12000);
+                                                                           : (n ? 200 : S / 2); /* front-heavy */
             len[n] = left < want ? left : want;
         }
         hexiseq_documents_init(len, n, &d[0]);
@@ -322,6 +382,7 @@ int main(void) {
     test_pairs_brute();
     test_init_refusals();
     test_steps_cover_the_mask();
+    test_document_length();
     test_refusals();
     test_scheduler();
     test_rebalance();
