@@ -121,7 +121,11 @@ def document_lengths(value, seq_len, field="documents"):
         return None
     if hasattr(value, "detach") and hasattr(value, "tolist"):  # a torch tensor
         value = value.detach().cpu().numpy()
-    lengths = np.asarray(integers(value, field, 1, MAX_TOKENS), dtype=np.int64)
+    if (isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu" and value.size
+            and value.min() >= 1 and value.max() <= MAX_TOKENS):  # checked at once: re-planning runs per batch
+        lengths = value.astype(np.int64)
+    else:
+        lengths = np.asarray(integers(value, field, 1, MAX_TOKENS), dtype=np.int64)
     if lengths.size == 0:
         raise InvalidArgumentError(f"{field} must hold at least one length, got {value!r}")
     total = int(lengths.sum())
