@@ -138,15 +138,12 @@ def report(data, args, elapsed):
     return "\n".join(lines)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq", type=int, default=6144)
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--out", default=None, help="Markdown report (default: print only)")
-    args = ap.parse_args()
+def run_ranks(worker, report, args):
+    """Spawn the three pinned ranks running worker(rank, world, init, args, result_path), then print (and with
+    args.out write, with the raw results beside it as JSON) report(results, args, seconds)."""
     if len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0):
         sys.exit("needs cores 0 and 1")
-    world = 3
+    world = len(CORES)
     tmp = tempfile.mkdtemp()
     result_path = os.path.join(tmp, "result.json")
     t0 = datetime.datetime.now()
@@ -154,13 +151,21 @@ def main():
     elapsed = (datetime.datetime.now() - t0).total_seconds()
     with open(result_path) as f:
         data = json.load(f)
-    text = report(data, args, elapsed)
-    print(text)
+    text = report(data, args, elapsed).rstrip("\n") + "\n"
+    print(text, end="")
     if args.out:
         with open(args.out, "w") as f:
-            f.write(text + "\n")
+            f.write(text)
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
             json.dump(data, f, indent=1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=6144)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--out", default=None, help="Markdown report (default: print only)")
+    run_ranks(worker, report, ap.parse_args())
 
 
 if __name__ == "__main__":

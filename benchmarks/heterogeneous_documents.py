@@ -19,21 +19,19 @@ import datetime
 import json
 import os
 import sys
-import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 import hexiseq  # noqa: E402
 from hexiseq import calibrate, measure  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import machine  # noqa: E402
-from heterogeneous_cpu import CORES, MODEL, layout_text  # noqa: E402
+from heterogeneous_cpu import CORES, MODEL, layout_text, run_ranks  # noqa: E402
 
 
 def profiles(seq):
@@ -119,24 +117,7 @@ def main():
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=None, help="Markdown report (default: print only)")
-    args = ap.parse_args()
-    if len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0):
-        sys.exit("needs cores 0 and 1")
-    world = 3
-    tmp = tempfile.mkdtemp()
-    result_path = os.path.join(tmp, "result.json")
-    t0 = datetime.datetime.now()
-    mp.spawn(worker, args=(world, "file://" + os.path.join(tmp, "store"), args, result_path), nprocs=world)
-    elapsed = (datetime.datetime.now() - t0).total_seconds()
-    with open(result_path) as f:
-        data = json.load(f)
-    text = report(data, args, elapsed)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-            json.dump(data, f, indent=1)
+    run_ranks(worker, report, ap.parse_args())
 
 
 if __name__ == "__main__":

@@ -271,6 +271,13 @@ static int parse_documents(PyObject *module, PyObject *obj, hexiseq_documents *d
     return 1;
 }
 
+/* The model, the training and its documents of a planner call. Returns 0 with an exception set. */
+static int parse_inputs(PyObject *module, PyObject *model_obj, PyObject *train_obj, PyObject *docs_obj,
+                        hexiseq_model *m, hexiseq_training *t, hexiseq_documents *docs) {
+    return parse_model(module, model_obj, m) && parse_training(module, train_obj, t) &&
+           parse_documents(module, docs_obj, docs, &t->documents);
+}
+
 static PyObject *layout_to_dict(const hexiseq_layout *l) {
     return Py_BuildValue("{s:N,s:N,s:N,s:N,s:N,s:N,s:i}",
                          "group_size", new_array(NPY_INT32, l->n_groups, l->group_size, sizeof(int32_t)),
@@ -542,8 +549,7 @@ static PyObject *core_evaluate(PyObject *module, PyObject *args) {
     hexiseq_model m;
     hexiseq_training t;
     hexiseq_documents docs;
-    if (!parse_model(module, model_obj, &m) || !parse_training(module, train_obj, &t) ||
-        !parse_documents(module, docs_obj, &docs, &t.documents))
+    if (!parse_inputs(module, model_obj, train_obj, docs_obj, &m, &t, &docs))
         return NULL;
     PyArrayObject *arr[6] = {NULL};
     PyObject *result = NULL;
@@ -607,8 +613,7 @@ static PyObject *core_plan_strategy(PyObject *module, PyObject *args) {
     hexiseq_model m;
     hexiseq_training t;
     hexiseq_documents docs;
-    if (!parse_model(module, model_obj, &m) || !parse_training(module, train_obj, &t) ||
-        !parse_documents(module, docs_obj, &docs, &t.documents))
+    if (!parse_inputs(module, model_obj, train_obj, docs_obj, &m, &t, &docs))
         return NULL;
     hexiseq_cluster *c = make_cluster(module, nodes, inter, bw, lat, dev);
     if (!c) {
@@ -653,8 +658,7 @@ static PyObject *core_rebalance(PyObject *module, PyObject *args) {
     hexiseq_model m;
     hexiseq_training t;
     hexiseq_documents docs;
-    if (!parse_model(module, model_obj, &m) || !parse_training(module, train_obj, &t) ||
-        !parse_documents(module, docs_obj, &docs, &t.documents))
+    if (!parse_inputs(module, model_obj, train_obj, docs_obj, &m, &t, &docs))
         return NULL;
     PyObject *result = NULL;
     hexiseq_cluster *c = NULL;
