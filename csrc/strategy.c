@@ -77,12 +77,16 @@ static hexiseq_status one_document_seed(const hexiseq_cluster *c, const hexiseq_
     hexiseq_training plain = *t;
     plain.documents = NULL;
     hexiseq_layout one;
+    memset(&one, 0, sizeof one);
     hexiseq_plan_cost one_cost;
     hexiseq_status st = plan_hexiseq(c, m, &plain, seq_len, causal, b, &one, &one_cost);
-    if (st == HEXISEQ_ERR_CANCELLED && b->stopped == HEXISEQ_BUDGET_TIME)
+    if (st == HEXISEQ_ERR_CANCELLED && b->stopped == HEXISEQ_BUDGET_TIME) {
+        if (!one.group_size) /* out of time before any layout */
+            return HEXISEQ_OK;
         st = HEXISEQ_OK; /* the best one-document layout found in time is still a candidate */
-    else if (st != HEXISEQ_OK)
+    } else if (st != HEXISEQ_OK) {
         return st;
+    }
     hexiseq_device_cost *per = malloc((size_t)c->n_devices * sizeof *per);
     if (!per) {
         hexiseq_layout_free(&one);

@@ -305,6 +305,15 @@ static void test_scheduler(void) {
     EXPECT(ac.step_time_s <= pd.step_time_s * (1 + 1e-12), "aware %.6g s, one-document plan under documents %.6g s",
            ac.step_time_s, pd.step_time_s);
     EXPECT(ac.step_time_s < pc.step_time_s, "documents have fewer pairs than one causal document");
+    /* a time limit that ends the search inside the one-document plan still gives a plan */
+    hexiseq_plan_options opt = {1e-9, NULL, NULL};
+    hexiseq_plan_info info;
+    hexiseq_layout quick;
+    hexiseq_plan_cost qc;
+    EXPECT(hexiseq_plan_strategy_ex(c, &m, &t, S, 1, HEXISEQ_STRATEGY_HEXISEQ, &opt, &quick, &qc, &info) == HEXISEQ_OK,
+           "time-limited plan: %s", hexiseq_last_error());
+    EXPECT(info.stopped_early && qc.fits, "stopped early with a plan that fits");
+    hexiseq_layout_free(&quick);
     printf("%lld documents: aware plan %.4f s (%s chunks), plan for one document %.4f s under them (%.3fx)\n",
            (long long)n, ac.step_time_s, aware.chunking ? "contiguous" : "zigzag", pd.step_time_s,
            pd.step_time_s / ac.step_time_s);
