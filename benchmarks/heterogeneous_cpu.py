@@ -50,14 +50,28 @@ def layout_text(plan):
     return " ".join(parts)
 
 
-def worker(rank, world, init, args, result_path):
+def start_rank(rank, world, init):
+    """Pin the rank to its core, join the Gloo group, and return the calibrated cluster (all ranks at once)."""
     os.sched_setaffinity(0, CORES[rank])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     # attention timed with the model's own heads (12 query, 4 kv; the default, said here for the reader)
-    cluster = calibrate(MODEL, dtype="fp32", gemm_rows=[128, 512, 2048], attn_blocks=[128, 256, 512, 1024, 2048],
-                        attn_heads=MODEL.heads, iters=3, progress=rank == 0)
+    return calibrate(MODEL, dtype="fp32", gemm_rows=[128, 512, 2048], attn_blocks=[128, 256, 512, 1024, 2048],
+                     attn_heads=MODEL.heads, iters=3, progress=rank == 0)
+
+
+def finish_rank(rank, cluster, results, result_path):
+    """Rank 0 writes the calibrated cluster and the results; every rank leaves the group."""
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump({"cluster": cluster.to_dict(), "results": results}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def worker(rank, world, init, args, result_path):
+    cluster = start_rank(rank, world, init)
     training = hexiseq.Training(checkpointing=False, sharding="full")
     results = {}
     for strategy in STRATEGIES:
@@ -74,11 +88,7 @@ def worker(rank, world, init, args, result_path):
                 print(f"{strategy:<8} {layer:<9} measured {m.step_s * 1e3:8.1f} ms  predicted "
                       f"{m.predicted_step_s * 1e3:8.1f} ms  ratio {m.ratio:.3f}  {row['layout']}", flush=True)
         results[strategy] = row
-    if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump({"cluster": cluster.to_dict(), "results": results}, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(rank, cluster, results, result_path)
 
 
 def report(data, args, elapsed):

@@ -15,23 +15,19 @@ gain of the aware plan (unaware / aware), and the prediction error. The measured
 this CPU; the predicted ones are the cost model's, on the calibrated cluster. Takes a few minutes."""
 
 import argparse
-import datetime
-import json
 import os
 import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 import hexiseq  # noqa: E402
-from hexiseq import calibrate, measure  # noqa: E402
+from hexiseq import measure  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import machine  # noqa: E402
-from heterogeneous_cpu import CORES, MODEL, layout_text, run_ranks  # noqa: E402
+from heterogeneous_cpu import MODEL, finish_rank, layout_text, run_ranks, start_rank  # noqa: E402
 
 
 def profiles(seq):
@@ -54,12 +50,7 @@ def profiles(seq):
 
 
 def worker(rank, world, init, args, result_path):
-    os.sched_setaffinity(0, CORES[rank])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
-    cluster = calibrate(MODEL, dtype="fp32", gemm_rows=[128, 512, 2048], attn_blocks=[128, 256, 512, 1024, 2048],
-                        attn_heads=MODEL.heads, iters=3, progress=rank == 0)
+    cluster = start_rank(rank, world, init)
     training = hexiseq.Training(checkpointing=False, sharding="full")
     unaware = hexiseq.plan(cluster, model=MODEL, seq_len=args.seq, strategy="hexiseq", training=training)
     results = {}
@@ -76,11 +67,7 @@ def worker(rank, world, init, args, result_path):
                       f"{m.predicted_step_s * 1e3:8.1f} ms  {plan.layout.chunking:<10} {row[which]['layout']}",
                       flush=True)
         results[name] = row
-    if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump({"cluster": cluster.to_dict(), "results": results}, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(rank, cluster, results, result_path)
 
 
 def report(data, args, elapsed):

@@ -176,15 +176,13 @@ hexiseq_status hexiseq_rebalance(const hexiseq_cluster *c, const hexiseq_model *
         /* the layout as it is, first: re-balancing never predicts worse than keeping it (this also
          * validates it against the new sequence) */
         hexiseq_plan_cost kept;
-        if (in->n_groups > 0) {
-            int64_t sum = 0;
-            for (int32_t g = 0; g < in->n_groups; ++g)
-                sum += in->group_seq[g];
-            if (sum == seq_len) {
-                st = hexiseq_sched_eval(&s, &l, &kept);
-                if (st == HEXISEQ_OK)
-                    st = hexiseq_sched_offer(&s, &l, &kept);
-            }
+        int64_t sum = 0;
+        for (int32_t g = 0; g < in->n_groups; ++g)
+            sum += in->group_seq[g];
+        if (sum == seq_len) {
+            st = hexiseq_sched_eval(&s, &l, &kept);
+            if (st == HEXISEQ_OK)
+                st = hexiseq_sched_offer(&s, &l, &kept);
         }
         /* parked members stay parked; head ranges stay as they are */
         for (int32_t r = 0; r < in->n_devices && st == HEXISEQ_OK; ++r) {
