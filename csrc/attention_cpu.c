@@ -187,6 +187,21 @@ static inline int64_t doc_first_key(const hexiseq_attn_params *p, int64_t b, int
     return min64(p->seq_k, max64(0, start - p->k_pos0));
 }
 
+/* Under the document mask, one past the last row of rows [i0, nq) of the query tile at q0 whose document starts
+ * before key kend (an index into the block): the rows after it see none of the keys below kend, so a tile pair
+ * computes rows [i0, end) only. That trim is what lets a query tile holding several short documents cost their
+ * pairs, not the tile's. Rows of one chunk start their documents in order, so the scan from the tile's end stops
+ * at the first row that reaches back. nq without a document mask. */
+static inline int64_t doc_row_end(const hexiseq_attn_params *p, int64_t b, int64_t q0, int64_t i0, int64_t nq,
+                                  int64_t kend) {
+    if (p->q_doc == NULL)
+        return nq;
+    int64_t i = nq;
+    while (i > i0 && doc_first_key(p, b, q0 + i - 1) >= kend)
+        --i;
+    return i;
+}
+
 /* Per (batch, query tile of BQ rows): the smallest doc_first_key of its rows, [batch][nqt]. A key tile that ends
  * at or before it is seen by no row of the query tile and is skipped, as causal skips tiles past the diagonal:
  * that skip is what makes a packed sequence of short documents cost its documents' lengths, not the sequence's.

@@ -869,6 +869,23 @@ static void test_documents(void) {
         check_config(c, doc);
         free(doc);
     }
+    /* starts in no order (the kernels take any start <= the query's position, not only a packed sequence's):
+     * a query tile's rows that reach a key tile need not be a prefix of it */
+    const config any[] = {
+        {1, 300, 300, 2, 1, 8, 1, 0, 0, 0.35, HEXISEQ_DTYPE_F64, LAYOUT_CONTIG},
+        {2, 150, 200, 4, 2, 16, 1, 400, 200, 0.25, HEXISEQ_DTYPE_F32, LAYOUT_HEADS_MAJOR},
+    };
+    for (size_t i = 0; i < sizeof any / sizeof any[0]; ++i) {
+        const config *c = &any[i];
+        int64_t *doc = malloc(sizeof(int64_t) * (size_t)(c->B * c->Sq));
+        for (int64_t r = 0; r < c->B * c->Sq; ++r) {
+            const int64_t pos = c->qp + r % c->Sq;
+            /* a third of the rows late (a short reach back), the rest anywhere */
+            doc[r] = r % 3 ? irand(pos + 1) : pos - irand(8 < pos + 1 ? 8 : pos + 1);
+        }
+        check_config(c, doc);
+        free(doc);
+    }
     /* split over key blocks + merge == unsplit */
     const config sp[] = {
         {1, 200, 200, 4, 2, 16, 1, 0, 0, 0.25, HEXISEQ_DTYPE_F64, LAYOUT_CONTIG},
