@@ -79,7 +79,8 @@ int hexiseq_same_device(const hexiseq_device_info *a, const hexiseq_device_info 
     return a->gpu_index == b->gpu_index && strcmp(a->gpu_name, b->gpu_name) == 0 && a->memory_gib == b->memory_gib &&
            a->peak_tflops == b->peak_tflops && a->gemm_eff == b->gemm_eff && a->attn_eff == b->attn_eff &&
            same_curve(&a->gemm_curve, &b->gemm_curve) && same_curve(&a->attn_curve, &b->attn_curve) &&
-           same_curve(&a->attn_causal_curve, &b->attn_causal_curve);
+           same_curve(&a->attn_causal_curve, &b->attn_causal_curve) &&
+           same_curve(&a->attn_document_curve, &b->attn_document_curve);
 }
 
 static int ascending(const void *a, const void *b) {
@@ -211,6 +212,7 @@ hexiseq_status hexiseq_cluster_create_ex(int32_t n_nodes, const hexiseq_node_des
             HEXISEQ_CHECK(check_curve(&dd->gemm, d, "gemm_tflops"));
             HEXISEQ_CHECK(check_curve(&dd->attn, d, "attn_tflops"));
             HEXISEQ_CHECK(check_curve(&dd->attn_causal, d, "attn_causal_tflops"));
+            HEXISEQ_CHECK(check_curve(&dd->attn_document, d, "attn_document_tflops"));
         }
     }
     for (int32_t i = 0, first = 0; i < n_nodes; first += nodes[i].count, ++i)
@@ -276,6 +278,7 @@ hexiseq_status hexiseq_cluster_create_ex(int32_t n_nodes, const hexiseq_node_des
                 di->gemm_curve = dd->gemm;
                 di->attn_curve = dd->attn;
                 di->attn_causal_curve = dd->attn_causal;
+                di->attn_document_curve = dd->attn_document;
             }
         }
     }

@@ -310,6 +310,8 @@ double hexiseq_attn_plateau(const hexiseq_device_info *d, int32_t causal) {
     double r = d->attn_curve.n > 0 ? curve_max_tflops(&d->attn_curve) * 1e12 : d->peak_tflops * 1e12 * d->attn_eff;
     if (causal && d->attn_causal_curve.n > 0) /* the diagonal blocks run at the causal curve's rates */
         r = fmax(r, curve_max_tflops(&d->attn_causal_curve) * 1e12);
+    if (causal && d->attn_document_curve.n > 0) /* packed documents at theirs: the bound must cover every rate */
+        r = fmax(r, curve_max_tflops(&d->attn_document_curve) * 1e12);
     return r;
 }
 
@@ -464,9 +466,14 @@ static void ring_step(const cost_ctx *x, const hexiseq_device_info *d, int32_t h
      * partly masked tile work that the pairs alone do not count) */
     double block = (sq < sk ? sq : sk) * (x->causal && x->l->chunking == HEXISEQ_CHUNK_ZIGZAG ? 0.5 : 1.0);
     double doc = x->docs ? x->doc_len[g] : INFINITY;
+    /* documents shorter than the block, on a device whose packed-document rate was measured: every pair of the
+     * step at that rate for the documents' length (it holds the per-row and straddling-tile work the pairs miss) */
+    int packed = x->docs && d->attn_document_curve.n > 0 && doc < block;
     block = fmin(block, doc);
     double fwd = 0.0;
-    if (pairs > 0 && split_diag && diag) { /* (x->docs: the diagonal blocks' pairs are the documents' own) */
+    if (pairs > 0 && packed) {
+        fwd = attn_fwd_flops(x->m, pairs, h) / (hexiseq_curve_tflops(&d->attn_document_curve, doc) * 1e12);
+    } else if (pairs > 0 && split_diag && diag) { /* (x->docs: the diagonal blocks' pairs are the documents' own) */
         /* own positions: front x front and back x back are causal diagonal blocks, back x front full */
         const hexiseq_group_span *sp = &x->span[g];
         double fl = (double)sp->front_len, bl = (double)sp->back_len;

@@ -67,12 +67,17 @@ typedef struct {
  *   attn        size = n, the tokens of a square full (unmasked) block;
  *               tflops = 4 * n * n * head_dim * heads * (1 + 2.5) / (forward + backward seconds)
  *   attn_causal the same for a causal square block of n tokens, counting the n (n + 1) / 2 visible pairs.
+ *   attn_document  size = n, the length of the documents packed in one long causal block under the document
+ *               mask; counting their visible pairs (n (n + 1) / 2 each). Packed short documents run slower per
+ *               pair than a lone block of their length (per-row work spread over few keys, tiles that straddle
+ *               documents); under documents shorter than a block the cost model prices pairs at this curve.
  * A curve replaces the catalog formula for that kind of work on that device. */
 typedef struct {
     double memory_gib;       /* device memory, GiB; <= 0: the node's */
     hexiseq_rate_curve gemm;
     hexiseq_rate_curve attn;
     hexiseq_rate_curve attn_causal;
+    hexiseq_rate_curve attn_document;
 } hexiseq_device_desc;
 
 /* Optional parts of a cluster description; NULL pointers (or a NULL options pointer) mean "not given". */
@@ -112,6 +117,7 @@ typedef struct {
     hexiseq_rate_curve gemm_curve;        /* measured rates (n = 0: none), see hexiseq_device_desc */
     hexiseq_rate_curve attn_curve;
     hexiseq_rate_curve attn_causal_curve;
+    hexiseq_rate_curve attn_document_curve;
 } hexiseq_device_info;
 
 HEXISEQ_API hexiseq_status hexiseq_cluster_device(const hexiseq_cluster *cluster, int32_t device,

@@ -222,11 +222,18 @@ def _attention_heads(model: Model, device, heads):
     return model.heads, model.kv_heads
 
 
+def _document_sizes(sizes):
+    """Document lengths the packed-document curve is timed at: the block sizes below the largest, which is the
+    block they are packed in (documents as long as the block are one causal block)."""
+    return [n for n in sizes if n < max(sizes)]
+
+
 def _attention_curves(model: Model, sizes, device, dtype, heads, iters, warmup, barrier, progress):
-    """(block, TFLOP/s) for full blocks and causal-diagonal blocks, forward + backward, through the runtime's own
-    block kernels (hexiseq.blocks, chosen exactly as a ring pass chooses them)."""
+    """(block, TFLOP/s) for full blocks and causal-diagonal blocks, and (document length, TFLOP/s) for documents
+    packed in one block of the largest size under the document mask, forward + backward, through the runtime's
+    own block kernels (hexiseq.blocks, chosen exactly as a ring pass chooses them)."""
     torch, _ = _torch()
-    from . import blocks
+    from . import blocks, ops
 
     h, kv = _attention_heads(model, device, heads)
     d = model.head_dim
@@ -261,7 +268,38 @@ def _attention_curves(model: Model, sizes, device, dtype, heads, iters, warmup, 
             pairs = n * n if q_pos0 else n * (n + 1) / 2
             target.append([n, 4.0 * pairs * d * h * _ATTN_PASSES / t / 1e12])
             progress.tick()
-    return full, diag, h, kv
+    # Packed documents: one block of the largest size holding documents of n tokens (the last one shorter), as a
+    # ring step runs a chunk of a packed sequence; the rate counts the pairs the document mask keeps. Short
+    # documents run slower per pair than a lone causal block of their length (work per query row spread over few
+    # keys, tiles straddling documents): the cost model prices packed pairs at this curve.
+    docs = []
+    big = max(sizes)
+    q = torch.randn(1, big, h, d, generator=g, device=device, dtype=dtype)
+    k = torch.randn(1, big, kv, d, generator=g, device=device, dtype=dtype)
+    v = torch.randn(1, big, kv, d, generator=g, device=device, dtype=dtype)
+    do = torch.randn_like(q)
+    for n in _document_sizes(sizes):
+        lengths = [n] * (big // n) + ([big % n] if big % n else [])
+        q_doc = torch.from_numpy(ops.document_starts(lengths)).to(device)
+        barrier()
+        o, lse = kern.forward(q, k, v, True, 0, 0, scale, q_doc)
+        o_acc, lse_acc = o.to(acc_dt), lse.to(acc_dt).clone()
+        dq = torch.zeros(q.shape, dtype=acc_dt, device=device)
+        dk = torch.zeros(k.shape, dtype=acc_dt, device=device)
+        dv = torch.zeros(v.shape, dtype=acc_dt, device=device)
+
+        def fwd():
+            o_p, l_p = kern.forward(q, k, v, True, 0, 0, scale, q_doc)
+            kern.merge(o_acc, lse_acc, o_p, l_p)
+
+        def bwd():
+            kern.backward_into(q, k, v, o, lse, do, True, 0, 0, scale, dq, dk, dv, q_doc)
+
+        t = _seconds(fwd, device, iters, warmup) + _seconds(bwd, device, iters, warmup)
+        pairs = sum(m * (m + 1) / 2 for m in lengths)
+        docs.append([n, 4.0 * pairs * d * h * _ATTN_PASSES / t / 1e12])
+        progress.tick()
+    return full, diag, docs, h, kv
 
 
 # ---------------------------------------------------------------------------------------------- links
@@ -392,14 +430,17 @@ def _build_cluster(rows, bw, lat, pairs_note, a2a, meta, tolerance) -> Cluster:
         if intra:
             spec["intra_gbps"] = round(statistics.median(intra), 3)
         node_specs.append(spec)
-        same = all(_agree([rows[r][key] for r in rs], tolerance) for key in ("gemm", "attn", "attn_causal"))
+        same = all(_agree([rows[r][key] for r in rs], tolerance)
+                   for key in ("gemm", "attn", "attn_causal", "attn_document"))
         if same:
             uniform.append(i)
         for r in rs:
             entry = {}
-            for key, name in (("gemm", "gemm_tflops"), ("attn", "attn_tflops"), ("attn_causal", "attn_causal_tflops")):
+            for key, name in (("gemm", "gemm_tflops"), ("attn", "attn_tflops"), ("attn_causal", "attn_causal_tflops"),
+                              ("attn_document", "attn_document_tflops")):
                 curve = _median_curve([rows[x][key] for x in rs]) if same else rows[r][key]
-                entry[name] = [[int(s), round(float(v), 6)] for s, v in curve]
+                if curve:  # (no packed-document curve from a single block size)
+                    entry[name] = [[int(s), round(float(v), 6)] for s, v in curve]
             entry["memory_gib"] = spec["memory_gib"] if same else round(rows[r]["memory_gib"], 3)
             devices[r] = entry
     spec = {"nodes": node_specs, "devices": devices}
@@ -482,14 +523,15 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
     pairs, pairs_note = _link_pairs(world, node_of, all_pairs_up_to)
     rounds = _rounds(pairs)
     a2a_sizes = len(_a2a_sizes(world)) if world > 1 else 0
-    prog = _Progress(progress and rank == 0, len(rows_list) + 2 * len(blocks) + len(rounds) + a2a_sizes)
+    prog = _Progress(progress and rank == 0,
+                     len(rows_list) + 2 * len(blocks) + len(_document_sizes(blocks)) + len(rounds) + a2a_sizes)
 
     prog.stage(f"{world} rank(s), {device.type}, {str(dt).replace('torch.', '')}: matmul rates on {model.name}'s "
                f"shapes at {', '.join(map(str, rows_list))} rows")
     gemm = _gemm_curve(model, rows_list, device, dt, iters, warmup, barrier, prog)
-    prog.stage(f"attention rates, full and causal blocks of {', '.join(map(str, blocks))} tokens, "
-               f"head_dim {model.head_dim}")
-    full, diag, h_meas, kv_meas = _attention_curves(model, blocks, device, dt, attn_heads, iters, warmup, barrier, prog)
+    prog.stage(f"attention rates, full and causal blocks of {', '.join(map(str, blocks))} tokens and documents "
+               f"packed in {max(blocks)}, head_dim {model.head_dim}")
+    full, diag, packed, h_meas, kv_meas = _attention_curves(model, blocks, device, dt, attn_heads, iters, warmup, barrier, prog)
     local = sum(1 for h in hosts if h == host)
     memory = _free_memory_gib(device, local)
 
@@ -514,7 +556,7 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
     else:
         a2a, a2a_bytes = [], 0
     row = {"host": host, "gpu": device_name(device), "memory_gib": memory, "gemm": gemm, "attn": full,
-           "attn_causal": diag, "links": {p: (l, b) for p, (l, b) in mine.items()},
+           "attn_causal": diag, "attn_document": packed, "links": {p: (l, b) for p, (l, b) in mine.items()},
            "a2a": [t for _, t in a2a]}
     rows = [None] * world
     dist.all_gather_object(rows, row, group=group)

@@ -50,7 +50,7 @@ class Node:
 _NODE_KEYS = {"gpu", "count", "intra_gbps", "memory_gib", "peak_tflops", "gemm_eff", "attn_eff"}
 
 Curve = Tuple[Tuple[float, float], ...]
-_CURVES = ("gemm_tflops", "attn_tflops", "attn_causal_tflops")
+_CURVES = ("gemm_tflops", "attn_tflops", "attn_causal_tflops", "attn_document_tflops")
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,9 @@ class DeviceRates:
     attn_tflops: [(n, TFLOP/s), ...] for a full (unmasked) n x n attention block, counted as
         4 * n * n * head_dim * heads * 3.5 over the forward + backward seconds.
     attn_causal_tflops: the same for a causal n x n block, counting its n (n + 1) / 2 visible pairs.
+    attn_document_tflops: [(n, TFLOP/s), ...] for documents of n tokens packed in one long causal block under the
+        document mask, counting their visible pairs; under documents shorter than a block the cost model prices
+        the pairs at this rate (packed short documents run slower per pair than a lone block of their length).
     Sizes strictly increase; the cost model interpolates linearly in log(size) and clamps outside. A curve
     replaces the catalog's (or the node's) rates for that kind of work on that device."""
 
@@ -70,6 +73,7 @@ class DeviceRates:
     gemm_tflops: Optional[Curve] = None
     attn_tflops: Optional[Curve] = None
     attn_causal_tflops: Optional[Curve] = None
+    attn_document_tflops: Optional[Curve] = None
 
     @classmethod
     def from_dict(cls, d, where="device") -> "DeviceRates":
@@ -77,7 +81,7 @@ class DeviceRates:
             d = d.to_dict()
         if not isinstance(d, dict):
             raise InvalidArgumentError(f"{where} must be a mapping with memory_gib, gemm_tflops, attn_tflops, "
-                                       f"attn_causal_tflops, or null, got {d!r}")
+                                       f"attn_causal_tflops, attn_document_tflops, or null, got {d!r}")
         unknown = set(d) - {"memory_gib", *_CURVES}
         if unknown:
             raise InvalidArgumentError(f"{where}: unknown field(s) {sorted(unknown)}; "

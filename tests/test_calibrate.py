@@ -48,7 +48,7 @@ def test_calibrated_rates_and_links_make_sense(calibrated):
     assert c.num_devices == 3
     assert len(spec["devices"]) == 3
     for d in spec["devices"]:
-        for key in ("gemm_tflops", "attn_tflops", "attn_causal_tflops"):
+        for key in ("gemm_tflops", "attn_tflops", "attn_causal_tflops", "attn_document_tflops"):
             sizes = [s for s, _ in d[key]]
             assert sizes == sorted(sizes) and len(sizes) >= 2, (key, d[key])
             assert all(math.isfinite(v) and v > 0 for _, v in d[key]), (key, d[key])

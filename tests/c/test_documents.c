@@ -89,8 +89,9 @@ static void test_init_refusals(void) {
     EXPECT(hexiseq_documents_init(NULL, 2, &d) == HEXISEQ_ERR_NULL, "NULL lengths");
 }
 
-/* n alike devices; flat: measured curves of one point each, so that every kernel size runs at one rate. */
-static hexiseq_cluster *alike_cluster_ex(int32_t n, int flat) {
+/* n alike devices; flat: measured curves of one point each, so that every kernel size runs at one rate;
+ * doc_rate > 0: a flat packed-document curve at that rate too. */
+static hexiseq_cluster *alike_cluster_doc(int32_t n, int flat, double doc_rate) {
     hexiseq_node_desc node = {"A100-80G", n, 300.0, 0, 0, 0, 0};
     hexiseq_device_desc dev[8];
     memset(dev, 0, sizeof dev);
@@ -98,12 +99,15 @@ static hexiseq_cluster *alike_cluster_ex(int32_t n, int flat) {
         dev[i].gemm = (hexiseq_rate_curve){1, {1024}, {200.0}};
         dev[i].attn = (hexiseq_rate_curve){1, {1024}, {150.0}};
         dev[i].attn_causal = (hexiseq_rate_curve){1, {1024}, {150.0}};
+        if (doc_rate > 0)
+            dev[i].attn_document = (hexiseq_rate_curve){1, {256}, {doc_rate}};
     }
     hexiseq_cluster_options opt = {dev, NULL};
     hexiseq_cluster *c = NULL;
     hexiseq_status st = hexiseq_cluster_create_ex(1, &node, 25.0, NULL, flat ? &opt : NULL, &c);
     return st == HEXISEQ_OK ? c : NULL;
 }
+static hexiseq_cluster *alike_cluster_ex(int32_t n, int flat) { return alike_cluster_doc(n, flat, 0.0); }
 static hexiseq_cluster *alike_cluster(int32_t n) { return alike_cluster_ex(n, 0); }
 
 static const hexiseq_model MODEL = {2, 512, 8, 8, 64, 2048, 1000, 2, 1};
@@ -387,11 +391,61 @@ static void test_rebalance(void) {
     hexiseq_cluster_destroy(c);
 }
 
+/* A measured packed-document curve prices the pairs of documents shorter than the block at its rate (flat curves:
+ * attention time is pairs / rate, so a third of the rate is three times the time), and changes nothing for one
+ * document as long as the sequence, nor without documents. */
+static void test_document_curve(void) {
+    enum { N = 3, SG = 640 };
+    hexiseq_cluster *plain = alike_cluster_ex(N, 1), *doc = alike_cluster_doc(N, 1, 50.0);
+    EXPECT(plain != NULL && doc != NULL, "clusters");
+    if (!plain || !doc)
+        return;
+    int64_t seq[N], S = (int64_t)N * SG;
+    for (int g = 0; g < N; ++g)
+        seq[g] = SG;
+    hexiseq_training t;
+    hexiseq_training_default(&t);
+    hexiseq_device_cost a[N], b[N];
+    hexiseq_plan_cost pa, pb;
+    for (int32_t chunking = 0; chunking < 2; ++chunking) {
+        hexiseq_layout l;
+        ring_layout(N, seq, chunking, &l);
+        t.documents = NULL;
+        EXPECT(hexiseq_evaluate(plain, &MODEL, &t, S, 1, &l, a, &pa) == HEXISEQ_OK &&
+                   hexiseq_evaluate(doc, &MODEL, &t, S, 1, &l, b, &pb) == HEXISEQ_OK,
+               "no documents: %s", hexiseq_last_error());
+        EXPECT(memcmp(a, b, sizeof a) == 0 && pa.step_time_s == pb.step_time_s,
+               "without documents the curve changes nothing (chunking %d)", chunking);
+        int64_t shorts[S / 16], one[1] = {S};
+        for (int i = 0; i < S / 16; ++i)
+            shorts[i] = 16;
+        hexiseq_documents d;
+        for (int k = 0; k < 2; ++k) {
+            hexiseq_documents_init(k ? one : shorts, k ? 1 : S / 16, &d);
+            t.documents = &d;
+            EXPECT(hexiseq_evaluate(plain, &MODEL, &t, S, 1, &l, a, &pa) == HEXISEQ_OK &&
+                       hexiseq_evaluate(doc, &MODEL, &t, S, 1, &l, b, &pb) == HEXISEQ_OK,
+                   "documents: %s", hexiseq_last_error());
+            for (int r = 0; r < N; ++r) {
+                double want = k ? a[r].attn_s : a[r].attn_s * 3.0; /* 150 / 50 */
+                EXPECT(fabs(b[r].attn_s - want) <= 1e-12 * want, "chunking %d %s, device %d: %.15g s, want %.15g",
+                       chunking, k ? "one document" : "16-token documents", r, b[r].attn_s, want);
+            }
+            EXPECT(pb.lower_bound_s <= pb.step_time_s, "the lower bound holds");
+            hexiseq_documents_free(&d);
+        }
+        hexiseq_layout_free(&l);
+    }
+    hexiseq_cluster_destroy(plain);
+    hexiseq_cluster_destroy(doc);
+}
+
 int main(void) {
     test_pairs_brute();
     test_init_refusals();
     test_steps_cover_the_mask();
     test_document_length();
+    test_document_curve();
     test_refusals();
     test_scheduler();
     test_rebalance();
