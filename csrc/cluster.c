@@ -26,8 +26,8 @@ static hexiseq_status check_curve(const hexiseq_rate_curve *cv, int32_t dev, con
             return hexiseq_fail(HEXISEQ_ERR_INVALID, "devices[%d].%s[%d]: size must be a positive finite number, got %g",
                                 dev, field, i, cv->size[i]);
         if (!finite_positive(cv->tflops[i]))
-            return hexiseq_fail(HEXISEQ_ERR_INVALID,
-                                "devices[%d].%s[%d]: tflops must be a positive finite number, got %g", dev, field, i,
+            return hexiseq_fail(HEXISEQ_ERR_INVALID, "devices[%d].%s[%d]: %s must be a positive finite number, got %g",
+                                dev, field, i, strcmp(field, "runtime_ns") == 0 ? "ns per element" : "tflops",
                                 cv->tflops[i]);
         if (i > 0 && !(cv->size[i] > cv->size[i - 1]))
             return hexiseq_fail(HEXISEQ_ERR_INVALID, "devices[%d].%s[%d]: sizes must increase, got %g after %g", dev,
@@ -80,7 +80,8 @@ int hexiseq_same_device(const hexiseq_device_info *a, const hexiseq_device_info 
            a->peak_tflops == b->peak_tflops && a->gemm_eff == b->gemm_eff && a->attn_eff == b->attn_eff &&
            same_curve(&a->gemm_curve, &b->gemm_curve) && same_curve(&a->attn_curve, &b->attn_curve) &&
            same_curve(&a->attn_causal_curve, &b->attn_causal_curve) &&
-           same_curve(&a->attn_document_curve, &b->attn_document_curve);
+           same_curve(&a->attn_document_curve, &b->attn_document_curve) &&
+           same_curve(&a->runtime_curve, &b->runtime_curve);
 }
 
 static int ascending(const void *a, const void *b) {
@@ -213,6 +214,7 @@ hexiseq_status hexiseq_cluster_create_ex(int32_t n_nodes, const hexiseq_node_des
             HEXISEQ_CHECK(check_curve(&dd->attn, d, "attn_tflops"));
             HEXISEQ_CHECK(check_curve(&dd->attn_causal, d, "attn_causal_tflops"));
             HEXISEQ_CHECK(check_curve(&dd->attn_document, d, "attn_document_tflops"));
+            HEXISEQ_CHECK(check_curve(&dd->runtime, d, "runtime_ns"));
         }
     }
     for (int32_t i = 0, first = 0; i < n_nodes; first += nodes[i].count, ++i)
@@ -279,6 +281,7 @@ hexiseq_status hexiseq_cluster_create_ex(int32_t n_nodes, const hexiseq_node_des
                 di->attn_curve = dd->attn;
                 di->attn_causal_curve = dd->attn_causal;
                 di->attn_document_curve = dd->attn_document;
+                di->runtime_curve = dd->runtime;
             }
         }
     }

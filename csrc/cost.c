@@ -337,6 +337,25 @@ static double attn_diag_rate_flops(const hexiseq_device_info *d, double n) {
     return hexiseq_curve_tflops(cv, n) * 1e12;
 }
 
+/* The runtime's work around the kernels on slot r over the whole step (0 without a measured runtime curve): the
+ * curve gives nanoseconds per element at one-device layers of `elements` = tokens * (heads + 2 kv heads) * d.
+ * A member of a group handles its own tokens for all heads (the all-to-all's packing) and the group's tokens for
+ * its heads (the ring's tensors and accumulators), so it counts the mean of the two; a one-device layer counts
+ * its own elements. Forward + backward per layer, plus the recomputed forward's share as for attention. */
+static double runtime_time_s(const cost_ctx *x, const hexiseq_device_info *d, int32_t r) {
+    if (d->runtime_curve.n == 0)
+        return 0.0;
+    const hexiseq_layout *l = x->l;
+    const hexiseq_model *m = x->m;
+    double own = (double)l->tokens[r] * (m->heads + 2.0 * m->kv_heads);
+    double group = (double)l->group_seq[x->group_of[r]] * (l->head_count[r] + 2.0 * x->kv_n[r]);
+    double elements = 0.5 * (own + group) * m->head_dim;
+    if (elements <= 0)
+        return 0.0;
+    return x->t->sequences * m->layers * elements * hexiseq_curve_tflops(&d->runtime_curve, elements) * 1e-9 *
+           attn_passes(x->t) / (1.0 + ATTN_BWD_FACTOR);
+}
+
 /* Token-parallel compute of a device over the whole step, seconds. */
 static double gemm_time_s(const cost_ctx *x, const hexiseq_device_info *d, int64_t tokens) {
     if (tokens == 0)
@@ -1154,6 +1173,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         } else {
             ring_time_s(&x, r, &link, &dc->attn_s, &dc->ring_exposed_s, &attn_fwd);
         }
+        dc->runtime_s = runtime_time_s(&x, d, r);
         prev_link = link;
         prev_attn_fwd = attn_fwd;
         prev_gemm_fwd = gemm_fwd;
@@ -1172,7 +1192,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
             memory_terms(&x, r, dc->kv_count, dc);
         }
         group_a2a[x.group_of[r]] = fmax(group_a2a[x.group_of[r]], dc->a2a_s);
-        double ring_s = dc->attn_s + dc->ring_exposed_s;
+        double ring_s = dc->attn_s + dc->ring_exposed_s + dc->runtime_s;
         if (dc->gemm_s > out->gemm_phase_s || r == 0) {
             out->gemm_phase_s = dc->gemm_s;
             out->gemm_bottleneck = l->device[r];
@@ -1192,7 +1212,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     for (int32_t r = 0; r < l->n_devices && st == HEXISEQ_OK; ++r) {
         hexiseq_device_cost *dc = &per_device[r];
         double ga = group_a2a[x.group_of[r]];
-        dc->busy_s = dc->gemm_s + ga + dc->attn_s + dc->ring_exposed_s;
+        dc->busy_s = dc->gemm_s + ga + dc->attn_s + dc->ring_exposed_s + dc->runtime_s;
         if (ga > out->a2a_phase_s) {
             out->a2a_phase_s = ga;
             out->a2a_bottleneck = l->device[r];

@@ -71,6 +71,11 @@ typedef struct {
  *               mask; counting their visible pairs (n (n + 1) / 2 each). Packed short documents run slower per
  *               pair than a lone block of their length (per-row work spread over few keys, tiles that straddle
  *               documents); under documents shorter than a block the cost model prices pairs at this curve.
+ *   runtime     size = elements, tokens * (heads + 2 kv_heads) * head_dim of a one-device attention layer;
+ *               "tflops" holds NANOSECONDS PER ELEMENT of the runtime's work outside the attention kernels and
+ *               the collectives (packing for the all-to-all, gathering and splitting the group's tensors,
+ *               accumulators, per-call bookkeeping), forward + backward. Kernels are not all a layer costs: on
+ *               short documents this work was a quarter of the measured step.
  * A curve replaces the catalog formula for that kind of work on that device. */
 typedef struct {
     double memory_gib;       /* device memory, GiB; <= 0: the node's */
@@ -78,6 +83,7 @@ typedef struct {
     hexiseq_rate_curve attn;
     hexiseq_rate_curve attn_causal;
     hexiseq_rate_curve attn_document;
+    hexiseq_rate_curve runtime;
 } hexiseq_device_desc;
 
 /* Optional parts of a cluster description; NULL pointers (or a NULL options pointer) mean "not given". */
@@ -118,6 +124,7 @@ typedef struct {
     hexiseq_rate_curve attn_curve;
     hexiseq_rate_curve attn_causal_curve;
     hexiseq_rate_curve attn_document_curve;
+    hexiseq_rate_curve runtime_curve;
 } hexiseq_device_info;
 
 HEXISEQ_API hexiseq_status hexiseq_cluster_device(const hexiseq_cluster *cluster, int32_t device,
@@ -251,7 +258,8 @@ typedef struct {
     double attn_s;           /* attention kernels over all ring steps */
     double a2a_s;            /* this device's all-to-all transfers, serialised */
     double ring_exposed_s;   /* ring receive/send time not hidden behind attention, plus per-step sync */
-    double busy_s;           /* gemm_s + max(a2a of its group) + attn_s + ring_exposed_s */
+    double runtime_s;        /* the runtime's work around the kernels (a measured runtime curve; else 0) */
+    double busy_s;           /* gemm_s + max(a2a of its group) + attn_s + ring_exposed_s + runtime_s */
     double mem_states_gib;   /* parameters, gradients, optimizer states, gathered layer weights */
     double mem_act_gib;      /* token-parallel activations (incl. logits) */
     double mem_attn_gib;     /* attention working set: Q, K, V, O of the group's tokens for its heads */

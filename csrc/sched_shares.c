@@ -440,7 +440,7 @@ static void refit(sched *s, const hexiseq_layout *l, shares_ws *w) {
         for (int32_t r = w->offset[g]; r < w->offset[g + 1]; ++r) {
             gemm = fmax(gemm, s->per[r].gemm_s);
             rest_a2a = fmax(rest_a2a, s->per[r].a2a_s);
-            rest_ring = fmax(rest_ring, s->per[r].attn_s + s->per[r].ring_exposed_s);
+            rest_ring = fmax(rest_ring, s->per[r].attn_s + s->per[r].ring_exposed_s + s->per[r].runtime_s);
         }
         double Sg = (double)l->group_seq[g];
         w->cg[g] = gemm / Sg;

@@ -302,6 +302,47 @@ def _attention_curves(model: Model, sizes, device, dtype, heads, iters, warmup, 
     return full, diag, docs, h, kv
 
 
+def _runtime_sizes(blocks):
+    """Token counts the runtime's own work is timed at: the smallest, middle and largest attention block."""
+    return sorted({blocks[0], blocks[len(blocks) // 2], blocks[-1]})
+
+
+def _runtime_curve(model: Model, sizes, dtype, group, world, rank, global_of, iters, warmup, progress):
+    """(elements, ns per element) of the runtime's work outside the attention kernels and the collectives (the
+    all-to-all's packing, the group's tensors and accumulators, per-call bookkeeping): hexiseq.measure's `rest` of
+    a one-device attention layer, forward + backward, each rank alone in a group of its own. elements = tokens *
+    (heads + 2 kv_heads) * head_dim. The cost model charges a group member by the same count (cost.c)."""
+    import dataclasses
+
+    _, dist = _torch()
+    from .measurement import measure
+    from .model import Training
+    from .plan import plan as make_plan
+
+    mine = None
+    for r in range(world):  # every rank takes part in creating every group
+        g = dist.new_group(ranks=[global_of(r)])
+        if r == rank:
+            mine = g
+    # only the layout matters here (one group of one member holding every token and head): a one-layer model on
+    # a catalog device with room to spare, in the measured dtype's width
+    one = Cluster.from_dict({"nodes": [{"gpu": "H100", "count": 1, "memory_gib": 1e6}]})
+    small = dataclasses.replace(model, layers=1, dtype_bytes=dtype.itemsize)
+    per = model.heads + 2 * model.kv_heads
+    curve = []
+    try:
+        for n in sizes:
+            p = make_plan(one, model=small, seq_len=n, training=Training(checkpointing=False))
+            m = measure(p, group=mine, iters=iters, warmup=max(1, warmup), dtype=dtype)
+            elements = n * per * model.head_dim
+            # a floor, not 0: a curve's values are positive (the work is there, if below this clock's reach)
+            curve.append([elements, max(m.ranks[0]["measured"]["rest"], 1e-12) / elements * 1e9])
+            progress.tick()
+    finally:
+        dist.destroy_process_group(mine)
+    return curve
+
+
 # ---------------------------------------------------------------------------------------------- links
 
 
@@ -431,13 +472,13 @@ def _build_cluster(rows, bw, lat, pairs_note, a2a, meta, tolerance) -> Cluster:
             spec["intra_gbps"] = round(statistics.median(intra), 3)
         node_specs.append(spec)
         same = all(_agree([rows[r][key] for r in rs], tolerance)
-                   for key in ("gemm", "attn", "attn_causal", "attn_document"))
+                   for key in ("gemm", "attn", "attn_causal", "attn_document", "runtime"))
         if same:
             uniform.append(i)
         for r in rs:
             entry = {}
             for key, name in (("gemm", "gemm_tflops"), ("attn", "attn_tflops"), ("attn_causal", "attn_causal_tflops"),
-                              ("attn_document", "attn_document_tflops")):
+                              ("attn_document", "attn_document_tflops"), ("runtime", "runtime_ns")):
                 curve = _median_curve([rows[x][key] for x in rs]) if same else rows[r][key]
                 if curve:  # (no packed-document curve from a single block size)
                     entry[name] = [[int(s), round(float(v), 6)] for s, v in curve]
@@ -524,14 +565,19 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
     rounds = _rounds(pairs)
     a2a_sizes = len(_a2a_sizes(world)) if world > 1 else 0
     prog = _Progress(progress and rank == 0,
-                     len(rows_list) + 2 * len(blocks) + len(_document_sizes(blocks)) + len(rounds) + a2a_sizes)
+                     len(rows_list) + 2 * len(blocks) + len(_document_sizes(blocks)) + len(_runtime_sizes(blocks)) +
+                     len(rounds) + a2a_sizes)
 
     prog.stage(f"{world} rank(s), {device.type}, {str(dt).replace('torch.', '')}: matmul rates on {model.name}'s "
                f"shapes at {', '.join(map(str, rows_list))} rows")
     gemm = _gemm_curve(model, rows_list, device, dt, iters, warmup, barrier, prog)
     prog.stage(f"attention rates, full and causal blocks of {', '.join(map(str, blocks))} tokens and documents "
                f"packed in {max(blocks)}, head_dim {model.head_dim}")
-    full, diag, packed, h_meas, kv_meas = _attention_curves(model, blocks, device, dt, attn_heads, iters, warmup, barrier, prog)
+    full, diag, packed, h_meas, kv_meas = _attention_curves(model, blocks, device, dt, attn_heads, iters, warmup,
+                                                            barrier, prog)
+    prog.stage(f"the runtime's work around the kernels, one-device attention layers of "
+               f"{', '.join(map(str, _runtime_sizes(blocks)))} tokens")
+    runtime = _runtime_curve(model, _runtime_sizes(blocks), dt, group, world, rank, global_of, iters, warmup, prog)
     local = sum(1 for h in hosts if h == host)
     memory = _free_memory_gib(device, local)
 
@@ -556,7 +602,7 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
     else:
         a2a, a2a_bytes = [], 0
     row = {"host": host, "gpu": device_name(device), "memory_gib": memory, "gemm": gemm, "attn": full,
-           "attn_causal": diag, "attn_document": packed, "links": {p: (l, b) for p, (l, b) in mine.items()},
+           "attn_causal": diag, "attn_document": packed, "runtime": runtime, "links": {p: (l, b) for p, (l, b) in mine.items()},
            "a2a": [t for _, t in a2a]}
     rows = [None] * world
     dist.all_gather_object(rows, row, group=group)

@@ -7,8 +7,8 @@ around it (layer="llama": RMSNorm, q/k/v and output projections, SwiGLU or GELU 
 
 - per rank, the phases the cost model predicts: attention kernels (block kernels and merges), all-to-all (the
   collective calls, which include waiting for the group's slowest member), ring communication not hidden behind
-  the kernels (waits on ring transfers), and the rest (token-parallel matmuls for a whole layer; packing and
-  bookkeeping);
+  the kernels (waits on ring transfers), and the rest (packing and bookkeeping around the kernels, which a
+  calibrated cluster's runtime_ns curve predicts; token-parallel matmuls for a whole layer);
 - the step: from a common barrier to the last rank's end of backward, the median over `iters` runs.
 
 The prediction is the plan's layout scored for one layer of one sequence without recompute (the plan's step
@@ -40,8 +40,9 @@ class Measurement:
     step_s: measured (median over iterations of the slowest rank's time from a common start);
     predicted_step_s: the cost model's figure for the same work;
     ranks: per rank {"rank", "gpu", "tokens", "heads", "total_s", "measured": {phase: s}, "predicted": {phase: s}}
-    with phases attn, a2a, ring (exposed ring communication) and rest (token-parallel compute for a whole layer,
-    else packing and bookkeeping, which the model does not predict: 0)."""
+    with phases attn, a2a, ring (exposed ring communication) and rest (the runtime's packing and bookkeeping
+    around the kernels, predicted from the cluster's calibrated runtime_ns curve, else 0; plus the token-parallel
+    compute for a whole layer)."""
 
     strategy: str
     layer: str
@@ -82,8 +83,9 @@ class Measurement:
                      f"measured/predicted {self.ratio:.3f}")
         lines.append("a2a measured = waiting for all-to-alls, including for the group's slowest member (the runtime "
                      "pipelines them over slices of kv heads, so part travels behind attention; the model "
-                     "predicts them unhidden); ring = ring communication not hidden behind the kernels; rest "
-                     "(predicted) = token-parallel compute of the layer")
+                     "predicts them unhidden); ring = ring communication not hidden behind the kernels; rest = "
+                     "the runtime's work around the kernels (predicted from a calibrated runtime_ns curve, else 0) "
+                     "plus the token-parallel compute of a whole layer")
         return "\n".join(lines)
 
 
@@ -98,19 +100,22 @@ def predicted_layer(plan: Plan, layer: str = "attention", documents=None):
                  causal=plan.causal, documents=documents)
     L = plan.model.layers
     dev = p.devices
-    out = {}
+    out, gemm, runtime = {}, {}, {}
     for i in range(len(dev)):
         d = int(dev["device"][i])
-        gemm = float(dev["layer_gemm_s"][i]) if layer == "llama" else 0.0
+        gemm[d] = float(dev["layer_gemm_s"][i]) if layer == "llama" else 0.0
+        runtime[d] = float(dev["runtime_s"][i]) / L  # the runtime's work around the kernels (0 uncalibrated)
         out[d] = {"attn": float(dev["attn_s"][i]) / L, "a2a": float(dev["a2a_s"][i]) / L,
-                  "ring": float(dev["ring_exposed_s"][i]) / L, "rest": gemm}
+                  "ring": float(dev["ring_exposed_s"][i]) / L, "rest": gemm[d] + runtime[d]}
     group = {}
     for i in range(len(dev)):
         g = int(dev["group"][i])
         group[g] = max(group.get(g, 0.0), out[int(dev["device"][i])]["a2a"])
-    step = max(group.values()) + max(v["attn"] + v["ring"] for v in out.values())
+    # the phases as the cost model sums them: the slowest group's all-to-all, the slowest device's attention with
+    # its exposed ring and runtime work, and (whole layer) the slowest device's matmuls
+    step = max(group.values()) + max(v["attn"] + v["ring"] + runtime[d] for d, v in out.items())
     if layer == "llama":
-        step += max(v["rest"] for v in out.values())
+        step += max(gemm.values())
     return out, step
 
 

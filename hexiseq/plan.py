@@ -199,7 +199,8 @@ class DeviceTable:
 
     Columns: device, node, gpu, group, rank, tokens, head_lo, head_count, kv_lo, kv_count, first_lo,
     first_count (the kv heads the device first-holds: it sends them around the ring for its group), gemm_s,
-    layer_gemm_s, attn_s, a2a_s, ring_exposed_s, busy_s, mem_states_gib, mem_act_gib, mem_attn_gib,
+    layer_gemm_s, attn_s, a2a_s, ring_exposed_s, runtime_s (the runtime's work around the kernels, priced from a
+    calibrated runtime_ns curve, else 0), busy_s, mem_states_gib, mem_act_gib, mem_attn_gib,
     mem_ring_gib, mem_total_gib, mem_cap_gib, state_share (the fraction of the sharded model states the device
     holds), ring_send_bytes, ring_recv_bytes, a2a_send_bytes, a2a_recv_bytes.
     Index by name (`table["tokens"]`) or attribute (`table.tokens`). layer_gemm_s is the token-parallel compute
@@ -478,6 +479,12 @@ class Plan:
             f"    token-parallel {c['gemm_phase_s']:10.4f} s   slowest {dev(c['gemm_bottleneck'])}",
             f"    all-to-all     {c['a2a_phase_s']:10.4f} s   slowest group of {dev(c['a2a_bottleneck'])}",
             f"    attention+ring {c['ring_phase_s']:10.4f} s   slowest {dev(c['ring_bottleneck'])}",
+        ]
+        slowest = int(np.flatnonzero(t.device == c['ring_bottleneck'])[0])
+        if t.runtime_s[slowest] > 0:
+            lines.append(f"      of which the runtime's work around the kernels {t.runtime_s[slowest]:.4f} s "
+                         "(calibrated runtime_ns)")
+        lines += [
             f"    gradient sync  {c['grad_exposed_s']:10.4f} s   exposed of {c['grad_sync_s']:.4f} s of "
             f"{_sharding_words(self.training)} over {self.cluster.num_devices} device(s)",
             f"  lower bound      {self.lower_bound_s:10.4f} s   (plan is {self.gap_to_bound:.3f}x the bound)",

@@ -48,7 +48,7 @@ def test_calibrated_rates_and_links_make_sense(calibrated):
     assert c.num_devices == 3
     assert len(spec["devices"]) == 3
     for d in spec["devices"]:
-        for key in ("gemm_tflops", "attn_tflops", "attn_causal_tflops", "attn_document_tflops"):
+        for key in ("gemm_tflops", "attn_tflops", "attn_causal_tflops", "attn_document_tflops", "runtime_ns"):
             sizes = [s for s, _ in d[key]]
             assert sizes == sorted(sizes) and len(sizes) >= 2, (key, d[key])
             assert all(math.isfinite(v) and v > 0 for _, v in d[key]), (key, d[key])
@@ -97,6 +97,12 @@ def test_calibrated_yaml_plans_like_the_cluster(calibrated, tmp_path):
         a = hexiseq.plan(c, model=model, seq_len=4097, strategy=strategy)
         b = hexiseq.plan(back, model=model, seq_len=4097, strategy=strategy)
         assert a.fingerprint == b.fingerprint and a.step_time_s == b.step_time_s
+    # the runtime's own work was timed, so the model charges it: every device of a plan, and measure's "rest"
+    from hexiseq.measurement import predicted_layer
+
+    assert all(x > 0 for x in a.devices.runtime_s), a.devices.runtime_s
+    rest = [v["rest"] for v in predicted_layer(a, "attention")[0].values()]
+    assert len(rest) == 3 and all(x > 0 for x in rest), rest
     # and the command line reads it unchanged
     cfg = _tiny_hf_config(tmp_path)
     r = subprocess.run([sys.executable, "-m", "hexiseq", "plan", str(path), "--model", str(cfg), "--seq-len", "8k"],

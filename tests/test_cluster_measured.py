@@ -25,7 +25,7 @@ def _measured():
     devices = [
         {"memory_gib": 79.1, "gemm_tflops": [[256, 401.3], [1024, 612.0000000000001], [16384, 0.1 + 0.2 + 700]],
          "attn_tflops": [[512, 1 / 3 * 900], [8192, 355.5]], "attn_causal_tflops": [[512, 150.25], [8192, 301.0]],
-         "attn_document_tflops": [[64, 20.5], [2048, 1 / 3 * 600]]},
+         "attn_document_tflops": [[64, 20.5], [2048, 1 / 3 * 600]], "runtime_ns": [[81920, 0.75], [1e7, 0.1 + 0.2]]},
         {"gemm_tflops": [[256, 390.0], [16384, 650.123456789]], "attn_tflops": [[512, 280.0], [8192, 340.0]]},
         None,
         {"memory_gib": 150.0},
@@ -146,6 +146,7 @@ def test_bad_measurements_name_field_and_value():
             "devices[0].attn_causal_tflops[0]", "-3")
     _raises(lambda: Cluster(n2, devices=[None, {"attn_document_tflops": [[256, 9], [128, 8]]}]),
             "devices[1].attn_document_tflops[1]", "128", "256")
+    _raises(lambda: Cluster(n2, devices=[None, {"runtime_ns": [[1000, 0]]}]), "devices[1].runtime_ns[0]", "0")
     _raises(lambda: Cluster(n2, devices=[{"gemm_tflops": [[64, float("nan")]]}, None]), "devices[0].gemm_tflops[0]",
             "nan")
     _raises(lambda: Cluster(n2, devices=[{"gemm_tflops": [[64, "fast"]]}, None]), "devices[0].gemm_tflops[0]", "fast")

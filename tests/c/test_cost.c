@@ -1374,6 +1374,68 @@ static void test_curves(void) {
     hexiseq_cluster_destroy(c);
 }
 
+/* A measured runtime curve (ns per element of the runtime's work around the kernels): a member of a group is
+ * charged sequences * layers * elements * ns * 1e-9 * (passes / 3.5), elements the mean of its own tokens for all
+ * heads and its group's tokens for its heads, each with twice its kv heads, times d. The charge joins the device's
+ * attention phase and busy time; without the curve every figure is as before, bit for bit. Layout: one group of
+ * two (S = 10 as 6 + 4 tokens, heads 3 + 1; kv ranges [0, 2) and [1, 2)) and a ring of two single devices. */
+static void test_runtime_curve(void) {
+    hexiseq_node_desc nd = node("A100-80G", 2, 100.0, 10.0, 2.0, 0.5, 0.25);
+    hexiseq_device_desc dd[2];
+    memset(dd, 0, sizeof dd);
+    for (int i = 0; i < 2; ++i) {
+        dd[i].attn = curve3(1, 0.25, 4, 0.5, 16, 1.5);
+        dd[i].runtime = curve2(10, 4.0, 1000, 2.0); /* interpolated in log(elements) like the rates */
+    }
+    const hexiseq_cluster_options with = {dd, NULL};
+    hexiseq_device_desc plain_dd[2];
+    memcpy(plain_dd, dd, sizeof dd);
+    plain_dd[0].runtime.n = plain_dd[1].runtime.n = 0;
+    const hexiseq_cluster_options without = {plain_dd, NULL};
+    hexiseq_cluster *c = NULL, *p = NULL;
+    EXPECT_OK(hexiseq_cluster_create_ex(1, &nd, 10.0, NULL, &with, &c));
+    EXPECT_OK(hexiseq_cluster_create_ex(1, &nd, 10.0, NULL, &without, &p));
+    for (int ckpt = 0; ckpt < 2; ++ckpt) {
+        hexiseq_training t = {3, ckpt, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL};
+        for (int ring = 0; ring < 2; ++ring) {
+            hexiseq_layout l;
+            EXPECT_OK(hexiseq_layout_alloc(ring ? 2 : 1, 2, &l));
+            const int32_t gs1[] = {2}, gs2[] = {1, 1}, dv[] = {0, 1}, lo1[] = {0, 3}, cnt1[] = {3, 1}, lo2[] = {0, 0},
+                          cnt2[] = {4, 4};
+            const int64_t gq1[] = {10}, gq2[] = {6, 4}, tk[] = {6, 4};
+            if (ring)
+                fill_layout(&l, gs2, gq2, dv, tk, lo2, cnt2);
+            else
+                fill_layout(&l, gs1, gq1, dv, tk, lo1, cnt1);
+            hexiseq_device_cost a[2], b2[2];
+            hexiseq_plan_cost pa, pb;
+            EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 10, 1, &l, a, &pa));
+            EXPECT_OK(hexiseq_evaluate(p, &TINY, &t, 10, 1, &l, b2, &pb));
+            double phase = 0;
+            for (int r = 0; r < 2; ++r) {
+                const double own = (double)tk[r] * (A + 2 * Akv);
+                const double heads = ring ? 4 : cnt1[r], kv = ring ? 2 : (r == 0 ? 2 : 1);
+                const double group = (ring ? (double)gq2[r] : 10.0) * (heads + 2 * kv);
+                const double el = 0.5 * (own + group) * d;
+                const double want = 3 * L * el * lerp_log(el, 10, 4.0, 1000, 2.0) * 1e-9 * (3.5 + ckpt) / 3.5;
+                NEAR(a[r].runtime_s, want, "runtime_s of a member");
+                EXPECT(b2[r].runtime_s == 0.0, "no curve, no charge");
+                EXPECT(a[r].attn_s == b2[r].attn_s && a[r].ring_exposed_s == b2[r].ring_exposed_s &&
+                           a[r].gemm_s == b2[r].gemm_s && a[r].a2a_s == b2[r].a2a_s,
+                       "the other terms do not see the curve (ring %d)", ring);
+                NEAR(a[r].busy_s, b2[r].busy_s + want, "busy time carries it");
+                phase = fmax(phase, a[r].attn_s + a[r].ring_exposed_s + a[r].runtime_s);
+            }
+            NEAR(pa.ring_phase_s, phase, "the attention phase carries it");
+            NEAR(pa.step_time_s - pb.step_time_s, pa.ring_phase_s - pb.ring_phase_s, "and so the step");
+            EXPECT(pa.lower_bound_s == pb.lower_bound_s, "the lower bound is the work's, without it");
+            hexiseq_layout_free(&l);
+        }
+    }
+    hexiseq_cluster_destroy(c);
+    hexiseq_cluster_destroy(p);
+}
+
 /* ------------------------------------------------------------------------------------------------ */
 /* Latency: per message (a2a, ring) and per ring step. Three devices in one node, peak 1e-6 TFLOP/s so
  * that attention outlasts every transfer and only the per-step syncs are exposed. Latency matrix (us):
@@ -1741,6 +1803,7 @@ int main(void) {
     test_three_devices();
     test_four_devices();
     test_curves();
+    test_runtime_curve();
     test_latency();
     test_grad_collectives();
     test_unknown_gpu();
