@@ -27,7 +27,7 @@ static hexiseq_status check_curve(const hexiseq_rate_curve *cv, int32_t dev, con
                                 dev, field, i, cv->size[i]);
         if (!finite_positive(cv->tflops[i]))
             return hexiseq_fail(HEXISEQ_ERR_INVALID, "devices[%d].%s[%d]: %s must be a positive finite number, got %g",
-                                dev, field, i, strcmp(field, "runtime_ns") == 0 ? "ns per element" : "tflops",
+                                dev, field, i, strncmp(field, "runtime", 7) == 0 ? "ns per element" : "tflops",
                                 cv->tflops[i]);
         if (i > 0 && !(cv->size[i] > cv->size[i - 1]))
             return hexiseq_fail(HEXISEQ_ERR_INVALID, "devices[%d].%s[%d]: sizes must increase, got %g after %g", dev,
@@ -81,7 +81,7 @@ int hexiseq_same_device(const hexiseq_device_info *a, const hexiseq_device_info 
            same_curve(&a->gemm_curve, &b->gemm_curve) && same_curve(&a->attn_curve, &b->attn_curve) &&
            same_curve(&a->attn_causal_curve, &b->attn_causal_curve) &&
            same_curve(&a->attn_document_curve, &b->attn_document_curve) &&
-           same_curve(&a->runtime_curve, &b->runtime_curve);
+           same_curve(&a->runtime_curve, &b->runtime_curve) && same_curve(&a->runtime_a2a_curve, &b->runtime_a2a_curve);
 }
 
 static int ascending(const void *a, const void *b) {
@@ -215,6 +215,7 @@ hexiseq_status hexiseq_cluster_create_ex(int32_t n_nodes, const hexiseq_node_des
             HEXISEQ_CHECK(check_curve(&dd->attn_causal, d, "attn_causal_tflops"));
             HEXISEQ_CHECK(check_curve(&dd->attn_document, d, "attn_document_tflops"));
             HEXISEQ_CHECK(check_curve(&dd->runtime, d, "runtime_ns"));
+            HEXISEQ_CHECK(check_curve(&dd->runtime_a2a, d, "runtime_a2a_ns"));
         }
     }
     for (int32_t i = 0, first = 0; i < n_nodes; first += nodes[i].count, ++i)
@@ -282,6 +283,7 @@ hexiseq_status hexiseq_cluster_create_ex(int32_t n_nodes, const hexiseq_node_des
                 di->attn_causal_curve = dd->attn_causal;
                 di->attn_document_curve = dd->attn_document;
                 di->runtime_curve = dd->runtime;
+                di->runtime_a2a_curve = dd->runtime_a2a;
             }
         }
     }

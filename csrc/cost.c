@@ -337,23 +337,25 @@ static double attn_diag_rate_flops(const hexiseq_device_info *d, double n) {
     return hexiseq_curve_tflops(cv, n) * 1e12;
 }
 
-/* The runtime's work around the kernels on slot r over the whole step (0 without a measured runtime curve): the
- * curve gives nanoseconds per element at one-device layers of `elements` = tokens * (heads + 2 kv heads) * d.
- * A member of a group handles its own tokens for all heads (the all-to-all's packing) and the group's tokens for
- * its heads (the ring's tensors and accumulators), so it counts the mean of the two; a one-device layer counts
- * its own elements. Forward + backward per layer, plus the recomputed forward's share as for attention. */
+/* The runtime's work around the kernels on slot r over the whole step (0 without measured runtime curves), in
+ * nanoseconds per element from two curves: the group's side, the group's tokens for the slot's heads and kv heads
+ * (S_g * (h + 2 kv) * d elements: the ring's tensors, accumulators, bookkeeping; `runtime`, timed on one-device
+ * layers, where it is tokens * (heads + 2 kv_heads) * d), and in a group of more than one the all-to-all's side,
+ * the slot's own tokens for every head (s_r * (heads + 2 kv_heads) * d: packing, unpacking and the collective's
+ * copies; `runtime_a2a`, timed on the whole calibrated group). Forward + backward per layer, plus the recomputed
+ * forward's share as for attention. */
 static double runtime_time_s(const cost_ctx *x, const hexiseq_device_info *d, int32_t r) {
-    if (d->runtime_curve.n == 0)
-        return 0.0;
     const hexiseq_layout *l = x->l;
     const hexiseq_model *m = x->m;
-    double own = (double)l->tokens[r] * (m->heads + 2.0 * m->kv_heads);
-    double group = (double)l->group_seq[x->group_of[r]] * (l->head_count[r] + 2.0 * x->kv_n[r]);
-    double elements = 0.5 * (own + group) * m->head_dim;
-    if (elements <= 0)
-        return 0.0;
-    return x->t->sequences * m->layers * elements * hexiseq_curve_tflops(&d->runtime_curve, elements) * 1e-9 *
-           attn_passes(x->t) / (1.0 + ATTN_BWD_FACTOR);
+    int32_t g = x->group_of[r];
+    double ns = 0.0;
+    double group = (double)l->group_seq[g] * (l->head_count[r] + 2.0 * x->kv_n[r]) * m->head_dim;
+    if (d->runtime_curve.n > 0 && group > 0)
+        ns += group * hexiseq_curve_tflops(&d->runtime_curve, group);
+    double own = (double)l->tokens[r] * (m->heads + 2.0 * m->kv_heads) * m->head_dim;
+    if (d->runtime_a2a_curve.n > 0 && l->group_size[g] > 1 && own > 0)
+        ns += own * hexiseq_curve_tflops(&d->runtime_a2a_curve, own);
+    return x->t->sequences * m->layers * ns * 1e-9 * attn_passes(x->t) / (1.0 + ATTN_BWD_FACTOR);
 }
 
 /* Token-parallel compute of a device over the whole step, seconds. */

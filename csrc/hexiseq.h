@@ -73,9 +73,10 @@ typedef struct {
  *               documents); under documents shorter than a block the cost model prices pairs at this curve.
  *   runtime     size = elements, tokens * (heads + 2 kv_heads) * head_dim of a one-device attention layer;
  *               "tflops" holds NANOSECONDS PER ELEMENT of the runtime's work outside the attention kernels and
- *               the collectives (packing for the all-to-all, gathering and splitting the group's tensors,
- *               accumulators, per-call bookkeeping), forward + backward. Kernels are not all a layer costs: on
- *               short documents this work was a quarter of the measured step.
+ *               the collectives (the group's tensors, accumulators, per-call bookkeeping), forward + backward.
+ *               Kernels are not all a layer costs: on short documents this work was a quarter of the step.
+ *   runtime_a2a the same per element a member of a larger group hands to and takes from the all-to-all
+ *               (its tokens * (heads + 2 kv_heads) * head_dim): packing, unpacking, the collective's copies.
  * A curve replaces the catalog formula for that kind of work on that device. */
 typedef struct {
     double memory_gib;       /* device memory, GiB; <= 0: the node's */
@@ -84,6 +85,7 @@ typedef struct {
     hexiseq_rate_curve attn_causal;
     hexiseq_rate_curve attn_document;
     hexiseq_rate_curve runtime;
+    hexiseq_rate_curve runtime_a2a;
 } hexiseq_device_desc;
 
 /* Optional parts of a cluster description; NULL pointers (or a NULL options pointer) mean "not given". */
@@ -125,6 +127,7 @@ typedef struct {
     hexiseq_rate_curve attn_causal_curve;
     hexiseq_rate_curve attn_document_curve;
     hexiseq_rate_curve runtime_curve;
+    hexiseq_rate_curve runtime_a2a_curve;
 } hexiseq_device_info;
 
 HEXISEQ_API hexiseq_status hexiseq_cluster_device(const hexiseq_cluster *cluster, int32_t device,
@@ -258,7 +261,7 @@ typedef struct {
     double attn_s;           /* attention kernels over all ring steps */
     double a2a_s;            /* this device's all-to-all transfers, serialised */
     double ring_exposed_s;   /* ring receive/send time not hidden behind attention, plus per-step sync */
-    double runtime_s;        /* the runtime's work around the kernels (a measured runtime curve; else 0) */
+    double runtime_s;        /* the runtime's work around the kernels (measured runtime curves; else 0) */
     double busy_s;           /* gemm_s + max(a2a of its group) + attn_s + ring_exposed_s + runtime_s */
     double mem_states_gib;   /* parameters, gradients, optimizer states, gathered layer weights */
     double mem_act_gib;      /* token-parallel activations (incl. logits) */

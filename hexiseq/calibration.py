@@ -303,44 +303,90 @@ def _attention_curves(model: Model, sizes, device, dtype, heads, iters, warmup, 
 
 
 def _runtime_sizes(blocks):
-    """Token counts the runtime's own work is timed at: the smallest, middle and largest attention block."""
+    """Tokens per rank the runtime's own work is timed at: the smallest, middle and largest attention block."""
     return sorted({blocks[0], blocks[len(blocks) // 2], blocks[-1]})
 
 
-def _runtime_curve(model: Model, sizes, dtype, group, world, rank, global_of, iters, warmup, progress):
-    """(elements, ns per element) of the runtime's work outside the attention kernels and the collectives (the
-    all-to-all's packing, the group's tensors and accumulators, per-call bookkeeping): hexiseq.measure's `rest` of
-    a one-device attention layer, forward + backward, each rank alone in a group of its own. elements = tokens *
-    (heads + 2 kv_heads) * head_dim. The cost model charges a group member by the same count (cost.c)."""
+def _curve_at(curve, x):
+    """A curve read as the cost model reads it: linear in log(size), clamped to its end points."""
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (s0, v0), (s1, v1) in zip(curve, curve[1:]):
+        if x <= s1:
+            return v0 + (v1 - v0) * math.log(x / s0) / math.log(s1 / s0)
+    return curve[-1][1]
+
+
+def _runtime_curves(model: Model, sizes, dtype, group, world, rank, global_of, iters, warmup, progress):
+    """The runtime's work outside the attention kernels and the collectives, as hexiseq.measure's `rest` of an
+    attention layer (forward + backward; the waits at the call checks are timed apart, as `sync`), in two curves
+    of (elements, ns per element) that the cost model reads the same way (cost.c, runtime_time_s):
+    - runtime: the group's side (its tensors, accumulators, bookkeeping), each rank alone in a group of its own
+      on one-device layers of n tokens, elements = n * (heads + 2 kv_heads) * head_dim;
+    - runtime_a2a: what a member of a larger group adds by handing its tokens to the all-to-all and taking them
+      back (packing, unpacking, the collective's copies): the ranks in all-to-all groups of as many as there are
+      heads (one group when the heads go round), n tokens each and the heads split as evenly as they go, less the
+      group's side read from the first curve, per element of the rank's own tokens * (heads + 2 kv_heads) *
+      head_dim. Empty for one rank."""
     import dataclasses
 
     _, dist = _torch()
     from .measurement import measure
     from .model import Training
+    from .plan import evaluate
     from .plan import plan as make_plan
 
-    mine = None
+    # only the layouts matter here: a one-layer model (no memory to fit) in the measured dtype's width
+    small = dataclasses.replace(model, layers=1, dtype_bytes=dtype.itemsize)
+    per = (model.heads + 2 * model.kv_heads) * model.head_dim
+    no_checkpointing = Training(checkpointing=False)
+
+    def rest(p, on):
+        m = measure(p, group=on, iters=iters, warmup=max(1, warmup), dtype=dtype)
+        return m.ranks[dist.get_rank(on)]["measured"]["rest"]
+
+    def a2a_groups(n):
+        """Consecutive ranks in groups of up to `heads`, n tokens each, heads split as evenly as they go."""
+        k, groups = min(world, model.heads), []
+        for lo in range(0, world, k):
+            size = min(k, world - lo)
+            heads = [model.heads // size + (i < model.heads % size) for i in range(size)]
+            groups.append({"devices": list(range(lo, lo + size)), "seq": n * size, "tokens": [n] * size,
+                           "heads": heads})
+        return {"groups": groups}
+
+    alone = None
     for r in range(world):  # every rank takes part in creating every group
         g = dist.new_group(ranks=[global_of(r)])
         if r == rank:
-            mine = g
-    # only the layout matters here (one group of one member holding every token and head): a one-layer model on
-    # a catalog device with room to spare, in the measured dtype's width
-    one = Cluster.from_dict({"nodes": [{"gpu": "H100", "count": 1, "memory_gib": 1e6}]})
-    small = dataclasses.replace(model, layers=1, dtype_bytes=dtype.itemsize)
-    per = model.heads + 2 * model.kv_heads
-    curve = []
+            alone = g
+    one = Cluster.from_dict({"nodes": [{"gpu": "H100", "count": 1, "intra_gbps": 100.0, "memory_gib": 1e6}]})
+    own_side = []
     try:
         for n in sizes:
-            p = make_plan(one, model=small, seq_len=n, training=Training(checkpointing=False))
-            m = measure(p, group=mine, iters=iters, warmup=max(1, warmup), dtype=dtype)
-            elements = n * per * model.head_dim
+            t = rest(make_plan(one, model=small, seq_len=n, training=no_checkpointing), alone)
             # a floor, not 0: a curve's values are positive (the work is there, if below this clock's reach)
-            curve.append([elements, max(m.ranks[0]["measured"]["rest"], 1e-12) / elements * 1e9])
+            own_side.append([n * per, max(t, 1e-12) / (n * per) * 1e9])
             progress.tick()
     finally:
-        dist.destroy_process_group(mine)
-    return curve
+        dist.destroy_process_group(alone)
+    a2a_side = []
+    if world > 1:
+        alike = Cluster.from_dict({"nodes": [{"gpu": "H100", "count": world, "intra_gbps": 100.0,
+                                              "memory_gib": 1e6}]})
+        for n in sizes:
+            p = evaluate(alike, model=small, seq_len=n * world, layout=a2a_groups(n), training=no_checkpointing)
+            t = rest(p, group)
+            dev, slot = p.devices, p._slot(rank)
+            g = int(dev.group[slot])
+            if int(p.layout.group_size[g]) > 1:  # (a rank alone in its group hands nothing to an all-to-all)
+                mine = int(p.layout.group_seq[g]) * (int(dev.head_count[slot]) + 2 * int(dev.kv_count[slot]))
+                mine *= model.head_dim
+                a2a = int(dev.tokens[slot]) * per
+                left = t - mine * _curve_at(own_side, mine) * 1e-9
+                a2a_side.append([a2a, max(left, 1e-12) / a2a * 1e9])
+            progress.tick()
+    return own_side, a2a_side
 
 
 # ---------------------------------------------------------------------------------------------- links
@@ -448,6 +494,8 @@ def _median_curve(curves):
 
 
 def _agree(curves, tolerance):
+    if any([p[0] for p in c] != [p[0] for p in curves[0]] for c in curves):
+        return False  # measured at other sizes (a runtime curve of unequal shares): each keeps its own
     med = _median_curve(curves)
     return all(abs(c[i][1] - med[i][1]) <= tolerance * med[i][1] for c in curves for i in range(len(med)))
 
@@ -472,16 +520,17 @@ def _build_cluster(rows, bw, lat, pairs_note, a2a, meta, tolerance) -> Cluster:
             spec["intra_gbps"] = round(statistics.median(intra), 3)
         node_specs.append(spec)
         same = all(_agree([rows[r][key] for r in rs], tolerance)
-                   for key in ("gemm", "attn", "attn_causal", "attn_document", "runtime"))
+                   for key in ("gemm", "attn", "attn_causal", "attn_document", "runtime", "runtime_a2a"))
         if same:
             uniform.append(i)
         for r in rs:
             entry = {}
             for key, name in (("gemm", "gemm_tflops"), ("attn", "attn_tflops"), ("attn_causal", "attn_causal_tflops"),
-                              ("attn_document", "attn_document_tflops"), ("runtime", "runtime_ns")):
+                              ("attn_document", "attn_document_tflops"), ("runtime", "runtime_ns"),
+                              ("runtime_a2a", "runtime_a2a_ns")):
                 curve = _median_curve([rows[x][key] for x in rs]) if same else rows[r][key]
                 if curve:  # (no packed-document curve from a single block size)
-                    entry[name] = [[int(s), round(float(v), 6)] for s, v in curve]
+                    entry[name] = [[int(s), float(f"{v:.6g}")] for s, v in curve]  # (6 digits, never 0)
             entry["memory_gib"] = spec["memory_gib"] if same else round(rows[r]["memory_gib"], 3)
             devices[r] = entry
     spec = {"nodes": node_specs, "devices": devices}
@@ -565,7 +614,8 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
     rounds = _rounds(pairs)
     a2a_sizes = len(_a2a_sizes(world)) if world > 1 else 0
     prog = _Progress(progress and rank == 0,
-                     len(rows_list) + 2 * len(blocks) + len(_document_sizes(blocks)) + len(_runtime_sizes(blocks)) +
+                     len(rows_list) + 2 * len(blocks) + len(_document_sizes(blocks)) +
+                     len(_runtime_sizes(blocks)) * (2 if world > 1 else 1) +
                      len(rounds) + a2a_sizes)
 
     prog.stage(f"{world} rank(s), {device.type}, {str(dt).replace('torch.', '')}: matmul rates on {model.name}'s "
@@ -575,9 +625,10 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
                f"packed in {max(blocks)}, head_dim {model.head_dim}")
     full, diag, packed, h_meas, kv_meas = _attention_curves(model, blocks, device, dt, attn_heads, iters, warmup,
                                                             barrier, prog)
-    prog.stage(f"the runtime's work around the kernels, one-device attention layers of "
-               f"{', '.join(map(str, _runtime_sizes(blocks)))} tokens")
-    runtime = _runtime_curve(model, _runtime_sizes(blocks), dt, group, world, rank, global_of, iters, warmup, prog)
+    prog.stage(f"the runtime's work around the kernels, attention layers of "
+               f"{', '.join(map(str, _runtime_sizes(blocks)))} tokens per rank")
+    runtime, runtime_a2a = _runtime_curves(model, _runtime_sizes(blocks), dt, group, world, rank, global_of, iters,
+                                           warmup, prog)
     local = sum(1 for h in hosts if h == host)
     memory = _free_memory_gib(device, local)
 
@@ -602,7 +653,8 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
     else:
         a2a, a2a_bytes = [], 0
     row = {"host": host, "gpu": device_name(device), "memory_gib": memory, "gemm": gemm, "attn": full,
-           "attn_causal": diag, "attn_document": packed, "runtime": runtime, "links": {p: (l, b) for p, (l, b) in mine.items()},
+           "attn_causal": diag, "attn_document": packed, "runtime": runtime, "runtime_a2a": runtime_a2a,
+           "links": {p: (l, b) for p, (l, b) in mine.items()},
            "a2a": [t for _, t in a2a]}
     rows = [None] * world
     dist.all_gather_object(rows, row, group=group)

@@ -50,7 +50,8 @@ class Node:
 _NODE_KEYS = {"gpu", "count", "intra_gbps", "memory_gib", "peak_tflops", "gemm_eff", "attn_eff"}
 
 Curve = Tuple[Tuple[float, float], ...]
-_CURVES = ("gemm_tflops", "attn_tflops", "attn_causal_tflops", "attn_document_tflops", "runtime_ns")
+_CURVES = ("gemm_tflops", "attn_tflops", "attn_causal_tflops", "attn_document_tflops", "runtime_ns",
+           "runtime_a2a_ns")
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,10 @@ class DeviceRates:
         document mask, counting their visible pairs; under documents shorter than a block the cost model prices
         the pairs at this rate (packed short documents run slower per pair than a lone block of their length).
     runtime_ns: [(elements, ns per element), ...]: the runtime's work outside the attention kernels and the
-        collectives (all-to-all packing, the group's tensors and accumulators, bookkeeping), one attention layer
-        forward + backward, timed on one-device layers of elements = tokens * (heads + 2 kv_heads) * head_dim.
+        collectives (the group's tensors and accumulators, bookkeeping), one attention layer forward + backward,
+        timed on one-device layers of elements = tokens * (heads + 2 kv_heads) * head_dim.
+    runtime_a2a_ns: the same for what a member of a larger group hands to and takes from the all-to-all, per
+        element of its own tokens * (heads + 2 kv_heads) * head_dim (packing, unpacking, the collective's copies).
     Sizes strictly increase; the cost model interpolates linearly in log(size) and clamps outside. A curve
     replaces the catalog's (or the node's) rates for that kind of work on that device."""
 
@@ -78,6 +81,7 @@ class DeviceRates:
     attn_causal_tflops: Optional[Curve] = None
     attn_document_tflops: Optional[Curve] = None
     runtime_ns: Optional[Curve] = None
+    runtime_a2a_ns: Optional[Curve] = None
 
     @classmethod
     def from_dict(cls, d, where="device") -> "DeviceRates":
@@ -85,7 +89,7 @@ class DeviceRates:
             d = d.to_dict()
         if not isinstance(d, dict):
             raise InvalidArgumentError(f"{where} must be a mapping with memory_gib, gemm_tflops, attn_tflops, "
-                                       f"attn_causal_tflops, attn_document_tflops, runtime_ns, or null, got {d!r}")
+                                       f"attn_causal_tflops, attn_document_tflops, runtime_ns, runtime_a2a_ns, or null, got {d!r}")
         unknown = set(d) - {"memory_gib", *_CURVES}
         if unknown:
             raise InvalidArgumentError(f"{where}: unknown field(s) {sorted(unknown)}; "

@@ -125,9 +125,10 @@ class Comm:
         self.timeout = timeout if timeout is not None else group_timeout(self.group)
         # Seconds this rank spent per phase since the last reset: "attn" (block kernels and merges), "a2a" (the
         # all-to-all calls), "ring_wait" (waiting for ring transfers and shared-head reductions the kernels did
-        # not hide). With sync_timing set, CUDA work is synchronised at every phase boundary so the clock sees
+        # not hide), "sync" (the call checks: each waits for every rank to reach the call, so a rank ahead of a
+        # slower one waits there; the cost model puts that time in the slower rank's phases). With sync_timing set, CUDA work is synchronised at every phase boundary so the clock sees
         # the device, not the launches (slower: for measurement only).
-        self.phase_s = {"attn": 0.0, "a2a": 0.0, "ring_wait": 0.0}
+        self.phase_s = {"attn": 0.0, "a2a": 0.0, "ring_wait": 0.0, "sync": 0.0}
         self.sync_timing = False
         self._global = [self._global_rank(r) for r in range(self.world)]
         self._check_construction(plan, causal, softmax_scale)
@@ -185,7 +186,11 @@ class Comm:
         """Compare this call's descriptor (describe_call) with every rank's, and learn whether any rank's inputs
         failed validation (`error`, the exception this rank would raise, or None). Raises the same error on
         every rank when they do not all agree and pass."""
-        agree(self._cpu_group, call, CALL_FIELDS, error)
+        t0 = time.perf_counter()
+        try:
+            agree(self._cpu_group, call, CALL_FIELDS, error)
+        finally:
+            self.phase_s["sync"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------------ transfers
 

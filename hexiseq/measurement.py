@@ -7,7 +7,7 @@ around it (layer="llama": RMSNorm, q/k/v and output projections, SwiGLU or GELU 
 
 - per rank, the phases the cost model predicts: attention kernels (block kernels and merges), all-to-all (the
   collective calls, which include waiting for the group's slowest member), ring communication not hidden behind
-  the kernels (waits on ring transfers), and the rest (packing and bookkeeping around the kernels, which a
+  the kernels (waits on ring transfers), waiting at the per-call checks for the other ranks (sync), and the rest (packing and bookkeeping around the kernels, which a
   calibrated cluster's runtime_ns curve predicts; token-parallel matmuls for a whole layer);
 - the step: from a common barrier to the last rank's end of backward, the median over `iters` runs.
 
@@ -30,7 +30,7 @@ from .plan import Plan, evaluate
 
 __all__ = ["measure", "Measurement"]
 
-_PHASES = ("attn", "a2a", "ring", "rest")
+_PHASES = ("attn", "a2a", "ring", "sync", "rest")
 
 
 @dataclass
@@ -40,7 +40,9 @@ class Measurement:
     step_s: measured (median over iterations of the slowest rank's time from a common start);
     predicted_step_s: the cost model's figure for the same work;
     ranks: per rank {"rank", "gpu", "tokens", "heads", "total_s", "measured": {phase: s}, "predicted": {phase: s}}
-    with phases attn, a2a, ring (exposed ring communication) and rest (the runtime's packing and bookkeeping
+    with phases attn, a2a, ring (exposed ring communication), sync (waiting at the per-call checks for the other
+    ranks to reach the call: a rank ahead of a slower one waits there; predicted 0, since the model charges that
+    time to the slower rank's phases) and rest (the runtime's packing and bookkeeping
     around the kernels, predicted from the cluster's calibrated runtime_ns curve, else 0; plus the token-parallel
     compute for a whole layer)."""
 
@@ -83,9 +85,10 @@ class Measurement:
                      f"measured/predicted {self.ratio:.3f}")
         lines.append("a2a measured = waiting for all-to-alls, including for the group's slowest member (the runtime "
                      "pipelines them over slices of kv heads, so part travels behind attention; the model "
-                     "predicts them unhidden); ring = ring communication not hidden behind the kernels; rest = "
-                     "the runtime's work around the kernels (predicted from a calibrated runtime_ns curve, else 0) "
-                     "plus the token-parallel compute of a whole layer")
+                     "predicts them unhidden); ring = ring communication not hidden behind the kernels; sync = "
+                     "waiting at the call checks for slower ranks; rest = the runtime's work around the kernels "
+                     "(predicted from a calibrated runtime_ns curve, else 0) plus the token-parallel compute of a "
+                     "whole layer")
         return "\n".join(lines)
 
 
@@ -106,7 +109,7 @@ def predicted_layer(plan: Plan, layer: str = "attention", documents=None):
         gemm[d] = float(dev["layer_gemm_s"][i]) if layer == "llama" else 0.0
         runtime[d] = float(dev["runtime_s"][i]) / L  # the runtime's work around the kernels (0 uncalibrated)
         out[d] = {"attn": float(dev["attn_s"][i]) / L, "a2a": float(dev["a2a_s"][i]) / L,
-                  "ring": float(dev["ring_exposed_s"][i]) / L, "rest": gemm[d] + runtime[d]}
+                  "ring": float(dev["ring_exposed_s"][i]) / L, "sync": 0.0, "rest": gemm[d] + runtime[d]}
     group = {}
     for i in range(len(dev)):
         g = int(dev["group"][i])
@@ -250,9 +253,10 @@ def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=No
         slot = plan._slot(r)
         meas = {"attn": statistics.median(x[1]["attn"] for x in rs),
                 "a2a": statistics.median(x[1]["a2a"] for x in rs),
-                "ring": statistics.median(x[1]["ring_wait"] for x in rs)}
+                "ring": statistics.median(x[1]["ring_wait"] for x in rs),
+                "sync": statistics.median(x[1]["sync"] for x in rs)}
         total = statistics.median(x[0] for x in rs)
-        meas["rest"] = max(0.0, total - meas["attn"] - meas["a2a"] - meas["ring"])
+        meas["rest"] = max(0.0, total - meas["attn"] - meas["a2a"] - meas["ring"] - meas["sync"])
         ranks.append({"rank": r, "gpu": str(plan.devices["gpu"][slot]), "tokens": int(plan.devices.tokens[slot]),
                       "heads": int(plan.devices.head_count[slot]), "total_s": total, "measured": meas,
                       "predicted": pred[r]})

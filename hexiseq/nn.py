@@ -62,7 +62,7 @@ class HexiSeqContext:
         self.me = self.topology.member(self.rank)
         self._kernels = {}  # one BlockKernels per (device, dtype), decided at first use
 
-    # Seconds per phase since reset_timers() ("attn", "a2a", "ring_wait"; see hexiseq.comm), and whether CUDA
+    # Seconds per phase since reset_timers() ("attn", "a2a", "ring_wait", "sync"; see hexiseq.comm), and whether CUDA
     # work is synchronised at phase boundaries so the clock sees the device (for measurement only).
     phase_s = property(lambda self: self.comm.phase_s)
     sync_timing = property(lambda self: self.comm.sync_timing,

@@ -48,7 +48,8 @@ def test_calibrated_rates_and_links_make_sense(calibrated):
     assert c.num_devices == 3
     assert len(spec["devices"]) == 3
     for d in spec["devices"]:
-        for key in ("gemm_tflops", "attn_tflops", "attn_causal_tflops", "attn_document_tflops", "runtime_ns"):
+        for key in ("gemm_tflops", "attn_tflops", "attn_causal_tflops", "attn_document_tflops", "runtime_ns",
+                    "runtime_a2a_ns"):
             sizes = [s for s, _ in d[key]]
             assert sizes == sorted(sizes) and len(sizes) >= 2, (key, d[key])
             assert all(math.isfinite(v) and v > 0 for _, v in d[key]), (key, d[key])
@@ -151,9 +152,10 @@ def test_measure_reports_every_phase_with_its_prediction(tmp_path):
         assert len(m["step_samples_s"]) == 2 and m["step_s"] <= max(m["step_samples_s"])
         for r in m["ranks"]:
             meas, pred = r["measured"], r["predicted"]
-            assert set(meas) == set(pred) == {"attn", "a2a", "ring", "rest"}
+            assert set(meas) == set(pred) == {"attn", "a2a", "ring", "sync", "rest"}
             assert all(v >= 0 for v in meas.values()) and all(v >= 0 for v in pred.values())
-            assert meas["attn"] + meas["a2a"] + meas["ring"] <= r["total_s"] * 1.0001
+            assert meas["attn"] + meas["a2a"] + meas["ring"] + meas["sync"] <= r["total_s"] * 1.0001
+            assert meas["sync"] > 0 and pred["sync"] == 0  # every call checks in; the model charges no waiting
             assert meas["attn"] > 0 and pred["attn"] > 0 and meas["a2a"] > 0 and pred["a2a"] > 0
             # the whole layer has token-parallel matmuls the model predicts; the attention layer alone has none
             assert (pred["rest"] > 0) == (layer == "llama")

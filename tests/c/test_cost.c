@@ -1374,11 +1374,12 @@ static void test_curves(void) {
     hexiseq_cluster_destroy(c);
 }
 
-/* A measured runtime curve (ns per element of the runtime's work around the kernels): a member of a group is
- * charged sequences * layers * elements * ns * 1e-9 * (passes / 3.5), elements the mean of its own tokens for all
- * heads and its group's tokens for its heads, each with twice its kv heads, times d. The charge joins the device's
- * attention phase and busy time; without the curve every figure is as before, bit for bit. Layout: one group of
- * two (S = 10 as 6 + 4 tokens, heads 3 + 1; kv ranges [0, 2) and [1, 2)) and a ring of two single devices. */
+/* Measured runtime curves (ns per element of the runtime's work around the kernels): a member is charged
+ * sequences * layers * (g * runtime(g) + a * runtime_a2a(a)) * 1e-9 * (passes / 3.5), g = S_g * (h + 2 kv) * d its
+ * group's side, a = s_r * (A + 2 A_kv) * d its all-to-all side, only in a group of more than one. The charge joins
+ * the device's attention phase and busy time; without the curves every figure is as before, bit for bit. Layout:
+ * one group of two (S = 10 as 6 + 4 tokens, heads 3 + 1; kv ranges [0, 2) and [1, 2)) and a ring of two single
+ * devices (no all-to-all side). */
 static void test_runtime_curve(void) {
     hexiseq_node_desc nd = node("A100-80G", 2, 100.0, 10.0, 2.0, 0.5, 0.25);
     hexiseq_device_desc dd[2];
@@ -1386,11 +1387,12 @@ static void test_runtime_curve(void) {
     for (int i = 0; i < 2; ++i) {
         dd[i].attn = curve3(1, 0.25, 4, 0.5, 16, 1.5);
         dd[i].runtime = curve2(10, 4.0, 1000, 2.0); /* interpolated in log(elements) like the rates */
+        dd[i].runtime_a2a = curve2(10, 9.0, 1000, 3.0);
     }
     const hexiseq_cluster_options with = {dd, NULL};
     hexiseq_device_desc plain_dd[2];
     memcpy(plain_dd, dd, sizeof dd);
-    plain_dd[0].runtime.n = plain_dd[1].runtime.n = 0;
+    plain_dd[0].runtime.n = plain_dd[1].runtime.n = plain_dd[0].runtime_a2a.n = plain_dd[1].runtime_a2a.n = 0;
     const hexiseq_cluster_options without = {plain_dd, NULL};
     hexiseq_cluster *c = NULL, *p = NULL;
     EXPECT_OK(hexiseq_cluster_create_ex(1, &nd, 10.0, NULL, &with, &c));
@@ -1413,11 +1415,12 @@ static void test_runtime_curve(void) {
             EXPECT_OK(hexiseq_evaluate(p, &TINY, &t, 10, 1, &l, b2, &pb));
             double phase = 0;
             for (int r = 0; r < 2; ++r) {
-                const double own = (double)tk[r] * (A + 2 * Akv);
+                const double own = (double)tk[r] * (A + 2 * Akv) * d;
                 const double heads = ring ? 4 : cnt1[r], kv = ring ? 2 : (r == 0 ? 2 : 1);
-                const double group = (ring ? (double)gq2[r] : 10.0) * (heads + 2 * kv);
-                const double el = 0.5 * (own + group) * d;
-                const double want = 3 * L * el * lerp_log(el, 10, 4.0, 1000, 2.0) * 1e-9 * (3.5 + ckpt) / 3.5;
+                const double group = (ring ? (double)gq2[r] : 10.0) * (heads + 2 * kv) * d;
+                const double ns = group * lerp_log(group, 10, 4.0, 1000, 2.0) +
+                                  (ring ? 0.0 : own * lerp_log(own, 10, 9.0, 1000, 3.0));
+                const double want = 3 * L * ns * 1e-9 * (3.5 + ckpt) / 3.5;
                 NEAR(a[r].runtime_s, want, "runtime_s of a member");
                 EXPECT(b2[r].runtime_s == 0.0, "no curve, no charge");
                 EXPECT(a[r].attn_s == b2[r].attn_s && a[r].ring_exposed_s == b2[r].ring_exposed_s &&
