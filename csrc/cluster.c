@@ -81,7 +81,8 @@ int hexiseq_same_device(const hexiseq_device_info *a, const hexiseq_device_info 
            same_curve(&a->gemm_curve, &b->gemm_curve) && same_curve(&a->attn_curve, &b->attn_curve) &&
            same_curve(&a->attn_causal_curve, &b->attn_causal_curve) &&
            same_curve(&a->attn_document_curve, &b->attn_document_curve) &&
-           same_curve(&a->runtime_curve, &b->runtime_curve) && same_curve(&a->runtime_a2a_curve, &b->runtime_a2a_curve);
+           same_curve(&a->runtime_curve, &b->runtime_curve) && same_curve(&a->runtime_a2a_curve, &b->runtime_a2a_curve) &&
+           same_curve(&a->runtime_ring_curve, &b->runtime_ring_curve);
 }
 
 static int ascending(const void *a, const void *b) {
@@ -216,6 +217,7 @@ hexiseq_status hexiseq_cluster_create_ex(int32_t n_nodes, const hexiseq_node_des
             HEXISEQ_CHECK(check_curve(&dd->attn_document, d, "attn_document_tflops"));
             HEXISEQ_CHECK(check_curve(&dd->runtime, d, "runtime_ns"));
             HEXISEQ_CHECK(check_curve(&dd->runtime_a2a, d, "runtime_a2a_ns"));
+            HEXISEQ_CHECK(check_curve(&dd->runtime_ring, d, "runtime_ring_ns"));
         }
     }
     for (int32_t i = 0, first = 0; i < n_nodes; first += nodes[i].count, ++i)
@@ -284,6 +286,7 @@ hexiseq_status hexiseq_cluster_create_ex(int32_t n_nodes, const hexiseq_node_des
                 di->attn_document_curve = dd->attn_document;
                 di->runtime_curve = dd->runtime;
                 di->runtime_a2a_curve = dd->runtime_a2a;
+                di->runtime_ring_curve = dd->runtime_ring;
             }
         }
     }

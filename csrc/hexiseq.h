@@ -77,6 +77,8 @@ typedef struct {
  *               Kernels are not all a layer costs: on short documents this work was a quarter of the step.
  *   runtime_a2a the same per element a member of a larger group hands to and takes from the all-to-all
  *               (its tokens * (heads + 2 kv_heads) * head_dim): packing, unpacking, the collective's copies.
+ *   runtime_ring the same per element of the K, V blocks a member of a ring of several groups receives over
+ *               one pass ((S - S_g) * 2 kv * head_dim): assembling them, their gradients' accumulators.
  * A curve replaces the catalog formula for that kind of work on that device. */
 typedef struct {
     double memory_gib;       /* device memory, GiB; <= 0: the node's */
@@ -86,6 +88,7 @@ typedef struct {
     hexiseq_rate_curve attn_document;
     hexiseq_rate_curve runtime;
     hexiseq_rate_curve runtime_a2a;
+    hexiseq_rate_curve runtime_ring;
 } hexiseq_device_desc;
 
 /* Optional parts of a cluster description; NULL pointers (or a NULL options pointer) mean "not given". */
@@ -128,6 +131,7 @@ typedef struct {
     hexiseq_rate_curve attn_document_curve;
     hexiseq_rate_curve runtime_curve;
     hexiseq_rate_curve runtime_a2a_curve;
+    hexiseq_rate_curve runtime_ring_curve;
 } hexiseq_device_info;
 
 HEXISEQ_API hexiseq_status hexiseq_cluster_device(const hexiseq_cluster *cluster, int32_t device,

@@ -100,7 +100,7 @@ static int parse_curve(PyObject *module, PyObject *obj, Py_ssize_t dev, const ch
 }
 
 /* Per-device descriptions from None or a list of n entries, each None or (memory_gib, gemm, attn, attn_causal,
- * attn_document, runtime, runtime_a2a) with curves as above. Returns a PyMem block (NULL with *none set when not given) or NULL on error. */
+ * attn_document, runtime, runtime_a2a, runtime_ring) with curves as above. Returns a PyMem block (NULL with *none set when not given) or NULL on error. */
 static hexiseq_device_desc *parse_devices(PyObject *module, PyObject *obj, int64_t n, int *none) {
     *none = obj == Py_None;
     if (*none)
@@ -119,19 +119,20 @@ static hexiseq_device_desc *parse_devices(PyObject *module, PyObject *obj, int64
         return NULL;
     }
     for (Py_ssize_t i = 0; i < (Py_ssize_t)n; ++i) {
-        PyObject *item = PyList_GET_ITEM(obj, i), *g, *a, *ac, *ad, *rt, *ra;
+        PyObject *item = PyList_GET_ITEM(obj, i), *g, *a, *ac, *ad, *rt, *ra, *rr;
         if (item == Py_None)
             continue;
         if (!PyArg_ParseTuple(item,
-                              "dOOOOOO;devices entries are (memory_gib, gemm, attn, attn_causal, attn_document, "
-                              "runtime, runtime_a2a)",
-                              &dd[i].memory_gib, &g, &a, &ac, &ad, &rt, &ra) ||
+                              "dOOOOOOO;devices entries are (memory_gib, gemm, attn, attn_causal, attn_document, "
+                              "runtime, runtime_a2a, runtime_ring)",
+                              &dd[i].memory_gib, &g, &a, &ac, &ad, &rt, &ra, &rr) ||
             parse_curve(module, g, i, "gemm_tflops", &dd[i].gemm) < 0 ||
             parse_curve(module, a, i, "attn_tflops", &dd[i].attn) < 0 ||
             parse_curve(module, ac, i, "attn_causal_tflops", &dd[i].attn_causal) < 0 ||
             parse_curve(module, ad, i, "attn_document_tflops", &dd[i].attn_document) < 0 ||
             parse_curve(module, rt, i, "runtime_ns", &dd[i].runtime) < 0 ||
-            parse_curve(module, ra, i, "runtime_a2a_ns", &dd[i].runtime_a2a) < 0) {
+            parse_curve(module, ra, i, "runtime_a2a_ns", &dd[i].runtime_a2a) < 0 ||
+            parse_curve(module, rr, i, "runtime_ring_ns", &dd[i].runtime_ring) < 0) {
             PyMem_Free(dd);
             return NULL;
         }

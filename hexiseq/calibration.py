@@ -327,7 +327,10 @@ def _runtime_curves(model: Model, sizes, dtype, group, world, rank, global_of, i
       back (packing, unpacking, the collective's copies): the ranks in all-to-all groups of as many as there are
       heads (one group when the heads go round), n tokens each and the heads split as evenly as they go, less the
       group's side read from the first curve, per element of the rank's own tokens * (heads + 2 kv_heads) *
-      head_dim. Empty for one rank."""
+      head_dim. Empty for one rank;
+    - runtime_ring: what a member of a ring adds by receiving the other groups' K, V blocks (assembling them, their
+      gradients' accumulators): the ranks in one ring of single-rank groups, n tokens and every head each, less
+      the group's side, per element of (S - S_g) * 2 kv_heads * head_dim. Empty for one rank."""
     import dataclasses
 
     _, dist = _torch()
@@ -344,6 +347,9 @@ def _runtime_curves(model: Model, sizes, dtype, group, world, rank, global_of, i
     def rest(p, on):
         m = measure(p, group=on, iters=iters, warmup=max(1, warmup), dtype=dtype)
         return m.ranks[dist.get_rank(on)]["measured"]["rest"]
+
+    def ring_of_ranks(n):
+        return {"groups": [{"devices": [r], "seq": n, "tokens": [n], "heads": [model.heads]} for r in range(world)]}
 
     def a2a_groups(n):
         """Consecutive ranks in groups of up to `heads`, n tokens each, heads split as evenly as they go."""
@@ -370,7 +376,7 @@ def _runtime_curves(model: Model, sizes, dtype, group, world, rank, global_of, i
             progress.tick()
     finally:
         dist.destroy_process_group(alone)
-    a2a_side = []
+    a2a_side, ring_side = [], []
     if world > 1:
         alike = Cluster.from_dict({"nodes": [{"gpu": "H100", "count": world, "intra_gbps": 100.0,
                                               "memory_gib": 1e6}]})
@@ -386,7 +392,13 @@ def _runtime_curves(model: Model, sizes, dtype, group, world, rank, global_of, i
                 left = t - mine * _curve_at(own_side, mine) * 1e-9
                 a2a_side.append([a2a, max(left, 1e-12) / a2a * 1e9])
             progress.tick()
-    return own_side, a2a_side
+        for n in sizes:
+            t = rest(evaluate(alike, model=small, seq_len=n * world, layout=ring_of_ranks(n),
+                              training=no_checkpointing), group)
+            mine, ring = n * per, (world - 1) * n * 2 * model.kv_heads * model.head_dim
+            ring_side.append([ring, max(t - mine * _curve_at(own_side, mine) * 1e-9, 1e-12) / ring * 1e9])
+            progress.tick()
+    return own_side, a2a_side, ring_side
 
 
 # ---------------------------------------------------------------------------------------------- links
@@ -520,14 +532,15 @@ def _build_cluster(rows, bw, lat, pairs_note, a2a, meta, tolerance) -> Cluster:
             spec["intra_gbps"] = round(statistics.median(intra), 3)
         node_specs.append(spec)
         same = all(_agree([rows[r][key] for r in rs], tolerance)
-                   for key in ("gemm", "attn", "attn_causal", "attn_document", "runtime", "runtime_a2a"))
+                   for key in ("gemm", "attn", "attn_causal", "attn_document", "runtime", "runtime_a2a",
+                               "runtime_ring"))
         if same:
             uniform.append(i)
         for r in rs:
             entry = {}
             for key, name in (("gemm", "gemm_tflops"), ("attn", "attn_tflops"), ("attn_causal", "attn_causal_tflops"),
                               ("attn_document", "attn_document_tflops"), ("runtime", "runtime_ns"),
-                              ("runtime_a2a", "runtime_a2a_ns")):
+                              ("runtime_a2a", "runtime_a2a_ns"), ("runtime_ring", "runtime_ring_ns")):
                 curve = _median_curve([rows[x][key] for x in rs]) if same else rows[r][key]
                 if curve:  # (no packed-document curve from a single block size)
                     entry[name] = [[int(s), float(f"{v:.6g}")] for s, v in curve]  # (6 digits, never 0)
@@ -615,7 +628,7 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
     a2a_sizes = len(_a2a_sizes(world)) if world > 1 else 0
     prog = _Progress(progress and rank == 0,
                      len(rows_list) + 2 * len(blocks) + len(_document_sizes(blocks)) +
-                     len(_runtime_sizes(blocks)) * (2 if world > 1 else 1) +
+                     len(_runtime_sizes(blocks)) * (3 if world > 1 else 1) +
                      len(rounds) + a2a_sizes)
 
     prog.stage(f"{world} rank(s), {device.type}, {str(dt).replace('torch.', '')}: matmul rates on {model.name}'s "
@@ -627,8 +640,8 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
                                                             barrier, prog)
     prog.stage(f"the runtime's work around the kernels, attention layers of "
                f"{', '.join(map(str, _runtime_sizes(blocks)))} tokens per rank")
-    runtime, runtime_a2a = _runtime_curves(model, _runtime_sizes(blocks), dt, group, world, rank, global_of, iters,
-                                           warmup, prog)
+    runtime, runtime_a2a, runtime_ring = _runtime_curves(model, _runtime_sizes(blocks), dt, group, world, rank,
+                                                         global_of, iters, warmup, prog)
     local = sum(1 for h in hosts if h == host)
     memory = _free_memory_gib(device, local)
 
@@ -654,6 +667,7 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
         a2a, a2a_bytes = [], 0
     row = {"host": host, "gpu": device_name(device), "memory_gib": memory, "gemm": gemm, "attn": full,
            "attn_causal": diag, "attn_document": packed, "runtime": runtime, "runtime_a2a": runtime_a2a,
+           "runtime_ring": runtime_ring,
            "links": {p: (l, b) for p, (l, b) in mine.items()},
            "a2a": [t for _, t in a2a]}
     rows = [None] * world

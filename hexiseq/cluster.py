@@ -51,7 +51,7 @@ _NODE_KEYS = {"gpu", "count", "intra_gbps", "memory_gib", "peak_tflops", "gemm_e
 
 Curve = Tuple[Tuple[float, float], ...]
 _CURVES = ("gemm_tflops", "attn_tflops", "attn_causal_tflops", "attn_document_tflops", "runtime_ns",
-           "runtime_a2a_ns")
+           "runtime_a2a_ns", "runtime_ring_ns")
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,8 @@ class DeviceRates:
         timed on one-device layers of elements = tokens * (heads + 2 kv_heads) * head_dim.
     runtime_a2a_ns: the same for what a member of a larger group hands to and takes from the all-to-all, per
         element of its own tokens * (heads + 2 kv_heads) * head_dim (packing, unpacking, the collective's copies).
+    runtime_ring_ns: the same for a member of a ring of several groups, per element of the other groups' K, V
+        blocks it receives for its kv heads, (seq_len - S_g) * 2 kv * head_dim (assembly, gradient accumulators).
     Sizes strictly increase; the cost model interpolates linearly in log(size) and clamps outside. A curve
     replaces the catalog's (or the node's) rates for that kind of work on that device."""
 
@@ -82,6 +84,7 @@ class DeviceRates:
     attn_document_tflops: Optional[Curve] = None
     runtime_ns: Optional[Curve] = None
     runtime_a2a_ns: Optional[Curve] = None
+    runtime_ring_ns: Optional[Curve] = None
 
     @classmethod
     def from_dict(cls, d, where="device") -> "DeviceRates":
@@ -89,7 +92,7 @@ class DeviceRates:
             d = d.to_dict()
         if not isinstance(d, dict):
             raise InvalidArgumentError(f"{where} must be a mapping with memory_gib, gemm_tflops, attn_tflops, "
-                                       f"attn_causal_tflops, attn_document_tflops, runtime_ns, runtime_a2a_ns, or null, got {d!r}")
+                                       f"attn_causal_tflops, attn_document_tflops, runtime_ns, runtime_a2a_ns, runtime_ring_ns, or null, got {d!r}")
         unknown = set(d) - {"memory_gib", *_CURVES}
         if unknown:
             raise InvalidArgumentError(f"{where}: unknown field(s) {sorted(unknown)}; "

@@ -49,7 +49,7 @@ def test_calibrated_rates_and_links_make_sense(calibrated):
     assert len(spec["devices"]) == 3
     for d in spec["devices"]:
         for key in ("gemm_tflops", "attn_tflops", "attn_causal_tflops", "attn_document_tflops", "runtime_ns",
-                    "runtime_a2a_ns"):
+                    "runtime_a2a_ns", "runtime_ring_ns"):
             sizes = [s for s, _ in d[key]]
             assert sizes == sorted(sizes) and len(sizes) >= 2, (key, d[key])
             assert all(math.isfinite(v) and v > 0 for _, v in d[key]), (key, d[key])

@@ -1379,7 +1379,8 @@ static void test_curves(void) {
  * group's side, a = s_r * (A + 2 A_kv) * d its all-to-all side, only in a group of more than one. The charge joins
  * the device's attention phase and busy time; without the curves every figure is as before, bit for bit. Layout:
  * one group of two (S = 10 as 6 + 4 tokens, heads 3 + 1; kv ranges [0, 2) and [1, 2)) and a ring of two single
- * devices (no all-to-all side). */
+ * devices (no all-to-all side; the ring's side runtime_ring(r) per element of the other group's K, V,
+ * r = (S - S_g) * 2 kv * d). */
 static void test_runtime_curve(void) {
     hexiseq_node_desc nd = node("A100-80G", 2, 100.0, 10.0, 2.0, 0.5, 0.25);
     hexiseq_device_desc dd[2];
@@ -1388,11 +1389,13 @@ static void test_runtime_curve(void) {
         dd[i].attn = curve3(1, 0.25, 4, 0.5, 16, 1.5);
         dd[i].runtime = curve2(10, 4.0, 1000, 2.0); /* interpolated in log(elements) like the rates */
         dd[i].runtime_a2a = curve2(10, 9.0, 1000, 3.0);
+        dd[i].runtime_ring = curve2(10, 5.0, 1000, 1.0);
     }
     const hexiseq_cluster_options with = {dd, NULL};
     hexiseq_device_desc plain_dd[2];
     memcpy(plain_dd, dd, sizeof dd);
-    plain_dd[0].runtime.n = plain_dd[1].runtime.n = plain_dd[0].runtime_a2a.n = plain_dd[1].runtime_a2a.n = 0;
+    for (int i = 0; i < 2; ++i)
+        plain_dd[i].runtime.n = plain_dd[i].runtime_a2a.n = plain_dd[i].runtime_ring.n = 0;
     const hexiseq_cluster_options without = {plain_dd, NULL};
     hexiseq_cluster *c = NULL, *p = NULL;
     EXPECT_OK(hexiseq_cluster_create_ex(1, &nd, 10.0, NULL, &with, &c));
@@ -1418,8 +1421,10 @@ static void test_runtime_curve(void) {
                 const double own = (double)tk[r] * (A + 2 * Akv) * d;
                 const double heads = ring ? 4 : cnt1[r], kv = ring ? 2 : (r == 0 ? 2 : 1);
                 const double group = (ring ? (double)gq2[r] : 10.0) * (heads + 2 * kv) * d;
-                const double ns = group * lerp_log(group, 10, 4.0, 1000, 2.0) +
-                                  (ring ? 0.0 : own * lerp_log(own, 10, 9.0, 1000, 3.0));
+                const double recv = ring ? (10.0 - (double)gq2[r]) * 2 * kv * d : 0.0; /* the other group's K, V */
+                const double side = ring ? recv * lerp_log(recv, 10, 5.0, 1000, 1.0)
+                                         : own * lerp_log(own, 10, 9.0, 1000, 3.0);
+                const double ns = group * lerp_log(group, 10, 4.0, 1000, 2.0) + side;
                 const double want = 3 * L * ns * 1e-9 * (3.5 + ckpt) / 3.5;
                 NEAR(a[r].runtime_s, want, "runtime_s of a member");
                 EXPECT(b2[r].runtime_s == 0.0, "no curve, no charge");
