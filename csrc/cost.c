@@ -338,7 +338,7 @@ static double attn_diag_rate_flops(const hexiseq_device_info *d, double n) {
 }
 
 /* The runtime's work around the kernels on slot r over the whole step (0 without measured runtime curves), in
- * nanoseconds per element from two curves: the group's side, the group's tokens for the slot's heads and kv heads
+ * nanoseconds per element from three curves: the group's side, the group's tokens for the slot's heads and kv heads
  * (S_g * (h + 2 kv) * d elements: the ring's tensors, accumulators, bookkeeping; `runtime`, timed on one-device
  * layers, where it is tokens * (heads + 2 kv_heads) * d), and in a group of more than one the all-to-all's side,
  * the slot's own tokens for every head (s_r * (heads + 2 kv_heads) * d: packing, unpacking and the collective's

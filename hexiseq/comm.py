@@ -126,8 +126,9 @@ class Comm:
         # Seconds this rank spent per phase since the last reset: "attn" (block kernels and merges), "a2a" (the
         # all-to-all calls), "ring_wait" (waiting for ring transfers and shared-head reductions the kernels did
         # not hide), "sync" (the call checks: each waits for every rank to reach the call, so a rank ahead of a
-        # slower one waits there; the cost model puts that time in the slower rank's phases). With sync_timing set, CUDA work is synchronised at every phase boundary so the clock sees
-        # the device, not the launches (slower: for measurement only).
+        # slower one waits there; the cost model puts that time in the slower rank's phases). With sync_timing
+        # set, CUDA work is synchronised at every phase boundary so the clock sees the device, not the launches
+        # (slower: for measurement only).
         self.phase_s = {"attn": 0.0, "a2a": 0.0, "ring_wait": 0.0, "sync": 0.0}
         self.sync_timing = False
         self._global = [self._global_rank(r) for r in range(self.world)]

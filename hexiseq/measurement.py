@@ -7,8 +7,9 @@ around it (layer="llama": RMSNorm, q/k/v and output projections, SwiGLU or GELU 
 
 - per rank, the phases the cost model predicts: attention kernels (block kernels and merges), all-to-all (the
   collective calls, which include waiting for the group's slowest member), ring communication not hidden behind
-  the kernels (waits on ring transfers), waiting at the per-call checks for the other ranks (sync), and the rest (packing and bookkeeping around the kernels, which a
-  calibrated cluster's runtime_ns curve predicts; token-parallel matmuls for a whole layer);
+  the kernels (waits on ring transfers), waiting at the per-call checks for the other ranks (sync), and the
+  rest (packing and bookkeeping around the kernels, which a calibrated cluster's runtime curves predict;
+  token-parallel matmuls for a whole layer);
 - the step: from a common barrier to the last rank's end of backward, the median over `iters` runs.
 
 The prediction is the plan's layout scored for one layer of one sequence without recompute (the plan's step
@@ -43,7 +44,7 @@ class Measurement:
     with phases attn, a2a, ring (exposed ring communication), sync (waiting at the per-call checks for the other
     ranks to reach the call: a rank ahead of a slower one waits there; predicted 0, since the model charges that
     time to the slower rank's phases) and rest (the runtime's packing and bookkeeping
-    around the kernels, predicted from the cluster's calibrated runtime_ns curve, else 0; plus the token-parallel
+    around the kernels, predicted from the cluster's calibrated runtime curves, else 0; plus the token-parallel
     compute for a whole layer)."""
 
     strategy: str
@@ -87,7 +88,7 @@ class Measurement:
                      "pipelines them over slices of kv heads, so part travels behind attention; the model "
                      "predicts them unhidden); ring = ring communication not hidden behind the kernels; sync = "
                      "waiting at the call checks for slower ranks; rest = the runtime's work around the kernels "
-                     "(predicted from a calibrated runtime_ns curve, else 0) plus the token-parallel compute of a "
+                     "(predicted from calibrated runtime curves, else 0) plus the token-parallel compute of a "
                      "whole layer")
         return "\n".join(lines)
 

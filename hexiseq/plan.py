@@ -200,7 +200,7 @@ class DeviceTable:
     Columns: device, node, gpu, group, rank, tokens, head_lo, head_count, kv_lo, kv_count, first_lo,
     first_count (the kv heads the device first-holds: it sends them around the ring for its group), gemm_s,
     layer_gemm_s, attn_s, a2a_s, ring_exposed_s, runtime_s (the runtime's work around the kernels, priced from a
-    calibrated runtime_ns curve, else 0), busy_s, mem_states_gib, mem_act_gib, mem_attn_gib,
+    calibrated runtime_*_ns curves, else 0), busy_s, mem_states_gib, mem_act_gib, mem_attn_gib,
     mem_ring_gib, mem_total_gib, mem_cap_gib, state_share (the fraction of the sharded model states the device
     holds), ring_send_bytes, ring_recv_bytes, a2a_send_bytes, a2a_recv_bytes.
     Index by name (`table["tokens"]`) or attribute (`table.tokens`). layer_gemm_s is the token-parallel compute
