@@ -273,11 +273,18 @@ class BlockKernels:
         self._merge_c = self.name == "hexiseq" or (probe.device.type == "cuda" and ops._cuda_built())
         self._documents_c = None  # whether hexiseq.ops takes q_doc here: learnt at the first documents call
 
-    def forward(self, q, k, v, causal, q_pos0, k_pos0, scale, q_doc=None):
+    def forward(self, q, k, v, causal, q_pos0, k_pos0, scale, q_doc=None, out=None, lse=None):
+        """(out, lse) of the pair; out= and lse= (both or neither, q's dtype and the accumulator dtype) are written
+        in place and returned: the hexiseq kernels write them directly, the PyTorch path copies into them."""
         if self._c_for(q_doc):
             return ops.attention_forward(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale,
-                                         q_doc=q_doc)
-        return _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, q_doc=q_doc)
+                                         q_doc=q_doc, out=out, lse=lse)
+        o_p, l_p = _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, q_doc=q_doc)
+        if out is None:
+            return o_p, l_p
+        out.copy_(o_p)
+        lse.copy_(l_p)
+        return out, lse
 
     def backward_into(self, q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, dq, dk, dv, q_doc=None):
         """Add the pair's gradients into dq [B, Sq, H, d], dk and dv [B, Sk, ., d] (accumulator dtype). q_doc:

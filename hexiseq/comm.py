@@ -145,10 +145,13 @@ class Comm:
         # subgroup and the others: on the world that made a later all-ranks subgroup hang in its rendezvous.
         self.hp_group = None
         self.hp_order = [0]
+        self.hp_me = 0  # this rank's place in its group's member order
         my_group = topology.group_of(self.rank)
         for g, members in enumerate(topology.groups):
             ranks = [self._global[mb.rank] for mb in members]
             pg = self._new_group(ranks, None, local) if len(ranks) > 1 else None
+            if g == my_group:
+                self.hp_me = [mb.rank for mb in members].index(self.rank)
             if g == my_group and pg is not None:
                 self.hp_group = pg
                 # all_to_all_single orders its splits by rank inside the subgroup, not by our member order
@@ -207,41 +210,64 @@ class Comm:
             r.wait()
         self.phase_s["ring_wait"] += self.clock(device) - t0
 
-    def a2a(self, send_parts, counts, unit, dtype, device):
-        """Uneven all-to-all inside the HP group: send_parts[j] (flat) to member j; returns the received flat
-        parts. Members are in the topology's order; a member's own part stays local. counts: the topology's
-        (sent, received) elements per member, in `unit`s (batch x head_dim): the parts must be exactly what it
-        says (what the cost model charges, tests/test_topology.py), and it sizes what arrives."""
-        return self.a2a_finish(self.a2a_start(send_parts, counts, unit, dtype, device))
+    def a2a(self, send_parts, recv_shapes, counts, unit, dtype, device):
+        """Uneven all-to-all inside the HP group: send_parts[j], a list of tensors laid end to end, to member j;
+        returns, per member, the received tensors shaped as recv_shapes[j] says. Members are in the topology's
+        order. counts: the topology's (sent, received) elements per member, in `unit`s (batch x head_dim): the
+        parts must be exactly what it says (what the cost model charges, tests/test_topology.py)."""
+        return self.a2a_finish(self.a2a_start(send_parts, recv_shapes, counts, unit, dtype, device))
 
-    def a2a_start(self, send_parts, counts, unit, dtype, device):
-        """Post the all-to-all of a2a() without waiting for it; a2a_finish(handle) returns what a2a() returns."""
-        if [p.numel() for p in send_parts] != [unit * n for n, _ in counts]:
+    def a2a_start(self, send_parts, recv_shapes, counts, unit, dtype, device):
+        """Post the all-to-all of a2a() without waiting for it; a2a_finish(handle) returns what a2a() returns.
+
+        Each part is copied once, straight into its place in the send buffer, and a member's own part is not
+        copied at all: it travels with a zero split and comes back as the tensors it was given (reshaped to its
+        receive shapes when they differ)."""
+        if [sum(p.numel() for p in parts) for parts in send_parts] != [unit * n for n, _ in counts] or \
+                [sum(math.prod(s) for s in shapes) for shapes in recv_shapes] != [unit * n for _, n in counts]:
             raise HexiseqError("internal: the all-to-all sends differ from the plan's topology")
+        me = self.hp_me
+        own = [p if tuple(p.shape) == tuple(s) else p.reshape(s) for p, s in zip(send_parts[me], recv_shapes[me])]
         if len(send_parts) == 1:
-            return None, [send_parts[0]], device
+            return None, [own], device
         order = self.hp_order
-        recv_numels = [unit * counts[i][1] for i in order]
-        send = torch.cat([send_parts[i].reshape(-1) for i in order])
+        sizes = [0 if i == me else unit * counts[i][0] for i in order]
+        recv_numels = [0 if i == me else unit * counts[i][1] for i in order]
+        send = torch.empty(sum(sizes), dtype=dtype, device=device)
+        at = 0
+        for i in order:
+            if i == me:
+                continue
+            for p in send_parts[i]:
+                send[at:at + p.numel()].view(p.shape).copy_(p)
+                at += p.numel()
         recv = torch.empty(sum(recv_numels), dtype=dtype, device=device)
-        work = dist.all_to_all_single(recv, send, output_split_sizes=recv_numels,
-                                      input_split_sizes=[unit * counts[i][0] for i in order], group=self.hp_group,
-                                      async_op=True)
-        return work, (recv, recv_numels, send), device
+        work = dist.all_to_all_single(recv, send, output_split_sizes=recv_numels, input_split_sizes=sizes,
+                                      group=self.hp_group, async_op=True)
+        return work, (recv, recv_numels, send, own, recv_shapes), device
 
     def a2a_finish(self, handle):
-        """Wait for a posted all-to-all (the wait counts as exposed all-to-all time); the received parts."""
+        """Wait for a posted all-to-all (the wait counts as exposed all-to-all time); the received parts, per
+        member a list of tensors of its receive shapes."""
         work, got, device = handle
         if work is None:
             return got
-        recv, recv_numels, _send = got
+        recv, recv_numels, _send, own, recv_shapes = got
         t0 = self.clock(device)
         work.wait()
         self.phase_s["a2a"] += self.clock(device) - t0
         parts = torch.split(recv, recv_numels)
         out = [None] * len(self.hp_order)
         for j, i in enumerate(self.hp_order):
-            out[i] = parts[j]
+            if i == self.hp_me:
+                out[i] = own
+                continue
+            pieces, at = [], 0
+            for shape in recv_shapes[i]:
+                n = math.prod(shape)
+                pieces.append(parts[j][at:at + n].view(shape))
+                at += n
+            out[i] = pieces
         return out
 
     def exchange(self, sends, recvs, send_tensor_of, recv_shape_of, dtype, device, tag):

@@ -134,16 +134,16 @@ class _HexiSeqAttentionFn(torch.autograd.Function):
     def forward(ctx, q, k, v, context, backward, documents):
         o, saved = context.forward(q, k, v, backward, documents)
         ctx.context, ctx.documents = context, documents
-        ctx.n_lse = [len(s[4]) for s in saved]  # per slice: Qg, Kg, Vg, Og, then its lse chunks
-        ctx.save_for_backward(*[t for s in saved for t in (*s[:4], *s[4])])
+        ctx.n_lse = [len(s[3]) for s in saved]  # per slice: Qg, KV, Og, then its lse chunks
+        ctx.save_for_backward(*[t for s in saved for t in (*s[:3], *s[3])])
         return o
 
     @staticmethod
     def backward(ctx, do):
         flat, saved = list(ctx.saved_tensors), []
         for n in ctx.n_lse:
-            saved.append((*flat[:4], flat[4:4 + n]))
-            flat = flat[4 + n:]
+            saved.append((*flat[:3], flat[3:3 + n]))
+            flat = flat[3 + n:]
         dq, dk, dv = ctx.context.backward(do, saved, ctx.documents)
         return dq, dk, dv, None, None, None
 

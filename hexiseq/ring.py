@@ -53,7 +53,8 @@ def _cols(t, topo, kv):
 
 
 def layer_forward(comm, slices, kern, q, k, v, causal, scale, docs=None):
-    """q [B, s_r, A, d], k/v [B, s_r, A_kv, d] -> (o [B, s_r, A, d], what layer_backward needs).
+    """q [B, s_r, A, d], k/v [B, s_r, A_kv, d] -> (o [B, s_r, A, d], what layer_backward needs: per slice
+    (Qg [B, S_g, h, d], KV [2, B, S_g, kv, d], Og [B, S_g, h, d], the lse of each query chunk)).
 
     docs: the document mask of the rank's group's query chunks (hexiseq.documents.chunk_starts), or None for one causal document
     per sequence. Documents do not change who holds what: only the block kernels see them.
@@ -61,18 +62,23 @@ def layer_forward(comm, slices, kern, q, k, v, causal, scale, docs=None):
     slices: the plan's Topology cut by kv heads (Topology.slices). They are pipelined: the all-to-all into slice
     i + 1 travels while slice i's attention runs, and slice i's output all-to-all while slice i + 1's runs, so
     only the first all-to-all in and the last one out stand alone on the critical path. One slice is the plain
-    layer."""
+    layer.
+
+    Memory passes are counted: each tensor is copied once into the send buffer, once out of the receive buffer
+    (K and V straight into the [2, ...] block the ring sends), the rank's own part not at all, and the output
+    is computed in place where the kernels allow (BlockKernels.forward's out=)."""
     rank = comm.rank
-    B, _, _, d = q.shape
+    B, s_r, A, d = q.shape
     dev, dt = q.device, q.dtype
 
     def start_in(topo):  # my tokens of member j's heads (Q, K, V), for every member of my group
-        members = topo.groups[topo.group_of(rank)]
+        members, me = topo.groups[topo.group_of(rank)], topo.member(rank)
         qs, ks, vs = _cols(q, topo, False), _cols(k, topo, True), _cols(v, topo, True)
-        parts = [torch.cat([qs[:, :, mb.head_lo:mb.head_lo + mb.heads].reshape(-1),
-                            ks[:, :, mb.kv_lo:mb.kv_lo + mb.kv_n].reshape(-1),
-                            vs[:, :, mb.kv_lo:mb.kv_lo + mb.kv_n].reshape(-1)]) for mb in members]
-        return comm.a2a_start(parts, topo.a2a_in(rank), B * d, dt, dev)
+        parts = [[qs[:, :, mb.head_lo:mb.head_lo + mb.heads], ks[:, :, mb.kv_lo:mb.kv_lo + mb.kv_n],
+                  vs[:, :, mb.kv_lo:mb.kv_lo + mb.kv_n]] for mb in members]
+        shapes = [[(B, mb.tokens, me.heads, d), (B, mb.tokens, me.kv_n, d), (B, mb.tokens, me.kv_n, d)]
+                  for mb in members]
+        return comm.a2a_start(parts, shapes, topo.a2a_in(rank), B * d, dt, dev)
 
     saved, outs = [], []
     pending = start_in(slices[0])
@@ -80,23 +86,25 @@ def layer_forward(comm, slices, kern, q, k, v, causal, scale, docs=None):
         following = start_in(slices[i + 1]) if i + 1 < len(slices) else None
         got, pending = comm.a2a_finish(pending), following
         members, me = topo.groups[topo.group_of(rank)], topo.member(rank)
-        qs, ks, vs = [], [], []
-        for mb, flat in zip(members, got):
-            nq, nk = B * mb.tokens * me.heads * d, B * mb.tokens * me.kv_n * d
-            qs.append(flat[:nq].view(B, mb.tokens, me.heads, d))
-            ks.append(flat[nq:nq + nk].view(B, mb.tokens, me.kv_n, d))
-            vs.append(flat[nq + nk:nq + 2 * nk].view(B, mb.tokens, me.kv_n, d))
-        Qg, Kg, Vg = torch.cat(qs, 1), torch.cat(ks, 1), torch.cat(vs, 1)   # [B, S_g, h|kv, d]
-        Og, lses = _ring_forward(comm, topo, kern, Qg, Kg, Vg, causal, scale, docs)
+        Qg = _join([p[0] for p in got])                          # [B, S_g, h, d]
+        KV = torch.empty(2, B, topo.S[topo.group_of(rank)], me.kv_n, d, dtype=dt, device=dev)
+        for mb, (_, kp, vp) in zip(members, got):
+            KV[0, :, mb.tok_lo:mb.tok_lo + mb.tokens] = kp
+            KV[1, :, mb.tok_lo:mb.tok_lo + mb.tokens] = vp
+        Og, lses = _ring_forward(comm, topo, kern, Qg, KV, causal, scale, docs)
         # my heads of member j's tokens go back to member j
-        parts = [Og[:, mb.tok_lo:mb.tok_lo + mb.tokens].reshape(-1) for mb in members]
-        outs.append(comm.a2a_start(parts, topo.a2a_out(rank), B * d, dt, dev))
-        saved.append((Qg, Kg, Vg, Og, lses))
-    o = torch.empty(B, q.shape[1], q.shape[2], d, dtype=dt, device=dev)
+        parts = [[Og[:, mb.tok_lo:mb.tok_lo + mb.tokens]] for mb in members]
+        shapes = [[(B, me.tokens, mb.heads, d)] for mb in members]
+        outs.append(comm.a2a_start(parts, shapes, topo.a2a_out(rank), B * d, dt, dev))
+        saved.append((Qg, KV, Og, lses))
+    if len(slices) == 1 and len(slices[0].groups[slices[0].group_of(rank)]) == 1:
+        comm.a2a_finish(outs[0])
+        return saved[0][2], saved  # alone in my group, with every head: my output is Og itself
+    o = torch.empty(B, s_r, A, d, dtype=dt, device=dev)
     for topo, handle in zip(slices, outs):
-        oc, me = _cols(o, topo, False), topo.member(rank)
-        for mb, flat in zip(topo.groups[topo.group_of(rank)], comm.a2a_finish(handle)):
-            oc[:, :, mb.head_lo:mb.head_lo + mb.heads] = flat.view(B, me.tokens, mb.heads, d)
+        oc = _cols(o, topo, False)
+        for mb, (piece,) in zip(topo.groups[topo.group_of(rank)], comm.a2a_finish(handle)):
+            oc[:, :, mb.head_lo:mb.head_lo + mb.heads] = piece
     return o, saved
 
 
@@ -109,11 +117,12 @@ def layer_backward(comm, slices, kern, do, saved, causal, scale, docs=None):
     do = do.contiguous()
 
     def start_do(topo):  # dO goes through the all-to-all in the q pattern, O's pattern reversed
-        members = topo.groups[topo.group_of(rank)]
+        members, me = topo.groups[topo.group_of(rank)], topo.member(rank)
         dos = _cols(do, topo, False)
-        parts = [dos[:, :, mb.head_lo:mb.head_lo + mb.heads].reshape(-1) for mb in members]
+        parts = [[dos[:, :, mb.head_lo:mb.head_lo + mb.heads]] for mb in members]
+        shapes = [[(B, mb.tokens, me.heads, d)] for mb in members]
         reverse_out = [(n_in, n_out) for n_out, n_in in topo.a2a_out(rank)]
-        return comm.a2a_start(parts, reverse_out, B * d, dt, dev)
+        return comm.a2a_start(parts, shapes, reverse_out, B * d, dt, dev)
 
     grads = []
     pending = start_do(slices[0])
@@ -121,29 +130,35 @@ def layer_backward(comm, slices, kern, do, saved, causal, scale, docs=None):
         following = start_do(slices[i + 1]) if i + 1 < len(slices) else None
         got, pending = comm.a2a_finish(pending), following
         members, me = topo.groups[topo.group_of(rank)], topo.member(rank)
-        dOg = torch.cat([flat.view(B, mb.tokens, me.heads, d) for mb, flat in zip(members, got)], 1)
-        Qg, Kg, Vg, Og, lses = saved[i]
-        dQg, dKg, dVg = _ring_backward(comm, topo, kern, Qg, Kg, Vg, Og, lses, dOg, causal, scale, docs)
+        dOg = _join([p[0] for p in got])
+        Qg, KV, Og, lses = saved[i]
+        dQg, dKVg = _ring_backward(comm, topo, kern, Qg, KV, Og, lses, dOg, causal, scale, docs)
         # dQ of member j's tokens for my heads, dK/dV for the kv heads I first-hold
-        f = slice(me.first_lo - me.kv_lo, me.first_lo - me.kv_lo + me.first_n)
-        parts = []
+        parts, shapes = [], []
         for mb in members:
             sl = slice(mb.tok_lo, mb.tok_lo + mb.tokens)
-            parts.append(torch.cat([dQg[:, sl].reshape(-1), dKg[:, sl, f].reshape(-1), dVg[:, sl, f].reshape(-1)]))
-        grads.append(comm.a2a_start(parts, topo.a2a_grads(rank), B * d, dt, dev))
+            parts.append([dQg[:, sl], dKVg[0, :, sl], dKVg[1, :, sl]])
+            shapes.append([(B, me.tokens, mb.heads, d)] + [(B, me.tokens, mb.first_n, d)] * 2)
+        grads.append(comm.a2a_start(parts, shapes, topo.a2a_grads(rank), B * d, dt, dev))
     kv_heads = A // slices[0].per_kv
+    if len(slices) == 1 and len(slices[0].groups[slices[0].group_of(rank)]) == 1:
+        (dq, dk, dv), = comm.a2a_finish(grads[0])  # alone in my group: every head, every kv head first-held
+        return dq, dk, dv
     dq = torch.empty(B, s_r, A, d, dtype=dt, device=dev)
     dk = torch.zeros(B, s_r, kv_heads, d, dtype=dt, device=dev)
     dv = torch.zeros_like(dk)
     for topo, handle in zip(slices, grads):
-        me = topo.member(rank)
         dqc, dkc, dvc = _cols(dq, topo, False), _cols(dk, topo, True), _cols(dv, topo, True)
-        for mb, flat in zip(topo.groups[topo.group_of(rank)], comm.a2a_finish(handle)):
-            nq, nk = B * me.tokens * mb.heads * d, B * me.tokens * mb.first_n * d
-            dqc[:, :, mb.head_lo:mb.head_lo + mb.heads] = flat[:nq].view(B, me.tokens, mb.heads, d)
-            dkc[:, :, mb.first_lo:mb.first_lo + mb.first_n] = flat[nq:nq + nk].view(B, me.tokens, mb.first_n, d)
-            dvc[:, :, mb.first_lo:mb.first_lo + mb.first_n] = flat[nq + nk:].view(B, me.tokens, mb.first_n, d)
+        for mb, (gq, gk, gv) in zip(topo.groups[topo.group_of(rank)], comm.a2a_finish(handle)):
+            dqc[:, :, mb.head_lo:mb.head_lo + mb.heads] = gq
+            dkc[:, :, mb.first_lo:mb.first_lo + mb.first_n] = gk
+            dvc[:, :, mb.first_lo:mb.first_lo + mb.first_n] = gv
     return dq, dk, dv
+
+
+def _join(pieces):
+    """Pieces [B, n_j, ., d] laid along the tokens: the one piece itself when there is only one (no copy)."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 1)
 
 
 def _aligned(topo, mb):
@@ -157,7 +172,11 @@ def _kv_index(topo, mb, device):
     return h // topo.per_kv - mb.kv_lo
 
 
-def _ring_forward(comm, topo, kern, Qg, Kg, Vg, causal, scale, docs):
+def _ring_forward(comm, topo, kern, Qg, KV, causal, scale, docs):
+    """The group's attention over the ring: (Og [B, S_g, h, d] in Qg's dtype, the lse [B, h, n] of each query
+    chunk). Where the kernels accumulate in the inputs' dtype, a chunk's first block pair writes Og in place
+    and the later ones merge into it (merging into zeros and -inf gives the same bits, one pass later); else
+    the chunks accumulate in fp32 and are cast at the end."""
     rank = comm.rank
     g, me, G = topo.group_of(rank), topo.member(rank), topo.n_groups
     B, Sg, h, d = Qg.shape
@@ -166,11 +185,15 @@ def _ring_forward(comm, topo, kern, Qg, Kg, Vg, causal, scale, docs):
         return Qg.new_zeros(B, Sg, 0, d), []
     acc_dt = kern.acc_dtype
     chunks = topo.chunks[g]
-    O = [torch.zeros(B, n, h, d, dtype=acc_dt, device=dev) for _, n in chunks]
-    L = [torch.full((B, h, n), float("-inf"), dtype=acc_dt, device=dev) for _, n in chunks]
     qoff = [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
+    in_place = acc_dt == dt
+    Og = torch.empty(B, Sg, h, d, dtype=dt, device=dev) if in_place else None
+    O = [Og[:, qo:qo + n] if in_place else torch.zeros(B, n, h, d, dtype=acc_dt, device=dev)
+         for qo, (_, n) in zip(qoff, chunks)]
+    L = [torch.full((B, h, n), float("-inf"), dtype=acc_dt, device=dev) for _, n in chunks]
+    started = [not in_place] * len(chunks)
     kv_idx = None if _aligned(topo, me) else _kv_index(topo, me, dev)
-    cur = torch.stack([Kg, Vg])                       # [2, B, S_src, kv, d], the own block first
+    cur = KV                                          # [2, B, S_src, kv, d], the own block first
     sends, recvs = topo.ring_routes(rank, "kv")
     for step in range(G):
         src = (g - step) % G
@@ -187,9 +210,13 @@ def _ring_forward(comm, topo, kern, Qg, Kg, Vg, causal, scale, docs):
             if docs is not None and kp0 + kn <= docs[i][1]:
                 continue  # every key lies before every query's document
             t0 = comm.clock(dev)
-            o_p, l_p = kern.forward(Qg[:, qo:qo + qn], Kb[:, ko:ko + kn], Vb[:, ko:ko + kn], causal, qp0, kp0, scale,
-                                    None if docs is None else docs[i][0])
-            kern.merge(O[i], L[i], o_p, l_p)
+            args = (Qg[:, qo:qo + qn], Kb[:, ko:ko + kn], Vb[:, ko:ko + kn], causal, qp0, kp0, scale,
+                    None if docs is None else docs[i][0])
+            if started[i]:
+                kern.merge(O[i], L[i], *kern.forward(*args))
+            else:
+                kern.forward(*args, out=O[i], lse=L[i])
+                started[i] = True
             comm.phase_s["attn"] += comm.clock(dev) - t0
         if pending is not None:
             reqs, got, _keep = pending
@@ -197,17 +224,22 @@ def _ring_forward(comm, topo, kern, Qg, Kg, Vg, causal, scale, docs):
             cur = torch.empty(2, B, topo.S[nxt_src], me.kv_n, d, dtype=dt, device=dev)
             for lo, n, t in got:
                 cur[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n] = t
-    return torch.cat(O, 1).to(dt), L
+    for o, first in zip(O, started):
+        if not first:  # no key reached this chunk
+            o.zero_()
+    return (Og if in_place else torch.cat(O, 1).to(dt)), L
 
 
-def _ring_backward(comm, topo, kern, Qg, Kg, Vg, Og, lses, dOg, causal, scale, docs):
+def _ring_backward(comm, topo, kern, Qg, KV, Og, lses, dOg, causal, scale, docs):
+    """The group's attention gradients over the ring: (dQ [B, S_g, h, d], dK/dV [2, B, S_g, first_n, d] of the
+    kv heads this member first-holds, whole over the ring), both in Qg's dtype."""
     rank = comm.rank
     g, me, G = topo.group_of(rank), topo.member(rank), topo.n_groups
     B, Sg, h, d = Qg.shape
     dev, dt = Qg.device, Qg.dtype
     kv = me.kv_n
     if h == 0:
-        return Qg.new_zeros(B, Sg, 0, d), Kg.new_zeros(B, Sg, 0, d), Vg.new_zeros(B, Sg, 0, d)
+        return Qg.new_zeros(B, Sg, 0, d), Qg.new_zeros(2, B, Sg, 0, d)
     acc_dt = kern.acc_dtype
     chunks = topo.chunks[g]
     qoff = [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
@@ -216,7 +248,7 @@ def _ring_backward(comm, topo, kern, Qg, Kg, Vg, Og, lses, dOg, causal, scale, d
     co_holders = topo.co_holders(rank)
     kv_sends, kv_recvs = topo.ring_routes(rank, "kv")
     acc_sends, acc_recvs = topo.ring_routes(rank, "acc")
-    cur = torch.stack([Kg, Vg])
+    cur = KV
     f = slice(me.first_lo - me.kv_lo, me.first_lo - me.kv_lo + me.first_n)
 
     def assemble(pending, S):
@@ -262,9 +294,10 @@ def _ring_backward(comm, topo, kern, Qg, Kg, Vg, Og, lses, dOg, causal, scale, d
         contrib = _reduce_shared(comm, me, contrib, co_holders, B, Ssrc, d, acc_dt, dev)
         # the block's accumulator (posted by the previous group during the previous step), plus my part
         if acc_pending is None:
-            acc = contrib[:, :, :, f].clone()
+            acc = contrib[:, :, :, f]  # contrib is this step's own tensor: no copy needed
         else:
-            acc = assemble(acc_pending, Ssrc) + contrib[:, :, :, f]
+            acc = assemble(acc_pending, Ssrc)
+            acc += contrib[:, :, :, f]
         if G == 1:
             break
         # hand it on (after the last step this hop takes it home); receive the next block's accumulator
@@ -279,11 +312,7 @@ def _ring_backward(comm, topo, kern, Qg, Kg, Vg, Og, lses, dOg, causal, scale, d
     if G > 1:  # the last hop brought my own group's block home
         acc = assemble(acc_pending, Sg)
     # acc now holds the full dK/dV of my own group's block for the kv heads I first-hold
-    dK = torch.zeros(B, Sg, kv, d, dtype=dt, device=dev)
-    dV = torch.zeros_like(dK)
-    dK[:, :, f] = acc[0].to(dt)
-    dV[:, :, f] = acc[1].to(dt)
-    return dQ.to(dt), dK, dV
+    return dQ.to(dt), acc.to(dt)
 
 
 def _reduce_shared(comm, me, contrib, co, B, S, d, acc_dt, dev):
