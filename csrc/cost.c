@@ -238,6 +238,7 @@ typedef struct {
                                  (direct pricing only) */
     double max_block;         /* longest ring block (the largest S_g; 0 with one group), tokens */
     int32_t *kv_lo, *kv_n;    /* [n_devices] kv heads each slot needs (hexiseq_kv_range of its heads) */
+    int32_t *first_n;         /* [n_devices] kv heads each slot first-holds (see first_holder) */
     int32_t *hold;            /* [n_devices] slots holding at least one head, group by group in rank order */
     int32_t *hold_off;        /* [n_groups + 1] first entry of each group in hold */
     int32_t *first_holder;    /* [n_groups * kv_heads] slot of each group that sends kv head h around the ring:
@@ -259,7 +260,7 @@ typedef struct {
     int32_t a2a_kinds;        /* kinds of member in it; 0: price peers one by one */
     int32_t *kind_of;         /* [n_devices] kind of each slot of the group */
     int64_t *kind_tokens;     /* [kinds] */
-    int32_t *kind_heads, *kind_kv, *kind_count;
+    int32_t *kind_heads, *kind_kv, *kind_first, *kind_count;
     int32_t *by_node;         /* [group size] the group's slots sorted by node, then slot */
     int32_t *node_lo, *node_hi; /* [n_devices] range in by_node of the slot's node */
     int32_t *node_kind;       /* [kinds] scratch: kinds on the member's node */
@@ -400,17 +401,21 @@ static int32_t kv_holder(const cost_ctx *x, int32_t g, int32_t h) {
 }
 
 /* Fills x->first_holder: members in rank order, each claiming the kv heads of its range not claimed yet
- * (a validated layout covers every head in every group, so every entry is set). */
+ * (a validated layout covers every head in every group, so every entry is set), and x->first_n. */
 static void first_holders(cost_ctx *x) {
     int32_t G = x->l->n_groups, A_kv = x->m->kv_heads;
     for (int64_t i = 0; i < (int64_t)G * A_kv; ++i)
         x->first_holder[i] = -1;
+    for (int32_t r = 0; r < x->l->n_devices; ++r)
+        x->first_n[r] = 0;
     for (int32_t g = 0; g < G; ++g)
         for (int32_t i = x->hold_off[g]; i < x->hold_off[g + 1]; ++i) {
             int32_t r = x->hold[i], lo = x->kv_lo[r], n = x->kv_n[r];
             for (int32_t h = lo; h < lo + n; ++h)
-                if (x->first_holder[(int64_t)g * A_kv + h] < 0)
+                if (x->first_holder[(int64_t)g * A_kv + h] < 0) {
                     x->first_holder[(int64_t)g * A_kv + h] = r;
+                    x->first_n[r]++;
+                }
         }
 }
 
@@ -683,38 +688,37 @@ static void ring_types_free(cost_ctx *x) {
     free(x->type_before);
 }
 
-/* All-to-all of slot r over the whole step, seconds; each of the layer's exchanges is timed as
- * max(send, receive) with peers serialised, each peer message paying its link's latency: forward Q/K/V in and O out, backward dO in and dQ/dK/dV out,
- * and the forward pair again when checkpointing recomputes. */
-/* One peer's part of slot r's all-to-all, added to the four times (seconds) and two byte counts, `count`
- * times (count 1: as a plain sum). */
-static void a2a_peer(const cost_ctx *x, double count, double h_r, double s_r, int32_t kv_n, double h_j, double s_j,
-                     int32_t jn, double out_bw, double in_bw, double out_lat, double in_lat, double *t,
-                     double *send_bytes, double *recv_bytes) {
+/* One side of an all-to-all pair: heads h and kv heads kv of a member, as counts of one peer's part. */
+typedef struct {
+    double h, s;      /* query heads held during attention, tokens held outside it */
+    int32_t kv, first; /* kv heads those query heads read, and those of them the member first-holds */
+} a2a_side;
+
+/* One peer's part of slot r's all-to-all, added to the eight times (seconds; sent and received per exchange:
+ * Q/K/V, O, dO, dQ/dK/dV) and four byte counts (forward sent, received; backward sent, received), `count`
+ * times. The forward sends each member its tokens of the member's Q, K, V and gets back the attention output;
+ * the backward sends dO the way the output came, and returns dQ with dK, dV of the first-held kv heads only
+ * (a co-holder's share is reduced into the first holder before, hexiseq/ring.py). */
+static void a2a_peer(const cost_ctx *x, double count, a2a_side me, a2a_side peer, double out_bw, double in_bw,
+                     double out_lat, double in_lat, double *t, double *bytes) {
     double elem = (double)x->m->head_dim * x->m->dtype_bytes;
-    /* bytes over bandwidth, plus one message latency per peer that has anything to exchange */
-    double qkv_out = s_r * (h_j + 2.0 * jn), qkv_in = s_j * (h_r + 2.0 * kv_n), o_out = s_j * h_r, o_in = s_r * h_j;
-    double v[4] = {qkv_out * elem / out_bw + (qkv_out > 0 ? out_lat : 0.0), /* my tokens, their heads */
-                   qkv_in * elem / in_bw + (qkv_in > 0 ? in_lat : 0.0),     /* their tokens, my heads */
-                   o_out * elem / out_bw + (o_out > 0 ? out_lat : 0.0),     /* attention output of their tokens */
-                   o_in * elem / in_bw + (o_in > 0 ? in_lat : 0.0)};
-    double sb = (qkv_out + o_out) * elem, rb = (qkv_in + o_in) * elem;
-    if (count == 1.0) {
-        for (int i = 0; i < 4; ++i)
-            t[i] += v[i];
-        *send_bytes += sb;
-        *recv_bytes += rb;
-    } else {
-        for (int i = 0; i < 4; ++i)
-            t[i] += count * v[i];
-        *send_bytes += count * sb;
-        *recv_bytes += count * rb;
+    double qkv_out = me.s * (peer.h + 2.0 * peer.kv), qkv_in = peer.s * (me.h + 2.0 * me.kv);
+    double o_out = peer.s * me.h, o_in = me.s * peer.h;
+    double g_out = peer.s * (me.h + 2.0 * me.first), g_in = me.s * (peer.h + 2.0 * peer.first);
+    const double sent[4] = {qkv_out, o_out, o_in, g_out}, received[4] = {qkv_in, o_in, o_out, g_in};
+    for (int i = 0; i < 4; ++i) { /* bytes over bandwidth, plus one message latency per non-empty message */
+        t[2 * i] += count * (sent[i] * elem / out_bw + (sent[i] > 0 ? out_lat : 0.0));
+        t[2 * i + 1] += count * (received[i] * elem / in_bw + (received[i] > 0 ? in_lat : 0.0));
     }
+    bytes[0] += count * (qkv_out + o_out) * elem;
+    bytes[1] += count * (qkv_in + o_in) * elem;
+    bytes[2] += count * (o_in + g_out) * elem;
+    bytes[3] += count * (o_out + g_in) * elem;
 }
 
 typedef struct {
     int64_t key0;
-    int32_t key1, key2, slot;
+    int32_t key1, key2, key3, slot;
 } slot_key;
 
 static int cmp_slot_key(const void *a, const void *b) {
@@ -725,6 +729,8 @@ static int cmp_slot_key(const void *a, const void *b) {
         return p->key1 < q->key1 ? -1 : 1;
     if (p->key2 != q->key2)
         return p->key2 < q->key2 ? -1 : 1;
+    if (p->key3 != q->key3)
+        return p->key3 < q->key3 ? -1 : 1;
     return (p->slot > q->slot) - (p->slot < q->slot);
 }
 
@@ -741,12 +747,13 @@ static int a2a_kinds_build(cost_ctx *x, int32_t g) {
         x->kind_tokens = malloc((size_t)n * sizeof *x->kind_tokens);
         x->kind_heads = malloc((size_t)n * sizeof *x->kind_heads);
         x->kind_kv = malloc((size_t)n * sizeof *x->kind_kv);
+        x->kind_first = malloc((size_t)n * sizeof *x->kind_first);
         x->kind_count = malloc((size_t)n * sizeof *x->kind_count);
         x->by_node = malloc((size_t)n * sizeof *x->by_node);
         x->node_lo = malloc((size_t)n * sizeof *x->node_lo);
         x->node_hi = malloc((size_t)n * sizeof *x->node_hi);
         x->node_kind = malloc((size_t)n * sizeof *x->node_kind);
-        if (!x->kind_of || !x->kind_tokens || !x->kind_heads || !x->kind_kv || !x->kind_count || !x->by_node ||
+        if (!x->kind_of || !x->kind_tokens || !x->kind_heads || !x->kind_kv || !x->kind_first || !x->kind_count || !x->by_node ||
             !x->node_lo || !x->node_hi || !x->node_kind)
             return 0;
     }
@@ -755,17 +762,18 @@ static int a2a_kinds_build(cost_ctx *x, int32_t g) {
         return 0;
     for (int32_t i = 0; i < k; ++i) {
         int32_t r = lo + i;
-        keys[i] = (slot_key){x->l->tokens[r], x->l->head_count[r], x->kv_n[r], r};
+        keys[i] = (slot_key){x->l->tokens[r], x->l->head_count[r], x->kv_n[r], x->first_n[r], r};
     }
     qsort(keys, (size_t)k, sizeof *keys, cmp_slot_key);
     int32_t T = -1;
     for (int32_t i = 0; i < k; ++i) {
         if (i == 0 || keys[i].key0 != keys[i - 1].key0 || keys[i].key1 != keys[i - 1].key1 ||
-            keys[i].key2 != keys[i - 1].key2) {
+            keys[i].key2 != keys[i - 1].key2 || keys[i].key3 != keys[i - 1].key3) {
             ++T;
             x->kind_tokens[T] = keys[i].key0;
             x->kind_heads[T] = keys[i].key1;
             x->kind_kv[T] = keys[i].key2;
+            x->kind_first[T] = keys[i].key3;
             x->kind_count[T] = 0;
             x->node_kind[T] = 0;
         }
@@ -778,7 +786,7 @@ static int a2a_kinds_build(cost_ctx *x, int32_t g) {
         return 1;
     }
     for (int32_t i = 0; i < k; ++i)
-        keys[i] = (slot_key){x->c->node_of[x->l->device[lo + i]], 0, 0, lo + i};
+        keys[i] = (slot_key){x->c->node_of[x->l->device[lo + i]], 0, 0, 0, lo + i};
     qsort(keys, (size_t)k, sizeof *keys, cmp_slot_key);
     for (int32_t i = 0, start = 0; i < k; ++i) {
         x->by_node[i] = keys[i].slot;
@@ -800,6 +808,7 @@ static void a2a_kinds_free(cost_ctx *x) {
     free(x->kind_tokens);
     free(x->kind_heads);
     free(x->kind_kv);
+    free(x->kind_first);
     free(x->kind_count);
     free(x->by_node);
     free(x->node_lo);
@@ -807,14 +816,18 @@ static void a2a_kinds_free(cost_ctx *x) {
     free(x->node_kind);
 }
 
-static double a2a_time_s(const cost_ctx *x, int32_t r, double *send_bytes, double *recv_bytes) {
+/* All-to-all of slot r over the whole step, seconds; each of the layer's exchanges is timed as
+ * max(send, receive) with peers serialised, each peer message paying its link's latency: forward Q/K/V in and
+ * O out, backward dO in and dQ/dK/dV out, and the forward pair again when checkpointing recomputes.
+ * bytes[4]: one layer's forward sent and received, backward sent and received, one sequence. */
+static double a2a_time_s(const cost_ctx *x, int32_t r, double *bytes) {
     int32_t g = x->group_of[r];
-    *send_bytes = *recv_bytes = 0.0;
+    bytes[0] = bytes[1] = bytes[2] = bytes[3] = 0.0;
     if (x->l->group_size[g] == 1)
         return 0.0;
-    int32_t me = x->l->device[r], kv_n = x->kv_n[r];
-    double h_r = x->l->head_count[r], s_r = (double)x->l->tokens[r];
-    double t[4] = {0, 0, 0, 0}; /* seconds: qkv send, qkv receive, o send, o receive */
+    int32_t me = x->l->device[r];
+    a2a_side mine = {x->l->head_count[r], (double)x->l->tokens[r], x->kv_n[r], x->first_n[r]};
+    double t[8] = {0, 0, 0, 0, 0, 0, 0, 0}; /* seconds, sent and received: Q/K/V, O, dO, dQ/dK/dV */
     int grouped = x->a2a_group == g && x->a2a_kinds > 0;
     /* peers one by one: every other member, or with grouping those of my node */
     int32_t lo = grouped ? x->node_lo[r] : x->offset[g], hi = grouped ? x->node_hi[r] : x->offset[g + 1];
@@ -824,10 +837,10 @@ static double a2a_time_s(const cost_ctx *x, int32_t r, double *send_bytes, doubl
             x->node_kind[x->kind_of[j]]++;
         if (j == r)
             continue;
-        int32_t jn = x->kv_n[j], dj = x->l->device[j];
-        a2a_peer(x, 1.0, h_r, s_r, kv_n, x->l->head_count[j], (double)x->l->tokens[j], jn,
-                 hexiseq_bw_bytes(x->c, me, dj), hexiseq_bw_bytes(x->c, dj, me), hexiseq_lat_s(x->c, me, dj),
-                 hexiseq_lat_s(x->c, dj, me), t, send_bytes, recv_bytes);
+        int32_t dj = x->l->device[j];
+        a2a_side peer = {x->l->head_count[j], (double)x->l->tokens[j], x->kv_n[j], x->first_n[j]};
+        a2a_peer(x, 1.0, mine, peer, hexiseq_bw_bytes(x->c, me, dj), hexiseq_bw_bytes(x->c, dj, me),
+                 hexiseq_lat_s(x->c, me, dj), hexiseq_lat_s(x->c, dj, me), t, bytes);
     }
     if (grouped) {
         /* other nodes, by kind: all behind the inter-node link (the values hexiseq_bw_bytes and
@@ -835,16 +848,16 @@ static double a2a_time_s(const cost_ctx *x, int32_t r, double *send_bytes, doubl
         double bw = x->c->inter_gbps * 1e9, lat = HEXISEQ_LATENCY_INTER_US * 1e-6;
         for (int32_t kind = 0; kind < x->a2a_kinds; ++kind) {
             int32_t count = x->kind_count[kind] - x->node_kind[kind];
+            a2a_side peer = {x->kind_heads[kind], (double)x->kind_tokens[kind], x->kind_kv[kind],
+                             x->kind_first[kind]};
             if (count > 0)
-                a2a_peer(x, (double)count, h_r, s_r, kv_n, x->kind_heads[kind], (double)x->kind_tokens[kind],
-                         x->kind_kv[kind], bw, bw, lat, lat, t, send_bytes, recv_bytes);
+                a2a_peer(x, (double)count, mine, peer, bw, bw, lat, lat, t, bytes);
         }
         for (int32_t i = lo; i < hi; ++i)
             x->node_kind[x->kind_of[x->by_node[i]]] = 0;
     }
-    double qkv = fmax(t[0], t[1]), o = fmax(t[2], t[3]);
-    /* forward: qkv + o; backward: dO (the o pattern reversed, same volume) + dQ/dK/dV (qkv reversed) */
-    double per_layer = (qkv + o) * (1.0 + (x->t->checkpointing ? 1.0 : 0.0)) + (o + qkv);
+    double qkv = fmax(t[0], t[1]), o = fmax(t[2], t[3]), dO = fmax(t[4], t[5]), grads = fmax(t[6], t[7]);
+    double per_layer = (qkv + o) * (1.0 + (x->t->checkpointing ? 1.0 : 0.0)) + (dO + grads);
     return per_layer * x->m->layers * x->t->sequences;
 }
 
@@ -1067,10 +1080,12 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     x.first_holder = malloc((size_t)l->n_groups * (size_t)m->kv_heads * sizeof *x.first_holder);
     x.kv_lo = malloc((size_t)l->n_devices * sizeof *x.kv_lo);
     x.kv_n = malloc((size_t)l->n_devices * sizeof *x.kv_n);
+    x.first_n = malloc((size_t)l->n_devices * sizeof *x.first_n);
     if (!x.group_of || !x.offset || !x.span || !group_a2a || !x.step_pairs || !x.doc_len || !x.hold || !x.hold_off ||
-        !x.first_holder || !x.kv_lo || !x.kv_n || !ring_types_build(&x)) {
+        !x.first_holder || !x.kv_lo || !x.kv_n || !x.first_n || !ring_types_build(&x)) {
         free(x.kv_lo);
         free(x.kv_n);
+        free(x.first_n);
         free(x.first_holder);
         free(x.hold);
         free(x.hold_off);
@@ -1161,12 +1176,19 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         }
         if (pc && links_by_node && c->node_of[l->device[r]] == c->node_of[l->device[r - 1]] &&
             l->tokens[r] == l->tokens[r - 1] && l->head_count[r] == l->head_count[r - 1] &&
-            dc->kv_count == pc->kv_count) {
+            dc->kv_count == pc->kv_count && dc->first_count == pc->first_count) {
             dc->a2a_s = pc->a2a_s;
             dc->a2a_send_bytes = pc->a2a_send_bytes;
             dc->a2a_recv_bytes = pc->a2a_recv_bytes;
+            dc->a2a_grad_send_bytes = pc->a2a_grad_send_bytes;
+            dc->a2a_grad_recv_bytes = pc->a2a_grad_recv_bytes;
         } else {
-            dc->a2a_s = a2a_time_s(&x, r, &dc->a2a_send_bytes, &dc->a2a_recv_bytes);
+            double bytes[4];
+            dc->a2a_s = a2a_time_s(&x, r, bytes);
+            dc->a2a_send_bytes = bytes[0];
+            dc->a2a_recv_bytes = bytes[1];
+            dc->a2a_grad_send_bytes = bytes[2];
+            dc->a2a_grad_recv_bytes = bytes[3];
         }
         ring_link link;
         ring_link_of(&x, r, &link);
@@ -1244,6 +1266,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     free(x.first_holder);
     free(x.kv_lo);
     free(x.kv_n);
+    free(x.first_n);
     ring_types_free(&x);
     a2a_kinds_free(&x);
     return st;

@@ -279,6 +279,8 @@ typedef struct {
     double ring_recv_bytes;  /* per token of a ring block: K, V of its kv heads from the previous group */
     double a2a_send_bytes;   /* one layer's forward all-to-alls (Q, K, V in, O out), one sequence, to the */
     double a2a_recv_bytes;   /*   group's other members and from them */
+    double a2a_grad_send_bytes; /* one layer's backward all-to-alls (dO in, dQ and the first-held heads' dK, */
+    double a2a_grad_recv_bytes; /*   dV out), one sequence, to the group's other members and from them */
     int32_t kv_lo;           /* first kv head the device needs */
     int32_t kv_count;        /* kv heads it needs (0 when it has no query heads) */
     int32_t first_lo;        /* first kv head the device first-holds: it is the lowest member of its group (in */

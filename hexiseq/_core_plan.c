@@ -331,6 +331,8 @@ static PyObject *device_costs_to_dict(const hexiseq_device_cost *dc, npy_intp n)
         {"ring_recv_bytes", offsetof(hexiseq_device_cost, ring_recv_bytes), 0},
         {"a2a_send_bytes", offsetof(hexiseq_device_cost, a2a_send_bytes), 0},
         {"a2a_recv_bytes", offsetof(hexiseq_device_cost, a2a_recv_bytes), 0},
+        {"a2a_grad_send_bytes", offsetof(hexiseq_device_cost, a2a_grad_send_bytes), 0},
+        {"a2a_grad_recv_bytes", offsetof(hexiseq_device_cost, a2a_grad_recv_bytes), 0},
         {"kv_lo", offsetof(hexiseq_device_cost, kv_lo), 1},
         {"kv_count", offsetof(hexiseq_device_cost, kv_count), 1},
         {"first_lo", offsetof(hexiseq_device_cost, first_lo), 1},

@@ -202,12 +202,14 @@ class DeviceTable:
     layer_gemm_s, attn_s, a2a_s, ring_exposed_s, runtime_s (the runtime's work around the kernels, priced from a
     calibrated runtime_*_ns curves, else 0), busy_s, mem_states_gib, mem_act_gib, mem_attn_gib,
     mem_ring_gib, mem_total_gib, mem_cap_gib, state_share (the fraction of the sharded model states the device
-    holds), ring_send_bytes, ring_recv_bytes, a2a_send_bytes, a2a_recv_bytes.
+    holds), ring_send_bytes, ring_recv_bytes, a2a_send_bytes, a2a_recv_bytes, a2a_grad_send_bytes,
+    a2a_grad_recv_bytes.
     Index by name (`table["tokens"]`) or attribute (`table.tokens`). layer_gemm_s is the token-parallel compute
     of one layer, forward + backward, one sequence (no recompute, no output head): what a measured single
     layer's matmuls compare with. The byte columns are the traffic the times charge: ring K/V bytes per token of a
-    block sent to the next group and received from the previous one, and one layer's forward all-to-all bytes
-    (Q, K, V in and O out) for one sequence; hexiseq.topology counts the same from what the runtime sends."""
+    block sent to the next group and received from the previous one, and one layer's all-to-all bytes for one
+    sequence, forward (Q, K, V in and O out) and backward (dO in, dQ and the first-held kv heads' dK, dV out);
+    hexiseq.topology counts the same from what the runtime sends."""
 
     def __init__(self, columns: Dict[str, np.ndarray]):
         self._columns = columns

@@ -211,7 +211,8 @@ def _check_plan(p, cluster, seq_len, heads):
                      "kv_count", "first_lo", "first_count", "gemm_s", "layer_gemm_s", "attn_s", "a2a_s",
                      "ring_exposed_s", "runtime_s", "busy_s",
                      "mem_states_gib", "mem_act_gib", "mem_attn_gib", "mem_ring_gib", "mem_total_gib", "mem_cap_gib", "state_share",
-                     "ring_send_bytes", "ring_recv_bytes", "a2a_send_bytes", "a2a_recv_bytes"]
+                     "ring_send_bytes", "ring_recv_bytes", "a2a_send_bytes", "a2a_recv_bytes",
+                     "a2a_grad_send_bytes", "a2a_grad_recv_bytes"]
     assert t.columns == expected_cols
     assert len(t) == n and all(len(t[c]) == n for c in expected_cols)
     assert sorted(t.device.tolist()) == list(range(n))

@@ -117,7 +117,8 @@ def test_ring_routes_refuse_an_unknown_kind(topo):
 def test_bytes_sent_are_the_bytes_the_cost_model_charges(topo):
     """What the runtime moves, counted from the topology it executes (ring routes; all-to-all parts, which the
     runtime checks against the topology on every call), equals the traffic the cost model prices, per device:
-    ring bytes per token of a block, and one layer's forward all-to-all bytes for one sequence."""
+    ring bytes per token of a block, and one layer's all-to-all bytes for one sequence, forward and backward
+    (the backward returns dK, dV of first-held kv heads only)."""
     plan = topo.plan
     elem = plan.model.head_dim * plan.model.dtype_bytes
     t = plan.devices
@@ -131,6 +132,10 @@ def test_bytes_sent_are_the_bytes_the_cost_model_charges(topo):
         sent = sum(a2a_in[i][0] + a2a_out[i][0] for i in peers) * elem
         received = sum(a2a_in[i][1] + a2a_out[i][1] for i in peers) * elem
         assert sent == t.a2a_send_bytes[slot] and received == t.a2a_recv_bytes[slot], (rank, sent, received)
+        a2a_grads = topo.a2a_grads(rank)
+        sent = sum(a2a_out[i][1] + a2a_grads[i][0] for i in peers) * elem     # dO goes the output's way back
+        received = sum(a2a_out[i][0] + a2a_grads[i][1] for i in peers) * elem
+        assert sent == t.a2a_grad_send_bytes[slot] and received == t.a2a_grad_recv_bytes[slot], (rank, sent, received)
 
 
 @pytest.mark.parametrize("pattern", ["a2a_in", "a2a_out", "a2a_grads"])

@@ -309,9 +309,20 @@ static void test_two_devices(void) {
         const double qkv_send1 = s[1] * (h[0] + 2 * kv[0]) * elem / bw10 + lat,
                      qkv_recv1 = s[0] * (h[1] + 2 * kv[1]) * elem / bw01 + lat;
         const double o_send1 = s[0] * h[1] * elem / bw10 + lat, o_recv1 = s[1] * h[0] * elem / bw01 + lat;
-        /* per layer: forward (qkv + o) and backward (o + qkv), no checkpointing; times L layers, 1 sequence */
-        const double a2a0 = 2.0 * (fmax(qkv_send0, qkv_recv0) + fmax(o_send0, o_recv0)) * L;
-        const double a2a1 = 2.0 * (fmax(qkv_send1, qkv_recv1) + fmax(o_send1, o_recv1)) * L;
+        /* backward: dO goes the way O came; dQ with dK, dV of the first-held kv heads only (device 0 first-holds
+         * both of its kv heads, device 1 none: kv head 1 is device 0's) */
+        const double f[2] = {2, 0};
+        const double do_send0 = s[0] * h[1] * elem / bw01 + lat, do_recv0 = s[1] * h[0] * elem / bw10 + lat;
+        const double g_send0 = s[1] * (h[0] + 2 * f[0]) * elem / bw01 + lat,
+                     g_recv0 = s[0] * (h[1] + 2 * f[1]) * elem / bw10 + lat;
+        const double do_send1 = s[1] * h[0] * elem / bw10 + lat, do_recv1 = s[0] * h[1] * elem / bw01 + lat;
+        const double g_send1 = s[0] * (h[1] + 2 * f[1]) * elem / bw10 + lat,
+                     g_recv1 = s[1] * (h[0] + 2 * f[0]) * elem / bw01 + lat;
+        /* per layer: forward (qkv + o) and backward (dO + grads), no checkpointing; times L layers, 1 sequence */
+        const double a2a0 = (fmax(qkv_send0, qkv_recv0) + fmax(o_send0, o_recv0) + fmax(do_send0, do_recv0) +
+                             fmax(g_send0, g_recv0)) * L;
+        const double a2a1 = (fmax(qkv_send1, qkv_recv1) + fmax(o_send1, o_recv1) + fmax(do_send1, do_recv1) +
+                             fmax(g_send1, g_recv1)) * L;
         const double group_a2a = fmax(a2a0, a2a1);
         double gemm[2], attn[2], mem_act[2], mem_attn[2], b_fwd = 0, b_bwd = 0;
         const double pairs = brute_pairs(all, 10, all, 10, 1);
@@ -484,9 +495,20 @@ static void test_three_devices(void) {
     const double os0 = s[1] * h[0] * elem / intra + lat_in, or0 = s[0] * h[1] * elem / intra + lat_in;
     const double qs1 = s[1] * (h[0] + 2 * kv[0]) * elem / intra + lat_in, qr1 = s[0] * (h[1] + 2 * kv[1]) * elem / intra + lat_in;
     const double os1 = s[0] * h[1] * elem / intra + lat_in, or1 = s[1] * h[0] * elem / intra + lat_in;
-    /* per layer: forward exchange twice (checkpointing recomputes it) + backward once */
-    const double a2a0 = (fmax(qs0, qr0) + fmax(os0, or0)) * 3.0 * L * seqs;
-    const double a2a1 = (fmax(qs1, qr1) + fmax(os1, or1)) * 3.0 * L * seqs;
+    /* backward: dO the output's way back; dQ with dK, dV of first-held kv heads only: device 0 first-holds kv
+     * heads 0 and 1, device 1 (kv head 1, held by device 0 first) none */
+    const double f[3] = {2, 0, 2};
+    EXPECT(per[0].first_count == 2 && per[1].first_count == 0, "3dev first holders");
+    const double ds0 = or0, dr0 = os0, ds1 = or1, dr1 = os1; /* one latency both ways here */
+    const double gs0 = s[1] * (h[0] + 2 * f[0]) * elem / intra + lat_in, gr0 = s[0] * (h[1] + 2 * f[1]) * elem / intra + lat_in;
+    const double gs1 = s[0] * (h[1] + 2 * f[1]) * elem / intra + lat_in, gr1 = s[1] * (h[0] + 2 * f[0]) * elem / intra + lat_in;
+    /* per layer: forward exchanges twice (checkpointing recomputes them) + backward once */
+    const double a2a0 = ((fmax(qs0, qr0) + fmax(os0, or0)) * 2.0 + fmax(ds0, dr0) + fmax(gs0, gr0)) * L * seqs;
+    const double a2a1 = ((fmax(qs1, qr1) + fmax(os1, or1)) * 2.0 + fmax(ds1, dr1) + fmax(gs1, gr1)) * L * seqs;
+    /* bytes of one layer, one sequence: forward Q/K/V and O; backward dO and the gradients */
+    NEAR(per[0].a2a_grad_send_bytes, (s[0] * h[1] + s[1] * (h[0] + 2 * f[0])) * elem, "3dev backward bytes sent");
+    NEAR(per[0].a2a_grad_recv_bytes, (s[1] * h[0] + s[0] * (h[1] + 2 * f[1])) * elem, "3dev backward bytes received");
+    NEAR(per[1].a2a_grad_send_bytes, per[0].a2a_grad_recv_bytes, "3dev backward bytes: what 0 gets, 1 sends");
     NEAR(per[0].a2a_s, a2a0, "3dev a2a dev0");
     NEAR(per[1].a2a_s, a2a1, "3dev a2a dev1");
     NEAR(per[2].a2a_s, 0.0, "3dev a2a dev2 (alone in its group)");
@@ -1528,7 +1550,11 @@ static void test_latency(void) {
     const double s0 = 4, s1 = 2, h0 = 2, h1 = 2, kv0 = 1, kv1 = 1;
     const double qs0 = s0 * (h1 + 2 * kv1) * elem / bw + LAT(0, 1), qr0 = s1 * (h0 + 2 * kv0) * elem / bw + LAT(1, 0);
     const double os0 = s1 * h0 * elem / bw + LAT(0, 1), or0 = s0 * h1 * elem / bw + LAT(1, 0);
-    NEAR(per[0].a2a_s, 2.0 * (fmax(qs0, qr0) + fmax(os0, or0)) * L, "a2a latency per message");
+    /* backward: dO goes the output's way back, the gradients Q/K/V's (here every held kv head is first-held) */
+    const double ds0 = s0 * h1 * elem / bw + LAT(0, 1), dr0 = s1 * h0 * elem / bw + LAT(1, 0);
+    const double gs0 = s1 * (h0 + 2 * kv0) * elem / bw + LAT(0, 1), gr0 = s0 * (h1 + 2 * kv1) * elem / bw + LAT(1, 0);
+    NEAR(per[0].a2a_s, (fmax(qs0, qr0) + fmax(os0, or0) + fmax(ds0, dr0) + fmax(gs0, gr0)) * L,
+         "a2a latency per message");
     hexiseq_layout_free(&l);
     hexiseq_cluster_destroy(c);
 #undef LAT
