@@ -161,17 +161,6 @@ def _join(pieces):
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 1)
 
 
-def _aligned(topo, mb):
-    """Whether the member's query heads cover whole kv heads (the kernels then take K/V in GQA ratio)."""
-    return mb.head_lo % topo.per_kv == 0 and mb.heads % topo.per_kv == 0
-
-
-def _kv_index(topo, mb, device):
-    """Local kv index of each of the member's query heads (for expanding K/V to its heads)."""
-    h = torch.arange(mb.head_lo, mb.head_lo + mb.heads, device=device)
-    return h // topo.per_kv - mb.kv_lo
-
-
 def _ring_forward(comm, topo, kern, Qg, KV, causal, scale, docs):
     """The group's attention over the ring: (Og [B, S_g, h, d] in Qg's dtype, the lse [B, h, n] of each query
     chunk). Where the kernels accumulate in the inputs' dtype, a chunk's first block pair writes Og in place
@@ -192,7 +181,7 @@ def _ring_forward(comm, topo, kern, Qg, KV, causal, scale, docs):
          for qo, (_, n) in zip(qoff, chunks)]
     L = [torch.full((B, h, n), float("-inf"), dtype=acc_dt, device=dev) for _, n in chunks]
     started = [not in_place] * len(chunks)
-    kv_idx = None if _aligned(topo, me) else _kv_index(topo, me, dev)
+    runs = topo.head_runs(rank)
     cur = KV                                          # [2, B, S_src, kv, d], the own block first
     sends, recvs = topo.ring_routes(rank, "kv")
     for step in range(G):
@@ -203,20 +192,20 @@ def _ring_forward(comm, topo, kern, Qg, KV, causal, scale, docs):
             pending = comm.exchange(
                 sends, recvs, lambda lo, n, c=cur: c[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n],
                 lambda lo, n, S=topo.S[nxt_src]: (2, B, S, n, d), dt, dev, TAG_KV)
-        Kb = cur[0] if kv_idx is None else cur[0].index_select(2, kv_idx)
-        Vb = cur[1] if kv_idx is None else cur[1].index_select(2, kv_idx)
         for qo, qp0, qn, ko, kp0, kn in topo.block_pairs(g, src):
             i = qoff.index(qo)
             if docs is not None and kp0 + kn <= docs[i][1]:
                 continue  # every key lies before every query's document
             t0 = comm.clock(dev)
-            args = (Qg[:, qo:qo + qn], Kb[:, ko:ko + kn], Vb[:, ko:ko + kn], causal, qp0, kp0, scale,
-                    None if docs is None else docs[i][0])
-            if started[i]:
-                kern.merge(O[i], L[i], *kern.forward(*args))
-            else:
-                kern.forward(*args, out=O[i], lse=L[i])
-                started[i] = True
+            for r in runs:
+                hs, ks = slice(r.h_lo, r.h_lo + r.h_n), slice(r.kv_lo, r.kv_lo + r.kv_n)
+                args = (Qg[:, qo:qo + qn, hs], cur[0, :, ko:ko + kn, ks], cur[1, :, ko:ko + kn, ks], causal, qp0,
+                        kp0, scale, None if docs is None else docs[i][0])
+                if started[i]:
+                    kern.merge(O[i][:, :, hs], L[i][:, hs], *kern.forward(*args))
+                else:
+                    kern.forward(*args, out=O[i][:, :, hs], lse=L[i][:, hs])
+            started[i] = True
             comm.phase_s["attn"] += comm.clock(dev) - t0
         if pending is not None:
             reqs, got, _keep = pending
@@ -244,7 +233,7 @@ def _ring_backward(comm, topo, kern, Qg, KV, Og, lses, dOg, causal, scale, docs)
     chunks = topo.chunks[g]
     qoff = [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
     dQ = torch.zeros(B, Sg, h, d, dtype=acc_dt, device=dev)
-    kv_idx = None if _aligned(topo, me) else _kv_index(topo, me, dev)
+    runs = topo.head_runs(rank)
     co_holders = topo.co_holders(rank)
     kv_sends, kv_recvs = topo.ring_routes(rank, "kv")
     acc_sends, acc_recvs = topo.ring_routes(rank, "acc")
@@ -273,23 +262,20 @@ def _ring_backward(comm, topo, kern, Qg, KV, Og, lses, dOg, causal, scale, docs)
                 kv_sends, kv_recvs, lambda lo, n, c=cur: c[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n],
                 lambda lo, n, S=topo.S[nxt_src]: (2, B, S, n, d), dt, dev, TAG_KV)
         # my contributions to dK/dV of this block, for my whole kv range
-        contrib = torch.zeros(2, B, Ssrc, kv if kv_idx is None else h, d, dtype=acc_dt, device=dev)
-        Kb = cur[0] if kv_idx is None else cur[0].index_select(2, kv_idx)
-        Vb = cur[1] if kv_idx is None else cur[1].index_select(2, kv_idx)
+        contrib = torch.zeros(2, B, Ssrc, kv, d, dtype=acc_dt, device=dev)
         for qo, qp0, qn, ko, kp0, kn in topo.block_pairs(g, src):
             i = qoff.index(qo)
             if docs is not None and kp0 + kn <= docs[i][1]:
                 continue
             t0 = comm.clock(dev)
-            kern.backward_into(Qg[:, qo:qo + qn], Kb[:, ko:ko + kn], Vb[:, ko:ko + kn], Og[:, qo:qo + qn], lses[i],
-                               dOg[:, qo:qo + qn], causal, qp0, kp0, scale, dQ[:, qo:qo + qn],
-                               contrib[0, :, ko:ko + kn], contrib[1, :, ko:ko + kn],
-                               None if docs is None else docs[i][0])
+            q_s = slice(qo, qo + qn)
+            for r in runs:  # the runs read disjoint kv heads: each adds into its own part of contrib
+                hs, ks = slice(r.h_lo, r.h_lo + r.h_n), slice(r.kv_lo, r.kv_lo + r.kv_n)
+                kern.backward_into(Qg[:, q_s, hs], cur[0, :, ko:ko + kn, ks], cur[1, :, ko:ko + kn, ks],
+                                   Og[:, q_s, hs], lses[i][:, hs], dOg[:, q_s, hs], causal, qp0, kp0, scale,
+                                   dQ[:, q_s, hs], contrib[0, :, ko:ko + kn, ks], contrib[1, :, ko:ko + kn, ks],
+                                   None if docs is None else docs[i][0])
             comm.phase_s["attn"] += comm.clock(dev) - t0
-        if kv_idx is not None:  # fold per-query-head pieces back onto my kv heads
-            folded = torch.zeros(2, B, Ssrc, kv, d, dtype=acc_dt, device=dev)
-            folded.index_add_(3, kv_idx, contrib)
-            contrib = folded
         # kv heads shared with another member: non-first holders hand their piece to the first holder
         contrib = _reduce_shared(comm, me, contrib, co_holders, B, Ssrc, d, acc_dt, dev)
         # the block's accumulator (posted by the previous group during the previous step), plus my part

@@ -15,7 +15,7 @@ import numpy as np
 
 from .errors import HexiseqError
 
-__all__ = ["Member", "Topology", "BlockPair", "Route"]
+__all__ = ["Member", "Topology", "BlockPair", "Route", "HeadRun"]
 
 
 class Member(NamedTuple):
@@ -38,6 +38,16 @@ class Route(NamedTuple):
     peer: int
     lo: int
     n: int
+
+
+class HeadRun(NamedTuple):
+    """Query heads [h_lo, h_lo + h_n) of a member that read the kv heads [kv_lo, kv_lo + kv_n), both counted from
+    the member's first (query or kv) head, in the integer GQA ratio h_n / kv_n: a kernel call's worth of heads."""
+
+    h_lo: int
+    h_n: int
+    kv_lo: int
+    kv_n: int
 
 
 class BlockPair(NamedTuple):
@@ -109,6 +119,23 @@ class Topology:
 
     def member(self, rank: int) -> Member:
         return self._where[rank][1]
+
+    def head_runs(self, rank: int) -> List[HeadRun]:
+        """The member's query heads cut where the kernels can take them with K/V in GQA ratio: at most a partial
+        kv head first, whole kv heads, a partial kv head last. Members whose heads are aligned to kv heads get
+        one run; others get up to three, so that K/V never has to be expanded to one head per query head."""
+        me, p = self.member(rank), self.per_kv
+        runs, h, end = [], me.head_lo, me.head_lo + me.heads
+        while h < end:
+            kv = h // p
+            if h % p or end - h < p:      # part of one kv head
+                stop, kv_n = min(end, (kv + 1) * p), 1
+            else:                         # whole kv heads
+                stop = h + (end - h) // p * p
+                kv_n = (stop - h) // p
+            runs.append(HeadRun(h - me.head_lo, stop - h, kv - me.kv_lo, kv_n))
+            h = stop
+        return runs
 
     def ring_routes(self, rank: int, what: str) -> Tuple[List[Route], List[Route]]:
         """P2P routes of one ring step for `rank`. what = "kv": K/V of its kv range from the previous group's first

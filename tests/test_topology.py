@@ -109,6 +109,43 @@ def test_block_pairs_cover_visible_pairs_once(topo):
             assert len(got) == len(set(got)) and set(got) == want, (gq, gk)
 
 
+def test_head_runs_cover_each_members_heads_in_gqa_ratio(topo):
+    """Every member's query heads, cut into runs that the kernels take with K/V in GQA ratio: in order, without
+    gaps, each run's heads reading exactly its kv heads, the runs' kv heads disjoint (the backward adds each
+    run's dK/dV into its own part), one run for heads aligned to kv heads, at most three otherwise."""
+    p = topo.per_kv
+    for members in topo.groups:
+        for mb in members:
+            runs = topo.head_runs(mb.rank)
+            assert sum(r.h_n for r in runs) == mb.heads
+            at, kv_seen = 0, set()
+            for r in runs:
+                assert r.h_lo == at and r.h_n > 0 and r.h_n % r.kv_n == 0
+                heads = range(mb.head_lo + r.h_lo, mb.head_lo + r.h_lo + r.h_n)
+                assert {h // p - mb.kv_lo for h in heads} == set(range(r.kv_lo, r.kv_lo + r.kv_n))
+                assert all((h // p - mb.kv_lo - r.kv_lo) == (h - heads[0]) // (r.h_n // r.kv_n) for h in heads)
+                assert kv_seen.isdisjoint(range(r.kv_lo, r.kv_lo + r.kv_n))
+                kv_seen.update(range(r.kv_lo, r.kv_lo + r.kv_n))
+                at += r.h_n
+            if not mb.heads:
+                assert runs == []
+            elif mb.head_lo % p == 0 and mb.heads % p == 0:
+                assert len(runs) == 1
+            else:
+                assert 1 <= len(runs) <= 3
+
+
+def test_head_runs_of_unaligned_heads():
+    """Four query heads per kv head, members holding heads 0-1, 2-8 and 9-11: the middle one reads the rest of
+    kv head 0, kv head 1 whole and the start of kv head 2, as three runs."""
+    plan = layout_plan((3,), tiny_model(12, 3), 48, [{"devices": [0, 1, 2], "seq": 48, "tokens": [16, 16, 16],
+                                                      "heads": [2, 7, 3]}])
+    topo = Topology(plan)
+    assert topo.head_runs(0) == [(0, 2, 0, 1)]
+    assert topo.head_runs(1) == [(0, 2, 0, 1), (2, 4, 1, 1), (6, 1, 2, 1)]
+    assert topo.head_runs(2) == [(0, 3, 0, 1)]
+
+
 def test_ring_routes_refuse_an_unknown_kind(topo):
     with pytest.raises(ValueError, match="'kv' or 'acc'"):
         topo.ring_routes(0, "grad")
