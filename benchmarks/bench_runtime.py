@@ -7,7 +7,8 @@ Usage: python benchmarks/bench_runtime.py [--world 2] [--seq 4096] [--reps 5] [-
 For each plan, every rank runs HexiSeqAttention forward+backward on its shard (Gloo, CPU, one thread per
 process). Reported per plan: the layer's wall time (median over --reps after a warm-up, slowest rank),
 the time spent inside attention kernels on the slowest rank, and the difference (all-to-all, ring transfers
-not hidden, packing and merging), and the part of it spent waiting for all-to-alls. Each plan runs once per
+not hidden, packing and merging), the part of it spent waiting for all-to-alls, and the runtime's own work
+(the layer less kernels, all-to-all and ring waits and call checks, on the rank where it is largest). Each plan runs once per
 --slices value (the number of kv-head slices a layer is pipelined in: 1 is the plain layer, whose all-to-alls
 stand alone), side by side in the same run. Also, for reference, the kernels on the whole sequence in one
 process.
@@ -63,22 +64,25 @@ def worker(rank, world, init, plan_json, reps, slices, results):
     q = torch.randn(1, s, m.heads, m.head_dim, generator=g, requires_grad=True)
     k = torch.randn(1, s, m.kv_heads, m.head_dim, generator=g, requires_grad=True)
     v = torch.randn(1, s, m.kv_heads, m.head_dim, generator=g, requires_grad=True)
-    layer, kern, a2a = [], [], []
+    layer, kern, a2a, own = [], [], [], []
     for it in range(reps + 1):
         dist.barrier()
         attn.context.reset_timers()
         t0 = time.perf_counter()
         o = attn(q, k, v)
         o.backward(torch.ones_like(o))
-        t = torch.tensor([time.perf_counter() - t0, attn.context.kernel_s, attn.context.phase_s["a2a"]],
-                         dtype=torch.float64)
+        wall, ph = time.perf_counter() - t0, attn.context.phase_s
+        t = torch.tensor([wall, attn.context.kernel_s, ph["a2a"],
+                          wall - ph["attn"] - ph["a2a"] - ph["ring_wait"] - ph["sync"]], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if it:  # the first run is a warm-up
             layer.append(t[0].item())
             kern.append(t[1].item())
             a2a.append(t[2].item())
+            own.append(t[3].item())
     if rank == 0:
-        results.put((statistics.median(layer), statistics.median(kern), statistics.median(a2a)))
+        results.put((statistics.median(layer), statistics.median(kern), statistics.median(a2a),
+                     statistics.median(own)))
     dist.destroy_process_group()
 
 
@@ -120,11 +124,11 @@ def main(argv=None):
                     p.start()
                 for p in procs:
                     p.join()
-                layer, kern, a2a = results.get()
-                rows.append((name, plan.num_groups, slices, layer, kern, a2a))
+                layer, kern, a2a, own = results.get()
+                rows.append((name, plan.num_groups, slices, layer, kern, a2a, own))
                 print(f"{name:<24} groups {plan.num_groups}  slices {slices}  layer {layer * 1e3:8.1f} ms  "
                       f"kernels {kern * 1e3:8.1f} ms  exposed {100 * (layer - kern) / layer:5.1f}%  "
-                      f"a2a wait {100 * a2a / layer:5.1f}%", flush=True)
+                      f"a2a wait {100 * a2a / layer:5.1f}%  runtime work {100 * own / layer:5.1f}%", flush=True)
     single = single_process_kernels(args.seq, model, args.reps)
     print(f"kernels on the whole sequence in one process: {single * 1e3:.1f} ms")
     if args.out:
@@ -138,12 +142,12 @@ def main(argv=None):
             f.write(f"Shapes: batch 1, seq {args.seq}, 16 query heads, 4 kv heads, head dim 64, fp32, causal; "
                     "forward+backward of one layer. Times: median over reps, slowest rank.\n\n")
             f.write("| plan | groups | slices | layer | attention kernels (slowest rank) | exposed (layer - kernels) "
-                    "| of which all-to-all wait |\n")
-            f.write("|---|---:|---:|---:|---:|---:|---:|\n")
-            for name, groups, slices, layer, kern, a2a in rows:
+                    "| of which all-to-all wait | runtime's own work |\n")
+            f.write("|---|---:|---:|---:|---:|---:|---:|---:|\n")
+            for name, groups, slices, layer, kern, a2a, own in rows:
                 f.write(f"| {name} | {groups} | {slices} | {layer * 1e3:.1f} ms | {kern * 1e3:.1f} ms | "
                         f"{(layer - kern) * 1e3:.1f} ms ({100 * (layer - kern) / layer:.1f}%) | "
-                        f"{a2a * 1e3:.1f} ms ({100 * a2a / layer:.1f}%) |\n")
+                        f"{a2a * 1e3:.1f} ms ({100 * a2a / layer:.1f}%) | {own * 1e3:.1f} ms ({100 * own / layer:.1f}%) |\n")
             f.write(f"\nThe same kernels on the whole sequence in one process: {single * 1e3:.1f} ms.\n")
         print(f"wrote {args.out}")
     return 0
