@@ -2,6 +2,7 @@
  * layouts and costs back as dicts of NumPy arrays; evaluate and plan_strategy run the core without the GIL. It
  * holds no algorithm; everything it calls is declared in csrc/hexiseq.h. */
 #include "_core.h"
+#include "internal.h" /* hexiseq_curve_tflops: the cost model's reading of a curve */
 
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include <numpy/arrayobject.h>
@@ -492,6 +493,24 @@ static PyObject *core_layout_spans(PyObject *module, PyObject *args) {
 }
 
 /* model_params(model) -> parameter count (float). */
+/* curve_at(curve, size): a measured curve read at `size` exactly as the cost model reads it (linear in
+ * log(size), clamped to its end points), so that the calibration's own arithmetic on curves cannot drift from
+ * the model's. */
+static PyObject *core_curve_at(PyObject *module, PyObject *args) {
+    PyObject *obj;
+    double size;
+    hexiseq_rate_curve cv;
+    if (!PyArg_ParseTuple(args, "Od", &obj, &size))
+        return NULL;
+    if (parse_curve(module, obj, 0, "curve", &cv) < 0)
+        return NULL;
+    if (cv.n == 0) {
+        invalid(module, "curve must have at least one [size, value] point");
+        return NULL;
+    }
+    return PyFloat_FromDouble(hexiseq_curve_tflops(&cv, size));
+}
+
 static PyObject *core_model_params(PyObject *module, PyObject *arg) {
     hexiseq_model m;
     if (!parse_model(module, arg, &m))
@@ -704,6 +723,7 @@ PyMethodDef core_plan_methods[] = {
     {"rebalance", core_rebalance, METH_VARARGS, "A layout's sequence split re-optimised for new documents."},
     {"layout_spans", core_layout_spans, METH_VARARGS, "(front_start, front_len, back_start, back_len) of each group."},
     {"model_params", core_model_params, METH_O, "Parameter count of a model tuple."},
+    {"curve_at", core_curve_at, METH_VARARGS, "A measured curve at a size, read as the cost model reads it."},
     {"evaluate", core_evaluate, METH_VARARGS, "Score a layout: (per-device dict, plan dict)."},
     {"plan_strategy", core_plan_strategy, METH_VARARGS, "Best layout of a strategy, as a dict of arrays, and what the search did."},
     {NULL, NULL, 0, NULL},

@@ -30,6 +30,7 @@ import sys
 import time
 from typing import List, Optional, Sequence
 
+from . import _core
 from .cluster import Cluster, gpu_catalog
 from .errors import HexiseqError, InvalidArgumentError
 from .model import Model
@@ -308,13 +309,9 @@ def _runtime_sizes(blocks):
 
 
 def _curve_at(curve, x):
-    """A curve read as the cost model reads it: linear in log(size), clamped to its end points."""
-    if x <= curve[0][0]:
-        return curve[0][1]
-    for (s0, v0), (s1, v1) in zip(curve, curve[1:]):
-        if x <= s1:
-            return v0 + (v1 - v0) * math.log(x / s0) / math.log(s1 / s0)
-    return curve[-1][1]
+    """A curve read as the cost model reads it (the core's own reading: linear in log(size), clamped to its end
+    points)."""
+    return _core.curve_at([tuple(p) for p in curve], x)
 
 
 def _non_increasing(curve):
