@@ -4,14 +4,13 @@ time its attention kernels take on the slowest rank.
 Usage: python benchmarks/bench_runtime.py [--world 2] [--seq 4096] [--reps 5] [--slices 1,4]
                                          [--out benchmarks/results/runtime.md]
 
-For each plan, every rank runs HexiSeqAttention forward+backward on its shard (Gloo, CPU, one thread per
-process). Reported per plan: the layer's wall time (median over --reps after a warm-up, slowest rank),
-the time spent inside attention kernels on the slowest rank, and the difference (all-to-all, ring transfers
-not hidden, packing and merging), the part of it spent waiting for all-to-alls, and the runtime's own work
-(the layer less kernels, all-to-all and ring waits and call checks, on the rank where it is largest). Each plan runs once per
---slices value (the number of kv-head slices a layer is pipelined in: 1 is the plain layer, whose all-to-alls
-stand alone), side by side in the same run. Also, for reference, the kernels on the whole sequence in one
-process.
+For each plan, every rank runs HexiSeqAttention forward+backward on its shard (Gloo, CPU, one thread per process).
+Reported per plan: the layer's wall time (median over --reps after a warm-up, slowest rank), the time spent inside
+attention kernels on the slowest rank, and the difference (all-to-all, ring transfers not hidden, packing and
+merging), the part of it spent waiting for all-to-alls, and the runtime's own work (the layer less kernels,
+all-to-all and ring waits and call checks, on the rank where it is largest). Each plan runs once per --slices value
+(the number of kv-head slices a layer is pipelined in: 1 is the plain layer, whose all-to-alls stand alone), side
+by side in the same run. Also, for reference, the kernels on the whole sequence in one process.
 On a 2-core machine use --world 2: more processes than cores measure the scheduler, not the layer."""
 
 import argparse

@@ -688,7 +688,7 @@ static void ring_types_free(cost_ctx *x) {
     free(x->type_before);
 }
 
-/* One side of an all-to-all pair: heads h and kv heads kv of a member, as counts of one peer's part. */
+/* What one member of an all-to-all pair holds, which sizes its part of each exchange. */
 typedef struct {
     double h, s;      /* query heads held during attention, tokens held outside it */
     int32_t kv, first; /* kv heads those query heads read, and those of them the member first-holds */
@@ -753,8 +753,8 @@ static int a2a_kinds_build(cost_ctx *x, int32_t g) {
         x->node_lo = malloc((size_t)n * sizeof *x->node_lo);
         x->node_hi = malloc((size_t)n * sizeof *x->node_hi);
         x->node_kind = malloc((size_t)n * sizeof *x->node_kind);
-        if (!x->kind_of || !x->kind_tokens || !x->kind_heads || !x->kind_kv || !x->kind_first || !x->kind_count || !x->by_node ||
-            !x->node_lo || !x->node_hi || !x->node_kind)
+        if (!x->kind_of || !x->kind_tokens || !x->kind_heads || !x->kind_kv || !x->kind_first || !x->kind_count ||
+            !x->by_node || !x->node_lo || !x->node_hi || !x->node_kind)
             return 0;
     }
     slot_key *keys = malloc((size_t)k * sizeof *keys);
@@ -1154,11 +1154,11 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         const hexiseq_device_info *d = &c->dev[l->device[r]];
         dc->kv_lo = x.kv_lo[r];
         dc->kv_count = x.kv_n[r];
-        for (int32_t h = x.kv_lo[r]; h < x.kv_lo[r] + x.kv_n[r]; ++h) /* first-held heads are contiguous */
+        dc->first_count = x.first_n[r]; /* first-held heads are contiguous: the count and the lowest one */
+        for (int32_t h = x.kv_lo[r]; dc->first_count && h < x.kv_lo[r] + x.kv_n[r]; ++h)
             if (kv_holder(&x, g, h) == r) {
-                if (!dc->first_count)
-                    dc->first_lo = h;
-                dc->first_count++;
+                dc->first_lo = h;
+                break;
             }
         const hexiseq_device_cost *pc = first ? NULL : &per_device[r - 1];
         /* alike the previous member of its group: same device class, tokens, heads, kv heads */

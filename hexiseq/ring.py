@@ -97,7 +97,7 @@ def layer_forward(comm, slices, kern, q, k, v, causal, scale, docs=None):
         shapes = [[(B, me.tokens, mb.heads, d)] for mb in members]
         outs.append(comm.a2a_start(parts, shapes, topo.a2a_out(rank), B * d, dt, dev))
         saved.append((Qg, KV, Og, lses))
-    if len(slices) == 1 and len(slices[0].groups[slices[0].group_of(rank)]) == 1:
+    if _alone(slices, rank):
         comm.a2a_finish(outs[0])
         return saved[0][2], saved  # alone in my group, with every head: my output is Og itself
     o = torch.empty(B, s_r, A, d, dtype=dt, device=dev)
@@ -140,12 +140,11 @@ def layer_backward(comm, slices, kern, do, saved, causal, scale, docs=None):
             parts.append([dQg[:, sl], dKVg[0, :, sl], dKVg[1, :, sl]])
             shapes.append([(B, me.tokens, mb.heads, d)] + [(B, me.tokens, mb.first_n, d)] * 2)
         grads.append(comm.a2a_start(parts, shapes, topo.a2a_grads(rank), B * d, dt, dev))
-    kv_heads = A // slices[0].per_kv
-    if len(slices) == 1 and len(slices[0].groups[slices[0].group_of(rank)]) == 1:
-        (dq, dk, dv), = comm.a2a_finish(grads[0])  # alone in my group: every head, every kv head first-held
+    if _alone(slices, rank):
+        (dq, dk, dv), = comm.a2a_finish(grads[0])  # every head, every kv head first-held
         return dq, dk, dv
     dq = torch.empty(B, s_r, A, d, dtype=dt, device=dev)
-    dk = torch.zeros(B, s_r, kv_heads, d, dtype=dt, device=dev)
+    dk = torch.zeros(B, s_r, A // slices[0].per_kv, d, dtype=dt, device=dev)
     dv = torch.zeros_like(dk)
     for topo, handle in zip(slices, grads):
         dqc, dkc, dvc = _cols(dq, topo, False), _cols(dk, topo, True), _cols(dv, topo, True)
@@ -154,6 +153,12 @@ def layer_backward(comm, slices, kern, do, saved, causal, scale, docs=None):
             dkc[:, :, mb.first_lo:mb.first_lo + mb.first_n] = gk
             dvc[:, :, mb.first_lo:mb.first_lo + mb.first_n] = gv
     return dq, dk, dv
+
+
+def _alone(slices, rank):
+    """Whether the rank is alone in its group and the layer is one slice: its group's tensors are then its
+    own output and gradients, with no copy into place."""
+    return len(slices) == 1 and len(slices[0].groups[slices[0].group_of(rank)]) == 1
 
 
 def _join(pieces):
@@ -214,7 +219,7 @@ def _ring_forward(comm, topo, kern, Qg, KV, causal, scale, docs):
             for lo, n, t in got:
                 cur[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n] = t
     for o, first in zip(O, started):
-        if not first:  # no key reached this chunk
+        if not first:  # only an empty chunk: every other one meets its own positions at step 0; Og is empty()
             o.zero_()
     return (Og if in_place else torch.cat(O, 1).to(dt)), L
 
