@@ -11,8 +11,8 @@
  *   5. views are built over the producer's memory (no copies), the kernel runs with the GIL released,
  *      and every consumed managed tensor's deleter is called exactly once afterwards, on success or error.
  * Shape/dtype/overlap validation lives in csrc/tensor_view.c; this file only moves objects across. The CUDA
- * kernels are reached through their entry table (_core_cuda.c). */
-#include "_core.h"
+ * kernels are reached through their entry table (cuda.c). */
+#include "binding.h"
 
 #include <stdint.h>
 #include <string.h>

@@ -7,7 +7,7 @@
  * version and sizes before anything in it is called, then given this extension's status helpers and params
  * validation (hexiseq_cuda_host): the launchers write their failures into the same per-thread error buffer as
  * the CPU kernels, so raise_status reports both the same way. */
-#include "_core.h"
+#include "binding.h"
 
 #include <string.h>
 

@@ -5,9 +5,9 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
-from . import _core
-from ._validate import boolean, core_integer, integer, load_json, number, read_text
-from .errors import InvalidArgumentError
+from .. import _core
+from .._validate import boolean, core_integer, integer, load_json, number, read_text
+from ..errors import InvalidArgumentError
 
 __all__ = ["Model", "Training", "Sharding", "MODEL_PRESETS"]
 
@@ -205,7 +205,7 @@ class Sharding(enum.Enum):
 
 _SHARDING_CODE = {s: _core.SHARDINGS[s.value] for s in Sharding}  # the core's enum values, by name
 STATE_SHARES = ("auto", "even", "memory")
-_STATE_SHARES_CODE = {"even": 0, "memory": 1}  # hexiseq_state_shares; "auto" is chosen in Python (plan.py)
+_STATE_SHARES_CODE = dict(_core.STATE_SHARES)  # the core's values; "auto" is chosen in Python (plan.py)
 
 
 @dataclass(frozen=True)
