@@ -144,10 +144,10 @@ def cuda_runtime_version(nvcc):
 
 core = Extension(
     "hexiseq._core",
-    sources=sorted(glob.glob("hexiseq/_core*.c")) + sorted(glob.glob("csrc/*.c")),
+    sources=sorted(glob.glob("hexiseq/binding/*.c")) + sorted(glob.glob("csrc/*.c")),
     # headers too, so that editing one rebuilds the extension (setuptools compares their times with the output);
     # csrc/*.inc are code included by a csrc/*.c file (the typed attention tiles), never compiled alone
-    depends=["hexiseq/_core.h"] + sorted(glob.glob("csrc/*.h")) + sorted(glob.glob("csrc/*.inc"))
+    depends=["hexiseq/binding/binding.h"] + sorted(glob.glob("csrc/*.h")) + sorted(glob.glob("csrc/*.inc"))
     + sorted(glob.glob("kernels/*.h")),
     include_dirs=["csrc", "kernels", numpy.get_include()],
     extra_compile_args=["-std=c11", "-O3", "-fvisibility=hidden", "-Wall", "-Wno-unknown-pragmas"],

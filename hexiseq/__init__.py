@@ -3,14 +3,15 @@ heterogeneous GPU clusters, chosen by a cost model and executed exactly."""
 
 from . import errors  # noqa: F401  (the extension maps its status codes onto these classes)
 from . import _core
-from . import ops
-from .cluster import Cluster, DeviceRates, Node, gpu_catalog
+from .runtime import ops
+from .planner.cluster import Cluster, DeviceRates, Node, gpu_catalog
 from .errors import (CudaError, HexiseqError, InternalError, InvalidArgumentError, LayoutError, MemoryFitError,
                      RankMismatchError, UnknownGPUError, UnsupportedError)
-from .model import MODEL_PRESETS, Model, Sharding, Training
-from .plan import DeviceTable, Layout, Plan, Strategy, compare, evaluate, plan
-from .calibration import calibrate  # noqa: E402  (PyTorch is imported on the first call, not here)
-from .measurement import Measurement, measure
+from .planner.model import MODEL_PRESETS, Model, Sharding, Training
+from .planner.plan import DeviceTable, Layout, Plan, Strategy, compare, evaluate, plan
+from .planner.calibration import calibrate  # PyTorch is imported on the first call, not here
+from .planner.measurement import Measurement, measure
+from ._aliases import install_module_aliases
 
 __version__ = _core.VERSION
 
@@ -51,15 +52,23 @@ __all__ = [
     "load_full_state_dict",
 ]
 
-_LAZY = {"shard_states": "states", "full_state_dict": "states", "load_full_state_dict": "states"}
+# The public modules by their short names (`import hexiseq.nn`, `from hexiseq.hf import patch_model`): each is the
+# module of its sub-package itself, loaded on first use (nn, states and hf need PyTorch or transformers).
+PUBLIC_MODULES = {"ops": "runtime.ops", "nn": "runtime.nn", "states": "runtime.states", "hf": "integrations.hf",
+                  "plotting": "planner.plotting"}
+install_module_aliases(__name__, PUBLIC_MODULES)
+
+_LAZY = {"shard_states": "runtime.states", "full_state_dict": "runtime.states", "load_full_state_dict": "runtime.states"}
 
 
 def __getattr__(name):
     """The names that need PyTorch load their module on first use, so `import hexiseq` works without it."""
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    if name in PUBLIC_MODULES:
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -8,11 +8,12 @@ import re
 import sys
 
 from . import __version__, build_info, cuda_device_count
-from .cluster import Cluster, gpu_catalog
+from .planner.cluster import Cluster, gpu_catalog
 from .errors import HexiseqError, InvalidArgumentError
-from .model import MODEL_PRESETS, Model, Training
+from .planner.model import MODEL_PRESETS, Model, Training
 from ._validate import number, parse_tokens, read_text
-from .plan import TABLE_LEGEND, Plan, Strategy, _compare_within, _documents, compare, no_fit_error
+from .planner.plan import Plan, Strategy, _compare_within, _documents, compare, no_fit_error
+from .planner.text import TABLE_LEGEND
 
 DESCRIPTION = "Plan asymmetric sequence and head parallelism for a heterogeneous GPU cluster."
 
@@ -78,7 +79,7 @@ def cmd_plan(args) -> int:
         if not isinstance(chosen, Plan):
             raise no_fit_error(cluster, model, training, seq_len, causal, {strategy.value: chosen})
     if args.plot:
-        from .plotting import plot_plan
+        from .planner.plotting import plot_plan
 
         others = {n: p for n, p in results.items() if isinstance(p, Plan) and p is not chosen}
         plot_plan(chosen, args.plot, baselines=others)
@@ -179,7 +180,7 @@ def _calibration_summary(cluster: Cluster) -> str:
 
 
 def cmd_calibrate(args) -> int:
-    from .calibration import calibrate
+    from .planner.calibration import calibrate
 
     dist, rank, created = _init_distributed(args.backend)
     try:
@@ -198,7 +199,7 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_measure(args) -> int:
-    from .measurement import measure
+    from .planner.measurement import measure
 
     plan = Plan.from_json(read_text(args.plan, "plan file"))
     dist, rank, created = _init_distributed(args.backend)

@@ -19,7 +19,6 @@ import torch.distributed as dist  # noqa: E402
 
 import hexiseq  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
 import calibrate_worker as cw  # noqa: E402
 import dist_worker  # noqa: E402
 
@@ -99,7 +98,7 @@ def test_calibrated_yaml_plans_like_the_cluster(calibrated, tmp_path):
         b = hexiseq.plan(back, model=model, seq_len=4097, strategy=strategy)
         assert a.fingerprint == b.fingerprint and a.step_time_s == b.step_time_s
     # the runtime's own work was timed, so the model charges it: every device of a plan, and measure's "rest"
-    from hexiseq.measurement import predicted_layer
+    from hexiseq.planner.measurement import predicted_layer
 
     assert all(x > 0 for x in a.devices.runtime_s), a.devices.runtime_s
     rest = [v["rest"] for v in predicted_layer(a, "attention")[0].values()]

@@ -137,7 +137,7 @@ def test_runtime_torch_blocks(case, D):
     """The runtime's PyTorch block path on CUDA: torch's fused flash op for full and diagonal block pairs (the ones
     a ring produces), tiled matmuls for a partly visible one; forward and backward (with the pair's own out and
     LSE) against float64, GQA 6:2, odd lengths."""
-    from hexiseq import blocks
+    from hexiseq.runtime import blocks
 
     sq, sk = (333, 333) if case == "diagonal" else (333, 517)
     causal, qp, kp = {"full_noncausal": (False, 0, 0), "full_causal": (True, 600, 83), "diagonal": (True, 77, 77),

@@ -4,8 +4,6 @@ Tolerances (relative to the largest reference value, floored at 1 — see dist_w
 same products in a different order (blocks, merges), an error of a few ulps times the number of merge steps;
 1e-5 in float32 — single-precision accumulation over sequences of ~100 keys (~1e-6 observed)."""
 
-import os
-import sys
 import time
 
 import pytest
@@ -16,7 +14,6 @@ import torch.distributed as dist  # noqa: E402
 
 import hexiseq  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
 import dist_worker  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")

@@ -3,8 +3,6 @@ raise the same HexiseqError naming the field and each rank's value, quickly, nev
 or a hang; afterwards the ranks are still in step. One spawn of three processes runs every scenario in turn
 (tests/dist_worker.contract_scenarios), with a deadline."""
 
-import os
-import sys
 import time
 
 import pytest
@@ -12,7 +10,6 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
 import dist_worker  # noqa: E402
 from dist_plans import layout_plan, tiny_model  # noqa: E402
 

@@ -14,8 +14,6 @@ Tolerances (float64 model):
 * against transformers' own `model(input_ids, labels=input_ids).loss`: 1e-6, because transformers casts the
   logits to float32 before the cross entropy even for a float64 model (loss_utils.ForCausalLMLoss)."""
 
-import os
-import sys
 import time
 
 import pytest
@@ -28,7 +26,6 @@ import torch.distributed as dist  # noqa: E402
 
 import hexiseq  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
 import dist_worker  # noqa: E402
 import hf_worker  # noqa: E402
 

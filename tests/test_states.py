@@ -4,8 +4,6 @@ between forward and backward, optimizer states only for the local shards, and th
 ranks that disagree raise the same error on every rank, quickly. One spawn of three Gloo ranks runs every
 scenario in turn (tests/states_worker.run_all)."""
 
-import os
-import sys
 import time
 
 import pytest
@@ -16,7 +14,6 @@ import torch.distributed as dist  # noqa: E402
 import hexiseq  # noqa: E402
 from hexiseq.states import shard_sizes  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
 import dist_worker  # noqa: E402
 import states_worker  # noqa: E402
 

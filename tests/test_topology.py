@@ -1,16 +1,13 @@
-"""The runtime's geometry (hexiseq.topology) for every plan the distributed tests execute, checked without
+"""The runtime's geometry (hexiseq.runtime.topology) for every plan the distributed tests execute, checked without
 starting a process: shares partition the sequence and the heads, kv ranges and first holders follow the GQA
 ratio, every ring route and shared-head reduction has its matching other end, each member receives exactly the
 kv heads it needs, and the block pairs cover every visible (query, key) pair exactly once."""
 
-import os
-import sys
 
 import pytest
 
-from hexiseq.topology import Topology
+from hexiseq.runtime.topology import Topology
 
-sys.path.insert(0, os.path.dirname(__file__))
 from dist_plans import CASES, layout_plan, tiny_model  # noqa: E402
 
 PLANS = dict(CASES)

@@ -7,7 +7,7 @@ import math
 import pytest
 
 torch = pytest.importorskip("torch")
-from hexiseq import blocks  # noqa: E402
+from hexiseq.runtime import blocks  # noqa: E402
 from hexiseq import ops  # noqa: E402
 
 CASES = [  # Sq, Sk, q_pos0, k_pos0, causal, heads, kv_heads

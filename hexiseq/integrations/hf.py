@@ -67,8 +67,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from .errors import HexiseqError, InvalidArgumentError, UnsupportedError
-from .model import hf_sliding_window
+from ..errors import HexiseqError, InvalidArgumentError, UnsupportedError
+from ..planner.model import hf_sliding_window
 
 __all__ = ["patch_model", "unpatch_model", "shard_inputs", "sharded_causal_lm_loss", "documents_from_position_ids",
            "ATTN_IMPLEMENTATION", "DOCUMENTS_KWARG"]
@@ -131,8 +131,8 @@ def hexiseq_attention_forward(module, query, key, value, attention_mask, scaling
     if scaling is not None and not math.isclose(scaling, context.scale, rel_tol=1e-12):
         raise UnsupportedError(f"hexiseq: {type(module).__name__} scales by {scaling}, the model's HexiSeq context "
                                f"by {context.scale}; every layer must use the same softmax scale")
-    from .documents import frozen
-    from .nn import hexiseq_attn_func
+    from ..runtime.documents import frozen
+    from ..runtime.nn import hexiseq_attn_func
 
     tokens = context.me.tokens
     documents = frozen(kwargs.get(DOCUMENTS_KWARG))
@@ -164,7 +164,7 @@ def _check_positions(pos, want, documents, rank):
     positions, or with packed documents the positions restarting at each document (plus any one offset per row,
     the collator's position_ids_start)."""
     if documents is not None:
-        from .ops import document_starts
+        from ..runtime.ops import document_starts
 
         rows = documents if isinstance(documents, tuple) and all(isinstance(r, tuple) for r in documents) else \
             (documents,)
@@ -228,7 +228,7 @@ def patch_model(model, plan, group=None):
     window shorter than the plan's sequence). Tested with transformers 5.23.0: LlamaForCausalLM,
     MistralForCausalLM, Qwen2ForCausalLM."""
     attn_fns, mask_fns = _transformers()
-    from .nn import HexiSeqContext
+    from ..runtime.nn import HexiSeqContext
 
     if getattr(model, _CTX, None) is not None:
         unpatch_model(model)

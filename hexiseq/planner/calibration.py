@@ -30,10 +30,11 @@ import sys
 import time
 from typing import List, Optional, Sequence
 
-from . import _core
+from .. import _core
 from .cluster import Cluster, gpu_catalog
-from .errors import HexiseqError, InvalidArgumentError
+from ..errors import HexiseqError, InvalidArgumentError
 from .model import Model
+from ._harness import _barrier, _broadcast, _dtype, _torch
 
 __all__ = ["calibrate"]
 
@@ -47,15 +48,6 @@ _CUDA_NAMES = (("h100 pcie", "H100-PCIe"), ("h100", "H100-SXM"), ("h200", "H200"
                ("a100-sxm4-40", "A100-40G"), ("a100-pcie-40", "A100-40G"), ("a100", "A100-80G"), ("a800", "A800"),
                ("l40s", "L40S"), ("l40", "L40"), ("a6000", "A6000"), ("4090", "RTX4090"), ("3090", "RTX3090"),
                ("v100", "V100"))
-
-
-def _torch():
-    try:
-        import torch
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - the CPU test environment has torch
-        raise HexiseqError("hexiseq.calibrate needs PyTorch (pip install torch)") from None
-    return torch, dist
 
 
 def device_name(device) -> str:
@@ -111,23 +103,6 @@ def _seconds(fn, device, iters: int, warmup: int) -> float:
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def _dtype(dtype, device):
-    torch, _ = _torch()
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, str):
-        key = dtype.lower().replace("torch.", "")
-        names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-                 "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-                 "fp64": torch.float64, "float64": torch.float64, "double": torch.float64}
-        if key not in names:
-            raise InvalidArgumentError(f"dtype {dtype!r} is not one of bf16, fp16, fp32, fp64")
-        return names[key]
-    if isinstance(dtype, torch.dtype) and dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-        return dtype
-    raise InvalidArgumentError(f"dtype must be a torch floating dtype or a name like 'bf16', got {dtype!r}")
 
 
 def _sizes(value, name, default) -> List[int]:
@@ -232,9 +207,9 @@ def _document_sizes(sizes):
 def _attention_curves(model: Model, sizes, device, dtype, heads, iters, warmup, barrier, progress):
     """(block, TFLOP/s) for full blocks and causal-diagonal blocks, and (document length, TFLOP/s) for documents
     packed in one block of the largest size under the document mask, forward + backward, through the runtime's
-    own block kernels (hexiseq.blocks, chosen exactly as a ring pass chooses them)."""
+    own block kernels (hexiseq.runtime.blocks, chosen exactly as a ring pass chooses them)."""
     torch, _ = _torch()
-    from . import blocks, ops
+    from ..runtime import blocks, ops
 
     h, kv = _attention_heads(model, device, heads)
     d = model.head_dim
@@ -716,26 +691,8 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
     return cluster
 
 
-def _barrier(group, device):
-    """A barrier of `group`; on NCCL bound to this rank's device (else NCCL guesses one)."""
-    _, dist = _torch()
-    if device.type == "cuda":
-        dist.barrier(group=group, device_ids=[device.index])
-    else:
-        dist.barrier(group=group)
-
-
 def _runtime_uses_c(device, dtype):
     torch, _ = _torch()
-    from . import blocks
+    from ..runtime import blocks
 
     return blocks.use_c_kernels(torch.empty(0, device=device, dtype=dtype))
-
-
-def _broadcast(obj, group):
-    """Rank 0's object on every rank (the calibration record must be equal everywhere)."""
-    _, dist = _torch()
-    box = [obj]
-    src = 0 if group is dist.group.WORLD else dist.get_global_rank(group, 0)
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]

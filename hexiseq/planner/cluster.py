@@ -10,9 +10,9 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from . import _core
-from ._validate import MAX_NESTING, core_integer, load_json, nesting, number, read_text
-from .errors import InvalidArgumentError, UnknownGPUError
+from .. import _core
+from .._validate import MAX_NESTING, core_integer, load_json, nesting, number, read_text
+from ..errors import InvalidArgumentError, UnknownGPUError
 
 __all__ = ["Node", "DeviceRates", "Cluster", "gpu_catalog"]
 

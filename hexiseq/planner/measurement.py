@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from ._validate import document_lengths
-from .calibration import _barrier, _dtype, _torch
-from .errors import HexiseqError, InvalidArgumentError
+from .._validate import document_lengths
+from ._harness import _barrier, _dtype, _torch
+from ..errors import HexiseqError, InvalidArgumentError
 from .model import Training
 from .plan import Plan, evaluate
 
@@ -185,7 +185,7 @@ def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=No
     the ones the plan was made for, `plan.documents`, None for one causal document), None, or a list of lengths
     adding up to plan.seq_len (to run a plan on a batch it was not made for)."""
     torch, dist = _torch()
-    from .nn import HexiSeqAttention
+    from ..runtime.nn import HexiSeqAttention
 
     if not isinstance(plan, Plan):
         raise InvalidArgumentError(f"plan must be a hexiseq.Plan, got {type(plan).__name__}")

@@ -11,11 +11,12 @@ from typing import Dict, List, Optional, Union
 
 import numpy as np
 
-from . import _core
-from ._validate import boolean, document_lengths, integer, integers, load_json, number, parse_tokens
+from .. import _core
+from .._validate import boolean, document_lengths, integer, integers, load_json, number, parse_tokens
 from .cluster import Cluster
-from .errors import InternalError, InvalidArgumentError, LayoutError, MemoryFitError, UnsupportedError
+from ..errors import InternalError, InvalidArgumentError, LayoutError, MemoryFitError, UnsupportedError
 from .model import Model, Sharding, Training
+from . import text
 
 __all__ = ["Strategy", "Layout", "Plan", "DeviceTable", "plan", "evaluate", "compare"]
 
@@ -36,6 +37,7 @@ class Strategy(str, enum.Enum):
 _CORE_STRATEGY = {s: _core.STRATEGIES[s.value] for s in Strategy if s is not Strategy.AUTO}  # the core's values
 BASELINES = (Strategy.RING, Strategy.ULYSSES, Strategy.USP)
 ALL_STRATEGIES = (Strategy.HEXISEQ,) + BASELINES
+_CHUNKING_NAME = {value: name for name, value in _core.CHUNKINGS.items()}
 
 
 def _documents(documents, seq_len, causal):
@@ -78,11 +80,11 @@ class Layout:
 
     _ARRAYS = (("group_size", np.int32), ("group_seq", np.int64), ("device", np.int32), ("tokens", np.int64),
                ("head_lo", np.int32), ("head_count", np.int32))
-    CHUNKINGS = ("zigzag", "contiguous")  # by the core's value (hexiseq_chunking)
+    CHUNKINGS = tuple(sorted(_core.CHUNKINGS, key=_core.CHUNKINGS.get))  # names in the core's value order
 
     def __init__(self, group_size, group_seq, device, tokens, head_lo, head_count, chunking="zigzag"):
-        if isinstance(chunking, (int, np.integer)) and not isinstance(chunking, bool) and 0 <= chunking < 2:
-            chunking = self.CHUNKINGS[chunking]  # as the core hands it back
+        if isinstance(chunking, (int, np.integer)) and not isinstance(chunking, bool):
+            chunking = _CHUNKING_NAME.get(int(chunking), chunking)  # the core's value, as the core hands it back
         if chunking not in self.CHUNKINGS:
             raise LayoutError(f"layout.chunking must be one of {list(self.CHUNKINGS)}, got {chunking!r}")
         self.chunking = chunking
@@ -183,7 +185,7 @@ class Layout:
 
     def _as_core(self) -> dict:
         return {**{name: getattr(self, name) for name, _ in self._ARRAYS},
-                "chunking": self.CHUNKINGS.index(self.chunking)}
+                "chunking": _core.CHUNKINGS[self.chunking]}
 
     def __eq__(self, other):
         return isinstance(other, Layout) and self.chunking == other.chunking and all(
@@ -209,7 +211,7 @@ class DeviceTable:
     layer's matmuls compare with. The byte columns are the traffic the times charge: ring K/V bytes per token of a
     block sent to the next group and received from the previous one, and one layer's all-to-all bytes for one
     sequence, forward (Q, K, V in and O out) and backward (dO in, dQ and the first-held kv heads' dK, dV out);
-    hexiseq.topology counts the same from what the runtime sends."""
+    hexiseq.runtime.topology counts the same from what the runtime sends."""
 
     def __init__(self, columns: Dict[str, np.ndarray]):
         self._columns = columns
@@ -361,7 +363,7 @@ class Plan:
         group = self._group(group)
         spans = self.__dict__.get("_spans")
         if spans is None:
-            chunking = Layout.CHUNKINGS.index(self.layout.chunking)
+            chunking = _core.CHUNKINGS[self.layout.chunking]
             spans = self.__dict__["_spans"] = [a.tolist() for a in _core.layout_spans(self.layout.group_seq, chunking)]
         f0, fn, b0, bn = (col[group] for col in spans)
         return [(p0, n) for p0, n in ((f0, fn), (b0, bn)) if n > 0]
@@ -458,74 +460,18 @@ class Plan:
             return full.index_select(dim, torch.as_tensor(inverse, device=full.device))
         return np.take(np.concatenate(shards, axis=dim), inverse, axis=dim)
 
-    # ------------------------------------------------------------------ text
+    # ------------------------------------------------------------------ text (planner/text.py)
 
     def explain(self) -> str:
         """A readable breakdown of the predicted step time, term by term."""
-        t = self.devices
-        c = self._cost
-
-        def dev(d):
-            return f"device {d} ({self.cluster.device_gpus[d]})"
-
-        lines = [
-            f"HexiSeq plan '{self.strategy}': {self.model.name}, seq_len {self.seq_len:,}, "
-            f"{'causal' if self.causal else 'full'} attention, {self.cluster.describe()}",
-        ]
-        if self.stopped_early:
-            lines.append("  search           STOPPED EARLY at the time limit: the best plan found by then")
+        one = None  # with packed documents, the same layout priced as one causal document, for comparison
         if self.documents is not None:
-            lines += _documents_lines(self)
-        lines += [
-            f"  step time        {self.step_time_s:10.4f} s   ({self.tokens_per_s:,.0f} tokens/s)",
-            f"    token-parallel {c['gemm_phase_s']:10.4f} s   slowest {dev(c['gemm_bottleneck'])}",
-            f"    all-to-all     {c['a2a_phase_s']:10.4f} s   slowest group of {dev(c['a2a_bottleneck'])}",
-            f"    attention+ring {c['ring_phase_s']:10.4f} s   slowest {dev(c['ring_bottleneck'])}",
-        ]
-        slowest = int(np.flatnonzero(t.device == c['ring_bottleneck'])[0])
-        if t.runtime_s[slowest] > 0:
-            lines.append(f"      of which the runtime's work around the kernels {t.runtime_s[slowest]:.4f} s "
-                         "(calibrated runtime_ns)")
-        lines += [
-            f"    gradient sync  {c['grad_exposed_s']:10.4f} s   exposed of {c['grad_sync_s']:.4f} s of "
-            f"{_sharding_words(self.training)} over {self.cluster.num_devices} device(s)",
-            f"  lower bound      {self.lower_bound_s:10.4f} s   (plan is {self.gap_to_bound:.3f}x the bound)",
-            f"  memory           {'fits' if self.fits else 'DOES NOT FIT'}: peak "
-            f"{float(t.mem_total_gib.max()):.1f} GiB (device {int(t.device[int(np.argmax(t.mem_total_gib))])})",
-            f"  model states     {_states_words(self)}",
-            f"  groups in ring order ({self.num_groups}):",
-        ]
-        r = 0
-        for g, size in enumerate(self.layout.group_size.tolist()):
-            members = t.device[r:r + size]
-            gpus = sorted(set(t.gpu[r:r + size].tolist()))
-            lines.append(f"    g{g}: {size} device(s) {_ranges(members.tolist())} [{', '.join(gpus)}], "
-                         f"seq {int(self.layout.group_seq[g]):,}")
-            r += size
-        lines.append("")
-        lines.append(self.table())
-        return "\n".join(lines)
+            one = Plan(self.cluster, self.model, self.training, self.seq_len, self.causal, self.strategy, self.layout)
+        return text.explain(self, one_document=one)
 
     def table(self, max_rows: int = 64) -> str:
         """The per-device table as aligned text."""
-        t = self.devices
-        head = (f"{'dev':>4} {'gpu':<10} {'grp':>3} {'tokens':>9} {'heads':>9} {'kv':>7} {'gemm s':>9} "
-                f"{'attn s':>9} {'a2a s':>8} {'ring s':>8} {'busy s':>9} {'mem GiB':>13}")
-        rows = [head]
-        n = len(t)
-        idx = list(range(n)) if n <= max_rows else list(range(max_rows // 2)) + list(range(n - max_rows // 2, n))
-        last = -1
-        for i in idx:
-            if i != last + 1:
-                rows.append(f"{'...':>4} ({n - max_rows} more)")
-            last = i
-            heads = _span(t.head_lo[i], t.head_count[i])
-            kv = _span(t.kv_lo[i], t.kv_count[i])
-            rows.append(
-                f"{t.device[i]:>4} {t.gpu[i]:<10} {t.group[i]:>3} {t.tokens[i]:>9,} {heads:>9} {kv:>7} "
-                f"{t.gemm_s[i]:>9.4f} {t.attn_s[i]:>9.4f} {t.a2a_s[i]:>8.4f} {t.ring_exposed_s[i]:>8.4f} "
-                f"{t.busy_s[i]:>9.4f} {t.mem_total_gib[i]:>6.1f}/{t.mem_cap_gib[i]:<6.1f}")
-        return "\n".join(rows)
+        return text.table(self, max_rows)
 
     def __repr__(self):
         return (f"Plan(strategy={self.strategy!r}, groups={self.layout.group_size.tolist()}, "
@@ -584,68 +530,6 @@ class Plan:
             raise InvalidArgumentError(f"plan fingerprint mismatch: file says {doc['fingerprint']}, "
                                        f"contents hash to {p.fingerprint}")
         return p
-
-
-def _documents_lines(plan) -> List[str]:
-    """What the packed documents change: the pairs the mask leaves, the chunking, and the same layout priced as
-    one causal document."""
-    d = plan.documents
-    S = plan.seq_len
-    kept = float(np.sum(d * (d + 1) / 2)) / (S * (S + 1) / 2)
-    one = Plan(plan.cluster, plan.model, plan.training, S, plan.causal, plan.strategy, plan.layout)
-    return [
-        f"  documents        {d.size:,} packed (mean {S / d.size:,.0f}, longest {int(d.max()):,} tokens): "
-        f"{100 * kept:.3g}% of one causal document's pairs; {plan.layout.chunking} chunks",
-        f"                   this layout priced as one causal document: {one.step_time_s:.4f} s "
-        f"(attention+ring {one._cost['ring_phase_s']:.4f} s)",
-    ]
-
-
-def _states_words(plan) -> str:
-    """How the plan divides the model states, and what runs it that way."""
-    n, t = plan.cluster.num_devices, plan.training
-    if t.sharding is Sharding.NONE:
-        return f"replicated on every device ({float(plan.devices.mem_states_gib.max()):.1f} GiB each)"
-    lo, hi = (f"{float(f(plan.devices.mem_states_gib)):.1f}" for f in (np.min, np.max))
-    span = f"{lo if lo == hi else f'{lo}-{hi}'} GiB per device"
-    if t.state_shares == "memory":
-        shares = plan.state_shares
-        return (f"shared by memory, {100 * float(shares.min()):.2f}-{100 * float(shares.max()):.2f}% of the "
-                f"{t.sharding.value}-sharded states per device (even: {100 / n:.2f}%), {span}; run with "
-                f"hexiseq.shard_states(module, plan), as FSDP and ZeRO shard evenly")
-    return f"even, 1/{n} of the {t.sharding.value}-sharded states per device, {span}"
-
-
-def _sharding_words(training) -> str:
-    """What the gradient collectives are under the plan's sharding."""
-    name = str(getattr(training.sharding, "value", training.sharding)).lower()
-    return {"full": "parameter gathers and gradient reduce-scatters",
-            "grad_opt": "gradient reduce-scatter and parameter gather",
-            "opt": "gradient all-reduce", "none": "gradient all-reduce"}.get(name, "collectives")
-
-
-def _span(lo: int, count: int) -> str:
-    """count items from lo as an inclusive range, the way device ranges print ("4-7", "5"); "-" for none."""
-    return "-" if count == 0 else f"{lo}" if count == 1 else f"{lo}-{lo + count - 1}"
-
-
-TABLE_LEGEND = (
-    "columns: tokens = the device's share of the sequence; heads, kv = query and key/value heads it holds\n"
-    "(inclusive ranges, like devices); gemm s = token-parallel compute (projections, MLP); attn s = attention\n"
-    "of all ring steps; a2a s = all-to-all; ring s = ring transfers not hidden behind attention; busy s = their\n"
-    "sum; mem GiB = peak / capacity. Times are per training step, all layers, forward and backward.")
-
-
-def _ranges(ids: List[int]) -> str:
-    """[0,1,2,5] -> '0-2,5'."""
-    out, start = [], None
-    for i, d in enumerate(ids):
-        if start is None:
-            start = d
-        if i + 1 == len(ids) or ids[i + 1] != d + 1:
-            out.append(f"{start}" if start == d else f"{start}-{d}")
-            start = None
-    return ",".join(out)
 
 
 def _inputs(cluster, model, training, seq_len):

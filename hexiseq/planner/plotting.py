@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from .errors import HexiseqError
+from ..errors import HexiseqError
 
 __all__ = ["plot_plan"]
 

@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from . import ops
-from .errors import InvalidArgumentError, UnsupportedError
+from ..errors import InvalidArgumentError, UnsupportedError
 
 _warned_fallback = False
 

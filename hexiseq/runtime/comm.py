@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .errors import HexiseqError, InvalidArgumentError, RankMismatchError
+from ..errors import HexiseqError, InvalidArgumentError, RankMismatchError
 
 # Message kinds, as P2P tags: K/V blocks, dK/dV accumulators, shared-kv-head reductions. Between one pair of
 # ranks a K/V block and an accumulator can have the same shape; posting order alone keeps them apart, so the
@@ -116,7 +116,7 @@ def group_timeout(group):
 
 class Comm:
     """One rank's communication for a plan over `group` (default: the world). Collective to build: every rank
-    of the group calls it with the same plan. topology: the plan's hexiseq.topology.Topology."""
+    of the group calls it with the same plan. topology: the plan's hexiseq.runtime.topology.Topology."""
 
     def __init__(self, plan, topology, group=None, causal=True, softmax_scale=None, timeout=None):
         self.group = resolve_group(group)

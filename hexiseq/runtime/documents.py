@@ -6,8 +6,8 @@ import numpy as np
 import torch
 
 from . import ops
-from ._validate import document_lengths
-from .errors import InvalidArgumentError
+from .._validate import document_lengths
+from ..errors import InvalidArgumentError
 from .ops import _short
 
 

@@ -2,12 +2,12 @@
 
 Each rank holds its token shard (`plan.shard(x, dim, rank)`; rank r is cluster device r). The public layer is
 here; the work is in rooms of one concern each:
-- hexiseq.topology: who holds which heads and tokens, who sends what to whom (no processes);
-- hexiseq.comm: process groups, the all-to-all, tagged P2P, timers, and the contract that ranks which disagree
+- hexiseq.runtime.topology: who holds which heads and tokens, who sends what to whom (no processes);
+- hexiseq.runtime.comm: process groups, the all-to-all, tagged P2P, timers, and the contract that ranks which disagree
   fail together with the same error instead of aborting or hanging;
-- hexiseq.ring: one layer forward and backward (all-to-all in, ring attention, all-to-all out);
-- hexiseq.blocks: the attention of one block pair, the C kernels or the PyTorch path, chosen once per dtype;
-- hexiseq.documents: packed documents per call, checked, and turned into each query chunk's document starts.
+- hexiseq.runtime.ring: one layer forward and backward (all-to-all in, ring attention, all-to-all out);
+- hexiseq.runtime.blocks: the attention of one block pair, the C kernels or the PyTorch path, chosen once per dtype;
+- hexiseq.runtime.documents: packed documents per call, checked, and turned into each query chunk's document starts.
 """
 
 import atexit
@@ -24,7 +24,7 @@ except ImportError as e:  # pragma: no cover
 from . import blocks, ring
 from . import documents as documents_mod
 from .comm import Comm, describe_call
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 from .topology import Topology
 
 __all__ = ["HexiSeqAttention", "HexiSeqContext", "hexiseq_attn_func", "gather_sequence"]
@@ -47,7 +47,7 @@ class HexiSeqContext:
     a backward follows or the documents at a call) or whose inputs fail validation raise the same HexiseqError
     on every rank instead of aborting or hanging. timeout: for the subgroups it creates (default: the group's own).
     a2a_slices: how many slices of kv heads a layer is pipelined in, so that all-to-alls travel while attention
-    runs (default: HEXISEQ_A2A_SLICES, else 1; see hexiseq.ring.slice_count)."""
+    runs (default: HEXISEQ_A2A_SLICES, else 1; see hexiseq.runtime.ring.slice_count)."""
 
     def __init__(self, plan, group=None, causal: bool = True, softmax_scale: Optional[float] = None, timeout=None,
                  a2a_slices: Optional[int] = None):
@@ -62,7 +62,7 @@ class HexiSeqContext:
         self.me = self.topology.member(self.rank)
         self._kernels = {}  # one BlockKernels per (device, dtype), decided at first use
 
-    # Seconds per phase since reset_timers() ("attn", "a2a", "ring_wait", "sync"; see hexiseq.comm), and whether CUDA
+    # Seconds per phase since reset_timers() ("attn", "a2a", "ring_wait", "sync"; see hexiseq.runtime.comm), and whether CUDA
     # work is synchronised at phase boundaries so the clock sees the device (for measurement only).
     phase_s = property(lambda self: self.comm.phase_s)
     sync_timing = property(lambda self: self.comm.sync_timing,

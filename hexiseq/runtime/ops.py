@@ -20,8 +20,8 @@ import sys
 
 import numpy as np
 
-from . import _core
-from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedError
+from .. import _core
+from ..errors import ArgumentTypeError, InvalidArgumentError, UnsupportedError
 
 __all__ = ["attention_forward", "attention_backward", "merge_", "document_starts"]
 

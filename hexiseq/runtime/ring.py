@@ -13,8 +13,8 @@ and carries their dK/dV accumulators along (a kv head held by two devices of a g
 by its first holder), the accumulators arrive home after one extra hop, and dQ, dK, dV go back through the
 reverse all-to-all.
 
-Who sends what to whom comes from hexiseq.topology (no processes), the transfers from hexiseq.comm, the block
-attention from hexiseq.blocks.
+Who sends what to whom comes from hexiseq.runtime.topology (no processes), the transfers from hexiseq.runtime.comm, the block
+attention from hexiseq.runtime.blocks.
 """
 
 import os
@@ -22,7 +22,7 @@ import os
 import torch
 
 from .comm import TAG_ACC, TAG_KV, TAG_REDUCE
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 
 def slice_count(topology, asked):
@@ -56,7 +56,7 @@ def layer_forward(comm, slices, kern, q, k, v, causal, scale, docs=None):
     """q [B, s_r, A, d], k/v [B, s_r, A_kv, d] -> (o [B, s_r, A, d], what layer_backward needs: per slice
     (Qg [B, S_g, h, d], KV [2, B, S_g, kv, d], Og [B, S_g, h, d], the lse of each query chunk)).
 
-    docs: the document mask of the rank's group's query chunks (hexiseq.documents.chunk_starts), or None for one causal document
+    docs: the document mask of the rank's group's query chunks (hexiseq.runtime.documents.chunk_starts), or None for one causal document
     per sequence. Documents do not change who holds what: only the block kernels see them.
 
     slices: the plan's Topology cut by kv heads (Topology.slices). They are pipelined: the all-to-all into slice

@@ -45,9 +45,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._validate import number
+from .._validate import number
 from .comm import _DTYPES, _bits_float, _code, _float_bits, _show, agree, collective_device, resolve_group
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 __all__ = ["shard_states", "full_state_dict", "load_full_state_dict", "shard_sizes"]
 

@@ -13,7 +13,7 @@ from typing import List, NamedTuple, Tuple
 
 import numpy as np
 
-from .errors import HexiseqError
+from ..errors import HexiseqError
 
 __all__ = ["Member", "Topology", "BlockPair", "Route", "HeadRun"]
 

@@ -205,7 +205,7 @@ def contract_scenarios(rank, world, init, plan_json, results):
     scenarios run at all shows that a failure leaves the ranks in step."""
     try:
         import hexiseq
-        from hexiseq.comm import group_timeout
+        from hexiseq.runtime.comm import group_timeout
         from hexiseq.nn import HexiSeqAttention
 
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,

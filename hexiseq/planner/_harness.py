@@ -1,0 +1,49 @@
+"""What the calibration and the measurement share to run on the ranks: PyTorch imported on first use (so that
+`import hexiseq` works without it), dtypes by name, a barrier bound to the rank's device, and rank 0's object on
+every rank."""
+
+from ..errors import HexiseqError, InvalidArgumentError
+
+
+def _torch():
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - the CPU test environment has torch
+        raise HexiseqError("hexiseq.calibrate needs PyTorch (pip install torch)") from None
+    return torch, dist
+
+
+def _dtype(dtype, device):
+    torch, _ = _torch()
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        key = dtype.lower().replace("torch.", "")
+        names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+                 "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+                 "fp64": torch.float64, "float64": torch.float64, "double": torch.float64}
+        if key not in names:
+            raise InvalidArgumentError(f"dtype {dtype!r} is not one of bf16, fp16, fp32, fp64")
+        return names[key]
+    if isinstance(dtype, torch.dtype) and dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        return dtype
+    raise InvalidArgumentError(f"dtype must be a torch floating dtype or a name like 'bf16', got {dtype!r}")
+
+
+def _barrier(group, device):
+    """A barrier of `group`; on NCCL bound to this rank's device (else NCCL guesses one)."""
+    _, dist = _torch()
+    if device.type == "cuda":
+        dist.barrier(group=group, device_ids=[device.index])
+    else:
+        dist.barrier(group=group)
+
+
+def _broadcast(obj, group):
+    """Rank 0's object on every rank (the calibration record must be equal everywhere)."""
+    _, dist = _torch()
+    box = [obj]
+    src = 0 if group is dist.group.WORLD else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
