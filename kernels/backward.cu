@@ -131,8 +131,7 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
     const T *kg = static_cast<const T *>(p.k) + b * p.k_stride[0] + k0 * p.k_stride[1] + hk * p.k_stride[2];
     const T *vg = static_cast<const T *>(p.v) + b * p.v_stride[0] + k0 * p.v_stride[1] + hk * p.v_stride[2];
     if constexpr (!DOC) {
-        load_tile<T, BK, D, LDT, NT>(ks, kg, p.k_stride[1], p.k_stride[3], nk, p.head_dim, cfg.vec_k);
-        load_tile<T, BK, D, LDT, NT>(vs, vg, p.v_stride[1], p.v_stride[3], nk, p.head_dim, cfg.vec_v);
+        load_kv_tiles<T, BK, D, LDT, NT>(ks, vs, kg, vg, p, nk, cfg.vec_k, cfg.vec_v);
     }
 
     float dk[DW / 8][4], dv[DW / 8][4]; // rows key0, key0 + 8 x columns c0 + 8j + 2t + {0, 1}; dK unscaled
@@ -152,8 +151,7 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
     if constexpr (DOC) {
         q0_start = doc_next_tile<BQ>(p, cfg, b, q0_start, key_first + nk - 1);
         if (q0_start < p.seq_q) {
-            load_tile<T, BK, D, LDT, NT>(ks, kg, p.k_stride[1], p.k_stride[3], nk, p.head_dim, cfg.vec_k);
-            load_tile<T, BK, D, LDT, NT>(vs, vg, p.v_stride[1], p.v_stride[3], nk, p.head_dim, cfg.vec_v);
+            load_kv_tiles<T, BK, D, LDT, NT>(ks, vs, kg, vg, p, nk, cfg.vec_k, cfg.vec_v);
         }
     }
 
@@ -205,9 +203,8 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
         const float *lseg = static_cast<const float *>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1];
         const float *deltag = cfg.delta + (b * p.heads + h) * p.seq_q;
         float *dqg = cfg.dq_acc + ((b * p.heads + h) * p.seq_q + q0) * p.head_dim; // row q0 of the tile
-        // Causal: key kr sees query qc iff k_pos0 + k0 + kr <= q_pos0 + q0 + qc, i.e. kr - qc <= the diagonal offset,
-        // clamped here to [-BQ, BK] (kr - qc lies in (-BQ, BK)) so the per-element test is 32-bit.
-        const int diag = p.causal ? (int)max((int64_t)-BQ, min((int64_t)BK, p.q_pos0 + q0 - p.k_pos0 - k0)) : BK;
+        // Causal: key kr sees query qc iff kr - qc <= diag (causal_diag: 32-bit, kr - qc lies in (-BQ, BK)).
+        const int diag = causal_diag<BQ, BK>(p, q0, k0);
         const T *qs = q_tile(buf), *dos = do_tile(buf);
         // No barrier is needed before refilling a Q/dO buffer or LSE, D: their last readers (the dV/dK phase
         // of an earlier step) are behind that step's "dS^T complete" barrier, and dS^T is rewritten only
@@ -223,10 +220,7 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
             load_tile<T, BQ, D, LDT, NT>(q_tile(0), q_src(h, q0), p.q_stride[1], p.q_stride[3], nq, p.head_dim, false);
             load_tile<T, BQ, D, LDT, NT>(do_tile(0), do_src(h, q0), p.do_stride[1], p.do_stride[3], nq, p.head_dim, false);
         }
-        for (int r = threadIdx.x; r < BQ; r += NT) {
-            lse_s[r] = r < nq ? lseg[(q0 + r) * p.lse_stride[2]] * kLog2e : -INFINITY;
-            delta_s[r] = r < nq ? deltag[q0 + r] : 0.0f;
-        }
+        load_row_stats<BQ, NT>(lse_s, delta_s, lseg, p.lse_stride[2], deltag, q0, nq);
         const bool doc_cut = DOC && doc_tile_cut<BQ>(cfg, b, q0, key_first); // uniform
         if (doc_cut) // rewritten under the same rule as LSE and D (see above)
             doc_tile_starts<BQ, BK, NT>(doc_s, p, b, q0, nq, key_first);

@@ -22,6 +22,29 @@ struct BwdLaunch {
 };
 static_assert(sizeof(hexiseq_attn_params) + sizeof(BwdLaunch) <= 4096, "kernel parameters past 4 KiB");
 
+// LSE (times log2(e)) and D of the query tile's rows into shared memory, lse_s[r] and delta_s[r] for r < BQ: -inf and
+// 0 past the tile's nq rows. lseg: the LSE of the head's row 0 (rows lse_stride apart); deltag: D of the head's row 0.
+// Threads r, r + NT, ...
+template <int BQ, int NT>
+__device__ __forceinline__ void load_row_stats(float *lse_s /* [BQ] smem */, float *delta_s /* [BQ] smem */,
+                                               const float *lseg, int64_t lse_stride, const float *deltag, int64_t q0,
+                                               int nq) {
+    for (int r = threadIdx.x; r < BQ; r += NT) {
+        lse_s[r] = r < nq ? lseg[(q0 + r) * lse_stride] * kLog2e : -INFINITY;
+        delta_s[r] = r < nq ? deltag[q0 + r] : 0.0f;
+    }
+}
+
+// The key tile's K and V rows (nk of BK) into shared memory (load_tile; vec_k, vec_v: 16-byte loads legal).
+template <typename T, int BK, int D, int LDT, int NT>
+__device__ __forceinline__ void load_kv_tiles(T *ks /* [BK][LDT] smem */, T *vs /* [BK][LDT] smem */,
+                                              const T *kg /* K row 0 of the key tile */,
+                                              const T *vg /* V row 0 of the key tile */, const hexiseq_attn_params &p,
+                                              int nk, bool vec_k, bool vec_v) {
+    load_tile<T, BK, D, LDT, NT>(ks, kg, p.k_stride[1], p.k_stride[3], nk, p.head_dim, vec_k);
+    load_tile<T, BK, D, LDT, NT>(vs, vg, p.v_stride[1], p.v_stride[3], nk, p.head_dim, vec_v);
+}
+
 // dQ accumulation: p[0] += x, p[1] += y in global memory, atomically per float (p 8-byte aligned). On sm_90 one
 // vector reduction (red.global.add.v2.f32, PTX ISA 8.1) instead of two atomicAdd: half the atomic instructions,
 // and the 4 lanes of a quad write 8 consecutive floats of a row (one whole 32-byte sector when d % 8 == 0)

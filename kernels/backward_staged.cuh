@@ -96,8 +96,7 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
     const T *kg = static_cast<const T *>(p.k) + b * p.k_stride[0] + k0 * p.k_stride[1] + hk * p.k_stride[2];
     const T *vg = static_cast<const T *>(p.v) + b * p.v_stride[0] + k0 * p.v_stride[1] + hk * p.v_stride[2];
     if (!DOC || q0_start < p.seq_q) {
-        load_tile<T, BK, D, LDT, NT>(ks, kg, p.k_stride[1], p.k_stride[3], nk, p.head_dim, cfg.vec_k);
-        load_tile<T, BK, D, LDT, NT>(vs, vg, p.v_stride[1], p.v_stride[3], nk, p.head_dim, cfg.vec_v);
+        load_kv_tiles<T, BK, D, LDT, NT>(ks, vs, kg, vg, p, nk, cfg.vec_k, cfg.vec_v);
     }
 
     float dk[2][DV / 8][4], dv[2][DV / 8][4]; // key rows vk + 16 i + g (+ 8), columns vc + 8 j + 2 t (+ 1)
@@ -147,8 +146,8 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
         const float *lseg = static_cast<const float *>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1];
         const float *deltag = cfg.delta + (b * p.heads + h) * p.seq_q;
         float *dqg = cfg.dq_acc + ((b * p.heads + h) * p.seq_q + q0) * p.head_dim;
-        // key kr sees query qr iff kr - qr <= diag (clamped to [-BQ, BK], where kr - qr lies in (-BQ, BK))
-        const int diag = p.causal ? (int)max((int64_t)-BQ, min((int64_t)BK, p.q_pos0 + q0 - p.k_pos0 - k0)) : BK;
+        // key kr sees query qr iff kr - qr <= diag (causal_diag: 32-bit, kr - qr lies in (-BQ, BK))
+        const int diag = causal_diag<BQ, BK>(p, q0, k0);
         if (async) {
             cp_async_wait<0>(); // this step's tiles, prefetched during the previous step
         } else {
@@ -156,10 +155,7 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
             load_tile<T, BQ, D, LDT, NT>(q_tile(0), q_src(h, q0), p.q_stride[1], p.q_stride[3], nq, p.head_dim, false);
             load_tile<T, BQ, D, LDT, NT>(do_tile(0), do_src(h, q0), p.do_stride[1], p.do_stride[3], nq, p.head_dim, false);
         }
-        for (int r = threadIdx.x; r < BQ; r += NT) {
-            lse_s[r] = r < nq ? lseg[(q0 + r) * p.lse_stride[2]] * kLog2e : -INFINITY;
-            delta_s[r] = r < nq ? deltag[q0 + r] : 0.0f;
-        }
+        load_row_stats<BQ, NT>(lse_s, delta_s, lseg, p.lse_stride[2], deltag, q0, nq);
         const bool doc_cut = DOC && doc_tile_cut<BQ>(cfg, b, q0, key_first); // uniform
         if (doc_cut) // rewritten under the same rule as LSE and D
             doc_tile_starts<BQ, BK, NT>(doc_s, p, b, q0, nq, key_first);

@@ -200,10 +200,8 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const hexiseq_att
         const bool doc_cut = DOC && p.k_pos0 + k0 < doc_hi;
         const bool all_visible = nk == BK && (!p.causal || p.k_pos0 + k0 + BK - 1 <= p.q_pos0 + q0) && !doc_cut;
         if (!all_visible) {
-            // Key c of the tile is visible to tile row r iff c < nk and (causal) k_pos0 + k0 + c <= q_pos0 + q0 + r,
-            // i.e. c <= diag + r. diag is clamped to [-BQ, BK] so the rest is 32-bit: with 0 <= r < BQ and
-            // 0 <= c < BK the clamp changes no comparison.
-            const int diag = p.causal ? (int)max((int64_t)-BQ, min((int64_t)BK, p.q_pos0 + q0 - p.k_pos0 - k0)) : BK;
+            // Key c of the tile is visible to tile row r iff c < nk and c <= diag + r (causal_diag: 32-bit).
+            const int diag = causal_diag<BQ, BK>(p, q0, k0);
 #pragma unroll
             for (int mb = 0; mb < MW; ++mb)
 #pragma unroll

@@ -27,9 +27,10 @@
 // memory ordering is claimed. Not yet run on a GPU: the forward's split of key blocks longer than 2^16 keys into
 // pieces (forward_typed; the emulator test covers it with 64- and 128-key pieces); blocks up to 2^16 keys take the
 // unchanged single-launch path.
-// These files were one (kernels/attention.cu) until it was split by concern with no code change: every kernel,
-// compiled for sm_80 and sm_90, has byte-identical machine code before and after the split. The split files
-// themselves have not run on a GPU (the emulator test passes on them).
+// These files were one (kernels/attention.cu) until it was split by concern, and three loops the kernels had
+// written out more than once were shared (causal_diag, load_row_stats, load_kv_tiles): every kernel, compiled for
+// sm_80 and sm_90 (-O3), has byte-identical machine code before and after. The split files have not run on a GPU
+// (the emulator test passes on them).
 //
 // Semantics are those of csrc/attention.h and the CPU reference: causal means key_pos <= query_pos on
 // absolute positions (q_pos0 + i, k_pos0 + j); a fully masked row gives O = 0, LSE = -inf and no gradient;
@@ -88,6 +89,8 @@
 #include <stdint.h>
 
 #include <type_traits>
+
+#include "attention.h"
 
 namespace {
 
@@ -155,6 +158,15 @@ __device__ void load_tile(T *dst /* [ROWS][LD] smem */, const T *src, int64_t ro
             dst[r * LD + c] = val;
         }
     }
+}
+
+// The causal mask of a query tile at row q0 (BQ rows) against a key tile at key k0 (BK keys): key c of the key tile
+// is visible to row r of the query tile iff k_pos0 + k0 + c <= q_pos0 + q0 + r, i.e. c - r <= diag. diag is clamped
+// to [-BQ, BK] so the per-element test is 32-bit: with 0 <= r < BQ and 0 <= c < BK the clamp changes no comparison.
+// Not causal: BK (every key visible).
+template <int BQ, int BK>
+__device__ __forceinline__ int causal_diag(const hexiseq_attn_params &p, int64_t q0, int64_t k0) {
+    return p.causal ? (int)max((int64_t)-BQ, min((int64_t)BK, p.q_pos0 + q0 - p.k_pos0 - k0)) : BK;
 }
 
 // Byte size of a shared buffer rounded up to 128 bytes, so every buffer carved after it stays aligned.
