@@ -1,4 +1,4 @@
-// The CUDA attention kernels (kernels/attention.cu) run on the CPU emulator (tests/c/cuda_emu/emu.h) and
+// The CUDA attention kernels (kernels/forward.cu, backward.cu and their headers) run on the CPU emulator (tests/c/cuda_emu/emu.h) and
 // checked against the CPU kernels (csrc/attention_cpu.c) in float64 on the same rounded inputs.
 //
 // This tests the kernels' logic on machines without a GPU: tiling and tile tails, causal masking by absolute

@@ -1,4 +1,4 @@
-// A CPU emulator for the slice of CUDA that kernels/attention.cu uses, so the CUDA kernels' logic (tiling,
+// A CPU emulator for the slice of CUDA that the attention kernels of kernels/ use, so the CUDA kernels' logic (tiling,
 // masking, causal offsets, GQA, strides, odd sizes, online softmax, the backward's accumulators, the merge)
 // is tested on machines without a GPU. It is a test tool, not a second implementation: the kernel source is
 // compiled unchanged as C++ against these headers (and cuda_*.h here) instead of the CUDA ones.
@@ -46,7 +46,7 @@
 #define __launch_bounds__(...)
 #define __shared__
 #define __align__(n) __attribute__((aligned(n)))
-#define HEXISEQ_CUDA_EMU 1 // kernels/attention.cu: use the emulator's versions of its inline-PTX wrappers
+#define HEXISEQ_CUDA_EMU 1 // kernels/tile.cuh, backward.cuh: use the emulator's versions of its inline-PTX wrappers
 
 #define CUDART_VERSION 13000
 
@@ -169,7 +169,7 @@ template <typename T> inline T atomicAdd(T *address, T value) { // fibers never 
 
 namespace hexiseq_emu {
 bool in_shared_memory(const void *p, size_t bytes);
-// red.relaxed.gpu.global.add.v2.f32 (kernels/attention.cu's red_add_f32x2): p[0] += x, p[1] += y, each float
+// red.relaxed.gpu.global.add.v2.f32 (kernels/backward.cuh's red_add_f32x2): p[0] += x, p[1] += y, each float
 // atomically, as two atomicAdd; the address must be 8-byte aligned and global (not shared).
 inline void red_add_f32x2(float *p, float x, float y) {
     if ((uintptr_t)p % 8 != 0 || in_shared_memory(p, 1))
@@ -180,7 +180,7 @@ inline void red_add_f32x2(float *p, float x, float y) {
 } // namespace hexiseq_emu
 
 // ------------------------------------------------------------------------------------------------
-// Register-level tensor-core instructions (kernels/attention.cu calls them through small wrappers that are
+// Register-level tensor-core instructions (kernels/tile.cuh calls them through small wrappers that are
 // inline PTX on the GPU and these functions here). Fragment layouts are the PTX ISA's ("Matrix Fragments for
 // mma.m16n8k16 with floating point type", "ldmatrix"), with g = lane / 4 and t = lane % 4 and 16-bit
 // elements packed two per 32-bit register, the lower-indexed element in the low half:
@@ -276,7 +276,7 @@ inline unsigned short __half_as_ushort(__half h) { return h.bits; }
 inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.bits; }
 
 // ------------------------------------------------------------------------------------------------
-// Runtime API: the calls kernels/attention.cu makes, on host memory.
+// Runtime API: the calls the kernels' launchers make, on host memory.
 
 typedef enum cudaError {
     cudaSuccess = 0,
@@ -308,8 +308,8 @@ template <typename... P> cudaError_t cudaFuncSetAttribute(void (*kernel)(P...), 
     return (cudaError_t)hexiseq_emu::set_max_dynamic_smem((const void *)kernel, value);
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...) for the emulator (kernels/attention.cu launches through
-// HEXISEQ_LAUNCH so that it compiles as plain C++ here).
+// kernel<<<grid, block, smem, stream>>>(args...) for the emulator (the launchers in kernels/ launch through
+// HEXISEQ_LAUNCH so that they compile as plain C++ here).
 template <typename... P, typename... A>
 void hexiseq_emu_launch(void (*kernel)(P...), const char *name, const char *where, dim3 grid, dim3 block, size_t smem,
                         cudaStream_t, A &&...args) {

@@ -1,5 +1,7 @@
-// kernels/attention.cu compiled for the CPU emulator (emu.h): this file gives the kernels their dynamic
-// shared memory (one array: blocks run one at a time) and includes the CUDA source unchanged.
+// The CUDA attention kernels (kernels/forward.cu, kernels/backward.cu) compiled for the CPU emulator (emu.h): this
+// file gives the kernels their dynamic shared memory (one array: blocks run one at a time) and includes the CUDA
+// source files unchanged, both in this one translation unit (the headers they share are included once, by their
+// guards). kernels/entry.cu and runtime.cu stay out: the test links the launchers against csrc/ directly.
 #include "emu.h"
 
 namespace {
@@ -8,7 +10,8 @@ namespace {
 alignas(128) unsigned char smem[227 * 1024];
 } // namespace
 
-#include "attention.cu"
+#include "backward.cu"
+#include "forward.cu"
 
 unsigned char *hexiseq_emu::shared_memory(size_t *bytes) {
     *bytes = sizeof smem;
