@@ -5,7 +5,7 @@ the kernels, and which block implementation the runtime should default to on CUD
 Usage: python benchmarks/bench_runtime_gpu.py [--out runtime_gpu.md] [--seqs 8192,32768] [--iters 10]
 Times are CUDA-event medians of forward+backward (HexiSeqAttention; SDPA with autograd) after warm-up.
 Implementations: 'torch' (the default for CUDA tensors: torch's fused flash op per block pair), 'hexiseq' (the
-CUDA kernels of kernels/attention.cu). bf16, causal, GQA 4:1."""
+CUDA kernels of kernels/forward.cu and kernels/backward.cu). bf16, causal, GQA 4:1."""
 
 import argparse
 import os

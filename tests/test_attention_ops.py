@@ -1,6 +1,6 @@
 """Cases of hexiseq.ops that every backend must pass, one body each, run over the backends present
-(tests/attention_backends.py): "cpu" always, "cuda" with a GPU and a CUDA build (skipped otherwise). Each case table
-is per backend: the CPU cases run float64 at 1e-12, the CUDA cases bf16/fp16 under the 2x-torch rule.
+(tests/helpers/attention_backends.py): "cpu" always, "cuda" with a GPU and a CUDA build (skipped otherwise). Each
+case table is per backend: the CPU cases run float64 at 1e-12, the CUDA cases bf16/fp16 under the 2x-torch rule.
 
 Backend-specific tests stay in tests/test_ops.py (CPU: NumPy dtypes, torch SDPA in float64, scale, no-torch use)
 and tests/test_cuda_ops.py (CUDA: shapes and head dims, long sequences, streams, errors, the runtime on a GPU).

@@ -1,7 +1,7 @@
-"""CUDA attention kernels (kernels/attention.cu) against float64 references, the CPU kernels and torch SDPA: the
-CUDA-only cases (head dims, long sequences, GQA, accumulation, streams, errors, the runtime on a GPU). The cases
+"""CUDA attention kernels (kernels/forward.cu, kernels/backward.cu) against float64 references, the CPU kernels
+and torch SDPA: the CUDA-only cases (head dims, long sequences, GQA, accumulation, streams, errors, the runtime on a GPU). The cases
 every backend shares (causal offsets, fully masked rows, split-KV merge, merge) are in
-tests/test_attention_ops.py; the tolerance rule and the helpers are in tests/attention_backends.py.
+tests/test_attention_ops.py; the tolerance rule and the helpers are in tests/helpers/attention_backends.py.
 
 Skipped without torch CUDA, a GPU or a CUDA build of hexiseq.
 """

@@ -1,7 +1,7 @@
 """The distributed contract: ranks that disagree about a call, or one rank whose input is bad, make every rank
 raise the same HexiseqError naming the field and each rank's value, quickly, never an abort inside a collective
 or a hang; afterwards the ranks are still in step. One spawn of three processes runs every scenario in turn
-(tests/dist_worker.contract_scenarios), with a deadline."""
+(tests/workers/dist_worker.contract_scenarios), with a deadline."""
 
 import time
 

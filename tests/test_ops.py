@@ -1,6 +1,6 @@
 """Numerics of hexiseq.ops (forward, backward, merge_) on the CPU kernels against the float64 reference
-(tests/reference.py) and torch SDPA: the CPU-only cases. The cases every backend shares (causal offsets, fully masked
-rows, split-KV merge, merge) are in tests/test_attention_ops.py.
+(tests/helpers/reference.py) and torch SDPA: the CPU-only cases. The cases every backend shares (causal offsets,
+fully masked rows, split-KV merge, merge) are in tests/test_attention_ops.py.
 
 Tolerances (relative: max |error| / max |reference|):
   float64  1e-12: the kernels compute in float64; rounding error of sums of up to 1025 terms is ~1e-14.

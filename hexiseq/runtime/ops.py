@@ -8,9 +8,9 @@ bfloat16); lse is float64 for float64 data and float32 otherwise.
 torch is optional: NumPy arrays alone work without it installed.
 
 Devices: CPU tensors (and NumPy arrays) run the CPU kernels. torch CUDA tensors run the CUDA kernels of
-kernels/attention.cu (float16 and bfloat16; float32/float64 raise UnsupportedError) on torch's current stream
-of their device, asynchronously like any torch op; all tensors of a call must be on that one device. A build
-without CUDA (no nvcc at install time, or HEXISEQ_CUDA=0) raises UnsupportedError for CUDA tensors.
+kernels/forward.cu and kernels/backward.cu (float16 and bfloat16; float32/float64 raise UnsupportedError) on torch's
+current stream of their device, asynchronously like any torch op; all tensors of a call must be on that one device.
+A build without CUDA (no nvcc at install time, or HEXISEQ_CUDA=0) raises UnsupportedError for CUDA tensors.
 """
 
 import math
