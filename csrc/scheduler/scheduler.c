@@ -29,7 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "scheduler.h"
+#include "levels.h"
 
 hexiseq_status hexiseq_sched_eval(sched *s, const hexiseq_layout *l, hexiseq_plan_cost *cost) {
     HEXISEQ_CHECK(hexiseq_budget_tick(s->budget, s->have_best && s->best_cost.fits));
