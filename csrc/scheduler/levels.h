@@ -1,50 +1,20 @@
-/* Shared by the scheduler's levels (not part of the public API). The call graph is layered, top down:
- *   scheduler.c      driver: seeds, structures, parking, final polish; owns the best-so-far
- *   sched_park.c     parking: devices or groups that keep nothing (calls the structure level)
- *   sched_topology.c structures: node splits, consecutive groups, every partition of small clusters
- *   sched_search.c   ring orders and the local search over single moves
- *   sched_shares.c   shares of one structure: S_g by the LP, heads and tokens inside groups
- * and every level scores layouts through hexiseq_sched_eval (the cost model, polling the time limit and
- * the cancel callback) and keeps the best through hexiseq_sched_offer. */
-#ifndef HEXISEQ_SCHEDULER_H
-#define HEXISEQ_SCHEDULER_H
+/* The scheduler's levels (not part of the public API): what the driver (scheduler.c) calls, and what a level
+ * calls of the levels below it. The call graph is layered, top down:
+ *   scheduler.c  driver: seeds, structures, parking, final polish
+ *   park.c       parking: devices or groups that keep nothing (calls the structure level)
+ *   topology.c   structures: node splits, consecutive groups, every partition of small clusters (calls the
+ *                shares, ring order and local search levels)
+ *   search.c     ring orders and the local search over single moves
+ *   shares.c     shares of one structure: S_g by the LP, heads and tokens inside groups
+ *   evaluate.c   below them all: scores layouts through hexiseq_sched_eval (the cost model, polling the time
+ *                limit and the cancel callback) and keeps the best so far through hexiseq_sched_offer
+ * No level calls back up into the driver or into a level above it. */
+#ifndef HEXISEQ_LEVELS_H
+#define HEXISEQ_LEVELS_H
 
-#include "internal.h"
+#include "evaluate.h"
 
-#define TOKEN_GRANULE 64    /* kernel tile: shares are multiples of this where sizes allow */
-#define REFIT_ROUNDS 4      /* LP solve + full evaluation rounds per structure */
-#define MAX_EXACT_ORDER 6   /* groups up to which every ring order is tried */
-#define PARK_SEARCH_DEVICES 64       /* greedy parking up to this size (its candidates grow with n, each a
-                                         structure of its own: 10-25x the planning time at 128 devices) */
-#define LOCAL_SEARCH_DEVICES 256      /* local search up to this size */
-#define LOCAL_SEARCH_EVALS 400        /* evaluations of polish for clusters of 17..256 devices */
-#define LOCAL_SEARCH_EVALS_SMALL 4000 /* and up to 16 devices, where an evaluation costs microseconds */
-#define LOCAL_SEARCH_EVALS_STRUCT 300 /* per near-best structure of a cluster of up to 6 devices */
-#define EXACT_PARTITION_DEVICES 6 /* clusters up to this size try every partition into groups */
-
-typedef struct {
-    const hexiseq_cluster *c;
-    const hexiseq_model *m;
-    const hexiseq_training *t;
-    int64_t S;
-    int32_t causal;
-    int32_t n;
-    hexiseq_budget *budget;   /* time limit and cancellation, polled at every evaluation */
-    hexiseq_device_cost *per; /* [n] scratch for evaluations */
-    double *fgemm, *fattn;    /* [n] effective rates, FLOP/s; 0 for a parked device */
-    double *fgemm0, *fattn0;  /* [n] the devices' real rates */
-    /* best so far */
-    hexiseq_layout best;
-    hexiseq_plan_cost best_cost;
-    int have_best;
-} sched;
-
-/* Score a layout (fills s->per); HEXISEQ_ERR_CANCELLED when the budget says stop. */
-hexiseq_status hexiseq_sched_eval(sched *s, const hexiseq_layout *l, hexiseq_plan_cost *cost);
-/* Keep `l` if it beats the best so far. */
-hexiseq_status hexiseq_sched_offer(sched *s, const hexiseq_layout *l, const hexiseq_plan_cost *cost);
-
-/* ------------------------------------------------------------------ shares (sched_shares.c) */
+/* ------------------------------------------------------------------ shares (shares.c) */
 
 /* Scratch of one structure of G groups over n devices. */
 typedef struct {
@@ -66,7 +36,7 @@ void hexiseq_sched_ws_free(shares_ws *w);
 hexiseq_status hexiseq_sched_optimise_shares(sched *s, hexiseq_layout *l, shares_ws *w, int32_t unit,
                                              hexiseq_plan_cost *out);
 
-/* ------------------------------------------------------------------ ring order, local search (sched_search.c) */
+/* ------------------------------------------------------------------ ring order, local search (search.c) */
 
 /* Every ring order of up to MAX_EXACT_ORDER groups (group 0 fixed), each offered. */
 hexiseq_status hexiseq_sched_try_orders(sched *s, const hexiseq_layout *base);
@@ -74,7 +44,7 @@ hexiseq_status hexiseq_sched_try_orders(sched *s, const hexiseq_layout *base);
 hexiseq_status hexiseq_sched_local_search(sched *s, const hexiseq_layout *start, const hexiseq_plan_cost *start_cost,
                                           int64_t budget);
 
-/* ------------------------------------------------------------------ structures (sched_topology.c) */
+/* ------------------------------------------------------------------ structures (topology.c) */
 
 /* Optimise one structure (shares, head units, ring orders); `score` gets its best fitting step time. */
 hexiseq_status hexiseq_sched_run_structure(sched *s, hexiseq_layout *l, double *score);
@@ -85,9 +55,9 @@ hexiseq_status hexiseq_sched_run_consecutive(sched *s, int32_t hp);
 /* Node splits per class of identical nodes, by coordinate descent. */
 hexiseq_status hexiseq_sched_run_topology(sched *s);
 
-/* ------------------------------------------------------------------ parking (sched_park.c) */
+/* ------------------------------------------------------------------ parking (park.c) */
 
 hexiseq_status hexiseq_sched_park_subsets(sched *s);
 hexiseq_status hexiseq_sched_park_search(sched *s);
 
-#endif /* HEXISEQ_SCHEDULER_H */
+#endif /* HEXISEQ_LEVELS_H */

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "planner.h"
 
 /* The error for a best candidate that still does not fit: which device is short, by how much. */
 static hexiseq_status memory_error(const hexiseq_cluster *c, const char *strategy, const hexiseq_plan_cost *cost) {
