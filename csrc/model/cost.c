@@ -95,23 +95,6 @@ hexiseq_status hexiseq_layout_spans(const hexiseq_layout *l, hexiseq_group_span 
     return HEXISEQ_OK;
 }
 
-int64_t hexiseq_causal_pairs(int64_t q0, int64_t q1, int64_t k0, int64_t k1) {
-    int64_t len_k = k1 - k0, pairs = 0;
-    if (len_k <= 0 || q1 <= q0)
-        return 0;
-    /* queries inside the key range see (q - k0 + 1) keys */
-    int64_t a = q0 > k0 ? q0 : k0, b = q1 < k1 ? q1 : k1;
-    if (a < b) {
-        int64_t n = b - a;
-        pairs += n * (a - k0 + 1) + n * (n - 1) / 2;
-    }
-    /* queries past the key range see all of it */
-    int64_t c = q0 > k1 ? q0 : k1;
-    if (c < q1)
-        pairs += (q1 - c) * len_k;
-    return pairs;
-}
-
 /* Visible (query, key) pairs between the positions of groups gq (queries) and gk (keys); under `docs` (not
  * NULL only when causal) inside one document. */
 static double group_pairs(const hexiseq_group_span *sq, const hexiseq_group_span *sk, int32_t causal,
@@ -278,43 +261,6 @@ static double head_gemm_flops_per_token(const hexiseq_model *m) { return 2.0 * (
 /* Forward passes per step for the layers: 1 forward + backward (+1 recompute with checkpointing). */
 static double gemm_passes(const hexiseq_training *t) { return 1.0 + GEMM_BWD_FACTOR + (t->checkpointing ? 1.0 : 0.0); }
 static double attn_passes(const hexiseq_training *t) { return 1.0 + ATTN_BWD_FACTOR + (t->checkpointing ? 1.0 : 0.0); }
-
-/* ------------------------------------------------------------------ measured curves */
-
-double hexiseq_curve_tflops(const hexiseq_rate_curve *cv, double size) {
-    int32_t n = cv->n;
-    if (!(size > cv->size[0]))
-        return cv->tflops[0];
-    if (size >= cv->size[n - 1])
-        return cv->tflops[n - 1];
-    int32_t i = 1;
-    while (cv->size[i] < size) /* size[i - 1] < size <= size[i] */
-        ++i;
-    double t = (log(size) - log(cv->size[i - 1])) / (log(cv->size[i]) - log(cv->size[i - 1]));
-    return cv->tflops[i - 1] + t * (cv->tflops[i] - cv->tflops[i - 1]);
-}
-
-static double curve_max_tflops(const hexiseq_rate_curve *cv) {
-    double m = 0.0;
-    for (int32_t i = 0; i < cv->n; ++i)
-        m = fmax(m, cv->tflops[i]);
-    return m;
-}
-
-double hexiseq_gemm_plateau(const hexiseq_device_info *d) {
-    if (d->gemm_curve.n > 0)
-        return curve_max_tflops(&d->gemm_curve) * 1e12;
-    return d->peak_tflops * 1e12 * d->gemm_eff;
-}
-
-double hexiseq_attn_plateau(const hexiseq_device_info *d, int32_t causal) {
-    double r = d->attn_curve.n > 0 ? curve_max_tflops(&d->attn_curve) * 1e12 : d->peak_tflops * 1e12 * d->attn_eff;
-    if (causal && d->attn_causal_curve.n > 0) /* the diagonal blocks run at the causal curve's rates */
-        r = fmax(r, curve_max_tflops(&d->attn_causal_curve) * 1e12);
-    if (causal && d->attn_document_curve.n > 0) /* packed documents at theirs: the bound must cover every rate */
-        r = fmax(r, curve_max_tflops(&d->attn_document_curve) * 1e12);
-    return r;
-}
 
 /* Achieved matmul rate (FLOP/s) of a device running an m-row problem: the measured curve when there is
  * one, else the catalog's size curve. */
