@@ -1,8 +1,8 @@
 """The backends hexiseq.ops runs attention on, as the tests drive them, and the numerical rule each is held to.
 
-cpu  NumPy arrays into the C kernels (csrc/attention.c); always present. float64 results are held to 1e-12 of the
-     float64 reference (tests/reference.py): the kernels compute in float64, and the rounding error of sums of up
-     to ~1000 terms is ~1e-14.
+cpu  NumPy arrays into the C kernels (csrc/attention/attention_cpu.c); always present. float64 results are held to
+     1e-12 of the float64 reference (tests/reference.py): the kernels compute in float64, and the rounding error of
+     sums of up to ~1000 terms is ~1e-14.
 cuda torch CUDA tensors into kernels/attention.cu (bf16 / fp16); present only with a GPU visible to torch and a
      CUDA build of hexiseq. Tolerance rule (FlashAttention's): on the same bf16/fp16 inputs, the error of our
      output against a float64 reference is at most twice the error of torch's own low-precision computation
