@@ -17,9 +17,17 @@ from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+# The C core's folders, bottom up: each is an include directory, so sources include headers by bare name.
+CORE_DIRS = ["csrc/common", "csrc/model", "csrc/scheduler", "csrc/attention"]
+
+
+def core_files(*patterns):
+    """The C core's files matching `patterns` ("*.c", ...), folder by folder in CORE_DIRS order."""
+    return [f for d in CORE_DIRS for p in patterns for f in sorted(glob.glob(os.path.join(d, p)))]
+
 
 def read_version():
-    with open(os.path.join(HERE, "csrc", "hexiseq.h")) as f:
+    with open(os.path.join(HERE, "csrc", "common", "hexiseq.h")) as f:
         return re.search(r'#define HEXISEQ_VERSION "([^"]+)"', f.read()).group(1)
 
 
@@ -114,8 +122,8 @@ class BuildExt(build_ext):
         objects = []
         for src in sources:
             obj = os.path.join(objdir, os.path.basename(src) + ".o")
-            cmd = [nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden",
-                   "-Icsrc", "-Ikernels", "--expt-relaxed-constexpr", "-lineinfo"] + gencode
+            cmd = [nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden"]
+            cmd += ["-I" + d for d in CORE_DIRS] + ["-Ikernels", "--expt-relaxed-constexpr", "-lineinfo"] + gencode
             cmd += os.environ.get("HEXISEQ_NVCC_FLAGS", "").split()  # extra flags, e.g. -Xptxas=-v
             print(" ".join(cmd), file=sys.stderr)
             subprocess.check_call(cmd)
@@ -144,12 +152,11 @@ def cuda_runtime_version(nvcc):
 
 core = Extension(
     "hexiseq._core",
-    sources=sorted(glob.glob("hexiseq/binding/*.c")) + sorted(glob.glob("csrc/*.c")),
+    sources=sorted(glob.glob("hexiseq/binding/*.c")) + core_files("*.c"),
     # headers too, so that editing one rebuilds the extension (setuptools compares their times with the output);
-    # csrc/*.inc are code included by a csrc/*.c file (the typed attention tiles), never compiled alone
-    depends=["hexiseq/binding/binding.h"] + sorted(glob.glob("csrc/*.h")) + sorted(glob.glob("csrc/*.inc"))
-    + sorted(glob.glob("kernels/*.h")),
-    include_dirs=["csrc", "kernels", numpy.get_include()],
+    # *.inc are code included by a .c file of the core (the typed attention tiles), never compiled alone
+    depends=["hexiseq/binding/binding.h"] + core_files("*.h", "*.inc") + sorted(glob.glob("kernels/*.h")),
+    include_dirs=CORE_DIRS + ["kernels", numpy.get_include()],
     extra_compile_args=["-std=c11", "-O3", "-fvisibility=hidden", "-Wall", "-Wno-unknown-pragmas"],
     extra_link_args=[],
     libraries=["m"],

@@ -2,8 +2,8 @@
 """CPU attention benchmark: HexiSeq's fp32 C kernels against torch SDPA, forward and forward+backward.
 
 Builds nothing into the package. It compiles a small C timing driver with gcc, using the flags setup.py
-uses for csrc (-std=c11 -O3 -fopenmp, no -march), linking csrc/status.c, csrc/attention_check.c,
-csrc/attention_cpu.c and csrc/attention_simd.c, in a temporary directory; then, per shape, runs that driver
+uses for csrc (-std=c11 -O3 -fopenmp, no -march), linking csrc/common/status.c and csrc/attention/'s
+attention_check.c, attention_cpu.c and attention_simd.c, in a temporary directory; then, per shape, runs that driver
 and a torch script, each in a fresh subprocess (2 threads), and prints a markdown table.
 
 Timing: one warm-up call, then the median of --reps calls (default 5). Ours: forward is
@@ -145,9 +145,10 @@ def build_driver(tmp):
     exe = os.path.join(tmp, "attn_driver")
     with open(src, "w") as f:
         f.write(DRIVER_C)
-    cmd = ["gcc", "-std=c11", "-O3", "-fopenmp", "-I" + os.path.join(ROOT, "csrc"),
-           os.path.join(ROOT, "csrc", "status.c"), os.path.join(ROOT, "csrc", "attention_check.c"),
-           os.path.join(ROOT, "csrc", "attention_cpu.c"), os.path.join(ROOT, "csrc", "attention_simd.c"), src,
+    common, attention = os.path.join(ROOT, "csrc", "common"), os.path.join(ROOT, "csrc", "attention")
+    cmd = ["gcc", "-std=c11", "-O3", "-fopenmp", "-I" + common, "-I" + attention,
+           os.path.join(common, "status.c"), os.path.join(attention, "attention_check.c"),
+           os.path.join(attention, "attention_cpu.c"), os.path.join(attention, "attention_simd.c"), src,
            "-lm", "-o", exe]
     subprocess.run(cmd, check=True)
     return exe

@@ -3,8 +3,8 @@
 // function types of launch.h, the same ones the extension calls through.
 //
 // The library has no status helpers and no params validation of its own: the launchers' calls of hexiseq_fail,
-// hexiseq_clear_error and hexiseq_attn_check_* land below and go to the extension's copies (csrc/status.c,
-// csrc/attention_check.c), attached once at load. This is the smallest change that leaves one error buffer: the
+// hexiseq_clear_error and hexiseq_attn_check_* land below and go to the extension's copies (csrc/common/status.c,
+// csrc/attention/attention_check.c), attached once at load. This is the smallest change that leaves one error buffer: the
 // launchers keep their code and their contract, and the binding reads their text where it reads the CPU kernels'.
 // The emulator test builds the launchers without this file, linked against csrc/ directly.
 #include <stdarg.h>

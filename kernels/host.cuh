@@ -19,7 +19,7 @@
 
 namespace {
 
-// The shared rules (csrc/attention_check.c, the extension's copy: see kernels/entry.cu), then what this CUDA build serves.
+// The shared rules (csrc/attention/attention_check.c, the extension's copy: see kernels/entry.cu), then what this CUDA build serves.
 // q_doc's values are not checked: they are device memory here, and reading them would cost a copy and a stream
 // synchronisation. The kernels apply the visibility rule start <= key <= query as it stands, so a start outside
 // [0, q_pos0 + i] reads no memory out of place: past its own position the row sees nothing, below 0 it is causal.

@@ -21,7 +21,7 @@ extern "C" {
  * Never fails: a machine without a GPU reports 0 devices. */
 typedef hexiseq_status hexiseq_cuda_info_fn(int *runtime_version, int *device_count);
 
-/* CUDA attention launchers: the GPU counterparts of hexiseq_attn_{forward,backward,merge}_cpu (csrc/attention.h),
+/* CUDA attention launchers: the GPU counterparts of hexiseq_attn_{forward,backward,merge}_cpu (csrc/attention/attention.h),
  * with the same params structs and the same validation (same messages). Every pointer in *p is device memory
  * of the current CUDA device. `stream` is a cudaStream_t (NULL: the legacy default stream); the kernels are
  * enqueued on it and the call returns without waiting, so results are ready when the stream reaches them.
@@ -35,7 +35,7 @@ typedef hexiseq_status hexiseq_cuda_attn_fn(const hexiseq_attn_params *p, void *
 typedef hexiseq_status hexiseq_cuda_merge_fn(const hexiseq_attn_merge_params *m, void *stream);
 
 /* What the library borrows from the extension that loads it. The extension holds the one copy of the status
- * helpers (csrc/status.c) and of the params validation (csrc/attention_check.c); the library forwards its calls of
+ * helpers (csrc/common/status.c) and of the params validation (csrc/attention/attention_check.c); the library forwards its calls of
  * hexiseq_fail, hexiseq_clear_error and hexiseq_attn_check_* here. So there is one per-thread error buffer, which
  * the launchers write directly and the binding reads, and one set of validation rules and messages, while the
  * launchers keep validating like the CPU entry points (the emulator test calls them directly, linked against

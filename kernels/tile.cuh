@@ -32,7 +32,7 @@
 // sm_80 and sm_90 (-O3), has byte-identical machine code before and after. The split files have not run on a GPU
 // (the emulator test passes on them).
 //
-// Semantics are those of csrc/attention.h and the CPU reference: causal means key_pos <= query_pos on
+// Semantics are those of csrc/attention/attention.h and the CPU reference: causal means key_pos <= query_pos on
 // absolute positions (q_pos0 + i, k_pos0 + j); a fully masked row gives O = 0, LSE = -inf and no gradient;
 // the backward takes O and LSE as given and computes D = rowsum(dO * O) itself; the merge is computed in
 // double and is an exact no-op for lse_part = -inf.

@@ -1,7 +1,7 @@
 """The DLPack boundary of hexiseq.ops: both capsule kinds, renaming, deleters called once, no leaks, bad inputs.
 
 Hand-made capsules are built with ctypes from the DLPack 1.0 layout (declared independently of
-csrc/dlpack.h, from the same specification) so that flags, versions, devices and deleter calls can be
+csrc/common/dlpack.h, from the same specification) so that flags, versions, devices and deleter calls can be
 controlled and counted; real ones come from NumPy and PyTorch.
 """
 

@@ -10,7 +10,7 @@
  *   4. outputs must not carry the READ_ONLY or IS_COPIED flags (a write would fail or be lost);
  *   5. views are built over the producer's memory (no copies), the kernel runs with the GIL released,
  *      and every consumed managed tensor's deleter is called exactly once afterwards, on success or error.
- * Shape/dtype/overlap validation lives in csrc/tensor_view.c; this file only moves objects across. The CUDA
+ * Shape/dtype/overlap validation lives in csrc/attention/tensor_view.c; this file only moves objects across. The CUDA
  * kernels are reached through their entry table (cuda.c). */
 #include "binding.h"
 
@@ -286,7 +286,7 @@ done:
 }
 
 /* attention_forward(q, k, v, out, lse, causal, q_pos0, k_pos0, scale[, q_doc]) -> None; writes out and lse.
- * q_doc: the document mask's int64 starts (csrc/attention.h), [batch, seq_q] or [seq_q]; None or absent: none.
+ * q_doc: the document mask's int64 starts (csrc/attention/attention.h), [batch, seq_q] or [seq_q]; None or absent: none.
  * attention_forward_cuda(..., scale, stream): the same on CUDA tensors, enqueued on the cudaStream_t `stream`. */
 static PyObject *attention_forward_impl(PyObject *module, PyObject *args, int cuda) {
     PyObject *q, *k, *v, *o, *lse, *doc = Py_None;

@@ -38,7 +38,7 @@ from ._harness import _barrier, _broadcast, _dtype, _torch
 
 __all__ = ["calibrate"]
 
-# Passes the cost model charges per forward (csrc/cost.c: GEMM_BWD_FACTOR = 2, ATTN_BWD_FACTOR = 2.5): a measured
+# Passes the cost model charges per forward (csrc/model/cost_terms.h: GEMM_BWD_FACTOR = 2, ATTN_BWD_FACTOR = 2.5): a measured
 # forward + backward time converts to a forward-equivalent rate with these.
 _GEMM_PASSES = 3.0
 _ATTN_PASSES = 3.5

@@ -66,7 +66,7 @@ def _layout_bounds(name):
 
 
 class Layout:
-    """What a plan describes, as flat arrays (see csrc/hexiseq.h, hexiseq_layout).
+    """What a plan describes, as flat arrays (see csrc/common/hexiseq.h, hexiseq_layout).
 
     Groups are in ring order; per-device arrays list the members of group 0, then group 1, ...; inside a
     group the order is the rank order, and head ranges tile [0, heads) in it.

@@ -1,4 +1,4 @@
-/* Tests of the CPU attention kernels (csrc/attention_cpu.c) against a naive fp64 reference. */
+/* Tests of the CPU attention kernels (csrc/attention/attention_cpu.c) against a naive fp64 reference. */
 /*
  * Error measure: max |x - ref| / max |ref| over a whole tensor (normwise relative); a reference that is
  * all zero requires an exact zero. Tolerances:

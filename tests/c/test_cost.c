@@ -1,7 +1,7 @@
 /* Unit tests of the cost model, layouts, strategies and input validation, through the public C API.
  *
  * Every expected time and memory term below is computed by hand in this file from the formulas stated
- * in csrc/cost.c's comments and DESIGN.md §3 (never by calling the library's helpers):
+ * in the comments of csrc/model/cost*.c and DESIGN.md §3 (never by calling the library's helpers):
  *   gemm rate   = peak * gemm_eff * n / (n + 128)     (n = the device's token rows)
  *   attn rate   = peak * attn_eff * n / (n + 384)     (n = shorter side of the ring block, in tokens, halved
  *                                                      when causal: the kernel runs zigzag half-chunks)

@@ -1,5 +1,6 @@
-// The CUDA attention kernels (kernels/forward.cu, backward.cu and their headers) run on the CPU emulator (tests/c/cuda_emu/emu.h) and
-// checked against the CPU kernels (csrc/attention_cpu.c) in float64 on the same rounded inputs.
+// The CUDA attention kernels (kernels/forward.cu, backward.cu and their headers) run on the CPU emulator
+// (tests/c/cuda_emu/emu.h) and checked against the CPU kernels (csrc/attention/attention_cpu.c) in float64 on the
+// same rounded inputs.
 //
 // This tests the kernels' logic on machines without a GPU: tiling and tile tails, causal masking by absolute
 // positions (every offset case, fully masked rows and blocks), GQA/MQA, padded head dims, the vector-load and
@@ -251,8 +252,9 @@ struct Problem {
                         }
     }
 
-    // Brute-force float64 attention under the document mask, straight from the definition (csrc/attention.h): key j
-    // visible to query i iff doc[b, i] <= k_pos0 + j <= q_pos0 + i. Only visible keys are read (NaN keys are not).
+    // Brute-force float64 attention under the document mask, straight from the definition
+    // (csrc/attention/attention.h): key j visible to query i iff doc[b, i] <= k_pos0 + j <= q_pos0 + i. Only visible
+    // keys are read (NaN keys are not).
     // The backward is the exact gradient of that forward (D from the float64 O).
     void reference_documents(Outputs &r) {
         const int64_t B = c.batch, Sq = c.seq_q, Sk = c.seq_k, H = c.heads, G = c.heads / c.kv_heads, Dh = c.head_dim;

@@ -1,15 +1,15 @@
 """The backends hexiseq.ops runs attention on, as the tests drive them, and the numerical rule each is held to.
 
-cpu  NumPy arrays into the C kernels (csrc/attention.c); always present. float64 results are held to 1e-12 of the
-     float64 reference (tests/reference.py): the kernels compute in float64, and the rounding error of sums of up
-     to ~1000 terms is ~1e-14.
-cuda torch CUDA tensors into the CUDA kernels (kernels/forward.cu, kernels/backward.cu; bf16 / fp16); present only
-     with a GPU visible to torch and a CUDA build of hexiseq. Tolerance rule (FlashAttention's): on the same bf16/fp16 inputs, the error of our
-     output against a float64 reference is at most twice the error of torch's own low-precision computation
-     against the same reference, plus a floor of 1e-3 x the reference's largest magnitude (both sides can be
-     exact, e.g. one key, and a floor far under one bf16 ulp of the data still catches any real bug). Forward
-     baseline: torch SDPA in the input dtype on the GPU (rows that see no key are left out of it: SDPA gives NaN
-     there). Backward baseline: the same math written with torch ops in the input dtype (as FlashAttention's
+cpu  NumPy arrays into the C kernels (csrc/attention/attention_cpu.c); always present. float64 results are held to
+     1e-12 of the float64 reference (tests/helpers/reference.py): the kernels compute in float64, and the rounding
+     error of sums of up to ~1000 terms is ~1e-14.
+cuda torch CUDA tensors into the CUDA kernels (kernels/forward.cu, kernels/backward.cu; bf16 / fp16); present only with
+     a GPU visible to torch and a CUDA build of hexiseq. Tolerance rule (FlashAttention's): on the same bf16/fp16
+     inputs, the error of our output against a float64 reference is at most twice the error of torch's own low-precision
+     computation against the same reference, plus a floor of 1e-3 x the reference's largest magnitude (both sides can be
+     exact, e.g. one key, and a floor far under one bf16 ulp of the data still catches any real bug). Forward baseline:
+     torch SDPA in the input dtype on the GPU (rows that see no key are left out of it: SDPA gives NaN there). Backward
+     baseline: the same math written with torch ops in the input dtype (as FlashAttention's
      attention_ref(upcast=False)), because SDPA's backward gives NaN gradients through fully masked rows.
 
 A test body shared by both backends takes a `backend` (CPU or CUDA below) and a case from a per-backend table

@@ -1,5 +1,5 @@
 """The attention reference of the Python tests: softmax attention written plainly with torch ops, on NumPy arrays or
-torch tensors, with the kernels' semantics (csrc/attention.h):
+torch tensors, with the kernels' semantics (csrc/attention/attention.h):
 
   O = softmax(scale Q K^T + mask) V per (batch, query head); query head h reads kv head h // (heads / kv_heads)
   (GQA, MQA); query row i sits at position q_pos0 + i, key row j at k_pos0 + j, and under the causal mask key j is

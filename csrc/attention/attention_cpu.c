@@ -63,7 +63,7 @@
  * Register block of the portable score kernel: SR rows x SC columns. */
 enum { SR = 2, SC = 32 };
 
-/* Offset and position limits: see csrc/attention_check.c, which validates every params struct. */
+/* Offset and position limits: see attention_check.c, which validates every params struct. */
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }

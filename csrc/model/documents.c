@@ -60,6 +60,24 @@ void hexiseq_documents_free(hexiseq_documents *docs) {
     docs->n = 0;
 }
 
+/* The causal mask alone (no documents): what visible_pairs counts inside each document. */
+int64_t hexiseq_causal_pairs(int64_t q0, int64_t q1, int64_t k0, int64_t k1) {
+    int64_t len_k = k1 - k0, pairs = 0;
+    if (len_k <= 0 || q1 <= q0)
+        return 0;
+    /* queries inside the key range see (q - k0 + 1) keys */
+    int64_t a = q0 > k0 ? q0 : k0, b = q1 < k1 ? q1 : k1;
+    if (a < b) {
+        int64_t n = b - a;
+        pairs += n * (a - k0 + 1) + n * (n - 1) / 2;
+    }
+    /* queries past the key range see all of it */
+    int64_t c = q0 > k1 ? q0 : k1;
+    if (c < q1)
+        pairs += (q1 - c) * len_k;
+    return pairs;
+}
+
 /* The document holding position p (p < end[n - 1]): the first with end > p. */
 static int64_t doc_of(const hexiseq_documents *d, int64_t p) {
     int64_t lo = 0, hi = d->n - 1;

@@ -3,7 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "scheduler.h"
+#include "levels.h"
 
 /* ------------------------------------------------------------------ ring order and local search */
 

@@ -3,7 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "planner.h"
 
 /* Uniform CP x HP mesh: `cp` groups of `hp` consecutive devices (consecutive ids share a node, so the
  * all-to-all stays on the fast links), ring in device order, equal sequence, token and head shares. */

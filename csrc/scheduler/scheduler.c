@@ -23,33 +23,13 @@
  *     it): clusters of up to 6 devices try every subset of active devices in every grouping; clusters up
  *     to 64 devices park greedily. Then, up to 256 devices, a bounded local search over single moves
  *     (tokens between groups, a head or tokens between two ranks of a group).
- * Everything is deterministic: no randomness, ties broken by index. The levels live in csrc/sched_*.c (see
- * scheduler.h); a time limit or a cancel request, polled at every evaluation, stops the search with the best
- * plan so far. */
+ * Everything is deterministic: no randomness, ties broken by index. The levels live in park.c, topology.c,
+ * search.c and shares.c (see levels.h), above evaluate.c; a time limit or a cancel request, polled at every
+ * evaluation, stops the search with the best plan so far. */
 #include <stdlib.h>
 #include <string.h>
 
-#include "scheduler.h"
-
-hexiseq_status hexiseq_sched_eval(sched *s, const hexiseq_layout *l, hexiseq_plan_cost *cost) {
-    HEXISEQ_CHECK(hexiseq_budget_tick(s->budget, s->have_best && s->best_cost.fits));
-    return hexiseq_evaluate(s->c, s->m, s->t, s->S, s->causal, l, s->per, cost);
-}
-
-hexiseq_status hexiseq_sched_offer(sched *s, const hexiseq_layout *l, const hexiseq_plan_cost *cost) {
-    if (s->have_best && !hexiseq_cost_better(cost, &s->best_cost))
-        return HEXISEQ_OK;
-    if (s->have_best && (s->best.n_groups != l->n_groups)) {
-        hexiseq_layout_free(&s->best);
-        s->have_best = 0;
-    }
-    if (!s->have_best)
-        HEXISEQ_CHECK(hexiseq_layout_alloc(l->n_groups, l->n_devices, &s->best));
-    hexiseq_layout_copy(&s->best, l);
-    s->best_cost = *cost;
-    s->have_best = 1;
-    return HEXISEQ_OK;
-}
+#include "levels.h"
 
 static hexiseq_status sched_init(sched *s, const hexiseq_cluster *c, const hexiseq_model *m,
                                  const hexiseq_training *t, int64_t seq_len, int32_t causal, hexiseq_budget *b) {

@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "scheduler.h"
+#include "levels.h"
 
 /* ------------------------------------------------------------------ parking */
 

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "scheduler.h"
+#include "levels.h"
 
 /* ------------------------------------------------------------------ rounding helpers */
 

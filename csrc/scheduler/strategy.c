@@ -1,21 +1,11 @@
 /* The planning entry point: validates the request and dispatches to the uniform baselines
- * (csrc/baselines.c) or to the scheduler (csrc/scheduler.c), which starts from the best baseline. Both sit
- * above the cost model; neither calls back up here. */
+ * (baselines.c) or to the scheduler (scheduler.c), which starts from the best baseline. Both sit above the
+ * cost model; neither calls back up here (the strategies' names, which both print, are in strategy_name.c). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
-
-const char *hexiseq_strategy_name(hexiseq_strategy s) {
-    switch (s) {
-    case HEXISEQ_STRATEGY_RING: return "ring";
-    case HEXISEQ_STRATEGY_ULYSSES: return "ulysses";
-    case HEXISEQ_STRATEGY_USP: return "usp";
-    case HEXISEQ_STRATEGY_HEXISEQ: return "hexiseq";
-    default: return "unknown";
-    }
-}
+#include "planner.h"
 
 /* The error for a best candidate that still does not fit: which device is short, by how much. */
 static hexiseq_status memory_error(const hexiseq_cluster *c, const char *strategy, const hexiseq_plan_cost *cost) {

@@ -67,7 +67,7 @@ int hexiseq_tensor_view_self_overlaps(const hexiseq_tensor_view *v);
 
 /* The tensors of one attention call. q, k, v: [batch, seq, heads, head_dim] inputs; o, lse: forward
  * outputs / backward inputs ([batch, seq_q, heads, head_dim] and [batch, heads, seq_q]); do_: backward
- * input; dq, dk, dv: backward outputs; q_doc: the document mask's starts (csrc/attention.h), if any. */
+ * input; dq, dk, dv: backward outputs; q_doc: the document mask's starts (attention.h), if any. */
 typedef struct {
     hexiseq_tensor_view q, k, v, o, lse, do_, dq, dk, dv;
     hexiseq_tensor_view q_doc; /* optional document starts, [batch, seq_q] or [seq_q] int64; ndim 0 when absent */

@@ -4,7 +4,7 @@
 #include <math.h>
 #include <time.h>
 
-#include "internal.h"
+#include "planner.h"
 
 #define POLL_INTERVAL_S 0.05 /* the progress callback runs at most this often */
 

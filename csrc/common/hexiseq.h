@@ -318,7 +318,7 @@ typedef enum {
     HEXISEQ_STRATEGY_RING = 0,    /* pure context parallelism: one device per group, equal shares */
     HEXISEQ_STRATEGY_ULYSSES = 1, /* pure head parallelism: one group, equal shares (needs A % N == 0) */
     HEXISEQ_STRATEGY_USP = 2,     /* uniform CP x HP mesh, every valid factorisation, best kept */
-    HEXISEQ_STRATEGY_HEXISEQ = 3, /* the asymmetric hierarchical scheduler (csrc/scheduler.c, csrc/sched_*.c) */
+    HEXISEQ_STRATEGY_HEXISEQ = 3, /* the asymmetric hierarchical scheduler (csrc/scheduler/) */
     HEXISEQ_STRATEGY_COUNT = 4
 } hexiseq_strategy;
 

@@ -1,0 +1,83 @@
+/* Cost term: memory per device (model states under each sharding, activations, attention tensors, ring
+ * buffers), and the coefficients the scheduler's water-filling reads. */
+#include <math.h>
+
+#include "cost_terms.h"
+
+#define GIB 1073741824.0
+
+void hexiseq_states(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t, int32_t device,
+                    hexiseq_states_t *out) {
+    double P = m->layers * hexiseq_layer_params(m) + 2.0 * (double)m->vocab * m->hidden + m->hidden;
+    double b = m->dtype_bytes;
+    double opt = 8.0 + (b < 4 ? 4.0 : 0.0); /* Adam m, v in fp32, plus an fp32 master copy below fp32 */
+    double gathered = fmax(hexiseq_layer_params(m), (double)m->vocab * m->hidden) * b;
+    double fixed, sharded;
+    switch (t->sharding) {
+    case HEXISEQ_SHARD_FULL: fixed = 3.0 * gathered, sharded = (2.0 * b + opt) * P; break; /* layer, prefetch, grads */
+    case HEXISEQ_SHARD_GRAD_OPT: fixed = b * P + gathered, sharded = (b + opt) * P; break;
+    case HEXISEQ_SHARD_OPT: fixed = 2.0 * b * P, sharded = opt * P; break;
+    default: fixed = (2.0 * b + opt) * P, sharded = 0.0; break;
+    }
+    out->fixed_gib = fixed / GIB;
+    out->sharded_gib = sharded / GIB;
+    out->share = 1.0 / c->n_devices;
+    double part = sharded / c->n_devices; /* this device's part of the sharded states */
+    if (t->state_shares == HEXISEQ_STATES_BY_MEMORY && sharded > 0.0) {
+        /* Every device keeps the same fraction of the memory it has beside the unsharded part and the reserve:
+         * share_r = (cap_r - level)+ / sum_d (cap_d - level)+. A device with nothing beyond the level holds no
+         * share (and, short of even the unsharded part, does not fit). When no device has room, even shares
+         * stand (nothing fits either way). */
+        double level = out->fixed_gib + t->reserved_gib, room = hexiseq_memory_beyond(c, level);
+        double cap = device < 0 ? c->mem_sorted[c->n_devices - 1] : c->dev[device].memory_gib; /* -1: largest */
+        if (room > 0.0) {
+            out->share = fmax(0.0, cap - level) / room;
+            part = out->share * sharded;
+        }
+    }
+    /* summed in the order the even formulas always had, so that even shares give the same bits */
+    switch (t->sharding) {
+    case HEXISEQ_SHARD_FULL: out->gib = (part + 3.0 * gathered) / GIB; break;
+    case HEXISEQ_SHARD_GRAD_OPT: out->gib = (b * P + part + gathered) / GIB; break;
+    case HEXISEQ_SHARD_OPT: out->gib = (2.0 * b * P + part) / GIB; break;
+    default: out->gib = fixed / GIB; break;
+    }
+}
+
+void hexiseq_memory_coeffs(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
+                           int32_t device, int32_t heads, int32_t kv_n, double ring_block, hexiseq_memory_coeffs_t *out) {
+    hexiseq_states_t st;
+    hexiseq_states(c, m, t, device, &st);
+    double b = m->dtype_bytes;
+    double H = m->hidden;
+    /* saved per token and layer: 2 norm inputs, 2 norm outputs, attention output, MLP intermediates */
+    double act_layer = b * (4.0 * H + (double)m->heads * m->head_dim + (m->gated_mlp ? 3.0 : 2.0) * m->ffn);
+    double act = t->checkpointing ? m->layers * H * b + act_layer : m->layers * act_layer;
+    act += m->vocab * (b + 4.0); /* logits and their fp32 softmax */
+    /* Q, K, V, O of the group's tokens for the device's heads, and the fp32 LSE; saved for every layer
+     * (one with checkpointing) plus the gradients of one layer */
+    double qkvo = (2.0 * heads + 2.0 * kv_n) * m->head_dim * b + heads * 4.0;
+    double attn = qkvo * ((t->checkpointing ? 1.0 : m->layers) + 1.0);
+    /* K,V and fp32 dK,dV of a ring block, double-buffered */
+    double ring = kv_n > 0 ? 2.0 * ring_block * 2.0 * kv_n * m->head_dim * (b + 4.0) : 0.0;
+    out->states_gib = st.gib;
+    out->state_share = st.share;
+    out->ring_gib = ring / GIB;
+    out->per_token_gib = act / GIB;
+    out->per_group_token_gib = attn / GIB;
+    out->reserved_gib = t->reserved_gib;
+    out->cap_gib = c->dev[device].memory_gib;
+}
+
+/* Memory of slot r, filled into the GiB fields of `out`. */
+void hexiseq_memory_terms(const cost_ctx *x, int32_t r, int32_t kv_n, hexiseq_device_cost *out) {
+    hexiseq_memory_coeffs_t mc;
+    hexiseq_memory_coeffs(x->c, x->m, x->t, x->l->device[r], x->l->head_count[r], kv_n, x->max_block, &mc);
+    out->mem_states_gib = mc.states_gib;
+    out->state_share = mc.state_share;
+    out->mem_act_gib = mc.per_token_gib * (double)x->l->tokens[r];
+    out->mem_attn_gib = mc.per_group_token_gib * (double)x->l->group_seq[x->group_of[r]];
+    out->mem_ring_gib = mc.ring_gib;
+    out->mem_total_gib = out->mem_states_gib + out->mem_act_gib + out->mem_attn_gib + out->mem_ring_gib + mc.reserved_gib;
+    out->mem_cap_gib = mc.cap_gib;
+}
