@@ -38,6 +38,51 @@ def test_all_is_pinned():
         assert hasattr(hexiseq, name), name
 
 
+def test_short_module_names_are_the_sub_package_modules():
+    # In a fresh process: the public short names load the sub-packages' modules themselves (one object under two
+    # names), nothing needing PyTorch is imported by `import hexiseq`, and each loads on first use.
+    code = ("import sys, hexiseq\n"
+            "assert 'torch' not in sys.modules, 'import hexiseq imported torch'\n"
+            "import hexiseq.ops, hexiseq.runtime.ops\n"
+            "assert hexiseq.ops is hexiseq.runtime.ops and sys.modules['hexiseq.ops'] is hexiseq.runtime.ops\n"
+            "from hexiseq.plotting import plot_plan\n"
+            "from hexiseq.planner.plotting import plot_plan as p2\n"
+            "assert plot_plan is p2\n"
+            "from hexiseq.nn import HexiSeqAttention\n"
+            "import hexiseq.runtime.nn as rn\n"
+            "assert HexiSeqAttention is rn.HexiSeqAttention and hexiseq.nn is rn\n"
+            "from hexiseq import states\n"
+            "assert states is sys.modules['hexiseq.runtime.states'] and hexiseq.shard_states is states.shard_states\n"
+            "import hexiseq.hf, hexiseq.integrations.hf\n"
+            "assert hexiseq.hf is hexiseq.integrations.hf\n"
+            "try:\n"
+            "    import hexiseq.nothing_here\n"
+            "except ModuleNotFoundError:\n"
+            "    pass\n"
+            "else:\n"
+            "    raise AssertionError('an unknown submodule imported')\n"
+            "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_core_enums_match_the_python_names():
+    # Python reads every core enum from the extension's tables; each Python name must have a core value and the
+    # reverse, so a value added on one side only fails here.
+    from hexiseq import _core
+
+    assert set(_core.STRATEGIES) == {s.value for s in hexiseq.Strategy if s is not hexiseq.Strategy.AUTO}
+    assert set(_core.SHARDINGS) == {s.value for s in hexiseq.Sharding}
+    assert set(_core.STATE_SHARES) | {"auto"} == set(hexiseq.planner.model.STATE_SHARES)
+    assert set(_core.CHUNKINGS) == set(Layout.CHUNKINGS)
+    for table in (_core.STRATEGIES, _core.SHARDINGS, _core.STATE_SHARES, _core.CHUNKINGS):
+        assert len(set(table.values())) == len(table), table  # distinct values
+    # a layout handed back by the core with its chunking as the core's value reads as the name
+    lay = Layout([2], [1024], [0, 1], [512, 512], [0, 4], [4, 4], chunking=_core.CHUNKINGS["contiguous"])
+    assert lay.chunking == "contiguous" and lay.to_dict()["chunking"] == "contiguous"
+    assert lay._as_core()["chunking"] == _core.CHUNKINGS["contiguous"]
+
+
 def test_build_info():
     info = hexiseq.build_info()
     types_ = {"version": str, "cuda": bool, "cuda_runtime": int, "compiler": str, "openmp": bool}

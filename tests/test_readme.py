@@ -78,3 +78,24 @@ def test_python_block_runs():
     scope = {}
     exec(compile(block, "README.md (Python)", "exec"), scope)
     assert scope["same"].fingerprint == scope["plan"].fingerprint and scope["mine"].fits
+
+
+def test_paths_the_docs_name_exist():
+    # Every repository path the README and docs/ name in backticks (or in a markdown link) is there: a file moved
+    # without its mentions fails here. Globs and placeholders (`*`, `<`) are not paths.
+    import glob
+    import re
+
+    roots = ("csrc/", "kernels/", "hexiseq/", "tests/", "benchmarks/", "docs/", "examples/")
+    missing = []
+    for doc in ["README.md"] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))):
+        text = open(os.path.join(ROOT, doc)).read()
+        for path in re.findall(r"`([A-Za-z0-9_./-]+)`|\]\(([A-Za-z0-9_./-]+)\)", text):
+            path = next(p for p in path if p)
+            path = path.split("#")[0]
+            if doc != "README.md" and path.startswith(("../", "./")):
+                path = os.path.normpath(os.path.join("docs", path))
+            if path.startswith(roots) and "*" not in path and "<" not in path:
+                if not os.path.exists(os.path.join(ROOT, path)):
+                    missing.append(f"{os.path.basename(doc)}: {path}")
+    assert not missing, missing
