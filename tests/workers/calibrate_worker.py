@@ -27,8 +27,11 @@ def calibrate_pinned(rank, world, init, cores, results):
         _init(rank, world, init)
         from hexiseq import calibrate
 
-        # sizes big enough that compute, not call overhead, dominates the largest point on a CPU
-        c = calibrate(hexiseq.Model(**TINY), gemm_rows=[64, 512], attn_blocks=[64, 256, 512], message_bytes=1 << 20,
+        # sizes big enough that compute, not call overhead, dominates the largest point on a CPU; the largest
+        # attention block is 1024 tokens because at 512 one timed call can fit in one scheduler slice, so two ranks
+        # that share a core were each timed running alone and the rank alone on its core showed no gain (seen on
+        # a quiet 2-core machine: 1.00x at 512, 1.7-2.0x at 1024)
+        c = calibrate(hexiseq.Model(**TINY), gemm_rows=[64, 512], attn_blocks=[64, 256, 1024], message_bytes=1 << 20,
                       iters=3, progress=False)
         results.put((rank, "ok", c.to_dict()))
         dist.destroy_process_group()
