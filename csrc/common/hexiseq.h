@@ -367,6 +367,45 @@ HEXISEQ_API hexiseq_status hexiseq_rebalance(const hexiseq_cluster *cluster, con
                                              const hexiseq_training *training, int64_t seq_len, int32_t causal,
                                              const hexiseq_layout *in, hexiseq_layout *out, hexiseq_plan_cost *cost);
 
+/* ------------------------------------------------------------------ batch assignment */
+
+/* One training step's batch of sequences of unequal lengths, to be divided among G groups of devices. Each
+ * sequence goes to exactly one group; a group runs what it holds one after another, so its time is its fixed
+ * time plus the sum of the costs of what it holds, and the step takes as long as its slowest group. */
+typedef struct {
+    int32_t n_groups;         /* G >= 1 */
+    int32_t n_seqs;           /* N >= 0 */
+    const double *cost_s;     /* [G * N], row-major by group: seconds group g takes for sequence i when it holds it
+                                 (finite >= 0; INFINITY: g cannot run i at all, e.g. too long for its memory) */
+    const double *fixed_s;    /* [G] seconds group g pays per step whatever it holds (>= 0, finite); NULL: 0 */
+    const int64_t *tokens;    /* [N] tokens of sequence i (>= 1) */
+    const int64_t *capacity;  /* [G] most tokens group g can hold at once (>= 1); NULL: no limit */
+} hexiseq_batch_problem;
+
+typedef struct {
+    double makespan_s;        /* max over groups of fixed_s[g] + the sum of cost_s[g][i] over the i it holds; a group
+                                 holding nothing still pays fixed_s[g] (it is part of the step) */
+    double lower_bound_s;     /* valid lower bound on the makespan of ANY feasible assignment */
+    int32_t exact;            /* 1 when the assignment is proven optimal (exhaustive search ran, or makespan equals the
+                                 bound within a relative 1e-12) */
+    int64_t iterations;       /* rounds of the local search (each applies its best improving move or swap, but the
+                                 last, which found none): the work the heuristic did */
+} hexiseq_batch_result;
+
+/* Assigns every sequence of `p` to one group that can run it (finite cost) within the group's token capacity,
+ * minimising the makespan: exhaustively (branch and bound) when G^N <= 200,000, else by a greedy placement and
+ * a local search (csrc/scheduler/batch.c). Writes group_of[i] (the group of sequence i), group_time_s[g] (fixed
+ * plus the costs it holds, seconds) and `result`. time_limit_s > 0 stops the search after about that long with
+ * the best assignment found; <= 0: no limit beyond the search's own caps.
+ * HEXISEQ_ERR_NULL: p, group_time_s or result NULL, or cost_s, tokens or group_of NULL while N > 0.
+ * HEXISEQ_ERR_INVALID: a count, cost, fixed time, token count, capacity or the time limit out of its domain.
+ * HEXISEQ_ERR_MEMORY: a sequence that no group can run within its capacity, or capacities so tight (this is
+ * bin packing) that the greedy placement left a sequence without room; the message names it and the room
+ * left. group_of may be NULL when N = 0. */
+HEXISEQ_API hexiseq_status hexiseq_batch_assign(const hexiseq_batch_problem *p, double time_limit_s,
+                                                int32_t *group_of /* [N] out */, double *group_time_s /* [G] out */,
+                                                hexiseq_batch_result *result);
+
 #ifdef __cplusplus
 }
 #endif

@@ -52,4 +52,10 @@ hexiseq_status hexiseq_schedule(const hexiseq_cluster *c, const hexiseq_model *m
                                 const hexiseq_plan_cost *seed_cost, hexiseq_budget *b, hexiseq_layout *out,
                                 hexiseq_plan_cost *cost);
 
+/* hexiseq_batch_assign without its exhaustive search, whatever G^N: the greedy placement and the local search
+ * only, with the same checks, outputs and errors (so tests can hold the heuristic against brute force). */
+hexiseq_status hexiseq_batch_assign_heuristic(const hexiseq_batch_problem *p, double time_limit_s,
+                                              int32_t *group_of /* [N] out */, double *group_time_s /* [G] out */,
+                                              hexiseq_batch_result *result);
+
 #endif /* HEXISEQ_PLANNER_H */
