@@ -10,19 +10,24 @@
  *    search ends when the incumbent meets the lower bound. The result is optimal: exact = 1.
  * 2. Otherwise greedy: the sequences in decreasing order of their cheapest cost (longest first), each to the group
  *    where fixed + load + cost is smallest among those that can run it and have room (earliest finish, the
- *    standard rule for unrelated machines). When capacities leave a sequence without room, the placement is tried
- *    once more in decreasing order of tokens (largest first, as bin packing does); if that fails too, the call
- *    fails with HEXISEQ_ERR_MEMORY naming the sequence and the room left.
+ *    standard rule for unrelated machines). A second placement takes them in decreasing order of tokens (largest
+ *    first, as bin packing does); each placement is followed by the local search and the better result is kept
+ *    (the second is skipped when the first meets the lower bound or the time limit has passed). When neither
+ *    placement finds room for every sequence, the call fails with HEXISEQ_ERR_MEMORY naming the sequence the
+ *    largest-first one left out and the room left.
  * 3. Local search from the greedy: each round takes the bottleneck group b (the slowest; the lowest index among
- *    equals) and looks at every move of one of its sequences to another group with room, and every swap of one of
- *    its sequences with one of another group's. A candidate improves when the larger of the two groups' new times
- *    is below the makespan by more than a relative 1e-12; the round applies the best (the smallest such pair
- *    maximum, ties by the smaller sum of the two). Every applied move lowers the vector of group times sorted in
- *    decreasing order lexicographically (one time at the maximum drops below it, one below it stays below it, the
- *    rest do not change), so the search cannot cycle; it stops when a round finds nothing, after
- *    50 N + 1000 rounds, or at the time limit. The scans prune: once a candidate with pair maximum B is known, a
- *    sequence i of b whose removal alone leaves b above B is skipped, and a swap partner j must have
- *    cost_s[b][j] <= B - (time of b without i), tested on the contiguous row of b before anything else is read.
+ *    equals) and looks at every move of one of its sequences to another group with room; when no move improves,
+ *    at every swap of one of its sequences with one of another group's (while fewer than SWAP_WORK swap
+ *    candidates have been scanned in all: past that the search moves only); when neither helps, b and one other
+ *    group holding at most PAIR_ITEMS sequences together divide them anew, every way (pair_repartition). A
+ *    candidate improves when the larger of the two groups' new times is below the makespan by more than a
+ *    relative 1e-12; the round applies the best (the smallest such pair maximum, ties by the smaller sum of the
+ *    two). Every applied change lowers the vector of group times sorted in decreasing order lexicographically (one
+ *    time at the maximum drops below it, one below it stays below it, the rest do not change), so the search
+ *    cannot cycle; it stops when a round finds nothing, after 50 N + 1000 rounds, or at the time limit. The swap
+ *    scan prunes: b's sequences are taken costliest first, and once a candidate with pair maximum B is known, a
+ *    sequence whose removal alone leaves b above B ends the scan; a partner j must have cost_s[b][j] <= B - (time
+ *    of b without i), tested on the contiguous row of b before anything else is read.
  * 4. Lower bound, valid for every feasible assignment. Let A_i be the groups that can run sequence i within their
  *    capacity (finite cost, tokens[i] <= capacity); every feasible assignment puts i in some g(i) in A_i, and its
  *    makespan M is at least every group's time T_g = fixed_g + sum over i in g of cost_s[g][i].
@@ -49,6 +54,9 @@
 #define EXHAUSTIVE_LEAVES 200000  /* G^N at most this: branch and bound, exact */
 #define IMPROVE_REL 1e-12         /* a move must lower the makespan by more than this, relatively */
 #define POLL_ROUNDS 16            /* the clock is read every this many rounds (or 4096 branch-and-bound nodes) */
+#define PAIR_ITEMS 14              /* two groups holding at most this many together may divide them anew */
+#define PAIR_BUDGET 2000000       /* Gray-code steps of those divisions, in all */
+#define SWAP_WORK 20000000         /* swap candidates scanned, in all: past it the search moves only */
 #define BOUND_WORK 8e6            /* cost entries the weight search of the lower bound reads, in all */
 #define BOUND_STEPS_MIN 4         /* weight-search steps, at least and at most */
 #define BOUND_STEPS_MAX 40
@@ -65,9 +73,13 @@ typedef struct {
     int64_t *used;             /* [G] tokens held */
     int32_t *head;             /* [G] first sequence a group holds, -1: none */
     int32_t *next, *prev;      /* [N] the sequences a group holds, as a doubly linked list (-1 ends it) */
+    double *own_s;             /* [N] cost of each sequence in the group that holds it (the swap scan reads it in order) */
+    double *column_s;          /* [G] the costs of one sequence in every group, gathered (scratch) */
+    int32_t *held;             /* [N] the bottleneck's sequences, costliest first (scratch) */
     int32_t *order;            /* [N] sequences in placement order */
     double *cheapest_s;        /* [N] min over the groups that can hold it of its cost, seconds */
     double deadline_s;         /* monotonic clock; INFINITY: no limit */
+    int64_t swap_budget;       /* swap candidates the local search may still scan (SWAP_WORK in all) */
 } batch_state;
 
 static double fixed_of(const batch_state *s, int32_t g) { return s->fixed_s ? s->fixed_s[g] : 0.0; }
@@ -99,7 +111,8 @@ static void state_reset(batch_state *s) {
 
 static void state_put(batch_state *s, int32_t i, int32_t g) {
     s->group_of[i] = g;
-    s->load_s[g] += s->cost_s[(size_t)g * s->N + i];
+    s->own_s[i] = s->cost_s[(size_t)g * s->N + i];
+    s->load_s[g] += s->own_s[i];
     s->used[g] += s->tokens[i];
     s->prev[i] = -1;
     s->next[i] = s->head[g];
@@ -282,15 +295,96 @@ static hexiseq_status greedy_error(const batch_state *s, int32_t i) {
                         (int)i, (long long)s->tokens[i], (long long)most_room, (long long)all_room);
 }
 
-/* Greedy placement, longest first, then largest first when capacities leave a sequence without room. */
-static hexiseq_status greedy(batch_state *s, int32_t *tmp) {
-    sort_order(s, s->order, tmp, cost_first);
-    int32_t failed = greedy_place(s);
-    if (failed >= 0 && s->capacity) {
-        sort_order(s, s->order, tmp, tokens_first);
-        failed = greedy_place(s);
+/* The second neighbourhood of the local search, for when no move or swap helps: the bottleneck b and one other
+ * group h divide the sequences they hold between them anew, every way (a Gray code flips one sequence per step),
+ * when they hold at most PAIR_ITEMS together. Applies the best division whose larger time is below the makespan by
+ * more than a relative 1e-12 (over every such h; ties by the smaller sum); returns 1 when it applied one.
+ * *budget: Gray-code steps left to the whole search, lowered by what this call takes. */
+static int pair_repartition(batch_state *s, int32_t b, int64_t *budget) {
+    const int32_t N = s->N;
+    const double M = s->load_s[b];
+    double best_max = M * (1.0 - IMPROVE_REL), best_sum = INFINITY;
+    int32_t best_h = -1, items[PAIR_ITEMS], best_items[PAIR_ITEMS], best_k = 0;
+    uint32_t best_mask = 0;
+    for (int32_t h = 0; h < s->G; ++h) {
+        if (h == b)
+            continue;
+        int32_t k = 0;
+        for (int32_t i = s->head[b]; i >= 0 && k <= PAIR_ITEMS; i = s->next[i])
+            if (k < PAIR_ITEMS)
+                items[k++] = i;
+            else
+                k = PAIR_ITEMS + 1;
+        for (int32_t i = s->head[h]; i >= 0 && k <= PAIR_ITEMS; i = s->next[i])
+            if (k < PAIR_ITEMS)
+                items[k++] = i;
+            else
+                k = PAIR_ITEMS + 1;
+        if (k > PAIR_ITEMS || k < 2 || *budget < ((int64_t)1 << k))
+            continue;
+        *budget -= (int64_t)1 << k;
+        /* each side's time over the sequences it can run, how many it holds that it cannot, its tokens */
+        double t[2] = {fixed_of(s, b), fixed_of(s, h)};
+        int32_t bad[2] = {0, 0}, side_group[2] = {b, h};
+        int64_t used[2] = {0, 0};
+        int side[PAIR_ITEMS];
+        for (int32_t x = 0; x < k; ++x) {
+            side[x] = s->group_of[items[x]] == h;
+            t[side[x]] += s->cost_s[(size_t)side_group[side[x]] * N + items[x]];
+            used[side[x]] += s->tokens[items[x]];
+        }
+        for (uint32_t step = 1; step < (1u << k); ++step) {
+            int32_t x = __builtin_ctz(step), from = side[x], to = 1 - from;
+            double c_from = s->cost_s[(size_t)side_group[from] * N + items[x]];
+            double c_to = s->cost_s[(size_t)side_group[to] * N + items[x]];
+            if (isfinite(c_from))
+                t[from] -= c_from;
+            else
+                bad[from]--;
+            if (isfinite(c_to))
+                t[to] += c_to;
+            else
+                bad[to]++;
+            used[from] -= s->tokens[items[x]];
+            used[to] += s->tokens[items[x]];
+            side[x] = to;
+            if (bad[0] || bad[1])
+                continue;
+            if (s->capacity && (used[0] > s->capacity[b] || used[1] > s->capacity[h]))
+                continue;
+            double nmax = fmax(t[0], t[1]), nsum = t[0] + t[1];
+            if (nmax < best_max || (best_h >= 0 && nmax == best_max && nsum < best_sum)) {
+                best_max = nmax;
+                best_sum = nsum;
+                best_h = h;
+                best_k = k;
+                best_mask = step ^ (step >> 1); /* the Gray code of step: which sequences changed side */
+                memcpy(best_items, items, (size_t)k * sizeof *items);
+            }
+        }
     }
-    return failed >= 0 ? greedy_error(s, failed) : HEXISEQ_OK;
+    if (best_h < 0)
+        return 0;
+    /* the times above were kept incrementally: check the division from scratch before applying it */
+    double t_b = fixed_of(s, b), t_h = fixed_of(s, best_h);
+    for (int32_t x = 0; x < best_k; ++x) {
+        int32_t i = best_items[x], g = s->group_of[i];
+        if (best_mask >> x & 1u)
+            g = g == b ? best_h : b;
+        if (g == b)
+            t_b += s->cost_s[(size_t)b * N + i];
+        else
+            t_h += s->cost_s[(size_t)best_h * N + i];
+    }
+    if (!(fmax(t_b, t_h) < M * (1.0 - IMPROVE_REL)))
+        return 0;
+    for (int32_t x = 0; x < best_k; ++x)
+        if (best_mask >> x & 1u) {
+            int32_t i = best_items[x], to = s->group_of[i] == b ? best_h : b;
+            state_take(s, i);
+            state_put(s, i, to);
+        }
+    return 1;
 }
 
 /* The local search of step 3; returns its rounds. */
@@ -299,7 +393,7 @@ static int64_t local_search(batch_state *s) {
     const double *cost = s->cost_s;
     const int64_t *tok = s->tokens;
     const int64_t cap_rounds = 50 * (int64_t)N + 1000;
-    int64_t rounds = 0;
+    int64_t rounds = 0, pair_budget = PAIR_BUDGET;
     while (rounds < cap_rounds) {
         if (isfinite(s->deadline_s) && rounds % POLL_ROUNDS == 0 && rounds > 0 && hexiseq_now_s() >= s->deadline_s)
             break;
@@ -313,11 +407,12 @@ static int64_t local_search(batch_state *s) {
         double best_max = M * (1.0 - IMPROVE_REL), best_sum = INFINITY;
         int found = 0;
         int32_t best_i = -1, best_j = -1, best_h = -1; /* best_j < 0: a move of best_i to best_h */
+        /* moves first; the swaps (N candidates per sequence of b, not G) only when no move improves */
         for (int32_t i = s->head[b]; i >= 0; i = s->next[i]) {
             const double rest = M - cb[i]; /* b's time without i */
             if (rest > best_max)
                 continue;
-            for (int32_t h = 0; h < G; ++h) { /* moves */
+            for (int32_t h = 0; h < G; ++h) {
                 if (h == b || !can_take(s, h, i))
                     continue;
                 double nh = s->load_s[h] + cost[(size_t)h * N + i], nmax = fmax(rest, nh), nsum = rest + nh;
@@ -328,16 +423,35 @@ static int64_t local_search(batch_state *s) {
                     found = 1;
                 }
             }
+        }
+        /* b's sequences costliest first: their swaps lower b the most, and once one is found, a sequence whose
+         * removal leaves b above it is skipped whole */
+        int32_t held = 0;
+        for (int32_t i = found || s->swap_budget <= 0 ? -1 : s->head[b]; i >= 0; i = s->next[i]) {
+            int32_t k = held++;
+            for (; k > 0 && cb[s->held[k - 1]] < cb[i]; --k)
+                s->held[k] = s->held[k - 1];
+            s->held[k] = i;
+        }
+        for (int32_t k = 0; k < held; ++k) {
+            const int32_t i = s->held[k];
+            const double rest = M - cb[i];
+            if (rest > best_max)
+                break;
+            s->swap_budget -= N;
+            double *ci = s->column_s; /* i's costs gathered once: the scan below then reads only arrays in order */
+            for (int32_t h = 0; h < G; ++h)
+                ci[h] = cost[(size_t)h * N + i];
             for (int32_t j = 0; j < N; ++j) { /* swaps with every sequence outside b */
                 if (!(cb[j] <= best_max - rest)) /* b's new time would already be too high (or b cannot run j) */
                     continue;
                 int32_t h = s->group_of[j];
-                if (h == b || !has_room(s, b, tok[j], i))
+                double nh = s->load_s[h] - s->own_s[j] + ci[h]; /* INFINITY when h cannot run i */
+                if (h == b || !(nh <= best_max))
                     continue;
-                const double *ch = cost + (size_t)h * N;
-                if (!isfinite(ch[i]) || !has_room(s, h, tok[i], j))
+                if (!has_room(s, b, tok[j], i) || !has_room(s, h, tok[i], j))
                     continue;
-                double nb = rest + cb[j], nh = s->load_s[h] - ch[j] + ch[i], nmax = fmax(nb, nh), nsum = nb + nh;
+                double nb = rest + cb[j], nmax = fmax(nb, nh), nsum = nb + nh;
                 if (nmax < best_max || (found && nmax == best_max && nsum < best_sum)) {
                     best_max = nmax;
                     best_sum = nsum;
@@ -346,8 +460,11 @@ static int64_t local_search(batch_state *s) {
                 }
             }
         }
-        if (!found)
+        if (!found) {
+            if (pair_repartition(s, b, &pair_budget))
+                continue;
             break;
+        }
         state_take(s, best_i);
         if (best_j >= 0) {
             state_take(s, best_j);
@@ -356,6 +473,38 @@ static int64_t local_search(batch_state *s) {
         state_put(s, best_i, best_h);
     }
     return rounds;
+}
+
+/* Steps 2 and 3 from two starts: the greedy placement longest first, then largest first (tokens), each followed
+ * by the local search; the better result stays in s->group_of, its times in group_time_s [G] out. The second start
+ * is skipped when the first meets `lower_bound_s`. Fails (HEXISEQ_ERR_MEMORY) when neither placement found room
+ * for everything. *rounds: the local search's rounds, both starts together. keep [N], tmp [N] scratch. */
+static hexiseq_status heuristic(batch_state *s, double lower_bound_s, int32_t *keep, int32_t *tmp,
+                                double *group_time_s, int64_t *rounds) {
+    double best_s = INFINITY;
+    *rounds = 0;
+    for (int start = 0; start < 2; ++start) {
+        if (best_s <= lower_bound_s * (1.0 + IMPROVE_REL) ||
+            (start > 0 && isfinite(best_s) && isfinite(s->deadline_s) && hexiseq_now_s() >= s->deadline_s))
+            break;
+        sort_order(s, s->order, tmp, start == 0 ? cost_first : tokens_first);
+        int32_t unplaced = greedy_place(s);
+        if (unplaced >= 0)
+            continue;
+        *rounds += local_search(s);
+        double makespan_s = state_times(s, group_time_s);
+        if (makespan_s < best_s) {
+            best_s = makespan_s;
+            memcpy(keep, s->group_of, (size_t)s->N * sizeof *keep);
+        }
+    }
+    if (!isfinite(best_s)) {
+        sort_order(s, s->order, tmp, tokens_first); /* name what the largest-first placement left out */
+        return greedy_error(s, greedy_place(s));
+    }
+    memcpy(s->group_of, keep, (size_t)s->N * sizeof *keep);
+    state_times(s, group_time_s);
+    return HEXISEQ_OK;
 }
 
 /* Branch and bound of step 1. */
@@ -505,8 +654,9 @@ static hexiseq_status batch_assign(const hexiseq_batch_problem *p, double time_l
     HEXISEQ_CHECK(batch_check(p, time_limit_s, group_of, group_time_s, result));
     const int32_t G = p->n_groups, N = p->n_seqs;
     memset(result, 0, sizeof *result);
-    batch_state s = {G, N, p->cost_s, p->fixed_s, p->tokens, p->capacity, group_of, NULL, NULL, NULL, NULL,
-                     NULL, NULL, NULL, time_limit_s > 0 ? hexiseq_now_s() + time_limit_s : INFINITY};
+    batch_state s = {.G = G, .N = N, .cost_s = p->cost_s, .fixed_s = p->fixed_s, .tokens = p->tokens,
+                     .capacity = p->capacity, .group_of = group_of,
+                     .swap_budget = SWAP_WORK, .deadline_s = time_limit_s > 0 ? hexiseq_now_s() + time_limit_s : INFINITY};
     size_t nG = (size_t)G, nN = (size_t)N + 1;
     s.load_s = malloc(nG * sizeof *s.load_s);
     s.used = malloc(nG * sizeof *s.used);
@@ -514,12 +664,15 @@ static hexiseq_status batch_assign(const hexiseq_batch_problem *p, double time_l
     s.next = malloc(nN * sizeof *s.next);
     s.prev = malloc(nN * sizeof *s.prev);
     s.order = malloc(nN * sizeof *s.order);
+    s.own_s = malloc(nN * sizeof *s.own_s);
+    s.held = malloc(nN * sizeof *s.held);
+    s.column_s = malloc(nG * sizeof *s.column_s);
     s.cheapest_s = malloc(nN * sizeof *s.cheapest_s);
     int32_t *tmp = malloc(nN * sizeof *tmp), *current = malloc(nN * sizeof *current);
     double *weight = malloc(nG * sizeof *weight), *gain = malloc(nG * sizeof *gain);
     double *scratch = malloc(nN * sizeof *scratch);
     hexiseq_status st = HEXISEQ_OK;
-    if (!s.load_s || !s.used || !s.head || !s.next || !s.prev || !s.order || !s.cheapest_s || !tmp || !current ||
+    if (!s.load_s || !s.used || !s.head || !s.next || !s.prev || !s.order || !s.own_s || !s.column_s || !s.held || !s.cheapest_s || !tmp || !current ||
         !weight || !gain || !scratch) {
         st = hexiseq_fail(HEXISEQ_ERR_NOMEM, "batch assignment: no memory for %d groups x %d sequences", (int)G,
                           (int)N);
@@ -537,15 +690,11 @@ static hexiseq_status batch_assign(const hexiseq_batch_problem *p, double time_l
     /* one group: the one assignment there is (and no branch and bound N deep) */
     int small = allow_exhaustive && G > 1 && leaves <= EXHAUSTIVE_LEAVES;
 
-    st = greedy(&s, tmp);
+    st = heuristic(&s, result->lower_bound_s, current, tmp, group_time_s, &result->iterations);
     int have_heuristic = st == HEXISEQ_OK;
     if (!have_heuristic && !small)
         goto done;
-    double heuristic_s = INFINITY;
-    if (have_heuristic) {
-        result->iterations = local_search(&s);
-        heuristic_s = state_times(&s, group_time_s);
-    }
+    double heuristic_s = have_heuristic ? state_times(&s, group_time_s) : INFINITY;
     int proven = G == 1;
     if (small) {
         int found = 0;
@@ -569,6 +718,9 @@ done:
     free(s.next);
     free(s.prev);
     free(s.order);
+    free(s.own_s);
+    free(s.held);
+    free(s.column_s);
     free(s.cheapest_s);
     free(tmp);
     free(current);
