@@ -495,14 +495,16 @@ static hexiseq_status heuristic(batch_state *s, double lower_bound_s, int32_t *k
         double makespan_s = state_times(s, group_time_s);
         if (makespan_s < best_s) {
             best_s = makespan_s;
-            memcpy(keep, s->group_of, (size_t)s->N * sizeof *keep);
+            if (s->N > 0) /* group_of may be NULL when N = 0 */
+                memcpy(keep, s->group_of, (size_t)s->N * sizeof *keep);
         }
     }
     if (!isfinite(best_s)) {
         sort_order(s, s->order, tmp, tokens_first); /* name what the largest-first placement left out */
         return greedy_error(s, greedy_place(s));
     }
-    memcpy(s->group_of, keep, (size_t)s->N * sizeof *keep);
+    if (s->N > 0)
+        memcpy(s->group_of, keep, (size_t)s->N * sizeof *keep);
     state_times(s, group_time_s);
     return HEXISEQ_OK;
 }
@@ -525,7 +527,8 @@ static void bnb_descend(batch_bnb *t, int32_t k, double branch_max_s) {
     if (k == s->N) {
         if (branch_max_s < t->best_s) {
             t->best_s = branch_max_s;
-            memcpy(s->group_of, t->current, (size_t)s->N * sizeof *t->current);
+            if (s->N > 0)
+                memcpy(s->group_of, t->current, (size_t)s->N * sizeof *t->current);
             t->found = 1;
         }
         return;
