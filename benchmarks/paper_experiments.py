@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/paper_experiments.py [--fast] [--out benchmarks/results/paper_experiments.md]
 
-Three families of settings (DESIGN.md §7):
+Three families of settings, as the HexiSeq paper's abstract and summaries describe them:
   testbed     mixed H100 and A100 nodes, 8-16 GPUs, NVLink 450 / 300 GB/s, 25 GB/s between nodes; GPT-style
               3B/7B/13B; contexts 8K-256K. The paper reports 1.11x average, 1.19x at most over the best of
               Ring, Ulysses and USP measured on real hardware.

@@ -1,4 +1,4 @@
-// CUDA runtime queries used by build_info() and by the dispatch that picks CPU or GPU kernels.
+// CUDA runtime queries: the runtime version and the visible devices, behind hexiseq.cuda_device_count (binding/cuda.c).
 #include <cuda_runtime.h>
 
 #include "launch.h"

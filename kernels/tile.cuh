@@ -10,7 +10,7 @@
 //   backward.cuh         what the backward kernels share: their launch parameters and the dQ atomics
 //   backward_staged.cuh  the staged backward kernel (attn_bwd_staged_kernel) and its launcher
 //   documents.cuh        the backward's document-mask bounds: two small kernels and the per-tile helpers
-//   entry.cu, runtime.cu the library's export table and its CUDA runtime queries
+//   entry.cu, device_info.cu the library's export table and its CUDA runtime queries
 // setup.py compiles each .cu file on its own and links them into libhexiseq_cuda.so; code two of them use lives in
 // the .cuh headers (include guards; internal linkage, so each .cu file holds its own copy of what it uses).
 //

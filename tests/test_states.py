@@ -2,7 +2,7 @@
 zero shares, activation checkpointing, reduce="sum", the fallback collectives), the gathered parameters freed
 between forward and backward, optimizer states only for the local shards, and the contract: bad shares or
 ranks that disagree raise the same error on every rank, quickly. One spawn of three Gloo ranks runs every
-scenario in turn (tests/states_worker.run_all)."""
+scenario in turn (tests/workers/states_worker.run_all)."""
 
 import time
 

@@ -8,7 +8,7 @@ import pytest
 
 from hexiseq.runtime.topology import Topology
 
-from dist_plans import CASES, layout_plan, tiny_model  # noqa: E402
+from dist_plans import CASES, layout_plan, tiny_model
 
 PLANS = dict(CASES)
 PLANS["replica"] = lambda: layout_plan((2,), tiny_model(6, 2), 45, [

@@ -1,5 +1,6 @@
 /* Validation of the attention params structs: one set of rules and messages for the CPU and the CUDA kernels.
- * Compiled into the extension (csrc/) and into the CUDA kernels library (setup.py). */
+ * Compiled into the extension only; the CUDA kernels library reaches this copy through the host table it is handed
+ * when loaded (hexiseq_cuda_host, kernels/launch.h). */
 #include <math.h>
 #include <stdint.h>
 

@@ -1,7 +1,7 @@
 /* The DLPack tensor-exchange ABI, declared by HexiSeq from the DLPack specification, version 1.0
  * (dmlc/dlpack include/dlpack/dlpack.h and docs/source/python_spec.rst, DLPACK_MAJOR_VERSION 1,
- * DLPACK_MINOR_VERSION 0). Only what a consumer needs is declared. Written here rather than vendored
- * (DESIGN.md §6); tests/test_dlpack.py checks it against the capsules of NumPy and PyTorch. */
+ * DLPACK_MINOR_VERSION 0). Only what a consumer needs is declared. Written here rather than vendored;
+ * tests/test_dlpack.py checks it against the capsules of NumPy and PyTorch. */
 #ifndef HEXISEQ_DLPACK_H
 #define HEXISEQ_DLPACK_H
 

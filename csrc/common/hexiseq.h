@@ -1,4 +1,5 @@
-/* Public C API of the HexiSeq core: GPU catalog, cluster, model, layouts, cost model, plans. */
+/* Public C API of the HexiSeq core: GPU catalog, cluster, model, packed documents, layouts, cost model, plans, and
+ * the assignment of a batch's sequences to groups. */
 #ifndef HEXISEQ_H
 #define HEXISEQ_H
 

@@ -15,7 +15,7 @@ typedef struct {
  * Q/K/V, O, dO, dQ/dK/dV) and four byte counts (forward sent, received; backward sent, received), `count`
  * times. The forward sends each member its tokens of the member's Q, K, V and gets back the attention output;
  * the backward sends dO the way the output came, and returns dQ with dK, dV of the first-held kv heads only
- * (a co-holder's share is reduced into the first holder before, hexiseq/ring.py). */
+ * (a co-holder's share is reduced into the first holder before, hexiseq/runtime/ring.py). */
 static void a2a_peer(const cost_ctx *x, double count, a2a_side me, a2a_side peer, double out_bw, double in_bw,
                      double out_lat, double in_lat, double *t, double *bytes) {
     double elem = (double)x->m->head_dim * x->m->dtype_bytes;

@@ -1,4 +1,5 @@
-/* Declarations shared inside the C core (not part of the public API). */
+/* The model's internal interface (not part of the public API): what the scheduler and the planner's binding use of
+ * the cluster, the rates and the cost model beyond hexiseq.h. */
 #ifndef HEXISEQ_INTERNAL_H
 #define HEXISEQ_INTERNAL_H
 

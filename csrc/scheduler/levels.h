@@ -2,7 +2,7 @@
  * calls of the levels below it. The call graph is layered, top down:
  *   scheduler.c  driver: seeds, structures, parking, final polish
  *   park.c       parking: devices or groups that keep nothing (calls the structure level)
- *   topology.c   structures: node splits, consecutive groups, every partition of small clusters (calls the
+ *   structures.c structures: node splits, consecutive groups, every partition of small clusters (calls the
  *                shares, ring order and local search levels)
  *   search.c     ring orders and the local search over single moves
  *   shares.c     shares of one structure: S_g by the LP, heads and tokens inside groups
@@ -44,7 +44,7 @@ hexiseq_status hexiseq_sched_try_orders(sched *s, const hexiseq_layout *base);
 hexiseq_status hexiseq_sched_local_search(sched *s, const hexiseq_layout *start, const hexiseq_plan_cost *start_cost,
                                           int64_t budget);
 
-/* ------------------------------------------------------------------ structures (topology.c) */
+/* ------------------------------------------------------------------ structures (structures.c) */
 
 /* Optimise one structure (shares, head units, ring orders); `score` gets its best fitting step time. */
 hexiseq_status hexiseq_sched_run_structure(sched *s, hexiseq_layout *l, double *score);

@@ -1,4 +1,4 @@
-/* Scheduler level 5: parking, i.e. devices or groups that keep no tokens and no heads when the others
+/* Stage 5 of the scheduler (scheduler.c): parking, i.e. devices or groups that keep no tokens and no heads when the others
  * are faster without them. */
 #include <math.h>
 #include <stdlib.h>
@@ -7,9 +7,6 @@
 #include "levels.h"
 
 /* ------------------------------------------------------------------ parking */
-
-hexiseq_status hexiseq_sched_run_structure(sched *s, hexiseq_layout *l, double *score);
-hexiseq_status hexiseq_sched_run_all_partitions(sched *s);
 
 /* Small clusters: every proper subset of the devices as the active ones, each grouped every way (the parked
  * ones join the first group). With run_all_partitions over all devices this covers every structure. */

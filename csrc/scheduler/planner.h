@@ -1,5 +1,6 @@
 /* Shared by the planners above the cost model (not part of the public API): the candidate ordering, the time
- * limit of a planning call, and the entry points the dispatcher (strategy.c) calls. */
+ * limit of a planning call, the entry points the dispatcher (strategy.c) calls, and the batch assignment's
+ * heuristic path alone (for its tests). */
 #ifndef HEXISEQ_PLANNER_H
 #define HEXISEQ_PLANNER_H
 

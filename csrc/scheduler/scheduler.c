@@ -1,7 +1,7 @@
 /* The hierarchical scheduler's driver: chooses HP groups of any sizes, per-group sequence lengths, per-device token
  * shares and head ranges, and the ring order, for a heterogeneous cluster.
  *
- * Levels (DESIGN.md §4):
+ * Stages (numbered as the search runs them; levels.h says which file calls which):
  *  1. group structures from the topology: each node whole, in halves, quarters, ... singletons, chosen
  *     per class of identical nodes by coordinate descent; plus groups spanning nodes (consecutive devices,
  *     every size that divides the cluster). The best uniform baseline layout (from the dispatcher in
@@ -23,7 +23,7 @@
  *     it): clusters of up to 6 devices try every subset of active devices in every grouping; clusters up
  *     to 64 devices park greedily. Then, up to 256 devices, a bounded local search over single moves
  *     (tokens between groups, a head or tokens between two ranks of a group).
- * Everything is deterministic: no randomness, ties broken by index. The levels live in park.c, topology.c,
+ * Everything is deterministic: no randomness, ties broken by index. The levels live in park.c, structures.c,
  * search.c and shares.c (see levels.h), above evaluate.c; a time limit or a cancel request, polled at every
  * evaluation, stops the search with the best plan so far. */
 #include <stdlib.h>

@@ -1,4 +1,4 @@
-/* Scheduler level 4 and polish: ring orders of a few groups, and a local search over single moves. */
+/* Stage 4 of the scheduler (scheduler.c) and its polish: ring orders of a few groups, and a local search over single moves. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>

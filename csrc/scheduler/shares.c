@@ -1,4 +1,4 @@
-/* Scheduler level 2-3: the shares of one structure. S_g across groups by an LP on per-token phase
+/* Stages 2-3 of the scheduler (scheduler.c): the shares of one structure. S_g across groups by an LP on per-token phase
  * coefficients refit from full evaluations; inside a group, head counts by greedy min-max on attention rate
  * and token shares water-filled on matmul rate under memory; all rounded to kernel-friendly sizes. */
 #include <math.h>

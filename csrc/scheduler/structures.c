@@ -1,4 +1,4 @@
-/* Scheduler level 1: group structures from the topology (node splits per class of identical nodes,
+/* Stage 1 of the scheduler (scheduler.c): group structures from the topology (node splits per class of identical nodes,
  * groups of consecutive devices, every partition of a small cluster), each optimised by the lower levels. */
 #include <math.h>
 #include <stdlib.h>

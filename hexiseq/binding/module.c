@@ -1,5 +1,5 @@
-/* The CPython binding of the HexiSeq C core: the module, its error classes and its init. Argument parsing,
- * NumPy arrays in and out and status codes to exceptions; it holds no algorithm. The functions live by concern
+/* The CPython binding of the HexiSeq C core: the module, build_info and its init. The binding parses arguments,
+ * moves NumPy arrays and DLPack tensors and maps status codes to exceptions (errors.c); it holds no algorithm. The functions live by concern
  * in the other files of this folder (see binding.h), each with its method table, added to the module here. */
 #include "binding.h"
 

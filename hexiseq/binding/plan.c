@@ -1,6 +1,7 @@
 /* The planner's binding: the GPU catalog, clusters, models and training settings from Python tuples and lists,
  * layouts and costs back as dicts of NumPy arrays; evaluate and plan_strategy run the core without the GIL. It
- * holds no algorithm; everything it calls is declared in csrc/common/hexiseq.h. */
+ * holds no algorithm; everything it calls is declared in csrc/common/hexiseq.h, except the rate curves' reading
+ * (csrc/model/internal.h). */
 #include "binding.h"
 #include "internal.h" /* hexiseq_curve_tflops: the cost model's reading of a curve */
 

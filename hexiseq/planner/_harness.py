@@ -10,7 +10,7 @@ def _torch():
         import torch
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - the CPU test environment has torch
-        raise HexiseqError("hexiseq.calibrate needs PyTorch (pip install torch)") from None
+        raise HexiseqError("hexiseq.calibrate and hexiseq.measure need PyTorch (pip install torch)") from None
     return torch, dist
 
 

@@ -304,7 +304,7 @@ def _non_increasing(curve):
 def _runtime_curves(model: Model, sizes, dtype, group, world, rank, global_of, iters, warmup, progress):
     """The runtime's work outside the attention kernels and the collectives, as hexiseq.measure's `rest` of an
     attention layer (forward + backward; the waits at the call checks are timed apart, as `sync`), in two curves
-    of (elements, ns per element) that the cost model reads the same way (cost.c, runtime_time_s):
+    of (elements, ns per element) that the cost model reads the same way (csrc/model/cost_ring.c, hexiseq_runtime_time_s):
     - runtime: the group's side (its tensors, accumulators, bookkeeping), each rank alone in a group of its own
       on one-device layers of n tokens, elements = n * (heads + 2 kv_heads) * head_dim;
     - runtime_a2a: what a member of a larger group adds by handing its tokens to the all-to-all and taking them

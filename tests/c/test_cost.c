@@ -1,7 +1,7 @@
 /* Unit tests of the cost model, layouts, strategies and input validation, through the public C API.
  *
  * Every expected time and memory term below is computed by hand in this file from the formulas stated
- * in the comments of csrc/model/cost*.c and DESIGN.md §3 (never by calling the library's helpers):
+ * in the comments of csrc/model/cost*.c and docs/cost_model.md (never by calling the library's helpers):
  *   gemm rate   = peak * gemm_eff * n / (n + 128)     (n = the device's token rows)
  *   attn rate   = peak * attn_eff * n / (n + 384)     (n = shorter side of the ring block, in tokens, halved
  *                                                      when causal: the kernel runs zigzag half-chunks)
@@ -64,7 +64,7 @@ static int near(double got, double want) {
 
 static const double GIB = 1073741824.0;
 
-/* The two rate curves, written out from cost.c's comment "rate = peak * eff * n / (n + half)". */
+/* The two rate curves, written out from cost_terms.h's comment "rate = peak * eff * n / (n + half)". */
 static double gemm_rate(double peak_tflops, double eff, double rows) { return peak_tflops * 1e12 * eff * rows / (rows + 128.0); }
 static double attn_rate(double peak_tflops, double eff, double n) { return peak_tflops * 1e12 * eff * n / (n + 384.0); }
 
@@ -117,7 +117,7 @@ static double tiny_layer_params(void) {
 }
 static double tiny_params(void) { return L * tiny_layer_params() + 2.0 * V * H + H; }
 
-/* The gradient and parameter collectives of one step, from cost.c's comments. The ring over devices
+/* The gradient and parameter collectives of one step, from cost_sync.c's comments. The ring over devices
  * 0..N-1 has slowest link bw (bytes/s) and largest latency lat (s). One reduce-scatter or all-gather of all
  * P parameters, run layer by layer, costs A = (N-1)/N * P * b / bw + L * (N-1) * lat, a = A / L per layer.
  * A per-layer collective c behind per-layer compute x (slowest device, one sequence) exposes

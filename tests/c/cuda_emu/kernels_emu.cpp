@@ -1,7 +1,7 @@
 // The CUDA attention kernels (kernels/forward.cu, kernels/backward.cu) compiled for the CPU emulator (emu.h): this
 // file gives the kernels their dynamic shared memory (one array: blocks run one at a time) and includes the CUDA
 // source files unchanged, both in this one translation unit (the headers they share are included once, by their
-// guards). kernels/entry.cu and runtime.cu stay out: the test links the launchers against csrc/ directly.
+// guards). kernels/entry.cu and device_info.cu stay out: the test links the launchers against csrc/ directly.
 #include "emu.h"
 
 namespace {
