@@ -28,13 +28,36 @@ TWO_CORES = hasattr(os, "sched_getaffinity") and {0, 1} <= os.sched_getaffinity(
 
 
 @pytest.fixture(scope="module")
-def calibrated(tmp_path_factory):
-    """Three ranks, rank 0 alone on core 0 and ranks 1, 2 on core 1 when the machine has two cores."""
+def calibrated_run(tmp_path_factory):
+    """Three ranks, rank 0 alone on core 0 and ranks 1, 2 on core 1 when the machine has two cores: each rank's
+    calibrated cluster (a dict), and the probe's seconds per rank before and after calibrating."""
     cores = [{0}, {1}, {1}] if TWO_CORES else None
     out = dist_worker.spawn(cw.calibrate_pinned, 3, (cores,), tmp_path_factory.mktemp("cal"), timeout_s=180)
-    for r, (status, value) in out.items():
+    for r, (status, value, *_) in out.items():
         assert status == "ok", f"rank {r}: {value}"
-    return [out[r][1] for r in range(3)]
+    return [out[r][1] for r in range(3)], out[0][2]
+
+
+@pytest.fixture(scope="module")
+def calibrated(calibrated_run):
+    return calibrated_run[0]
+
+
+# The ranks sharing core 1 run at half the speed of rank 0 on a quiet machine (2x on the probe); under load from
+# other processes the contrast shrinks, and so does what the calibration can see. Below this, the tests that check
+# that the calibration sees the difference have nothing to check and are skipped, saying what the probe measured.
+MIN_CONTRAST = 1.5
+
+
+@pytest.fixture(scope="module")
+def contrast(calibrated_run):
+    """Skip unless the machine gave the pinned ranks a contrast before and after calibrating."""
+    seen = [min(p[r] / p[0] for r in (1, 2)) for p in calibrated_run[1]]
+    if min(seen) < MIN_CONTRAST:
+        pytest.skip(f"the machine gives the pinned ranks no contrast now: on a fixed matmul the ranks sharing a core "
+                    f"took {seen[0]:.2f}x the time of the rank alone before calibrating and {seen[1]:.2f}x after "
+                    f"(about 2x on a quiet machine; {MIN_CONTRAST}x needed)")
+    return min(seen)
 
 
 def test_calibration_is_equal_on_every_rank(calibrated):
@@ -73,7 +96,7 @@ def test_calibrated_rates_and_links_make_sense(calibrated):
 
 
 @pytest.mark.skipif(not TWO_CORES, reason="needs cores 0 and 1 to pin ranks")
-def test_calibration_finds_the_rank_alone_on_its_core_faster(calibrated):
+def test_calibration_finds_the_rank_alone_on_its_core_faster(calibrated, contrast):
     # Rank 0 has core 0 to itself, ranks 1 and 2 share core 1: at the largest size of each curve rank 0 should
     # run near 2x. The sizes are tiny (CI time), so one curve's last point can be off on a loaded machine (seen
     # once: the causal curve at 1.16x while the other two showed the gap): two of the three curves must show
@@ -111,7 +134,7 @@ def test_calibrated_yaml_plans_like_the_cluster(calibrated, tmp_path):
 
 
 @pytest.mark.skipif(not TWO_CORES, reason="needs cores 0 and 1 to pin ranks")
-def test_plan_on_calibrated_cluster_gives_the_fast_rank_more(calibrated):
+def test_plan_on_calibrated_cluster_gives_the_fast_rank_more(calibrated, contrast):
     c = hexiseq.Cluster.from_dict(calibrated[0])
     p = hexiseq.plan(c, model=hexiseq.Model(**cw.TINY), seq_len=8192, strategy="hexiseq",
                      training=hexiseq.Training(checkpointing=False))

@@ -2,6 +2,7 @@
 
 import datetime
 import os
+import time
 import traceback
 
 import torch
@@ -19,8 +20,23 @@ def _init(rank, world, init):
                             timeout=datetime.timedelta(seconds=90))
 
 
+def _probe_s():
+    """Seconds this rank takes for a fixed matmul loop while every rank runs it at the same time: how the machine
+    treats the pinned ranks now, measured independently of the calibration (a loaded machine can erase the
+    difference that pinning makes, and then the calibration cannot see it either)."""
+    a = torch.randn(192, 192, generator=torch.Generator().manual_seed(1))
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(60):
+        a @ a
+    took = [None] * dist.get_world_size()
+    dist.all_gather_object(took, time.perf_counter() - t0)
+    return took
+
+
 def calibrate_pinned(rank, world, init, cores, results):
-    """Calibrate with rank r pinned to cores[r] (None: not pinned); report the cluster as a dict."""
+    """Calibrate with rank r pinned to cores[r] (None: not pinned); report the cluster as a dict, and the probe's
+    seconds per rank just before and just after calibrating."""
     try:
         if cores is not None:
             os.sched_setaffinity(0, cores[rank])
@@ -31,9 +47,10 @@ def calibrate_pinned(rank, world, init, cores, results):
         # attention block is 1024 tokens because at 512 one timed call can fit in one scheduler slice, so two ranks
         # that share a core were each timed running alone and the rank alone on its core showed no gain (seen on
         # a quiet 2-core machine: 1.00x at 512, 1.7-2.0x at 1024)
+        before = _probe_s()
         c = calibrate(hexiseq.Model(**TINY), gemm_rows=[64, 512], attn_blocks=[64, 256, 1024], message_bytes=1 << 20,
                       iters=3, progress=False)
-        results.put((rank, "ok", c.to_dict()))
+        results.put((rank, "ok", c.to_dict(), [before, _probe_s()]))
         dist.destroy_process_group()
     except Exception:
         results.put((rank, "error", traceback.format_exc()))
