@@ -394,6 +394,7 @@ def test_plan_from_json_not_text():
 
 
 @pytest.mark.parametrize("field,value", [("seq_len", "abc"), ("seq_len", None), ("causal", "maybe"),
+                                         ("stopped_early", "yes"), ("stopped_early", 1), ("stopped_early", None),
                                          ("training", {"micro_batch": 4}), ("training", None),
                                          ("model", {"layers": 2}), ("cluster", {"nodes": 5}),
                                          ("layout", {"groups": [{"devices": "x"}]})])

@@ -513,6 +513,9 @@ class Plan:
                "strategy": self.strategy, **self._identity(), "fingerprint": self.fingerprint,
                # what the plan was balanced for; not part of the fingerprint: execution takes documents per call
                **({"documents": self.documents.tolist()} if self.documents is not None else {}),
+               # how the search ended, not what runs: outside the fingerprint; written only when true, so the files
+               # of complete searches are what they were (and files without it read as a complete search)
+               **({"stopped_early": True} if self.stopped_early else {}),
                "predicted": {k: self._cost[k] for k in ("step_time_s", "tokens_per_s", "lower_bound_s",
                                                          "gemm_phase_s", "a2a_phase_s", "ring_phase_s",
                                                          "grad_sync_s", "grad_exposed_s")}}
@@ -537,12 +540,15 @@ class Plan:
             raise InvalidArgumentError(f"plan causal must be true or false, got {doc['causal']!r}")
         if not isinstance(doc["strategy"], str):
             raise InvalidArgumentError(f"plan strategy must be a string, got {doc['strategy']!r}")
+        stopped_early = doc.get("stopped_early", False)
+        if not isinstance(stopped_early, bool):
+            raise InvalidArgumentError(f"plan stopped_early must be true or false, got {stopped_early!r}")
         training = doc["training"]
         if isinstance(training, dict):  # written only when not even (Training.to_dict)
             training = {"state_shares": "even", **training}
         p = cls(Cluster.from_dict(doc["cluster"]), Model.from_dict(doc["model"]), Training.from_dict(training),
                 parse_tokens(doc["seq_len"], "seq_len"), doc["causal"], doc["strategy"], Layout.from_dict(doc["layout"]),
-                documents=doc.get("documents"))
+                stopped_early=stopped_early, documents=doc.get("documents"))
         if "fingerprint" in doc and doc["fingerprint"] != p.fingerprint:
             raise InvalidArgumentError(f"plan fingerprint mismatch: file says {doc['fingerprint']}, "
                                        f"contents hash to {p.fingerprint}")
