@@ -384,10 +384,11 @@ def test_model_config_paths(tmp_path, example):
 
 # ------------------------------------------------------------------ 16: the CLI
 
-def _cli(*args, stdout=subprocess.PIPE, cwd=None):
+def _cli(*args, stdout=subprocess.PIPE, cwd=None, close_stdout=False):
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    close = (lambda: os.close(1)) if close_stdout else None  # in the child only, before it runs
     return subprocess.run([sys.executable, "-m", "hexiseq", *args], stdout=stdout, stderr=subprocess.PIPE, text=True,
-                          timeout=60, env=env, cwd=cwd)
+                          timeout=60, env=env, cwd=cwd, preexec_fn=close)
 
 
 def _one_error_line(r, *needles):
@@ -436,12 +437,22 @@ def test_cli_full_disk(args):
     _one_error_line(r, "cannot write the output", "No space left on device")
 
 
-def test_cli_closed_pipe():
-    """A reader that goes away early (hexiseq plan | head -1) ends the command quietly."""
+@pytest.mark.parametrize("args", [["plan", "--seq-len", "32k"], ["gpus"]])
+def test_cli_stdout_closed(args):
+    """Started with no standard output at all (hexiseq plan >&-): one error line, no traceback."""
+    r = _cli(*args, stdout=None, close_stdout=True)
+    _one_error_line(r, "cannot write the output", "standard output is closed")
+
+
+@pytest.mark.parametrize("lines", [1, 0])
+def test_cli_closed_pipe(lines):
+    """A reader that goes away early (hexiseq plan | head -1), or before reading anything (| head -0), ends the
+    command quietly."""
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
     p = subprocess.Popen([sys.executable, "-m", "hexiseq", "plan", "--seq-len", "32k"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, env=env)
-    p.stdout.readline()
+    for _ in range(lines):
+        p.stdout.readline()
     p.stdout.close()  # the rest of the output goes to a closed pipe
     err = p.stderr.read().decode()
     assert p.wait(timeout=60) == 0 and err == "", err
