@@ -171,8 +171,8 @@ def load_json(text, where):
 
 
 def read_text(path, what):
-    """The UTF-8 text of a user file; a missing, unreadable or non-UTF-8 file raises InvalidArgumentError naming
-    the file."""
+    """The UTF-8 text of a user file; a missing, unreadable or non-UTF-8 file, or a path with a NUL character,
+    raises InvalidArgumentError naming the file."""
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
@@ -180,3 +180,5 @@ def read_text(path, what):
         raise InvalidArgumentError(f"{what} {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
         raise InvalidArgumentError(f"cannot read {what} {path!r}: {e.strerror or e}") from None
+    except ValueError:  # open()'s "embedded null byte": no file has such a name
+        raise InvalidArgumentError(f"cannot read {what} {path!r}: a path must not contain a NUL character") from None

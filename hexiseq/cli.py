@@ -301,18 +301,23 @@ class _OutputError(OSError):
 
 class _Stdout:
     """Standard output as the commands see it: a failed write or flush raises _OutputError, so that main() can tell
-    it from every other OSError."""
+    it from every other OSError. Without a standard output at all (started with it closed, `hexiseq plan >&-`, where
+    Python's sys.stdout is None) a write raises _OutputError too."""
 
     def __init__(self, stream):
         self._stream = stream
 
     def write(self, text):
+        if self._stream is None:
+            raise _OutputError(errno.EBADF, "standard output is closed")
         try:
             return self._stream.write(text)
         except OSError as e:
             raise _OutputError(e.errno, e.strerror) from None
 
     def flush(self):
+        if self._stream is None:  # nothing was written
+            return
         try:
             self._stream.flush()
         except OSError as e:
@@ -353,7 +358,10 @@ def main(argv=None) -> int:
     except _OutputError as e:
         sys.stdout = stdout
         _detach_stdout()
-        if e.errno == errno.EPIPE:  # the reader went away (hexiseq plan | head): not an error of ours
+        # The reader went away (hexiseq plan | head): it has all it asked for, so this is no error of ours. Exit 0,
+        # not 141 (killed by SIGPIPE, as C tools are): Python ignores SIGPIPE, and a 141 would fail a pipeline run
+        # under `set -o pipefail` that did what it meant to.
+        if e.errno == errno.EPIPE:
             return 0
         print(f"hexiseq: error: cannot write the output: {e.strerror}", file=sys.stderr)
         return 1

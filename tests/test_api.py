@@ -343,6 +343,24 @@ def test_json_round_trip(example):
         assert Plan.from_json(p.to_json(indent=2)).fingerprint == p.fingerprint
 
 
+def test_json_keeps_stopped_early_outside_the_fingerprint(example):
+    """A plan cut short by time_limit_s says so after a round trip through JSON; a complete search writes no such
+    field, and a file without it reads as complete. Whether the search stopped early is not part of what runs,
+    so the fingerprint is that of the same layout planned to the end."""
+    cut = hexiseq.plan(example, seq_len="32k", strategy="hexiseq", time_limit_s=1e-6)
+    assert cut.stopped_early
+    doc = json.loads(cut.to_json())
+    assert doc["stopped_early"] is True
+    back = Plan.from_json(cut.to_json())
+    assert back.stopped_early and back.fingerprint == cut.fingerprint and back.to_json() == cut.to_json()
+    same = hexiseq.evaluate(example, model=cut.model, seq_len="32k", layout=cut.layout, strategy=cut.strategy)
+    assert not same.stopped_early and same.fingerprint == cut.fingerprint
+    assert "stopped_early" not in json.loads(same.to_json())
+    del doc["stopped_early"]  # a file written before the field existed
+    old = Plan.from_json(json.dumps(doc))
+    assert not old.stopped_early and old.fingerprint == cut.fingerprint
+
+
 def test_json_tampering(example):
     p = hexiseq.plan(example, seq_len="64k", strategy="usp")
     doc = json.loads(p.to_json())

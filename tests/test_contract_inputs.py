@@ -15,6 +15,7 @@ import pytest
 import hexiseq
 from hexiseq import (Cluster, InvalidArgumentError, LayoutError, Model, Node, Plan, Training,
                      UnsupportedError, _core)
+from hexiseq.errors import ArgumentTypeError
 
 from errcheck import raises_with
 
@@ -160,6 +161,45 @@ def _write(tmp_path, name, data):
     path = tmp_path / name
     path.write_bytes(data if isinstance(data, bytes) else data.encode())
     return path
+
+
+NUL_GPU = "H100\x00-SXM"  # a C string would end at the NUL
+
+
+def _nodes(count, gpu="H100"):
+    return json.dumps({"nodes": [{"gpu": gpu, "count": 1, "intra_gbps": 450}] * count, "inter_node_gbps": 25})
+
+
+def test_gpu_name_with_a_nul(tmp_path):
+    """Refused by name, not a raw ValueError from the extension (nor read as another name), from Python and files."""
+    raises_with(InvalidArgumentError, lambda: Cluster([Node(NUL_GPU, 8, 450.0)]), "nodes[0].gpu", repr(NUL_GPU))
+    raises_with(InvalidArgumentError, lambda: Cluster([Node("A100", 2, 300), Node("H100\x00", 8, 450.0)], 25),
+                "nodes[1].gpu", "NUL")
+    for name, text in (("c.yaml", 'nodes:\n  - {gpu: "H100\\0-SXM", count: 8, intra_gbps: 450}\n'),
+                       ("c.json", _nodes(2, NUL_GPU))):
+        raises_with(InvalidArgumentError, lambda: Cluster.from_file(_write(tmp_path, name, text)), "nodes[0].gpu",
+                    repr(NUL_GPU))
+
+
+def test_more_nodes_than_the_core_holds(tmp_path):
+    """70,000 nodes: refused with the core's limit (every node holds a device), not a raw ValueError."""
+    most = _core.int_range("devices")[1]
+    nodes = [Node("H100", 1, 450)] * 70000
+    raises_with(InvalidArgumentError, lambda: Cluster(nodes, 25), "nodes", "70000", f"at most {most}")
+    raises_with(InvalidArgumentError, lambda: Cluster.from_file(_write(tmp_path, "c.json", _nodes(70000))),
+                "nodes", "70000", f"at most {most}")
+
+
+@pytest.mark.parametrize("path", [None, 3, 2.5, ["c.yaml"], {"nodes": []}], ids=repr)
+def test_cluster_file_path_of_another_type(path):
+    raises_with(ArgumentTypeError, lambda: Cluster.from_file(path), "path", type(path).__name__, repr(path))
+
+
+def test_cluster_file_paths_as_bytes_or_with_a_nul(tmp_path):
+    """Paths as open() takes them (str, bytes, os.PathLike) read the same file; a NUL in one is refused by name."""
+    path = _write(tmp_path, "c.json", _nodes(2))
+    assert Cluster.from_file(os.fsencode(path)) == Cluster.from_file(str(path)) == Cluster.from_file(path)
+    raises_with(InvalidArgumentError, lambda: Cluster.from_file(str(path) + "\x00.yaml"), "c.json", "NUL")
 
 
 FILE_READERS = {
@@ -344,10 +384,11 @@ def test_model_config_paths(tmp_path, example):
 
 # ------------------------------------------------------------------ 16: the CLI
 
-def _cli(*args, stdout=subprocess.PIPE, cwd=None):
+def _cli(*args, stdout=subprocess.PIPE, cwd=None, close_stdout=False):
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    close = (lambda: os.close(1)) if close_stdout else None  # in the child only, before it runs
     return subprocess.run([sys.executable, "-m", "hexiseq", *args], stdout=stdout, stderr=subprocess.PIPE, text=True,
-                          timeout=60, env=env, cwd=cwd)
+                          timeout=60, env=env, cwd=cwd, preexec_fn=close)
 
 
 def _one_error_line(r, *needles):
@@ -371,6 +412,10 @@ CLI_CASES = [
     ("deep config", "cfg.json", "[" * 100000 + "]" * 100000, ["--model"], ["cfg.json", "nested too deeply"]),
     ("sequences flag", None, None, ["--sequences", str(2**31)], ["training.sequences", str(2**31)]),
     ("short seq_len", None, None, ["--seq-len", "8"], ["seq_len 8", "seq_len >= 16"]),
+    ("nul gpu yaml", "c.yaml", 'nodes:\n  - {gpu: "H100\\0-SXM", count: 2, intra_gbps: 450}\n', [],
+     ["nodes[0].gpu", repr(NUL_GPU)]),
+    ("nul gpu json", "c.json", _nodes(2, NUL_GPU), [], ["nodes[0].gpu", repr(NUL_GPU)]),
+    ("70000 nodes", "c.json", _nodes(70000), [], ["nodes", "70000", f"at most {_core.int_range('devices')[1]}"]),
 ]
 
 
@@ -392,12 +437,22 @@ def test_cli_full_disk(args):
     _one_error_line(r, "cannot write the output", "No space left on device")
 
 
-def test_cli_closed_pipe():
-    """A reader that goes away early (hexiseq plan | head -1) ends the command quietly."""
+@pytest.mark.parametrize("args", [["plan", "--seq-len", "32k"], ["gpus"]])
+def test_cli_stdout_closed(args):
+    """Started with no standard output at all (hexiseq plan >&-): one error line, no traceback."""
+    r = _cli(*args, stdout=None, close_stdout=True)
+    _one_error_line(r, "cannot write the output", "standard output is closed")
+
+
+@pytest.mark.parametrize("lines", [1, 0])
+def test_cli_closed_pipe(lines):
+    """A reader that goes away early (hexiseq plan | head -1), or before reading anything (| head -0), ends the
+    command quietly."""
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
     p = subprocess.Popen([sys.executable, "-m", "hexiseq", "plan", "--seq-len", "32k"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, env=env)
-    p.stdout.readline()
+    for _ in range(lines):
+        p.stdout.readline()
     p.stdout.close()  # the rest of the output goes to a closed pipe
     err = p.stderr.read().decode()
     assert p.wait(timeout=60) == 0 and err == "", err

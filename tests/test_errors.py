@@ -2,12 +2,14 @@
 
 import json
 import math
+import re
 
 import pytest
 
 import hexiseq
 from hexiseq import (Cluster, HexiseqError, InvalidArgumentError, LayoutError, MemoryFitError, Model, Node, Plan,
                      Training, UnknownGPUError)
+from hexiseq._validate import parse_tokens
 
 from errcheck import raises_with
 
@@ -286,6 +288,35 @@ def test_memory_error_gives_the_longest_sequence_that_fits():
                 hexiseq.plan(cluster, model="8b", seq_len=length + 1024, strategy=strategy, training=training)
 
 
+def test_rebalanced_to_a_length_that_does_not_fit():
+    """Plan.rebalanced to a sequence too long for memory raises what plan() raises for it, MemoryFitError naming
+    the short device with what would fit, instead of returning a plan that does not fit; a custom layout too."""
+    base = hexiseq.plan(Cluster.example(), seq_len="16k")
+    with pytest.raises(MemoryFitError):
+        hexiseq.plan(Cluster.example(), seq_len=2**30)
+    for plan, seq_len in ((base, 2**30), (_evaluate(_layout()), "2m")):
+        with pytest.raises(MemoryFitError) as info:
+            plan.rebalanced(seq_len=seq_len)
+        err, msg = info.value, str(info.value)
+        for needle in ("no plan fits", f"rebalanced to seq_len {parse_tokens(seq_len)}", "is short by", "GiB",
+                       "the longest sequence that fits is"):
+            assert needle in msg, (needle, msg)
+        assert re.search(r"device \d+ \((H100-SXM|A100-80G), \d+\.\d GiB\)", msg), msg
+        assert err.states_fit is True and 0 < err.longest_seq_len < parse_tokens(seq_len)
+
+
+@pytest.mark.parametrize("value,needle", [(1, "seq_len must be >= 2"), (0, "seq_len must be >= 1"),
+                                          (2**30 + 1, "seq_len must be <= 1073741824"), (-3, "seq_len must be >= 1"),
+                                          (True, "seq_len must be an integer"), (1.5, "seq_len must be an integer"),
+                                          ("abc", "seq_len must be a token count")], ids=repr)
+def test_rebalanced_seq_len_bounds(value, needle):
+    """A seq_len out of bounds is refused by name and value, not by a layout error about groups never written: at
+    least one token for each of the plan's groups, at most 2^30."""
+    msg = raises_with(InvalidArgumentError, lambda: _evaluate(_layout()).rebalanced(seq_len=value), needle,
+                      repr(value) if isinstance(value, (bool, float, str)) else str(value))
+    assert "groups[" not in msg, msg
+
+
 # ------------------------------------------------------------------ layouts
 
 def _layout(**change):
@@ -363,6 +394,7 @@ def test_plan_from_json_not_text():
 
 
 @pytest.mark.parametrize("field,value", [("seq_len", "abc"), ("seq_len", None), ("causal", "maybe"),
+                                         ("stopped_early", "yes"), ("stopped_early", 1), ("stopped_early", None),
                                          ("training", {"micro_batch": 4}), ("training", None),
                                          ("model", {"layers": 2}), ("cluster", {"nodes": 5}),
                                          ("layout", {"groups": [{"devices": "x"}]})])

@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import _core
 from .._validate import MAX_NESTING, core_integer, load_json, nesting, number, read_text
-from ..errors import InvalidArgumentError, UnknownGPUError
+from ..errors import ArgumentTypeError, InvalidArgumentError, UnknownGPUError
 
 __all__ = ["Node", "DeviceRates", "Cluster", "gpu_catalog"]
 
@@ -182,6 +182,10 @@ class Cluster:
                  devices=None, calibration=None):
         if not isinstance(nodes, (list, tuple)) or not nodes:
             raise InvalidArgumentError(f"nodes must be a non-empty list, got {nodes!r}")
+        most = _core.int_range("devices")[1]  # every node holds a device at least: the core's limit on devices
+        if len(nodes) > most:
+            raise InvalidArgumentError(f"nodes must list at most {most} nodes (the core's limit on devices), "
+                                       f"got {len(nodes)}")
         checked = []
         for i, node in enumerate(nodes):
             if isinstance(node, dict):
@@ -190,6 +194,8 @@ class Cluster:
                 raise InvalidArgumentError(f"nodes[{i}] must be a Node or a dict, got {node!r}")
             if not isinstance(node.gpu, str):
                 raise InvalidArgumentError(f"nodes[{i}].gpu must be a GPU model name, got {node.gpu!r}")
+            if "\0" in node.gpu:  # C strings end at a NUL: the core would read another name
+                raise InvalidArgumentError(f"nodes[{i}].gpu must not contain a NUL character, got {node.gpu!r}")
             node = Node(
                 gpu=node.gpu,
                 count=core_integer(node.count, f"nodes[{i}].count", "nodes.count"),
@@ -264,7 +270,11 @@ class Cluster:
     @classmethod
     def from_file(cls, path) -> "Cluster":
         """Read a YAML (.yaml, .yml) or JSON file in the format of `from_dict`."""
-        path = os.fspath(path)
+        try:
+            path = os.fsdecode(path)  # str, bytes or os.PathLike, as open() takes them
+        except TypeError:
+            raise ArgumentTypeError(f"path must be a file path (str, bytes or os.PathLike), got "
+                                    f"{type(path).__name__} {path!r}") from None
         text = read_text(path, "cluster file")
         if path.endswith(".json"):
             spec = load_json(text, f"cluster file {path!r}")

@@ -380,14 +380,31 @@ class Plan:
         shares, chunking) optimised again for another batch: `documents` (lengths in sequence order, or None for
         one causal document) and, if given, another `seq_len`. It costs a few cost-model evaluations instead of a
         search (milliseconds at 128 devices), so it can run every step; the all-to-all groups and the ring stay
-        the same. The result is never predicted slower than this plan's own split under the new batch."""
+        the same. The result is never predicted slower than this plan's own split under the new batch.
+
+        Raises InvalidArgumentError for a seq_len out of bounds (fewer tokens than the plan has groups, or past
+        2^30), and MemoryFitError, as plan() does, when the re-balanced plan does not fit in memory."""
         seq_len = self.seq_len if seq_len is None else parse_tokens(seq_len)
+        if seq_len < self.num_groups:  # every group of the structure holds at least one token
+            raise InvalidArgumentError(f"seq_len must be >= {self.num_groups} to rebalance this plan (one token for "
+                                       f"each of its {self.num_groups} groups), got {seq_len}")
         self.model.check_seq_len(seq_len)
         documents = _documents(documents, seq_len, self.causal)
         arrays = _core.rebalance(*self.cluster._core_args(), self.model._as_core(), self.training._as_core(),
                                  seq_len, self.causal, self.layout._as_core(), documents)
-        return Plan(self.cluster, self.model, self.training, seq_len, self.causal, self.strategy, Layout(**arrays),
-                    documents=documents)
+        out = Plan(self.cluster, self.model, self.training, seq_len, self.causal, self.strategy, Layout(**arrays),
+                   documents=documents)
+        if not out.fits:
+            short = int(out._cost["short_device"])
+            cap = float(out.devices.mem_cap_gib[out._slot(short)])
+            reason = MemoryFitError(f"{self.strategy} rebalanced to seq_len {seq_len}: the layout does not fit in "
+                                    f"memory; device {short} ({self.cluster.device_gpus[short]}, {cap:.1f} GiB) is "
+                                    f"short by {out._cost['short_gib']:.2f} GiB")
+            # what would fit, as plan() says it: planned by this plan's strategy (every one for a custom layout)
+            strategies = [s for s in ALL_STRATEGIES if s.value == self.strategy] or list(ALL_STRATEGIES)
+            raise no_fit_error(self.cluster, self.model, self.training, seq_len, self.causal,
+                               {self.strategy: reason}, strategies)
+        return out
 
     def _dim(self, dim, ndim: int, what: str) -> int:
         """An axis of a tensor of `ndim` dimensions, negative counting from the end as NumPy and torch do."""
@@ -496,6 +513,9 @@ class Plan:
                "strategy": self.strategy, **self._identity(), "fingerprint": self.fingerprint,
                # what the plan was balanced for; not part of the fingerprint: execution takes documents per call
                **({"documents": self.documents.tolist()} if self.documents is not None else {}),
+               # how the search ended, not what runs: outside the fingerprint; written only when true, so the files
+               # of complete searches are what they were (and files without it read as a complete search)
+               **({"stopped_early": True} if self.stopped_early else {}),
                "predicted": {k: self._cost[k] for k in ("step_time_s", "tokens_per_s", "lower_bound_s",
                                                          "gemm_phase_s", "a2a_phase_s", "ring_phase_s",
                                                          "grad_sync_s", "grad_exposed_s")}}
@@ -520,12 +540,15 @@ class Plan:
             raise InvalidArgumentError(f"plan causal must be true or false, got {doc['causal']!r}")
         if not isinstance(doc["strategy"], str):
             raise InvalidArgumentError(f"plan strategy must be a string, got {doc['strategy']!r}")
+        stopped_early = doc.get("stopped_early", False)
+        if not isinstance(stopped_early, bool):
+            raise InvalidArgumentError(f"plan stopped_early must be true or false, got {stopped_early!r}")
         training = doc["training"]
         if isinstance(training, dict):  # written only when not even (Training.to_dict)
             training = {"state_shares": "even", **training}
         p = cls(Cluster.from_dict(doc["cluster"]), Model.from_dict(doc["model"]), Training.from_dict(training),
                 parse_tokens(doc["seq_len"], "seq_len"), doc["causal"], doc["strategy"], Layout.from_dict(doc["layout"]),
-                documents=doc.get("documents"))
+                stopped_early=stopped_early, documents=doc.get("documents"))
         if "fingerprint" in doc and doc["fingerprint"] != p.fingerprint:
             raise InvalidArgumentError(f"plan fingerprint mismatch: file says {doc['fingerprint']}, "
                                        f"contents hash to {p.fingerprint}")
@@ -739,13 +762,14 @@ def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=N
     raise no_fit_error(cluster, model, training, seq_len, causal, results)
 
 
-def no_fit_error(cluster, model, training, seq_len, causal, results) -> Exception:
+def no_fit_error(cluster, model, training, seq_len, causal, results, strategies=None) -> Exception:
     """The error for strategies without a plan (results: strategy name -> its error, as from compare()):
     MemoryFitError with what would fit when memory is what failed, else UnsupportedError; every strategy's reason
-    is in the message."""
+    is in the message. strategies: those that work out what would fit (by default the ones named in results)."""
     reasons = "; ".join(str(e) for e in results.values())  # each names its strategy
     if not any(isinstance(e, MemoryFitError) for e in results.values()):
         return UnsupportedError(f"no strategy has a valid layout: {reasons}")
-    strategies = [Strategy(name) for name in results]
+    if strategies is None:
+        strategies = [Strategy(name) for name in results]
     return _memory_advice(cluster, model, training, seq_len, bool(causal), strategies,
                           f"no plan fits: {reasons}" if len(results) == 1 else f"no strategy has a plan that fits: {reasons}")
