@@ -259,3 +259,55 @@ def test_a_world_subgroup_after_a_partial_one(tmp_path):
     out = dist_worker.spawn(cw.contexts_in_sequence, 3, ([partial.to_json(), whole.to_json()],), tmp_path,
                             timeout_s=60)
     assert all(v == ("ok", 2) for v in out.values()), out
+
+
+# (scenario, the class every rank raises, words its message must hold)
+ARGUMENTS = [
+    ("cal_blocks", "RankMismatchError", ["attn_blocks", "rank 0: [32]", "rank 1: [32, 64]", "rank 2: [32]"]),
+    ("cal_rows", "RankMismatchError", ["gemm_rows", "rank 0: [16, 32]", "rank 1: [16]"]),
+    ("cal_model", "RankMismatchError", ["about model", "rank 1: Model(layers=2, hidden=128, heads=4,",
+                                        "rank 2: Model(layers=2, hidden=128, heads=8,"]),
+    ("cal_dtype", "RankMismatchError", ["dtype", "rank 0: 'torch.float32'", "rank 2: 'torch.float64'"]),
+    ("cal_iters", "RankMismatchError", ["iters", "rank 0: 1", "rank 1: 2"]),
+    ("cal_message_bytes", "RankMismatchError", ["message_bytes", "rank 0: 8192", "rank 1: 4096"]),
+    ("cal_invalid", "InvalidArgumentError", ["1 of 3 ranks", "rank 2: iters must be an int >= 1, got 0"]),
+    ("cal_unknown_model", "InvalidArgumentError", ["1 of 3 ranks", "rank 1: ", "unknown model preset"]),
+    ("measure_iters", "RankMismatchError", ["iters", "rank 0: 1", "rank 1: 2"]),
+    ("measure_layer", "RankMismatchError", ["layer", "rank 0: 'llama'", "rank 1: 'attention'"]),
+    ("measure_documents", "RankMismatchError", ["documents", "rank 1: None", "rank 2: [32, 32]"]),
+    ("measure_invalid", "InvalidArgumentError", ["1 of 3 ranks", "rank 0: layer must be 'attention' or 'llama', "
+                                                                "got 'mlp'"]),
+]
+
+
+@pytest.fixture(scope="module")
+def argument_reports(tmp_path_factory):
+    """One spawn of 3 ranks (group timeout 5 s) runs every scenario of ARGUMENTS in turn, then a good measure."""
+    c = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 3, "intra_gbps": 300}]})
+    plan = hexiseq.evaluate(c, model=hexiseq.Model(**cw.TINY), seq_len=64, layout={"groups": [
+        {"devices": [0, 1], "seq": 40, "tokens": [20, 20], "heads": [3, 1]},
+        {"devices": [2], "seq": 24, "tokens": [24], "heads": [4]}]})
+    out = dist_worker.spawn(cw.argument_scenarios, 3, (plan.to_json(),), tmp_path_factory.mktemp("args"),
+                            timeout_s=90)
+    for rank, (status, report) in sorted(out.items()):
+        assert status == "ok", f"rank {rank}: {report}"
+    return {rank: report for rank, (_, report) in out.items()}
+
+
+@pytest.mark.parametrize("name,cls,words", ARGUMENTS, ids=[a[0] for a in ARGUMENTS])
+def test_arguments_that_differ_or_fail_on_one_rank_raise_on_every_rank(argument_reports, name, cls, words):
+    """calibrate and measure compare every argument before anything runs: ranks that pass different ones, or an
+    invalid one on one rank only, raise the same error on every rank at once, naming the argument and each
+    rank's value, instead of a Gloo timeout or a mismatch of plan fingerprints the user never passed."""
+    for rank, report in sorted(argument_reports.items()):
+        kind, message, seconds = report[name]
+        assert kind == cls, f"{name}: rank {rank} raised {kind}: {message}"
+        for w in words:
+            assert w in message, f"{name}: rank {rank}'s message lacks {w!r}: {message}"
+        assert seconds < 4, f"{name}: rank {rank} took {seconds:.1f} s (the group timeout is 5 s: it waited)"
+    assert len({report[name][1] for report in argument_reports.values()}) == 1, f"{name}: messages differ"
+
+
+def test_ranks_stay_in_step_after_refused_arguments(argument_reports):
+    for rank, report in sorted(argument_reports.items()):
+        assert report["good_after"][0] == "ok", (rank, report["good_after"])

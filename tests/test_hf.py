@@ -176,15 +176,66 @@ def test_shard_inputs_with_packed_position_ids():
         assert torch.equal(got["position_ids"], plan.shard(pos, 1, rank))
         assert torch.equal(got["input_ids"], plan.shard(ids, 1, rank))
         want = torch.as_tensor(plan.positions(rank))
-        _check_positions(got["position_ids"], want, got[DOCUMENTS_KWARG], rank)  # accepted
-        _check_positions(got["position_ids"] + 3, want, got[DOCUMENTS_KWARG], rank)  # a collator's start offset
+        # _check_positions returns the error (the attention call's agreement raises it on every rank), or None
+        assert _check_positions(got["position_ids"], want, got[DOCUMENTS_KWARG], rank) is None  # accepted
+        assert _check_positions(got["position_ids"] + 3, want, got[DOCUMENTS_KWARG], rank) is None  # start offset
         if len(set(hexiseq.ops.document_starts(hf_worker.PACKED[0], want.numpy()).tolist())) > 1:
             # the rank's tokens span documents: absolute positions where the restarting ones belong are refused,
             # and the reverse
             checked += 1
-            with pytest.raises(hexiseq.InvalidArgumentError, match="restarting at each document"):
-                _check_positions(want[None], want, got[DOCUMENTS_KWARG], rank)
-            with pytest.raises(hexiseq.InvalidArgumentError, match="absolute positions"):
-                _check_positions(got["position_ids"], want, None, rank)
+            e = _check_positions(want[None], want, got[DOCUMENTS_KWARG], rank)
+            assert isinstance(e, hexiseq.InvalidArgumentError) and "restarting at each document" in str(e), e
+            e = _check_positions(got["position_ids"], want, None, rank)
+            assert isinstance(e, hexiseq.InvalidArgumentError) and "absolute positions" in str(e), e
+            assert "position_ids[0, " in str(e) and ", want " in str(e), e
     assert DOCUMENTS_KWARG not in shard_inputs(ids, plan, 0)
     assert checked >= 2
+
+
+def refusal_plan():
+    """3 ranks: an HP group of two (unequal tokens) and a ring of two groups; 45 tokens."""
+    cluster = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 3, "intra_gbps": 300.0}]})
+    model = hexiseq.Model(layers=2, hidden=64, heads=8, kv_heads=2, head_dim=8, ffn=128, vocab=97, gated_mlp=True)
+    return hexiseq.evaluate(cluster, model=model, seq_len=45, layout={"groups": [
+        {"devices": [0, 1], "seq": 30, "tokens": [20, 10], "heads": [4, 4]},
+        {"devices": [2], "seq": 15, "tokens": [15], "heads": [8]}]})
+
+
+# (scenario, the class every rank raises, words its message must hold)
+REFUSALS = [
+    ("padding", "UnsupportedError", ["1 of 3 ranks", "rank 1: hexiseq: a padding attention_mask",
+                                     "attention_mask [1, 10] has 1 zero(s), the first at [0, 3]"]),
+    ("positions", "InvalidArgumentError", ["1 of 3 ranks", "rank 2: hexiseq: position_ids must be",
+                                           "position_ids[0, 0] is 16, want 15"]),
+    ("tokens", "InvalidArgumentError", ["1 of 3 ranks", "rank 0: hexiseq: rank 0 holds 20 tokens", "got 45"]),
+]
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    """One spawn of 3 ranks (group timeout 5 s) runs every refusal in turn."""
+    out = spawn(hf_worker.check_refusals, 3, (refusal_plan().to_json(),), tmp_path_factory.mktemp("r"),
+                timeout_s=90)
+    for rank, (status, report) in sorted(out.items()):
+        assert status == "ok", f"rank {rank}: {report}"
+    return {rank: report for rank, (_, report) in out.items()}
+
+
+@pytest.mark.parametrize("name,cls,words", REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_input_refused_on_one_rank_raises_on_every_rank(refusals, name, cls, words):
+    """An input the adapter refuses on one rank only (a padding mask, position_ids, a shard of the wrong size)
+    makes every rank raise the same error at once, naming the rank, the field and the value, instead of that rank
+    raising while the others wait in their attention call until the group's timeout (5 s here)."""
+    for rank, report in sorted(refusals.items()):
+        kind, message, seconds = report[name]
+        assert kind == cls, f"{name}: rank {rank} raised {kind}: {message}"
+        for w in words:
+            assert w in message, f"{name}: rank {rank}'s message lacks {w!r}: {message}"
+        assert seconds < 4, f"{name}: rank {rank} took {seconds:.1f} s (the group timeout is 5 s: it waited)"
+    assert len({report[name][1] for report in refusals.values()}) == 1, f"{name}: messages differ between ranks"
+
+
+def test_ranks_stay_in_step_after_refusals(refusals):
+    for rank, report in sorted(refusals.items()):
+        assert report["good"][0] == "ok" and report["good_after"][0] == "ok", (rank, report["good"],
+                                                                               report["good_after"])

@@ -81,6 +81,11 @@ CONTRACT = [
     ("mismatch", "RankMismatchError",
      ["shares", "rank 0: [0.5, 0.3, 0.2]", "rank 1: [0.5, 0.3, 0.2]", "rank 2: [0.4, 0.4, 0.2]"]),
     ("units", "RankMismatchError", ["units[0].numel", "rank 0: 624", "rank 1: 672", "rank 2: 624"]),
+    ("seeds", "RankMismatchError", ["ranks disagree about the values of embed.weight", "rank 0: digest",
+                                    "rank 1: digest", "rank 2: digest", "they also disagree about the values of"]),
+    ("load_seeds", "RankMismatchError", ["ranks disagree about state_dict['embed.weight']", "rank 1: digest", "rank 0: digest",
+                                         "they also disagree about state_dict["]),
+    ("load_missing", "InvalidArgumentError", ["1 of 3 ranks", "rank 0: state_dict lacks the parameter blocks.1."]),
 ]
 
 
@@ -170,6 +175,12 @@ def test_optimizer_state_only_for_the_local_shards(reports, name, shares):
         expected = sum(shard_sizes(shares, t)[rank] for t in totals)
         assert g["shard"] == expected and g["state"] == 2 * expected, (rank, g, expected)
         assert abs(g["shard"] - shares[rank] * sum(totals)) < len(totals), (rank, g)
+
+
+def test_ranks_loading_the_same_weights_agree(reports):
+    """After the refusals, every rank loads the same full state dict: it is the one gathered back."""
+    for rank, report in sorted(reports[0].items()):
+        assert report["load_good"][:2] == ("ok", 0.0), (rank, report["load_good"])
 
 
 def test_full_state_dict_round_trip(reports):

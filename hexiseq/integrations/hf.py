@@ -42,7 +42,9 @@ see only its own document (the ranks check that they agree on the documents)::
 
 Without position_ids, shard_inputs gives absolute positions and the whole sequence is one causal document. The
 patched attention refuses position_ids that do not fit its call: other than the absolute positions without
-documents, not restarting at each document with them.
+documents, not restarting at each document with them. Like every input check of this adapter, the refusal goes
+through the call's agreement (hexiseq.runtime.comm.agree): every rank raises the same error at once, naming the
+rank, the field and the value, instead of one rank raising while the others wait until the group's timeout.
 
 A rank the plan parks (no tokens: the scheduler leaves a slow device out of a short sequence) runs the same loop:
 shard_inputs gives it one placeholder token whose attention output is 0 and whose logits the loss ignores, so its
@@ -53,7 +55,8 @@ with and without a parked rank, with and without packed documents.
 Other models whose attention modules call `ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)`
 with the Llama signature and scale by `module.scaling` should work the same way.
 
-Not supported (each raises a HexiseqError rather than computing something else): padding masks that are not all
+Not supported (each raises a HexiseqError rather than computing something else; where one rank's inputs ask for
+it, every rank raises the same error together, through the attention call's agreement): padding masks that are not all
 ones and custom 4-D masks (HexiSeq applies the causal mask by absolute position itself, document-causal for packed
 documents; pack or trim instead),
 KV caches / generation (`patch_model` sets `config.use_cache = False`), attention dropout, logit soft-capping,
@@ -95,15 +98,70 @@ def _transformers():
 
 # ------------------------------------------------------------------------------------------ dispatch targets
 
+class _RefusedMask:
+    """What the "hexiseq" mask creation returns for a mask HexiSeq cannot apply: it travels to every attention
+    call as the attention mask, and the first one refuses it through the call's agreement, so that every rank
+    raises together instead of this rank raising in the mask creation while the others wait in their first
+    attention call until the group's timeout."""
+
+    def __init__(self, error):
+        self.error = error
+
+
 def _hexiseq_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,
                   attention_mask=None, **kwargs):
     """Mask 'creation' for attn_implementation="hexiseq": there is no mask to build (HexiSeq masks causally by
-    absolute position inside the kernels); a 2-D padding mask is accepted only when it masks nothing."""
+    absolute position inside the kernels); a 2-D padding mask is accepted only when it masks nothing. Any other
+    is not refused here but handed to the attention calls (_RefusedMask), which refuse it on every rank alike."""
+    if attention_mask is None:
+        return None
+    if not torch.is_tensor(attention_mask):
+        return _RefusedMask(UnsupportedError(f"hexiseq: attention_mask must be a tensor of ones or None, got "
+                                             f"{type(attention_mask).__name__}"))
+    zeros = attention_mask == 0
+    if bool(zeros.any()):
+        first = [int(i) for i in torch.nonzero(zeros)[0]]
+        return _RefusedMask(UnsupportedError(
+            f"hexiseq: a padding attention_mask is not supported: attention_mask {list(attention_mask.shape)} has "
+            f"{int(zeros.sum())} zero(s), the first at {first} (HexiSeq applies the causal mask by absolute "
+            "position itself); pass attention_mask=None or all ones, and pack or trim the sequence instead"))
+    return None
+
+
+def _input_error(module, context, query, key, attention_mask, scaling, dropout, kwargs):
+    """The HexiseqError this rank's attention call deserves before any communication, or None. It is not raised
+    here: the call's agreement raises it on every rank (HexiSeqContext.refuse)."""
+    if isinstance(attention_mask, _RefusedMask):
+        return attention_mask.error
     if attention_mask is not None:
-        if not torch.is_tensor(attention_mask) or not bool(attention_mask.all()):
-            raise UnsupportedError(
-                "hexiseq: a padding attention_mask is not supported (HexiSeq applies the causal mask by absolute "
-                "position itself); pass attention_mask=None or all ones, and pack or trim the sequence instead")
+        return UnsupportedError(f"hexiseq: the attention module received an attention mask "
+                                f"({type(attention_mask).__name__}{list(getattr(attention_mask, 'shape', []))}); "
+                                "HexiSeq applies the causal mask by absolute position itself and supports no other "
+                                "mask (pass attention_mask=None)")
+    if dropout:
+        return UnsupportedError(f"hexiseq: attention dropout ({dropout}) is not supported; set "
+                                "config.attention_dropout = 0")
+    if kwargs.get("softcap") is not None:
+        return UnsupportedError(f"hexiseq: attention logit soft-capping (softcap={kwargs['softcap']}) is not "
+                                "supported")
+    window = kwargs.get("sliding_window")
+    if window is not None and context.plan.seq_len > window:
+        return UnsupportedError(f"hexiseq: sliding-window attention (sliding_window={window}) is not supported for "
+                                f"a {context.plan.seq_len}-token sequence")
+    if scaling is not None and not math.isclose(scaling, context.scale, rel_tol=1e-12):
+        return UnsupportedError(f"hexiseq: {type(module).__name__} scales by {scaling}, the model's HexiSeq context "
+                                f"by {context.scale}; every layer must use the same softmax scale")
+    tokens = context.me.tokens
+    if tokens == 0 and query.shape[2] == 1 and key.shape[2] == 1:
+        return None  # a parked rank's placeholder token (see shard_inputs)
+    if query.shape[2] != tokens or key.shape[2] != tokens:
+        if key.shape[2] != query.shape[2]:
+            return UnsupportedError("hexiseq: KV caches / generation are not supported (keys cover "
+                                    f"{key.shape[2]} tokens, queries {query.shape[2]}); call the model with "
+                                    "use_cache=False")
+        return InvalidArgumentError(
+            f"hexiseq: rank {context.rank} holds {tokens} tokens under the plan but the model got {query.shape[2]}; "
+            "feed this rank's shard: hexiseq.hf.shard_inputs(input_ids, plan, rank)")
     return None
 
 
@@ -111,47 +169,34 @@ def hexiseq_attention_forward(module, query, key, value, attention_mask, scaling
     """The "hexiseq" entry of transformers' AttentionInterface.
 
     query [batch, heads, s_r, head_dim], key/value [batch, kv_heads, s_r, head_dim] (this rank's tokens, RoPE
-    applied) -> (output [batch, s_r, heads, head_dim], None)."""
+    applied) -> (output [batch, s_r, heads, head_dim], None).
+
+    Every check of this rank's inputs (the mask, position_ids, the token count, what the model asks that HexiSeq
+    does not execute) goes through the call's agreement: a rank that fails one makes every rank raise the same
+    error, naming the rank, the field and its value."""
     context = getattr(module, _CTX, None)
     if context is None:
         raise HexiseqError(f"{type(module).__name__} runs with attn_implementation='hexiseq' but was not prepared "
                            "by hexiseq.hf.patch_model(model, plan)")
-    if attention_mask is not None:
-        raise UnsupportedError("hexiseq: the attention module received an attention mask; HexiSeq applies the causal "
-                               "mask by absolute position itself and supports no other mask (pass attention_mask=None)")
-    if dropout:
-        raise UnsupportedError(f"hexiseq: attention dropout ({dropout}) is not supported; set "
-                               "config.attention_dropout = 0")
-    if kwargs.get("softcap") is not None:
-        raise UnsupportedError("hexiseq: attention logit soft-capping is not supported")
-    window = kwargs.get("sliding_window")
-    if window is not None and context.plan.seq_len > window:
-        raise UnsupportedError(f"hexiseq: sliding-window attention (window {window}) is not supported for a "
-                               f"{context.plan.seq_len}-token sequence")
-    if scaling is not None and not math.isclose(scaling, context.scale, rel_tol=1e-12):
-        raise UnsupportedError(f"hexiseq: {type(module).__name__} scales by {scaling}, the model's HexiSeq context "
-                               f"by {context.scale}; every layer must use the same softmax scale")
     from ..runtime.documents import frozen
     from ..runtime.nn import hexiseq_attn_func
 
-    tokens = context.me.tokens
     documents = frozen(kwargs.get(DOCUMENTS_KWARG))
-    if tokens == 0 and query.shape[2] == 1 and key.shape[2] == 1:
+    parked = context.me.tokens == 0 and query.shape[2] == 1 and key.shape[2] == 1
+    want = getattr(module, _CHECK_POS, None)
+    try:  # whatever a check raises, the other ranks must learn of it in the agreement, not wait for this rank
+        error = _input_error(module, context, query, key, attention_mask, scaling, dropout, kwargs)
+        if error is None and want is not None and not parked:
+            error = _check_positions(kwargs.get("position_ids"), want, documents, context.rank)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    if error is not None:
+        context.refuse(error)
+    if parked:
         # a parked rank's placeholder token (see shard_inputs): attention runs its collectives with no tokens, and
         # the placeholder's output, 0, is tied to that empty output so that the backward's collectives run too
         out = hexiseq_attn_func(*(x.transpose(1, 2)[:, :0] for x in (query, key, value)), context, documents)
         return out.new_zeros(out.shape[0], 1, out.shape[2], out.shape[3]) + out.sum(), None
-    if query.shape[2] != tokens or key.shape[2] != tokens:
-        if key.shape[2] != query.shape[2]:
-            raise UnsupportedError("hexiseq: KV caches / generation are not supported (keys cover "
-                                   f"{key.shape[2]} tokens, queries {query.shape[2]}); call the model with "
-                                   "use_cache=False")
-        raise InvalidArgumentError(
-            f"hexiseq: rank {context.rank} holds {tokens} tokens under the plan but the model got {query.shape[2]}; "
-            "feed this rank's shard: hexiseq.hf.shard_inputs(input_ids, plan, rank)")
-    want = getattr(module, _CHECK_POS, None)
-    if want is not None:
-        _check_positions(kwargs.get("position_ids"), want, documents, context.rank)
     q = query.transpose(1, 2)   # [batch, s_r, heads, head_dim]
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
@@ -160,9 +205,9 @@ def hexiseq_attention_forward(module, query, key, value, attention_mask, scaling
 
 
 def _check_positions(pos, want, documents, rank):
-    """position_ids must be what RoPE needs at this rank's tokens (their absolute positions `want`): those
-    positions, or with packed documents the positions restarting at each document (plus any one offset per row,
-    the collator's position_ids_start)."""
+    """The InvalidArgumentError position_ids deserve, or None. They must be what RoPE needs at this rank's tokens
+    (their absolute positions `want`): those positions, or with packed documents the positions restarting at each
+    document (plus any one offset per row, the collator's position_ids_start)."""
     if documents is not None:
         from ..runtime.ops import document_starts
 
@@ -171,22 +216,33 @@ def _check_positions(pos, want, documents, rank):
         try:
             starts = torch.stack([torch.as_tensor(document_starts(r, want.numpy())) for r in rows])
         except InvalidArgumentError:
-            return  # bad documents: the attention call refuses them on every rank alike
+            return None  # bad documents: the attention call refuses them on every rank alike
         want = want - starts   # [1 or batch rows, s_r]
-    ok = pos is not None and pos.shape[-1] == want.shape[-1]
-    if ok:
-        diff = pos.reshape(-1, pos.shape[-1]) - want.to(pos.device)
-        ok = bool((diff == (diff[:, :1] if documents is not None else 0)).all())
-    if not ok and documents is not None:
-        raise InvalidArgumentError(
+    want = want.reshape(-1, want.shape[-1])
+    if pos is None:
+        got = "got none"
+    elif not torch.is_tensor(pos) or pos.dim() == 0 or pos.shape[-1] != want.shape[-1]:
+        got = f"got shape {list(getattr(pos, 'shape', []))}, want {want.shape[-1]} positions per row"
+    elif pos.reshape(-1, pos.shape[-1]).shape[0] not in (1, want.shape[0]) and want.shape[0] != 1:
+        got = f"got {pos.reshape(-1, pos.shape[-1]).shape[0]} rows, want 1 or {want.shape[0]}"
+    else:
+        flat = pos.reshape(-1, pos.shape[-1])
+        diff = flat - want.to(pos.device)
+        bad = diff != (diff[:, :1] if documents is not None else 0)
+        if not bool(bad.any()):
+            return None
+        b, t = (int(i) for i in torch.nonzero(bad)[0])
+        expect = int(want[b if want.shape[0] > 1 else 0, t]) + (int(diff[b, 0]) if documents is not None else 0)
+        got = f"position_ids[{b}, {t}] is {int(flat[b if flat.shape[0] > 1 else 0, t])}, want {expect}"
+    if documents is not None:
+        return InvalidArgumentError(
             f"hexiseq: position_ids must be rank {rank}'s shard of the packed sequence's position ids, restarting at "
             f"each document (what DataCollatorWithFlattening gives), so that RoPE sees where each token sits in its "
-            f"document (use hexiseq.hf.shard_inputs(input_ids, plan, rank, position_ids=full_position_ids))")
-    if not ok:
-        raise InvalidArgumentError(
-            f"hexiseq: position_ids must be the absolute positions of rank {rank}'s tokens, "
-            "plan.positions(rank), so that RoPE sees where each token sits in the full sequence "
-            "(use hexiseq.hf.shard_inputs(input_ids, plan, rank))")
+            f"document ({got}; use hexiseq.hf.shard_inputs(input_ids, plan, rank, position_ids=full_position_ids))")
+    return InvalidArgumentError(
+        f"hexiseq: position_ids must be the absolute positions of rank {rank}'s tokens, plan.positions(rank), so "
+        f"that RoPE sees where each token sits in the full sequence ({got}; use hexiseq.hf.shard_inputs(input_ids, "
+        "plan, rank))")
 
 
 # ------------------------------------------------------------------------------------------ patching

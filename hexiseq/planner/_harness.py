@@ -1,6 +1,6 @@
 """What the calibration and the measurement share to run on the ranks: PyTorch imported on first use (so that
-`import hexiseq` works without it), dtypes by name, a barrier bound to the rank's device, and rank 0's object on
-every rank."""
+`import hexiseq` works without it), dtypes by name, the agreement on their arguments, a barrier bound to the
+rank's device, and rank 0's object on every rank."""
 
 from ..errors import HexiseqError, InvalidArgumentError
 
@@ -47,3 +47,18 @@ def _broadcast(obj, group):
     src = 0 if group is dist.group.WORLD else dist.get_global_rank(group, 0)
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def _agree_arguments(group, error, arguments):
+    """Compare every rank's arguments before anything is measured, and learn whether any rank's arguments failed
+    validation (`error`, the exception this rank would raise, or None): the runtime's agreement
+    (hexiseq.runtime.comm.agree), so every rank raises the same error at once, InvalidArgumentError naming the
+    rank and its message, or RankMismatchError naming the argument and each rank's value, instead of ranks
+    meeting in different collectives (a Gloo timeout, or a plan fingerprint the user never passed).
+    arguments: (name, value) in a fixed order; each value travels as a digest of its repr, and the reprs travel
+    only when the ranks disagree. Costs one all-gather of one integer per argument."""
+    from ..runtime.comm import agree, collective_device, text_code
+
+    texts = [repr(value) for _, value in arguments]
+    agree(group, [text_code(t) for t in texts], [name for name, _ in arguments], error,
+          device=collective_device(group), words=texts)

@@ -34,7 +34,7 @@ from .. import _core
 from .cluster import Cluster, gpu_catalog
 from ..errors import HexiseqError, InvalidArgumentError
 from .model import Model
-from ._harness import _barrier, _broadcast, _dtype, _torch
+from ._harness import _agree_arguments, _barrier, _broadcast, _dtype, _torch
 
 __all__ = ["calibrate"]
 
@@ -556,7 +556,9 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
     """Measure the devices and links of `group` (default: the world) and return the Cluster they make.
 
     A collective: every rank calls it with the same arguments (under torchrun or any init_process_group; Gloo on
-    CPU, NCCL on GPU). Rank r becomes cluster device r, so ranks of one host must be consecutive to share a node.
+    CPU, NCCL on GPU); they are compared before anything is measured: an invalid argument on any rank raises
+    InvalidArgumentError, ranks that pass different ones RankMismatchError naming the argument and each rank's
+    value, on every rank alike (`progress` may differ). Rank r becomes cluster device r, so ranks of one host must be consecutive to share a node.
 
     model: a Model, preset name or Hugging Face config path: its matmul shapes, head_dim and GQA ratio are measured.
     dtype: the training dtype (default bf16 on CUDA, fp32 on CPU).
@@ -567,34 +569,53 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
     out: a path to write the cluster YAML to (rank 0 writes; every rank returns the Cluster).
     progress: print what is being measured and about how long is left (rank 0, stderr)."""
     torch, dist = _torch()
-    if not isinstance(model, Model):
-        model = Model.from_name_or_path(model)
-    gemm_rows = _sizes(gemm_rows, "gemm_rows", ())
-    attn_blocks = _sizes(attn_blocks, "attn_blocks", ())
-    if message_bytes is not None and (not isinstance(message_bytes, int) or message_bytes < 4):
-        raise InvalidArgumentError(f"message_bytes must be an int >= 4, got {message_bytes!r}")
-    if iters is not None and (not isinstance(iters, int) or iters < 1):
-        raise InvalidArgumentError(f"iters must be an int >= 1, got {iters!r}")
-    if not isinstance(warmup, int) or warmup < 0:
-        raise InvalidArgumentError(f"warmup must be an int >= 0, got {warmup!r}")
-    if not isinstance(tolerance, (int, float)) or not (0 <= tolerance < 1):
-        raise InvalidArgumentError(f"tolerance must be in [0, 1), got {tolerance!r}")
-    if not isinstance(all_pairs_up_to, int) or all_pairs_up_to < 2:
-        raise InvalidArgumentError(f"all_pairs_up_to must be an int >= 2, got {all_pairs_up_to!r}")
+    error = None
+    rows_list = blocks = dt = None
+    try:  # every local check first: a rank whose arguments fail still meets the others in the agreement below
+        if not isinstance(model, Model):
+            model = Model.from_name_or_path(model)
+        gemm_rows = _sizes(gemm_rows, "gemm_rows", ())
+        attn_blocks = _sizes(attn_blocks, "attn_blocks", ())
+        if message_bytes is not None and (not isinstance(message_bytes, int) or message_bytes < 4):
+            raise InvalidArgumentError(f"message_bytes must be an int >= 4, got {message_bytes!r}")
+        if iters is not None and (not isinstance(iters, int) or iters < 1):
+            raise InvalidArgumentError(f"iters must be an int >= 1, got {iters!r}")
+        if not isinstance(warmup, int) or warmup < 0:
+            raise InvalidArgumentError(f"warmup must be an int >= 0, got {warmup!r}")
+        if not isinstance(tolerance, (int, float)) or not (0 <= tolerance < 1):
+            raise InvalidArgumentError(f"tolerance must be in [0, 1), got {tolerance!r}")
+        if not isinstance(all_pairs_up_to, int) or all_pairs_up_to < 2:
+            raise InvalidArgumentError(f"all_pairs_up_to must be an int >= 2, got {all_pairs_up_to!r}")
+    except Exception as e:  # noqa: BLE001  (whatever it is, the other ranks must learn of it, not hang)
+        error = e
     if not dist.is_available() or not dist.is_initialized():
+        if error is not None:
+            raise error
         raise HexiseqError("torch.distributed is not initialised: call torch.distributed.init_process_group first "
                            "(or run `torchrun --nproc_per_node N -m hexiseq calibrate ...`)")
     group = group if group is not None else dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    dt = _dtype(dtype, device)
     cuda = device.type == "cuda"
-    rows_list = gemm_rows or [512, 2048, 8192] if cuda else gemm_rows or [64, 256, 1024]
-    blocks = attn_blocks or [256, 1024, 4096, 16384] if cuda else attn_blocks or [64, 128, 256, 512, 1024]
-    message_bytes = message_bytes or (64 << 20 if cuda else 4 << 20)
-    iters = iters or (5 if cuda else 3)
-    _attention_heads(model, device, attn_heads)  # checks attn_heads before anything runs
+    if error is None:
+        try:
+            dt = _dtype(dtype, device)
+            rows_list = gemm_rows or [512, 2048, 8192] if cuda else gemm_rows or [64, 256, 1024]
+            blocks = attn_blocks or [256, 1024, 4096, 16384] if cuda else attn_blocks or [64, 128, 256, 512, 1024]
+            message_bytes = message_bytes or (64 << 20 if cuda else 4 << 20)
+            iters = iters or (5 if cuda else 3)
+            _attention_heads(model, device, attn_heads)  # checks attn_heads before anything runs
+        except Exception as e:  # noqa: BLE001
+            error = e
+    # Every argument that shapes what is measured, or which collectives run, must be equal on every rank (the
+    # defaults resolved: they depend only on the backend, the same on every rank). `progress` is left out: only
+    # rank 0 prints, so `progress=(rank == 0)` is a reasonable call; `group` is the group itself.
+    _agree_arguments(group, error, [
+        ("model", model), ("dtype", str(dt)), ("gemm_rows", rows_list), ("attn_blocks", blocks),
+        ("attn_heads", attn_heads), ("message_bytes", message_bytes), ("iters", iters), ("warmup", warmup),
+        ("all_pairs_up_to", all_pairs_up_to), ("tolerance", tolerance),
+        ("out", None if out is None else str(out))])
 
     def global_of(r):
         return r if group is dist.group.WORLD else dist.get_global_rank(group, r)

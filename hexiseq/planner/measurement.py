@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from .._validate import document_lengths
-from ._harness import _barrier, _dtype, _torch
+from ._harness import _agree_arguments, _barrier, _dtype, _torch
 from ..errors import HexiseqError, InvalidArgumentError
 from .model import Training
 from .plan import Plan, evaluate
@@ -176,7 +176,10 @@ def _llama_layer(model, attention, device, dtype, seed):
 def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=None, layer: str = "attention",
             seed: int = 0, documents="plan") -> Measurement:
     """Run the plan's layer forward and backward `warmup + iters` times on every rank of `group` (default: the
-    world; rank r is cluster device r) and return the Measurement (equal on every rank).
+    world; rank r is cluster device r) and return the Measurement (equal on every rank). Every rank passes the
+    same arguments; they are compared before anything runs: an invalid one on any rank raises
+    InvalidArgumentError, different ones RankMismatchError naming the argument and each rank's value, on every
+    rank alike.
 
     layer: "attention" (HexiSeqAttention alone) or "llama" (a whole Llama-style layer around it).
     dtype: the inputs' dtype; default the one of the plan's model.dtype_bytes (2: bf16, 4: fp32, 8: fp64). It
@@ -187,21 +190,34 @@ def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=No
     torch, dist = _torch()
     from ..runtime.nn import HexiSeqAttention
 
-    if not isinstance(plan, Plan):
-        raise InvalidArgumentError(f"plan must be a hexiseq.Plan, got {type(plan).__name__}")
-    if layer not in ("attention", "llama"):
-        raise InvalidArgumentError(f"layer must be 'attention' or 'llama', got {layer!r}")
-    if not isinstance(iters, int) or iters < 1 or not isinstance(warmup, int) or warmup < 0:
-        raise InvalidArgumentError(f"iters must be an int >= 1 and warmup an int >= 0, got iters={iters!r}, "
-                                   f"warmup={warmup!r}")
-    dt = _dtype_for(plan, dtype)
-    if isinstance(documents, str) and documents == "plan":
-        documents = plan.documents
-    documents = None if documents is None else document_lengths(documents, plan.seq_len).tolist()
+    error, dt = None, None
+    try:  # every local check first: a rank whose arguments fail still meets the others in the agreement below
+        if not isinstance(plan, Plan):
+            raise InvalidArgumentError(f"plan must be a hexiseq.Plan, got {type(plan).__name__}")
+        if layer not in ("attention", "llama"):
+            raise InvalidArgumentError(f"layer must be 'attention' or 'llama', got {layer!r}")
+        if not isinstance(iters, int) or iters < 1 or not isinstance(warmup, int) or warmup < 0:
+            raise InvalidArgumentError(f"iters must be an int >= 1 and warmup an int >= 0, got iters={iters!r}, "
+                                       f"warmup={warmup!r}")
+        if not isinstance(seed, int):
+            raise InvalidArgumentError(f"seed must be an int, got {seed!r}")
+        dt = _dtype_for(plan, dtype)
+        if isinstance(documents, str) and documents == "plan":
+            documents = plan.documents
+        documents = None if documents is None else document_lengths(documents, plan.seq_len).tolist()
+    except Exception as e:  # noqa: BLE001  (whatever it is, the other ranks must learn of it, not hang)
+        error = e
     if not dist.is_available() or not dist.is_initialized():
+        if error is not None:
+            raise error
         raise HexiseqError("torch.distributed is not initialised: call torch.distributed.init_process_group first "
                            "(or run `torchrun --nproc_per_node N -m hexiseq measure plan.json`)")
     group = group if group is not None else dist.group.WORLD
+    # every argument, before the context (whose own check would name only the plan's fingerprint) and before any
+    # run (ranks running different iterations, layers or documents would meet in different collectives)
+    _agree_arguments(group, error, [
+        ("plan", plan.fingerprint if error is None else None), ("iters", iters), ("warmup", warmup),
+        ("dtype", str(dt)), ("layer", layer), ("seed", seed), ("documents", documents)])
     rank = dist.get_rank(group)
     cuda = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

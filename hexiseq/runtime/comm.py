@@ -25,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from .. import errors as errors_module
 from ..errors import HexiseqError, InvalidArgumentError, RankMismatchError
 
 # Message kinds, as P2P tags: K/V blocks, dK/dV accumulators, shared-kv-head reductions. Between one pair of
@@ -83,6 +84,12 @@ def documents_code(rows):
         h.update(struct.pack(f"<q{len(row)}q", len(row), *row))
     code = int.from_bytes(h.digest()[:8], "little", signed=True)
     return code or 1
+
+
+def text_code(text):
+    """A signed int64 digest of a text (an argument's canonical wording), for values that are not one int: equal
+    texts give equal digests on every rank; different ones collide with probability 2^-64."""
+    return int.from_bytes(hashlib.sha256(str(text).encode()).digest()[:8], "little", signed=True)
 
 
 def _show(field, value):
@@ -317,13 +324,16 @@ def collective_device(group):
     return torch.device("cpu")
 
 
-def agree(group, values, fields, error=None, show=_show, device=None):
+def agree(group, values, fields, error=None, show=_show, device=None, words=None):
     """Compare `values` (ints, the fields in order) with every rank's over `group`, and learn whether any rank
     failed validation (`error`, the exception this rank would raise, or None). Raises the same HexiseqError on
-    every rank when they do not all pass and agree: InvalidArgumentError naming the ranks that failed and their
-    messages, else RankMismatchError naming the first field that differs and every rank's value. Every rank must
-    send as many values: a rank that failed sends placeholders. fields: field names, one int each, or (name,
-    width) for a field of `width` ints; show(name, value) words a value (an int, or a list for a wide field)."""
+    every rank when they do not all pass and agree: the ranks' errors (their class when every failing rank raised
+    the same HexiseqError class, else InvalidArgumentError) naming the ranks that failed and their messages, else
+    RankMismatchError naming the first field that differs with every rank's value, and the other fields that
+    differ. Every rank must send as many values: a rank that failed sends placeholders. fields: field names, one
+    int each, or (name, width) for a field of `width` ints; show(name, value) words a value (an int, or a list for
+    a wide field). words: this rank's value of each field in words (a list in fields order), for fields that
+    travel as digests: gathered (one more collective, which every rank makes) only when the ranks disagree."""
     world = dist.get_world_size(group)
     mine = torch.tensor([0 if error is None else 1, *values], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(world)]
@@ -332,20 +342,37 @@ def agree(group, values, fields, error=None, show=_show, device=None):
     if any(e[0] for e in every):
         # one more (rare) collective, which every rank makes since every rank saw the flag
         messages = [None] * world
-        dist.all_gather_object(messages, None if error is None else str(error), group=group)
+        dist.all_gather_object(messages, None if error is None else (type(error).__name__, str(error)),
+                               group=group)
         failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-        text = "; ".join(f"rank {r}: {m}" for r, m in failed)
-        raise InvalidArgumentError(f"invalid input on {len(failed)} of {world} ranks ({text})")
-    at = 1
-    for field in fields:
+        text = "; ".join(f"rank {r}: {m}" for r, (_, m) in failed)
+        kinds = {kind for _, (kind, _) in failed}
+        cls = getattr(errors_module, kinds.pop(), None) if len(kinds) == 1 else None
+        if not (isinstance(cls, type) and issubclass(cls, HexiseqError)):
+            cls = InvalidArgumentError
+        raise cls(f"invalid input on {len(failed)} of {world} ranks ({text})")
+    at, differ = 1, []
+    for i, field in enumerate(fields):
         name, width = (field, 1) if isinstance(field, str) else field
         got = [e[at] if isinstance(field, str) else e[at:at + width] for e in every]
         if any(g != got[0] for g in got):
-            raise RankMismatchError(_disagreement(name, got, show))
+            differ.append((i, name, got))
         at += width
+    if differ:
+        i, name, got = differ[0]
+        also = [n for _, n, _ in differ[1:]]
+        if words is not None:
+            said = [None] * world
+            dist.all_gather_object(said, [str(w) for w in words], group=group)
+            got, show = [s[i] for s in said], lambda _field, value: value
+        raise RankMismatchError(_disagreement(name, got, show, also))
     return [e[1:] for e in every]
 
 
-def _disagreement(field, values, show=_show):
+def _disagreement(field, values, show=_show, also=()):
     shown = ", ".join(f"rank {r}: {show(field, v)}" for r, v in enumerate(values))
-    return f"ranks disagree about {field} ({shown}); every rank must make the same call"
+    more = ""
+    if also:
+        listed = ", ".join(also[:8]) + (f" and {len(also) - 8} more" if len(also) > 8 else "")
+        more = f"; they also disagree about {listed}"
+    return f"ranks disagree about {field} ({shown}){more}; every rank must make the same call"

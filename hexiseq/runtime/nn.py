@@ -114,6 +114,13 @@ class HexiSeqContext:
         self.comm.agree(describe_call(self.plan, phase, t, self.causal, self.scale, backward, rows), error)
         return None if lengths is None else documents_mod.chunk_starts(self.topology, self.rank, lengths, t.device)
 
+    def refuse(self, error):
+        """Take part in a forward call's agreement with `error`, found on this rank before the call (an adapter's
+        own check of its inputs), so that every rank raises the same error at once instead of this rank raising
+        while the others wait in the call until the group's timeout. Always raises."""
+        self._call("forward", None, error, False, None)
+        raise error  # not reached: the agreement raises on every rank when one rank brings an error
+
     def forward(self, q, k, v, backward: bool = False, documents=None):
         """q [B, s_r, A, d], k/v [B, s_r, A_kv, d] -> (o [B, s_r, A, d], what backward needs). backward: whether
         this rank will run the backward of this call (every rank must agree). documents: see hexiseq_attn_func."""

@@ -32,6 +32,8 @@ compute wrong gradients):
 - change the shards between a forward and its backward (raises, as autograd does for in-place changes);
 - move the model to another device or dtype after sharding, or build the optimizer before sharding;
 - read saved tensors by hand (`grad_fn._saved_*`): each read is a gather.
+Ranks must shard (and load with `load_full_state_dict`) the same weights: both compare a digest of sampled
+elements of every parameter (_digests) and refuse, on every rank alike, weights that differ between ranks.
 Activation checkpointing (torch.utils.checkpoint, reentrant or not) around units works: the recomputation
 gathers again by itself. Other saved-tensor hooks active around a unit (e.g. save_on_cpu) take precedence.
 """
@@ -46,7 +48,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .._validate import number
-from .comm import _DTYPES, _bits_float, _code, _float_bits, _show, agree, collective_device, resolve_group
+from .comm import (_DTYPES, _bits_float, _code, _float_bits, _show, agree, collective_device, resolve_group,
+                   text_code)
 from ..errors import InvalidArgumentError
 
 __all__ = ["shard_states", "full_state_dict", "load_full_state_dict", "shard_sizes"]
@@ -220,7 +223,8 @@ class _Unit:
         return None
 
     def describe(self):
-        return [self.total, _code(_DTYPES, self.dtype), int(self.requires_grad)]
+        names = ";".join(f"{names[0]}{list(p.shape)}" for names, p in self.params)
+        return [self.total, _code(_DTYPES, self.dtype), int(self.requires_grad), len(self.params), text_code(names)]
 
     def build(self, sizes, rank):
         """Cut this rank's shard out of the parameters and take the originals off their modules."""
@@ -474,7 +478,8 @@ def shard_states(module, shares, *, group=None, units=None, reduce="mean"):
     what it costs and what a user must not do. `full_state_dict` gathers the full parameters back.
 
     Raises InvalidArgumentError (bad shares, units or reduce on any rank) or RankMismatchError (ranks disagree
-    about the shares, reduce or the units' sizes and dtypes) with the same message on every rank."""
+    about the shares, reduce, the units' sizes, dtypes, parameter names and shapes, or the parameters' values:
+    a digest of sampled elements, see _digests) with the same message on every rank."""
     group = resolve_group(group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if rank < 0:
@@ -503,8 +508,13 @@ def shard_states(module, shares, *, group=None, units=None, reduce="mean"):
     device = collective_device(group)
     header = [_code(REDUCES, reduce), len(made)] + [_float_bits(s) for s in (checked or [0.0] * world)]
     agree(group, header, ("reduce", "units", ("shares", world)), error, _show_field, device)
-    fields = [f"units[{i}].{f}" for i in range(len(made)) for f in ("numel", "dtype", "requires_grad")]
+    fields = [f"units[{i}].{f}" for i in range(len(made))
+              for f in ("numel", "dtype", "requires_grad", "parameters", "names and shapes")]
     agree(group, [v for u in made for v in u.describe()], fields, None, _show_field, device)
+    # the values each rank shards: ranks that loaded different weights (another seed, another checkpoint) would
+    # otherwise each keep their slice of their own weights, and the gathered parameters would mix them
+    params = [(names[0], p) for u in made for names, p in u.params]
+    _agree_values(group, [f"the values of {n}" for n, _ in params], [p for _, p in params], None, device)
 
     if made:
         comm.probe(made[0].device, made[0].dtype)
@@ -519,6 +529,43 @@ def shard_states(module, shares, *, group=None, units=None, reduce="mean"):
     return module
 
 
+SAMPLES = 16  # elements of each tensor read for its digest
+
+
+def _digests(tensors):
+    """One signed int64 per tensor (None: absent, digest 0): a digest of its shape, its dtype and SAMPLES of its
+    elements, evenly spaced from the first to the last, read exactly (as float64). It catches what ranks loading
+    different states almost always produce: other shapes or dtypes, other initialisations (another seed), another
+    checkpoint or step, a tensor missing on some ranks. It cannot catch a difference confined to elements it does
+    not read (a few edited rows of a large matrix), nor the buffers (not sharded: each rank keeps its own). Cost:
+    SAMPLES elements per tensor copied to the host, no pass over the tensors; one all-gather of one integer per
+    tensor at construction and per load."""
+    import hashlib
+    import struct
+
+    out = []
+    for t in tensors:
+        if t is None:
+            out.append(0)
+            continue
+        flat = t.detach().reshape(-1)
+        n = flat.numel()
+        at = torch.linspace(0, n - 1, min(SAMPLES, n), device=flat.device).round().long() if n else None
+        picked = flat[at].to("cpu", torch.float64) if n else torch.empty(0, dtype=torch.float64)
+        h = hashlib.sha256(struct.pack(f"<q{t.dim()}q", t.dim(), *t.shape) + str(t.dtype).encode())
+        h.update(picked.numpy().tobytes())
+        out.append(int.from_bytes(h.digest()[:8], "little", signed=True) or 1)
+    return out
+
+
+def _agree_values(group, fields, tensors, error, device):
+    """Every rank's digests of `tensors` (one per field) compared: ranks whose tensors differ raise the same
+    RankMismatchError on every rank, naming the first tensor that differs with each rank's digest and the
+    others that differ; `error` (this rank's, or None) as agree takes it."""
+    agree(group, _digests(tensors) if error is None else [0] * len(fields), fields, error,
+          lambda _field, value: "absent" if value == 0 else f"digest {value % (1 << 64):016x}", device)
+
+
 def _show_field(field, value):
     if field == "shares":
         return repr([_bits_float(b) for b in value])
@@ -528,6 +575,8 @@ def _show_field(field, value):
         return _show("dtype", value)
     if field.endswith(".requires_grad"):
         return str(bool(value))
+    if field.endswith(".names and shapes"):
+        return f"digest {value % (1 << 64):016x}"
     return str(value)
 
 
@@ -562,25 +611,59 @@ def full_state_dict(module, device=None):
 
 def load_full_state_dict(module, state_dict, strict=True):
     """Load a full state dict (as full_state_dict returns, or the unsharded model's) into a sharded module: each
-    rank copies its own slice of every unit's parameters; buffers load as usual. Not collective. strict: every
-    parameter must be present, and no unknown key, else InvalidArgumentError."""
+    rank copies its own slice of every unit's parameters; buffers load as usual. strict: every parameter must be
+    present, and no unknown key, else InvalidArgumentError.
+
+    Collective: every rank of the module's group calls it with the same state dict. Before anything is loaded the
+    ranks compare a digest of the parameters each one takes (shape, dtype and sampled elements, see _digests) and
+    whether each rank's dict passed its checks: a rank that read another checkpoint would otherwise keep its slice
+    of it beside the others' slices of theirs, a silent mix. Raises, on every rank alike, InvalidArgumentError
+    when any rank's dict fails its checks, RankMismatchError naming the parameters that differ and each rank's
+    digest of the first."""
     rec = _record(module)
-    taken = set()
+    group = rec.comm.group
+    error, taken, picks, rest = None, set(), [], {}
+    try:  # every local check first: a rank that fails still meets the others in the agreement below
+        if not hasattr(state_dict, "keys") or not hasattr(state_dict, "__getitem__"):
+            raise InvalidArgumentError(f"state_dict must be a mapping of names to tensors, got "
+                                       f"{type(state_dict).__name__}")
+        for u in rec.units:
+            for entry in u.layout:
+                name = next((k for k in entry.names if k in state_dict), None)
+                t = None
+                if name is None:
+                    if strict:
+                        raise InvalidArgumentError(f"state_dict lacks the parameter {entry.names[0]}")
+                else:
+                    t = state_dict[name]
+                    if not isinstance(t, torch.Tensor) or tuple(t.shape) != entry.shape:
+                        shown = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                        raise InvalidArgumentError(f"state_dict[{name!r}] has shape {shown}, the parameter "
+                                                   f"{list(entry.shape)}")
+                    taken.update(k for k in entry.names if k in state_dict)
+                picks.append((u, entry, t))
+        rest = {k: state_dict[k] for k in state_dict.keys() if k not in taken}
+        now = module.state_dict(keep_vars=True)
+        unexpected = [k for k in rest if k not in now]
+        missing = [k for k in now if k.rpartition(".")[2] != SHARD_NAME and k not in rest]
+        if strict and (unexpected or missing):
+            raise InvalidArgumentError(f"state_dict does not match the module: unexpected keys {unexpected}, "
+                                       f"missing keys {missing}")
+        for k, v in rest.items():
+            if k in now and isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(now[k].shape):
+                raise InvalidArgumentError(f"state_dict[{k!r}] has shape {list(v.shape)}, the module's "
+                                           f"{list(now[k].shape)}")
+    except Exception as e:  # noqa: BLE001  (whatever it is, the other ranks must learn of it, not hang)
+        error = e
+    names = [entry.names[0] for u in rec.units for entry in u.layout]
+    _agree_values(group, [f"state_dict[{n!r}]" for n in names], [t for _, _, t in picks] if error is None else
+                  [None] * len(names), error, collective_device(group))
     for u in rec.units:
         lo, n = u.offsets[u.rank], u.sizes[u.rank]
         pieces = []
-        for entry in u.layout:
-            name = next((k for k in entry.names if k in state_dict), None)
-            if name is None:
-                if strict:
-                    raise InvalidArgumentError(f"state_dict lacks the parameter {entry.names[0]}")
-                t = None
-            else:
-                t = state_dict[name]
-                if tuple(t.shape) != entry.shape:
-                    raise InvalidArgumentError(f"state_dict[{name!r}] has shape {list(t.shape)}, the parameter "
-                                               f"{list(entry.shape)}")
-                taken.update(k for k in entry.names if k in state_dict)
+        for pu, entry, t in picks:
+            if pu is not u:
+                continue
             a, b = max(lo, entry.offset), min(lo + n, entry.offset + entry.numel)
             if a < b:
                 part = u.shard.detach()[a - lo:b - lo] if t is None else t.detach().reshape(-1)[
@@ -589,11 +672,5 @@ def load_full_state_dict(module, state_dict, strict=True):
         if pieces:
             with torch.no_grad():
                 u.shard.copy_(torch.cat(pieces))
-    rest = {k: v for k, v in state_dict.items() if k not in taken}
-    result = module.load_state_dict(rest, strict=False)
-    unexpected = list(result.unexpected_keys)
-    missing = [k for k in result.missing_keys if k.rpartition(".")[2] != SHARD_NAME]
-    if strict and (unexpected or missing):
-        raise InvalidArgumentError(f"state_dict does not match the module: unexpected keys {unexpected}, "
-                                   f"missing keys {missing}")
+    module.load_state_dict(rest, strict=False)
     return module

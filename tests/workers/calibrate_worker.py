@@ -86,3 +86,53 @@ def contexts_in_sequence(rank, world, init, plan_jsons, results):
         dist.destroy_process_group()
     except Exception:
         results.put((rank, "error", traceback.format_exc()))
+
+
+def argument_scenarios(rank, world, init, plan_json, results):
+    """calibrate and measure called with arguments that differ between the ranks, or are invalid on one rank
+    only, one scenario after another in one process group (timeout 5 s), then a good measurement: reports
+    {scenario: (the exception's class, its message, seconds)}."""
+    import time
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=5))
+        from hexiseq import calibrate, measure
+
+        plan = hexiseq.Plan.from_json(plan_json)
+        tiny = hexiseq.Model(**TINY)
+        report = {}
+
+        def scenario(name, fn):
+            t0 = time.monotonic()
+            try:
+                fn()
+                report[name] = ("ok", "", time.monotonic() - t0)
+            except Exception as e:  # noqa: BLE001  (the test asserts on the class)
+                report[name] = (type(e).__name__, str(e), time.monotonic() - t0)
+
+        def cal(**kw):
+            args = dict(model=tiny, gemm_rows=[16], attn_blocks=[32], message_bytes=1 << 12, iters=1, warmup=0,
+                        progress=False)
+            args.update(kw)
+            calibrate(**args)
+
+        scenario("cal_blocks", lambda: cal(attn_blocks=[32, 64] if rank == 1 else [32]))
+        scenario("cal_rows", lambda: cal(gemm_rows=[16, 32] if rank == 0 else [16]))
+        scenario("cal_model", lambda: cal(model=hexiseq.Model(**{**TINY, "heads": 8}) if rank == 2 else tiny))
+        scenario("cal_dtype", lambda: cal(dtype="fp64" if rank == 2 else None))
+        scenario("cal_iters", lambda: cal(iters=2 if rank == 1 else 1))
+        scenario("cal_message_bytes", lambda: cal(message_bytes=1 << 13 if rank == 0 else 1 << 12))
+        scenario("cal_invalid", lambda: cal(iters=0 if rank == 2 else 1))
+        scenario("cal_unknown_model", lambda: cal(model="9b" if rank == 1 else tiny))
+        scenario("measure_iters", lambda: measure(plan, iters=2 if rank == 1 else 1, warmup=0))
+        scenario("measure_layer", lambda: measure(plan, iters=1, warmup=0, layer="llama" if rank == 0 else "attention"))
+        scenario("measure_documents", lambda: measure(plan, iters=1, warmup=0,
+                                                      documents=[32, 32] if rank == 2 else None))
+        scenario("measure_invalid", lambda: measure(plan, iters=1, warmup=0, layer="mlp" if rank == 0 else "attention"))
+        scenario("good_after", lambda: measure(plan, iters=1, warmup=0))
+        results.put((rank, "ok", report))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc()))

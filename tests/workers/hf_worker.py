@@ -211,3 +211,45 @@ def check_packed(rank, plan, model, ref_model, batch):
     m["packed_loss"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
     m["packed_grad"], _, m["packed_grad_missing"] = _grad_errors(model, ref_grads)
     return m
+
+
+def check_refusals(rank, world, init, plan_json, results):
+    """Inputs the patched model refuses on ONE rank only (a padding mask, position_ids, the token count), one
+    scenario after another in the same process group (timeout 5 s), then a good call: reports {scenario: (the
+    exception's class, its message, seconds)} so the test can check that every rank raised the same error at
+    once and that the ranks are still in step."""
+    import time
+
+    try:
+        torch.set_num_threads(1)
+        import hexiseq
+        from hexiseq.hf import patch_model, shard_inputs
+
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=5))
+        plan = hexiseq.Plan.from_json(plan_json)
+        model = patch_model(tiny_model("llama", seed=5), plan)
+        ids = torch.randint(0, model.config.vocab_size, (1, plan.seq_len), generator=torch.Generator().manual_seed(3))
+        sh = shard_inputs(ids, plan, rank)
+        report = {}
+
+        def scenario(name, **change):
+            t0 = time.monotonic()
+            try:
+                with torch.no_grad():
+                    model(**{**sh, **change})
+                report[name] = ("ok", "", time.monotonic() - t0)
+            except Exception as e:  # noqa: BLE001  (the test asserts on the class)
+                report[name] = (type(e).__name__, str(e), time.monotonic() - t0)
+
+        padded = torch.ones_like(sh["input_ids"])
+        padded[0, 3] = 0
+        scenario("good")
+        scenario("padding", **({"attention_mask": padded} if rank == 1 else {}))
+        scenario("positions", **({"position_ids": sh["position_ids"] + 1} if rank == 2 else {}))
+        scenario("tokens", **({"input_ids": ids, "attention_mask": None, "position_ids": None} if rank == 0 else {}))
+        scenario("good_after")
+        results.put((rank, "ok", report))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc()))

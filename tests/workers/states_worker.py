@@ -224,6 +224,19 @@ def run_all(rank, world, init, results):
             hexiseq.shard_states(net, good, units=[net.head])
 
         scenario("tied_across", tied_across)
+        # weights that differ between the ranks: a different seed on every rank, or one rank loading another
+        # checkpoint (each rank would keep its slice of its own weights: a silent mix)
+        scenario("seeds", lambda: hexiseq.shard_states(make_net(seed=rank), good))
+
+        def load(full, strict=True):
+            net = hexiseq.shard_states(make_net(), good)
+            hexiseq.load_full_state_dict(net, full, strict=strict)
+            return max_diff(hexiseq.full_state_dict(net), make_net(seed=5).state_dict())
+
+        scenario("load_seeds", lambda: load(make_net(seed=6 if rank == 1 else 5).state_dict()))
+        scenario("load_missing", lambda: load({k: v for k, v in make_net(seed=5).state_dict().items()
+                                               if rank != 0 or not k.startswith("blocks.1.")}))
+        scenario("load_good", lambda: load(make_net(seed=5).state_dict()))
         scenario("plan_object", lambda: plan_scenario())
 
         scenario("uneven", lambda: train_scenario(rank, world, good))
