@@ -24,10 +24,10 @@ def _probe_s():
     """Seconds this rank takes for a fixed matmul loop while every rank runs it at the same time: how the machine
     treats the pinned ranks now, measured independently of the calibration (a loaded machine can erase the
     difference that pinning makes, and then the calibration cannot see it either)."""
-    a = torch.randn(192, 192, generator=torch.Generator().manual_seed(1))
+    a = torch.randn(256, 256, generator=torch.Generator().manual_seed(1))
     dist.barrier()
     t0 = time.perf_counter()
-    for _ in range(60):
+    for _ in range(150):  # 5 GFLOP, a few hundred ms: many scheduler slices, so sharing ranks are seen sharing
         a @ a
     took = [None] * dist.get_world_size()
     dist.all_gather_object(took, time.perf_counter() - t0)
