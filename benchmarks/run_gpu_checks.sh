@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU session checks of the CUDA attention kernels and the NCCL runtime, run from the repo root on a GPU machine:
-#   bash benchmarks/run_gpu_checks.sh [steps]      steps: any of build tests sanitize accept bench runtime profile
+#   bash benchmarks/run_gpu_checks.sh [steps]      steps: any of build tests split sanitize accept bench runtime profile
 #                                                 (default: all, in that order)
 # Builds hexiseq in place with nvcc (no package index needed), runs the CUDA, CPU-op and block-path tests (the runtime on a
 # one-rank NCCL group among them), compute-sanitizer memcheck/racecheck/synccheck on forward, backward and merge at
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 RESULTS=${OUT:-benchmarks/results/gpu}
 mkdir -p "$RESULTS"
 exec > >(tee "$RESULTS/gpu_checks.log") 2>&1
-STEPS=${*:-build tests sanitize accept bench runtime profile}
+STEPS=${*:-build tests split sanitize accept bench runtime profile}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 status=0
@@ -46,6 +46,11 @@ if want tests; then
     sed -n '/short test summary/,$p' "$RESULTS/pytest.log"; tail -1 "$RESULTS/pytest.log"
 fi
 
+if want split; then
+    step "the forward's split of key blocks past 2^16 keys, against float64"
+    timeout 120 python benchmarks/gpu_split_and_documents.py || note_fail $?
+fi
+
 if want sanitize; then
     step "compute-sanitizer: memcheck, racecheck, synccheck; forward, backward, merge at head dims 64/128/256"
     cat > /tmp/hexiseq_sanitize.py <<'PY'
@@ -74,6 +79,9 @@ PY
         for tool in memcheck racecheck synccheck; do
             echo "--- $tool"
             timeout 200 "$SAN" --tool $tool --error-exitcode 3 python /tmp/hexiseq_sanitize.py 2>&1 | tail -8
+            rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || note_fail "$rc"
+            echo "--- $tool, document mask"
+            timeout 200 "$SAN" --tool $tool --error-exitcode 3 python benchmarks/gpu_split_and_documents.py --docs 2>&1 | tail -3
             rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || note_fail "$rc"
         done
     else
