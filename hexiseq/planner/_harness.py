@@ -49,6 +49,19 @@ def _broadcast(obj, group):
     return box[0]
 
 
+def _group(group, error, command):
+    """The process group a collective call runs on (the world when None). Without torch.distributed initialised
+    there is no other rank to tell: this rank's own argument error is raised as it is, else a message saying how
+    to start the ranks (`command`: what follows `-m hexiseq` on a torchrun line)."""
+    _, dist = _torch()
+    if not dist.is_available() or not dist.is_initialized():
+        if error is not None:
+            raise error
+        raise HexiseqError("torch.distributed is not initialised: call torch.distributed.init_process_group first "
+                           f"(or run `torchrun --nproc_per_node N -m hexiseq {command}`)")
+    return group if group is not None else dist.group.WORLD
+
+
 def _agree_arguments(group, error, arguments):
     """Compare every rank's arguments before anything is measured, and learn whether any rank's arguments failed
     validation (`error`, the exception this rank would raise, or None): the runtime's agreement

@@ -32,9 +32,9 @@ from typing import List, Optional, Sequence
 
 from .. import _core
 from .cluster import Cluster, gpu_catalog
-from ..errors import HexiseqError, InvalidArgumentError
+from ..errors import InvalidArgumentError
 from .model import Model
-from ._harness import _agree_arguments, _barrier, _broadcast, _dtype, _torch
+from ._harness import _agree_arguments, _barrier, _broadcast, _dtype, _group, _torch
 
 __all__ = ["calibrate"]
 
@@ -588,12 +588,7 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
             raise InvalidArgumentError(f"all_pairs_up_to must be an int >= 2, got {all_pairs_up_to!r}")
     except Exception as e:  # noqa: BLE001  (whatever it is, the other ranks must learn of it, not hang)
         error = e
-    if not dist.is_available() or not dist.is_initialized():
-        if error is not None:
-            raise error
-        raise HexiseqError("torch.distributed is not initialised: call torch.distributed.init_process_group first "
-                           "(or run `torchrun --nproc_per_node N -m hexiseq calibrate ...`)")
-    group = group if group is not None else dist.group.WORLD
+    group = _group(group, error, "calibrate ...")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

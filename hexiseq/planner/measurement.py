@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from .._validate import document_lengths
-from ._harness import _agree_arguments, _barrier, _dtype, _torch
-from ..errors import HexiseqError, InvalidArgumentError
+from ._harness import _agree_arguments, _barrier, _dtype, _group, _torch
+from ..errors import InvalidArgumentError
 from .model import Training
 from .plan import Plan, evaluate
 
@@ -207,12 +207,7 @@ def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=No
         documents = None if documents is None else document_lengths(documents, plan.seq_len).tolist()
     except Exception as e:  # noqa: BLE001  (whatever it is, the other ranks must learn of it, not hang)
         error = e
-    if not dist.is_available() or not dist.is_initialized():
-        if error is not None:
-            raise error
-        raise HexiseqError("torch.distributed is not initialised: call torch.distributed.init_process_group first "
-                           "(or run `torchrun --nproc_per_node N -m hexiseq measure plan.json`)")
-    group = group if group is not None else dist.group.WORLD
+    group = _group(group, error, "measure plan.json")
     # every argument, before the context (whose own check would name only the plan's fingerprint) and before any
     # run (ranks running different iterations, layers or documents would meet in different collectives)
     _agree_arguments(group, error, [
