@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 import hexiseq
 
+import dist_worker
+
 TINY = dict(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, ffn=256, vocab=512, dtype_bytes=4,
             gated_mlp=True, name="tiny")
 
@@ -92,7 +94,6 @@ def argument_scenarios(rank, world, init, plan_json, results):
     """calibrate and measure called with arguments that differ between the ranks, or are invalid on one rank
     only, one scenario after another in one process group (timeout 5 s), then a good measurement: reports
     {scenario: (the exception's class, its message, seconds)}."""
-    import time
 
     try:
         torch.set_num_threads(1)
@@ -104,13 +105,7 @@ def argument_scenarios(rank, world, init, plan_json, results):
         tiny = hexiseq.Model(**TINY)
         report = {}
 
-        def scenario(name, fn):
-            t0 = time.monotonic()
-            try:
-                fn()
-                report[name] = ("ok", "", time.monotonic() - t0)
-            except Exception as e:  # noqa: BLE001  (the test asserts on the class)
-                report[name] = (type(e).__name__, str(e), time.monotonic() - t0)
+        scenario = dist_worker.scenarios(report)
 
         def cal(**kw):
             args = dict(model=tiny, gemm_rows=[16], attn_blocks=[32], message_bytes=1 << 12, iters=1, warmup=0,

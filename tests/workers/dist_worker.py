@@ -43,6 +43,21 @@ def spawn(fn, world, args, tmp_path, timeout_s=120):
     return out
 
 
+def scenarios(report):
+    """run(name, fn) for a rank's sequence of contract scenarios: report[name] = (outcome, detail, seconds), the
+    outcome "ok" with fn()'s result ("" when it returns None) as the detail, or the exception's class name and
+    message. Every rank runs the same names in the same order, so a scenario that leaves the ranks out of step shows
+    in the ones after it."""
+    def run(name, fn):
+        t0 = time.monotonic()
+        try:
+            value = fn()
+            report[name] = ("ok", "" if value is None else value, time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001  (the tests assert on the class)
+            report[name] = (type(e).__name__, str(e), time.monotonic() - t0)
+    return run
+
+
 def _rel(a, b):
     """Largest error relative to the largest reference value, floored at 1: a rank whose only query sits at
     position 0 has an exactly zero dq (a softmax over one key), where a plain relative error is undefined;
@@ -229,13 +244,7 @@ def contract_scenarios(rank, world, init, plan_json, results):
 
         report = {}
 
-        def scenario(name, fn):
-            t0 = time.monotonic()
-            try:
-                fn()
-                report[name] = ("ok", "", time.monotonic() - t0)
-            except Exception as e:  # noqa: BLE001  (the test asserts on the class)
-                report[name] = (type(e).__name__, str(e), time.monotonic() - t0)
+        scenario = scenarios(report)
 
         attn = HexiSeqAttention(plan)
         scenario("good", lambda: step(attn))

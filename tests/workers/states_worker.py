@@ -2,7 +2,6 @@
 sharding of model states against a single-process reference, its memory behaviour, and its contract."""
 
 import datetime
-import time
 import traceback
 
 import torch
@@ -10,6 +9,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+import dist_worker
 
 VOCAB, DIM, HIDDEN, LAYERS, TOKENS = 23, 13, 29, 3, 7  # odd sizes: shards cut parameters in the middle
 
@@ -202,12 +203,7 @@ def run_all(rank, world, init, results):
                                 timeout=datetime.timedelta(seconds=10))
         report = {}
 
-        def scenario(name, fn):
-            t0 = time.monotonic()
-            try:
-                report[name] = ("ok", fn(), time.monotonic() - t0)
-            except Exception as e:  # noqa: BLE001  (the test asserts on the class)
-                report[name] = (type(e).__name__, str(e), time.monotonic() - t0)
+        scenario = dist_worker.scenarios(report)
 
         good = [0.5, 0.3, 0.2]
         # the contract first: the ranks must still be in step for everything after it
