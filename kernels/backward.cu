@@ -273,7 +273,8 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
                 }
         }
 
-        // P^T, then dS^T = P^T (dP^T - D), in place; masked and out-of-range entries are 0.
+        // P^T, then dS^T = P^T (dP^T - D), in place; masked and out-of-range entries are 0 (dS too: a row whose D is
+        // NaN, from a NaN in its O, must not reach its masked keys through 0 x NaN).
 #pragma unroll
         for (int j = 0; j < BQ / 8; ++j)
 #pragma unroll
@@ -285,7 +286,7 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
                     ok = ok && (!doc_cut || kr >= doc_s[qc]);
                 const float pv = ok ? fast_exp2(st[j][e] * cfg.scale_log2 - l2) : 0.0f;
                 st[j][e] = pv;
-                dpt[j][e] = pv * (dpt[j][e] - delta_s[qc]);
+                dpt[j][e] = ok ? pv * (dpt[j][e] - delta_s[qc]) : 0.0f;
             }
 
         // dV += P^T dO and dK += dS^T Q: query block pair (2c, 2c + 1) is the A fragment of queries 16c .. +15.

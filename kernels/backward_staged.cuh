@@ -208,7 +208,8 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
             }
         }
         // P and dS = P (dP - D); masked entries and rows past nq are 0 (lse_s = -inf there), keys past nk too: row
-        // qr keeps keys kr <= last, one compare per entry.
+        // qr keeps keys kr <= last, one compare per entry. dS is 0 there too: a row whose D is NaN (a NaN in its O)
+        // must not reach its masked keys through 0 x NaN.
         const float scale_log2 = cfg.scale_log2;
 #pragma unroll
         for (int i = 0; i < 2; ++i)
@@ -230,7 +231,7 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
                         if constexpr (DOC)
                             ok = ok && kr >= first;
                         pv[e] = ok ? fast_exp2(s[i][j][2 * hi + e] * scale_log2 - l2) : 0.0f;
-                        sv[e] = pv[e] * (dp[i][j][2 * hi + e] - dr);
+                        sv[e] = ok ? pv[e] * (dp[i][j][2 * hi + e] - dr) : 0.0f;
                     }
                     const int at = qr * LDP + sn + 8 * j + 2 * t;
                     *reinterpret_cast<uint32_t *>(ps + at) = pack2<T>(pv[0], pv[1]);

@@ -292,7 +292,9 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const hexiseq_att
     }
 
     // Epilogue: the quad's partial sums, then O / l and LSE = (m + log2 l) ln 2, or O = 0, LSE = -inf for a row
-    // that saw no key.
+    // that saw no key (l = 0: exp2 of -inf is exactly 0). The max ignores NaN scores (fmaxf), but exp2 of NaN is
+    // NaN, so a NaN score (or +inf: inf - inf) always reaches l and O; `!(l <= 0)` lets such a row through, and
+    // its O and LSE come out NaN, as in torch, never 0 and -inf.
     TO *og = static_cast<TO *>(p.o) + b * p.o_stride[0] + q0 * p.o_stride[1] + h * p.o_stride[2];
 #pragma unroll
     for (int mb = 0; mb < MW; ++mb)
@@ -303,7 +305,8 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const hexiseq_att
             const int r = row0 + 16 * mb + 8 * i;
             if (r >= nq)
                 continue;
-            const float inv = l[mb][i] > 0.0f ? 1.0f / l[mb][i] : 0.0f;
+            const bool seen = !(l[mb][i] <= 0.0f); // l > 0, or NaN
+            const float inv = seen ? 1.0f / l[mb][i] : 0.0f;
 #pragma unroll
             for (int j = 0; j < D / 8; ++j)
 #pragma unroll
@@ -314,7 +317,7 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const hexiseq_att
                 }
             if (t == 0)
                 static_cast<float *>(p.lse)[b * p.lse_stride[0] + h * p.lse_stride[1] + (q0 + r) * p.lse_stride[2]] =
-                    l[mb][i] > 0.0f ? (m[mb][i] + log2f(l[mb][i])) * kLn2 : -INFINITY;
+                    seen ? (m[mb][i] + log2f(l[mb][i])) * kLn2 : -INFINITY;
         }
 }
 // The query tile (BQ rows) depends on D, so the grid is sized here.

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from hexiseq import ops
-from reference import visible
+from reference import attention, attention_backward, visible
 from attention_backends import case, over_backends
 
 # ------------------------------------------------------------------------------------------------ causal offsets
@@ -227,3 +227,88 @@ def test_document_mask_blocks(backend, case):
     assert visible(q.shape[1], k.shape[1], *pos, True, "cpu", torch.as_tensor(q_doc).cpu()).any()  # some row sees
     backend.check_forward(q, k, v, True, *pos, what=case.name, q_doc=q_doc)
     backend.check_backward(q, k, v, True, *pos, gen, what=case.name, q_doc=q_doc)
+
+
+# ------------------------------------------------------------------------------------------------ NaN and infinities
+
+# (q row, k row) a poison lands on; the query and key blocks are 67 x 67 at (q_pos0, k_pos0) = (0, 10) when causal:
+# rows 0..9 see no key (they must stay 0 / -inf), key row 20 is seen by query rows 30.., query row 40 sees keys.
+POISONS = {"q-nan": ("q", 40, math.nan), "k-nan": ("k", 20, math.nan), "q-inf": ("q", 40, math.inf),
+           "k-inf": ("k", 20, math.inf)}
+# finite entries against the float64 reference: max |x - ref| <= tol * max |ref| (accuracy is held tightly by the
+# other tables; these bounds only catch a row computed wrongly around the poison)
+NONFINITE_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+NONFINITE_CASES = dict(
+    cpu=[case(f"{poison}-{str(dtype)[6:]}-{mask}", shape=(2, 67, 67, 4, 2, 16), dtype=dtype, poison=poison,
+              causal=mask == "causal", pos=(0, 10) if mask == "causal" else (0, 0), piece=None)
+         for dtype in (torch.float64, torch.float32, torch.bfloat16) for poison in POISONS
+         for mask in ("causal", "full")]
+    # more keys than one piece (PIECE_TILES = 32 key tiles of 64, each piece folded into double): a NaN query row
+    # NaN in every piece; a NaN key in the second piece, after a finite first one, seen by the later rows only
+    + [case(f"{poison}-float32-pieces", shape=(1, 45, 2200, 2, 1, 16), dtype=torch.float32, poison=poison,
+            causal=True, pos=(2100, 0), piece=None, row=2120 if poison == "k-nan" else None)
+       for poison in ("q-nan", "k-nan")],
+    cuda=[case(f"{poison}-{str(dtype)[6:]}-D{D}-{mask}", shape=(2, 67, 67, 4, 2, D), dtype=dtype, poison=poison,
+               causal=mask == "causal", pos=(0, 10) if mask == "causal" else (0, 0), piece=None)
+          for dtype, D in ((torch.bfloat16, 64), (torch.float16, 128)) for poison in POISONS
+          for mask in ("causal", "full")]
+    # the forward's key-block split (pieces of 64 keys merged in double), forced on a short block
+    + [case(f"{poison}-bfloat16-split", shape=(1, 130, 300, 4, 2, 64), dtype=torch.bfloat16, poison=poison,
+            causal=True, pos=(200, 0), piece="64") for poison in ("q-nan", "k-nan")],
+)
+
+
+def _poisoned(backend, case):
+    B, Sq, Sk, H, Hkv, D = case.shape
+    g = torch.Generator().manual_seed(17)
+    q, k, v = (torch.randn(B, n, h, D, generator=g, dtype=torch.float64) for n, h in ((Sq, H), (Sk, Hkv), (Sk, Hkv)))
+    which, row, value = POISONS[case.poison]
+    row = getattr(case, "row", None) or row
+    (q if which == "q" else k)[0, row, 1 if which == "q" else 0, 3] = value
+    dout = torch.randn(B, Sq, H, D, generator=g, dtype=torch.float64)
+    return [x.to(backend.device, case.dtype) for x in (q, k, v, dout)]
+
+
+@over_backends(**NONFINITE_CASES)
+def test_nonfinite_inputs_propagate(backend, case, monkeypatch):
+    """A NaN or an infinity in q or k reaches the outputs it reaches in the float64 reference (torch's arithmetic):
+    the rows that see it come out NaN (LSE not finite), exactly as in the reference; rows that see no key stay
+    O = 0, LSE = -inf; every other entry is finite and correct. Gradients: every gradient row (a query's dq, a
+    key's dk, dv, per head) that the reference makes NaN in every component is NaN, and no entry is NaN that the
+    reference leaves a number. Between the two lie the entries a poisoned component reaches only through a zero
+    factor (dS = 0 on a masked key times a NaN in q: 0 x NaN), which the reference's full matrix products make NaN
+    and a tiled kernel makes NaN or not depending on whether it computes that tile (torch's flash kernels alike)."""
+    if case.piece is not None:
+        monkeypatch.setenv("HEXISEQ_CUDA_FORWARD_PIECE", case.piece)
+    q, k, v, dout = _poisoned(backend, case)
+    kw = dict(causal=case.causal, q_pos0=case.pos[0], k_pos0=case.pos[1])
+    out, lse = ops.attention_forward(q, k, v, **kw)
+    ref_out, ref_lse = attention(q, k, v, **kw)
+    tol = NONFINITE_TOL[case.dtype]
+
+    def same(got, ref, what, nonfinite, grad=False):
+        got, ref = got.double().cpu(), ref.double().cpu()
+        bad, want = nonfinite(got), nonfinite(ref)
+        if grad:
+            must = want.all(-1, keepdim=True).expand_as(want)
+            assert must.any(), f"{what}: the poison must reach some gradient row in this case"
+            assert torch.all(bad[must]), f"{what}: {int((~bad[must]).sum())} entries are numbers in rows of NaN"
+            assert not torch.any(bad & ~want), f"{what}: {int((bad & ~want).sum())} NaN the reference leaves numbers"
+        else:
+            assert torch.equal(bad, want), (
+                f"{what}: {int(bad.sum())} non-finite entries where the reference has {int(want.sum())}")
+        fin = torch.isfinite(ref) & torch.isfinite(got)
+        assert fin.any() or grad, what  # (a NaN query row seen by every key of a single kv head: all of dk NaN)
+        err = (got[fin] - ref[fin]).abs().max().item() if fin.any() else 0.0
+        assert err <= tol * max(ref[fin].abs().max().item() if fin.any() else 0.0, 1.0), f"{what}: error {err:.3g}"
+
+    assert torch.isnan(ref_out).any(), "the poison must reach some row in this case"
+    same(out, ref_out, "out", torch.isnan)
+    same(lse, ref_lse, "lse", lambda x: ~torch.isfinite(x))
+    if case.causal:
+        dead = ~visible(q.shape[1], k.shape[1], *case.pos, True).any(1)
+        assert torch.all(lse[:, :, dead] == -math.inf) and torch.all(out[:, dead] == 0)
+    grads = ops.attention_backward(q, k, v, out, lse, dout, **kw)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, attention_backward(q, k, v, out, lse, dout, **kw)):
+        same(g, r, name, torch.isnan, grad=True)

@@ -103,3 +103,47 @@ def test_documents_tiled_equal_c_kernels(case, tile):
     grads_c = ops.attention_backward(q, k, v, c_out, c_lse, do, q_pos0=qp, k_pos0=kp, scale=0.3, q_doc=q_doc)
     for gt, gc in zip(grads, grads_c):
         assert (gt - gc).abs().max().item() <= 1e-12
+
+
+NAN_DEVICES = [pytest.param("cpu", id="cpu-tiled"),
+               pytest.param("cuda", id="cuda-flash", marks=pytest.mark.skipif(
+                   not torch.cuda.is_available(), reason="no CUDA device visible to torch"))]
+
+
+@pytest.mark.parametrize("device", NAN_DEVICES)
+@pytest.mark.parametrize("poison", ["q", "k"])
+def test_nan_propagates_through_blocks_and_merge(device, poison):
+    """A NaN in q or k through the PyTorch block path (tiled matmuls on the CPU, torch's flash op for bf16 on a GPU)
+    and the merge of two key halves (torch ops and the C/CUDA merge): the rows that see it come out NaN in O and
+    LSE, exactly those of the float64 C kernels, instead of vanishing into 0 and -inf; the others stay numbers,
+    and the backward's NaN reach the same gradient rows."""
+    dt = torch.float64 if device == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(9)
+    Sq = Sk = 96
+    q, k, v, do = (torch.randn(1, S, 4, 64, dtype=torch.float64, generator=g) for S in (Sq, Sk, Sk, Sq))
+    (q if poison == "q" else k)[0, 50, 1, 5] = math.nan  # k head 1 feeds query heads 1 (and 3: no GQA here)
+    ref_out, ref_lse = ops.attention_forward(q, k, v, causal=True)           # float64 C kernels
+    ref_rows = torch.isnan(ref_lse)                                          # [B, H, Sq]
+    assert ref_rows.any() and not ref_rows.all()
+    q, k, v, do = (x.to(device, dt) for x in (q, k, v, do))
+    scale = 64 ** -0.5
+    out, lse = blocks._block_forward_torch(q, k, v, True, 0, 0, scale)
+    assert torch.equal(torch.isnan(lse).cpu(), ref_rows)
+    assert torch.equal(torch.isnan(out).transpose(1, 2).any(-1).cpu(), ref_rows)
+    # two key halves merged: the second half holds the poisoned key row 50 (seen by query rows 50..)
+    for use_c in (False, True):
+        o1, l1 = blocks._block_forward_torch(q, k[:, :48], v[:, :48], True, 0, 0, scale)
+        o2, l2 = blocks._block_forward_torch(q, k[:, 48:], v[:, 48:], True, 0, 48, scale)
+        acc, acc_lse = o1.float() if dt != torch.float64 else o1.clone(), l1.clone()
+        blocks.merge(acc, acc_lse, o2, l2, use_c)
+        assert torch.equal(torch.isnan(acc_lse).cpu(), ref_rows), f"merge (use_c={use_c})"
+        assert torch.equal(torch.isnan(acc).transpose(1, 2).any(-1).cpu(), ref_rows), f"merge (use_c={use_c})"
+        fin = ~ref_rows
+        assert (acc_lse - lse.to(acc_lse.dtype)).abs()[fin.to(device)].max().item() <= (1e-12 if dt == torch.float64 else 2e-2)
+    dq, dk, dv = blocks._block_backward_torch(q, k, v, out, lse, do, True, 0, 0, scale)
+    want = ops.attention_backward(*(x.cpu().double() for x in (q, k, v, out)), lse.cpu().double(),
+                                  do.cpu().double(), causal=True, scale=scale)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        rows_ref = torch.isnan(ref).all(-1)
+        rows_got = torch.isnan(got.cpu()).all(-1)
+        assert rows_ref.any() and torch.equal(rows_got, rows_ref), name

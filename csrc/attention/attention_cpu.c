@@ -37,6 +37,8 @@
  * into double by log-sum-exp (fwd_tiles); the backward computes each query tile's share of dK, dV with a fresh GEMM
  * and adds it into double accumulators of the key tile (bwd_kv_task), rounded once at the store. A row whose
  * visible scores are all -inf is fully masked in every dtype (O = 0, LSE = -inf, no gradient, never 0 * inf).
+ * A NaN or +inf among a row's visible scores (from a NaN or an infinity in q or k) makes its O and LSE NaN, and its
+ * gradients and those of the keys it sees NaN, as in torch; masked keys stay out of it (their P and dS are 0).
  *
  * Determinism: every output element is produced by one task in a fixed order (dQ: per-chunk buffers,
  * nchunk chosen from the shape only, summed in chunk order), so results do not depend on the number of

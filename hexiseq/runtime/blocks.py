@@ -102,11 +102,11 @@ def _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, ti
     return dq, dk, dv
 
 
-def _masked(s, causal, q_pos0, k_pos0, q_doc):
-    """Scores s [B, H, Sq, Sk] with the invisible keys at -inf: after the query (causal), before the query's
-    document start (q_doc, [Sq] or [B, Sq] absolute positions)."""
+def _hidden(s, causal, q_pos0, k_pos0, q_doc):
+    """The invisible keys of scores s [B, H, Sq, Sk] as a bool mask that broadcasts against s (None: all visible):
+    after the query (causal), before the query's document start (q_doc, [Sq] or [B, Sq] absolute positions)."""
     if not causal:
-        return s
+        return None
     Sq, Sk = s.shape[2], s.shape[3]
     qp = torch.arange(Sq, device=s.device) + q_pos0
     kp = torch.arange(Sk, device=s.device) + k_pos0
@@ -115,7 +115,16 @@ def _masked(s, causal, q_pos0, k_pos0, q_doc):
         hidden = hidden | (kp < q_doc.to(s.device)[..., None])          # [Sq, Sk] or [B, Sq, Sk]
         if hidden.dim() == 3:
             hidden = hidden[:, None]
-    return s.masked_fill(hidden, float("-inf"))
+    return hidden
+
+
+def _probabilities(s, lse, hidden):
+    """P = exp(s - lse) of scores s with the final lse [.., Sq, 1]: 0 for hidden keys and for rows that see no key
+    (lse = -inf), NaN wherever the row's lse is NaN (a NaN or +inf score: it must reach the output and the
+    gradients, as in torch, not vanish)."""
+    dead = lse == float("-inf")
+    p = torch.exp(s - lse.masked_fill(dead, 0.0)).masked_fill(dead, 0.0)
+    return p if hidden is None else p.masked_fill(hidden, 0.0)
 
 
 def _tile_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, q_doc=None):
@@ -127,10 +136,12 @@ def _tile_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, q_doc=None):
     qf = q.to(acc).permute(0, 2, 1, 3)                                  # [B, H, Sq, d]
     kf = k.to(acc).permute(0, 2, 1, 3).repeat_interleave(rep, dim=1)   # [B, H, Sk, d]
     vf = v.to(acc).permute(0, 2, 1, 3).repeat_interleave(rep, dim=1)
-    s = _masked(torch.matmul(qf, kf.transpose(-1, -2)) * scale, causal, q_pos0, k_pos0, q_doc)  # [B, H, Sq, Sk]
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale                  # [B, H, Sq, Sk]
+    hidden = _hidden(s, causal, q_pos0, k_pos0, q_doc)
+    if hidden is not None:
+        s = s.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)                                    # [B, H, Sq]
-    p = torch.exp(s - lse[..., None].masked_fill(torch.isinf(lse[..., None]), 0.0))
-    p = torch.nan_to_num(p, nan=0.0)
+    p = _probabilities(s, lse[..., None], hidden)
     o = torch.matmul(p, vf).permute(0, 2, 1, 3)
     return o, lse
 
@@ -146,14 +157,15 @@ def _tile_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, q_d
     vf = v.to(acc).permute(0, 2, 1, 3).repeat_interleave(rep, dim=1)
     dof = do.to(acc).permute(0, 2, 1, 3)
     of = o.to(acc).permute(0, 2, 1, 3)
-    s = _masked(torch.matmul(qf, kf.transpose(-1, -2)) * scale, causal, q_pos0, k_pos0, q_doc)
-    l = lse.to(acc)[..., None]
-    p = torch.exp(s - l.masked_fill(torch.isinf(l), 0.0))
-    p = torch.nan_to_num(p, nan=0.0).masked_fill(torch.isinf(l), 0.0)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    hidden = _hidden(s, causal, q_pos0, k_pos0, q_doc)
+    p = _probabilities(s, lse.to(acc)[..., None], hidden)
     dv = torch.matmul(p.transpose(-1, -2), dof)
     dp = torch.matmul(dof, vf.transpose(-1, -2))
     D = (dof * of).sum(-1, keepdim=True)
     ds = p * (dp - D)
+    if hidden is not None:  # a NaN row's D must not reach its hidden keys through 0 * NaN
+        ds = ds.masked_fill(hidden, 0.0)
     dq = torch.matmul(ds, kf) * scale
     dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
     # fold expanded kv heads back
@@ -252,9 +264,9 @@ def merge(o_acc, lse_acc, o_part, lse_part, use_c):
         ops.merge_(o_acc, lse_acc, o_part, lse_part)
         return
     new = torch.logaddexp(lse_acc, lse_part)
-    finite = torch.isfinite(new)
-    wa = torch.where(finite, torch.exp(lse_acc - new), torch.zeros_like(new))
-    wp = torch.where(finite, torch.exp(lse_part - new), torch.zeros_like(new))
+    empty = new == float("-inf")  # both sides saw no key; a NaN side gives NaN weights, so NaN stays NaN
+    wa = torch.exp(lse_acc - new).masked_fill(empty, 0.0)
+    wp = torch.exp(lse_part - new).masked_fill(empty, 0.0)
     o_acc.mul_(wa.transpose(1, 2)[..., None]).add_(o_part * wp.transpose(1, 2)[..., None])
     lse_acc.copy_(new)
 

@@ -769,13 +769,102 @@ void test_documents() {
 
 } // namespace
 
+// NaN and infinities in q or k (one entry of a 67 x 67 bf16 block, D = 64) against the float64 CPU kernels on the same
+// values, plain and through the forward's key-block split: the forward's non-finite rows exactly as the reference's
+// (O NaN, LSE not finite; fully masked rows still O = 0, LSE = -inf), every other row within the usual bounds. For
+// gradients, rows (a query's dq, a key's dk or dv, per head) that are NaN in every component must be the same, and
+// any other NaN must sit in the poisoned component (3): it reaches a gradient row there only through a zero factor
+// (dS = 0 on a masked key times the NaN or infinite entry of q or k), which depends on the tiling.
+void test_nonfinite() {
+    struct Poison {
+        const char *name;
+        bool in_k;
+        int64_t row;
+        double value;
+    };
+    const Poison poisons[] = {{"q NaN", false, 40, NAN}, {"k NaN", true, 20, NAN}, {"q +inf", false, 40, INFINITY},
+                              {"k +inf", true, 20, INFINITY}};
+    for (const char *piece : {"", "64"})
+        for (const Poison &z : poisons)
+            for (int causal = 0; causal <= 1; ++causal) {
+                if (*piece)
+                    setenv("HEXISEQ_CUDA_FORWARD_PIECE", piece, 1);
+                const Case c{HEXISEQ_DTYPE_BF16, 2, 67, 67, 4, 2, 64, causal, 0, causal ? 10 : 0, CONTIG, 0, 0};
+                Problem pr(c);
+                Half4 &t = z.in_k ? pr.k : pr.q;
+                const int64_t head = z.in_k ? 0 : 1;
+                t.mem[(size_t)t.at(0, z.row, head, 3)] = to_bits(c.dtype, z.value);
+                (z.in_k ? pr.rk : pr.rq)[(size_t)t.lin(0, z.row, head, 3)] = z.value;
+                Outputs ref, a;
+                pr.emulated(a);
+                pr.reference(ref);
+                unsetenv("HEXISEQ_CUDA_FORWARD_PIECE");
+                char name[96];
+                snprintf(name, sizeof name, "%s %s%s", z.name, causal ? "causal" : "full", *piece ? " split" : "");
+                int nan_rows = 0;
+                bool same_o = true, same_lse = true, finite_close = true;
+                const double u = unit_roundoff(c.dtype);
+                for (size_t i = 0; i < ref.lse.size(); ++i) {
+                    const bool bad = !std::isfinite(ref.lse[i]) && ref.lse[i] != -INFINITY;
+                    same_lse = same_lse && (bad ? !std::isfinite(a.lse[i]) && a.lse[i] != -INFINITY
+                                                : a.lse[i] == ref.lse[i] || fabs(a.lse[i] - ref.lse[i]) <= 1e-4 *
+                                                                                 std::max(1.0, fabs(ref.lse[i])));
+                    nan_rows += bad;
+                }
+                double num = 0, den = 1e-3;
+                for (size_t i = 0; i < ref.o.size(); ++i) {
+                    same_o = same_o && std::isnan(a.o[i]) == std::isnan(ref.o[i]);
+                    if (!std::isnan(ref.o[i]) && !std::isnan(a.o[i]))
+                        num = std::max(num, fabs(a.o[i] - ref.o[i])), den = std::max(den, fabs(ref.o[i]));
+                }
+                finite_close = num / den <= 3 * u;
+                EXPECT(nan_rows > 0, "%s: the poison must reach some row", name);
+                EXPECT(same_o && same_lse, "%s: forward NaN rows differ from the reference (O %d, LSE %d)", name,
+                       (int)same_o, (int)same_lse);
+                EXPECT(finite_close, "%s: finite forward rows error %.3g > 3u", name, num / den);
+                const std::vector<double> *got[] = {&a.dq, &a.dk, &a.dv}, *want[] = {&ref.dq, &ref.dk, &ref.dv};
+                for (int g = 0; g < 3; ++g) {
+                    const size_t d = (size_t)c.head_dim;
+                    int differ = 0, full = 0;
+                    for (size_t r = 0; r < want[g]->size() / d; ++r) {
+                        bool all_a = true, all_r = true;
+                        for (size_t x = 0; x < d; ++x)
+                            all_a = all_a && std::isnan((*got[g])[r * d + x]),
+                            all_r = all_r && std::isnan((*want[g])[r * d + x]);
+                        bool stray = false; // a NaN outside the poisoned component in a row that is not all NaN
+                        for (size_t x = 0; x < d; ++x)
+                            stray = stray || (x != 3 && std::isnan((*got[g])[r * d + x]) && !all_a);
+                        differ += all_a != all_r || stray;
+                        full += all_r;
+                    }
+                    EXPECT(full > 0 && differ == 0, "%s: d%c has %d rows whose NaN differ from the reference's (%d NaN rows)",
+                           name, "qkv"[g], differ, full);
+                }
+            }
+}
+
+// test_cuda_emu [-v] [name ...]: every test, or only those named (refusals merge documents cases small_smem nonfinite).
 int main(int argc, char **argv) {
+    int first = 1;
     verbose = argc > 1 && strcmp(argv[1], "-v") == 0;
-    test_refusals();
-    test_merge();
-    test_documents();
-    test_attention_cases();
-    test_small_smem_device();
+    first += verbose;
+    const struct {
+        const char *name;
+        void (*run)();
+    } tests[] = {{"refusals", test_refusals},   {"merge", test_merge},
+                 {"documents", test_documents}, {"cases", test_attention_cases},
+                 {"small_smem", test_small_smem_device}, {"nonfinite", test_nonfinite}};
+    for (const auto &t : tests) {
+        bool wanted = first >= argc;
+        for (int i = first; i < argc; ++i)
+            wanted = wanted || strcmp(argv[i], t.name) == 0;
+        if (wanted)
+            t.run();
+    }
+    if (first < argc) { // a subset: the bank-conflict count below needs every case
+        printf("%d passed, %d failed\n", n_passed, n_failed);
+        return n_failed ? 1 : 0;
+    }
     // The tile pitches (row length + 16 bytes) are chosen so that no ldmatrix pays a bank conflict.
     printf("ldmatrix: %llu warp calls, %llu extra passes from bank conflicts\n",
            (unsigned long long)hexiseq_emu::ldmatrix_calls, (unsigned long long)hexiseq_emu::ldmatrix_extra_passes);

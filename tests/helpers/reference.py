@@ -102,10 +102,10 @@ def attention_backward(q, k, v, out, lse, dout, *, causal=False, q_pos0=0, k_pos
     ll = _tensor(lse, f64)
     mask = visible(Sq, Sk, q_pos0, k_pos0, causal, qq.device, q_doc)
     s = (qq @ kk.transpose(-1, -2) * scale).masked_fill(~mask, -math.inf)
-    ll = torch.where(torch.isfinite(ll), ll, torch.full_like(ll, math.inf))  # rows that see no key: P = 0
-    p = torch.exp(s - ll[..., None])
+    ll = torch.where(ll == -math.inf, torch.full_like(ll, math.inf), ll)  # rows that see no key: P = 0
+    p = torch.exp(s - ll[..., None]).masked_fill(~mask, 0.0)  # a NaN row (lse NaN) is NaN on its visible keys only
     delta = (do * oo).sum(-1, keepdim=True)
-    ds = p * (do @ vv.transpose(-1, -2) - delta)
+    ds = (p * (do @ vv.transpose(-1, -2) - delta)).masked_fill(~mask, 0.0)
     dq = (ds @ kk * scale).transpose(1, 2)
     dk = (ds.transpose(-1, -2) @ qq * scale).reshape(B, Hkv, g, Sk, D).sum(2).transpose(1, 2)
     dv = (p.transpose(-1, -2) @ do).reshape(B, Hkv, g, Sk, D).sum(2).transpose(1, 2)
