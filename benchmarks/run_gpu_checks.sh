@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU session checks of the CUDA attention kernels and the NCCL runtime, run from the repo root on a GPU machine:
-#   bash benchmarks/run_gpu_checks.sh [steps]      steps: any of build tests split sanitize accept bench runtime profile
+#   bash benchmarks/run_gpu_checks.sh [steps]      steps: any of build tests split sanitize accept bench backends runtime profile
 #                                                 (default: all, in that order)
 # Builds hexiseq in place with nvcc (no package index needed), runs the CUDA, CPU-op and block-path tests (the runtime on a
 # one-rank NCCL group among them), compute-sanitizer memcheck/racecheck/synccheck on forward, backward and merge at
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 RESULTS=${OUT:-benchmarks/results/gpu}
 mkdir -p "$RESULTS"
 exec > >(tee "$RESULTS/gpu_checks.log") 2>&1
-STEPS=${*:-build tests split sanitize accept bench runtime profile}
+STEPS=${*:-build tests split sanitize accept bench backends runtime profile}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 status=0
@@ -39,9 +39,9 @@ python -c "import hexiseq; info = hexiseq.build_info(); n = hexiseq.cuda_device_
     || note_fail $?
 
 if want tests; then
-    step "tests: tests/test_cuda_ops.py tests/test_ops.py tests/test_torch_blocks.py"
-    timeout 300 python -m pytest -q -rfEs -p no:cacheprovider --durations=5 \
-        tests/test_cuda_ops.py tests/test_ops.py tests/test_torch_blocks.py > "$RESULTS/pytest.log" 2>&1
+    TESTS="tests/test_cuda_ops.py tests/test_attention_ops.py tests/test_cuda_loader.py tests/test_torch_blocks.py tests/test_ops.py"
+    step "tests: $TESTS"
+    timeout 300 python -m pytest -q -rfEs -p no:cacheprovider --durations=5 $TESTS > "$RESULTS/pytest.log" 2>&1
     rc=$?; [ "$rc" -eq 0 ] || note_fail "$rc"
     sed -n '/short test summary/,$p' "$RESULTS/pytest.log"; tail -1 "$RESULTS/pytest.log"
 fi
@@ -100,6 +100,11 @@ fi
 if want bench; then
     step "benchmark vs torch SDPA flash"
     timeout 300 python benchmarks/bench_cuda_attention.py --bwd-kernels ${BWD_KERNELS:-auto} --fwd-keys ${FWD_KEYS:-auto} --out "$RESULTS/cuda_attention.md" || note_fail $?
+fi
+
+if want backends; then
+    step "block backends side by side: hexiseq, torch flash, torch cuDNN; documents: hexiseq vs varlen flash"
+    timeout 200 python benchmarks/bench_block_backends.py --out "$RESULTS" || note_fail $?
 fi
 
 if want runtime; then
