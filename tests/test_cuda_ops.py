@@ -131,13 +131,16 @@ def test_errors():
         ops.attention_forward(*make(1, 8, 8, 2, 2, 264, torch.bfloat16))
 
 
+@pytest.mark.parametrize("fused", ["flash", "cudnn", "torch"])
 @pytest.mark.parametrize("case", ["full_noncausal", "full_causal", "diagonal", "partial"])
 @pytest.mark.parametrize("D", [64, 96, 128])
-def test_runtime_torch_blocks(case, D):
-    """The runtime's PyTorch block path on CUDA: torch's fused flash op for full and diagonal block pairs (the ones
-    a ring produces), tiled matmuls for a partly visible one; forward and backward (with the pair's own out and
-    LSE) against float64, GQA 6:2, odd lengths."""
+def test_runtime_torch_blocks(case, D, fused, monkeypatch):
+    """The runtime's PyTorch block path on CUDA: one of torch's fused ops (flash, cuDNN, or the one timed fastest
+    here: "torch") for full and diagonal block pairs (the ones a ring produces), tiled matmuls for a partly visible
+    one; forward and backward (with the pair's own out and LSE) against float64, GQA 6:2, odd lengths."""
     from hexiseq.runtime import blocks
+
+    monkeypatch.setenv("HEXISEQ_RUNTIME_KERNELS", fused)
 
     sq, sk = (333, 333) if case == "diagonal" else (333, 517)
     causal, qp, kp = {"full_noncausal": (False, 0, 0), "full_causal": (True, 600, 83), "diagonal": (True, 77, 77),
@@ -166,7 +169,7 @@ def test_runtime_torch_blocks(case, D):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("kernels", ["hexiseq", "torch"])
+@pytest.mark.parametrize("kernels", ["hexiseq", "torch", "flash", "cudnn"])
 def test_runtime_on_one_gpu(causal, kernels, tmp_path, monkeypatch):
     """The distributed runtime with CUDA tensors on a one-rank NCCL group (the machine has one GPU), through the
     CUDA kernels and through the PyTorch block path (the default for CUDA tensors: torch's fused flash op), forward

@@ -63,6 +63,24 @@ def test_torch_block_kernels_path(case, tmp_path):
             assert e <= 1e-8, f"{case} torch kernels rank {rank}: {name} relative error {e:.3g}"
 
 
+@pytest.mark.parametrize("kernels", ["", "torch"])
+def test_nan_reaches_the_outputs_it_reaches_on_one_device(kernels, tmp_path):
+    """A NaN in q or k through the runtime (uneven groups, a rank with one token, a rank with no heads; the C
+    kernels and merge, and the PyTorch block path): out is NaN exactly where the float64 single-process reference
+    is, the gradients' NaN rows are the reference's, and every other entry is within 1e-10. Before, the merge
+    dropped a block whose LSE the kernels had turned into -inf, and rows seeing a NaN key came out finite."""
+    plan = CASES["asymmetric"]()
+    out = spawn(dist_worker.check_nonfinite, plan.cluster.num_devices, (plan.to_json(), kernels), tmp_path)
+    seen = {"q": 0, "k": 0}
+    for rank, (status, report, _) in sorted(out.items()):
+        assert status == "ok", f"rank {rank}: {report}"
+        for poison, rows in report.items():
+            for name, here, ref, ok in rows:
+                assert ok, f"NaN in {poison}, rank {rank}: {name} has {here} NaN entries, the reference {ref}"
+                seen[poison] += here
+    assert seen["q"] > 0 and seen["k"] > 0, "the poison must reach some rank's outputs"
+
+
 @pytest.mark.parametrize("case,slices", [("asymmetric", 3), ("gqa4-three-groups", 2), ("one-group-gqa", 4)])
 def test_sliced_layer_is_exact(case, slices, tmp_path):
     """The layer pipelined in slices of kv heads (a2a_slices) computes the same attention: float64 within 1e-10

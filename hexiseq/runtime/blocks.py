@@ -3,8 +3,14 @@ the merge of its partial result into a running (out, log-sum-exp): the unit of w
 
 Two implementations, one interface (`BlockKernels`, chosen once per device and dtype by `kernels_for`):
 - "hexiseq": the C kernels of `hexiseq.ops` (CPU tensors; bf16/fp16 CUDA tensors where the CUDA kernels are built);
-- "torch": torch's fused flash attention op where it computes the pair exactly (full and diagonal pairs of
-  bf16/fp16 CUDA tensors), tiled matmuls otherwise.
+- "torch": one of torch's fused attention ops where it computes the pair exactly (full and diagonal pairs of
+  bf16/fp16 CUDA tensors), tiled matmuls otherwise. Two fused ops return the LSE the ring merges with and take the
+  ring's final (out, LSE) in their backward: flash (aten._scaled_dot_product_flash_attention) and cuDNN
+  (aten._scaled_dot_product_cudnn_attention). Which one is fastest depends on the GPU and the cuDNN release (on an
+  H200 with cuDNN 9.19 cuDNN took 0.44-0.65x flash's time forward and 0.52-0.66x backward at 4K-32K tokens,
+  benchmarks/results/gpu/block_backends_h200.md), so each device times both once on its own block shapes and
+  keeps the faster (`fused_choice`), after checking cuDNN against flash on the same inputs; HEXISEQ_RUNTIME_KERNELS
+  =flash or =cudnn forces one.
 """
 
 import os
@@ -58,7 +64,7 @@ def _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, tile=None, q_do
     with documents, which it cannot mask); else tiled matmuls (tile: force those, with this tile size)."""
     is_causal = _flash_causal(q, k, causal, q_pos0, k_pos0) if tile is None and q_doc is None else None
     if is_causal is not None:
-        return _flash_forward(q, k, v, is_causal, scale)
+        return _fused_forward(q, k, v, is_causal, scale)
     if q.device.type == "cuda":
         why = "a document mask" if q_doc is not None else f"this block pair ({q.dtype}, head dim {q.shape[3]})"
         _warn_once(f"no fused attention for {why}; using tiled matmuls (correct, slow)")
@@ -84,7 +90,7 @@ def _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, ti
     where it applies (see _flash_causal; never with documents), else in fp32/fp64 from tiled matmuls."""
     is_causal = _flash_causal(q, k, causal, q_pos0, k_pos0) if tile is None and q_doc is None else None
     if is_causal is not None:
-        return _flash_backward(q, k, v, o, lse, do, is_causal, scale)
+        return _fused_backward(q, k, v, o, lse, do, is_causal, scale)
     tile = tile or _TORCH_TILE
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -174,7 +180,7 @@ def _tile_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, q_d
     return dq.permute(0, 2, 1, 3), dk.permute(0, 2, 1, 3), dv.permute(0, 2, 1, 3)
 
 
-_RUNTIME_KERNELS = ("hexiseq", "torch")
+_RUNTIME_KERNELS = ("hexiseq", "torch", "flash", "cudnn")
 
 
 def use_c_kernels(t):
@@ -187,13 +193,14 @@ def use_c_kernels(t):
     0.99-1.18x (forward) and 1.32-1.56x (backward) the speed of hexiseq's CUDA kernels on the same inputs
     (benchmarks/results/cuda_attention.md; a one-rank layer: benchmarks/results/runtime_gpu.md), and the ring
     only produces full and diagonal block pairs.
-    HEXISEQ_RUNTIME_KERNELS=hexiseq or =torch forces one (the tests run both)."""
+    HEXISEQ_RUNTIME_KERNELS=hexiseq or =torch forces one (the tests run both); =flash or =cudnn force the PyTorch
+    path with that fused op (see fused_choice)."""
     forced = os.environ.get("HEXISEQ_RUNTIME_KERNELS", "")
     if forced and forced not in _RUNTIME_KERNELS:
         raise InvalidArgumentError(f"HEXISEQ_RUNTIME_KERNELS={forced!r}: expected one of {', '.join(_RUNTIME_KERNELS)} "
                                    "or unset")
     if t.device.type == "cpu":
-        return forced != "torch"
+        return forced in ("", "hexiseq")
     if forced == "hexiseq":
         if t.device.type == "cuda" and t.dtype in (torch.bfloat16, torch.float16) and ops._cuda_built():
             return True
@@ -236,6 +243,135 @@ def _flash_causal(q, k, causal, q_pos0, k_pos0):
     if q_pos0 == k_pos0 and Sq == Sk:
         return True
     return None
+
+
+def _fused_forward(q, k, v, is_causal, scale):
+    """(out, lse) of a pair _flash_causal accepts, through the fused op chosen for this device and shape. Where
+    cuDNN was chosen but refuses a shape the timing did not try (a length, a causal flag), that shape class goes to
+    flash from then on (warned once): both ops take the other's (out, LSE), so a pass may mix them."""
+    if fused_choice(q, k) == "cudnn":
+        try:
+            return _cudnn_forward(q, k, v, is_causal, scale)
+        except RuntimeError as e:
+            _cudnn_refused(q, k, e)
+    return _flash_forward(q, k, v, is_causal, scale)
+
+
+def _fused_backward(q, k, v, o, lse, do, is_causal, scale):
+    if fused_choice(q, k) == "cudnn":
+        try:
+            return _cudnn_backward(q, k, v, o, lse, do, is_causal, scale)
+        except RuntimeError as e:
+            _cudnn_refused(q, k, e)
+    return _flash_backward(q, k, v, o, lse, do, is_causal, scale)
+
+
+def _cudnn_refused(q, k, error):
+    """cuDNN refused a call: re-raised when forced, else flash for this shape class from now on."""
+    if os.environ.get("HEXISEQ_RUNTIME_KERNELS", "") == "cudnn":
+        raise error
+    _fused_chosen[_fused_key(q, k)] = "flash"
+    warnings.warn(f"hexiseq: torch's cuDNN attention refused a block pair ({str(error).splitlines()[0][:200]}); "
+                  "this shape class uses flash from now on", RuntimeWarning, stacklevel=4)
+
+
+def _fused_key(q, k):
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return (dev, q.dtype, q.shape[2], k.shape[2], q.shape[3])
+
+
+_fused_chosen = {}  # (device index, dtype, heads, kv heads, head dim) -> "flash" or "cudnn"
+
+
+def fused_choice(q, k):
+    """Which of torch's fused ops runs full and diagonal block pairs of this shape on q's device: HEXISEQ_RUNTIME_
+    KERNELS=flash or =cudnn if set, else the faster of the two, timed once per (device, dtype, heads, kv heads, head
+    dim) on a causal 2048-token block forward and backward (`_time_fused`, a few milliseconds), cuDNN only where it
+    runs and agrees with flash on the same inputs (else flash, with the reason warned once)."""
+    forced = os.environ.get("HEXISEQ_RUNTIME_KERNELS", "")
+    if forced in ("flash", "cudnn"):
+        return forced
+    key = _fused_key(q, k)
+    if key not in _fused_chosen:
+        _fused_chosen[key] = _time_fused(q.device, *key[1:])
+    return _fused_chosen[key]
+
+
+def _time_fused(device, dtype, heads, kv_heads, head_dim, seq=2048, reps=3):
+    """"flash" or "cudnn", whichever ran a causal block of `seq` tokens (forward + backward) faster here, cuDNN
+    checked against flash first: out, LSE and gradients within 2% of the largest value (both are exact bf16/fp16
+    attention; a disagreement is a fault of one of them, and flash is the one the runtime was validated on)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, seq, heads, head_dim, device=device, generator=g).to(dtype)
+    k, v = (torch.randn(1, seq, kv_heads, head_dim, device=device, generator=g).to(dtype) for _ in range(2))
+    do = torch.randn(1, seq, heads, head_dim, device=device, generator=g).to(dtype)
+    scale = head_dim ** -0.5
+    runs = {}
+    for name, fwd, bwd in (("flash", _flash_forward, _flash_backward), ("cudnn", _cudnn_forward, _cudnn_backward)):
+        try:
+            o, lse = fwd(q, k, v, True, scale)
+            runs[name] = (fwd, bwd, (o, lse) + tuple(bwd(q, k, v, o, lse, do, True, scale)))
+        except Exception as e:  # noqa: BLE001 - an op this torch, cuDNN or GPU lacks is not a candidate
+            if name == "flash":
+                raise
+            _warn_once(f"torch's cuDNN attention is not usable here ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0][:200] if str(e) else ''}); block pairs use flash")
+            return "flash"
+    for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), runs["flash"][2], runs["cudnn"][2]):
+        a, b = a.float(), b.float().reshape(a.shape)
+        if not bool(((a - b).abs().max() <= 0.02 * max(a.abs().max().item(), 1.0)).item()):
+            _warn_once(f"torch's cuDNN attention disagrees with flash on {what} here; block pairs use flash")
+            return "flash"
+    times = {}
+    for name, (fwd, bwd, res) in runs.items():
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            o, lse = fwd(q, k, v, True, scale)
+            bwd(q, k, v, o, lse, do, True, scale)
+        end.record()
+        end.synchronize()
+        times[name] = start.elapsed_time(end)
+    return min(times, key=times.get)
+
+
+def _cudnn_forward(q, k, v, is_causal, scale):
+    """(out [B, Sq, H, d], lse [B, H, Sq] fp32) through torch's cuDNN attention op ([B, H, S, d] views; K and V
+    repeated to H heads where the op takes no GQA)."""
+    B, Sq, H, _ = q.shape
+    kt, vt = _cudnn_kv(k, v, H)
+    r = torch.ops.aten._scaled_dot_product_cudnn_attention(q.transpose(1, 2), kt, vt, None, True, 0.0, is_causal,
+                                                           False, scale=scale)
+    return r[0].transpose(1, 2), r[1].reshape(B, H, Sq)
+
+
+def _cudnn_backward(q, k, v, o, lse, do, is_causal, scale):
+    """(dq, dk, dv) in q's dtype through torch's cuDNN attention backward with the ring's final (o, lse). Without
+    dropout the op reads no random state and no cumulative lengths: those arguments are placeholders."""
+    B, Sq, H, _ = q.shape
+    Sk, Hk = k.shape[1], k.shape[2]
+    kt, vt = _cudnn_kv(k, v, H)
+    empty = torch.empty(0, device=q.device)
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        do.transpose(1, 2), q.transpose(1, 2), kt, vt, o.transpose(1, 2),
+        lse.to(torch.float32).reshape(B, H, Sq, 1).contiguous(), seed, seed, empty, empty, empty, Sq, Sk, 0.0,
+        is_causal, scale=scale)
+    dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    if Hk != H:  # the repeated heads' gradients summed back onto each kv head
+        dk = dk.reshape(B, Sk, Hk, H // Hk, -1).sum(3)
+        dv = dv.reshape(B, Sk, Hk, H // Hk, -1).sum(3)
+    return dq, dk, dv
+
+
+def _cudnn_kv(k, v, heads):
+    """K and V as [B, H, Sk, d] views for the cuDNN op, each kv head repeated heads / kv_heads times."""
+    kt, vt = k.transpose(1, 2), v.transpose(1, 2)
+    if k.shape[2] != heads:
+        rep = heads // k.shape[2]
+        kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
+    return kt, vt
 
 
 def _flash_forward(q, k, v, is_causal, scale):

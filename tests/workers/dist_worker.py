@@ -185,6 +185,59 @@ def check_plan_in_replicas(rank, world, init, plan_json, results):
         results.put((rank, "error", traceback.format_exc(), None))
 
 
+def check_nonfinite(rank, world, init, plan_json, kernels, results):
+    """A NaN in one entry of q, then of k, of the full sequence (query position 40, head 1; key position 20, kv
+    head 0; component 3) through this rank's shard, forward and backward, against the float64 single-process
+    reference: reports per poison [(name, NaN entries here, reference's, whether they agree)] for out, dq, dk, dv.
+    out must be NaN exactly where the reference is; a gradient may be NaN only where the reference is, and must be
+    NaN in every row the reference makes NaN in every component (the rest is 0 x NaN, which depends on the
+    tiling: see tests/test_attention_ops.py)."""
+    try:
+        import os
+
+        os.environ["HEXISEQ_RUNTIME_KERNELS"] = kernels
+        import hexiseq
+        from hexiseq.nn import HexiSeqAttention
+
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        plan = hexiseq.Plan.from_json(plan_json)
+        m, S, D = plan.model, plan.seq_len, 8
+        attn = HexiSeqAttention(plan, causal=plan.causal)
+        report = {}
+        for poison in ("q", "k"):
+            g = torch.Generator().manual_seed(99)
+            q = torch.randn(1, S, m.heads, D, generator=g, dtype=torch.float64)
+            k, v = (torch.randn(1, S, m.kv_heads, D, generator=g, dtype=torch.float64) for _ in range(2))
+            go = torch.randn(1, S, m.heads, D, generator=g, dtype=torch.float64)
+            (q if poison == "q" else k)[0, 40 if poison == "q" else 20, 1 if poison == "q" else 0, 3] = float("nan")
+            qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+            ref, _ = attention(qr, kr, vr, causal=plan.causal, scale=D ** -0.5)
+            ref.backward(go)
+            ql, kl, vl = (plan.shard(t, 1, rank).requires_grad_() for t in (q, k, v))
+            o = attn(ql, kl, vl)
+            o.backward(plan.shard(go, 1, rank))
+            rows = []
+            for name, got, want in (("out", o, ref), ("dq", ql.grad, qr.grad), ("dk", kl.grad, kr.grad),
+                                    ("dv", vl.grad, vr.grad)):
+                want = plan.shard(want.detach(), 1, rank)
+                bad, ref_bad = torch.isnan(got.detach()), torch.isnan(want)
+                if name == "out":
+                    ok = torch.equal(bad, ref_bad)
+                else:
+                    must = ref_bad.all(-1, keepdim=True).expand_as(ref_bad)
+                    ok = bool(bad[must].all()) and not bool((bad & ~ref_bad).any())
+                fin = ~ref_bad & ~bad
+                err = (got.detach() - want).abs()[fin].max().item() if fin.any() else 0.0
+                rows.append((name, int(bad.sum()), int(ref_bad.sum()), ok and err <= 1e-10))
+            report[poison] = rows
+        attn.context.close()
+        results.put((rank, "ok", report, None))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc(), None))
+
+
 def check_plan_torch(rank, world, init, plan_json, dtype_name, head_dim, batch, results):
     """check_plan with the PyTorch block kernels instead of the C ones."""
     check_plan(rank, world, init, plan_json, dtype_name, head_dim, batch, results, kernels="torch")
