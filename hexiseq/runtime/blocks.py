@@ -7,7 +7,7 @@ Two implementations, one interface (`BlockKernels`, chosen once per device and d
   bf16/fp16 CUDA tensors), tiled matmuls otherwise. Two fused ops return the LSE the ring merges with and take the
   ring's final (out, LSE) in their backward: flash (aten._scaled_dot_product_flash_attention) and cuDNN
   (aten._scaled_dot_product_cudnn_attention). Which one is fastest depends on the GPU and the cuDNN release (on an
-  H200 with cuDNN 9.19 cuDNN took 0.48-0.67x flash's time forward and 0.50-0.67x backward at 4K-32K tokens,
+  H200 with cuDNN 9.19 cuDNN took 0.45-0.68x flash's time forward and 0.50-0.67x backward at 4K-32K tokens (two runs),
   benchmarks/results/gpu/block_backends_h200.md), so each device times both once on its own block shapes and
   keeps the faster (`fused_choice`), after checking cuDNN against flash on the same inputs; HEXISEQ_RUNTIME_KERNELS
   =flash or =cudnn forces one.

@@ -271,7 +271,9 @@ def attention_forward(q, k, v, *, causal=True, q_pos0=0, k_pos0=0, scale=None, o
     h // (heads // kv_heads). Query row i sits at absolute position q_pos0 + i and key row j at k_pos0 + j;
     with causal=True key j is visible to query i iff k_pos0 + j <= q_pos0 + i. With a document mask q_doc (packed
     sequences), key j is visible to query i of batch b iff q_doc[b, i] <= k_pos0 + j <= q_pos0 + i. A query row that
-    sees no key gets out = 0 and lse = -inf.
+    sees no key, or whose visible scores are all -inf, gets out = 0 and lse = -inf. A NaN or an infinity in q or k
+    propagates as in torch: a row with a NaN (or +inf) among its visible scores gets out and lse NaN, and the
+    backward carries NaN to its dq and to the dk, dv of the keys it sees; masked keys stay out of it.
 
     Args:
         q: [batch, seq_q, heads, head_dim], float64/float32/float16/bfloat16, torch.Tensor or numpy.ndarray.
