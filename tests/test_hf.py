@@ -208,6 +208,12 @@ REFUSALS = [
     ("positions", "InvalidArgumentError", ["1 of 3 ranks", "rank 2: hexiseq: position_ids must be",
                                            "position_ids[0, 0] is 16, want 15"]),
     ("tokens", "InvalidArgumentError", ["1 of 3 ranks", "rank 0: hexiseq: rank 0 holds 20 tokens", "got 45"]),
+    ("loss_labels", "InvalidArgumentError", ["1 of 3 ranks", "rank 1: labels_full must be [batch, 45]",
+                                             "[1, 44]"]),
+    ("loss_ignore_index", "RankMismatchError", ["ignore_index", "-1", "-100"]),
+    ("shard_position_ids", "InvalidArgumentError", ["1 of 3 ranks", "rank 0: position_ids must be integer",
+                                                    "float32"]),
+    ("shard_batch", "RankMismatchError", ["batch", "2", "1"]),
 ]
 
 
@@ -225,7 +231,9 @@ def refusals(tmp_path_factory):
 def test_input_refused_on_one_rank_raises_on_every_rank(refusals, name, cls, words):
     """An input the adapter refuses on one rank only (a padding mask, position_ids, a shard of the wrong size)
     makes every rank raise the same error at once, naming the rank, the field and the value, instead of that rank
-    raising while the others wait in their attention call until the group's timeout (5 s here)."""
+    raising while the others wait in their attention call until the group's timeout (5 s here); the same for the
+    inputs and the loss (shard_inputs, sharded_causal_lm_loss), and for ranks that disagree on the batch or on
+    ignore_index."""
     for rank, report in sorted(refusals.items()):
         kind, message, seconds = report[name]
         assert kind == cls, f"{name}: rank {rank} raised {kind}: {message}"

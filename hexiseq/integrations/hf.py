@@ -375,6 +375,25 @@ def _rank(plan, rank, group):
     return rank
 
 
+def _agreed(group, fields, values, check):
+    """Run `check()` (this rank's input checks, returning what the caller needs) and agree with every rank of
+    `group` on `values` (ints, one per field) and on whether each rank's checks passed, so that a rank that fails one
+    makes every rank raise the same error at once instead of leaving the others waiting in the next collective.
+    Without an initialised torch.distributed (every rank's inputs prepared in one process) the check alone runs."""
+    from ..runtime.comm import agree, collective_device
+
+    if not dist.is_available() or not dist.is_initialized():
+        return check()
+    group = group if group is not None else dist.group.WORLD
+    result, error = None, None
+    try:
+        result = check()
+    except Exception as e:  # noqa: BLE001 - whatever a check raises, the other ranks must learn of it
+        error = e
+    agree(group, values, fields, error, device=collective_device(group))
+    return result
+
+
 def shard_inputs(input_ids, plan, rank=None, group=None, position_ids=None):
     """{"input_ids": this rank's shard of `input_ids` [batch, seq_len], "position_ids": [1, s_r] absolute positions,
     "attention_mask": [batch, s_r] all ones} to call a patched model with: `model(**shard_inputs(input_ids, plan,
@@ -391,21 +410,44 @@ def shard_inputs(input_ids, plan, rank=None, group=None, position_ids=None):
     collectives; transformers' attention modules cannot reshape an empty sequence, so such a rank gets one
     placeholder token (s_r = 1): its attention output is 0 and sharded_causal_lm_loss ignores its logits.
     The all-ones mask masks nothing (HexiSeq masks causally by absolute position); without a mask transformers
-    inspects position_ids for packed sequences, which only finds the shard's chunk boundary (HexiSeq ignores it)."""
+    inspects position_ids for packed sequences, which only finds the shard's chunk boundary (HexiSeq ignores it).
+
+    Collective when torch.distributed is initialised (one all_gather of a few ints over `group`): the ranks agree
+    on the plan, the batch size and the documents, and a rank whose inputs are refused makes every rank raise the
+    same error, naming it, instead of leaving the others waiting in the model's first collective."""
+    from ..runtime.comm import documents_code, plan_code
+
     rank = _rank(plan, rank, group)
-    documents = None
-    if position_ids is None:
-        pos = torch.as_tensor(plan.positions(rank), dtype=torch.long, device=input_ids.device).unsqueeze(0)
-    else:
-        documents = documents_from_position_ids(position_ids, plan.seq_len)
-        pos = plan.shard(position_ids.reshape(-1, position_ids.shape[-1]), 1, rank)
-    ids = plan.shard(input_ids, 1, rank)
-    if ids.shape[1] == 0:
-        ids, pos = input_ids[:, :1], torch.zeros(1, 1, dtype=torch.long, device=input_ids.device)
-    out = {"input_ids": ids, "position_ids": pos, "attention_mask": torch.ones_like(ids, dtype=torch.long)}
-    if documents is not None:
-        out[DOCUMENTS_KWARG] = documents
-    return out
+
+    def check():
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] != plan.seq_len:
+            raise InvalidArgumentError(f"input_ids must be a [batch, {plan.seq_len}] tensor (the full sequence), got "
+                                       f"{_shape_words(input_ids)}")
+        documents = None
+        if position_ids is None:
+            pos = torch.as_tensor(plan.positions(rank), dtype=torch.long, device=input_ids.device).unsqueeze(0)
+        else:
+            documents = documents_from_position_ids(position_ids, plan.seq_len)
+            pos = plan.shard(torch.as_tensor(position_ids).reshape(-1, plan.seq_len), 1, rank)
+        ids = plan.shard(input_ids, 1, rank)
+        if ids.shape[1] == 0:
+            ids, pos = input_ids[:, :1], torch.zeros(1, 1, dtype=torch.long, device=input_ids.device)
+        out = {"input_ids": ids, "position_ids": pos, "attention_mask": torch.ones_like(ids, dtype=torch.long)}
+        if documents is not None:
+            out[DOCUMENTS_KWARG] = documents
+        return out
+
+    batch = input_ids.shape[0] if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else -1
+    try:
+        rows = documents_from_position_ids(position_ids, plan.seq_len) if position_ids is not None else None
+        docs = documents_code(rows if rows is None or isinstance(rows[0], tuple) else (rows,))
+    except Exception:  # noqa: BLE001 - refused in check(), through the agreement
+        docs = -1
+    return _agreed(group, ("plan", "batch", "documents"), (plan_code(plan), batch, docs), check)
+
+
+def _shape_words(x):
+    return f"{type(x).__name__} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 def documents_from_position_ids(position_ids, seq_len=None):
@@ -439,7 +481,9 @@ def sharded_causal_lm_loss(logits, labels_full, plan, rank=None, group=None, ign
     logits: [batch, s_r, vocab], this rank's tokens in shard order (a patched model's output).
     labels_full: [batch, seq_len] the labels of the FULL sequence (every rank needs them: the label of a rank's
     last token of a chunk is the first token of another rank's chunk); usually the input ids.
-    Collective (one all_reduce of a scalar over `group`). The value is the global loss on every rank; its gradient
+    Collective (an agreement on the plan, the batch, ignore_index and every rank's input checks, then one
+    all_reduce of a scalar over `group`): a rank whose inputs are refused makes every rank raise the same error. The
+    value is the global loss on every rank; its gradient
     is that of this rank's share only (sum over its tokens / global count), so after `loss.backward()` on every
     rank, summing the parameter gradients over the ranks gives the gradient of the global loss.
 
@@ -447,19 +491,32 @@ def sharded_causal_lm_loss(logits, labels_full, plan, rank=None, group=None, ign
     own loss casts to float32 even for float64 models)."""
     import torch.nn.functional as F
 
+    from ..runtime.comm import plan_code
+
     rank = _rank(plan, rank, group)
     group = group if group is not None else dist.group.WORLD
-    if labels_full.dim() != 2 or labels_full.shape[1] != plan.seq_len:
-        raise InvalidArgumentError(f"labels_full must be [batch, {plan.seq_len}] (the full sequence), "
-                                   f"got {list(labels_full.shape)}")
-    labels_full = labels_full.to(logits.device)
-    shifted = F.pad(labels_full, (0, 1), value=ignore_index)[:, 1:]
-    mine = plan.shard(shifted, 1, rank)
-    if mine.shape[1] == 0 and logits.dim() == 3 and logits.shape[1] == 1:
-        logits = logits[:, :0] + logits.sum() * 0   # a parked rank's placeholder (shard_inputs), kept in the graph
-    if logits.dim() != 3 or logits.shape[:2] != mine.shape:
-        raise InvalidArgumentError(f"logits must be [batch, tokens, vocab] = [{mine.shape[0]}, {mine.shape[1]}, "
-                                   f"vocab] on rank {rank}, got {list(logits.shape)}")
+
+    def check():
+        if not isinstance(labels_full, torch.Tensor) or labels_full.dim() != 2 or labels_full.shape[1] != plan.seq_len:
+            raise InvalidArgumentError(f"labels_full must be [batch, {plan.seq_len}] (the full sequence), "
+                                       f"got {_shape_words(labels_full)}")
+        if not isinstance(logits, torch.Tensor):
+            raise InvalidArgumentError(f"logits must be a [batch, tokens, vocab] tensor, got {type(logits).__name__}")
+        shifted = F.pad(labels_full.to(logits.device), (0, 1), value=ignore_index)[:, 1:]
+        mine = plan.shard(shifted, 1, rank)
+        lg = logits
+        if mine.shape[1] == 0 and lg.dim() == 3 and lg.shape[1] == 1:
+            lg = lg[:, :0] + lg.sum() * 0   # a parked rank's placeholder (shard_inputs), kept in the graph
+        if lg.dim() != 3 or lg.shape[:2] != mine.shape:
+            raise InvalidArgumentError(f"logits must be [batch, tokens, vocab] = [{mine.shape[0]}, {mine.shape[1]}, "
+                                       f"vocab] on rank {rank}, got {list(lg.shape)}")
+        return lg, shifted, mine
+
+    # the ranks agree on the plan, the batch and ignore_index, and learn of any rank's refusal, before the
+    # all_reduce below (a rank that raised alone would leave the others waiting in it)
+    batch = labels_full.shape[0] if isinstance(labels_full, torch.Tensor) and labels_full.dim() == 2 else -1
+    logits, shifted, mine = _agreed(group, ("plan", "batch", "ignore_index"),
+                                    (plan_code(plan), batch, int(ignore_index)), check)
     acc = torch.promote_types(logits.dtype, torch.float32)
     local = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(acc), mine.reshape(-1),
                             ignore_index=ignore_index, reduction="sum")

@@ -223,7 +223,7 @@ def check_refusals(rank, world, init, plan_json, results):
     try:
         torch.set_num_threads(1)
         import hexiseq
-        from hexiseq.hf import patch_model, shard_inputs
+        from hexiseq.hf import patch_model, shard_inputs, sharded_causal_lm_loss
 
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=5))
@@ -233,14 +233,19 @@ def check_refusals(rank, world, init, plan_json, results):
         sh = shard_inputs(ids, plan, rank)
         report = {}
 
-        def scenario(name, **change):
+        def call(name, fn):
             t0 = time.monotonic()
             try:
-                with torch.no_grad():
-                    model(**{**sh, **change})
+                fn()
                 report[name] = ("ok", "", time.monotonic() - t0)
             except Exception as e:  # noqa: BLE001  (the test asserts on the class)
                 report[name] = (type(e).__name__, str(e), time.monotonic() - t0)
+
+        def scenario(name, **change):
+            def run():
+                with torch.no_grad():
+                    model(**{**sh, **change})
+            call(name, run)
 
         padded = torch.ones_like(sh["input_ids"])
         padded[0, 3] = 0
@@ -248,6 +253,15 @@ def check_refusals(rank, world, init, plan_json, results):
         scenario("padding", **({"attention_mask": padded} if rank == 1 else {}))
         scenario("positions", **({"position_ids": sh["position_ids"] + 1} if rank == 2 else {}))
         scenario("tokens", **({"input_ids": ids, "attention_mask": None, "position_ids": None} if rank == 0 else {}))
+        # the inputs and the loss: shard_inputs and sharded_causal_lm_loss agree before anything collective
+        logits = torch.zeros(1, sh["input_ids"].shape[1], model.config.vocab_size)
+        call("loss_good", lambda: sharded_causal_lm_loss(logits, ids, plan, rank))
+        call("loss_labels", lambda: sharded_causal_lm_loss(logits, ids[:, :-1] if rank == 1 else ids, plan, rank))
+        call("loss_ignore_index", lambda: sharded_causal_lm_loss(logits, ids, plan, rank,
+                                                                 ignore_index=-1 if rank == 2 else -100))
+        pos = torch.arange(plan.seq_len).unsqueeze(0)
+        call("shard_position_ids", lambda: shard_inputs(ids, plan, rank, position_ids=pos.float() if rank == 0 else pos))
+        call("shard_batch", lambda: shard_inputs(ids.repeat(2, 1) if rank == 2 else ids, plan, rank))
         scenario("good_after")
         results.put((rank, "ok", report))
         dist.destroy_process_group()
