@@ -85,9 +85,11 @@ def test_calibrated_rates_and_links_make_sense(calibrated):
                 assert lat[a][b] == lat[b][a]  # one figure per pair: the mean of both ends
                 # each direction is timed by its own receiver, both directions at once: equal within noise, for
                 # pairs with a rank alone on its core (ranks 1 and 2 share core 1, and between them one direction
-                # was seen at 4x the other)
+                # was seen at 4x the other). Within 10x, not 3x: a fresh clone's suite on a machine busy with other
+                # work once read 4.2x on a pair with rank 0; a direction timed wrongly (a unit, the wrong receiver)
+                # is off by 100x or more
                 if 0 in (a, b):
-                    assert 1 / 3 < bw[a][b] / bw[b][a] < 3, (a, b, bw)
+                    assert 1 / 10 < bw[a][b] / bw[b][a] < 10, (a, b, bw)
     cal = spec["calibration"]
     assert cal["model"] == "tiny" and cal["world"] == 3 and cal["backend"] == "gloo"
     assert cal["links"] == "every pair"
