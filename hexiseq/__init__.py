@@ -9,6 +9,7 @@ from .errors import (CudaError, HexiseqError, InternalError, InvalidArgumentErro
                      RankMismatchError, UnknownGPUError, UnsupportedError)
 from .planner.model import MODEL_PRESETS, Model, Sharding, Training
 from .planner.plan import DeviceTable, Layout, Plan, Strategy, compare, evaluate, plan
+from .planner.batch import BatchPlan, BatchPlanner, plan_batch
 from .planner.calibration import calibrate  # PyTorch is imported on the first call, not here
 from .planner.measurement import Measurement, measure
 from ._aliases import install_module_aliases
@@ -32,6 +33,9 @@ __all__ = [
     "Plan",
     "DeviceTable",
     "plan",
+    "plan_batch",
+    "BatchPlan",
+    "BatchPlanner",
     "evaluate",
     "compare",
     "calibrate",

@@ -716,6 +716,71 @@ done:
     return result;
 }
 
+/* batch_assign(cost [G, N] float64, fixed [G] or None, tokens [N] int64, capacity [G] or None, time_limit_s)
+ *   -> (group_of int32 [N], group_time_s [G], {makespan_s, lower_bound_s, exact, iterations}): hexiseq_batch_assign.
+ * The cost matrix may hold inf where a group cannot run a sequence. */
+static PyObject *core_batch_assign(PyObject *module, PyObject *args) {
+    PyObject *cost_obj, *fixed_obj, *tokens_obj, *cap_obj;
+    double time_limit_s;
+    if (!PyArg_ParseTuple(args, "OOOOd:batch_assign", &cost_obj, &fixed_obj, &tokens_obj, &cap_obj, &time_limit_s))
+        return NULL;
+    PyObject *result = NULL;
+    PyArrayObject *cost = NULL, *fixed = NULL, *tokens = NULL, *cap = NULL, *group_of = NULL, *group_time = NULL;
+    cost = (PyArrayObject *)PyArray_FROMANY(cost_obj, NPY_DOUBLE, 2, 2, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
+    if (!cost) {
+        invalid(module, "batch cost must be a [groups, sequences] matrix of numbers");
+        goto done;
+    }
+    npy_intp G = PyArray_DIM(cost, 0), N = PyArray_DIM(cost, 1);
+    if (G < 1 || G > INT32_MAX || N > INT32_MAX) {
+        invalid(module, "batch cost must have 1 to 2^31 - 1 groups and at most 2^31 - 1 sequences, got %zd x %zd",
+                (Py_ssize_t)G, (Py_ssize_t)N);
+        goto done;
+    }
+    if (!(tokens = as_array(tokens_obj, NPY_INT64, N, "tokens")))
+        goto done;
+    if (fixed_obj != Py_None && !(fixed = as_array(fixed_obj, NPY_DOUBLE, G, "fixed_s")))
+        goto done;
+    if (cap_obj != Py_None && !(cap = as_array(cap_obj, NPY_INT64, G, "capacity")))
+        goto done;
+    npy_intp n_out = N > 0 ? N : 1;
+    group_of = (PyArrayObject *)PyArray_SimpleNew(1, &n_out, NPY_INT32);
+    group_time = (PyArrayObject *)PyArray_SimpleNew(1, &G, NPY_DOUBLE);
+    if (!group_of || !group_time)
+        goto done;
+    hexiseq_batch_problem p = {(int32_t)G, (int32_t)N, (const double *)PyArray_DATA(cost),
+                               fixed ? (const double *)PyArray_DATA(fixed) : NULL,
+                               (const int64_t *)PyArray_DATA(tokens), cap ? (const int64_t *)PyArray_DATA(cap) : NULL};
+    hexiseq_batch_result r;
+    hexiseq_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = hexiseq_batch_assign(&p, time_limit_s, (int32_t *)PyArray_DATA(group_of), (double *)PyArray_DATA(group_time),
+                             &r);
+    Py_END_ALLOW_THREADS
+    if (s != HEXISEQ_OK) {
+        raise_status(module, s);
+        goto done;
+    }
+    if (N == 0) {
+        Py_DECREF(group_of);
+        npy_intp zero = 0;
+        group_of = (PyArrayObject *)PyArray_SimpleNew(1, &zero, NPY_INT32);
+        if (!group_of)
+            goto done;
+    }
+    result = Py_BuildValue("(OO{s:d,s:d,s:O,s:L})", group_of, group_time, "makespan_s", r.makespan_s,
+                           "lower_bound_s", r.lower_bound_s, "exact", r.exact ? Py_True : Py_False, "iterations",
+                           (long long)r.iterations);
+done:
+    Py_XDECREF(cost);
+    Py_XDECREF(fixed);
+    Py_XDECREF(tokens);
+    Py_XDECREF(cap);
+    Py_XDECREF(group_of);
+    Py_XDECREF(group_time);
+    return result;
+}
+
 PyMethodDef core_plan_methods[] = {
     {"gpu_catalog", core_gpu_catalog, METH_NOARGS, "The built-in GPU catalog, a list of dicts."},
     {"gpu_find", core_gpu_find, METH_O, "Canonical catalog name of a GPU model name or alias."},
@@ -727,6 +792,7 @@ PyMethodDef core_plan_methods[] = {
     {"curve_at", core_curve_at, METH_VARARGS, "A measured curve at a size, read as the cost model reads it."},
     {"evaluate", core_evaluate, METH_VARARGS, "Score a layout: (per-device dict, plan dict)."},
     {"plan_strategy", core_plan_strategy, METH_VARARGS, "Best layout of a strategy, as a dict of arrays, and what the search did."},
+    {"batch_assign", core_batch_assign, METH_VARARGS, "Sequences of a batch to groups, minimising the makespan."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,6 +1,7 @@
 """Cluster descriptions: nodes of GPUs, the links inside and between them, and what was measured on them."""
 
 import copy
+import dataclasses
 import datetime
 import math
 import numbers
@@ -324,6 +325,33 @@ class Cluster:
             except OSError as e:
                 raise InvalidArgumentError(f"cannot write cluster file {path!r}: {e.strerror}") from None
         return text
+
+    def subset(self, devices) -> "Cluster":
+        """The cluster of the given devices alone (a list of distinct device indices), renumbered 0.. in the order of
+        their indices: each node keeps the devices it had among them (same model, links and overrides), a bandwidth
+        or latency matrix keeps their rows and columns, measured rates stay with their device. What a group of a
+        batch plan runs on."""
+        n = self.num_devices
+        try:
+            chosen = sorted(int(d) for d in devices)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"devices must be a list of device indices, got {devices!r}") from None
+        if not chosen or len(set(chosen)) != len(chosen) or chosen[0] < 0 or chosen[-1] >= n:
+            raise InvalidArgumentError(f"devices must be distinct indices in [0, {n}), at least one, got {devices!r}")
+        node_of = self.device_nodes
+        nodes = []
+        for d in chosen:
+            node = self.nodes[node_of[d]]
+            if nodes and nodes[-1][0] == node_of[d]:
+                nodes[-1][1] += 1
+            else:
+                nodes.append([node_of[d], 1])
+        idx = np.array(chosen)
+        lat = self.latency_us
+        return Cluster([dataclasses.replace(self.nodes[i], count=c) for i, c in nodes], self.inter_node_gbps,
+                       bandwidth_gbps=None if self.bandwidth_gbps is None else self.bandwidth_gbps[np.ix_(idx, idx)],
+                       latency_us=lat if lat is None or isinstance(lat, float) else lat[np.ix_(idx, idx)],
+                       devices=None if self.devices is None else [self.devices[d] for d in chosen])
 
     # ------------------------------------------------------------------ queries
 

@@ -1,0 +1,678 @@
+"""Batch plans: a training step's sequences of unequal lengths spread over groups of unequal devices.
+
+A step's global batch holds a few long sequences and many short ones. One sequence spread over every device pays
+for communication a short sequence does not need; a group per sequence cannot hold a long one. A batch plan
+partitions the devices into groups, gives each sequence to one group, and lets each group run what it holds as one
+packed sequence with its own asymmetric layout (the scheduler's plan for that group), the groups side by side; then
+the groups' gradients are combined once.
+
+The model of a step (every figure a prediction of the cost model, never a measurement):
+
+- Candidate groups form a tree fixed once per job (process groups are created once, never per step): the whole
+  cluster, then runs of consecutive nodes of one GPU model, halved down to single nodes, then each node's devices
+  halved down to one (`candidate_groups`), or the caller's own laminar family (`groups=`). A plan's groups are one
+  cut of that tree: a partition of the devices.
+- Inside a group the model states are sharded over the group's devices (ZeRO-3 within the group, so each group
+  holds one replica of the states, as HSDP does), and the group runs the sequences it holds as the documents of one
+  packed sequence (one pass; the runtime's document mask keeps them apart), as FlexSP's groups do. A pass of S
+  tokens whose documents leave P query-key pairs visible costs f + a S + b P on that kind of group, with f, a and
+  b read off the cost model for one of two base layouts of the group (see _Kind): the ring's and the all-to-alls'
+  traffic grows with the pass's tokens whatever its documents, attention with its visible pairs. A sequence then
+  costs c = a (its tokens) + b (its pairs), additive over what a group holds, and a group pays f per pass. A pass
+  holds at most the longest sequence the group fits (found by bisection, to 0.4%); a group given more runs
+  several passes, each paying f again. This linear pricing ranks the cuts; the best few are then scored exactly,
+  each pass the best base of its kind re-balanced to that pass's documents (BatchPlan.plan_for), and the best so
+  scored is the plan: its step_time_s is the cost model's figure, model_step_time_s the linear one.
+- The groups then all-reduce their gradients across replicas, hierarchically (each device with the devices of the
+  other groups that hold the same part): 2 (G - 1) / G of a device's part over the slowest link between groups, not
+  overlapped with compute (the runtime does not yet overlap it: conservative).
+- Step time = the slowest group (passes x f + the sum of its sequences' c), plus that synchronisation.
+
+Lower bound (valid under this model for every cut of the tree and every assignment): the longest sequence (with one
+f) on its fastest group, and the weighted device-seconds of each sequence on its most economical group spread over
+all devices (weights that grow with a device's speed; see BatchPlanner._bound_weights); the synchronisation is
+bounded by 0 (one group needs none).
+
+Solving: every uniform cut of the tree is scored (each sequence to a group by the C core's assignment search,
+csrc/scheduler/batch.c); the best is refined by splitting a loaded group into its children or merging children
+back into their parent while that shortens the step; the three best cuts, and the whole cluster as one group
+(today's path), are scored exactly.
+"""
+
+import dataclasses
+import json
+import math
+import time
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .. import _core
+from .._validate import number
+from ..errors import InvalidArgumentError, MemoryFitError, UnsupportedError
+from .cluster import Cluster
+from .model import Training
+from .plan import Plan, _inputs, plan
+
+
+
+# ------------------------------------------------------------------------------------------ candidate groups
+
+def candidate_groups(cluster: Cluster) -> List[Tuple[int, ...]]:
+    """The tree of candidate groups the planner cuts, parents before children: the whole cluster, each maximal run
+    of consecutive nodes of one GPU model and size, that run's node ranges halved down to one node, and each node's
+    devices halved down to one device. Every group is a tuple of device indices in increasing order."""
+    starts = np.concatenate([[0], np.cumsum([n.count for n in cluster.nodes])])
+    out, seen = [], set()
+
+    def add(devices):
+        t = tuple(int(d) for d in devices)
+        if t and t not in seen:
+            out.append(t)
+            seen.add(t)
+
+    def halve_devices(lo, hi):
+        add(range(lo, hi))
+        if hi - lo > 1:
+            mid = lo + (hi - lo + 1) // 2
+            halve_devices(lo, mid)
+            halve_devices(mid, hi)
+
+    def halve_nodes(a, b):  # nodes [a, b)
+        add(range(starts[a], starts[b]))
+        if b - a > 1:
+            mid = a + (b - a + 1) // 2
+            halve_nodes(a, mid)
+            halve_nodes(mid, b)
+        else:
+            halve_devices(starts[a], starts[a + 1])
+
+    add(range(cluster.num_devices))
+    runs, a = [], 0
+    kinds = [(n.gpu, n.count, n.intra_gbps) for n in cluster.nodes]
+    for b in range(1, len(kinds) + 1):
+        if b == len(kinds) or kinds[b] != kinds[a]:
+            runs.append((a, b))
+            a = b
+    for a, b in runs:
+        halve_nodes(a, b)
+    return out
+
+
+def _tree(groups):
+    """(parent index or -1, children lists) of a laminar family listed in any order; raises InvalidArgumentError
+    when two groups overlap without one holding the other, or when the largest groups do not cover the devices."""
+    sets = [frozenset(g) for g in groups]
+    order = sorted(range(len(groups)), key=lambda i: -len(sets[i]))
+    parent = [-1] * len(groups)
+    for pos, i in enumerate(order):
+        for j in reversed(order[:pos]):  # the smallest earlier (larger or equal) group holding i
+            if sets[i] <= sets[j] and sets[i] != sets[j]:
+                parent[i] = j
+                break
+            if sets[i] & sets[j] and not sets[i] <= sets[j]:
+                raise InvalidArgumentError(f"groups[{i}] and groups[{j}] overlap without one holding the other: "
+                                           "candidate groups must nest (each pair disjoint or one inside the other)")
+    children = [[] for _ in groups]
+    for i, p in enumerate(parent):
+        if p >= 0:
+            children[p].append(i)
+    for p, kids in enumerate(children):
+        if kids and frozenset().union(*(sets[k] for k in kids)) != sets[p]:
+            missing = sorted(sets[p] - frozenset().union(*(sets[k] for k in kids)))
+            raise InvalidArgumentError(f"the groups inside groups[{p}] must cover it, so that it can be split; devices "
+                                       f"{missing[:8]} are in none of them")
+    return parent, children
+
+
+def _check_groups(groups, n):
+    if not isinstance(groups, (list, tuple)) or not groups:
+        raise InvalidArgumentError(f"groups must be a non-empty list of device lists, got {groups!r}")
+    out = []
+    for i, g in enumerate(groups):
+        if isinstance(g, (str, bytes)) or not hasattr(g, "__iter__"):
+            raise InvalidArgumentError(f"groups[{i}] must be a list of device indices, got {g!r}")
+        try:
+            t = tuple(sorted(int(d) for d in g))
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"groups[{i}] must be a list of device indices, got {g!r}") from None
+        if not t or len(set(t)) != len(t) or t[0] < 0 or t[-1] >= n:
+            raise InvalidArgumentError(f"groups[{i}] must hold distinct device indices in [0, {n}), got {list(g)!r}")
+        if t in out:
+            raise InvalidArgumentError(f"groups[{i}] repeats groups[{out.index(t)}]: {list(t)}")
+        out.append(t)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the batch
+
+def _lengths(lengths):
+    """(total tokens per sequence, documents per sequence or None) of the `lengths` argument."""
+    if isinstance(lengths, (str, bytes, dict)) or not hasattr(lengths, "__iter__"):
+        raise InvalidArgumentError(f"lengths must be a list with one entry per sequence, got {lengths!r}")
+    lengths = list(lengths)
+    if not lengths:
+        raise InvalidArgumentError("lengths must hold at least one sequence, got an empty list")
+    total, docs = [], []
+    for i, x in enumerate(lengths):
+        if isinstance(x, (list, tuple, np.ndarray)):
+            parts = list(x)
+            if not parts:
+                raise InvalidArgumentError(f"lengths[{i}] must be a token count or a non-empty list of document "
+                                           "lengths, got an empty list")
+            vals = [_one_length(v, f"lengths[{i}][{j}]") for j, v in enumerate(parts)]
+            total.append(sum(vals))
+            docs.append(tuple(vals))
+        else:
+            total.append(_one_length(x, f"lengths[{i}]"))
+            docs.append(None)
+    return np.array(total, dtype=np.int64), docs
+
+
+def _one_length(x, where):
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        if isinstance(x, float) and x.is_integer():
+            x = int(x)
+        else:
+            raise InvalidArgumentError(f"{where} must be a whole number of tokens, got {x!r}")
+    if x < 1 or x > (1 << 40):
+        raise InvalidArgumentError(f"{where} must be between 1 and 2^40 tokens, got {x}")
+    return int(x)
+
+
+# ------------------------------------------------------------------------------------------ per-group costs
+
+def _pairs(L, causal):
+    """Query-key pairs a document of L tokens leaves visible."""
+    L = np.asarray(L, dtype=np.float64)
+    return L * (L + 1) / 2 if causal else L * L
+
+
+def _short_docs(S, d):
+    return [d] * (S // d) + ([S % d] if S % d else [])
+
+
+class _Kind:
+    """One kind of group (groups of equal description share one): how long a packed pass takes on it.
+
+    `longest`: the most tokens one pass holds (the longest single sequence the scheduler fits, found by bisection to
+    0.4%). Base layouts: the scheduler's plans for a pass of S_ref tokens, as one document and as documents of 2,048
+    tokens (a ring for the one, all-to-alls for the other, typically), at S_ref = longest, longest / 8 and
+    longest / 64 (a layout made for a million tokens is a poor one for ten thousand). Under a base, a pass of S
+    tokens whose documents leave P query-key pairs visible is priced f + a S + b P, with f, a and b read off the cost
+    model by re-balancing the base to three batches (short documents at S_ref and at S_ref / 8, one document at
+    S_ref): work linear in tokens (GEMMs, all-to-alls, the ring's traffic, which packed documents still send whole)
+    and attention linear in visible pairs, which is how the cost model prices a layout whose split is re-balanced.
+    Per step a kind prices with the bases made for the pass size it can expect (its devices' share of the batch's
+    tokens), keeping the one of the two that prices the whole batch lower; bases are made on first use."""
+
+    SHORT = 256      # tokens per document of the "short documents" calibration batch
+    TYPICAL = 2048   # tokens per document of the all-to-all base
+    SCALES = (1, 8, 64)
+
+    def __init__(self, cluster, model, training, causal):
+        self.cluster, self.model, self.training, self.causal = cluster, model, training, causal
+        self.longest = None
+        self._bases = {}  # scale -> [(Plan, f, a, b), ...]
+
+    def _fits(self, L):
+        try:
+            plan(self.cluster, model=self.model, seq_len=int(L), training=self.training, causal=self.causal,
+                 strategy="hexiseq")
+            return True
+        except (MemoryFitError, UnsupportedError):
+            return False
+
+    def _floor(self):
+        return max(4 * self.SHORT, 16 * self.cluster.num_devices)
+
+    def _ensure(self):
+        if self.longest is not None:
+            return
+        lo = self._floor()
+        if not self._fits(lo):
+            self.longest = 0
+            return
+        hi = lo
+        while hi < (1 << 30) and self._fits(hi):
+            lo, hi = hi, hi * 4
+        while hi - lo > max(1, lo // 256):
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self._fits(mid) else (lo, mid)
+        self.longest = lo
+
+    def bases(self, scale):
+        """The base layouts made for passes of longest / scale tokens, with their (f, a, b)."""
+        if scale not in self._bases:
+            S = max(self.longest // scale, self._floor())
+            out = []
+            for docs in (None, _short_docs(S, self.TYPICAL)):
+                try:
+                    base = plan(self.cluster, model=self.model, seq_len=S, training=self.training,
+                                causal=self.causal, strategy="hexiseq", documents=docs)
+                    out.append((base,) + self._fit(base))
+                except (MemoryFitError, UnsupportedError):
+                    continue
+            self._bases[scale] = out
+        return self._bases[scale]
+
+    def _fit(self, base):
+        S, d = base.seq_len, self.SHORT
+        small = max(S // 8, 4 * d, base.num_groups)
+        t_short = base.rebalanced(documents=_short_docs(S, d)).step_time_s
+        t_small = base.rebalanced(seq_len=small, documents=_short_docs(small, d)).step_time_s
+        t_one = base.rebalanced(documents=None).step_time_s
+        a = max((t_short - t_small) / max(S - small, 1), 0.0)
+        f = max(t_small - a * small, 0.0)
+        p_short = float(_pairs(_short_docs(S, d), self.causal).sum())
+        b = max((t_one - t_short) / max(float(_pairs(S, self.causal)) - p_short, 1.0), 0.0)
+        # a holds the short documents' own pairs: take them out so that a document of L costs a L + b (its pairs)
+        a = max(a - b * p_short / S, 0.0)
+        return f, a, b
+
+    def price(self, flat, owner, n_items, expect):
+        """(cost per item [n_items], f, base Plan): the documents `flat` (their item in `owner`) priced under the base
+        made for passes nearest `expect` tokens that prices the whole batch lowest; inf when the kind holds
+        nothing."""
+        self._ensure()
+        if not self.longest:
+            return np.full(n_items, math.inf), 0.0, None
+        want = self.longest / max(min(expect, self.longest), 1)
+        scale = min(self.SCALES, key=lambda k: abs(math.log(k) - math.log(want)))
+        pairs = _pairs(flat, self.causal)
+        best = None
+        for base, f, a, b in self.bases(scale):
+            per_doc = a * flat + b * pairs
+            total = per_doc.sum() + f
+            if best is None or total < best[0]:
+                best = (total, per_doc, f, base)
+        if best is None:
+            return np.full(n_items, math.inf), 0.0, None
+        row = np.zeros(n_items)
+        np.add.at(row, owner, best[1])
+        return row, best[2], best[3]
+
+
+# ------------------------------------------------------------------------------------------ the plan
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """A step's sequences assigned to groups of devices (see hexiseq.planner.batch). Every time is a prediction.
+
+    groups: the devices of each group (device indices of the cluster).
+    assignment: the group index of each sequence, in batch order.
+    lengths: each sequence's tokens (documents: their sum); documents: each sequence's document lengths or None.
+    group_time_s: each group's time, its passes scored exactly by the cost model (plan_for); model_group_time_s:
+    the same priced linearly, as the search ranked plans; searched_s: the best step the search found under that
+    pricing (before the finalists were scored exactly); passes: the
+    sequences of each group's packed passes (one pass unless they exceed what the group holds at once); capacity:
+    the tokens one pass of each group holds; sync_s: the gradient
+    synchronisation across groups; step_time_s: the slowest group plus sync_s; lower_bound_s: a bound on the step of
+    any cut of the candidate tree and any assignment under the linear pricing; solve_s: what choosing the groups and the assignment took
+    (seconds of this process, measured)."""
+
+    cluster: Cluster
+    model: object
+    training: Training
+    causal: bool
+    groups: Tuple[Tuple[int, ...], ...]
+    assignment: Tuple[int, ...]
+    lengths: Tuple[int, ...]
+    documents: Tuple[Optional[Tuple[int, ...]], ...]
+    group_time_s: Tuple[float, ...]
+    sync_s: float
+    step_time_s: float
+    lower_bound_s: float
+    candidates: int
+    solve_s: float
+    exact_assignment: bool
+    passes: Tuple[Tuple[Tuple[int, ...], ...], ...]
+    capacity: Tuple[int, ...]
+    model_group_time_s: Tuple[float, ...]
+    searched_s: float
+    pass_plans: Tuple[Tuple[Plan, ...], ...] = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def gap_to_bound(self) -> float:
+        """step_time_s / lower_bound_s (1.0 is ideal)."""
+        return self.step_time_s / self.lower_bound_s if self.lower_bound_s > 0 else math.inf
+
+    @property
+    def tokens_per_s(self) -> float:
+        return float(sum(self.lengths)) / self.step_time_s
+
+    def sequences_of(self, g) -> List[int]:
+        """The sequences group g runs, in batch order."""
+        return [i for i, a in enumerate(self.assignment) if a == g]
+
+    def passes_of(self, g) -> List[List[int]]:
+        """The sequences group g runs in each of its packed passes (one unless they exceed its capacity)."""
+        return [list(p) for p in self.passes[g]]
+
+    def plan_for(self, g, p=0) -> Plan:
+        """The plan group g runs its pass p with (devices renumbered 0.. in the order of `groups[g]`): one of the
+        base layouts of the group's kind, its split re-balanced to that pass's packed sequence (each sequence a
+        document, or its own documents), the one the cost model scores fastest; group_time_s sums these."""
+        if not 0 <= p < len(self.passes[g]):
+            raise InvalidArgumentError(f"group {g} makes {len(self.passes[g])} pass(es), got pass {p}")
+        return self.pass_plans[g][p]
+
+    @property
+    def model_step_time_s(self) -> float:
+        """The step as the search priced it (f + a S + b P per pass, see hexiseq.planner.batch), beside step_time_s,
+        which scores every pass exactly: how far the search's linear pricing was from the cost model."""
+        return max(self.model_group_time_s) + self.sync_s
+
+    def to_dict(self) -> dict:
+        return {"groups": [list(g) for g in self.groups], "assignment": list(self.assignment),
+                "lengths": list(self.lengths), "documents": [None if d is None else list(d) for d in self.documents],
+                "predicted": {"step_time_s": self.step_time_s, "group_time_s": list(self.group_time_s),
+                              "sync_s": self.sync_s, "lower_bound_s": self.lower_bound_s,
+                              "tokens_per_s": self.tokens_per_s},
+                "candidates": self.candidates, "solve_s": self.solve_s}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def explain(self) -> str:
+        gpus = self.cluster.device_gpus
+        lines = [f"batch plan: {len(self.lengths)} sequences ({sum(self.lengths):,} tokens, the longest "
+                 f"{max(self.lengths):,}) on {self.cluster.describe()}",
+                 f"  {len(self.groups)} groups chosen from {self.candidates} candidates in {self.solve_s * 1e3:.0f} ms",
+                 f"  step (predicted) {self.step_time_s:.4g} s = slowest group {max(self.group_time_s):.4g} s + "
+                 f"gradient sync across groups {self.sync_s:.3g} s; lower bound {self.lower_bound_s:.4g} s "
+                 f"(gap {self.gap_to_bound:.2f}x)",
+                 "  group  devices                          sequences  tokens       time (s)"]
+        for g, devs in enumerate(self.groups):
+            seqs = self.sequences_of(g)
+            kinds = {}
+            for d in devs:
+                kinds[gpus[d]] = kinds.get(gpus[d], 0) + 1
+            what = ", ".join(f"{c}x {k}" for k, c in kinds.items())
+            span = f"{devs[0]}" if len(devs) == 1 else f"{devs[0]}-{devs[-1]}"
+            lines.append(f"  {g:>5}  {span:>9} ({what})".ljust(43) + f"{len(seqs):>9}  "
+                         f"{sum(self.lengths[i] for i in seqs):>11,}  {self.group_time_s[g]:>9.4g}")
+        return "\n".join(lines)
+
+    def __repr__(self):
+        return (f"BatchPlan(groups={len(self.groups)}, sequences={len(self.lengths)}, "
+                f"step_time_s={self.step_time_s:.4g}, lower_bound_s={self.lower_bound_s:.4g})")
+
+
+class BatchPlanner:
+    """The job-level half of batch planning: the candidate groups (fixed for the job) and each kind of group's cost
+    per length (computed once, on demand); `plan(lengths)` then chooses the groups and the assignment of one step.
+    hexiseq.plan_batch is BatchPlanner(...).plan(lengths) for a single step."""
+
+    def __init__(self, cluster, *, model="gpt-7b", training=None, causal=True, groups=None):
+        cluster, model, training, _ = _inputs(cluster, model, training, 1024)
+        if training.sequences != 1:
+            raise InvalidArgumentError(f"training.sequences must be 1 for a batch plan (the batch says how many "
+                                       f"sequences a step holds), got {training.sequences}")
+        self.cluster, self.model, self.training, self.causal = cluster, model, training, bool(causal)
+        n = cluster.num_devices
+        self.groups = candidate_groups(cluster) if groups is None else _check_groups(groups, n)
+        self._parent, self._children = _tree(self.groups)
+        roots = [i for i, p in enumerate(self._parent) if p < 0]
+        covered = sorted(d for i in roots for d in self.groups[i])
+        if covered != list(range(n)):
+            missing = sorted(set(range(n)) - set(covered))
+            raise InvalidArgumentError(f"the candidate groups must cover every device; devices {missing[:8]} are in "
+                                       "none")
+        self._roots = roots
+        self._kinds = {}   # group description -> _Kind
+        self._kind = []     # candidate index -> its curve
+        for g in self.groups:
+            sub = cluster.subset(g)
+            key = json.dumps(sub.to_dict(), sort_keys=True)
+            if key not in self._kinds:
+                self._kinds[key] = _Kind(sub, model, training, self.causal)
+            self._kind.append(self._kinds[key])
+        self._params_bytes = model.params * model.dtype_bytes
+        self._weights = self._bound_weights()
+        self._bw = self._link_matrices()
+
+    def _bound_weights(self):
+        """Device weights for the lower bound. In any cut, device d is busy for the time of its group, so for any
+        weights w >= 0: sum_d w_d busy_d <= T sum_d w_d, and sum_d w_d busy_d = sum_i W_g(i) c[g(i), i] >=
+        sum_i min_g W_g c[g, i], with W_g the weight of g's devices: T >= that sum / sum_d w_d. Equal weights
+        overrate slow devices (they would take a fair share at a fast device's speed); weights growing with the
+        device's catalog speed (peak x GEMM efficiency, a node's own figures first) tighten the bound on mixed
+        clusters. Each of a few exponents is tried; all are valid."""
+        from .cluster import gpu_catalog
+
+        cat = {g["name"]: g for g in gpu_catalog()}
+        speed = []
+        for node in self.cluster.nodes:
+            entry = cat.get(node.gpu, {})
+            peak = node.peak_tflops or entry.get("peak_tflops") or 1.0
+            eff = node.gemm_eff or entry.get("gemm_eff") or 1.0
+            speed += [peak * eff] * node.count
+        speed = np.array(speed) / max(speed)
+        return [speed ** a for a in (0.0, 0.5, 1.0, 1.5, 2.0)]
+
+    def _link_matrices(self):
+        """(bandwidth GB/s, latency s) between every two devices, as the cost model sees the links."""
+        c = self.cluster
+        n = c.num_devices
+        node = c.device_nodes
+        if c.bandwidth_gbps is not None:
+            bw = np.array(c.bandwidth_gbps, dtype=np.float64)
+        else:
+            intra = np.array([c.nodes[k].intra_gbps for k in node])
+            same = node[:, None] == node[None, :]
+            bw = np.where(same, np.minimum(intra[:, None], intra[None, :]), c.inter_node_gbps)
+        if c.latency_us is None:
+            lat = np.where(node[:, None] == node[None, :], 10.0, 20.0)
+        elif isinstance(c.latency_us, float):
+            lat = np.full((n, n), c.latency_us)
+        else:
+            lat = np.array(c.latency_us)
+        return bw, lat * 1e-6
+
+    def sync_s(self, groups) -> float:
+        """Gradient all-reduce across `groups` (lists of devices): each device reduces its 1/|g| part with the
+        devices of the other groups holding the same part, 2 (G - 1) / G of it over the slowest link between two
+        groups and 2 (G - 1) latencies of the largest; 0 for one group."""
+        G = len(groups)
+        if G <= 1:
+            return 0.0
+        bw, lat = self._bw
+        owner = np.empty(self.cluster.num_devices, dtype=np.int64)
+        for g, devs in enumerate(groups):
+            owner[list(devs)] = g
+        across = owner[:, None] != owner[None, :]
+        slow = float(bw[across].min()) * 1e9
+        worst_lat = float(lat[across].max())
+        smallest = min(len(g) for g in groups)
+        return 2.0 * (G - 1) / G * self._params_bytes / smallest / slow + 2.0 * (G - 1) * worst_lat
+
+    def cost_matrix(self, lengths):
+        """(c [candidates, sequences], f [candidates], capacity [candidates]) of the module docstring for a batch
+        (`lengths` as in plan): seconds, inf where a candidate group cannot hold a sequence; tokens one pass holds."""
+        total, docs = _lengths(lengths)
+        return self._cost_matrix(total, docs)[:3]
+
+    def _cost_matrix(self, total, docs=None):
+        """(c [candidates, sequences], f [candidates], one pass's capacity in tokens [candidates], the base layout
+        each candidate's kind prices with). A sequence costs the sum of its documents' costs (they are documents of
+        the group's packed pass either way)."""
+        docs = docs if docs is not None else [None] * len(total)
+        flat = np.array([L for t, d in zip(total, docs) for L in (d if d is not None else (int(t),))], dtype=np.int64)
+        owner = np.repeat(np.arange(len(total)), [len(d) if d is not None else 1 for d in docs])
+        cost = np.empty((len(self.groups), len(total)))
+        fixed = np.empty(len(self.groups))
+        cap = np.empty(len(self.groups), dtype=np.int64)
+        base = [None] * len(self.groups)
+        by_kind = {}
+        n = self.cluster.num_devices
+        for g, kind in enumerate(self._kind):
+            if id(kind) not in by_kind:
+                expect = float(total.sum()) * len(self.groups[g]) / n  # its devices' share of the batch
+                row, f, b = kind.price(flat, owner, len(total), expect)
+                row[total > kind.longest] = math.inf
+                by_kind[id(kind)] = (row, f, max(kind.longest, 1), b)
+            cost[g], fixed[g], cap[g], base[g] = by_kind[id(kind)]
+        return cost, fixed, cap, base
+
+    def tree(self):
+        """(parent index or -1, children indices) of each candidate group."""
+        return list(self._parent), [list(c) for c in self._children]
+
+    def plan(self, lengths, *, time_limit_s=None) -> BatchPlan:
+        """Choose this step's groups (a cut of the candidate tree) and give each sequence to one of them."""
+        t0 = time.perf_counter()
+        time_limit_s = number(time_limit_s, "time_limit_s", positive=True, optional=True)
+        total, docs = _lengths(lengths)
+        for i, L in enumerate(total):
+            self.model.check_seq_len(int(L))
+        C = len(self.groups)
+        cost, fixed, cap, base = self._cost_matrix(total, docs)
+        best_single = (cost + fixed[:, None]).min(axis=0)
+        if np.isinf(best_single).any():
+            i = int(np.argmax(np.isinf(best_single)))
+            raise MemoryFitError(f"lengths[{i}] = {int(total[i]):,} tokens fits no candidate group of "
+                                 f"{self.cluster.describe()} (the largest is the whole cluster: plan it alone with "
+                                 "hexiseq.plan to see what would fit)")
+        bound = float(best_single.max())
+        for w in self._weights:  # any w >= 0 gives a bound: see _bound_weights
+            W = np.array([w[list(g)].sum() for g in self.groups])
+            bound = max(bound, float((cost * W[:, None]).min(axis=0).sum() / w.sum()))
+        deadline = None if time_limit_s is None else t0 + time_limit_s
+
+        def assign(rows, limit):
+            """(group_of, times, info, passes) of the cut `rows`: every group runs what it holds as one packed pass
+            of at most its capacity, or, when the batch does not fit so, in `passes` such passes each."""
+            c = np.ascontiguousarray(cost[rows])
+            passes = max(1, -(-int(total.sum()) // int(cap[rows].sum())))
+            while passes <= 1024:
+                try:
+                    out = _core.batch_assign(c, fixed[rows] * passes, total, cap[rows] * passes, limit)
+                    return out + (passes,)
+                except MemoryFitError:
+                    passes *= 2
+            return None
+
+        scored = {}  # cut (sorted) -> model step
+
+        def score(cut, limit=1e-4):  # the greedy placement and a moment of local search: enough to rank cuts
+            rows = list(cut)
+            res = assign(rows, limit)
+            if res is None:
+                return math.inf, None
+            step = float(res[1].max()) + self.sync_s([self.groups[r] for r in rows])
+            scored[tuple(sorted(cut))] = step
+            return step, res
+
+        # every uniform cut: the tree's groups at depth d (and the leaves above it)
+        depth = [0] * C
+        for g in range(C):
+            p, d = self._parent[g], 0
+            while p >= 0:
+                d, p = d + 1, self._parent[p]
+            depth[g] = d
+        best_cut, best = None, (math.inf, None)
+        for d in range(max(depth) + 1):
+            cut = tuple(g for g in range(C) if depth[g] == d or (depth[g] < d and not self._children[g]))
+            s = score(cut)
+            if s[0] < best[0]:
+                best_cut, best = cut, s
+        if best_cut is None:
+            raise MemoryFitError("no cut of the candidate groups holds every sequence of this batch")
+        # refine: split a loaded group into its children, or merge children back into their parent
+        improved = True
+        while improved and (deadline is None or time.perf_counter() < deadline):
+            improved = False
+            cut = list(best_cut)
+            times = best[1][1]
+            order = sorted(range(len(cut)), key=lambda k: -times[k])
+            moves = []  # a few per round (each is one assignment search): the 3 most loaded groups split, and
+            for k in [k for k in order if self._children[cut[k]]][:3]:  # the 3 least loaded families merged
+                moves.append(tuple(cut[:k] + cut[k + 1:] + self._children[cut[k]]))
+            members, load = set(cut), dict(zip(cut, times))
+            families = [p for p in {self._parent[g] for g in cut if self._parent[g] >= 0}
+                        if all(ch in members for ch in self._children[p])]
+            for p in sorted(families, key=lambda p: max(load[ch] for ch in self._children[p]))[:3]:
+                moves.append(tuple([g for g in cut if g not in self._children[p]] + [p]))
+            for m in moves:
+                s = score(m)
+                if s[0] < best[0] * (1 - 1e-9):
+                    best_cut, best, improved = m, s, True
+            # the next round starts from the best move of this one
+        # The linear pricing ranks cuts; the few best (and the whole cluster as one group, today's path, when it is
+        # a candidate) are then scored exactly, each group's passes re-balanced from the bases its kind has made,
+        # and the best so scored is the plan.
+        finalists = sorted(scored, key=scored.get)[:3]
+        for r in self._roots:
+            if not math.isinf(scored.get((r,), math.inf)) and (r,) not in finalists and len(self._roots) == 1:
+                finalists.append((r,))
+        limit = 0.0 if time_limit_s is None else max(1e-3, time_limit_s / 4)
+        plans = [self._build(list(cut), assign(list(cut), limit), total, docs, cost, fixed, cap, bound, t0)
+                 for cut in finalists]
+        best_plan = min(plans, key=lambda p: p.step_time_s)
+        return dataclasses.replace(best_plan, solve_s=time.perf_counter() - t0, searched_s=scored[finalists[0]])
+
+    def _build(self, cut, assigned, total, docs, cost, fixed, cap, bound, t0):
+        """The BatchPlan of a cut and its assignment, every pass scored exactly."""
+        group_of, _, info, _ = assigned
+        # groups in device order; sequences renumbered to them. Each group's passes: its sequences packed first fit
+        # by decreasing length into passes of its capacity (the search priced passes x capacity in aggregate, which
+        # a packing may not reach); its time is then priced with the passes it really makes.
+        order = sorted(range(len(cut)), key=lambda k: self.groups[cut[k]])
+        rank = {k: r for r, k in enumerate(order)}
+        groups = tuple(self.groups[cut[k]] for k in order)
+        assignment = tuple(rank[int(g)] for g in group_of)
+        packs, model_time, exact_time, pass_plans = [], [], [], []
+        for r, k in enumerate(order):
+            seqs = sorted((i for i, a in enumerate(assignment) if a == r), key=lambda i: -int(total[i]))
+            bins, room = [], []
+            for i in seqs:
+                j = next((j for j in range(len(bins)) if room[j] >= total[i]), None)
+                if j is None:
+                    bins.append([])
+                    room.append(int(cap[cut[k]]))
+                    j = len(bins) - 1
+                bins[j].append(i)
+                room[j] -= int(total[i])
+            packs.append(tuple(tuple(sorted(b)) for b in bins))
+            model_time.append(len(bins) * float(fixed[cut[k]]) + float(cost[cut[k], seqs].sum()))
+            plans = [self._exact_pass(self._kind[cut[k]], [L for i in b for L in (docs[i] or (int(total[i]),))])
+                     for b in packs[-1]]
+            pass_plans.append(tuple(plans))
+            exact_time.append(sum(math.inf if p is None else p.step_time_s for p in plans))
+        sync = self.sync_s(groups)
+        return BatchPlan(self.cluster, self.model, self.training, self.causal, groups, assignment,
+                         tuple(int(x) for x in total), tuple(docs), tuple(exact_time), sync, max(exact_time) + sync,
+                         bound, len(self.groups), time.perf_counter() - t0, bool(info["exact"]), tuple(packs),
+                         tuple(int(cap[cut[k]]) for k in order), tuple(model_time), math.nan, tuple(pass_plans))
+
+    @staticmethod
+    def _exact_pass(kind, pass_docs):
+        """The best of the kind's base layouts re-balanced to one pass's documents (None when none fits)."""
+        best = None
+        S = sum(pass_docs)
+        for scale_bases in kind._bases.values():
+            for base, *_ in scale_bases:
+                try:
+                    p = base.rebalanced(seq_len=S, documents=pass_docs if len(pass_docs) > 1 else None)
+                except (MemoryFitError, InvalidArgumentError):
+                    continue
+                if best is None or p.step_time_s < best.step_time_s:
+                    best = p
+        return best
+
+
+def plan_batch(cluster, *, model="gpt-7b", lengths: Sequence, training=None, causal=True, groups=None,
+               time_limit_s=None) -> BatchPlan:
+    """The batch plan of one training step: `lengths` holds one entry per sequence of the global batch, a token
+    count or the list of the document lengths packed in it (its documents stay together, in one group). The devices
+    are split into groups drawn from a tree of candidates (`groups=`: the caller's own, a list of device lists that
+    nest; default: `candidate_groups(cluster)`), each sequence goes to one group, each group runs what it holds as
+    one packed sequence with the scheduler's layout for that group, and the step's predicted time is the slowest
+    group plus the gradient synchronisation across groups. See hexiseq.planner.batch for the model.
+    For many steps of one job, build a BatchPlanner once and call its plan(lengths) per step: the groups' costs
+    are computed once.
+
+    Raises MemoryFitError when a sequence fits no candidate group; InvalidArgumentError for bad lengths or groups."""
+    return BatchPlanner(cluster, model=model, training=training, causal=causal, groups=groups).plan(
+        lengths, time_limit_s=time_limit_s)
