@@ -407,6 +407,13 @@ HEXISEQ_API hexiseq_status hexiseq_batch_assign(const hexiseq_batch_problem *p, 
                                                 int32_t *group_of /* [N] out */, double *group_time_s /* [G] out */,
                                                 hexiseq_batch_result *result);
 
+/* hexiseq_batch_assign without the exhaustive search and with a cheap lower bound (the per-sequence one and a single
+ * weighted evaluation): the greedy placement and the local search until time_limit_s. For ranking many candidate
+ * groupings of one batch quickly, where the bound is not wanted (a batch planner's inner loop). */
+HEXISEQ_API hexiseq_status hexiseq_batch_assign_quick(const hexiseq_batch_problem *p, double time_limit_s,
+                                                      int32_t *group_of, double *group_time_s,
+                                                      hexiseq_batch_result *result);
+
 #ifdef __cplusplus
 }
 #endif

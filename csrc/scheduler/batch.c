@@ -53,7 +53,8 @@
 
 #define EXHAUSTIVE_LEAVES 200000  /* G^N at most this: branch and bound, exact */
 #define IMPROVE_REL 1e-12         /* a move must lower the makespan by more than this, relatively */
-#define POLL_ROUNDS 16            /* the clock is read every this many rounds (or 4096 branch-and-bound nodes) */
+#define POLL_ROUNDS 1             /* the clock is read every this many rounds (or 4096 branch-and-bound nodes): a
+                                     round costs far more than a clock read, and a short limit must be kept */
 #define PAIR_ITEMS 14              /* two groups holding at most this many together may divide them anew */
 #define PAIR_BUDGET 2000000       /* Gray-code steps of those divisions, in all */
 #define SWAP_WORK 20000000         /* swap candidates scanned, in all: past it the search moves only */
@@ -572,7 +573,7 @@ static int exhaustive(batch_state *s, int32_t *current, double incumbent_s, int 
 }
 
 /* The lower bound of step 4. weight, gain [G], best_cost [N] scratch. */
-static double lower_bound(const batch_state *s, double *weight, double *gain, double *best_cost) {
+static double lower_bound(const batch_state *s, int32_t max_steps, double *weight, double *gain, double *best_cost) {
     const int32_t G = s->G, N = s->N;
     double bound_s = 0.0;
     for (int32_t g = 0; g < G; ++g) /* (a): every group pays its fixed time */
@@ -604,6 +605,8 @@ static double lower_bound(const batch_state *s, double *weight, double *gain, do
     int32_t steps = work * BOUND_STEPS_MAX <= BOUND_WORK ? BOUND_STEPS_MAX
                     : work * BOUND_STEPS_MIN >= BOUND_WORK ? BOUND_STEPS_MIN
                                                             : (int32_t)(BOUND_WORK / work);
+    if (steps > max_steps)
+        steps = max_steps;
     double best_b = 0.0;
     for (int32_t step = 0; step < steps; ++step) {
         /* value and gradient at `weight`: gain[g] = fixed + the costs of the sequences whose minimum g attains */
@@ -651,8 +654,9 @@ static double lower_bound(const batch_state *s, double *weight, double *gain, do
     return fmax(bound_s, best_b);
 }
 
+/* quick: neither the exhaustive search nor the weight search of the lower bound (one weighted evaluation only). */
 static hexiseq_status batch_assign(const hexiseq_batch_problem *p, double time_limit_s, int allow_exhaustive,
-                                   int32_t *group_of, double *group_time_s, hexiseq_batch_result *result) {
+                                   int quick, int32_t *group_of, double *group_time_s, hexiseq_batch_result *result) {
     hexiseq_clear_error();
     HEXISEQ_CHECK(batch_check(p, time_limit_s, group_of, group_time_s, result));
     const int32_t G = p->n_groups, N = p->n_seqs;
@@ -684,14 +688,14 @@ static hexiseq_status batch_assign(const hexiseq_batch_problem *p, double time_l
     st = batch_check_fits(&s);
     if (st != HEXISEQ_OK)
         goto done;
-    result->lower_bound_s = lower_bound(&s, weight, gain, scratch);
+    result->lower_bound_s = lower_bound(&s, quick ? 1 : BOUND_STEPS_MAX, weight, gain, scratch);
 
     /* G^N, stopping as soon as it passes the limit */
     double leaves = 1.0;
     for (int32_t k = 0; k < N && leaves <= EXHAUSTIVE_LEAVES; ++k)
         leaves *= G;
     /* one group: the one assignment there is (and no branch and bound N deep) */
-    int small = allow_exhaustive && G > 1 && leaves <= EXHAUSTIVE_LEAVES;
+    int small = allow_exhaustive && !quick && G > 1 && leaves <= EXHAUSTIVE_LEAVES;
 
     st = heuristic(&s, result->lower_bound_s, current, tmp, group_time_s, &result->iterations);
     int have_heuristic = st == HEXISEQ_OK;
@@ -735,10 +739,15 @@ done:
 
 hexiseq_status hexiseq_batch_assign(const hexiseq_batch_problem *p, double time_limit_s, int32_t *group_of,
                                     double *group_time_s, hexiseq_batch_result *result) {
-    return batch_assign(p, time_limit_s, 1, group_of, group_time_s, result);
+    return batch_assign(p, time_limit_s, 1, 0, group_of, group_time_s, result);
+}
+
+hexiseq_status hexiseq_batch_assign_quick(const hexiseq_batch_problem *p, double time_limit_s, int32_t *group_of,
+                                          double *group_time_s, hexiseq_batch_result *result) {
+    return batch_assign(p, time_limit_s, 0, 1, group_of, group_time_s, result);
 }
 
 hexiseq_status hexiseq_batch_assign_heuristic(const hexiseq_batch_problem *p, double time_limit_s,
                                               int32_t *group_of, double *group_time_s, hexiseq_batch_result *result) {
-    return batch_assign(p, time_limit_s, 0, group_of, group_time_s, result);
+    return batch_assign(p, time_limit_s, 0, 0, group_of, group_time_s, result);
 }

@@ -355,7 +355,11 @@ class BatchPlan:
         document, or its own documents), the one the cost model scores fastest; group_time_s sums these."""
         if not 0 <= p < len(self.passes[g]):
             raise InvalidArgumentError(f"group {g} makes {len(self.passes[g])} pass(es), got pass {p}")
-        return self.pass_plans[g][p]
+        made = self.pass_plans[g]
+        if made and isinstance(made[0], _Kind):  # planned with exact=False: scored now
+            docs = [L for i in self.passes[g][p] for L in (self.documents[i] or (self.lengths[i],))]
+            return BatchPlanner._exact_pass(made[0], docs)
+        return made[p]
 
     @property
     def model_step_time_s(self) -> float:
@@ -430,6 +434,7 @@ class BatchPlanner:
             self._kind.append(self._kinds[key])
         self._params_bytes = model.params * model.dtype_bytes
         self._weights = self._bound_weights()
+        self._links = {}
         self._bw = self._link_matrices()
 
     def _bound_weights(self):
@@ -470,6 +475,19 @@ class BatchPlanner:
             lat = np.array(c.latency_us)
         return bw, lat * 1e-6
 
+    @staticmethod
+    def _cross_pairs(groups, node):
+        """One device pair per two groups that share a node (their link is an intra-node one, maybe slower than
+        the inter-node link on a node with a slow switch)."""
+        first = {}
+        for g in groups:
+            for d in g:
+                n = int(node[d])
+                if n in first and first[n][0] != g[0]:
+                    yield first[n][1], d
+                    break
+                first.setdefault(n, (g[0], d))
+
     def sync_s(self, groups) -> float:
         """Gradient all-reduce across `groups` (lists of devices): each device reduces its 1/|g| part with the
         devices of the other groups holding the same part, 2 (G - 1) / G of it over the slowest link between two
@@ -477,13 +495,27 @@ class BatchPlanner:
         G = len(groups)
         if G <= 1:
             return 0.0
-        bw, lat = self._bw
-        owner = np.empty(self.cluster.num_devices, dtype=np.int64)
-        for g, devs in enumerate(groups):
-            owner[list(devs)] = g
-        across = owner[:, None] != owner[None, :]
-        slow = float(bw[across].min()) * 1e9
-        worst_lat = float(lat[across].max())
+        key = tuple(sorted(tuple(g) for g in groups))
+        if key not in self._links:
+            bw, lat = self._bw
+            owner = np.empty(self.cluster.num_devices, dtype=np.int64)
+            for g, devs in enumerate(groups):
+                owner[list(devs)] = g
+            node = self.cluster.device_nodes
+            if self.cluster.bandwidth_gbps is None and self.cluster.latency_us is None and \
+                    len({int(node[g[0]]) for g in groups}) > 1:
+                # groups on different nodes, node-derived links: the slowest link between two groups is the inter-node
+                # link or an intra-node one between two groups on one node; the default inter-node latency
+                slow = min([self.cluster.inter_node_gbps] +
+                           [float(bw[a, b]) for a, b in self._cross_pairs(groups, node)])
+                worst = 20e-6
+            else:
+                across = owner[:, None] != owner[None, :]
+                slow, worst = float(bw[across].min()), float(lat[across].max())
+            if len(self._links) > 4096:
+                self._links.clear()
+            self._links[key] = (slow * 1e9, worst)
+        slow, worst_lat = self._links[key]
         smallest = min(len(g) for g in groups)
         return 2.0 * (G - 1) / G * self._params_bytes / smallest / slow + 2.0 * (G - 1) * worst_lat
 
@@ -519,8 +551,12 @@ class BatchPlanner:
         """(parent index or -1, children indices) of each candidate group."""
         return list(self._parent), [list(c) for c in self._children]
 
-    def plan(self, lengths, *, time_limit_s=None) -> BatchPlan:
-        """Choose this step's groups (a cut of the candidate tree) and give each sequence to one of them."""
+    def plan(self, lengths, *, time_limit_s=None, exact=True) -> BatchPlan:
+        """Choose this step's groups (a cut of the candidate tree) and give each sequence to one of them.
+
+        exact: score the best few cuts exactly (each pass re-balanced from its kind's base layouts) and keep the best
+        so scored; False keeps the search's best under the linear pricing and skips those re-balances (the per-step
+        mode: group_time_s is then the linear pricing, and plan_for makes a pass's plan when asked)."""
         t0 = time.perf_counter()
         time_limit_s = number(time_limit_s, "time_limit_s", positive=True, optional=True)
         total, docs = _lengths(lengths)
@@ -540,14 +576,14 @@ class BatchPlanner:
             bound = max(bound, float((cost * W[:, None]).min(axis=0).sum() / w.sum()))
         deadline = None if time_limit_s is None else t0 + time_limit_s
 
-        def assign(rows, limit):
+        def assign(rows, limit, quick=True):
             """(group_of, times, info, passes) of the cut `rows`: every group runs what it holds as one packed pass
             of at most its capacity, or, when the batch does not fit so, in `passes` such passes each."""
             c = np.ascontiguousarray(cost[rows])
             passes = max(1, -(-int(total.sum()) // int(cap[rows].sum())))
             while passes <= 1024:
                 try:
-                    out = _core.batch_assign(c, fixed[rows] * passes, total, cap[rows] * passes, limit)
+                    out = _core.batch_assign(c, fixed[rows] * passes, total, cap[rows] * passes, limit, quick)
                     return out + (passes,)
                 except MemoryFitError:
                     passes *= 2
@@ -602,18 +638,21 @@ class BatchPlanner:
         # The linear pricing ranks cuts; the few best (and the whole cluster as one group, today's path, when it is
         # a candidate) are then scored exactly, each group's passes re-balanced from the bases its kind has made,
         # and the best so scored is the plan.
-        finalists = sorted(scored, key=scored.get)[:3]
+        finalists = sorted(scored, key=scored.get)[:3 if exact else 1]
         for r in self._roots:
-            if not math.isinf(scored.get((r,), math.inf)) and (r,) not in finalists and len(self._roots) == 1:
+            if exact and not math.isinf(scored.get((r,), math.inf)) and (r,) not in finalists and \
+                    len(self._roots) == 1:
                 finalists.append((r,))
         limit = 0.0 if time_limit_s is None else max(1e-3, time_limit_s / 4)
-        plans = [self._build(list(cut), assign(list(cut), limit), total, docs, cost, fixed, cap, bound, t0)
+        plans = [self._build(list(cut), assign(list(cut), limit, quick=False), total, docs, cost, fixed, cap, bound,
+                             t0, exact)
                  for cut in finalists]
         best_plan = min(plans, key=lambda p: p.step_time_s)
         return dataclasses.replace(best_plan, solve_s=time.perf_counter() - t0, searched_s=scored[finalists[0]])
 
-    def _build(self, cut, assigned, total, docs, cost, fixed, cap, bound, t0):
-        """The BatchPlan of a cut and its assignment, every pass scored exactly."""
+    def _build(self, cut, assigned, total, docs, cost, fixed, cap, bound, t0, exact=True):
+        """The BatchPlan of a cut and its assignment, every pass scored exactly (or, exact=False, left to plan_for
+        and priced linearly)."""
         group_of, _, info, _ = assigned
         # groups in device order; sequences renumbered to them. Each group's passes: its sequences packed first fit
         # by decreasing length into passes of its capacity (the search priced passes x capacity in aggregate, which
@@ -636,10 +675,14 @@ class BatchPlanner:
                 room[j] -= int(total[i])
             packs.append(tuple(tuple(sorted(b)) for b in bins))
             model_time.append(len(bins) * float(fixed[cut[k]]) + float(cost[cut[k], seqs].sum()))
-            plans = [self._exact_pass(self._kind[cut[k]], [L for i in b for L in (docs[i] or (int(total[i]),))])
-                     for b in packs[-1]]
-            pass_plans.append(tuple(plans))
-            exact_time.append(sum(math.inf if p is None else p.step_time_s for p in plans))
+            if exact:
+                plans = [self._exact_pass(self._kind[cut[k]], [L for i in b for L in (docs[i] or (int(total[i]),))])
+                         for b in packs[-1]]
+                pass_plans.append(tuple(plans))
+                exact_time.append(sum(math.inf if p is None else p.step_time_s for p in plans))
+            else:
+                pass_plans.append((self._kind[cut[k]],))  # plan_for scores a pass on request
+                exact_time.append(model_time[-1])
         sync = self.sync_s(groups)
         return BatchPlan(self.cluster, self.model, self.training, self.causal, groups, assignment,
                          tuple(int(x) for x in total), tuple(docs), tuple(exact_time), sync, max(exact_time) + sync,
