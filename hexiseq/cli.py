@@ -9,10 +9,10 @@ import sys
 
 from . import __version__, build_info, cuda_device_count
 from .planner.cluster import Cluster, gpu_catalog
-from .errors import HexiseqError, InvalidArgumentError
+from .errors import HexiseqError, InvalidArgumentError, MemoryFitError
 from .planner.model import MODEL_PRESETS, Model, Training
 from ._validate import number, parse_tokens, read_text
-from .planner.plan import Plan, Strategy, _compare_within, _documents, compare, no_fit_error
+from .planner.plan import Plan, Strategy, _compare_within, _documents, compare, no_fit_error, plan
 from .planner.text import TABLE_LEGEND
 
 DESCRIPTION = "Plan asymmetric sequence and head parallelism for a heterogeneous GPU cluster."
@@ -53,12 +53,60 @@ def _documents_arg(text):
                                    f"whitespace, inline or in a file; got {bad!r}") from None
 
 
+def _batch_arg(text):
+    """--batch: the sequences of one step, a file with one sequence per line (a line of several lengths is one packed
+    sequence's documents) or inline lengths separated by commas (one sequence each)."""
+    lines = read_text(text, "batch file").splitlines() if os.path.isfile(text) else [t for t in text.split(",")]
+    out = []
+    for n, line in enumerate(lines, 1):
+        parts = [t for t in re.split(r"[\s,]+", line.split("#", 1)[0].strip()) if t]
+        if not parts:
+            continue
+        bad = next((t for t in parts if not t.isdigit()), None)
+        if bad is not None:
+            raise InvalidArgumentError(f"--batch: line {n} must hold token counts (positive integers), got {bad!r}")
+        vals = [int(t) for t in parts]
+        out.append(vals[0] if len(vals) == 1 else vals)
+    if not out:
+        raise InvalidArgumentError(f"--batch {text!r}: no sequence in it")
+    return out
+
+
+def cmd_plan_batch(args, cluster, model, training, causal) -> int:
+    from .planner.batch import plan_batch
+
+    if args.documents is not None or args.sequences != 1:
+        raise InvalidArgumentError("--batch gives the step's sequences and their documents: leave out --documents "
+                                   "and --sequences")
+    lengths = _batch_arg(args.batch)
+    limit = None if args.time_limit is None else number(args.time_limit, "--time-limit", positive=True)
+    bp = plan_batch(cluster, model=model, lengths=lengths, training=training, causal=causal, time_limit_s=limit)
+    if args.json:
+        print(json.dumps(bp.to_dict(), indent=2))
+        return 0
+    print(bp.explain())
+    docs = [L for x in lengths for L in (x if isinstance(x, list) else [x])]
+    try:
+        one = plan(cluster, model=model, seq_len=sum(docs), training=training, causal=causal,
+                   documents=docs if len(docs) > 1 else None)
+        print(f"\nthe whole batch packed as documents into one sequence over all {cluster.num_devices} devices "
+              f"(one layout): {one.step_time_s:.4g} s; this plan is {one.step_time_s / bp.step_time_s:.2f}x that speed")
+    except MemoryFitError:
+        print(f"\nthe whole batch does not fit as one packed sequence over all {cluster.num_devices} devices")
+    print("(every time is a prediction of the cost model; a group runs its sequences as the documents of one packed\n"
+          " sequence with its own layout, states sharded inside the group; see docs/batch.md)")
+    return 0
+
+
 def cmd_plan(args) -> int:
     cluster = Cluster.from_file(args.cluster) if args.cluster else Cluster.example()
     model = _load_model(args.model)
     training = Training(sequences=args.sequences, checkpointing=args.checkpointing, sharding=args.sharding,
                         state_shares=args.state_shares)
     causal = not args.no_causal
+    if args.batch is not None:
+        return cmd_plan_batch(args, cluster, model, Training(checkpointing=args.checkpointing, sharding=args.sharding,
+                                                             state_shares=args.state_shares), causal)
     strategy = Strategy(args.strategy)
     seq_len = parse_tokens(args.seq_len)
     documents = _documents_arg(args.documents)
@@ -257,6 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--documents", metavar="LENGTHS|FILE",
                     help="packed documents: their lengths in sequence order (adding up to --seq-len), e.g. "
                          "4096,2048,2048, or a file of lengths; plans under the document mask")
+    pl.add_argument("--batch", metavar="FILE|LENGTHS",
+                    help="plan a step of several sequences of unequal lengths on groups of devices: a file with one "
+                         "sequence per line (several numbers on a line: one packed sequence's documents) or lengths "
+                         "separated by commas")
     pl.add_argument("--json", action="store_true", help="print the chosen plan as JSON")
     pl.add_argument("--time-limit", type=float, metavar="SECONDS",
                     help="stop the search after about this long with the best plan found so far (marked stopped early)")

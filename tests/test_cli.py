@@ -174,3 +174,27 @@ def test_plan_documents_inline_and_from_a_file(tmp_path):
     assert_clean_error(run("plan", "--seq-len", "64k", "--documents", "4096,x"), "--documents", "'x'")
     assert_clean_error(run("plan", "--seq-len", "64k", "--documents", "4096"),
                        "documents must add up to seq_len=65536, they add up to 4096 (1 length)")
+
+
+def test_plan_batch_from_a_file_and_inline(tmp_path):
+    """`hexiseq plan --batch`: one sequence per line (a line of several lengths is one packed sequence's documents),
+    or inline lengths; the groups, the assignment and the comparison with one packed sequence are printed, and
+    --json gives the same plan as hexiseq.plan_batch."""
+    path = tmp_path / "batch.txt"
+    path.write_text("# one step\n65536\n2048\n1024, 1024, 512\n8000\n300\n")
+    out = run("plan", "--batch", str(path))
+    assert out.returncode == 0, out.stderr
+    assert "batch plan: 5 sequences (78,444 tokens, the longest 65,536)" in out.stdout
+    assert "one packed sequence" in out.stdout or "packed as documents into one sequence" in out.stdout
+    js = run("plan", "--batch", str(path), "--json")
+    assert js.returncode == 0, js.stderr
+    got = json.loads(js.stdout)
+    want = hexiseq.plan_batch(hexiseq.Cluster.example(), model="7b",
+                              lengths=[65536, 2048, [1024, 1024, 512], 8000, 300])
+    assert got["groups"] == [list(g) for g in want.groups] and got["assignment"] == list(want.assignment)
+    assert got["documents"][2] == [1024, 1024, 512]
+    inline = run("plan", "--batch", "4096,2048,1024", "--json")
+    assert inline.returncode == 0 and json.loads(inline.stdout)["lengths"] == [4096, 2048, 1024], inline.stderr
+    assert_clean_error(run("plan", "--batch", "4096,x"), "--batch", "'x'")
+    assert_clean_error(run("plan", "--batch", "4096", "--documents", "4096"), "--batch", "--documents")
+    assert_clean_error(run("plan", "--batch", "0,5"), "lengths[0] must be between 1")

@@ -21,8 +21,9 @@ The model of a step (every figure a prediction of the cost model, never a measur
   costs c = a (its tokens) + b (its pairs), additive over what a group holds, and a group pays f per pass. A pass
   holds at most the longest sequence the group fits (found by bisection, to 0.4%); a group given more runs
   several passes, each paying f again. This linear pricing ranks the cuts; the best few are then scored exactly,
-  each pass the best base of its kind re-balanced to that pass's documents (BatchPlan.plan_for), and the best so
-  scored is the plan: its step_time_s is the cost model's figure, model_step_time_s the linear one.
+  each pass by the scheduler's own plan for its packed sequence or a base of its kind re-balanced to it, whichever
+  is faster (BatchPlan.plan_for), and the best so scored is the plan: its step_time_s is the cost model's figure,
+  model_step_time_s the linear one.
 - The groups then all-reduce their gradients across replicas, hierarchically (each device with the devices of the
   other groups that hold the same part): 2 (G - 1) / G of a device's part over the slowest link between groups, not
   overlapped with compute (the runtime does not yet overlap it: conservative).
@@ -197,8 +198,8 @@ class _Kind:
 
     `longest`: the most tokens one pass holds (the longest single sequence the scheduler fits, found by bisection to
     0.4%). Base layouts: the scheduler's plans for a pass of S_ref tokens, as one document and as documents of 2,048
-    tokens (a ring for the one, all-to-alls for the other, typically), at S_ref = longest, longest / 8 and
-    longest / 64 (a layout made for a million tokens is a poor one for ten thousand). Under a base, a pass of S
+    tokens (a ring for the one, all-to-alls for the other, typically), at S_ref = longest / 1, 4, 16 and 64 (a
+    layout made for a million tokens is a poor one for ten thousand). Under a base, a pass of S
     tokens whose documents leave P query-key pairs visible is priced f + a S + b P, with f, a and b read off the cost
     model by re-balancing the base to three batches (short documents at S_ref and at S_ref / 8, one document at
     S_ref): work linear in tokens (GEMMs, all-to-alls, the ring's traffic, which packed documents still send whole)
@@ -208,7 +209,7 @@ class _Kind:
 
     SHORT = 256      # tokens per document of the "short documents" calibration batch
     TYPICAL = 2048   # tokens per document of the all-to-all base
-    SCALES = (1, 8, 64)
+    SCALES = (1, 4, 16, 64)
 
     def __init__(self, cluster, model, training, causal):
         self.cluster, self.model, self.training, self.causal = cluster, model, training, causal
@@ -334,8 +335,10 @@ class BatchPlan:
 
     @property
     def gap_to_bound(self) -> float:
-        """step_time_s / lower_bound_s (1.0 is ideal)."""
-        return self.step_time_s / self.lower_bound_s if self.lower_bound_s > 0 else math.inf
+        """model_step_time_s / lower_bound_s (1.0 is ideal): how far the plan is from the best any grouping could
+        reach, both under the search's linear pricing (the bound is one of that pricing, and step_time_s, scored
+        exactly, may be above or below it)."""
+        return self.model_step_time_s / self.lower_bound_s if self.lower_bound_s > 0 else math.inf
 
     @property
     def tokens_per_s(self) -> float:
@@ -350,9 +353,10 @@ class BatchPlan:
         return [list(p) for p in self.passes[g]]
 
     def plan_for(self, g, p=0) -> Plan:
-        """The plan group g runs its pass p with (devices renumbered 0.. in the order of `groups[g]`): one of the
-        base layouts of the group's kind, its split re-balanced to that pass's packed sequence (each sequence a
-        document, or its own documents), the one the cost model scores fastest; group_time_s sums these."""
+        """The plan group g runs its pass p with (devices renumbered 0.. in the order of `groups[g]`) over that pass's
+        packed sequence (each sequence a document, or its own documents): the scheduler's plan for it or one of the
+        base layouts of the group's kind re-balanced to it, whichever the cost model scores fastest; group_time_s
+        sums these."""
         if not 0 <= p < len(self.passes[g]):
             raise InvalidArgumentError(f"group {g} makes {len(self.passes[g])} pass(es), got pass {p}")
         made = self.pass_plans[g]
@@ -384,8 +388,9 @@ class BatchPlan:
                  f"{max(self.lengths):,}) on {self.cluster.describe()}",
                  f"  {len(self.groups)} groups chosen from {self.candidates} candidates in {self.solve_s * 1e3:.0f} ms",
                  f"  step (predicted) {self.step_time_s:.4g} s = slowest group {max(self.group_time_s):.4g} s + "
-                 f"gradient sync across groups {self.sync_s:.3g} s; lower bound {self.lower_bound_s:.4g} s "
-                 f"(gap {self.gap_to_bound:.2f}x)",
+                 f"gradient sync across groups {self.sync_s:.3g} s",
+                 f"  under the search's linear pricing: {self.model_step_time_s:.4g} s, and at least "
+                 f"{self.lower_bound_s:.4g} s for any grouping (gap {self.gap_to_bound:.2f}x)",
                  "  group  devices                          sequences  tokens       time (s)"]
         for g, devs in enumerate(self.groups):
             seqs = self.sequences_of(g)
@@ -691,9 +696,16 @@ class BatchPlanner:
 
     @staticmethod
     def _exact_pass(kind, pass_docs):
-        """The best of the kind's base layouts re-balanced to one pass's documents (None when none fits)."""
+        """The best plan for one pass's documents on a kind of group (None when none fits): the scheduler's own plan
+        for that packed sequence, or one of the kind's base layouts re-balanced to it, whichever the cost model
+        scores faster."""
         best = None
         S = sum(pass_docs)
+        try:
+            best = plan(kind.cluster, model=kind.model, seq_len=S, training=kind.training, causal=kind.causal,
+                        strategy="hexiseq", documents=pass_docs if len(pass_docs) > 1 else None)
+        except (MemoryFitError, UnsupportedError):
+            pass
         for scale_bases in kind._bases.values():
             for base, *_ in scale_bases:
                 try:
