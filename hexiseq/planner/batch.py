@@ -9,8 +9,9 @@ the groups' gradients are combined once.
 The model of a step (every figure a prediction of the cost model, never a measurement):
 
 - Candidate groups form a tree fixed once per job (process groups are created once, never per step): the whole
-  cluster, then runs of consecutive nodes of one GPU model, halved down to single nodes, then each node's devices
-  halved down to one (`candidate_groups`), or the caller's own laminar family (`groups=`). A plan's groups are one
+  cluster, its nodes halved down to single nodes (at a change of GPU model near the middle when there is one),
+  then each node's devices halved down to one (`candidate_groups`), or the caller's own laminar family
+  (`groups=`). A plan's groups are one
   cut of that tree: a partition of the devices.
 - Inside a group the model states are sharded over the group's devices (ZeRO-3 within the group, so each group
   holds one replica of the states, as HSDP does), and the group runs the sequences it holds as the documents of one
@@ -60,10 +61,14 @@ from .plan import Plan, _inputs, plan
 # ------------------------------------------------------------------------------------------ candidate groups
 
 def candidate_groups(cluster: Cluster) -> List[Tuple[int, ...]]:
-    """The tree of candidate groups the planner cuts, parents before children: the whole cluster, each maximal run
-    of consecutive nodes of one GPU model and size, that run's node ranges halved down to one node, and each node's
-    devices halved down to one device. Every group is a tuple of device indices in increasing order."""
+    """The tree of candidate groups the planner cuts, parents before children: the whole cluster, its nodes halved
+    down to single nodes, each node's devices halved down to one device. A range of nodes is split at a change of
+    GPU model or node size when one lies within the middle half of the range (so that groups of one model stay
+    whole where the cluster's order allows), else at its middle: a cluster whose models alternate node by node
+    still gets groups of 2, 4, ... nodes for sequences no single node holds. Every group is a tuple of device
+    indices in increasing order."""
     starts = np.concatenate([[0], np.cumsum([n.count for n in cluster.nodes])])
+    kinds = [(n.gpu, n.count, n.intra_gbps) for n in cluster.nodes]
     out, seen = [], set()
 
     def add(devices):
@@ -81,22 +86,19 @@ def candidate_groups(cluster: Cluster) -> List[Tuple[int, ...]]:
 
     def halve_nodes(a, b):  # nodes [a, b)
         add(range(starts[a], starts[b]))
-        if b - a > 1:
-            mid = a + (b - a + 1) // 2
-            halve_nodes(a, mid)
-            halve_nodes(mid, b)
-        else:
+        if b - a == 1:
             halve_devices(starts[a], starts[a + 1])
+            return
+        mid = a + (b - a + 1) // 2
+        changes = [k for k in range(a + 1, b) if kinds[k] != kinds[k - 1]]
+        if changes:
+            near = min(changes, key=lambda k: abs(k - mid))
+            if abs(near - mid) * 4 <= b - a:
+                mid = near
+        halve_nodes(a, mid)
+        halve_nodes(mid, b)
 
-    add(range(cluster.num_devices))
-    runs, a = [], 0
-    kinds = [(n.gpu, n.count, n.intra_gbps) for n in cluster.nodes]
-    for b in range(1, len(kinds) + 1):
-        if b == len(kinds) or kinds[b] != kinds[a]:
-            runs.append((a, b))
-            a = b
-    for a, b in runs:
-        halve_nodes(a, b)
+    halve_nodes(0, len(cluster.nodes))
     return out
 
 

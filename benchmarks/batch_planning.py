@@ -1,0 +1,214 @@
+"""Batch plans at scale, predicted: a step's sequences of unequal lengths on mixed clusters, next to the ways a step
+is run today, all scored by the same cost model (every step time here is a PREDICTION; the solve times are
+measured on this machine).
+
+For each cluster (64, 128 and 1,024 GPUs of mixed models, 8 per node, 25 GB/s between nodes) and each length
+distribution (shapes of the kind published for real corpora: a pretraining long tail, a long-context mix, short
+fine-tuning samples), one batch is drawn and planned by:
+
+  batch plan       hexiseq.BatchPlanner: groups cut from the candidate tree, sequences assigned, each group's
+                   packed pass scored exactly (step_time_s)
+  equal devices    the same planner told that every device is an H100 (what a planner for identical GPUs, FlexSP's
+                   kind, would choose), its groups and assignment then scored on the real devices
+  packed           today's path: the whole batch packed as documents into one sequence over every device (the
+                   scheduler's plan; in k sequential passes of equal tokens when one does not fit)
+  ring/ulysses/usp equal groups (one per node), sequences dealt out by tokens without regard to device speed, each
+                   group's packed pass planned by that strategy
+
+and the ratio of each to the batch plan's step. Also: the per-step solve time of the BatchPlanner (measured, warm:
+the job's candidate groups and their pricing made once beforehand, plan(lengths, exact=False)), and its lower
+bound and gap (under the search's linear pricing).
+
+    python benchmarks/batch_planning.py [--sizes 64,128,1024] [--out benchmarks/results/batch_planning.md]
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import hexiseq  # noqa: E402
+from hexiseq.errors import MemoryFitError, UnsupportedError  # noqa: E402
+from hexiseq.planner.batch import BatchPlanner  # noqa: E402
+
+KINDS = [("H100-SXM", 450.0), ("A100-80G", 300.0), ("A800", 200.0), ("L40S", 32.0), ("H800", 200.0),
+         ("A100-40G", 300.0)]
+MODEL = "gpt-7b"
+TRAINING = hexiseq.Training(checkpointing=True)
+
+
+def cluster(size):
+    if size == 64:  # 3 nodes of H100, 3 of A100-80G, 2 of L40S
+        nodes = [KINDS[0]] * 3 + [KINDS[1]] * 3 + [KINDS[3]] * 2
+    else:           # the six kinds in turn
+        nodes = [KINDS[i % len(KINDS)] for i in range(size // 8)]
+    return hexiseq.Cluster.from_dict({"nodes": [{"gpu": g, "count": 8, "intra_gbps": bw} for g, bw in nodes],
+                                      "inter_node_gbps": 25.0})
+
+
+def distribution(name, tokens, rng):
+    """Sequence lengths adding up to about `tokens`."""
+    out = []
+    while sum(out) < tokens:
+        if name == "pretraining long tail":   # lognormal, median 2K, a tail to 128K
+            x = rng.lognormal(math.log(2048), 1.3)
+            out.append(int(min(max(x, 64), 131072)))
+        elif name == "long-context mix":      # mostly short, one in ten 32K-256K
+            out.append(int(rng.uniform(32768, 262144)) if rng.random() < 0.1
+                       else int(min(max(rng.lognormal(math.log(1536), 1.0), 64), 32768)))
+        else:                                  # short fine-tuning samples
+            out.append(int(min(max(rng.lognormal(math.log(800), 0.8), 32), 16384)))
+    return out
+
+
+def homogeneous(c):
+    """The cluster with every node an H100 (same counts and links): what a planner for identical GPUs sees."""
+    d = c.to_dict()
+    for n in d["nodes"]:
+        n["gpu"] = "H100-SXM"
+    return hexiseq.Cluster.from_dict(d)
+
+
+def score_groups(planner, groups, assignment, lengths):
+    """Step of given groups and assignment on the planner's (real) cluster: each group's sequences packed (first fit
+    by length into passes of its capacity), every pass scored exactly; the slowest group plus the gradient sync."""
+    times = []
+    for g, devs in enumerate(groups):
+        kind = planner._kind[planner.groups.index(tuple(devs))]
+        kind._ensure()
+        seqs = sorted((i for i, a in enumerate(assignment) if a == g), key=lambda i: -lengths[i])
+        bins, room = [], []
+        for i in seqs:
+            j = next((j for j in range(len(bins)) if room[j] >= lengths[i]), None)
+            if j is None:
+                bins.append([])
+                room.append(max(kind.longest, 1))
+                j = len(bins) - 1
+            bins[j].append(lengths[i])
+            room[j] -= lengths[i]
+        total = 0.0
+        for b in bins:
+            p = planner._exact_pass(kind, b) if kind.longest else None
+            total += math.inf if p is None else p.step_time_s
+        times.append(total)
+    return max(times) + planner.sync_s(groups)
+
+
+def packed(c, lengths, strategy="hexiseq"):
+    """One packed sequence over every device, or k sequential passes of about equal tokens."""
+    for k in (1, 2, 4, 8, 16, 32, 64):
+        chunks, per = [[]], sum(lengths) / k
+        for L in lengths:
+            if sum(chunks[-1]) + L > per * 1.0001 and chunks[-1] and len(chunks) < k:
+                chunks.append([])
+            chunks[-1].append(L)
+        try:
+            return sum(hexiseq.plan(c, model=MODEL, seq_len=sum(ch), training=TRAINING, strategy=strategy,
+                                    documents=ch if len(ch) > 1 else None).step_time_s for ch in chunks), k
+        except (MemoryFitError, UnsupportedError):
+            continue
+    return math.inf, None
+
+
+def equal_groups(planner, c, lengths, strategy):
+    """One group per node, sequences dealt out largest first to the least loaded group by tokens (speed-blind);
+    each group's passes planned by `strategy` (first fit into passes that hold)."""
+    nodes = [tuple(range(8 * n, 8 * n + 8)) for n in range(c.num_devices // 8)]
+    load = [0.0] * len(nodes)
+    owner = [0] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        g = int(np.argmin(load))
+        owner[i] = g
+        load[g] += lengths[i] + lengths[i] ** 2 / 8192.0  # work grows with tokens and pairs
+    times = []
+    for g, devs in enumerate(nodes):
+        docs = sorted((lengths[i] for i in range(len(lengths)) if owner[i] == g), reverse=True)
+        sub = c.subset(devs)
+        t, passes = 0.0, [docs]
+        while passes:
+            b = passes.pop()
+            if not b:
+                continue
+            try:
+                t += hexiseq.plan(sub, model=MODEL, seq_len=sum(b), training=TRAINING, strategy=strategy,
+                                  documents=b if len(b) > 1 else None).step_time_s
+            except (MemoryFitError, UnsupportedError):
+                if len(b) == 1:
+                    t = math.inf
+                    break
+                passes += [b[0::2], b[1::2]]
+        times.append(t)
+    return max(times) + planner.sync_s(nodes)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="64,128,1024")
+    ap.add_argument("--out", default="benchmarks/results/batch_planning.md")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    dists = ["pretraining long tail", "long-context mix", "short fine-tuning samples"]
+    rows = []
+    for size in (int(x) for x in a.sizes.split(",")):
+        c = cluster(size)
+        t0 = time.perf_counter()
+        planner = BatchPlanner(c, model=MODEL, training=TRAINING)
+        eq = BatchPlanner(homogeneous(c), model=MODEL, training=TRAINING)
+        tokens = 16384 * size  # 16K tokens per GPU per step
+        for name in dists if size < 1024 else dists[:2]:
+            rng = np.random.default_rng(a.seed)
+            lengths = distribution(name, tokens, rng)
+            t = time.perf_counter()
+            bp = planner.plan(lengths)
+            first_s = time.perf_counter() - t
+            # per-step solve time, warm (a fresh draw of the same distribution, the pricing already made)
+            lengths2 = distribution(name, tokens, np.random.default_rng(a.seed + 1))
+            planner.plan(lengths2, exact=False)
+            t = time.perf_counter()
+            planner.plan(lengths2, exact=False)
+            step_solve_s = time.perf_counter() - t
+            e = eq.plan(lengths, exact=False)
+            row = dict(size=size, cluster=c.describe(), distribution=name, sequences=len(lengths),
+                       tokens=sum(lengths), longest=max(lengths), groups=len(bp.groups),
+                       group_sizes=sorted({len(g) for g in bp.groups}), step_s=bp.step_time_s,
+                       model_step_s=bp.model_step_time_s, bound_s=bp.lower_bound_s, gap=bp.gap_to_bound,
+                       solve_first_s=first_s, solve_step_s=step_solve_s,
+                       equal_devices_s=score_groups(planner, e.groups, e.assignment, list(bp.lengths)))
+            row["packed_s"], row["packed_passes"] = packed(c, lengths)
+            for s in ("ring", "ulysses", "usp"):
+                row[f"{s}_s"] = equal_groups(planner, c, lengths, s)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        print(f"# {size} GPUs done in {time.perf_counter() - t0:.0f} s", flush=True)
+    lines = ["# Batch plans at scale (predicted)", "",
+             f"Model {MODEL} with activation checkpointing; 8 GPUs per node, 25 GB/s between nodes; about 16K tokens "
+             "per GPU per step. Every step time is a prediction of hexiseq's cost model (no GPU ran here); solve "
+             "times are measured on the machine that ran `python benchmarks/batch_planning.py` (2 CPU cores). "
+             "Ratios: the other method's step over the batch plan's (above 1: the batch plan is faster).", "",
+             "| GPUs | lengths | seqs | longest | groups (sizes) | batch plan s | bound s (gap) | vs equal devices | "
+             "vs packed (passes) | vs ring | vs ulysses | vs usp | solve per step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        def ratio(x):
+            return "does not fit" if math.isinf(x) else f"{x / r['step_s']:.2f}x"
+        lines.append(
+            f"| {r['size']} | {r['distribution']} | {r['sequences']} | {r['longest']:,} | {r['groups']} "
+            f"({', '.join(map(str, r['group_sizes']))}) | {r['step_s']:.3f} | {r['bound_s']:.3f} ({r['gap']:.2f}x) | "
+            f"{ratio(r['equal_devices_s'])} | {ratio(r['packed_s'])} ({r['packed_passes']}) | {ratio(r['ring_s'])} | "
+            f"{ratio(r['ulysses_s'])} | {ratio(r['usp_s'])} | {r['solve_step_s'] * 1e3:.0f} ms |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+        with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
