@@ -202,12 +202,13 @@ class _Kind:
     0.4%). Base layouts: the scheduler's plans for a pass of S_ref tokens, as one document and as documents of 2,048
     tokens (a ring for the one, all-to-alls for the other, typically), at S_ref = longest / 1, 4, 16 and 64 (a
     layout made for a million tokens is a poor one for ten thousand). Under a base, a pass of S
-    tokens whose documents leave P query-key pairs visible is priced f + a S + b P, with f, a and b read off the cost
-    model by re-balancing the base to three batches (short documents at S_ref and at S_ref / 8, one document at
-    S_ref): work linear in tokens (GEMMs, all-to-alls, the ring's traffic, which packed documents still send whole)
+    tokens whose documents leave P query-key pairs visible is priced f + a S + b P, with f, a, b >= 0 fitted by least
+    squares to the cost model's figures for the base re-balanced to nine passes (S_ref / 16, S_ref / 4 and S_ref
+    tokens, each as short documents, one document, and half one document): work linear in tokens (GEMMs, all-to-alls, the ring's traffic, which packed documents still send whole)
     and attention linear in visible pairs, which is how the cost model prices a layout whose split is re-balanced.
     Per step a kind prices with the bases made for the pass size it can expect (its devices' share of the batch's
-    tokens), keeping the one of the two that prices the whole batch lower; bases are made on first use."""
+    tokens), keeping the one of the two that prices a pass of that share of the batch lower; bases are made on first
+    use."""
 
     SHORT = 256      # tokens per document of the "short documents" calibration batch
     TYPICAL = 2048   # tokens per document of the all-to-all base
@@ -217,6 +218,7 @@ class _Kind:
         self.cluster, self.model, self.training, self.causal = cluster, model, training, causal
         self.longest = None
         self._bases = {}  # scale -> [(Plan, f, a, b), ...]
+        self.correction = 1.0  # exact / linear, learnt from exactly scored plans (BatchPlanner._learn)
 
     def _fits(self, L):
         try:
@@ -260,33 +262,51 @@ class _Kind:
         return self._bases[scale]
 
     def _fit(self, base):
+        """(f, a, b) of a base: least squares over the cost model's figures for the base re-balanced to passes of
+        S_ref / 16, S_ref / 4 and S_ref tokens, each as short documents, as one document, and as one document of half
+        the tokens beside short ones (nine points), with f, a, b >= 0."""
         S, d = base.seq_len, self.SHORT
-        small = max(S // 8, 4 * d, base.num_groups)
-        t_short = base.rebalanced(documents=_short_docs(S, d)).step_time_s
-        t_small = base.rebalanced(seq_len=small, documents=_short_docs(small, d)).step_time_s
-        t_one = base.rebalanced(documents=None).step_time_s
-        a = max((t_short - t_small) / max(S - small, 1), 0.0)
-        f = max(t_small - a * small, 0.0)
-        p_short = float(_pairs(_short_docs(S, d), self.causal).sum())
-        b = max((t_one - t_short) / max(float(_pairs(S, self.causal)) - p_short, 1.0), 0.0)
-        # a holds the short documents' own pairs: take them out so that a document of L costs a L + b (its pairs)
-        a = max(a - b * p_short / S, 0.0)
-        return f, a, b
+        rows, ys = [], []
+        for n in {max(S // 16, 4 * d, base.num_groups), max(S // 4, 4 * d, base.num_groups), S}:
+            for docs in (_short_docs(n, d), None, [n // 2] + _short_docs(n - n // 2, d)):
+                try:
+                    t = base.rebalanced(seq_len=n, documents=docs).step_time_s
+                except (MemoryFitError, InvalidArgumentError):
+                    continue
+                pairs = float(_pairs(docs if docs is not None else [n], self.causal).sum())
+                rows.append((1.0, float(n), pairs))
+                ys.append(t)
+        A, y = np.array(rows), np.array(ys)
+        scale = np.abs(A).max(axis=0)
+        scale[scale == 0] = 1.0
+        free = [0, 1, 2]
+        while True:  # non-negative least squares on three columns: drop a column that comes out negative, refit
+            x = np.zeros(3)
+            x[free] = np.linalg.lstsq(A[:, free] / scale[free], y, rcond=None)[0] / scale[free]
+            neg = [k for k in free if x[k] < 0]
+            if not neg:
+                break
+            free.remove(min(neg, key=lambda k: x[k] * scale[k]))
+            if not free:
+                x = np.zeros(3)
+                break
+        return float(x[0]), float(x[1]), float(x[2])
 
     def price(self, flat, owner, n_items, expect):
         """(cost per item [n_items], f, base Plan): the documents `flat` (their item in `owner`) priced under the base
-        made for passes nearest `expect` tokens that prices the whole batch lowest; inf when the kind holds
-        nothing."""
+        made for passes nearest `expect` tokens that prices a pass of that share of the batch lowest; inf when the
+        kind holds nothing."""
         self._ensure()
         if not self.longest:
             return np.full(n_items, math.inf), 0.0, None
         want = self.longest / max(min(expect, self.longest), 1)
         scale = min(self.SCALES, key=lambda k: abs(math.log(k) - math.log(want)))
         pairs = _pairs(flat, self.causal)
+        share = min(expect / max(float(flat.sum()), 1.0), 1.0)  # of the batch, what a group of this kind can expect
         best = None
         for base, f, a, b in self.bases(scale):
             per_doc = a * flat + b * pairs
-            total = per_doc.sum() + f
+            total = per_doc.sum() * share + f
             if best is None or total < best[0]:
                 best = (total, per_doc, f, base)
         if best is None:
@@ -431,6 +451,12 @@ class BatchPlanner:
             raise InvalidArgumentError(f"the candidate groups must cover every device; devices {missing[:8]} are in "
                                        "none")
         self._roots = roots
+        self._depth = []
+        for g in range(len(self.groups)):
+            p, d = self._parent[g], 0
+            while p >= 0:
+                d, p = d + 1, self._parent[p]
+            self._depth.append(d)
         self._kinds = {}   # group description -> _Kind
         self._kind = []     # candidate index -> its curve
         for g in self.groups:
@@ -532,10 +558,11 @@ class BatchPlanner:
         total, docs = _lengths(lengths)
         return self._cost_matrix(total, docs)[:3]
 
-    def _cost_matrix(self, total, docs=None):
+    def _cost_matrix(self, total, docs=None, expect=None):
         """(c [candidates, sequences], f [candidates], one pass's capacity in tokens [candidates], the base layout
         each candidate's kind prices with). A sequence costs the sum of its documents' costs (they are documents of
-        the group's packed pass either way)."""
+        the group's packed pass either way). expect: {id(kind): the tokens of the pass it is priced for}; by default
+        a group's devices' share of the batch."""
         docs = docs if docs is not None else [None] * len(total)
         flat = np.array([L for t, d in zip(total, docs) for L in (d if d is not None else (int(t),))], dtype=np.int64)
         owner = np.repeat(np.arange(len(total)), [len(d) if d is not None else 1 for d in docs])
@@ -547,8 +574,9 @@ class BatchPlanner:
         n = self.cluster.num_devices
         for g, kind in enumerate(self._kind):
             if id(kind) not in by_kind:
-                expect = float(total.sum()) * len(self.groups[g]) / n  # its devices' share of the batch
-                row, f, b = kind.price(flat, owner, len(total), expect)
+                share = float(total.sum()) * len(self.groups[g]) / n  # its devices' share of the batch
+                row, f, b = kind.price(flat, owner, len(total), (expect or {}).get(id(kind), share))
+                row, f = row * kind.correction, f * kind.correction
                 row[total > kind.longest] = math.inf
                 by_kind[id(kind)] = (row, f, max(kind.longest, 1), b)
             cost[g], fixed[g], cap[g], base[g] = by_kind[id(kind)]
@@ -558,18 +586,20 @@ class BatchPlanner:
         """(parent index or -1, children indices) of each candidate group."""
         return list(self._parent), [list(c) for c in self._children]
 
-    def plan(self, lengths, *, time_limit_s=None, exact=True) -> BatchPlan:
+    def plan(self, lengths, *, time_limit_s=None, exact=True, reprice=True) -> BatchPlan:
         """Choose this step's groups (a cut of the candidate tree) and give each sequence to one of them.
 
         exact: score the best few cuts exactly (each pass re-balanced from its kind's base layouts) and keep the best
         so scored; False keeps the search's best under the linear pricing and skips those re-balances (the per-step
-        mode: group_time_s is then the linear pricing, and plan_for makes a pass's plan when asked)."""
+        mode: group_time_s is then the linear pricing, and plan_for makes a pass's plan when asked).
+        reprice: price the kinds again for the passes the first search gave them, and (with exact) learn from the
+        exact scores how far each kind's pricing is off and search again (the planner keeps what it learnt for the
+        next steps); False: one search under the pricing as it stands."""
         t0 = time.perf_counter()
         time_limit_s = number(time_limit_s, "time_limit_s", positive=True, optional=True)
         total, docs = _lengths(lengths)
         for i, L in enumerate(total):
             self.model.check_seq_len(int(L))
-        C = len(self.groups)
         cost, fixed, cap, base = self._cost_matrix(total, docs)
         best_single = (cost + fixed[:, None]).min(axis=0)
         if np.isinf(best_single).any():
@@ -583,40 +613,116 @@ class BatchPlanner:
             bound = max(bound, float((cost * W[:, None]).min(axis=0).sum() / w.sum()))
         deadline = None if time_limit_s is None else t0 + time_limit_s
 
-        def assign(rows, limit, quick=True):
-            """(group_of, times, info, passes) of the cut `rows`: every group runs what it holds as one packed pass
-            of at most its capacity, or, when the batch does not fit so, in `passes` such passes each."""
-            c = np.ascontiguousarray(cost[rows])
-            passes = max(1, -(-int(total.sum()) // int(cap[rows].sum())))
-            while passes <= 1024:
-                try:
-                    out = _core.batch_assign(c, fixed[rows] * passes, total, cap[rows] * passes, limit, quick)
-                    return out + (passes,)
-                except MemoryFitError:
-                    passes *= 2
-            return None
+        # Round 1 prices each kind of group for the pass it can expect from its share of the batch; round 2 again,
+        # for the passes the groups of round 1's best cut were given (a kind's bases and its linear pricing are
+        # made for one pass size, and the share is a crude guess of it). Both rounds' best cuts are finalists.
+        prices, expect = [(cost, fixed, cap, base)], None
+        scored = self._search(total, *prices[0][:3], deadline)
+        first = min(scored, key=lambda c: scored[c][0])
+        round_one = sorted(scored, key=lambda c: scored[c][0])[:3]  # always finalists: re-pricing never loses them
+        if reprice and not math.isinf(scored[first][0]) and (deadline is None or time.perf_counter() < deadline):
+            group_of = scored[first][1][0]
+            expect = {}
+            for k, g in enumerate(first):
+                held = float(total[group_of == k].sum())
+                if held > 0:
+                    kind = id(self._kind[g])
+                    expect[kind] = max(expect.get(kind, 0.0), held)
+            prices.append(self._cost_matrix(total, docs, expect))
+            scored2 = self._search(total, *prices[1][:3], deadline, 1)
+            # a cut scored in both rounds keeps the lower price (both are estimates of the same thing)
+            for c, v in scored2.items():
+                if c not in scored or v[0] < scored[c][0]:
+                    scored[c] = v
+        limit = 0.0 if time_limit_s is None else max(1e-3, time_limit_s / 4)
+        plans, tried = [], set()
+        searched = min(v[0] for v in scored.values())
+        for correction_round in range(3 if exact else 1):
+            finalists = [c for c in sorted(scored, key=lambda c: scored[c][0]) if c not in tried][:3 if exact else 1]
+            if correction_round == 0 and exact:
+                finalists += [c for c in round_one if c not in finalists]
+            for r in self._roots:
+                if exact and (r,) in scored and not math.isinf(scored[(r,)][0]) and (r,) not in finalists and \
+                        (r,) not in tried and len(self._roots) == 1:
+                    finalists.append((r,))
+            for cut in finalists:
+                tried.add(cut)
+                c, f, cp, _ = prices[scored[cut][2]]
+                assigned = self._assign(total, c, f, cp, list(cut), limit, quick=False)
+                if assigned is not None:
+                    plans.append(self._build(list(cut), assigned, total, docs, c, f, cp, bound, t0, exact))
+            if not exact or not reprice or (deadline is not None and time.perf_counter() >= deadline):
+                break
+            # The exact scores teach each kind how far its linear pricing is off (a layout re-balanced to a mix of
+            # documents it was not made for can be much slower, or a fresh plan much faster): kinds scored off by
+            # more than 10% are re-priced by that ratio and the search runs again, its new finalists scored too.
+            if not self._learn(plans[-len(finalists):] if finalists else []):
+                break
+            prices.append(self._cost_matrix(total, docs, expect if len(prices) > 1 else None))
+            for k, v in self._search(total, *prices[-1][:3], deadline, len(prices) - 1).items():
+                if k not in tried:
+                    scored[k] = v
+        if not plans:
+            raise MemoryFitError("no cut of the candidate groups holds every sequence of this batch")
+        best_plan = min(plans, key=lambda p: p.step_time_s)
+        return dataclasses.replace(best_plan, solve_s=time.perf_counter() - t0, searched_s=searched)
 
-        scored = {}  # cut (sorted) -> model step
+    def _learn(self, plans):
+        """Set each kind's correction (the factor on its linear pricing) from exactly scored plans: the largest
+        ratio of exact to linear time among its groups. True when some kind's correction moved by more than 10%."""
+        ratios = {}
+        for p in plans:
+            for g, devs in enumerate(p.groups):
+                if p.model_group_time_s[g] > 0 and math.isfinite(p.group_time_s[g]):
+                    kind = self._kind[self.groups.index(devs)]
+                    r = p.group_time_s[g] / p.model_group_time_s[g]
+                    ratios[id(kind)] = (kind, max(r, ratios.get(id(kind), (kind, 0.0))[1]))
+        moved = False
+        for kind, r in ratios.values():
+            new = min(max(kind.correction * r, 0.25), 4.0)
+            if abs(new / kind.correction - 1.0) > 0.1:
+                kind.correction, moved = new, True
+        return moved
+
+    def _assign(self, total, cost, fixed, cap, rows, limit, quick=True):
+        """(group_of, times, info, passes) of the cut `rows`: every group runs what it holds as one packed pass of
+        at most its capacity, or, when the batch does not fit so, in `passes` such passes each; None when no
+        assignment is found."""
+        c = np.ascontiguousarray(cost[rows])
+        passes = max(1, -(-int(total.sum()) // int(cap[rows].sum())))
+        while passes <= 1024:
+            try:
+                out = _core.batch_assign(c, fixed[rows] * passes, total, cap[rows] * passes, limit, quick)
+                return out + (passes,)
+            except MemoryFitError:
+                passes *= 2
+        return None
+
+    def _search(self, total, cost, fixed, cap, deadline, round_=None):
+        """{cut (sorted group indices): (step under this pricing, the assignment found, which pricing)} of the cuts
+        the search scored: every uniform cut, then splits of loaded groups and merges of light families while that
+        shortens the step."""
+        C = len(self.groups)
+        scored = {}
+        which = 0 if round_ is None else round_
 
         def score(cut, limit=1e-4):  # the greedy placement and a moment of local search: enough to rank cuts
             rows = list(cut)
-            res = assign(rows, limit)
+            res = self._assign(total, cost, fixed, cap, rows, limit)
             if res is None:
                 return math.inf, None
             step = float(res[1].max()) + self.sync_s([self.groups[r] for r in rows])
-            scored[tuple(sorted(cut))] = step
+            key = tuple(sorted(cut))
+            perm = [rows.index(g) for g in key]  # the assignment in the key's group order
+            inv = np.empty(len(rows), dtype=np.int64)
+            inv[perm] = np.arange(len(rows))
+            scored[key] = (step, (inv[res[0]], res[1][perm]), which)
             return step, res
 
         # every uniform cut: the tree's groups at depth d (and the leaves above it)
-        depth = [0] * C
-        for g in range(C):
-            p, d = self._parent[g], 0
-            while p >= 0:
-                d, p = d + 1, self._parent[p]
-            depth[g] = d
         best_cut, best = None, (math.inf, None)
-        for d in range(max(depth) + 1):
-            cut = tuple(g for g in range(C) if depth[g] == d or (depth[g] < d and not self._children[g]))
+        for d in range(max(self._depth) + 1):
+            cut = tuple(g for g in range(C) if self._depth[g] == d or (self._depth[g] < d and not self._children[g]))
             s = score(cut)
             if s[0] < best[0]:
                 best_cut, best = cut, s
@@ -638,24 +744,10 @@ class BatchPlanner:
             for p in sorted(families, key=lambda p: max(load[ch] for ch in self._children[p]))[:3]:
                 moves.append(tuple([g for g in cut if g not in self._children[p]] + [p]))
             for m in moves:
-                s = score(m)
-                if s[0] < best[0] * (1 - 1e-9):
-                    best_cut, best, improved = m, s, True
-            # the next round starts from the best move of this one
-        # The linear pricing ranks cuts; the few best (and the whole cluster as one group, today's path, when it is
-        # a candidate) are then scored exactly, each group's passes re-balanced from the bases its kind has made,
-        # and the best so scored is the plan.
-        finalists = sorted(scored, key=scored.get)[:3 if exact else 1]
-        for r in self._roots:
-            if exact and not math.isinf(scored.get((r,), math.inf)) and (r,) not in finalists and \
-                    len(self._roots) == 1:
-                finalists.append((r,))
-        limit = 0.0 if time_limit_s is None else max(1e-3, time_limit_s / 4)
-        plans = [self._build(list(cut), assign(list(cut), limit, quick=False), total, docs, cost, fixed, cap, bound,
-                             t0, exact)
-                 for cut in finalists]
-        best_plan = min(plans, key=lambda p: p.step_time_s)
-        return dataclasses.replace(best_plan, solve_s=time.perf_counter() - t0, searched_s=scored[finalists[0]])
+                sc = score(m)
+                if sc[0] < best[0] * (1 - 1e-9):
+                    best_cut, best, improved = m, sc, True
+        return scored
 
     def _build(self, cut, assigned, total, docs, cost, fixed, cap, bound, t0, exact=True):
         """The BatchPlan of a cut and its assignment, every pass scored exactly (or, exact=False, left to plan_for
