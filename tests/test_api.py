@@ -15,7 +15,8 @@ from hexiseq import Cluster, Layout, Model, Node, Plan, Training
 EXPECTED_ALL = [
     "__version__", "build_info",
     "cuda_device_count", "gpu_catalog", "Cluster", "Node", "DeviceRates", "Model", "MODEL_PRESETS", "Training",
-    "Sharding", "Strategy", "Layout", "Plan", "DeviceTable", "plan", "evaluate", "compare", "calibrate", "measure",
+    "Sharding", "Strategy", "Layout", "Plan", "DeviceTable", "plan", "plan_batch", "BatchPlan", "BatchPlanner",
+    "evaluate", "compare", "calibrate", "measure",
     "Measurement", "HexiseqError", "InvalidArgumentError", "UnknownGPUError", "LayoutError", "MemoryFitError", "RankMismatchError",
     "UnsupportedError", "CudaError", "InternalError", "ops", "shard_states", "full_state_dict",
     "load_full_state_dict",
