@@ -190,3 +190,19 @@ def test_per_step_planning_reuses_the_job_pricing():
         g = quick.assignment[0]
         sub = quick.plan_for(g)
         assert sub.seq_len == sum(quick.lengths[i] for i in quick.passes[g][0])
+
+
+def test_bundles_cover_every_sequence_once():
+    from hexiseq.planner.batch import _bundled, _bundles
+
+    rng = np.random.default_rng(2)
+    cost = rng.random((5, 1300))
+    cost[1, :40] = np.inf
+    total = rng.integers(10, 1000, 1300)
+    members = _bundles(cost, 512)
+    assert len(members) == 512
+    assert sorted(int(i) for m in members for i in m) == list(range(1300))
+    tokens, c = _bundled(members, total, cost)
+    assert tokens.sum() == total.sum()
+    assert np.allclose(np.nan_to_num(c, posinf=0).sum(), np.nan_to_num(cost, posinf=0).sum())
+    assert all(len(m) == 1 for m in _bundles(cost[:, :300], 512))

@@ -430,10 +430,35 @@ class BatchPlan:
                 f"step_time_s={self.step_time_s:.4g}, lower_bound_s={self.lower_bound_s:.4g})")
 
 
+def _bundles(cost, most):
+    """The items the search ranks cuts with: every sequence alone when there are at most `most`, else the most
+    costly `most` / 2 alone and the others dealt out, in decreasing cost, to `most` / 2 bundles (a bundle's cost on a
+    group is the sum of its members': the pricing is additive, so a bundle is priced exactly). A list of index
+    arrays. Ranking cuts with a few hundred items instead of thousands keeps a step's search in milliseconds; the
+    kept cut's final assignment places every sequence on its own."""
+    n = cost.shape[1]
+    if n <= most:
+        return [np.array([i]) for i in range(n)]
+    finite = np.where(np.isinf(cost), np.nan, cost)
+    order = np.argsort(-np.nanmin(finite, axis=0), kind="stable")
+    alone, rest = order[:most // 2], order[most // 2:]
+    return [np.array([i]) for i in alone] + [rest[k::most // 2] for k in range(most // 2)]
+
+
+def _bundled(members, total, cost):
+    """(tokens [items], cost [groups, items]) of the bundles."""
+    if all(len(m) == 1 for m in members):
+        return total, cost
+    return (np.array([int(total[m].sum()) for m in members], dtype=np.int64),
+            np.stack([cost[:, m].sum(axis=1) for m in members], axis=1))
+
+
 class BatchPlanner:
     """The job-level half of batch planning: the candidate groups (fixed for the job) and each kind of group's cost
     per length (computed once, on demand); `plan(lengths)` then chooses the groups and the assignment of one step.
     hexiseq.plan_batch is BatchPlanner(...).plan(lengths) for a single step."""
+
+    RANKED_ITEMS = 512  # at most this many items rank the cuts (see _bundles)
 
     def __init__(self, cluster, *, model="gpt-7b", training=None, causal=True, groups=None):
         cluster, model, training, _ = _inputs(cluster, model, training, 1024)
@@ -586,7 +611,7 @@ class BatchPlanner:
         """(parent index or -1, children indices) of each candidate group."""
         return list(self._parent), [list(c) for c in self._children]
 
-    def plan(self, lengths, *, time_limit_s=None, exact=True, reprice=True) -> BatchPlan:
+    def plan(self, lengths, *, time_limit_s=None, exact=True, reprice=None) -> BatchPlan:
         """Choose this step's groups (a cut of the candidate tree) and give each sequence to one of them.
 
         exact: score the best few cuts exactly (each pass re-balanced from its kind's base layouts) and keep the best
@@ -594,7 +619,9 @@ class BatchPlanner:
         mode: group_time_s is then the linear pricing, and plan_for makes a pass's plan when asked).
         reprice: price the kinds again for the passes the first search gave them, and (with exact) learn from the
         exact scores how far each kind's pricing is off and search again (the planner keeps what it learnt for the
-        next steps); False: one search under the pricing as it stands."""
+        next steps); False: one search under the pricing as it stands (with what earlier exact plans taught it).
+        Default: as `exact` (a job plans exactly now and then, and quickly every step in between)."""
+        reprice = exact if reprice is None else bool(reprice)
         t0 = time.perf_counter()
         time_limit_s = number(time_limit_s, "time_limit_s", positive=True, optional=True)
         total, docs = _lengths(lengths)
@@ -617,19 +644,21 @@ class BatchPlanner:
         # for the passes the groups of round 1's best cut were given (a kind's bases and its linear pricing are
         # made for one pass size, and the share is a crude guess of it). Both rounds' best cuts are finalists.
         prices, expect = [(cost, fixed, cap, base)], None
-        scored = self._search(total, *prices[0][:3], deadline)
+        members = _bundles(cost, self.RANKED_ITEMS)
+        scored = self._search(*_bundled(members, total, cost), fixed, cap, deadline)
         first = min(scored, key=lambda c: scored[c][0])
         round_one = sorted(scored, key=lambda c: scored[c][0])[:3]  # always finalists: re-pricing never loses them
         if reprice and not math.isinf(scored[first][0]) and (deadline is None or time.perf_counter() < deadline):
             group_of = scored[first][1][0]
+            items = _bundled(members, total, cost)[0]
             expect = {}
             for k, g in enumerate(first):
-                held = float(total[group_of == k].sum())
+                held = float(items[group_of == k].sum())
                 if held > 0:
                     kind = id(self._kind[g])
                     expect[kind] = max(expect.get(kind, 0.0), held)
             prices.append(self._cost_matrix(total, docs, expect))
-            scored2 = self._search(total, *prices[1][:3], deadline, 1)
+            scored2 = self._search(*_bundled(members, total, prices[1][0]), *prices[1][1:3], deadline, 1)
             # a cut scored in both rounds keeps the lower price (both are estimates of the same thing)
             for c, v in scored2.items():
                 if c not in scored or v[0] < scored[c][0]:
@@ -659,7 +688,8 @@ class BatchPlanner:
             if not self._learn(plans[-len(finalists):] if finalists else []):
                 break
             prices.append(self._cost_matrix(total, docs, expect if len(prices) > 1 else None))
-            for k, v in self._search(total, *prices[-1][:3], deadline, len(prices) - 1).items():
+            for k, v in self._search(*_bundled(members, total, prices[-1][0]), *prices[-1][1:3], deadline,
+                                     len(prices) - 1).items():
                 if k not in tried:
                     scored[k] = v
         if not plans:
