@@ -458,7 +458,7 @@ class BatchPlanner:
     per length (computed once, on demand); `plan(lengths)` then chooses the groups and the assignment of one step.
     hexiseq.plan_batch is BatchPlanner(...).plan(lengths) for a single step."""
 
-    RANKED_ITEMS = 512  # at most this many items rank the cuts (see _bundles)
+    RANKED_ITEMS = 512  # at most this many items rank the cuts of a per-step (exact=False) plan (see _bundles)
 
     def __init__(self, cluster, *, model="gpt-7b", training=None, causal=True, groups=None):
         cluster, model, training, _ = _inputs(cluster, model, training, 1024)
@@ -644,7 +644,8 @@ class BatchPlanner:
         # for the passes the groups of round 1's best cut were given (a kind's bases and its linear pricing are
         # made for one pass size, and the share is a crude guess of it). Both rounds' best cuts are finalists.
         prices, expect = [(cost, fixed, cap, base)], None
-        members = _bundles(cost, self.RANKED_ITEMS)
+        # per-step plans rank cuts with bundles of the short sequences (milliseconds); exact plans with every one
+        members = _bundles(cost, self.RANKED_ITEMS if not exact else len(total))
         scored = self._search(*_bundled(members, total, cost), fixed, cap, deadline)
         first = min(scored, key=lambda c: scored[c][0])
         round_one = sorted(scored, key=lambda c: scored[c][0])[:3]  # always finalists: re-pricing never loses them
