@@ -394,11 +394,14 @@ class BatchPlan:
         return max(self.model_group_time_s) + self.sync_s
 
     def to_dict(self) -> dict:
+        """The plan as plain data: groups, assignment, each group's passes (sequence indices), the batch, and the
+        predicted figures (step, per group, linear pricing, sync, bound)."""
         return {"groups": [list(g) for g in self.groups], "assignment": list(self.assignment),
+                "passes": [[list(p) for p in ps] for ps in self.passes],
                 "lengths": list(self.lengths), "documents": [None if d is None else list(d) for d in self.documents],
                 "predicted": {"step_time_s": self.step_time_s, "group_time_s": list(self.group_time_s),
-                              "sync_s": self.sync_s, "lower_bound_s": self.lower_bound_s,
-                              "tokens_per_s": self.tokens_per_s},
+                              "model_step_time_s": self.model_step_time_s, "sync_s": self.sync_s,
+                              "lower_bound_s": self.lower_bound_s, "tokens_per_s": self.tokens_per_s},
                 "candidates": self.candidates, "solve_s": self.solve_s}
 
     def to_json(self) -> str:
