@@ -193,18 +193,20 @@ def test_per_step_planning_reuses_the_job_pricing():
 
 
 def test_bundles_cover_every_sequence_once():
-    from hexiseq.planner.batch import _bundled, _bundles
+    from hexiseq.planner.batch import _bundled, _bundles, _Rows
 
     rng = np.random.default_rng(2)
-    cost = rng.random((5, 1300))
-    cost[1, :40] = np.inf
+    raw = rng.random((5, 1300))
+    raw[1, :40] = np.inf
+    cost = _Rows(raw, np.arange(5))
     total = rng.integers(10, 1000, 1300)
     members = _bundles(cost, 512)
     assert len(members) == 512
     assert sorted(int(i) for m in members for i in m) == list(range(1300))
     tokens, c = _bundled(members, total, cost)
-    assert tokens.sum() == total.sum()
-    assert np.isclose(c[0].sum(), cost[0].sum())                    # a bundle costs the sum of its members
-    held_inf = [any(np.isinf(cost[1, m])) for m in members]           # and cannot go where one of them cannot
+    c = c.full()
+    assert tokens.sum() == total.sum() and [int(tokens[k]) for k in range(3)] == [int(total[m].sum()) for m in members[:3]]
+    assert np.isclose(c[0].sum(), raw[0].sum())                      # a bundle costs the sum of its members
+    held_inf = [any(np.isinf(raw[1, m])) for m in members]            # and cannot go where one of them cannot
     assert list(np.isinf(c[1])) == held_inf
-    assert all(len(m) == 1 for m in _bundles(cost[:, :300], 512))
+    assert all(len(m) == 1 for m in _bundles(_Rows(raw[:, :300], np.arange(5)), 512))

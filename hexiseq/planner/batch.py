@@ -433,12 +433,30 @@ class BatchPlan:
                 f"step_time_s={self.step_time_s:.4g}, lower_bound_s={self.lower_bound_s:.4g})")
 
 
+class _Rows:
+    """A [candidates, sequences] cost matrix held per kind of group (candidates of one kind have equal rows): read
+    like the matrix (rows by a list of candidates, or one candidate and some columns) without ever making it, which
+    at 1,024 devices would be thousands of rows copied per step."""
+
+    def __init__(self, by_kind, kind_of):
+        self.by_kind, self.kind_of = by_kind, kind_of  # [kinds, sequences], [candidates]
+
+    def __getitem__(self, key):
+        if isinstance(key, tuple):
+            return self.by_kind[self.kind_of[key[0]], key[1]]
+        return self.by_kind[self.kind_of[np.asarray(key)]]
+
+    def full(self):
+        return self.by_kind[self.kind_of]
+
+
 def _bundles(cost, most):
     """The items the search ranks cuts with: every sequence alone when there are at most `most`, else the most
     costly `most` / 2 alone and the others dealt out, in decreasing cost, to `most` / 2 bundles (a bundle's cost on a
     group is the sum of its members': the pricing is additive, so a bundle is priced exactly). A list of index
     arrays. Ranking cuts with a few hundred items instead of thousands keeps a step's search in milliseconds; the
     kept cut's final assignment places every sequence on its own."""
+    cost = cost.by_kind  # the order depends only on the cheapest group of each sequence
     n = cost.shape[1]
     if n <= most:
         return [np.array([i]) for i in range(n)]
@@ -449,11 +467,15 @@ def _bundles(cost, most):
 
 
 def _bundled(members, total, cost):
-    """(tokens [items], cost [groups, items]) of the bundles."""
+    """(tokens [items], cost [groups, items] as _Rows) of the bundles."""
     if all(len(m) == 1 for m in members):
         return total, cost
-    return (np.array([int(total[m].sum()) for m in members], dtype=np.int64),
-            np.stack([cost[:, m].sum(axis=1) for m in members], axis=1))
+    owner = np.empty(len(total), dtype=np.int64)
+    for k, m in enumerate(members):
+        owner[m] = k
+    summed = np.zeros((cost.by_kind.shape[0], len(members)))
+    np.add.at(summed.T, owner, cost.by_kind.T)
+    return np.bincount(owner, weights=total, minlength=len(members)).astype(np.int64), _Rows(summed, cost.kind_of)
 
 
 class BatchPlanner:
@@ -493,8 +515,15 @@ class BatchPlanner:
             if key not in self._kinds:
                 self._kinds[key] = _Kind(sub, model, training, self.causal)
             self._kind.append(self._kinds[key])
+        self._kinds_list = list({id(k): k for k in self._kind}.values())
+        index = {id(k): i for i, k in enumerate(self._kinds_list)}
+        self._kind_of = np.array([index[id(k)] for k in self._kind], dtype=np.int64)
+        self._kind_size = [len(self.groups[int(np.argmax(self._kind_of == k))]) for k in range(len(self._kinds_list))]
         self._params_bytes = model.params * model.dtype_bytes
         self._weights = self._bound_weights()
+        W = [np.array([w[list(g)].sum() for g in self.groups]) for w in self._weights]
+        self._least_weight = [np.array([Wg[self._kind_of == k].min() for k in range(len(self._kinds_list))])
+                              for Wg in W]
         self._links = {}
         self._bw = self._link_matrices()
 
@@ -584,7 +613,8 @@ class BatchPlanner:
         """(c [candidates, sequences], f [candidates], capacity [candidates]) of the module docstring for a batch
         (`lengths` as in plan): seconds, inf where a candidate group cannot hold a sequence; tokens one pass holds."""
         total, docs = _lengths(lengths)
-        return self._cost_matrix(total, docs)[:3]
+        cost, fixed, cap, _ = self._cost_matrix(total, docs)
+        return cost.full(), fixed, cap
 
     def _cost_matrix(self, total, docs=None, expect=None):
         """(c [candidates, sequences], f [candidates], one pass's capacity in tokens [candidates], the base layout
@@ -594,21 +624,17 @@ class BatchPlanner:
         docs = docs if docs is not None else [None] * len(total)
         flat = np.array([L for t, d in zip(total, docs) for L in (d if d is not None else (int(t),))], dtype=np.int64)
         owner = np.repeat(np.arange(len(total)), [len(d) if d is not None else 1 for d in docs])
-        cost = np.empty((len(self.groups), len(total)))
-        fixed = np.empty(len(self.groups))
-        cap = np.empty(len(self.groups), dtype=np.int64)
-        base = [None] * len(self.groups)
-        by_kind = {}
+        K = len(self._kinds_list)
+        rows = np.empty((K, len(total)))
+        f_k, cap_k, base_k = np.empty(K), np.empty(K, dtype=np.int64), [None] * K
         n = self.cluster.num_devices
-        for g, kind in enumerate(self._kind):
-            if id(kind) not in by_kind:
-                share = float(total.sum()) * len(self.groups[g]) / n  # its devices' share of the batch
-                row, f, b = kind.price(flat, owner, len(total), (expect or {}).get(id(kind), share))
-                row, f = row * kind.correction, f * kind.correction
-                row[total > kind.longest] = math.inf
-                by_kind[id(kind)] = (row, f, max(kind.longest, 1), b)
-            cost[g], fixed[g], cap[g], base[g] = by_kind[id(kind)]
-        return cost, fixed, cap, base
+        for k, kind in enumerate(self._kinds_list):
+            share = float(total.sum()) * self._kind_size[k] / n  # its devices' share of the batch
+            row, f, b = kind.price(flat, owner, len(total), (expect or {}).get(id(kind), share))
+            rows[k], f_k[k], cap_k[k], base_k[k] = row * kind.correction, f * kind.correction, max(kind.longest, 1), b
+            rows[k][total > kind.longest] = math.inf
+        return _Rows(rows, self._kind_of), f_k[self._kind_of], cap_k[self._kind_of], \
+            [base_k[k] for k in self._kind_of]
 
     def tree(self):
         """(parent index or -1, children indices) of each candidate group."""
@@ -631,16 +657,17 @@ class BatchPlanner:
         for i, L in enumerate(total):
             self.model.check_seq_len(int(L))
         cost, fixed, cap, base = self._cost_matrix(total, docs)
-        best_single = (cost + fixed[:, None]).min(axis=0)
+        f_kind = np.array([fixed[self._kind_of == k][0] for k in range(len(self._kinds_list))])
+        best_single = (cost.by_kind + f_kind[:, None]).min(axis=0)
         if np.isinf(best_single).any():
             i = int(np.argmax(np.isinf(best_single)))
             raise MemoryFitError(f"lengths[{i}] = {int(total[i]):,} tokens fits no candidate group of "
                                  f"{self.cluster.describe()} (the largest is the whole cluster: plan it alone with "
                                  "hexiseq.plan to see what would fit)")
         bound = float(best_single.max())
-        for w in self._weights:  # any w >= 0 gives a bound: see _bound_weights
-            W = np.array([w[list(g)].sum() for g in self.groups])
-            bound = max(bound, float((cost * W[:, None]).min(axis=0).sum() / w.sum()))
+        for w, least in zip(self._weights, self._least_weight):  # any w >= 0 gives a bound: see _bound_weights
+            # min over groups of W_g c_g: groups of a kind share c, so the kind's lightest group is the one to take
+            bound = max(bound, float((cost.by_kind * least[:, None]).min(axis=0).sum() / w.sum()))
         deadline = None if time_limit_s is None else t0 + time_limit_s
 
         # Round 1 prices each kind of group for the pass it can expect from its share of the batch; round 2 again,
@@ -649,7 +676,8 @@ class BatchPlanner:
         prices, expect = [(cost, fixed, cap, base)], None
         # per-step plans rank cuts with bundles of the short sequences (milliseconds); exact plans with every one
         members = _bundles(cost, self.RANKED_ITEMS if not exact else len(total))
-        scored = self._search(*_bundled(members, total, cost), fixed, cap, deadline)
+        # per-step plans refine the best uniform cut for a few rounds (each round a handful of assignment searches)
+        scored = self._search(*_bundled(members, total, cost), fixed, cap, deadline, None, None if exact else 6)
         first = min(scored, key=lambda c: scored[c][0])
         round_one = sorted(scored, key=lambda c: scored[c][0])[:3]  # always finalists: re-pricing never loses them
         if reprice and not math.isinf(scored[first][0]) and (deadline is None or time.perf_counter() < deadline):
@@ -732,7 +760,7 @@ class BatchPlanner:
                 passes *= 2
         return None
 
-    def _search(self, total, cost, fixed, cap, deadline, round_=None):
+    def _search(self, total, cost, fixed, cap, deadline, round_=None, rounds=None):
         """{cut (sorted group indices): (step under this pricing, the assignment found, which pricing)} of the cuts
         the search scored: every uniform cut, then splits of loaded groups and merges of light families while that
         shortens the step."""
@@ -763,9 +791,9 @@ class BatchPlanner:
         if best_cut is None:
             raise MemoryFitError("no cut of the candidate groups holds every sequence of this batch")
         # refine: split a loaded group into its children, or merge children back into their parent
-        improved = True
-        while improved and (deadline is None or time.perf_counter() < deadline):
-            improved = False
+        improved, done = True, 0
+        while improved and (deadline is None or time.perf_counter() < deadline) and (rounds is None or done < rounds):
+            improved, done = False, done + 1
             cut = list(best_cut)
             times = best[1][1]
             order = sorted(range(len(cut)), key=lambda k: -times[k])
