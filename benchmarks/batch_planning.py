@@ -15,7 +15,8 @@ fine-tuning samples), one batch is drawn and planned by:
   ring/ulysses/usp equal groups (one per node), sequences dealt out by tokens without regard to device speed, each
                    group's packed pass planned by that strategy
 
-and the ratio of each to the batch plan's step. Also: the per-step solve time of the BatchPlanner (measured, warm:
+and the ratio of each to the batch plan's step. One BatchPlanner per cluster serves its distributions in turn, as one
+would serve a job's steps: what its exact plans learn about its pricing carries over to the next. Also: the per-step solve time of the BatchPlanner (measured, warm:
 the job's candidate groups and their pricing made once beforehand, plan(lengths, exact=False)), and its lower
 bound and gap (under the search's linear pricing).
 
