@@ -6,6 +6,7 @@ import json
 import os
 import re
 import sys
+import warnings
 
 from . import __version__, build_info, cuda_device_count
 from .planner.cluster import Cluster, gpu_catalog
@@ -98,15 +99,29 @@ def cmd_plan_batch(args, cluster, model, training, causal) -> int:
     return 0
 
 
+def _measure_line(cluster) -> str:
+    """The command that times a plan on its cluster: torchrun with one process per device (one node:
+    --nproc_per_node; several nodes of one size: --nnodes too, started on every node with a rendezvous)."""
+    counts = {n.count for n in cluster.nodes}
+    if len(cluster.nodes) == 1:
+        return f"torchrun --nproc_per_node {cluster.num_devices} -m hexiseq measure plan.json"
+    if len(counts) == 1:
+        return (f"torchrun --nnodes {len(cluster.nodes)} --nproc_per_node {counts.pop()} --rdzv-endpoint HOST:PORT "
+                "-m hexiseq measure plan.json   (on every node)")
+    return (f"torchrun ... -m hexiseq measure plan.json   (one process per device: {cluster.num_devices} in all, "
+            "on each node as many as it has devices)")
+
+
 def cmd_plan(args) -> int:
     cluster = Cluster.from_file(args.cluster) if args.cluster else Cluster.example()
     model = _load_model(args.model)
+    reserved = {} if args.reserved_gib is None else {"reserved_gib": args.reserved_gib}
     training = Training(sequences=args.sequences, checkpointing=args.checkpointing, sharding=args.sharding,
-                        state_shares=args.state_shares)
+                        state_shares=args.state_shares, **reserved)
     causal = not args.no_causal
     if args.batch is not None:
         return cmd_plan_batch(args, cluster, model, Training(checkpointing=args.checkpointing, sharding=args.sharding,
-                                                             state_shares=args.state_shares), causal)
+                                                             state_shares=args.state_shares, **reserved), causal)
     strategy = Strategy(args.strategy)
     seq_len = parse_tokens(args.seq_len)
     documents = _documents_arg(args.documents)
@@ -150,8 +165,9 @@ def cmd_plan(args) -> int:
           "per group, or the group sizes when they differ)")
     print(f"\nfingerprint {chosen.fingerprint}")
     print("to run it: save it with --json > plan.json, then on every rank hexiseq.Plan.from_json(...) and\n"
-          "hexiseq.nn.HexiSeqContext(plan) around your attention, or hexiseq.hf.patch_model(model, plan) for a\n"
-          "Hugging Face model; `hexiseq measure plan.json` times it against these predictions")
+          "hexiseq.nn.HexiSeqAttention(plan) as your attention, or hexiseq.hf.patch_model(model, plan) for a\n"
+          "Hugging Face model; to time it against these predictions, one process per device:\n"
+          f"  {_measure_line(chosen.cluster)}")
     if chosen.training.state_shares == "memory":
         print("its model states are shared by memory: shard them with hexiseq.shard_states(model, plan) before\n"
               "building the optimizer (FSDP and ZeRO shard evenly, which does not fit this cluster)")
@@ -302,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how the sharded states are divided: even (FSDP, ZeRO), by each device's memory "
                          "(run with hexiseq.shard_states), or auto (default: even when it fits, else by memory)")
     pl.add_argument("--no-causal", action="store_true", help="full (non-causal) attention")
+    pl.add_argument("--reserved-gib", type=float, metavar="GIB",
+                    help="memory kept back on every device for the CUDA context, the framework and fragmentation "
+                         "(default 2)")
     pl.add_argument("--documents", metavar="LENGTHS|FILE",
                     help="packed documents: their lengths in sequence order (adding up to --seq-len), e.g. "
                          "4096,2048,2048, or a file of lengths; plans under the document mask")
@@ -400,6 +419,11 @@ def main(argv=None) -> int:
         return 2
     stdout = sys.stdout
     sys.stdout = _Stdout(stdout)
+    # hexiseq's own warnings (a figure that looks like a unit slip, ...) as one line each on stderr, as the errors are
+    show = warnings.showwarning
+    warnings.showwarning = lambda message, category, *rest, **kw: (
+        print(f"{message}", file=sys.stderr) if str(message).startswith("hexiseq: ")
+        else show(message, category, *rest, **kw))
     try:
         rc = args.func(args)
         sys.stdout.flush()  # a full disk or a closed pipe shows here, not at exit where it would be a traceback
@@ -422,6 +446,7 @@ def main(argv=None) -> int:
         return 130
     finally:
         sys.stdout = stdout
+        warnings.showwarning = show
 
 
 if __name__ == "__main__":

@@ -478,3 +478,33 @@ def test_sliding_window_is_carried_and_refused_past_the_window(tmp_path, example
     assert "sliding_window" not in Model.preset("llama3-8b").to_dict()
     with pytest.raises(hexiseq.InvalidArgumentError, match="model.sliding_window must be a positive"):
         Model(2, 64, 2, 2, 32, 128, 100, sliding_window=0)
+
+
+def test_large_cluster_header_is_one_line():
+    """Up to 8 nodes the header lists them; past that it sums the devices of each model."""
+    kinds = ["H100-SXM", "A100-80G", "L40S"]
+    big = Cluster.from_dict({"nodes": [{"gpu": kinds[i % 3], "count": 8, "intra_gbps": 300} for i in range(1024)],
+                             "inter_node_gbps": 25})
+    assert big.describe() == "8192 devices in 1024 nodes (2736x H100-SXM, 2728x A100-80G, 2728x L40S)"
+    assert Cluster.example().describe() == "16 devices (8x H100-SXM, 8x A100-80G)"
+
+
+def test_implausible_figures_warn_once_with_the_catalogs():
+    """A figure that looks like a unit slip is accepted (hardware the catalog does not know may be right) but warned
+    about, naming the field, the value and the catalog's figure; a sub-cluster of it does not warn again."""
+    import warnings
+
+    spec = {"nodes": [{"gpu": "H100-SXM", "count": 4, "intra_gbps": 450, "memory_gib": 80},
+                      {"gpu": "A100-80G", "count": 4, "intra_gbps": 300, "peak_tflops": 5000}],
+            "inter_node_gbps": 200 * 8}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c = Cluster.from_dict(spec)
+        assert [str(w.message) for w in caught] == [
+            "hexiseq: nodes[1].peak_tflops = 5000 is 16x the catalog's 312 TFLOP/s for A100-80G (dense bf16)"]
+        caught.clear()
+        c.subset([0, 5])
+        assert not caught
+        spec["inter_node_gbps"] = 3200
+        Cluster.from_dict(spec)
+        assert "inter_node_gbps = 3200 GB/s" in str(caught[0].message) and "(400 GB/s)?" in str(caught[0].message)

@@ -158,8 +158,29 @@ def test_plan_output_explains_itself():
     assert rows and rows[0][4] == "0-3" and rows[0][5] == "0-3", rows  # 4 of 32 heads: 0, 1, 2, 3
     assert "g0: 8 device(s) 0-7" in proc.stdout
     for needle in ("columns: tokens", "gemm s = token-parallel", "bound gap =",
-                   "to run it:", "hexiseq.hf.patch_model", "hexiseq measure plan.json"):
+                   "to run it:", "hexiseq.hf.patch_model", "hexiseq.nn.HexiSeqAttention(plan)",
+                   # measure is a collective: the line starts one process per device of the plan's cluster
+                   "torchrun --nnodes 2 --nproc_per_node 8 --rdzv-endpoint HOST:PORT -m hexiseq measure plan.json"):
         assert needle in proc.stdout, needle
+    assert "HexiSeqContext" not in proc.stdout  # one name for the module, the README's
+
+
+def test_reserved_memory_and_implausible_figures(tmp_path):
+    """--reserved-gib reaches the plan's training; a cluster file with a figure that looks like a unit slip (Gbit/s
+    for GB/s, MiB for GiB) plans but warns on stderr, one line each, naming the field, the value and the catalog."""
+    out = run("plan", "--seq-len", "8k", "--reserved-gib", "11.5", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["training"]["reserved_gib"] == 11.5
+    path = tmp_path / "c.yaml"
+    path.write_text("nodes:\n  - {gpu: H100-SXM, count: 2, intra_gbps: 3600, memory_gib: 81920}\ninter_node_gbps: 25\n")
+    proc = run("plan", str(path), "--seq-len", "8k")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [
+        "hexiseq: nodes[0].intra_gbps = 3600 GB/s is past any link built (NVLink 5: 900 GB/s); bandwidths are GB/s "
+        "(bytes), is it Gbit/s (450 GB/s)?",
+        "hexiseq: nodes[0].memory_gib = 81920 is 1029x the catalog's 79.6 GiB for H100-SXM; memory is GiB, is it MiB "
+        "(80 GiB)?"], proc.stderr
 
 
 def test_plan_documents_inline_and_from_a_file(tmp_path):

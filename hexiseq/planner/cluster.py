@@ -6,6 +6,7 @@ import datetime
 import math
 import numbers
 import os
+import warnings
 from dataclasses import asdict, dataclass
 from typing import List, Optional, Tuple
 
@@ -233,6 +234,7 @@ class Cluster:
         self.num_devices = _core.check_cluster(*self._core_args())
         # Canonical GPU names (aliases like "A100" resolved); models outside the catalog keep their name.
         self.nodes = tuple(Node(**{**asdict(n), "gpu": _canonical_gpu(n.gpu)}) for n in self.nodes)
+        _warn_implausible(self)
 
     @property
     def calibration(self) -> Optional[dict]:
@@ -341,17 +343,18 @@ class Cluster:
         node_of = self.device_nodes
         nodes = []
         for d in chosen:
-            node = self.nodes[node_of[d]]
             if nodes and nodes[-1][0] == node_of[d]:
                 nodes[-1][1] += 1
             else:
                 nodes.append([node_of[d], 1])
         idx = np.array(chosen)
         lat = self.latency_us
-        return Cluster([dataclasses.replace(self.nodes[i], count=c) for i, c in nodes], self.inter_node_gbps,
-                       bandwidth_gbps=None if self.bandwidth_gbps is None else self.bandwidth_gbps[np.ix_(idx, idx)],
-                       latency_us=lat if lat is None or isinstance(lat, float) else lat[np.ix_(idx, idx)],
-                       devices=None if self.devices is None else [self.devices[d] for d in chosen])
+        with warnings.catch_warnings():  # this cluster's own figures were warned about once, when it was made
+            warnings.simplefilter("ignore", UserWarning)
+            return Cluster([dataclasses.replace(self.nodes[i], count=c) for i, c in nodes], self.inter_node_gbps,
+                           bandwidth_gbps=None if self.bandwidth_gbps is None else self.bandwidth_gbps[np.ix_(idx, idx)],
+                           latency_us=lat if lat is None or isinstance(lat, float) else lat[np.ix_(idx, idx)],
+                           devices=None if self.devices is None else [self.devices[d] for d in chosen])
 
     # ------------------------------------------------------------------ queries
 
@@ -383,8 +386,17 @@ class Cluster:
         return self.devices is not None and any(d is not None and d.measured for d in self.devices)
 
     def describe(self) -> str:
-        parts = [f"{n.count}x {n.gpu}" for n in self.nodes]
-        text = f"{self.num_devices} devices ({', '.join(parts)})"
+        """"16 devices (8x H100-SXM, 8x A100-80G)": node by node up to 8 nodes; past that, the devices of each model
+        summed ("8192 devices in 1024 nodes: 1368x H100-SXM, ..."), so that a large cluster's header stays a line."""
+        if len(self.nodes) <= 8:
+            parts = [f"{n.count}x {n.gpu}" for n in self.nodes]
+            text = f"{self.num_devices} devices ({', '.join(parts)})"
+        else:
+            totals = {}
+            for n in self.nodes:
+                totals[n.gpu] = totals.get(n.gpu, 0) + n.count
+            text = (f"{self.num_devices} devices in {len(self.nodes)} nodes ("
+                    f"{', '.join(f'{c}x {g}' for g, c in totals.items())})")
         if self.measured:
             k = sum(1 for d in self.devices if d is not None and d.measured)
             text += f", measured rates on {k} of them" if k < self.num_devices else ", measured rates"
@@ -395,6 +407,38 @@ class Cluster:
 
     def __repr__(self):
         return f"Cluster({self.describe()}, inter_node_gbps={self.inter_node_gbps})"
+
+
+# Links faster than this (GB/s per device and direction) are taken for Gbit/s written as GB/s: NVLink 5 gives 900.
+_MOST_GBPS = 2000.0
+
+
+def _warn_implausible(cluster):
+    """Warn (never refuse: a figure may be right for hardware the catalog does not know) about values that look like
+    a unit slip, naming the field, the value and the catalog's figure: links past 2,000 GB/s (Gbit/s?), memory past
+    3x the catalog's for its GPU (MiB?), peak past 3x the catalog's."""
+    catalog = {g["name"]: g for g in gpu_catalog()}
+
+    def warn(text):
+        warnings.warn("hexiseq: " + text, UserWarning, stacklevel=4)
+
+    if cluster.inter_node_gbps > _MOST_GBPS:
+        warn(f"inter_node_gbps = {cluster.inter_node_gbps:g} GB/s is past any link built (NVLink 5: 900 GB/s); "
+             f"bandwidths are GB/s (bytes), is it Gbit/s ({cluster.inter_node_gbps / 8:g} GB/s)?")
+    for i, n in enumerate(cluster.nodes):
+        if n.intra_gbps > _MOST_GBPS:
+            warn(f"nodes[{i}].intra_gbps = {n.intra_gbps:g} GB/s is past any link built (NVLink 5: 900 GB/s); "
+                 f"bandwidths are GB/s (bytes), is it Gbit/s ({n.intra_gbps / 8:g} GB/s)?")
+        entry = catalog.get(n.gpu)
+        if entry is None:
+            continue
+        if n.memory_gib is not None and n.memory_gib > 3 * entry["memory_gib"]:
+            warn(f"nodes[{i}].memory_gib = {n.memory_gib:g} is {n.memory_gib / entry['memory_gib']:.0f}x the "
+                 f"catalog's {entry['memory_gib']:g} GiB for {n.gpu}; memory is GiB, is it MiB "
+                 f"({n.memory_gib / 1024:g} GiB)?")
+        if n.peak_tflops is not None and n.peak_tflops > 3 * entry["peak_tflops"]:
+            warn(f"nodes[{i}].peak_tflops = {n.peak_tflops:g} is {n.peak_tflops / entry['peak_tflops']:.0f}x the "
+                 f"catalog's {entry['peak_tflops']:g} TFLOP/s for {n.gpu} (dense bf16)")
 
 
 def _node_from_dict(d, where) -> Node:
