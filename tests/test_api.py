@@ -508,3 +508,15 @@ def test_implausible_figures_warn_once_with_the_catalogs():
         spec["inter_node_gbps"] = 3200
         Cluster.from_dict(spec)
         assert "inter_node_gbps = 3200 GB/s" in str(caught[0].message) and "(400 GB/s)?" in str(caught[0].message)
+
+
+def test_parked_devices_are_said_in_the_explanation():
+    """A problem too small to spread leaves devices without tokens or heads: the explanation names them and says how
+    to use every device; a plan that uses every device says nothing of it."""
+    c = Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 3, "intra_gbps": 450}]})
+    m = {"layers": 2, "hidden": 64, "heads": 8, "kv_heads": 2, "head_dim": 8, "ffn": 128, "vocab": 97}
+    small = hexiseq.plan(c, model=m, seq_len=512)
+    assert int((small.devices.tokens == 0).sum()) == 2
+    assert "parked           2 device(s) 1-2 hold no tokens and no heads" in small.explain()
+    assert 'Strategy "usp" or "ring" (--strategy) uses every device' in small.explain()
+    assert "parked" not in hexiseq.plan(c, model=m, seq_len=512, strategy="usp").explain()

@@ -51,6 +51,13 @@ def explain(plan, one_document=None) -> str:
         lines.append(f"    g{g}: {size} device(s) {_ranges(members.tolist())} [{', '.join(gpus)}], "
                      f"seq {int(plan.layout.group_seq[g]):,}")
         r += size
+    parked = sorted(int(d) for d, n, h in zip(t.device, t.tokens, t.head_count) if n == 0 and h == 0)
+    if parked:
+        lines.append(f"  parked           {len(parked)} device(s) {_ranges(parked)} hold no tokens and no heads: the "
+                     "scheduler found the plan faster")
+        lines.append("                   without them (too little work to spread, or links too slow for it); they "
+                     "still join the")
+        lines.append("                   collectives. Strategy \"usp\" or \"ring\" (--strategy) uses every device")
     lines.append("")
     lines.append(table(plan))
     return "\n".join(lines)
