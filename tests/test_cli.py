@@ -219,3 +219,11 @@ def test_plan_batch_from_a_file_and_inline(tmp_path):
     assert_clean_error(run("plan", "--batch", "4096,x"), "--batch", "'x'")
     assert_clean_error(run("plan", "--batch", "4096", "--documents", "4096"), "--batch", "--documents")
     assert_clean_error(run("plan", "--batch", "0,5"), "lengths[0] must be between 1")
+
+
+def test_yaml_syntax_error_is_one_line_with_file_line_and_column(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("nodes:\n  - {gpu: H100-SXM, count: 2, intra_gbps: 450\ninter_node_gbps: 25\n")
+    assert_clean_error(run("plan", str(path)),
+                       f"{path}: line 3, column 16: not valid YAML: expected ',' or '}}', but got ':' "
+                       "(while parsing a flow mapping at line 2, column 5)")

@@ -287,7 +287,7 @@ class Cluster:
             try:
                 spec = yaml.safe_load(text)
             except yaml.YAMLError as e:
-                raise InvalidArgumentError(f"{path}: not valid YAML: {e}") from None
+                raise InvalidArgumentError(_yaml_error(path, e)) from None
             except RecursionError:
                 raise InvalidArgumentError(f"cluster file {path!r} is nested too deeply (at most {MAX_NESTING} "
                                            f"levels)") from None
@@ -407,6 +407,18 @@ class Cluster:
 
     def __repr__(self):
         return f"Cluster({self.describe()}, inter_node_gbps={self.inter_node_gbps})"
+
+
+def _yaml_error(path, e) -> str:
+    """One line for a YAML syntax error: the file, the line and column (1-based) where the parser stopped, what it
+    expected, and where the construct it was reading began."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    what = getattr(e, "problem", None) or str(e).splitlines()[0]
+    context, start = getattr(e, "context", None), getattr(e, "context_mark", None)
+    began = (f" ({context} at line {start.line + 1}, column {start.column + 1})"
+             if context and start is not None else "")
+    return f"{path}:{where}: not valid YAML: {what}{began}"
 
 
 # Links faster than this (GB/s per device and direction) are taken for Gbit/s written as GB/s: NVLink 5 gives 900.
