@@ -34,22 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hexiseq import ops  # noqa: E402
 from hexiseq.runtime import blocks  # noqa: E402
-
-
-def timed(fn, reps, warmup=3):
-    """Median milliseconds of fn() over reps runs, CUDA events around each."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return float(np.median(times))
+from bench_cuda_attention import time_ms  # noqa: E402  (CUDA-event median after warm-up, as the kernel benchmark)
 
 
 def flash(q, k, v, do, causal, scale):
@@ -177,7 +162,7 @@ def main():
                             err = 0.0
                         else:
                             err = ((out.float() - base_out).abs().max() / base_out.abs().max()).item()
-                        row.update(how=how, fwd_ms=timed(fwd, a.reps), bwd_ms=timed(bwd, a.reps), diff=err)
+                        row.update(how=how, fwd_ms=time_ms(fwd, a.reps), bwd_ms=time_ms(bwd, a.reps), diff=err)
                         row["total_ms"] = row["fwd_ms"] + row["bwd_ms"]
                         if base is None:
                             base = row

@@ -21,6 +21,7 @@ import hexiseq  # noqa: E402
 
 import calibrate_worker as cw  # noqa: E402
 import dist_worker  # noqa: E402
+from errcheck import same_error_on_every_rank  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -301,13 +302,7 @@ def test_arguments_that_differ_or_fail_on_one_rank_raise_on_every_rank(argument_
     """calibrate and measure compare every argument before anything runs: ranks that pass different ones, or an
     invalid one on one rank only, raise the same error on every rank at once, naming the argument and each
     rank's value, instead of a Gloo timeout or a mismatch of plan fingerprints the user never passed."""
-    for rank, report in sorted(argument_reports.items()):
-        kind, message, seconds = report[name]
-        assert kind == cls, f"{name}: rank {rank} raised {kind}: {message}"
-        for w in words:
-            assert w in message, f"{name}: rank {rank}'s message lacks {w!r}: {message}"
-        assert seconds < 4, f"{name}: rank {rank} took {seconds:.1f} s (the group timeout is 5 s: it waited)"
-    assert len({report[name][1] for report in argument_reports.values()}) == 1, f"{name}: messages differ"
+    same_error_on_every_rank(argument_reports, name, cls, words)
 
 
 def test_ranks_stay_in_step_after_refused_arguments(argument_reports):

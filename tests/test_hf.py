@@ -14,7 +14,6 @@ Tolerances (float64 model):
 * against transformers' own `model(input_ids, labels=input_ids).loss`: 1e-6, because transformers casts the
   logits to float32 before the cross entropy even for a float64 model (loss_utils.ForCausalLMLoss)."""
 
-import time
 
 import pytest
 
@@ -27,6 +26,7 @@ import torch.distributed as dist  # noqa: E402
 import hexiseq  # noqa: E402
 
 import dist_worker  # noqa: E402
+from errcheck import same_error_on_every_rank  # noqa: E402
 import hf_worker  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -234,13 +234,7 @@ def test_input_refused_on_one_rank_raises_on_every_rank(refusals, name, cls, wor
     raising while the others wait in their attention call until the group's timeout (5 s here); the same for the
     inputs and the loss (shard_inputs, sharded_causal_lm_loss), and for ranks that disagree on the batch or on
     ignore_index."""
-    for rank, report in sorted(refusals.items()):
-        kind, message, seconds = report[name]
-        assert kind == cls, f"{name}: rank {rank} raised {kind}: {message}"
-        for w in words:
-            assert w in message, f"{name}: rank {rank}'s message lacks {w!r}: {message}"
-        assert seconds < 4, f"{name}: rank {rank} took {seconds:.1f} s (the group timeout is 5 s: it waited)"
-    assert len({report[name][1] for report in refusals.values()}) == 1, f"{name}: messages differ between ranks"
+    same_error_on_every_rank(refusals, name, cls, words)
 
 
 def test_ranks_stay_in_step_after_refusals(refusals):

@@ -151,6 +151,17 @@ hexiseq_status hexiseq_sched_run_all_partitions(sched *s) {
     return st;
 }
 
+/* The score of the structure the current class choices make: built, run through the structure level, freed. */
+static hexiseq_status score_choice(sched *s, const topo *tp, double *score) {
+    hexiseq_layout l;
+    hexiseq_status st = build_structure(s, tp, &l);
+    if (st != HEXISEQ_OK)
+        return st;
+    st = hexiseq_sched_run_structure(s, &l, score);
+    hexiseq_layout_free(&l);
+    return st;
+}
+
 hexiseq_status hexiseq_sched_run_topology(sched *s) {
     const hexiseq_cluster *c = s->c;
     topo tp;
@@ -193,13 +204,10 @@ hexiseq_status hexiseq_sched_run_topology(sched *s) {
     for (int32_t o = 0; o < max_options && st == HEXISEQ_OK; ++o) {
         for (int32_t cl = 0; cl < tp.n_classes; ++cl)
             tp.choice[cl] = o < tp.class_options[cl] ? o : tp.class_options[cl] - 1;
-        hexiseq_layout l;
-        st = build_structure(s, &tp, &l);
+        double score;
+        st = score_choice(s, &tp, &score);
         if (st != HEXISEQ_OK)
             break;
-        double score;
-        st = hexiseq_sched_run_structure(s, &l, &score);
-        hexiseq_layout_free(&l);
         if (score < best_score) {
             best_score = score;
             best_uniform = o;
@@ -216,13 +224,10 @@ hexiseq_status hexiseq_sched_run_topology(sched *s) {
                 if (o == keep)
                     continue;
                 tp.choice[cl] = o;
-                hexiseq_layout l;
-                st = build_structure(s, &tp, &l);
+                double score;
+                st = score_choice(s, &tp, &score);
                 if (st != HEXISEQ_OK)
                     break;
-                double score;
-                st = hexiseq_sched_run_structure(s, &l, &score);
-                hexiseq_layout_free(&l);
                 if (score < best_score * (1.0 - 1e-9)) {
                     best_score = score;
                     keep = o;

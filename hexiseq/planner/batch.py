@@ -52,7 +52,7 @@ import numpy as np
 from .. import _core
 from .._validate import number
 from ..errors import InvalidArgumentError, MemoryFitError, UnsupportedError
-from .cluster import Cluster
+from .cluster import Cluster, device_set
 from .model import Training
 from .plan import Plan, _inputs, plan
 
@@ -133,14 +133,7 @@ def _check_groups(groups, n):
         raise InvalidArgumentError(f"groups must be a non-empty list of device lists, got {groups!r}")
     out = []
     for i, g in enumerate(groups):
-        if isinstance(g, (str, bytes)) or not hasattr(g, "__iter__"):
-            raise InvalidArgumentError(f"groups[{i}] must be a list of device indices, got {g!r}")
-        try:
-            t = tuple(sorted(int(d) for d in g))
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(f"groups[{i}] must be a list of device indices, got {g!r}") from None
-        if not t or len(set(t)) != len(t) or t[0] < 0 or t[-1] >= n:
-            raise InvalidArgumentError(f"groups[{i}] must hold distinct device indices in [0, {n}), got {list(g)!r}")
+        t = device_set(g, n, f"groups[{i}]")
         if t in out:
             raise InvalidArgumentError(f"groups[{i}] repeats groups[{out.index(t)}]: {list(t)}")
         out.append(t)
@@ -204,8 +197,9 @@ class _Kind:
     layout made for a million tokens is a poor one for ten thousand). Under a base, a pass of S
     tokens whose documents leave P query-key pairs visible is priced f + a S + b P, with f, a, b >= 0 fitted by least
     squares to the cost model's figures for the base re-balanced to nine passes (S_ref / 16, S_ref / 4 and S_ref
-    tokens, each as short documents, one document, and half one document): work linear in tokens (GEMMs, all-to-alls, the ring's traffic, which packed documents still send whole)
-    and attention linear in visible pairs, which is how the cost model prices a layout whose split is re-balanced.
+    tokens, each as short documents, one document, and half one document): work linear in tokens (GEMMs,
+    all-to-alls, the ring's traffic, which packed documents still send whole) and attention linear in visible pairs,
+    which is how the cost model prices a layout whose split is re-balanced.
     Per step a kind prices with the bases made for the pass size it can expect (its devices' share of the batch's
     tokens), keeping the one of the two that prices a pass of that share of the batch lower; bases are made on first
     use."""
@@ -657,7 +651,8 @@ class BatchPlanner:
         for i, L in enumerate(total):
             self.model.check_seq_len(int(L))
         cost, fixed, cap, base = self._cost_matrix(total, docs)
-        f_kind = np.array([fixed[self._kind_of == k][0] for k in range(len(self._kinds_list))])
+        f_kind = np.zeros(len(self._kinds_list))
+        f_kind[self._kind_of] = fixed  # a kind's candidates share their f
         best_single = (cost.by_kind + f_kind[:, None]).min(axis=0)
         if np.isinf(best_single).any():
             i = int(np.argmax(np.isinf(best_single)))
@@ -677,7 +672,7 @@ class BatchPlanner:
         # per-step plans rank cuts with bundles of the short sequences (milliseconds); exact plans with every one
         members = _bundles(cost, self.RANKED_ITEMS if not exact else len(total))
         # per-step plans refine the best uniform cut for a few rounds (each round a handful of assignment searches)
-        scored = self._search(*_bundled(members, total, cost), fixed, cap, deadline, None, None if exact else 6)
+        scored = self._search(*_bundled(members, total, cost), fixed, cap, deadline, 0, None if exact else 6)
         first = min(scored, key=lambda c: scored[c][0])
         round_one = sorted(scored, key=lambda c: scored[c][0])[:3]  # always finalists: re-pricing never loses them
         if reprice and not math.isinf(scored[first][0]) and (deadline is None or time.perf_counter() < deadline):
@@ -760,13 +755,12 @@ class BatchPlanner:
                 passes *= 2
         return None
 
-    def _search(self, total, cost, fixed, cap, deadline, round_=None, rounds=None):
+    def _search(self, total, cost, fixed, cap, deadline, pricing=0, rounds=None):
         """{cut (sorted group indices): (step under this pricing, the assignment found, which pricing)} of the cuts
         the search scored: every uniform cut, then splits of loaded groups and merges of light families while that
         shortens the step."""
         C = len(self.groups)
         scored = {}
-        which = 0 if round_ is None else round_
 
         def score(cut, limit=1e-4):  # the greedy placement and a moment of local search: enough to rank cuts
             rows = list(cut)
@@ -778,7 +772,7 @@ class BatchPlanner:
             perm = [rows.index(g) for g in key]  # the assignment in the key's group order
             inv = np.empty(len(rows), dtype=np.int64)
             inv[perm] = np.arange(len(rows))
-            scored[key] = (step, (inv[res[0]], res[1][perm]), which)
+            scored[key] = (step, (inv[res[0]], res[1][perm]), pricing)
             return step, res
 
         # every uniform cut: the tree's groups at depth d (and the leaves above it)

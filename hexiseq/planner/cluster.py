@@ -333,13 +333,7 @@ class Cluster:
         their indices: each node keeps the devices it had among them (same model, links and overrides), a bandwidth
         or latency matrix keeps their rows and columns, measured rates stay with their device. What a group of a
         batch plan runs on."""
-        n = self.num_devices
-        try:
-            chosen = sorted(int(d) for d in devices)
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(f"devices must be a list of device indices, got {devices!r}") from None
-        if not chosen or len(set(chosen)) != len(chosen) or chosen[0] < 0 or chosen[-1] >= n:
-            raise InvalidArgumentError(f"devices must be distinct indices in [0, {n}), at least one, got {devices!r}")
+        chosen = device_set(devices, self.num_devices, "devices")
         node_of = self.device_nodes
         nodes = []
         for d in chosen:
@@ -423,6 +417,21 @@ def _yaml_error(path, e) -> str:
 
 # Links faster than this (GB/s per device and direction) are taken for Gbit/s written as GB/s: NVLink 5 gives 900.
 _MOST_GBPS = 2000.0
+
+
+def device_set(devices, n, where):
+    """`devices` as a sorted tuple of distinct device indices in [0, n), at least one; InvalidArgumentError naming
+    `where` and the value otherwise."""
+    if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
+        raise InvalidArgumentError(f"{where} must be a list of device indices, got {devices!r}")
+    try:
+        chosen = tuple(sorted(int(d) for d in devices))
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{where} must be a list of device indices, got {devices!r}") from None
+    if not chosen or len(set(chosen)) != len(chosen) or chosen[0] < 0 or chosen[-1] >= n:
+        raise InvalidArgumentError(f"{where} must hold distinct device indices in [0, {n}), at least one, "
+                                   f"got {list(devices)!r}")
+    return chosen
 
 
 def _warn_implausible(cluster):
