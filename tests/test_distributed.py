@@ -31,7 +31,7 @@ from dist_plans import CASES, cluster, layout_plan, tiny_model  # noqa: E402  (s
 # catches any real error (a missing block or a wrong mask shows up at 1e-1 or more).
 RUNS = [(case, "float64", 1e-10) for case in sorted(CASES)] + [
     (case, "float32", 1e-5) for case in ("asymmetric", "gqa4-three-groups", "ring-mqa-noncausal")] + [
-    (case, "bfloat16", 2e-2) for case in ("asymmetric", "gqa4-three-groups")]
+    (case, "bfloat16", 2e-2) for case in ("asymmetric", "gqa4-three-groups", "one-rank", "one-group-gqa")]
 
 
 @pytest.mark.parametrize("case,dtype,tol", RUNS)
@@ -173,7 +173,7 @@ def contiguous_for_documents(plan):
                             documents=[1, 20, S - 40, 19])
 
 
-@pytest.mark.parametrize("case", ["asymmetric", "gqa4-three-groups"])
+@pytest.mark.parametrize("case", ["asymmetric", "gqa4-three-groups", "one-group-gqa"])
 def test_documents_match_single_process(case, tmp_path):
     """Packed documents: forward and backward in float64 within 1e-10 of the one-process reference with the same
     document mask, on unequal groups, unequal and unaligned head shares, a kv head split between two ranks, a

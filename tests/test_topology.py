@@ -217,3 +217,13 @@ def test_slices_add_up_to_the_whole_layer(topo, n):
         for i in (0, 1):
             whole = sum(r.n for r in topo.co_holders(rank)[i])
             assert sum(r.n for s in slices for r in s.co_holders(rank)[i]) == whole, rank
+
+
+def test_touching_chunks_are_one_chunk(topo):
+    """A group's chunks are the plan's positions in the plan's order, and no chunk starts where the one before it
+    ends (those are one block call, not two): one group's attention is one diagonal block pair."""
+    for g in range(topo.n_groups):
+        assert [p for p0, n in topo.chunks[g] for p in range(p0, p0 + n)] == topo.plan.group_positions(g).tolist()
+        assert all(a[0] + a[1] != b[0] for a, b in zip(topo.chunks[g], topo.chunks[g][1:]))
+    if topo.n_groups == 1:
+        assert topo.chunks[0] == [(0, topo.S[0])] and len(topo.block_pairs(0, 0)) == 1

@@ -447,6 +447,14 @@ class BlockKernels:
         dk += dk_p.to(self.acc_dtype)
         dv += dv_p.to(self.acc_dtype)
 
+    def backward(self, q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, q_doc=None):
+        """The pair's (dq, dk, dv) in q's dtype, for a pair that is a query chunk's only one: no accumulator."""
+        if self._c_for(q_doc):
+            return ops.attention_backward(q, k, v, o, lse.to(self.acc_dtype), do, causal=causal, q_pos0=q_pos0,
+                                          k_pos0=k_pos0, scale=scale, q_doc=q_doc)
+        return tuple(g.to(q.dtype) for g in _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale,
+                                                                  q_doc=q_doc))
+
     def _c_for(self, q_doc):
         """Whether hexiseq.ops runs this pair: the chosen implementation, except that a document mask goes to the
         PyTorch path on a device whose hexiseq kernels refuse q_doc (CUDA kernels built without it)."""

@@ -181,12 +181,16 @@ def _ring_forward(comm, topo, kern, Qg, KV, causal, scale, docs):
     chunks = topo.chunks[g]
     qoff = [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
     in_place = acc_dt == dt
-    Og = torch.empty(B, Sg, h, d, dtype=dt, device=dev) if in_place else None
-    O = [Og[:, qo:qo + n] if in_place else torch.zeros(B, n, h, d, dtype=acc_dt, device=dev)
-         for qo, (_, n) in zip(qoff, chunks)]
-    L = [torch.full((B, h, n), float("-inf"), dtype=acc_dt, device=dev) for _, n in chunks]
-    started = [not in_place] * len(chunks)
     runs = topo.head_runs(rank)
+    # A chunk whose queries meet one block pair in the whole ring, in one head run, takes the block's (out, lse) as
+    # they come: no accumulator, no copy, no cast (on one rank: the block backend called alone)
+    direct = [not in_place and n == 1 for n in _pairs_per_chunk(topo, g, runs, qoff)]
+    Og = torch.empty(B, Sg, h, d, dtype=dt, device=dev) if in_place else None
+    O = [Og[:, qo:qo + n] if in_place else None if one else torch.zeros(B, n, h, d, dtype=acc_dt, device=dev)
+         for qo, (_, n), one in zip(qoff, chunks, direct)]
+    L = [None if one else torch.full((B, h, n), float("-inf"), dtype=acc_dt, device=dev)
+         for (_, n), one in zip(chunks, direct)]
+    started = [not in_place and not one for one in direct]
     cur = KV                                          # [2, B, S_src, kv, d], the own block first
     sends, recvs = topo.ring_routes(rank, "kv")
     for step in range(G):
@@ -206,7 +210,9 @@ def _ring_forward(comm, topo, kern, Qg, KV, causal, scale, docs):
                 hs, ks = slice(r.h_lo, r.h_lo + r.h_n), slice(r.kv_lo, r.kv_lo + r.kv_n)
                 args = (Qg[:, qo:qo + qn, hs], cur[0, :, ko:ko + kn, ks], cur[1, :, ko:ko + kn, ks], causal, qp0,
                         kp0, scale, None if docs is None else docs[i][0])
-                if started[i]:
+                if direct[i]:
+                    O[i], L[i] = kern.forward(*args)
+                elif started[i]:
                     kern.merge(O[i][:, :, hs], L[i][:, hs], *kern.forward(*args))
                 else:
                     kern.forward(*args, out=O[i][:, :, hs], lse=L[i][:, hs])
@@ -218,10 +224,14 @@ def _ring_forward(comm, topo, kern, Qg, KV, causal, scale, docs):
             cur = torch.empty(2, B, topo.S[nxt_src], me.kv_n, d, dtype=dt, device=dev)
             for lo, n, t in got:
                 cur[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n] = t
-    for o, first in zip(O, started):
-        if not first:  # only an empty chunk: every other one meets its own positions at step 0; Og is empty()
+    for i, (o, first) in enumerate(zip(O, started)):
+        if o is None:  # a direct chunk whose one pair the documents skipped: it sees no key
+            n = chunks[i][1]
+            O[i] = torch.zeros(B, n, h, d, dtype=dt, device=dev)
+            L[i] = torch.full((B, h, n), float("-inf"), dtype=acc_dt, device=dev)
+        elif not first:  # only an empty chunk: every other one meets its own positions at step 0; Og is empty()
             o.zero_()
-    return (Og if in_place else torch.cat(O, 1).to(dt)), L
+    return (Og if in_place else _join([o.to(dt) for o in O])), L
 
 
 def _ring_backward(comm, topo, kern, Qg, KV, Og, lses, dOg, causal, scale, docs):
@@ -237,9 +247,22 @@ def _ring_backward(comm, topo, kern, Qg, KV, Og, lses, dOg, causal, scale, docs)
     acc_dt = kern.acc_dtype
     chunks = topo.chunks[g]
     qoff = [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
-    dQ = torch.zeros(B, Sg, h, d, dtype=acc_dt, device=dev)
     runs = topo.head_runs(rank)
     co_holders = topo.co_holders(rank)
+    pairs = topo.block_pairs(g, g)
+    if G == 1 and len(runs) == 1 and len(pairs) == 1 and pairs[0].q_len == pairs[0].k_len == Sg \
+            and not any(co_holders) and runs[0].kv_n == kv == me.first_n and (docs is None or pairs[0].k_pos0 + Sg > docs[0][1]):
+        # one block pair holds the group's whole attention: its gradients are the answer as they come (no fp32
+        # accumulators, no adds, no casts; on one rank, the block backend called alone)
+        p, r = pairs[0], runs[0]
+        hs, ks = slice(r.h_lo, r.h_lo + r.h_n), slice(r.kv_lo, r.kv_lo + r.kv_n)
+        t0 = comm.clock(dev)
+        dq, dk, dv = kern.backward(Qg[:, :, hs], KV[0][:, :, ks], KV[1][:, :, ks], Og[:, :, hs], lses[0][:, hs],
+                                   dOg[:, :, hs], causal, p.q_pos0, p.k_pos0, scale,
+                                   None if docs is None else docs[0][0])
+        comm.phase_s["attn"] += comm.clock(dev) - t0
+        return dq, torch.stack((dk, dv))
+    dQ = torch.zeros(B, Sg, h, d, dtype=acc_dt, device=dev)
     kv_sends, kv_recvs = topo.ring_routes(rank, "kv")
     acc_sends, acc_recvs = topo.ring_routes(rank, "acc")
     cur = KV
@@ -304,6 +327,16 @@ def _ring_backward(comm, topo, kern, Qg, KV, Og, lses, dOg, causal, scale, docs)
         acc = assemble(acc_pending, Sg)
     # acc now holds the full dK/dV of my own group's block for the kv heads I first-hold
     return dQ.to(dt), acc.to(dt)
+
+
+def _pairs_per_chunk(topo, g, runs, qoff):
+    """Per query chunk of group g, how many block-pair kernel calls the whole ring makes for it (pairs over every
+    key group, times the head runs)."""
+    count = dict.fromkeys(qoff, 0)
+    for src in range(topo.n_groups):
+        for bp in topo.block_pairs(g, src):
+            count[bp.q_off] += len(runs)
+    return [count[qo] for qo in qoff]
 
 
 def _reduce_shared(comm, me, contrib, co, B, S, d, acc_dt, dev):

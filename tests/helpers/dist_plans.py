@@ -21,6 +21,9 @@ def layout_plan(counts, model, seq, groups, causal=True):
 CASES = {
     # one group of 4 (Ulysses-like), GQA 12:4, a prime sequence length
     "one-group-gqa": lambda: hexiseq.plan(cluster(2, 2), model=tiny_model(12, 4), seq_len=97, strategy="usp"),
+    # one rank alone: its attention is one block pair, whose results the runtime takes as they come
+    "one-rank": lambda: layout_plan((1,), tiny_model(6, 2), 67, [
+        {"devices": [0], "seq": 67, "tokens": [67], "heads": [6]}]),
     # unequal groups, a rank with one token, a rank with no heads, a kv head split between two ranks,
     # members not in device order
     "asymmetric": lambda: layout_plan((2, 2), tiny_model(12, 4), 97, [
