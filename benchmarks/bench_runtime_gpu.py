@@ -3,7 +3,11 @@ flash backend on the same inputs: what the ring's bookkeeping (all-to-all, merge
 the kernels, and which block implementation the runtime should default to on CUDA tensors.
 
 Usage: python benchmarks/bench_runtime_gpu.py [--out runtime_gpu.md] [--seqs 8192,32768] [--iters 10]
-Times are CUDA-event medians of forward+backward (HexiSeqAttention; SDPA with autograd) after warm-up.
+Times are CUDA-event medians of forward+backward (HexiSeqAttention; SDPA with autograd) after warm-up, each step
+synchronised; "back to back" queues the steps without a wait between them (the host runs ahead, as in a model of
+many layers); "alone" is the block backend's own forward and backward op called once on the whole sequence with
+the same GQA inputs, which is what the runtime adds its bookkeeping to; "host time" is what issuing one runtime
+step costs the CPU. The profile of one backend (PROFILE_IMPL, default cudnn) at the shortest length goes to stdout.
 Implementations: 'flash' and 'cudnn' (the PyTorch block path with torch's fused flash or cuDNN op per block pair; the
 default picks the faster per device), 'hexiseq' (the CUDA kernels of kernels/forward.cu and kernels/backward.cu),
 each next to its op called alone through SDPA (flash, cuDNN): the ratio is the runtime's own cost. bf16, causal,
@@ -11,8 +15,10 @@ GQA 4:1."""
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -20,7 +26,74 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import hexiseq
 from bench_cuda_attention import time_ms  # CUDA-event median after warm-up, as the kernel benchmark
+from hexiseq import ops
 from hexiseq.nn import HexiSeqAttention
+from hexiseq.runtime import blocks
+
+
+def _hexiseq_forward(q, k, v, causal, scale):
+    return ops.attention_forward(q, k, v, causal=causal, scale=scale)
+
+
+def _hexiseq_backward(q, k, v, o, lse, do, causal, scale):
+    return ops.attention_backward(q, k, v, o, lse, do, causal=causal, scale=scale)
+
+
+BLOCK_OPS = {"flash": (blocks._flash_forward, blocks._flash_backward),
+             "cudnn": (blocks._cudnn_forward, blocks._cudnn_backward),
+             "hexiseq": (_hexiseq_forward, _hexiseq_backward)}
+
+
+def back_to_back_ms(fn, iters):
+    """Milliseconds per call of `iters` calls queued back to back between two events: the host runs ahead of the
+    GPU, as it does in a model with many layers, so host-side cost hides unless it exceeds the GPU's."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def host_ms(fn, iters):
+    """Median host time to issue one call (the GPU idle and synchronised before each)."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def profile(step, alone, impl, S):
+    """The GPU kernels of one runtime step next to those of the backend alone (torch.profiler), to the log."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    for name, fn in (("runtime step", step), ("backend alone", alone)):
+        fn()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+        print(f"--- {impl} {name}, S={S}, 3 calls", flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70),
+              flush=True)
+    import cProfile
+    import pstats
+    torch.cuda.synchronize()
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(5):
+        step()
+    host.disable()
+    torch.cuda.synchronize()
+    print(f"--- {impl} runtime step, S={S}: host time by function (cProfile, 5 steps)", flush=True)
+    pstats.Stats(host, stream=sys.stdout).sort_stats("tottime").print_stats(22)
 
 
 def main():
@@ -46,16 +119,33 @@ def main():
             v = torch.randn(1, S, Hkv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             do = torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16)
             row = {"S": S}
+            scale = D ** -0.5
             for impl in ("flash", "cudnn", "hexiseq"):
                 os.environ["HEXISEQ_RUNTIME_KERNELS"] = impl
                 attn = HexiSeqAttention(plan, causal=True)
 
                 def step():
                     attn(q, k, v).backward(do)
+                fwd, bwd = BLOCK_OPS[impl]
+                qd, kd, vd = q.detach(), k.detach(), v.detach()
+
+                def alone():  # the block backend called once on the whole sequence, GQA native, as the runtime calls it
+                    o, lse = fwd(qd, kd, vd, True, scale)
+                    bwd(qd, kd, vd, o, lse, do, True, scale)
                 try:
                     row[impl] = time_ms(step, args.iters)
+                    row[impl + "_b2b"] = back_to_back_ms(step, args.iters)
+                    row[impl + "_host"] = host_ms(step, args.iters)
+                    row[impl + "_alone"] = time_ms(alone, args.iters)
+                    row[impl + "_alone_b2b"] = back_to_back_ms(alone, args.iters)
+                    if impl == os.environ.get("PROFILE_IMPL", "cudnn") and S == min(int(x) for x in args.seqs.split(",")):
+                        try:
+                            profile(step, alone, impl, S)
+                        except Exception as e:  # noqa: BLE001 - the profile is for the log; the timings stand
+                            print(f"profile: {type(e).__name__}: {e}", flush=True)
                 except RuntimeError as e:  # an op this torch or GPU lacks: reported, not timed
-                    row[impl] = float("nan")
+                    for key in ("", "_b2b", "_host", "_alone", "_alone_b2b"):
+                        row.setdefault(impl + key, float("nan"))
                     print(f"{impl}: {str(e).splitlines()[0][:200]}", flush=True)
                 attn.context.close()
             os.environ.pop("HEXISEQ_RUNTIME_KERNELS")
@@ -79,7 +169,15 @@ def main():
             torch.cuda.empty_cache()
     finally:
         dist.destroy_process_group()
-    lines = ["| S | runtime, flash blocks (ms) | runtime, cuDNN blocks (ms) | runtime, hexiseq kernels (ms) | "
+    lines = ["| S | block backend | runtime (ms) | the backend alone (ms) | runtime / alone | runtime, back to back (ms) | "
+             "alone, back to back (ms) | runtime / alone, back to back | host time per runtime step (ms) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for impl in ("flash", "cudnn", "hexiseq"):
+            lines.append(f"| {r['S']} | {impl} | {r[impl]:.2f} | {r[impl + '_alone']:.2f} | "
+                         f"{r[impl] / r[impl + '_alone']:.3f} | {r[impl + '_b2b']:.2f} | {r[impl + '_alone_b2b']:.2f} | "
+                         f"{r[impl + '_b2b'] / r[impl + '_alone_b2b']:.3f} | {r[impl + '_host']:.2f} |")
+    lines += ["", "| S | runtime, flash blocks (ms) | runtime, cuDNN blocks (ms) | runtime, hexiseq kernels (ms) | "
              "SDPA flash alone (ms) | SDPA cuDNN alone (ms) | flash blocks / SDPA flash | cuDNN blocks / SDPA cuDNN | "
              "hexiseq kernels / SDPA flash |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

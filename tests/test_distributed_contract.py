@@ -82,3 +82,20 @@ def test_documents_call_runs_on_every_rank(reports):
     by_rank, _ = reports
     for rank, report in sorted(by_rank.items()):
         assert report["documents_good"][0] == "ok", (rank, report["documents_good"])
+
+
+def test_one_rank_refuses_without_a_collective(tmp_path):
+    """A one-rank group agrees with no one: its calls skip the agreement's collective (paid on every call), and a
+    bad input still raises the error the ranks of a larger group raise, worded the same way."""
+    plan = layout_plan((1,), tiny_model(6, 2), 45, [{"devices": [0], "seq": 45, "tokens": [45], "heads": [6]}])
+    out = dist_worker.spawn(dist_worker.contract_scenarios, 1, (plan.to_json(),), tmp_path, timeout_s=60)
+    status, report, _ = out[0]
+    assert status == "ok", report
+    for name in ("good", "batch", "dtype", "documents_good", "good_after"):
+        assert report[name][0] == "ok", (name, report[name])
+    kind, message, _ = report["bad_input"]
+    assert kind == "InvalidArgumentError" and "invalid input on 1 of 1 ranks (rank 0: q must be [batch, 45, 6, " \
+        "head_dim]" in message, message
+    kind, message, _ = report["documents_type"]
+    assert kind == "InvalidArgumentError" and "1 of 1 ranks" in message and "documents[0] must be an integer" in \
+        message, message

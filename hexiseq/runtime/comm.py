@@ -65,11 +65,12 @@ def plan_code(plan):
     return fp - (1 << 64) if fp >= (1 << 63) else fp
 
 
-def describe_call(plan, phase, q, causal, scale, backward, documents=None):
-    """The descriptor of a call as a tuple of ints in CALL_FIELDS order. q: the query (forward) or the output
-    gradient (backward), [batch, tokens, heads, head_dim]. documents: the call's document lengths, one tuple of
-    ints per batch row (None: none)."""
-    return (plan_code(plan), _PHASES.index(phase), q.shape[0], q.shape[3], _code(_DTYPES, q.dtype),
+def describe_call(code, phase, q, causal, scale, backward, documents=None):
+    """The descriptor of a call as a tuple of ints in CALL_FIELDS order. code: the plan's plan_code (computed once
+    per context: it hashes the whole plan, which took longer than a layer's kernels on one GPU at 8K tokens). q: the
+    query (forward) or the output gradient (backward), [batch, tokens, heads, head_dim]. documents: the call's
+    document lengths, one tuple of ints per batch row (None: none)."""
+    return (code, _PHASES.index(phase), q.shape[0], q.shape[3], _code(_DTYPES, q.dtype),
             _code(_DEVICES, q.device.type), int(bool(causal)), _float_bits(scale), int(bool(backward)),
             documents_code(documents))
 
@@ -177,7 +178,8 @@ class Comm:
     # ------------------------------------------------------------------------------------------ the contract
 
     def _check_construction(self, plan, causal, softmax_scale):
-        mine = torch.tensor([plan_code(plan), plan.cluster.num_devices, int(bool(causal)), _float_bits(softmax_scale)],
+        self.plan_code = plan_code(plan)
+        mine = torch.tensor([self.plan_code, plan.cluster.num_devices, int(bool(causal)), _float_bits(softmax_scale)],
                             dtype=torch.int64, device=collective_device(self.group))
         every = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(every, mine, group=self.group)
@@ -335,6 +337,11 @@ def agree(group, values, fields, error=None, show=_show, device=None, words=None
     a wide field). words: this rank's value of each field in words (a list in fields order), for fields that
     travel as digests: gathered (one more collective, which every rank makes) only when the ranks disagree."""
     world = dist.get_world_size(group)
+    if world == 1:  # no one to agree with: the same outcome without a collective (it is paid on every call)
+        if error is not None:
+            cls = type(error) if isinstance(error, HexiseqError) else InvalidArgumentError
+            raise cls(f"invalid input on 1 of 1 ranks (rank 0: {error})")
+        return [list(values)]
     mine = torch.tensor([0 if error is None else 1, *values], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)

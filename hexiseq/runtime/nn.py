@@ -111,7 +111,7 @@ class HexiSeqContext:
         if error is not None:
             t, lengths = torch.empty(0, 0, 0, 0), None
         rows = None if lengths is None else lengths if isinstance(lengths[0], tuple) else (lengths,) * t.shape[0]
-        self.comm.agree(describe_call(self.plan, phase, t, self.causal, self.scale, backward, rows), error)
+        self.comm.agree(describe_call(self.comm.plan_code, phase, t, self.causal, self.scale, backward, rows), error)
         return None if lengths is None else documents_mod.chunk_starts(self.topology, self.rank, lengths, t.device)
 
     def refuse(self, error):
