@@ -42,6 +42,7 @@ back into their parent while that shortens the step; the three best cuts, and th
 """
 
 import dataclasses
+import hashlib
 import json
 import math
 import time
@@ -386,6 +387,19 @@ class BatchPlan:
         """The step as the search priced it (f + a S + b P per pass, see hexiseq.planner.batch), beside step_time_s,
         which scores every pass exactly: how far the search's linear pricing was from the cost model."""
         return max(self.model_group_time_s) + self.sync_s
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of everything a step's execution depends on (the cluster, model and training, causal, the groups,
+        the assignment, the passes, the batch, and every pass's plan); ranks compare it before running a step."""
+        plans = [[self.plan_for(g, p).fingerprint for p in range(len(self.passes[g]))] for g in range(len(self.groups))]
+        canon = json.dumps({"cluster": self.cluster.to_dict(), "model": self.model.to_dict(),
+                            "training": self.training.to_dict(), "causal": self.causal,
+                            "groups": [list(g) for g in self.groups], "assignment": list(self.assignment),
+                            "passes": [[list(p) for p in ps] for ps in self.passes], "lengths": list(self.lengths),
+                            "documents": [None if d is None else list(d) for d in self.documents], "plans": plans},
+                           sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict:
         """The plan as plain data: groups, assignment, each group's passes (sequence indices), the batch, and the

@@ -126,8 +126,12 @@ class Comm:
     """One rank's communication for a plan over `group` (default: the world). Collective to build: every rank
     of the group calls it with the same plan. topology: the plan's hexiseq.runtime.topology.Topology."""
 
-    def __init__(self, plan, topology, group=None, causal=True, softmax_scale=None, timeout=None):
+    def __init__(self, plan, topology, group=None, causal=True, softmax_scale=None, timeout=None, subgroups=None):
+        """subgroups: where the subgroups come from instead of being made here, a function (global ranks, backend
+        or None) -> process group, whose groups this object then neither makes nor destroys (the batch runtime's:
+        it makes every group a step needs on every rank at once, see hexiseq.runtime.batch)."""
         self.group = resolve_group(group)
+        self._subgroups = subgroups
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.timeout = timeout if timeout is not None else group_timeout(self.group)
@@ -144,7 +148,12 @@ class Comm:
         backend = str(dist.get_backend(self.group))
         local = self.group is not dist.group.WORLD
         # The call descriptors travel on a CPU group: the group itself where it has Gloo, else a Gloo twin.
-        self._cpu_group = self.group if "gloo" in backend else self._new_group(self._global, "gloo", local)
+        if "gloo" in backend:
+            self._cpu_group = self.group
+        elif subgroups is not None:
+            self._cpu_group = subgroups(tuple(self._global), "gloo")
+        else:
+            self._cpu_group = self._new_group(self._global, "gloo", local)
         # HP subgroups: every rank of `group` creates every HP group, in ring order. On the world, plainly: every
         # rank takes part in every creation, so the group names (a counter all ranks advance together) agree. On
         # a smaller group (another data-parallel replica with its own plan, say), with local synchronisation, so
@@ -157,7 +166,10 @@ class Comm:
         my_group = topology.group_of(self.rank)
         for g, members in enumerate(topology.groups):
             ranks = [self._global[mb.rank] for mb in members]
-            pg = self._new_group(ranks, None, local) if len(ranks) > 1 else None
+            if subgroups is not None:  # only its own group, made elsewhere
+                pg = subgroups(tuple(ranks), None) if len(ranks) > 1 and g == my_group else None
+            else:
+                pg = self._new_group(ranks, None, local) if len(ranks) > 1 else None
             if g == my_group:
                 self.hp_me = [mb.rank for mb in members].index(self.rank)
             if g == my_group and pg is not None:
@@ -300,6 +312,8 @@ class Comm:
     def close(self):
         """Release the subgroups this object created."""
         groups = [self.hp_group] + ([self._cpu_group] if self._cpu_group is not self.group else [])
+        if self._subgroups is not None:
+            groups = []  # made, and destroyed, by whoever gave them
         self.hp_group = None
         self._cpu_group = self.group
         for pg in groups:

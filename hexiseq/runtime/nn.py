@@ -27,7 +27,8 @@ from .comm import Comm, describe_call
 from ..errors import InvalidArgumentError
 from .topology import Topology
 
-__all__ = ["HexiSeqAttention", "HexiSeqContext", "hexiseq_attn_func", "gather_sequence"]
+__all__ = ["HexiSeqAttention", "HexiSeqContext", "hexiseq_attn_func", "gather_sequence", "BatchContext", "BatchStep",
+           "Pass", "BatchAttention"]
 
 _live_contexts = weakref.WeakSet()
 
@@ -47,15 +48,16 @@ class HexiSeqContext:
     a backward follows or the documents at a call) or whose inputs fail validation raise the same HexiseqError
     on every rank instead of aborting or hanging. timeout: for the subgroups it creates (default: the group's own).
     a2a_slices: how many slices of kv heads a layer is pipelined in, so that all-to-alls travel while attention
-    runs (default: HEXISEQ_A2A_SLICES, else 1; see hexiseq.runtime.ring.slice_count)."""
+    runs (default: HEXISEQ_A2A_SLICES, else 1; see hexiseq.runtime.ring.slice_count). subgroups: see
+    hexiseq.runtime.comm.Comm (the batch runtime passes the groups it made for the whole step)."""
 
     def __init__(self, plan, group=None, causal: bool = True, softmax_scale: Optional[float] = None, timeout=None,
-                 a2a_slices: Optional[int] = None):
+                 a2a_slices: Optional[int] = None, subgroups=None):
         self.plan = plan
         self.causal = bool(causal)
         self.scale = softmax_scale
         self.topology = Topology(plan, self.causal)
-        self.comm = Comm(plan, self.topology, group, self.causal, softmax_scale, timeout)
+        self.comm = Comm(plan, self.topology, group, self.causal, softmax_scale, timeout, subgroups)
         self.slices = self.topology.slices(ring.slice_count(self.topology, a2a_slices))
         _live_contexts.add(self)
         self.group, self.world, self.rank = self.comm.group, self.comm.world, self.comm.rank
@@ -203,3 +205,7 @@ def gather_sequence(x, plan, dim: int = 1, group=None):
     dist.all_gather(bufs, xp.contiguous(), group=group)
     shards = [b.narrow(dim, 0, s) for b, s in zip(bufs, sizes)]
     return plan.unshard(shards, dim)
+
+
+# The batch runtime (a step of unequal sequences on groups of unequal devices) builds on the names above.
+from .batch import BatchAttention, BatchContext, BatchStep, Pass  # noqa: E402

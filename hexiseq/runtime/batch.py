@@ -1,0 +1,333 @@
+"""Run a BatchPlan: a step's sequences of unequal length on groups of unequal devices, each group with its own plan.
+
+A BatchPlan (hexiseq.plan_batch, hexiseq.BatchPlanner) cuts the cluster into groups and gives each group some of
+the step's sequences, packed into one or more passes; each pass has its own plan over the group's devices. Here:
+
+- BatchContext(planner): made once per job, on every rank of the world (rank r = the planner's cluster device r).
+  `step(batch_plan)` is collective: every rank checks it holds the same BatchPlan (a fingerprint), then every
+  process group the step needs (each group's devices, its Gloo twin on NCCL, the all-to-all groups of its passes'
+  plans) is made on every rank in the same order, once per job: torch names a group by a counter every rank must
+  advance together, which is why no rank may make one alone (see hexiseq.runtime.comm).
+- BatchStep: this rank's group and its passes; helpers put a global batch into each rank's inputs and per-sequence
+  figures back in batch order.
+- Pass: one packed pass: its plan, its context (hexiseq.nn.HexiSeqContext over the group's process group), its
+  documents (each sequence one document, or its own documents), and this rank's shard of it.
+
+Gradients: every rank computes the gradients of its own tokens' loss; the step's gradient is their sum over all
+ranks (one all-reduce over the world, or hexiseq.states' reduce-scatter), as for a single plan. Divide the
+loss by the step's token count (BatchStep.total_tokens, or the count of labelled tokens) on every rank so that the
+sum is the gradient of the batch's mean.
+"""
+
+import collections
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InvalidArgumentError
+from .comm import agree, collective_device, group_timeout, resolve_group, text_code
+from .nn import HexiSeqContext, hexiseq_attn_func
+
+__all__ = ["BatchContext", "BatchStep", "Pass", "BatchAttention"]
+
+_CONTEXTS_KEPT = 32  # pass contexts kept for later steps with the same pass plan (a model calls one per layer)
+
+
+class BatchContext:
+    """What every step of a job of BatchPlans shares: the planner's cluster (rank r = device r of it), the process
+    groups made so far (never made twice) and the pass contexts of recent steps.
+
+    planner: the hexiseq.BatchPlanner the job plans its steps with (its cluster, model and candidate groups).
+    causal, softmax_scale: of the attention, as for hexiseq.nn.HexiSeqContext (causal must be the planner's: a pass
+    packs several sequences as documents, which only a causal mask keeps apart). timeout: for the groups made here.
+    Collective to build: every rank of the world calls it with the same planner."""
+
+    def __init__(self, planner, causal: Optional[bool] = None, softmax_scale: Optional[float] = None, timeout=None):
+        self.group = resolve_group(None)
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.planner = planner
+        self.causal = planner.causal if causal is None else bool(causal)
+        self.scale = softmax_scale
+        self.timeout = timeout if timeout is not None else group_timeout(self.group)
+        self.backend = str(dist.get_backend(self.group))
+        n = planner.cluster.num_devices
+        error = None
+        if n != self.world:
+            error = InvalidArgumentError(f"the planner's cluster has {n} devices but the world has {self.world} ranks "
+                                         "(rank r runs device r)")
+        elif self.causal != planner.causal:
+            error = InvalidArgumentError(f"causal={self.causal} but the planner plans causal={planner.causal}")
+        self._cpu = self.group if "gloo" in self.backend else dist.new_group(backend="gloo", **self._timeout_kw())
+        agree(self._cpu, [text_code(_job_identity(planner)), int(self.causal), text_code(repr(softmax_scale))],
+              ["planner", "causal", "softmax_scale"], error)
+        self._groups: Dict[tuple, object] = {}
+        self._contexts: "collections.OrderedDict[tuple, HexiSeqContext]" = collections.OrderedDict()
+        self.steps = 0
+
+    def _timeout_kw(self):
+        return {"timeout": self.timeout} if self.timeout is not None else {}
+
+    def _subgroup(self, ranks, backend):
+        """A group made by _make_groups (Comm's subgroups provider)."""
+        key = (tuple(sorted(ranks)), backend)
+        if key not in self._groups:
+            raise InvalidArgumentError(f"internal: no process group was made for ranks {list(key[0])} ({backend})")
+        return self._groups[key]
+
+    def _make_groups(self, needed):
+        """Make every group of `needed` (a list of (ranks, backend) in an order every rank computes alike) that
+        this job has not made yet: every rank takes part in every creation (no local synchronisation)."""
+        for ranks, backend in needed:
+            key = (tuple(sorted(ranks)), backend)
+            if key in self._groups:
+                continue
+            if len(ranks) == self.world and backend is None:
+                self._groups[key] = self.group
+                continue
+            self._groups[key] = dist.new_group(ranks=list(key[0]), backend=backend, **self._timeout_kw())
+
+    def _needed(self, plan):
+        """The process groups every pass of every group of `plan` runs on, in one order on every rank."""
+        out = []
+        gloo = "gloo" in self.backend
+        for g, devices in enumerate(plan.groups):
+            if not plan.passes[g]:
+                continue
+            out.append((tuple(devices), None))
+            if not gloo:
+                out.append((tuple(devices), "gloo"))
+            for p in range(len(plan.passes[g])):
+                lay = plan.plan_for(g, p).layout
+                at = 0
+                for size in lay.group_size.tolist():
+                    members = [devices[int(d)] for d in lay.device[at:at + size]]
+                    at += size
+                    if size > 1:
+                        out.append((tuple(members), None))
+        return out
+
+    def step(self, plan) -> "BatchStep":
+        """This rank's part of `plan` (a hexiseq.BatchPlan of the planner's cluster). Collective: every rank calls
+        it with the same plan, checked by fingerprint; a rank whose plan differs, or any invalid plan, makes every
+        rank raise the same error."""
+        error = self._plan_error(plan)
+        code = text_code(plan.fingerprint) if error is None else 0
+        agree(self._cpu, [code], ["batch plan"], error)
+        self._make_groups(self._needed(plan))
+        g = next(i for i, devices in enumerate(plan.groups) if self.rank in devices)
+        devices = tuple(plan.groups[g])
+        passes = []
+        for p, sequences in enumerate(plan.passes[g]):
+            pass_plan = plan.plan_for(g, p)
+            passes.append(Pass(self, pass_plan, self._context(devices, pass_plan), list(sequences), plan,
+                               devices.index(self.rank)))
+        self.steps += 1
+        return BatchStep(self, plan, g, devices, passes)
+
+    def _plan_error(self, plan):
+        from ..planner.batch import BatchPlan
+
+        if not isinstance(plan, BatchPlan):
+            return InvalidArgumentError(f"plan must be a hexiseq.BatchPlan, got {type(plan).__name__}")
+        if _job_identity(plan) != _job_identity(self.planner):
+            return InvalidArgumentError("plan was made for another cluster, model or training than this context's "
+                                        "planner")
+        covered = sorted(d for devices in plan.groups for d in devices)
+        if covered != list(range(self.world)):
+            return InvalidArgumentError(f"plan's groups must hold every device once, got {[list(g) for g in plan.groups]}")
+        unsorted = [list(g) for g in plan.groups if list(g) != sorted(g)]
+        if unsorted:
+            return InvalidArgumentError(f"plan's groups must list their devices in increasing order (a process group "
+                                        f"numbers its ranks so), got {unsorted[0]}")
+        if not self.causal and any(len(p) > 1 or plan.documents[p[0]] is not None
+                                   for ps in plan.passes for p in ps):
+            return InvalidArgumentError("a pass packs several sequences (or documents) into one, which needs a causal "
+                                        "context: plan a non-causal batch one sequence per pass")
+        return None
+
+    def _context(self, devices, pass_plan):
+        """The HexiSeqContext of a pass plan over the group of `devices`, reused while it is among the recent ones."""
+        key = (devices, pass_plan.fingerprint)
+        ctx = self._contexts.pop(key, None)
+        if ctx is None:
+            ctx = HexiSeqContext(pass_plan, group=self._subgroup(devices, None), causal=self.causal,
+                                 softmax_scale=self.scale, subgroups=self._subgroup)
+        self._contexts[key] = ctx
+        while len(self._contexts) > _CONTEXTS_KEPT:
+            self._contexts.popitem(last=False)[1].close()
+        return ctx
+
+    def close(self):
+        """Release the contexts and the process groups this object made (before destroy_process_group)."""
+        for ctx in self._contexts.values():
+            ctx.close()
+        self._contexts.clear()
+        made = {id(pg): pg for pg in self._groups.values() if pg is not self.group}
+        if self._cpu is not self.group:
+            made[id(self._cpu)] = self._cpu
+        self._groups.clear()
+        self._cpu = self.group
+        for pg in made.values():
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group(pg)
+                except (RuntimeError, ValueError):
+                    pass
+
+
+def _job_identity(p):
+    """What a planner and its plans share: the cluster, the model, the training."""
+    return repr((p.cluster.to_dict(), p.model.to_dict(), p.training.to_dict()))
+
+
+class Pass:
+    """One packed pass of this rank's group: `sequences` (batch indices, in packed order) laid end to end as one
+    sequence of `plan.seq_len` tokens, each a document (or its own documents), attended under `plan` by `context`.
+
+    local_rank: this rank's device index in the group (its slot in `plan`). tokens: how many of the pass's tokens
+    this rank holds."""
+
+    def __init__(self, batch_context, plan, context, sequences, batch_plan, local_rank):
+        self.batch_context = batch_context
+        self.plan = plan
+        self.context = context
+        self.sequences = sequences
+        self.local_rank = local_rank
+        docs = [list(batch_plan.documents[i] or (batch_plan.lengths[i],)) for i in sequences]
+        self.document_lengths = tuple(L for d in docs for L in d)
+        # one causal document needs no mask: the plain path
+        self.documents = None if len(self.document_lengths) == 1 else self.document_lengths
+        self.sequence_lengths = tuple(batch_plan.lengths[i] for i in sequences)
+        self.positions = torch.as_tensor(plan.positions(local_rank), dtype=torch.int64)  # in the packed sequence
+        self.tokens = int(self.positions.numel())
+
+    def pack(self, batch: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+        """The pass's packed sequence: batch[i] (each sequence's tensor, its tokens along `dim`, for every
+        sequence of the step in batch order) of this pass's sequences, laid end to end along `dim`."""
+        parts = []
+        for i, n in zip(self.sequences, self.sequence_lengths):
+            x = batch[i]
+            if not isinstance(x, torch.Tensor) or x.dim() <= dim or x.shape[dim] != n:
+                raise InvalidArgumentError(f"batch[{i}] must be a tensor with {n} tokens along dim {dim}, got "
+                                           f"{type(x).__name__}{list(x.shape) if isinstance(x, torch.Tensor) else ''}")
+            parts.append(x)
+        return torch.cat(parts, dim)
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of a tensor over the pass's packed sequence (plan.shard)."""
+        return self.plan.shard(x, dim, self.local_rank)
+
+    def _document_index(self):
+        """Per packed position, (its document's first position)."""
+        starts = torch.zeros(self.plan.seq_len, dtype=torch.int64)
+        at = 0
+        for L in self.document_lengths:
+            starts[at:at + L] = at
+            at += L
+        return starts
+
+    def position_ids(self) -> torch.Tensor:
+        """[tokens]: each of this rank's tokens' position in its document (what rotary embeddings take)."""
+        return self.positions - self._document_index()[self.positions]
+
+    def sequence_ids(self) -> torch.Tensor:
+        """[tokens]: each of this rank's tokens' sequence (batch index)."""
+        owner = torch.repeat_interleave(torch.as_tensor(self.sequences, dtype=torch.int64),
+                                        torch.as_tensor(self.sequence_lengths, dtype=torch.int64))
+        return owner[self.positions]
+
+    def inputs(self, batch: Sequence[torch.Tensor], ignore_index: int = -100) -> dict:
+        """This rank's inputs of a causal language model for the pass, from the step's token ids (batch[i]: 1-D,
+        sequence i's tokens, every sequence of the step in batch order): input_ids, position_ids and labels, each
+        [1, tokens]. A token's label is the next token of its document; the last token of each document has
+        ignore_index (no token of another document is predicted)."""
+        ids = self.pack(batch, 0)
+        labels = torch.full_like(ids, ignore_index)
+        at = 0
+        for L in self.document_lengths:
+            labels[at:at + L - 1] = ids[at + 1:at + L]
+            at += L
+        pos = self.positions.to(ids.device)
+        return {"input_ids": ids[pos][None], "position_ids": self.position_ids().to(ids.device)[None],
+                "labels": labels[pos][None]}
+
+    def attention(self, q, k, v):
+        """Attention of this rank's tokens of the pass (q [batch, tokens, heads, d], k/v with the kv heads), the
+        pass's documents masked: hexiseq.nn.hexiseq_attn_func under the pass's context."""
+        return hexiseq_attn_func(q, k, v, self.context, documents=self.documents)
+
+    def __enter__(self):
+        """`with pass_:` makes it the pass BatchAttention modules attend in."""
+        self.batch_context._active = self
+        return self
+
+    def __exit__(self, *exc):
+        self.batch_context._active = None
+        return False
+
+    def __repr__(self):
+        return (f"Pass(sequences={self.sequences}, seq_len={self.plan.seq_len}, tokens={self.tokens}, "
+                f"local_rank={self.local_rank})")
+
+
+class BatchStep:
+    """This rank's part of one step: its group (index `group`, global ranks `devices`) and the group's passes."""
+
+    def __init__(self, batch_context, plan, group, devices, passes: List[Pass]):
+        self.batch_context = batch_context
+        self.plan = plan
+        self.group = group
+        self.devices = devices
+        self.passes = passes
+
+    @property
+    def sequences(self) -> List[int]:
+        """The step's sequences this rank's group runs, in batch order."""
+        return self.plan.sequences_of(self.group)
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens of the whole step (every group's)."""
+        return int(sum(self.plan.lengths))
+
+    def labelled_tokens(self) -> int:
+        """Tokens of the whole step that have a label (every token but the last of each document)."""
+        return int(sum(L - len(d or (L,)) for d, L in zip(self.plan.documents, self.plan.lengths)))
+
+    def per_sequence(self, values: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Per-token figures of this rank (values[p]: [tokens] of pass p, a loss per token, say) summed per
+        sequence over every rank: a [sequences] tensor in batch order, the same on every rank (an all-reduce
+        over the world, on the values' device; not differentiable)."""
+        if len(values) != len(self.passes):
+            raise InvalidArgumentError(f"values must hold one tensor per pass ({len(self.passes)}), got {len(values)}")
+        n = len(self.plan.lengths)
+        device = values[0].device if values else collective_device(self.batch_context.group)
+        dtype = values[0].dtype if values else torch.float64
+        out = torch.zeros(n, dtype=dtype, device=device)
+        for p, v in zip(self.passes, values):
+            v = v.detach().reshape(-1)
+            if v.numel() != p.tokens:
+                raise InvalidArgumentError(f"values of {p} must hold {p.tokens} entries, got {v.numel()}")
+            out.index_add_(0, p.sequence_ids().to(device), v.to(dtype))
+        dist.all_reduce(out, group=self.batch_context.group)
+        return out
+
+    def __repr__(self):
+        return f"BatchStep(group={self.group}, devices={list(self.devices)}, passes={self.passes})"
+
+
+class BatchAttention(torch.nn.Module):
+    """Drop-in attention for a model trained on BatchPlans: attends in the pass made active by `with pass_:`
+    (BatchStep.passes), so one model runs every pass of every step. The backward of a pass runs in that pass's
+    context whenever it runs (after the pass, or after all of them)."""
+
+    def __init__(self, batch_context: BatchContext):
+        super().__init__()
+        self.batch_context = batch_context
+
+    def forward(self, q, k, v):
+        active = getattr(self.batch_context, "_active", None)
+        if active is None:
+            raise InvalidArgumentError("BatchAttention runs inside `with pass_:` for a pass of BatchContext.step(...)")
+        return active.attention(q, k, v)

@@ -1,0 +1,69 @@
+"""Steps of BatchPlans run by the batch runtime (hexiseq.nn.BatchContext) on four Gloo ranks: long-tail batches
+of sequences (some of them packed documents) on groups of unequal devices, trained for a few SGD steps with a small
+attention language model in float64 against one process that runs every document on its own.
+
+Tolerance 1e-10 relative (to the largest value) for the loss, the per-sequence loss sums and every gradient, and
+1e-10 absolute for the parameters after the steps: the same sums in another order (blocks, merges, the gradient
+all-reduce), a few ulps times the number of terms. A token attending across a document or sequence boundary, a
+label taken from the next sequence, a position not restarted, or a group's gradient missing shows up at 1e-2 or
+more."""
+
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+import batch_worker  # noqa: E402
+import dist_worker  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+CANDIDATES = {
+    "tree": None,  # the planner's own: the cluster, each node, each device
+    "single-devices": [(0, 1, 2, 3), (0,), (1,), (2,), (3,)],
+    "three-and-one": [(0, 1, 2, 3), (0, 1, 2), (3,), (0,), (1, 2)],
+    "whole-cluster": [(0, 1, 2, 3)],  # one group: every sequence packed into one pass over all ranks
+}
+
+
+@pytest.mark.parametrize("name", sorted(CANDIDATES))
+def test_batch_plans_train_as_one_process(name, tmp_path):
+    t0 = time.monotonic()
+    out = dist_worker.spawn(batch_worker.train_on_batch_plans, 4, (CANDIDATES[name], 3), tmp_path, timeout_s=180)
+    elapsed = time.monotonic() - t0
+    reports = {}
+    for rank, (status, report, _) in sorted(out.items()):
+        assert status == "ok", f"rank {rank}: {report}"
+        reports[rank] = report
+    for rank, report in reports.items():
+        assert report["steps"] == reports[0]["steps"] or all(
+            s["groups"] == t["groups"] for s, t in zip(report["steps"], reports[0]["steps"]))
+        for i, s in enumerate(report["steps"]):
+            assert s["labelled"][0] == s["labelled"][1], s
+            for what in ("loss", "per_sequence", "grads"):
+                assert s[what] <= 1e-10, f"{name} step {i} rank {rank}: {what} relative error {s[what]:.3g}: {s}"
+        assert report["params"] <= 1e-10, f"{name} rank {rank}: parameters differ by {report['params']:.3g}"
+    groups = [s["groups"] for s in reports[0]["steps"]]
+    if name == "whole-cluster":
+        assert all(g == [[0, 1, 2, 3]] for g in groups), groups
+    else:  # the point of a batch plan: more than one group in a step
+        assert any(len(g) > 1 for g in groups), groups
+    assert elapsed < 120, f"took {elapsed:.1f} s"
+
+
+def test_ranks_that_disagree_about_a_batch_plan_fail_together(tmp_path):
+    out = dist_worker.spawn(batch_worker.batch_refusals, 3 + 1, (), tmp_path, timeout_s=120)
+    by_rank = {}
+    for rank, (status, report, _) in sorted(out.items()):
+        assert status == "ok", f"rank {rank}: {report}"
+        by_rank[rank] = report
+    for rank, report in by_rank.items():
+        kind, message, _ = report["different_plans"]
+        assert kind == "RankMismatchError" and "batch plan" in message, (rank, kind, message)
+        kind, message, _ = report["not_a_plan"]
+        assert kind == "InvalidArgumentError" and "plan must be a hexiseq.BatchPlan, got dict" in message, message
+        kind, message, _ = report["other_model"]
+        assert kind == "InvalidArgumentError" and "another cluster, model or training" in message, message
+        assert report["good_after"][0] == "ok", report["good_after"]

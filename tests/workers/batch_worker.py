@@ -1,0 +1,177 @@
+"""The rank side of tests/test_batch_runtime.py (imported by spawned children, so it lives in a module): steps of
+BatchPlans, sequences of unequal length on groups of unequal devices, trained with a small attention language model
+in float64 and checked against one process that runs every sequence on its own."""
+
+import datetime
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from reference import attention
+
+VOCAB, HEAD_DIM, MAX_POS = 31, 4, 512
+
+
+def planner_for(candidates):
+    """The BatchPlanner of the tests: 2 H100 and 2 A100 in two nodes; a model whose attention has 8 query and 2 kv
+    heads, sized so that sequences of a few hundred tokens get groups of different sizes; the runtime executes it
+    with head dim HEAD_DIM (it takes any head dim)."""
+    import hexiseq
+
+    nodes = [{"gpu": "H100-SXM", "count": 2, "intra_gbps": 300.0}, {"gpu": "A100-80G", "count": 2, "intra_gbps": 300.0}]
+    cluster = hexiseq.Cluster.from_dict({"nodes": nodes, "inter_node_gbps": 25.0})
+    model = hexiseq.Model(layers=2, hidden=4096, heads=8, kv_heads=2, head_dim=512, ffn=16384, vocab=32000)
+    return hexiseq.BatchPlanner(cluster, model=model, groups=candidates)
+
+
+def init_params(heads, kv_heads, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    hidden = heads * HEAD_DIM
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) / shape[0] ** 0.5).requires_grad_()
+    return {"emb": w(VOCAB, hidden), "pos": w(MAX_POS, hidden), "wq": w(hidden, heads * HEAD_DIM),
+            "wk": w(hidden, kv_heads * HEAD_DIM), "wv": w(hidden, kv_heads * HEAD_DIM), "wo": w(heads * HEAD_DIM, hidden)}
+
+
+def token_losses(params, ids, pos, labels, attend, heads, kv_heads):
+    """Per-token cross entropy [tokens] (0 where the label is ignored) of a one-layer attention LM on ids [1, s]."""
+    x = params["emb"][ids] + params["pos"][pos]
+    s = ids.shape[1]
+    q = (x @ params["wq"]).view(1, s, heads, HEAD_DIM)
+    k = (x @ params["wk"]).view(1, s, kv_heads, HEAD_DIM)
+    v = (x @ params["wv"]).view(1, s, kv_heads, HEAD_DIM)
+    h = x + attend(q, k, v).reshape(1, s, heads * HEAD_DIM) @ params["wo"]
+    logits = h @ params["emb"].T
+    return F.cross_entropy(logits[0], labels[0], ignore_index=-100, reduction="none")
+
+
+def batches(seed, count, sequences):
+    """`count` batches of long-tail lengths (a few long, many short: lognormal, 3-460 tokens), some sequences
+    packed from several documents, with their token ids."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        lengths = []
+        for i in range(sequences):
+            n = int(min(460, max(3, torch.empty(1).log_normal_(3.6, 1.1, generator=g).item())))
+            if i % 4 == 3 and n >= 8:  # a sequence that is itself packed documents
+                cut = 1 + int(torch.randint(n - 2, (1,), generator=g))
+                lengths.append([cut, n - cut])
+            else:
+                lengths.append(n)
+        ids = [torch.randint(VOCAB, (sum(L) if isinstance(L, list) else L,), generator=g) for L in lengths]
+        out.append((lengths, ids))
+    return out
+
+
+def reference_step(params, lengths, ids, heads, kv_heads):
+    """One process: every document of every sequence on its own. (loss sum per sequence, labelled tokens)."""
+    per_seq, labelled = [], 0
+    for L, x in zip(lengths, ids):
+        docs = L if isinstance(L, list) else [L]
+        total, at = 0.0, 0
+        for n in docs:
+            d = x[at:at + n][None]
+            at += n
+            labels = torch.full_like(d, -100)
+            labels[0, :-1] = d[0, 1:]
+            pos = torch.arange(n)[None]
+            tl = token_losses(params, d, pos, labels, lambda q, k, v: attention(q, k, v, causal=True)[0],
+                              heads, kv_heads)
+            total = total + tl.sum()
+            labelled += n - 1
+        per_seq.append(total)
+    return per_seq, labelled
+
+
+def train_on_batch_plans(rank, world, init, candidates, steps, results):
+    """`steps` SGD steps on long-tail batches, each planned by the candidates' BatchPlanner and run by BatchContext;
+    beside it, every rank runs the same steps in one process as the reference. Reports, per step, the relative
+    errors of the loss, the per-sequence loss sums and the gradients, the groups the plan chose, and at the end the
+    largest parameter difference."""
+    try:
+        import hexiseq
+        from hexiseq.nn import BatchContext
+
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        planner = planner_for(candidates)
+        heads, kv_heads = planner.model.heads, planner.model.kv_heads
+        ctx = BatchContext(planner)
+        ours, ref = init_params(heads, kv_heads), init_params(heads, kv_heads)
+        report = []
+        for lengths, ids in batches(11, steps, 9):
+            plan = planner.plan(lengths)
+            step = ctx.step(plan)
+            labelled = step.labelled_tokens()
+            per_pass = []
+            for p in step.passes:
+                with p:
+                    inp = p.inputs(ids)
+                    tl = token_losses(ours, inp["input_ids"], inp["position_ids"], inp["labels"], p.attention,
+                                      heads, kv_heads)
+                    (tl.sum() / labelled).backward()
+                    per_pass.append(tl.detach())
+            for t in ours.values():  # the step's gradient: every rank's part, summed
+                if t.grad is None:
+                    t.grad = torch.zeros_like(t)
+                dist.all_reduce(t.grad)
+            seq_sums = step.per_sequence(per_pass)
+            loss = seq_sums.sum() / labelled
+            ref_seq, ref_labelled = reference_step(ref, lengths, ids, heads, kv_heads)
+            ref_loss = sum(ref_seq) / ref_labelled
+            ref_loss.backward()
+            ref_seq = torch.stack([s.detach() for s in ref_seq])
+            grads = max(float((ours[n].grad - ref[n].grad).abs().max() / ref[n].grad.abs().max().clamp_min(1e-30))
+                        for n in ours)
+            report.append({"groups": [list(g) for g in plan.groups], "passes": [len(ps) for ps in plan.passes],
+                           "labelled": (labelled, ref_labelled),
+                           "loss": abs(float(loss - ref_loss.detach())) / abs(float(ref_loss.detach())),
+                           "per_sequence": float((seq_sums - ref_seq).abs().max() / ref_seq.abs().max()),
+                           "grads": grads})
+            with torch.no_grad():
+                for n in ours:
+                    ours[n] -= 0.5 * ours[n].grad
+                    ref[n] -= 0.5 * ref[n].grad
+                    ours[n].grad = None
+                    ref[n].grad = None
+        params = max(float((ours[n] - ref[n]).abs().max()) for n in ours)
+        ctx.close()
+        results.put((rank, "ok", {"steps": report, "params": params}, None))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc(), None))
+
+
+def batch_refusals(rank, world, init, results):
+    """Scenarios in which the ranks hold different BatchPlans, or an invalid one: per scenario what this rank raised,
+    then a good step still runs (the ranks stayed in step)."""
+    try:
+        import hexiseq
+        from hexiseq.nn import BatchContext
+
+        import dist_worker
+
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=30))
+        planner = planner_for(None)
+        ctx = BatchContext(planner)
+        report = {}
+        run = dist_worker.scenarios(report)
+        run("different_plans", lambda: ctx.step(planner.plan([300, 20, 7] if rank == 2 else [300, 20, 8])))
+        run("not_a_plan", lambda: ctx.step(planner.plan([30, 7]).to_dict()))
+        other = hexiseq.BatchPlanner(planner.cluster, model="gpt-7b")
+        run("other_model", lambda: ctx.step(other.plan([300, 20])))
+
+        def good():
+            step = ctx.step(planner.plan([300, 20, 7]))
+            return [p.tokens for p in step.passes]
+        run("good_after", good)
+        ctx.close()
+        results.put((rank, "ok", report, None))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc(), None))
