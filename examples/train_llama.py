@@ -5,6 +5,12 @@ Run with 4 CPU processes:
 
     torchrun --nproc_per_node 4 examples/train_llama.py --steps 5
 
+With --batch, every step is a long-tail batch of sequences instead (the longest --seq-len tokens), planned over
+groups of the devices by hexiseq.BatchPlanner and run by hexiseq.nn.BatchContext: each rank runs its group's
+packed passes, and rank 0 checks against every document trained on its own:
+
+    torchrun --nproc_per_node 4 examples/train_llama.py --steps 5 --batch
+
 Each rank holds its token shard of one long sequence (the plan decides how many tokens and which heads);
 parameters are replicated and their gradients summed across ranks, like data parallelism over the sequence.
 Rank 0 also trains an identical model on the whole sequence in one process with plain attention and compares
@@ -167,6 +173,87 @@ def train_hexiseq(data, plan, rank, dtype, lr, seed):
     return losses, model
 
 
+# ----------------------------------------------------------------------------------------------- a long-tail batch
+
+def long_tail_batches(steps, longest, vocab, seed):
+    """Per step, a batch of 7 sequences: one of `longest` tokens and a tail of shorter ones (about half the one
+    before each), one of them packed from two documents; with the token ids of each."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        lengths = [longest]
+        for i in range(6):
+            n = max(4, int(longest / 2 ** (i + 1) * (0.5 + torch.rand(1, generator=g).item())))
+            lengths.append([n // 2, n - n // 2] if i == 2 else n)
+        ids = [torch.randint(0, vocab, (sum(L) if isinstance(L, list) else L,), generator=g) for L in lengths]
+        out.append((lengths, ids))
+    return out
+
+
+def labelled(lengths):
+    """Tokens with a next-token label: all but the last of each document."""
+    return sum(n - 1 for L in lengths for n in (L if isinstance(L, list) else [L]))
+
+
+def train_batch_reference(data, dtype, lr, seed):
+    """One process: every document of every sequence run on its own, the batch's mean loss."""
+    torch.manual_seed(seed)
+    model = TinyLlama().to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for lengths, ids in data:
+        total = 0.0
+        for L, x in zip(lengths, ids):
+            at = 0
+            for n in (L if isinstance(L, list) else [L]):
+                doc = x[at:at + n][None]
+                at += n
+                logits = model(doc, torch.arange(n), plain_attention)
+                total = total + F.cross_entropy(logits[0, :-1], doc[0, 1:], reduction="sum")
+        loss = total / labelled(lengths)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model
+
+
+def train_batch_hexiseq(data, planner, rank, dtype, lr, seed):
+    """Each step's batch planned (hexiseq.BatchPlanner) and run (hexiseq.nn.BatchContext): this rank runs its
+    group's passes; every rank's gradients are summed, as for one plan."""
+    from hexiseq.nn import BatchContext
+
+    torch.manual_seed(seed)
+    model = TinyLlama().to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    context = BatchContext(planner)
+    losses = []
+    for lengths, ids in data:
+        plan = planner.plan(lengths)
+        step = context.step(plan)
+        if rank == 0:
+            print(f"step of {len(lengths)} sequences: groups {[list(g) for g in plan.groups]}, sequences per group "
+                  f"{[plan.sequences_of(g) for g in range(len(plan.groups))]}")
+        n = labelled(lengths)
+        opt.zero_grad()
+        total = torch.zeros((), dtype=dtype)
+        for p in step.passes:
+            inp = p.inputs(ids)
+            logits = model(inp["input_ids"], inp["position_ids"][0], p.attention)
+            loss = F.cross_entropy(logits[0], inp["labels"][0], ignore_index=-100, reduction="sum") / n
+            loss.backward()
+            total += loss.detach()
+        for q in model.parameters():             # a rank whose group the plan left idle adds zeros
+            if q.grad is None:
+                q.grad = torch.zeros_like(q)
+            dist.all_reduce(q.grad)
+        opt.step()
+        dist.all_reduce(total)
+        losses.append(total.item())
+    context.close()
+    return losses, model
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
@@ -175,6 +262,9 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--tolerance", type=float, default=1e-5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", action="store_true",
+                    help="train on a long-tail batch of sequences per step (the longest --seq-len tokens), each step "
+                         "planned over groups of the devices (hexiseq.BatchPlanner) and run by hexiseq.nn.BatchContext")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -186,14 +276,20 @@ def main(argv=None):
         dist.destroy_process_group()
         return 2
     dtype = getattr(torch, args.dtype)
-    data = batches(args.steps, args.seq_len, 101, args.seed)
-    if rank == 0:
-        print(plan.explain().split("\n\n")[0])
-        print(f"rank tokens: {[int(plan.devices.tokens[plan._slot(r)]) for r in range(world)]}")
-    losses, model = train_hexiseq(data, plan, rank, dtype, args.lr, args.seed)
+    if args.batch:
+        data = long_tail_batches(args.steps, args.seq_len, 101, args.seed)
+        planner = hexiseq.BatchPlanner(plan.cluster, model=plan.model)
+        losses, model = train_batch_hexiseq(data, planner, rank, dtype, args.lr, args.seed)
+    else:
+        data = batches(args.steps, args.seq_len, 101, args.seed)
+        if rank == 0:
+            print(plan.explain().split("\n\n")[0])
+            print(f"rank tokens: {[int(plan.devices.tokens[plan._slot(r)]) for r in range(world)]}")
+        losses, model = train_hexiseq(data, plan, rank, dtype, args.lr, args.seed)
     status = 0
     if rank == 0:
-        ref, ref_model = train_reference(data, dtype, args.lr, args.seed)
+        reference = train_batch_reference if args.batch else train_reference
+        ref, ref_model = reference(data, dtype, args.lr, args.seed)
         worst = 0.0
         for step, (a, b) in enumerate(zip(losses, ref)):
             diff = abs(a - b) / abs(b)

@@ -206,3 +206,52 @@ def test_runtime_on_one_gpu(causal, kernels, tmp_path, monkeypatch):
     assert_close_2x(out, plan.shard(base, 1, 0), plan.shard(ref, 1, 0), "runtime out")
     for name, ours, b, r in (("dq", ql, qb, qr), ("dk", kl, kb, kr), ("dv", vl, vb, vr)):
         assert_close_2x(ours.grad, plan.shard(b.grad, 1, 0), plan.shard(r.grad, 1, 0), f"runtime {name}")
+
+
+def test_batch_context_on_one_gpu(tmp_path):
+    """A BatchPlan's step through hexiseq.nn.BatchContext on a one-rank NCCL group (its process groups, the Gloo
+    twin of the call checks, the pass's documents on the default block backend), forward and backward in bf16
+    against float64 attention with the same document mask."""
+    import torch.distributed as dist
+
+    from hexiseq.nn import BatchContext
+
+    H, Hkv, D = 8, 2, 64
+    model = hexiseq.Model(layers=2, hidden=H * D, heads=H, kv_heads=Hkv, head_dim=D, ffn=64, vocab=100)
+    cluster = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 1, "intra_gbps": 300.0}]})
+    planner = hexiseq.BatchPlanner(cluster, model=model)
+    lengths = [700, [130, 67], 33]
+    g = torch.Generator(device=DEV).manual_seed(5)
+    seqs = [torch.randn(sum(L) if isinstance(L, list) else L, H + 2 * Hkv, D, device=DEV, generator=g)
+            for L in lengths]
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    checked = 0
+    try:
+        context = BatchContext(planner)
+        step = context.step(planner.plan(lengths))
+        for p in step.passes:
+            full = p.pack(seqs)[None]                                    # [1, S, H + 2 Hkv, D]
+            q, k, v = full.split([H, Hkv, Hkv], 2)
+            go = torch.randn(q.shape, device=DEV, generator=g)
+            ql, kl, vl = (p.shard(t.to(torch.bfloat16)).detach().requires_grad_() for t in (q, k, v))
+            out = p.attention(ql, kl, vl)
+            out.backward(p.shard(go.to(torch.bfloat16)))
+            starts = torch.zeros(full.shape[1], dtype=torch.int64, device=DEV)
+            at = 0
+            for n in p.document_lengths:
+                starts[at:at + n] = at
+                at += n
+            refs = {}
+            for dtype in (torch.float64, torch.bfloat16):
+                qq, kk, vv = (t.to(torch.bfloat16).to(dtype).requires_grad_() for t in (q, k, v))
+                o, _ = attention(qq, kk, vv, causal=True, dtype=dtype, q_doc=starts)
+                o.backward(go.to(torch.bfloat16).to(dtype))
+                refs[dtype] = (o, qq.grad, kk.grad, vv.grad)
+            for name, ours, ref, base in zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad),
+                                             refs[torch.float64], refs[torch.bfloat16]):
+                assert_close_2x(ours, p.shard(base), p.shard(ref), f"batch pass {p.sequences} {name}")
+            checked += 1
+        context.close()
+    finally:
+        dist.destroy_process_group()
+    assert checked >= 1
