@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import hexiseq
+from bench_block_backends import documents_case  # the document lengths the block benchmark uses
 from bench_cuda_attention import time_ms  # CUDA-event median after warm-up, as the kernel benchmark
 from hexiseq import ops
 from hexiseq.nn import HexiSeqAttention
@@ -163,6 +164,26 @@ def main():
                 except RuntimeError as e:
                     row[name] = float("nan")
                     print(f"{name}: {str(e).splitlines()[0][:200]}", flush=True)
+            # packed documents, the default block backend (document pairs: the hexiseq CUDA kernels with their mask)
+            lengths = documents_case(S, S + D)
+            q_doc = torch.from_numpy(ops.document_starts(lengths)).to("cuda")
+            attn = HexiSeqAttention(plan, causal=True)
+            qd, kd, vd = q.detach(), k.detach(), v.detach()
+
+            def doc_step():
+                attn(q, k, v, documents=lengths).backward(do)
+
+            def doc_alone():
+                o, lse = ops.attention_forward(qd, kd, vd, causal=True, scale=scale, q_doc=q_doc)
+                ops.attention_backward(qd, kd, vd, o, lse, do, causal=True, scale=scale, q_doc=q_doc)
+            try:
+                row["docs"] = len(lengths)
+                row["docs_runtime"] = back_to_back_ms(doc_step, args.iters)
+                row["docs_alone"] = back_to_back_ms(doc_alone, args.iters)
+            except Exception as e:  # noqa: BLE001 - reported, not timed
+                row["docs_runtime"] = row["docs_alone"] = float("nan")
+                print(f"documents: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+            attn.context.close()
             rows.append(row)
             print(row, flush=True)
             del q, k, v, do, qt, kt, vt
@@ -177,6 +198,13 @@ def main():
             lines.append(f"| {r['S']} | {impl} | {r[impl]:.2f} | {r[impl + '_alone']:.2f} | "
                          f"{r[impl] / r[impl + '_alone']:.3f} | {r[impl + '_b2b']:.2f} | {r[impl + '_alone_b2b']:.2f} | "
                          f"{r[impl + '_b2b'] / r[impl + '_alone_b2b']:.3f} | {r[impl + '_host']:.2f} |")
+    lines += ["", "Packed documents (lognormal lengths, as benchmarks/bench_block_backends.py), the default block "
+              "backend, back to back:", "",
+              "| S | documents | runtime (ms) | hexiseq kernels with the document mask alone (ms) | runtime / alone |",
+              "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['S']} | {r['docs']} | {r['docs_runtime']:.2f} | {r['docs_alone']:.2f} | "
+                     f"{r['docs_runtime'] / r['docs_alone']:.3f} |")
     lines += ["", "| S | runtime, flash blocks (ms) | runtime, cuDNN blocks (ms) | runtime, hexiseq kernels (ms) | "
              "SDPA flash alone (ms) | SDPA cuDNN alone (ms) | flash blocks / SDPA flash | cuDNN blocks / SDPA cuDNN | "
              "hexiseq kernels / SDPA flash |", "|---|---|---|---|---|---|---|---|---|"]

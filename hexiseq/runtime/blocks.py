@@ -415,6 +415,7 @@ class BlockKernels:
         # the merge is one C/CUDA kernel where one is built for the device, instead of eight torch ops
         self._merge_c = self.name == "hexiseq" or (probe.device.type == "cuda" and ops._cuda_built())
         self._documents_c = None  # whether hexiseq.ops takes q_doc here: learnt at the first documents call
+        self._documents_cuda = None  # on the PyTorch path: whether document pairs go to the CUDA kernels instead
 
     def forward(self, q, k, v, causal, q_pos0, k_pos0, scale, q_doc=None, out=None, lse=None):
         """(out, lse) of the pair; out= and lse= (both or neither, q's dtype and the accumulator dtype) are written
@@ -457,9 +458,18 @@ class BlockKernels:
 
     def _c_for(self, q_doc):
         """Whether hexiseq.ops runs this pair: the chosen implementation, except that a document mask goes to the
-        PyTorch path on a device whose hexiseq kernels refuse q_doc (CUDA kernels built without it)."""
-        if self.name != "hexiseq" or q_doc is None:
+        PyTorch path on a device whose hexiseq kernels refuse q_doc (CUDA kernels built without it), and that on
+        the PyTorch path (not forced) a pair with a document mask goes to the hexiseq CUDA kernels where they take
+        it: torch's fused ops cannot mask documents, and its tiled matmuls are the slow fallback."""
+        if q_doc is None:
             return self.name == "hexiseq"
+        if self.name != "hexiseq":
+            if self._documents_cuda is None:
+                self._documents_cuda = (
+                    q_doc.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+                    and not os.environ.get("HEXISEQ_RUNTIME_KERNELS", "") and ops._cuda_built()
+                    and _takes_documents(q_doc.device, self.dtype))
+            return self._documents_cuda
         if self._documents_c is None:
             self._documents_c = _takes_documents(q_doc.device, self.dtype)
             if not self._documents_c:
