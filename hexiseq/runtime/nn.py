@@ -63,6 +63,7 @@ class HexiSeqContext:
         self.group, self.world, self.rank = self.comm.group, self.comm.world, self.comm.rank
         self.me = self.topology.member(self.rank)
         self._kernels = {}  # one BlockKernels per (device, dtype), decided at first use
+        self._documents = {}  # (document lengths, device) -> the rank's document mask (chunk_starts), recent ones
 
     # Seconds per phase since reset_timers() ("attn", "a2a", "ring_wait", "sync"; see hexiseq.runtime.comm), and whether CUDA
     # work is synchronised at phase boundaries so the clock sees the device (for measurement only).
@@ -114,7 +115,17 @@ class HexiSeqContext:
             t, lengths = torch.empty(0, 0, 0, 0), None
         rows = None if lengths is None else lengths if isinstance(lengths[0], tuple) else (lengths,) * t.shape[0]
         self.comm.agree(describe_call(self.comm.plan_code, phase, t, self.causal, self.scale, backward, rows), error)
-        return None if lengths is None else documents_mod.chunk_starts(self.topology, self.rank, lengths, t.device)
+        if lengths is None:
+            return None
+        # Every layer's forward and backward of a step pass the same documents: their mask is built and copied to
+        # the device once (a host-to-device copy waits for the device, which kept the host from running ahead).
+        key = (lengths, t.device)
+        docs = self._documents.get(key)
+        if docs is None:
+            if len(self._documents) >= 8:
+                self._documents.pop(next(iter(self._documents)))
+            docs = self._documents[key] = documents_mod.chunk_starts(self.topology, self.rank, lengths, t.device)
+        return docs
 
     def refuse(self, error):
         """Take part in a forward call's agreement with `error`, found on this rank before the call (an adapter's
