@@ -46,6 +46,19 @@ documents, not restarting at each document with them. Like every input check of 
 through the call's agreement (hexiseq.runtime.comm.agree): every rank raises the same error at once, naming the
 rank, the field and the value, instead of one rank raising while the others wait until the group's timeout.
 
+Batches of unequal sequences (hexiseq.BatchPlanner, hexiseq.nn.BatchContext): patch the model with the job's
+BatchContext instead of a plan, and feed each pass of a step inside `with pass_:`::
+
+    context = hexiseq.nn.BatchContext(planner)           # once per job, on every rank
+    model = patch_model(model, context)
+    step = context.step(planner.plan(lengths))           # every step
+    for p in step.passes:                                # this rank's group's passes
+        with p:
+            logits = model(**p.hf_inputs(token_ids)).logits
+            loss = F.cross_entropy(logits[0], p.labels(token_ids)[0], reduction="sum") / step.labelled_tokens()
+            loss.backward()
+    # then every rank's gradients summed, as for one plan
+
 A rank the plan parks (no tokens: the scheduler leaves a slow device out of a short sequence) runs the same loop:
 shard_inputs gives it one placeholder token whose attention output is 0 and whose logits the loss ignores, so its
 attention layers take part in every collective, forward and backward.
@@ -72,14 +85,14 @@ import torch.distributed as dist
 
 from ..errors import HexiseqError, InvalidArgumentError, UnsupportedError
 from ..planner.model import hf_sliding_window
+from ..runtime.documents import DOCUMENTS_KWARG
 
 __all__ = ["patch_model", "unpatch_model", "shard_inputs", "sharded_causal_lm_loss", "documents_from_position_ids",
            "ATTN_IMPLEMENTATION", "DOCUMENTS_KWARG"]
 
 ATTN_IMPLEMENTATION = "hexiseq"
-# The model keyword that carries the packed documents' lengths (shard_inputs sets it): transformers hands a
-# model's extra keywords down to every attention call.
-DOCUMENTS_KWARG = "hexiseq_documents"
+# DOCUMENTS_KWARG (imported above, with the runtime's documents, whose batch passes set it too): the model keyword
+# that carries the packed documents' lengths; transformers hands a model's extra keywords to every attention call.
 
 _CTX = "_hexiseq_context"
 _CHECK_POS = "_hexiseq_check_positions"
@@ -148,9 +161,10 @@ def _input_error(module, context, query, key, attention_mask, scaling, dropout, 
     if window is not None and context.plan.seq_len > window:
         return UnsupportedError(f"hexiseq: sliding-window attention (sliding_window={window}) is not supported for "
                                 f"a {context.plan.seq_len}-token sequence")
-    if scaling is not None and not math.isclose(scaling, context.scale, rel_tol=1e-12):
+    scale = context.scale if context.scale is not None else query.shape[-1] ** -0.5  # None: the default
+    if scaling is not None and not math.isclose(scaling, scale, rel_tol=1e-12):
         return UnsupportedError(f"hexiseq: {type(module).__name__} scales by {scaling}, the model's HexiSeq context "
-                                f"by {context.scale}; every layer must use the same softmax scale")
+                                f"by {scale}; every layer must use the same softmax scale")
     tokens = context.me.tokens
     if tokens == 0 and query.shape[2] == 1 and key.shape[2] == 1:
         return None  # a parked rank's placeholder token (see shard_inputs)
@@ -178,12 +192,24 @@ def hexiseq_attention_forward(module, query, key, value, attention_mask, scaling
     if context is None:
         raise HexiseqError(f"{type(module).__name__} runs with attn_implementation='hexiseq' but was not prepared "
                            "by hexiseq.hf.patch_model(model, plan)")
+    from ..runtime.batch import BatchContext
     from ..runtime.documents import frozen
     from ..runtime.nn import hexiseq_attn_func
 
     documents = frozen(kwargs.get(DOCUMENTS_KWARG))
-    parked = context.me.tokens == 0 and query.shape[2] == 1 and key.shape[2] == 1
     want = getattr(module, _CHECK_POS, None)
+    if isinstance(context, BatchContext):  # a model patched for batch plans attends in the active pass
+        active = getattr(context, "_active", None)
+        if active is None:
+            raise InvalidArgumentError("a model patched with a BatchContext runs inside `with pass_:` for a pass of "
+                                       "BatchContext.step(...); feed it pass_.hf_inputs(token_ids)")
+        context = active.context
+        want = torch.as_tensor(active.positions) if want is not None else None
+        if documents != active.documents:
+            context.refuse(InvalidArgumentError(
+                f"hexiseq: the model got documents {documents} but the active pass packs {active.documents}; feed it "
+                "pass_.hf_inputs(token_ids)"))
+    parked = context.me.tokens == 0 and query.shape[2] == 1 and key.shape[2] == 1
     try:  # whatever a check raises, the other ranks must learn of it in the agreement, not wait for this rank
         error = _input_error(module, context, query, key, attention_mask, scaling, dropout, kwargs)
         if error is None and want is not None and not parked:
@@ -284,10 +310,14 @@ def patch_model(model, plan, group=None):
     window shorter than the plan's sequence). Tested with transformers 5.23.0: LlamaForCausalLM,
     MistralForCausalLM, Qwen2ForCausalLM."""
     attn_fns, mask_fns = _transformers()
+    from ..runtime.batch import BatchContext
     from ..runtime.nn import HexiSeqContext
 
     if getattr(model, _CTX, None) is not None:
         unpatch_model(model)
+    batch_context = plan if isinstance(plan, BatchContext) else None
+    if batch_context is not None:
+        plan = batch_context.planner  # its model: the heads every pass's plan has
     cfg = _text_config(model)
     heads = getattr(cfg, "num_attention_heads", None)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -312,6 +342,8 @@ def patch_model(model, plan, group=None):
         if getattr(cfg, key, None) is not None:
             raise UnsupportedError(f"{key} is not supported by hexiseq")
     window = hf_sliding_window(cfg)
+    if window is not None and batch_context is not None:
+        raise UnsupportedError(f"sliding-window attention (window {window}) is not supported with batch plans")
     if window is not None and plan.seq_len > window:
         raise UnsupportedError(f"sliding-window attention (window {window}) is not supported for a "
                                f"{plan.seq_len}-token plan")
@@ -322,8 +354,17 @@ def patch_model(model, plan, group=None):
     if len(scales) != 1:
         raise UnsupportedError(f"the attention layers use different softmax scales {sorted(scales)}")
 
-    context = HexiSeqContext(plan, group=group, causal=True, softmax_scale=scales.pop())
-    positions = torch.as_tensor(plan.positions(context.rank), dtype=torch.long)
+    if batch_context is not None:
+        scale = min(scales)
+        expected = batch_context.scale if batch_context.scale is not None else float(modules[0][1].head_dim) ** -0.5
+        if not batch_context.causal or abs(expected - scale) > 1e-12 * scale:
+            raise InvalidArgumentError(f"the BatchContext attends with causal={batch_context.causal}, softmax_scale="
+                                       f"{expected} but the model's attention is causal with scale {scale}: make it "
+                                       f"hexiseq.nn.BatchContext(planner, softmax_scale={scale})")
+        context, positions = batch_context, torch.zeros(0, dtype=torch.long)  # positions: the active pass's
+    else:
+        context = HexiSeqContext(plan, group=group, causal=True, softmax_scale=scales.pop())
+        positions = torch.as_tensor(plan.positions(context.rank), dtype=torch.long)
     attn_fns.register(ATTN_IMPLEMENTATION, hexiseq_attention_forward)
     mask_fns.register(ATTN_IMPLEMENTATION, _hexiseq_mask)
 

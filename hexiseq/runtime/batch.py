@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..errors import InvalidArgumentError
 from .comm import agree, collective_device, group_timeout, resolve_group, text_code
+from .documents import DOCUMENTS_KWARG
 from .nn import HexiSeqContext, hexiseq_attn_func
 
 __all__ = ["BatchContext", "BatchStep", "Pass", "BatchAttention"]
@@ -126,9 +127,8 @@ class BatchContext:
         return BatchStep(self, plan, g, devices, passes)
 
     def _plan_error(self, plan):
-        from ..planner.batch import BatchPlan
-
-        if not isinstance(plan, BatchPlan):
+        # the runtime does not import the planner (a room below it): a BatchPlan is known by what it holds
+        if not all(hasattr(plan, a) for a in ("groups", "passes", "assignment", "plan_for", "fingerprint", "cluster")):
             return InvalidArgumentError(f"plan must be a hexiseq.BatchPlan, got {type(plan).__name__}")
         if _job_identity(plan) != _job_identity(self.planner):
             return InvalidArgumentError("plan was made for another cluster, model or training than this context's "
@@ -251,6 +251,29 @@ class Pass:
         pos = self.positions.to(ids.device)
         return {"input_ids": ids[pos][None], "position_ids": self.position_ids().to(ids.device)[None],
                 "labels": labels[pos][None]}
+
+    def labels(self, batch: Sequence[torch.Tensor], ignore_index: int = -100) -> torch.Tensor:
+        """[1, tokens] labels of this rank's tokens (inputs(batch)["labels"]), or [[ignore_index]] for the
+        placeholder token hf_inputs gives a rank that holds none."""
+        labels = self.inputs(batch, ignore_index)["labels"]
+        return labels if labels.shape[1] else torch.full((1, 1), ignore_index, dtype=labels.dtype,
+                                                          device=labels.device)
+
+    def hf_inputs(self, batch: Sequence[torch.Tensor]) -> dict:
+        """The keyword arguments of a Hugging Face model patched with the BatchContext (hexiseq.hf.patch_model(model,
+        context)) for this rank's tokens of the pass: input_ids and position_ids [1, tokens] (positions restarting at
+        each document), an all-ones attention_mask and, for a pass of several documents, their lengths. Take the
+        labels from labels(batch) (not through the model, which would shift them again). A rank that holds no token of the pass gets one placeholder token (its attention
+        output is 0; give it the label -100), so that its attention layers still take part in the collectives."""
+        got = self.inputs(batch)
+        ids, pos = got["input_ids"], got["position_ids"]
+        if ids.shape[1] == 0:
+            ids = self.pack(batch, 0)[None, :1]
+            pos = torch.zeros(1, 1, dtype=torch.long, device=ids.device)
+        out = {"input_ids": ids, "position_ids": pos, "attention_mask": torch.ones_like(ids, dtype=torch.long)}
+        if self.documents is not None:
+            out[DOCUMENTS_KWARG] = self.documents
+        return out
 
     def attention(self, q, k, v):
         """Attention of this rank's tokens of the pass (q [batch, tokens, heads, d], k/v with the kv heads), the

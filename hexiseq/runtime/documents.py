@@ -10,6 +10,10 @@ from .._validate import document_lengths
 from ..errors import InvalidArgumentError
 from .ops import _short
 
+# The keyword a Hugging Face model patched by hexiseq.hf takes the packed documents' lengths in (transformers hands
+# a model's extra keywords down to every attention call): hexiseq.hf.shard_inputs and the batch passes set it.
+DOCUMENTS_KWARG = "hexiseq_documents"
+
 
 def frozen(value):
     """A copy of documents that later changes to the caller's lists cannot reach (the backward reads it): tensors

@@ -218,5 +218,14 @@ def gather_sequence(x, plan, dim: int = 1, group=None):
     return plan.unshard(shards, dim)
 
 
-# The batch runtime (a step of unequal sequences on groups of unequal devices) builds on the names above.
-from .batch import BatchAttention, BatchContext, BatchStep, Pass  # noqa: E402
+_BATCH_NAMES = ("BatchAttention", "BatchContext", "BatchStep", "Pass")
+
+
+def __getattr__(name):
+    """The batch runtime's public names (hexiseq.runtime.batch, which builds on this module), loaded on first use so
+    that either module may be imported first."""
+    if name in _BATCH_NAMES:
+        from . import batch
+
+        return getattr(batch, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -175,3 +175,66 @@ def batch_refusals(rank, world, init, results):
         dist.destroy_process_group()
     except Exception:
         results.put((rank, "error", traceback.format_exc(), None))
+
+
+def hf_batch_training(rank, world, init, steps, results):
+    """A transformers Llama patched with a BatchContext (hexiseq.hf.patch_model(model, context)) trained for `steps`
+    AdamW steps on long-tail batches, against the same model trained in one process on every document on its own
+    (sdpa, float64). Reports per step the relative loss error and, at the end, the largest parameter difference."""
+    try:
+        torch.set_num_threads(1)
+        import copy
+
+        import hf_worker
+        from hexiseq.hf import patch_model
+        from hexiseq.nn import BatchContext
+
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        planner = planner_for(None)
+        ref = hf_worker.tiny_model("llama", 3)
+        ours = copy.deepcopy(ref)
+        context = BatchContext(planner)
+        patch_model(ours, context)
+        opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-3)
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        report = []
+        for lengths, ids in batches(23, steps, 7):
+            ids = [x % 97 for x in ids]
+            plan = planner.plan(lengths)
+            step = context.step(plan)
+            n = step.labelled_tokens()
+            opt_ours.zero_grad()
+            total = torch.zeros((), dtype=torch.float64)
+            for p in step.passes:
+                with p:
+                    logits = ours(**p.hf_inputs(ids)).logits
+                    loss = F.cross_entropy(logits[0], p.labels(ids)[0], ignore_index=-100, reduction="sum") / n
+                    loss.backward()
+                    total += loss.detach()
+            for q in ours.parameters():
+                if q.grad is None:
+                    q.grad = torch.zeros_like(q)
+                dist.all_reduce(q.grad)
+            dist.all_reduce(total)
+            opt_ours.step()
+            opt_ref.zero_grad()
+            ref_total = 0.0
+            for L, x in zip(lengths, ids):
+                at = 0
+                for m in (L if isinstance(L, list) else [L]):
+                    doc = x[at:at + m][None]
+                    at += m
+                    logits = ref(input_ids=doc).logits
+                    ref_total = ref_total + F.cross_entropy(logits[0, :-1], doc[0, 1:], reduction="sum")
+            ref_loss = ref_total / n
+            ref_loss.backward()
+            opt_ref.step()
+            report.append({"groups": [list(g) for g in plan.groups],
+                           "loss": abs(float(total) - float(ref_loss.detach())) / abs(float(ref_loss.detach()))})
+        params = max(float((a - b).abs().max()) for a, b in zip(ours.parameters(), ref.parameters()))
+        context.close()
+        results.put((rank, "ok", {"steps": report, "params": params}, None))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc(), None))
