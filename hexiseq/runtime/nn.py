@@ -21,7 +21,7 @@ try:
 except ImportError as e:  # pragma: no cover
     raise ImportError("hexiseq.nn needs PyTorch (pip install torch)") from e
 
-from . import blocks, ring
+from . import blocks, compiled, ring
 from . import documents as documents_mod
 from .comm import Comm, describe_call
 from ..errors import InvalidArgumentError
@@ -64,6 +64,7 @@ class HexiSeqContext:
         self.me = self.topology.member(self.rank)
         self._kernels = {}  # one BlockKernels per (device, dtype), decided at first use
         self._documents = {}  # (document lengths, device) -> the rank's document mask (chunk_starts), recent ones
+        compiled.register(self)  # the id torch.compile's custom ops know this context by (hexiseq.runtime.compiled)
 
     # Seconds per phase since reset_timers() ("attn", "a2a", "ring_wait", "sync"; see hexiseq.runtime.comm), and whether CUDA
     # work is synchronised at phase boundaries so the clock sees the device (for measurement only).
@@ -180,7 +181,12 @@ def hexiseq_attn_func(q, k, v, context: HexiSeqContext, documents=None):
     Returns the output [batch, s_r, heads, head_dim] for the same tokens. Every rank of the context's group
     must call it (it communicates), all with or all without gradients."""
     backward = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
-    return _HexiSeqAttentionFn.apply(q, k, v, context, backward, documents_mod.frozen(documents))
+    documents = documents_mod.frozen(documents)
+    if torch.compiler.is_compiling() and not (isinstance(documents, tuple) and documents
+                                              and isinstance(documents[0], tuple)):
+        # under torch.compile the layer is one custom op each way: no graph break (one document list per batch)
+        return compiled.attn(q, k, v, context, backward, documents)
+    return _HexiSeqAttentionFn.apply(q, k, v, context, backward, documents)
 
 
 class HexiSeqAttention(torch.nn.Module):

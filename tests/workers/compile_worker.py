@@ -1,0 +1,61 @@
+"""The rank side of tests/test_compile.py (imported by spawned children, so it lives in a module)."""
+
+import datetime
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+def compiled_matches_eager(rank, world, init, plan_json, backend, results):
+    """A small attention block with HexiSeqAttention, compiled with fullgraph=True, against the same block in eager,
+    forward and backward, without and with packed documents (float64). Reports the largest relative errors of the
+    loss and the gradients, and the seconds the first compiled step took."""
+    try:
+        torch.set_num_threads(1)
+        import hexiseq
+        from hexiseq.nn import HexiSeqAttention
+
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        plan = hexiseq.Plan.from_json(plan_json)
+        m, d = plan.model, 8
+        attn = HexiSeqAttention(plan)
+        s = int(plan.devices.tokens[plan._slot(rank)])
+
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                g = torch.Generator().manual_seed(3)
+                self.w = torch.nn.Parameter(torch.randn(16, (m.heads + 2 * m.kv_heads) * d, generator=g,
+                                                        dtype=torch.float64) / 4)
+                self.o = torch.nn.Parameter(torch.randn(m.heads * d, 16, generator=g, dtype=torch.float64) / 4)
+
+            def forward(self, x, documents=None):
+                q, k, v = (x @ self.w).split([m.heads * d, m.kv_heads * d, m.kv_heads * d], -1)
+                a = attn(q.view(1, s, m.heads, d), k.view(1, s, m.kv_heads, d), v.view(1, s, m.kv_heads, d),
+                         documents=documents)
+                return torch.tanh(a.reshape(1, s, m.heads * d) @ self.o).square().sum()
+
+        block = Block()
+        compiled = torch.compile(block, fullgraph=True, backend=backend)
+        x = plan.shard(torch.randn(1, plan.seq_len, 16, generator=torch.Generator().manual_seed(5),
+                                   dtype=torch.float64), 1, rank)
+        report = {}
+        for name, docs in (("plain", None), ("documents", [plan.seq_len // 3, plan.seq_len - plan.seq_len // 3])):
+            outs = {}
+            for mode, fn in (("eager", block), ("compiled", compiled)):
+                block.zero_grad()
+                t0 = time.monotonic()
+                loss = fn(x, docs)
+                loss.backward()
+                outs[mode] = (loss.detach(), block.w.grad.clone(), block.o.grad.clone(), time.monotonic() - t0)
+            e, c = outs["eager"], outs["compiled"]
+            report[name] = {"errors": [float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+                                       for a, b in zip(c[:3], e[:3])], "compile_s": c[3]}
+        attn.context.close()
+        results.put((rank, "ok", report, None))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc(), None))
