@@ -340,7 +340,7 @@ def collective_device(group):
     return torch.device("cpu")
 
 
-def agree(group, values, fields, error=None, show=_show, device=None, words=None):
+def agree(group, values, fields, error=None, show=_show, device=None, words=None, free=()):
     """Compare `values` (ints, the fields in order) with every rank's over `group`, and learn whether any rank
     failed validation (`error`, the exception this rank would raise, or None). Raises the same HexiseqError on
     every rank when they do not all pass and agree: the ranks' errors (their class when every failing rank raised
@@ -349,7 +349,8 @@ def agree(group, values, fields, error=None, show=_show, device=None, words=None
     differ. Every rank must send as many values: a rank that failed sends placeholders. fields: field names, one
     int each, or (name, width) for a field of `width` ints; show(name, value) words a value (an int, or a list for
     a wide field). words: this rank's value of each field in words (a list in fields order), for fields that
-    travel as digests: gathered (one more collective, which every rank makes) only when the ranks disagree."""
+    travel as digests: gathered (one more collective, which every rank makes) only when the ranks disagree.
+    free: names of fields that may differ between ranks (gathered, not compared: a rank's own token count, say)."""
     world = dist.get_world_size(group)
     if world == 1:  # no one to agree with: the same outcome without a collective (it is paid on every call)
         if error is not None:
@@ -376,7 +377,7 @@ def agree(group, values, fields, error=None, show=_show, device=None, words=None
     for i, field in enumerate(fields):
         name, width = (field, 1) if isinstance(field, str) else field
         got = [e[at] if isinstance(field, str) else e[at:at + width] for e in every]
-        if any(g != got[0] for g in got):
+        if name not in free and any(g != got[0] for g in got):
             differ.append((i, name, got))
         at += width
     if differ:

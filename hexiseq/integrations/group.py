@@ -1,0 +1,144 @@
+"""Attention over a process group without a cluster file or a plan, as ring-flash-attn's `ring_flash_attn_func(q, k, v,
+group=...)` and yunchang's `LongContextAttention` are called: each rank passes its shard of the sequence and the
+layout is made from the group and the shards' sizes.
+
+- `group_attention(q, k, v, group=None, ...)`: every rank of `group` holds a contiguous shard of the sequence in rank
+  order (chunking="contiguous", as ring-flash-attn's ring_flash_attn_func) or the zigzag pair of chunks r and
+  2 world - 1 - r (chunking="zigzag", as its zigzag_ring_flash_attn_func and torch's context_parallel shard a causal
+  sequence). Shards may be of unequal sizes (the ranks' token counts are gathered once per shape): give a fast
+  device more tokens. `ulysses` > 1 puts that many consecutive ranks in one head-parallel group (heads split as
+  evenly as the kv heads allow), the groups in a ring, as yunchang's ulysses_degree x ring_degree.
+  `cu_seqlens` (flash-attn's varlen form: cumulative lengths of the packed sequences over the WHOLE sequence, a
+  list or a 1-D tensor starting at 0) masks each query to its own sequence.
+- `GroupAttention(group=None, ...)`: the same as a module.
+The layout is an ordinary hexiseq layout, so every path of the runtime (ring, all-to-all, documents, the contract
+that refuses on every rank at once) is the one a plan runs. A context is made per (group, shapes, shares) and kept.
+"""
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InvalidArgumentError
+from ..planner.cluster import Cluster
+from ..planner.model import Model
+from ..planner.plan import evaluate
+from ..runtime.comm import agree, collective_device, resolve_group
+from ..runtime.nn import HexiSeqContext, hexiseq_attn_func
+
+__all__ = ["group_attention", "GroupAttention"]
+
+_CHUNKINGS = ("contiguous", "zigzag")
+_contexts = {}  # key -> HexiSeqContext
+_KEPT = 16
+
+
+def _layout(tokens, heads, kv_heads, ulysses, chunking):
+    """{"groups": ...} for `tokens` per rank (rank order), `ulysses` consecutive ranks per group."""
+    world = len(tokens)
+    groups = []
+    per_kv = heads // kv_heads
+    for g0 in range(0, world, ulysses):
+        members = list(range(g0, g0 + ulysses))
+        # heads split in whole kv heads where they can be, the remainder to the first members
+        base, extra = divmod(kv_heads, ulysses)
+        kv = [base + (1 if i < extra else 0) for i in range(ulysses)]
+        if base == 0:  # fewer kv heads than members: query heads split evenly instead
+            hb, he = divmod(heads, ulysses)
+            counts = [hb + (1 if i < he else 0) for i in range(ulysses)]
+        else:
+            counts = [n * per_kv for n in kv]
+        groups.append({"devices": members, "seq": sum(tokens[r] for r in members),
+                       "tokens": [tokens[r] for r in members], "heads": counts})
+    return {"groups": groups, "chunking": chunking}
+
+
+def _context(group, q, k, causal, scale, chunking, ulysses, error):
+    """The context of this call's layout. Every call gathers the ranks' token counts with the call's other figures
+    and any rank's refusal (hexiseq.runtime.comm.agree: one small all-gather), so that every rank decides alike
+    whether the layout changed, and a rank whose arguments fail makes every rank raise the same error."""
+    ok = error is None
+    values = [q.shape[1] if ok else 0, q.shape[2] if ok else 0, k.shape[2] if ok else 0, q.shape[3] if ok else 0,
+              _CHUNKINGS.index(chunking) if ok else -1, ulysses if ok else 0, int(bool(causal))]
+    every = agree(group, values, ["tokens", "heads", "kv_heads", "head_dim", "chunking", "ulysses", "causal"], error,
+                  device=collective_device(group), free=("tokens",))
+    world = len(every)
+    tokens = [int(e[0]) for e in every]
+    key = (id(group), tuple(q.shape[2:]), k.shape[2], causal, scale, chunking, ulysses, tuple(tokens))
+    ctx = _contexts.get(key)
+    if ctx is not None:
+        return ctx
+    H, d, Hkv = q.shape[2], q.shape[3], k.shape[2]
+    model = Model(layers=1, hidden=H * d, heads=H, kv_heads=Hkv, head_dim=d, ffn=4 * H * d, vocab=8,
+                     name="group-attention")
+    cluster = Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": world, "intra_gbps": 300.0}]})
+    plan = evaluate(cluster, model=model, seq_len=sum(tokens), causal=causal,
+                       layout=_layout(tokens, H, Hkv, ulysses, chunking))
+    ctx = HexiSeqContext(plan, group=group, causal=causal, softmax_scale=scale)
+    if len(_contexts) >= _KEPT:
+        _contexts.pop(next(iter(_contexts))).close()
+    _contexts[key] = ctx
+    return ctx
+
+
+def _documents(cu_seqlens):
+    if cu_seqlens is None:
+        return None
+    c = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    if len(c) < 2 or c[0] != 0:
+        raise InvalidArgumentError(f"cu_seqlens must start at 0 and hold at least one sequence, got {c[:8]}")
+    return [int(b) - int(a) for a, b in zip(c[:-1], c[1:])]
+
+
+def group_attention(q, k, v, group=None, *, causal: bool = True, softmax_scale: Optional[float] = None,
+                    chunking: str = "contiguous", ulysses: int = 1, cu_seqlens: Optional[Sequence[int]] = None):
+    """Attention of this rank's shard (q [batch, s_r, heads, d], k/v [batch, s_r, kv_heads, d]) of a sequence
+    spread over the ranks of `group` (default: the world) as `chunking` says; returns the output for the same tokens,
+    with autograd. Collective: every rank of the group calls it with the same heads, chunking, ulysses and
+    cu_seqlens (checked, as every call of the runtime: a rank that differs makes every rank raise the same error).
+    Each call gathers the ranks' token counts (one small all-gather) before the layer. See the module's docstring."""
+    group = resolve_group(group)
+    error, documents = _arguments_error(group, q, k, v, chunking, ulysses), None
+    if error is None:
+        try:
+            documents = _documents(cu_seqlens)
+        except InvalidArgumentError as e:
+            error = e
+    ctx = _context(group, q, k, bool(causal), softmax_scale, chunking, ulysses, error)
+    return hexiseq_attn_func(q, k, v, ctx, documents=documents)
+
+
+def _arguments_error(group, q, k, v, chunking, ulysses):
+    """The InvalidArgumentError this rank's arguments deserve, or None (raised on every rank by the agreement)."""
+    world = dist.get_world_size(group)
+    if chunking not in _CHUNKINGS:
+        return InvalidArgumentError(f"chunking must be one of {list(_CHUNKINGS)}, got {chunking!r}")
+    if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1 or world % ulysses:
+        return InvalidArgumentError(f"ulysses must be a positive integer dividing the group's {world} ranks, got "
+                                    f"{ulysses!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            return InvalidArgumentError(f"{name} must be a 4-D tensor [batch, tokens, heads, head_dim], got "
+                                        f"{type(t).__name__}{list(t.shape) if isinstance(t, torch.Tensor) else ''}")
+    if k.shape[2] < 1 or q.shape[2] % k.shape[2]:
+        return InvalidArgumentError(f"q's {q.shape[2]} heads must be a multiple of k's {k.shape[2]} kv heads")
+    if q.shape[2] < ulysses:
+        return InvalidArgumentError(f"ulysses={ulysses} needs at least as many heads, q has {q.shape[2]}")
+    if q.shape[1] < 1:
+        return InvalidArgumentError("each rank must hold at least one token, got q with 0")
+    return None
+
+
+class GroupAttention(torch.nn.Module):
+    """group_attention as a module: GroupAttention(group=None, causal=True, softmax_scale=None,
+    chunking="contiguous", ulysses=1); forward(q, k, v, cu_seqlens=None)."""
+
+    def __init__(self, group=None, *, causal: bool = True, softmax_scale: Optional[float] = None,
+                 chunking: str = "contiguous", ulysses: int = 1):
+        super().__init__()
+        self.group, self.causal, self.scale, self.chunking, self.ulysses = group, causal, softmax_scale, chunking, ulysses
+
+    def forward(self, q, k, v, cu_seqlens=None):
+        return group_attention(q, k, v, self.group, causal=self.causal, softmax_scale=self.scale,
+                               chunking=self.chunking, ulysses=self.ulysses, cu_seqlens=cu_seqlens)

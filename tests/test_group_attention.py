@@ -1,0 +1,30 @@
+"""The plan-free call (hexiseq.group): attention over a process group from the ranks' shards alone, in rank order or
+zigzag, unequal shares, packed sequences by cu_seqlens, head parallelism across ranks; float64 against one process
+within 1e-10 (the runtime's tolerance: the same sums in another order), forward and backward, on three Gloo ranks;
+bad arguments on one rank raise the same error on every rank, and the ranks stay in step."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+import dist_worker  # noqa: E402
+import group_worker  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+def test_group_attention_matches_one_process_and_refuses_together(tmp_path):
+    out = dist_worker.spawn(group_worker.group_attention_cases, 3, (), tmp_path, timeout_s=120)
+    for rank, (status, report, _) in sorted(out.items()):
+        assert status == "ok", f"rank {rank}: {report}"
+        assert len(report["cases"]) == 5
+        for name, errs in report["cases"].items():
+            for what, e in zip(("out", "dq", "dk", "dv"), errs):
+                assert e <= 1e-10, f"{name} rank {rank}: {what} relative error {e:.3g}"
+        r = report["refusals"]
+        assert r["chunking"][0] == "InvalidArgumentError" and "rank 1" in r["chunking"][1] and \
+            "chunking must be one of ['contiguous', 'zigzag'], got 'spiral'" in r["chunking"][1], r["chunking"]
+        assert r["ulysses"][0] == "InvalidArgumentError" and "dividing the group's 3 ranks, got 2" in r["ulysses"][1]
+        assert r["heads"][0] == "InvalidArgumentError" and "rank 2" in r["heads"][1], r["heads"]
+        assert r["good_after"] == ("ok", [1, 10, 6, 8]), r["good_after"]

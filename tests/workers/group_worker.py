@@ -1,0 +1,79 @@
+"""The rank side of tests/test_group_attention.py (imported by spawned children, so it lives in a module)."""
+
+import datetime
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from reference import attention
+
+H, HKV, D = 6, 2, 8
+
+
+def _positions(rank, world, chunking, tokens):
+    """The positions a rank holds under the plan-free call's conventions."""
+    if chunking == "contiguous":
+        lo = sum(tokens[:rank])
+        return torch.arange(lo, lo + tokens[rank])
+    S = sum(tokens)
+    c = S // (2 * world)
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * world - 1 - rank) * c,
+                                                                          (2 * world - rank) * c)])
+
+
+def group_attention_cases(rank, world, init, results):
+    """Forward and backward of hexiseq.group.group_attention in float64 against one process, per case; then a rank
+    with a bad argument; then a good call (the ranks stayed in step). Reports per case the largest relative error
+    of out, dq, dk, dv, and per refusal what this rank raised."""
+    try:
+        torch.set_num_threads(1)
+        from hexiseq.group import GroupAttention, group_attention
+
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        cases = [("contiguous-unequal", "contiguous", [40, 25, 32], 1, None),
+                 ("zigzag", "zigzag", [32, 32, 32], 1, None),
+                 ("documents", "contiguous", [30, 37, 30], 1, [0, 30, 31, 70, 97]),
+                 ("ulysses-3", "contiguous", [33, 31, 33], 3, None),
+                 ("zigzag-documents", "zigzag", [32, 32, 32], 1, [0, 50, 96])]
+        report = {}
+        for name, chunking, tokens, ulysses, cu in cases:
+            S = sum(tokens)
+            g = torch.Generator().manual_seed(S + len(name))
+            q, do = (torch.randn(1, S, H, D, generator=g, dtype=torch.float64) for _ in range(2))
+            k, v = (torch.randn(1, S, HKV, D, generator=g, dtype=torch.float64) for _ in range(2))
+            pos = _positions(rank, world, chunking, tokens)
+            ql, kl, vl = (t[:, pos].clone().requires_grad_() for t in (q, k, v))
+            module = GroupAttention(chunking=chunking, ulysses=ulysses)
+            out = module(ql, kl, vl, cu_seqlens=cu)
+            out.backward(do[:, pos])
+            starts = None
+            if cu is not None:
+                starts = torch.zeros(S, dtype=torch.int64)
+                for a, b in zip(cu[:-1], cu[1:]):
+                    starts[a:b] = a
+            qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+            ref, _ = attention(qr, kr, vr, causal=True, q_doc=starts)
+            ref.backward(do)
+            report[name] = [float((a - b[:, pos]).abs().max() / b.abs().max())
+                            for a, b in ((out.detach(), ref.detach()), (ql.grad, qr.grad), (kl.grad, kr.grad),
+                                         (vl.grad, vr.grad))]
+        refusals = {}
+        q = torch.randn(1, 10, H, D, dtype=torch.float64)
+        k = torch.randn(1, 10, HKV, D, dtype=torch.float64)
+        for name, kw in (("chunking", {"chunking": "spiral" if rank == 1 else "contiguous"}),
+                         ("ulysses", {"ulysses": 2}),
+                         ("heads", {"chunking": "contiguous"})):
+            kk = k if name != "heads" or rank != 2 else torch.randn(1, 10, 4, D, dtype=torch.float64)
+            try:
+                group_attention(q, kk, kk, **kw)
+                refusals[name] = ("ok", "")
+            except Exception as e:  # noqa: BLE001
+                refusals[name] = (type(e).__name__, str(e))
+        out = group_attention(q, k, k)
+        refusals["good_after"] = ("ok", list(out.shape))
+        results.put((rank, "ok", {"cases": report, "refusals": refusals}, None))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc(), None))
