@@ -52,7 +52,7 @@ from .comm import (_DTYPES, _bits_float, _code, _float_bits, _show, agree, colle
                    text_code)
 from ..errors import InvalidArgumentError
 
-__all__ = ["shard_states", "full_state_dict", "load_full_state_dict", "shard_sizes"]
+__all__ = ["shard_states", "full_state_dict", "load_full_state_dict", "shard_sizes", "sum_fsdp2_gradients"]
 
 SHARD_NAME = "hexiseq_shard"
 REDUCES = ("mean", "sum")
@@ -64,6 +64,33 @@ _active = {}
 _gathered = weakref.WeakSet()
 # Tests switch this off to show that without the saved-tensor hooks the gathered parameters outlive the forward.
 _free_after_forward = True
+
+
+def sum_fsdp2_gradients(module) -> int:
+    """Make torch's FSDP2 (`fully_shard`) sum the ranks' gradients instead of averaging them, on every FSDP module
+    of `module` (the root and its units); returns how many it set.
+
+    Under sequence parallelism every rank's loss covers only its own tokens: with each rank's loss written as its
+    tokens' summed loss over the WHOLE sequence's token count (hexiseq.hf.sharded_causal_lm_loss, or sum / count by
+    hand), the gradient of the mean loss is the SUM of the ranks' gradients. FSDP2 divides the reduce-scatter by the
+    world size (the mean, right for data parallelism), which leaves the gradients at 1/world of the full-sequence
+    gradient. The recipe, exact against one process (tests/test_fsdp2.py)::
+
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+        hexiseq.states.sum_fsdp2_gradients(model)      # after fully_shard, before the first backward
+
+    Data-parallel replicas of a sequence-parallel group (a mesh of replicas x the plan's ranks) want the mean over
+    the replicas of these sums: divide the loss by the number of replicas."""
+    count = 0
+    for m in module.modules():
+        if hasattr(m, "set_gradient_divide_factor") and hasattr(m, "reshard"):  # an FSDPModule
+            m.set_gradient_divide_factor(1.0)
+            count += 1
+    if not count:
+        raise InvalidArgumentError(f"{type(module).__name__} holds no FSDP2 module: call fully_shard on it first")
+    return count
 
 
 def shard_sizes(shares, total):
