@@ -28,3 +28,16 @@ def test_group_attention_matches_one_process_and_refuses_together(tmp_path):
         assert r["ulysses"][0] == "InvalidArgumentError" and "dividing the group's 3 ranks, got 2" in r["ulysses"][1]
         assert r["heads"][0] == "InvalidArgumentError" and "rank 2" in r["heads"][1], r["heads"]
         assert r["good_after"] == ("ok", [1, 10, 6, 8]), r["good_after"]
+
+
+def test_hugging_face_model_runs_unpatched_under_sequence_parallel(tmp_path):
+    """A transformers Llama with attn_implementation="sdpa", not patched, inside hexiseq.group.sequence_parallel:
+    its SDPA calls go through the runtime; loss and summed gradients equal one process on the whole sequence
+    (float64, 1e-10), zigzag and contiguous shards; SDPA is restored after the block."""
+    pytest.importorskip("transformers")
+    out = dist_worker.spawn(group_worker.hf_under_sequence_parallel, 3, (), tmp_path, timeout_s=180)
+    for rank, (status, report, _) in sorted(out.items()):
+        assert status == "ok", f"rank {rank}: {report}"
+        for chunking, r in report.items():
+            assert r["loss"] <= 1e-10 and r["grads"] <= 1e-10, (chunking, rank, r)
+            assert r["restored"], (chunking, rank, r)

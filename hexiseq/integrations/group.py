@@ -27,7 +27,7 @@ from ..planner.plan import evaluate
 from ..runtime.comm import agree, collective_device, resolve_group
 from ..runtime.nn import HexiSeqContext, hexiseq_attn_func
 
-__all__ = ["group_attention", "GroupAttention"]
+__all__ = ["group_attention", "GroupAttention", "sequence_parallel"]
 
 _CHUNKINGS = ("contiguous", "zigzag")
 _contexts = {}  # key -> HexiSeqContext
@@ -142,3 +142,78 @@ class GroupAttention(torch.nn.Module):
     def forward(self, q, k, v, cu_seqlens=None):
         return group_attention(q, k, v, self.group, causal=self.causal, softmax_scale=self.scale,
                                chunking=self.chunking, ulysses=self.ulysses, cu_seqlens=cu_seqlens)
+
+
+class sequence_parallel:
+    """A context manager that routes torch.nn.functional.scaled_dot_product_attention through group_attention while
+    it is open, as torch's context_parallel() does: a model that calls SDPA (a Hugging Face model with
+    attn_implementation="sdpa", say) runs on this rank's shard of the sequence without patching::
+
+        with hexiseq.group.sequence_parallel(chunking="zigzag") as sp:
+            ids = sp.shard(input_ids)                                  # [batch, s_r]
+            pos = sp.positions(input_ids.shape[1])[None]               # absolute positions, for RoPE
+            logits = model(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids)).logits
+
+    (An all-ones attention_mask keeps transformers from reading the shard's jump in position ids as packed
+    sequences and building a mask.) SDPA calls with an attention mask or dropout are refused: the causal mask is
+    applied by absolute position. Shards are even (`shard`); give group_attention unequal ones directly."""
+
+    def __init__(self, group=None, *, chunking: str = "zigzag", ulysses: int = 1):
+        if chunking not in _CHUNKINGS:
+            raise InvalidArgumentError(f"chunking must be one of {list(_CHUNKINGS)}, got {chunking!r}")
+        self.group, self.chunking, self.ulysses = group, chunking, ulysses
+        self._saved = None
+
+    def _rank_world(self):
+        group = resolve_group(self.group)
+        return dist.get_rank(group), dist.get_world_size(group)
+
+    def positions(self, seq_len: int) -> torch.Tensor:
+        """The absolute positions of this rank's shard of a sequence of seq_len tokens."""
+        rank, world = self._rank_world()
+        if self.chunking == "contiguous":
+            bounds = [seq_len * r // world for r in range(world + 1)]
+            return torch.arange(bounds[rank], bounds[rank + 1])
+        if seq_len % (2 * world):
+            raise InvalidArgumentError(f"zigzag shards a sequence into 2 x {world} equal chunks: seq_len must be a "
+                                       f"multiple of {2 * world}, got {seq_len}")
+        c = seq_len // (2 * world)
+        return torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                          torch.arange((2 * world - 1 - rank) * c, (2 * world - rank) * c)])
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's shard of a full-sequence tensor along `dim`."""
+        pos = self.positions(x.shape[dim]).to(x.device)
+        return x.index_select(dim, pos)
+
+    def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False):
+        from ..errors import UnsupportedError
+
+        if attn_mask is not None:
+            raise UnsupportedError("hexiseq.group.sequence_parallel: an SDPA call with an attention mask; the causal "
+                                   "mask is applied by absolute position (pass an all-ones attention_mask to the "
+                                   "model, or none)")
+        if dropout_p:
+            raise UnsupportedError(f"hexiseq.group.sequence_parallel: attention dropout ({dropout_p}) is not "
+                                   "supported")
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))   # [batch, tokens, heads, head_dim]
+        out = group_attention(q, k, v, self.group, causal=bool(is_causal), softmax_scale=scale,
+                              chunking=self.chunking, ulysses=self.ulysses)
+        return out.transpose(1, 2)
+
+    def __enter__(self):
+        import torch.nn.functional as F
+
+        if self._saved is not None:
+            raise InvalidArgumentError("this sequence_parallel context is already open")
+        self._saved = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = self._sdpa
+        return self
+
+    def __exit__(self, *exc):
+        import torch.nn.functional as F
+
+        F.scaled_dot_product_attention = self._saved
+        self._saved = None
+        return False

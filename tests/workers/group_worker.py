@@ -77,3 +77,45 @@ def group_attention_cases(rank, world, init, results):
         dist.destroy_process_group()
     except Exception:
         results.put((rank, "error", traceback.format_exc(), None))
+
+
+def hf_under_sequence_parallel(rank, world, init, results):
+    """A transformers Llama (sdpa) run inside hexiseq.group.sequence_parallel, unpatched: each rank its shard, the
+    global loss and the summed gradients against the same model on the whole sequence in one process (float64),
+    for zigzag and contiguous shards."""
+    try:
+        torch.set_num_threads(1)
+        import torch.nn.functional as F
+
+        import hf_worker
+        from hexiseq.group import sequence_parallel
+
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        report = {}
+        for chunking, S in (("zigzag", 48), ("contiguous", 47)):
+            ref = hf_worker.tiny_model("llama", 4)
+            ours = hf_worker.tiny_model("llama", 4)
+            ids = torch.randint(97, (1, S), generator=torch.Generator().manual_seed(S))
+            labels = torch.full_like(ids, -100)
+            labels[0, :-1] = ids[0, 1:]
+            F.cross_entropy(ref(input_ids=ids).logits[0], labels[0]).backward()
+            with sequence_parallel(chunking=chunking) as sp:
+                local = sp.shard(ids)
+                pos = sp.positions(S)[None]
+                logits = ours(input_ids=local, position_ids=pos, attention_mask=torch.ones_like(local)).logits
+                loss = F.cross_entropy(logits[0], sp.shard(labels)[0], ignore_index=-100, reduction="sum") / (S - 1)
+                loss.backward()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            for p in ours.parameters():
+                dist.all_reduce(p.grad)
+            want = F.cross_entropy(ref(input_ids=ids).logits[0], labels[0]).detach()
+            grads = max(float((a.grad - b.grad).abs().max() / b.grad.abs().max())
+                        for a, b in zip(ours.parameters(), ref.parameters()))
+            report[chunking] = {"loss": abs(float(total - want)) / abs(float(want)), "grads": grads,
+                                "restored": F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention}
+        results.put((rank, "ok", report, None))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc(), None))
