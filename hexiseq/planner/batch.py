@@ -55,7 +55,7 @@ from .._validate import number
 from ..errors import InvalidArgumentError, MemoryFitError, UnsupportedError
 from .cluster import Cluster, device_set
 from .model import Training
-from .plan import Plan, _inputs, plan
+from .plan import Plan, _inputs, _plan_one, _strategy, plan
 
 
 
@@ -216,9 +216,10 @@ class _Kind:
         self.correction = 1.0  # exact / linear, learnt from exactly scored plans (BatchPlanner._learn)
 
     def _fits(self, L):
+        # the scheduler alone: plan() would also work out, for the error it raises, the longest sequence that fits
+        # (a search of its own per probe, which made pricing 8,192 devices take minutes)
         try:
-            plan(self.cluster, model=self.model, seq_len=int(L), training=self.training, causal=self.causal,
-                 strategy="hexiseq")
+            _plan_one(self.cluster, self.model, self.training, int(L), self.causal, _strategy("hexiseq"), None, None)
             return True
         except (MemoryFitError, UnsupportedError):
             return False
