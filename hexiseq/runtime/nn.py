@@ -28,7 +28,7 @@ from ..errors import InvalidArgumentError
 from .topology import Topology
 
 __all__ = ["HexiSeqAttention", "HexiSeqContext", "hexiseq_attn_func", "gather_sequence", "BatchContext", "BatchStep",
-           "Pass", "BatchAttention"]
+           "Pass", "BatchAttention", "TiledMLP", "tiled_cross_entropy"]
 
 _live_contexts = weakref.WeakSet()
 
@@ -224,14 +224,15 @@ def gather_sequence(x, plan, dim: int = 1, group=None):
     return plan.unshard(shards, dim)
 
 
-_BATCH_NAMES = ("BatchAttention", "BatchContext", "BatchStep", "Pass")
+_LAZY = {"BatchAttention": "batch", "BatchContext": "batch", "BatchStep": "batch", "Pass": "batch",
+         "TiledMLP": "tiled", "tiled_cross_entropy": "tiled"}
 
 
 def __getattr__(name):
-    """The batch runtime's public names (hexiseq.runtime.batch, which builds on this module), loaded on first use so
-    that either module may be imported first."""
-    if name in _BATCH_NAMES:
-        from . import batch
+    """The public names of the batch runtime (hexiseq.runtime.batch, which builds on this module) and of the tiled
+    token-local work (hexiseq.runtime.tiled), loaded on first use so that any of the modules may be imported first."""
+    if name in _LAZY:
+        import importlib
 
-        return getattr(batch, name)
+        return getattr(importlib.import_module(f"{__package__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
