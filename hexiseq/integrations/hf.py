@@ -203,6 +203,8 @@ def hexiseq_attention_forward(module, query, key, value, attention_mask, scaling
         if active is None:
             raise InvalidArgumentError("a model patched with a BatchContext runs inside `with pass_:` for a pass of "
                                        "BatchContext.step(...); feed it pass_.hf_inputs(token_ids)")
+        if active.context is None:  # an EmptyPass (padded_passes): its placeholder token attends to nothing
+            return active.attention(*(x.transpose(1, 2) for x in (query, key, value))), None
         context = active.context
         want = torch.as_tensor(active.positions) if want is not None else None
         if documents != active.documents:

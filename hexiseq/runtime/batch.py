@@ -30,7 +30,7 @@ from .comm import agree, collective_device, group_timeout, resolve_group, text_c
 from .documents import DOCUMENTS_KWARG
 from .nn import HexiSeqContext, hexiseq_attn_func
 
-__all__ = ["BatchContext", "BatchStep", "Pass", "BatchAttention"]
+__all__ = ["BatchContext", "BatchStep", "Pass", "EmptyPass", "BatchAttention"]
 
 _CONTEXTS_KEPT = 32  # pass contexts kept for later steps with the same pass plan (a model calls one per layer)
 
@@ -294,8 +294,59 @@ class Pass:
                 f"local_rank={self.local_rank})")
 
 
+class EmptyPass:
+    """A pass with no tokens, run by a rank whose group has fewer passes than the step's busiest group (none, for a
+    group the plan left idle) so that every rank runs the model as many times: what collectives the model's own
+    code makes per call (hexiseq.states' gathers of sharded parameters, FSDP's) then meet on every rank. Its
+    inputs are one placeholder token (id 0, position 0, label ignore_index: models reshape with -1, which an empty
+    sequence makes ambiguous) whose loss is 0; its attention returns zeros without communicating (tied to q, k, v
+    so that the backward runs through the same modules)."""
+
+    tokens = 0  # of the step's sequences
+    context = None  # no group, no communication
+    sequences: List[int] = []
+    documents = None
+    document_lengths = ()
+    sequence_lengths = ()
+
+    def __init__(self, batch_context):
+        self.batch_context = batch_context
+
+    def inputs(self, batch, ignore_index: int = -100) -> dict:
+        device = batch[0].device if len(batch) else None
+        one = torch.zeros(1, 1, dtype=torch.long, device=device)
+        return {"input_ids": one, "position_ids": one.clone(), "labels": torch.full_like(one, ignore_index)}
+
+    def labels(self, batch, ignore_index: int = -100):
+        return self.inputs(batch, ignore_index)["labels"]
+
+    def hf_inputs(self, batch) -> dict:
+        got = self.inputs(batch)
+        return {"input_ids": got["input_ids"], "position_ids": got["position_ids"],
+                "attention_mask": torch.ones_like(got["input_ids"])}
+
+    def position_ids(self):
+        return torch.zeros(1, dtype=torch.long)
+
+    def sequence_ids(self):
+        return torch.zeros(0, dtype=torch.long)
+
+    def attention(self, q, k, v):
+        return q.new_zeros(q.shape) + 0.0 * (q.sum() + k.sum() + v.sum())
+
+    __enter__ = Pass.__enter__
+    __exit__ = Pass.__exit__
+
+    def __repr__(self):
+        return "EmptyPass()"
+
+
 class BatchStep:
-    """This rank's part of one step: its group (index `group`, global ranks `devices`) and the group's passes."""
+    """This rank's part of one step: its group (index `group`, global ranks `devices`) and the group's passes.
+
+    passes: the group's packed passes. padded_passes(): the same followed by EmptyPass()es up to the step's busiest
+    group's count, the same number on every rank: iterate those when the model makes collectives of its own per
+    call (parameters sharded by hexiseq.states.shard_states or FSDP over ranks of different groups)."""
 
     def __init__(self, batch_context, plan, group, devices, passes: List[Pass]):
         self.batch_context = batch_context
@@ -303,6 +354,10 @@ class BatchStep:
         self.group = group
         self.devices = devices
         self.passes = passes
+
+    def padded_passes(self) -> list:
+        most = max(len(ps) for ps in self.plan.passes)
+        return list(self.passes) + [EmptyPass(self.batch_context) for _ in range(most - len(self.passes))]
 
     @property
     def sequences(self) -> List[int]:
@@ -322,6 +377,8 @@ class BatchStep:
         """Per-token figures of this rank (values[p]: [tokens] of pass p, a loss per token, say) summed per
         sequence over every rank: a [sequences] tensor in batch order, the same on every rank (an all-reduce
         over the world, on the values' device; not differentiable)."""
+        if len(values) != len(self.passes):  # padded passes' values (empty) may come along
+            values = [v for v, p in zip(values, self.padded_passes()) if not isinstance(p, EmptyPass)]
         if len(values) != len(self.passes):
             raise InvalidArgumentError(f"values must hold one tensor per pass ({len(self.passes)}), got {len(values)}")
         n = len(self.plan.lengths)

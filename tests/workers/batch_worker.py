@@ -238,3 +238,90 @@ def hf_batch_training(rank, world, init, steps, results):
         dist.destroy_process_group()
     except Exception:
         results.put((rank, "error", traceback.format_exc(), None))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, heads, kv_heads, attention):
+        super().__init__()
+        self.heads, self.kv_heads, self.attention = heads, kv_heads, attention
+        h = heads * HEAD_DIM
+        self.qkv = torch.nn.Linear(h, (heads + 2 * kv_heads) * HEAD_DIM, dtype=torch.float64)
+        self.o = torch.nn.Linear(heads * HEAD_DIM, h, dtype=torch.float64)
+
+    def forward(self, x):
+        s = x.shape[1]
+        q, k, v = self.qkv(x).split([self.heads * HEAD_DIM, self.kv_heads * HEAD_DIM, self.kv_heads * HEAD_DIM], -1)
+        a = self.attention(q.view(1, s, self.heads, HEAD_DIM), k.view(1, s, self.kv_heads, HEAD_DIM),
+                           v.view(1, s, self.kv_heads, HEAD_DIM))
+        return x + self.o(a.reshape(1, s, -1))
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, heads, kv_heads, attention):
+        super().__init__()
+        torch.manual_seed(17)
+        h = heads * HEAD_DIM
+        self.emb = torch.nn.Embedding(VOCAB, h, dtype=torch.float64)
+        self.pos = torch.nn.Embedding(MAX_POS, h, dtype=torch.float64)
+        self.layers = torch.nn.ModuleList(_Block(heads, kv_heads, attention) for _ in range(2))
+        self.head = torch.nn.Linear(h, VOCAB, dtype=torch.float64)
+
+    def forward(self, ids, pos):
+        x = self.emb(ids) + self.pos(pos)
+        for blk in self.layers:
+            x = blk(x)
+        return self.head(x)
+
+
+def train_with_sharded_states(rank, world, init, candidates, steps, results):
+    """A model whose states hexiseq.states.shard_states shards unevenly over all ranks (reduce="sum"), trained on
+    batch plans: every rank runs step.padded_passes() (its group's passes, then empty ones up to the busiest
+    group's count), so that the parameter gathers meet on every rank. Against one process on every document alone;
+    reports the largest parameter difference after the steps and the passes per group of each step."""
+    try:
+        torch.set_num_threads(1)
+        from hexiseq.nn import BatchAttention, BatchContext
+        from hexiseq.states import full_state_dict, shard_states
+
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        planner = planner_for(candidates)
+        heads, kv_heads = planner.model.heads, planner.model.kv_heads
+        context = BatchContext(planner)
+        ours = _Net(heads, kv_heads, BatchAttention(context))
+        ref = _Net(heads, kv_heads, lambda q, k, v: attention(q, k, v, causal=True)[0])
+        shard_states(ours, [0.4, 0.3, 0.2, 0.1], reduce="sum")
+        opt = torch.optim.SGD(ours.parameters(), lr=0.3)
+        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.3)
+        shapes = []
+        for lengths, ids in batches(5, steps, 9):
+            plan = planner.plan(lengths)
+            step = context.step(plan)
+            n = step.labelled_tokens()
+            shapes.append([len(ps) for ps in plan.passes])
+            opt.zero_grad()
+            for p in step.padded_passes():
+                with p:
+                    inp = p.inputs(ids)
+                    logits = ours(inp["input_ids"], inp["position_ids"])
+                    loss = F.cross_entropy(logits[0], inp["labels"][0], ignore_index=-100, reduction="sum") / n
+                    loss.backward()
+            opt.step()
+            opt_ref.zero_grad()
+            total = 0.0
+            for L, x in zip(lengths, ids):
+                at = 0
+                for m in (L if isinstance(L, list) else [L]):
+                    d = x[at:at + m][None]
+                    at += m
+                    logits = ref(d, torch.arange(m)[None])
+                    total = total + F.cross_entropy(logits[0, :-1], d[0, 1:], reduction="sum")
+            (total / n).backward()
+            opt_ref.step()
+        full = full_state_dict(ours)
+        diff = max(float((full[k] - v).abs().max()) for k, v in ref.state_dict().items())
+        context.close()
+        results.put((rank, "ok", {"params": diff, "passes": shapes}, None))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc(), None))
