@@ -140,10 +140,49 @@ def worker(rank, world, init, args, out_path):
     dist.destroy_process_group()
 
 
+def blocks(lengths, reps=3):
+    """One block forward and backward in one process, one thread: the hexiseq CPU kernels against torch's CPU flash
+    op (K/V expanded for it), causal and full; best of `reps` (measured)."""
+    from hexiseq import ops
+
+    torch.set_num_threads(1)
+    lines = ["| tokens | causal | hexiseq fwd (ms) | hexiseq bwd (ms) | torch fwd (ms) | torch bwd (ms) | torch / hexiseq "
+             "fwd | bwd |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+
+    def best(fn):
+        fn()
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return min(out) * 1e3
+    for S in lengths:
+        for causal in (True, False):
+            q, do = torch.randn(1, S, H, D), torch.randn(1, S, H, D)
+            k, v = torch.randn(1, S, HKV, D), torch.randn(1, S, HKV, D)
+            o, lse = ops.attention_forward(q, k, v, causal=causal)
+            hf = best(lambda: ops.attention_forward(q, k, v, causal=causal))
+            hb = best(lambda: ops.attention_backward(q, k, v, o, lse, do, causal=causal))
+            qt = q.transpose(1, 2)
+            kt, vt = (t.repeat_interleave(H // HKV, 2).transpose(1, 2) for t in (k, v))
+            aten = torch.ops.aten
+            r = aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt, 0.0, causal, scale=D ** -0.5)
+            tf = best(lambda: aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt, 0.0, causal,
+                                                                               scale=D ** -0.5))
+            tb = best(lambda: aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                do.transpose(1, 2), qt, kt, vt, r[0], r[1], 0.0, causal, scale=D ** -0.5))
+            lines.append(f"| {S} | {causal} | {hf:.1f} | {hb:.1f} | {tf:.1f} | {tb:.1f} | {tf / hf:.2f} | "
+                         f"{tb / hb:.2f} |")
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", default="4096,8192")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--blocks", default="1024,2048,4096",
+                    help="lengths of the one-process block comparison printed after the ring's (empty: none)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "helpers"))
@@ -168,6 +207,10 @@ def main():
     first = rows[0]
     lines += ["", f"Accuracy at {first['S']} tokens, largest error of the output and the three gradients relative to "
                   f"the largest float64 value: hexiseq {first['hexiseq_err']:.2e}, torch {first['torch_err']:.2e}.", ""]
+    if args.blocks:
+        lines += ["One block in one process, one thread, the same shapes (best of 3, measured):", ""]
+        lines += blocks([int(x) for x in args.blocks.split(",")])
+        lines.append("")
     text = "\n".join(lines)
     print(text)
     if args.out:

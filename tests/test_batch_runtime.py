@@ -67,6 +67,18 @@ def test_ranks_that_disagree_about_a_batch_plan_fail_together(tmp_path):
         kind, message, _ = report["other_model"]
         assert kind == "InvalidArgumentError" and "another cluster, model or training" in message, message
         assert report["good_after"][0] == "ok", report["good_after"]
+        bad, busy = report["probe"][1]
+        kind, message, _ = report["per_sequence_values"]
+        assert kind == "InvalidArgumentError" and f"rank {bad}:" in message and "must hold" in message, (rank, message)
+        kind, message, _ = report["not_a_planner"]
+        assert kind == "InvalidArgumentError" and "rank 1" in message and "not one step's BatchPlan" in message, \
+            (rank, message)
+    # the bad rank's group refuses its pass on every member, naming the global rank; other groups are not in the call
+    for rank in busy:
+        kind, message, _ = by_rank[rank]["pass_input"]
+        assert kind == "InvalidArgumentError" and f"rank {bad}:" in message, message
+        if bad != busy.index(bad):
+            assert f"(global rank {bad})" in message, message
 
 
 def test_hugging_face_model_trains_on_batch_plans(tmp_path):

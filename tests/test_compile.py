@@ -1,7 +1,8 @@
 """torch.compile around HexiSeq attention: a block that calls HexiSeqAttention compiles with fullgraph=True (the
 layer is one custom op each way, hexiseq.runtime.compiled) on Gloo ranks of an asymmetric plan, and gives the eager
 block's loss and gradients (float64, 1e-12 relative: the same kernels and collectives, only the code around them
-compiled), with and without packed documents."""
+compiled), with and without packed documents (whose lengths change between calls, as packed batches do), and
+that forwards whose backward never runs keep nothing."""
 
 import time
 
@@ -29,6 +30,8 @@ def test_fullgraph_compile_matches_eager(backend, tmp_path):
                             timeout_s=300)
     for rank, (status, report, _) in sorted(out.items()):
         assert status == "ok", f"rank {rank}: {report}"
+        assert report.pop("kept_after_forwards") == 0, report
+        assert len(report) == 3, report
         for name, r in report.items():
             for what, e in zip(("loss", "dw", "do"), r["errors"]):
                 assert e <= 1e-12, f"{backend} {name} rank {rank}: {what} relative error {e:.3g}"

@@ -76,3 +76,33 @@ def test_tiles_are_checked():
         TiledMLP(torch.nn.Identity(), 0)
     with pytest.raises(InvalidArgumentError, match="do not agree"):
         tiled_cross_entropy(torch.zeros(4, 3), torch.zeros(5, 2), torch.zeros(4, dtype=torch.long), 2)
+
+
+def test_tiled_mlp_recomputes_under_the_forwards_autocast():
+    """Under torch.autocast the backward's recomputation runs in the forward's precision (bf16 here, as torch's
+    checkpoint does), not in the parameters' float32: every run of the inner Linear, forward and recomputed, gives
+    bf16; and the gradients are those of the untiled model under the same autocast up to bf16 rounding."""
+    torch.manual_seed(1)
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+    seen = []
+    mlp[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    x = torch.randn(1, 40, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = mlp(x)
+    y.float().sum().backward()
+    want = x.grad.clone()
+    x.grad = None
+    seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        yt = TiledMLP(mlp, 4)(x)
+    yt.float().sum().backward()   # outside the autocast region, as a training loop runs it
+    assert seen == [torch.bfloat16] * 8, seen
+    assert yt.dtype == y.dtype == torch.bfloat16
+    assert rel(x.grad, want) <= 1e-2
+
+
+def test_tiled_mlp_tiles_the_tokens_of_a_2d_input():
+    torch.manual_seed(2)
+    mlp = SwiGLU(8, 20)
+    x = torch.randn(37, 8, dtype=torch.float64)
+    assert rel(TiledMLP(mlp, 4)(x), mlp(x)) <= 1e-12

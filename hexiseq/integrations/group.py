@@ -5,8 +5,9 @@ layout is made from the group and the shards' sizes.
 - `group_attention(q, k, v, group=None, ...)`: every rank of `group` holds a contiguous shard of the sequence in rank
   order (chunking="contiguous", as ring-flash-attn's ring_flash_attn_func) or the zigzag pair of chunks r and
   2 world - 1 - r (chunking="zigzag", as its zigzag_ring_flash_attn_func and torch's context_parallel shard a causal
-  sequence). Shards may be of unequal sizes (the ranks' token counts are gathered once per shape): give a fast
-  device more tokens. `ulysses` > 1 puts that many consecutive ranks in one head-parallel group (heads split as
+  sequence; with unequal shards, rank r's tokens are its front chunk then its back chunk, each half of them, the
+  front chunk taking the extra token). Contiguous shards may be of any sizes (the ranks' token counts are gathered
+  at each call): give a fast device more tokens. Zigzag takes ulysses=1. `ulysses` > 1 puts that many consecutive ranks in one head-parallel group (heads split as
   evenly as the kv heads allow), the groups in a ring, as yunchang's ulysses_degree x ring_degree.
   `cu_seqlens` (flash-attn's varlen form: cumulative lengths of the packed sequences over the WHOLE sequence, a
   list or a 1-D tensor starting at 0) masks each query to its own sequence.
@@ -83,12 +84,20 @@ def _context(group, q, k, causal, scale, chunking, ulysses, error):
 
 
 def _documents(cu_seqlens):
+    """The sequences' lengths of flash-attn's cumulative cu_seqlens (0, then increasing integers)."""
     if cu_seqlens is None:
         return None
+    if isinstance(cu_seqlens, torch.Tensor) and (cu_seqlens.is_floating_point() or cu_seqlens.is_complex()):
+        raise InvalidArgumentError(f"cu_seqlens must hold integers, got a {cu_seqlens.dtype} tensor")
     c = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    if any(isinstance(x, bool) or not isinstance(x, int) for x in c):
+        raise InvalidArgumentError(f"cu_seqlens must hold integers, got {c[:8]}")
     if len(c) < 2 or c[0] != 0:
         raise InvalidArgumentError(f"cu_seqlens must start at 0 and hold at least one sequence, got {c[:8]}")
-    return [int(b) - int(a) for a, b in zip(c[:-1], c[1:])]
+    for i in range(1, len(c)):
+        if c[i] <= c[i - 1]:
+            raise InvalidArgumentError(f"cu_seqlens must increase: cu_seqlens[{i}] = {c[i]} after {c[i - 1]}")
+    return [b - a for a, b in zip(c[:-1], c[1:])]
 
 
 def group_attention(q, k, v, group=None, *, causal: bool = True, softmax_scale: Optional[float] = None,
@@ -117,6 +126,11 @@ def _arguments_error(group, q, k, v, chunking, ulysses):
     if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1 or world % ulysses:
         return InvalidArgumentError(f"ulysses must be a positive integer dividing the group's {world} ranks, got "
                                     f"{ulysses!r}")
+    if chunking == "zigzag" and ulysses > 1:
+        # the layout would zigzag per head-parallel group and split each group's tokens among its members, which is
+        # not the chunks r and 2 world - 1 - r a caller shards by
+        return InvalidArgumentError(f"chunking='zigzag' takes ulysses=1 (each rank its pair of chunks), got "
+                                    f"ulysses={ulysses}; use chunking='contiguous' with head parallelism")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             return InvalidArgumentError(f"{name} must be a 4-D tensor [batch, tokens, heads, head_dim], got "
@@ -161,6 +175,9 @@ class sequence_parallel:
     def __init__(self, group=None, *, chunking: str = "zigzag", ulysses: int = 1):
         if chunking not in _CHUNKINGS:
             raise InvalidArgumentError(f"chunking must be one of {list(_CHUNKINGS)}, got {chunking!r}")
+        if chunking == "zigzag" and ulysses != 1:
+            raise InvalidArgumentError(f"chunking='zigzag' takes ulysses=1, got ulysses={ulysses!r}; use "
+                                       "chunking='contiguous' with head parallelism")
         self.group, self.chunking, self.ulysses = group, chunking, ulysses
         self._saved = None
 

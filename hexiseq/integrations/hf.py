@@ -51,7 +51,7 @@ BatchContext instead of a plan, and feed each pass of a step inside `with pass_:
 
     context = hexiseq.nn.BatchContext(planner)           # once per job, on every rank
     model = patch_model(model, context)
-    step = context.step(planner.plan(lengths))           # every step
+    step = context.step(planner.plan(lengths, exact=False))   # every step
     for p in step.passes:                                # this rank's group's passes
         with p:
             logits = model(**p.hf_inputs(token_ids)).logits

@@ -420,7 +420,8 @@ class BatchPlan:
         gpus = self.cluster.device_gpus
         lines = [f"batch plan: {len(self.lengths)} sequences ({sum(self.lengths):,} tokens, the longest "
                  f"{max(self.lengths):,}) on {self.cluster.describe()}",
-                 f"  {len(self.groups)} groups chosen from {self.candidates} candidates in {self.solve_s * 1e3:.0f} ms",
+                 f"  {len(self.groups)} group{'s' if len(self.groups) != 1 else ''} chosen from {self.candidates} candidates in "
+                 f"{self.solve_s * 1e3:.0f} ms",
                  f"  step (predicted) {self.step_time_s:.4g} s = slowest group {max(self.group_time_s):.4g} s + "
                  f"gradient sync across groups {self.sync_s:.3g} s",
                  f"  under the search's linear pricing: {self.model_step_time_s:.4g} s, and at least "

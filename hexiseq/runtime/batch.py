@@ -48,19 +48,27 @@ class BatchContext:
         self.group = resolve_group(None)
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.planner = planner
-        self.causal = planner.causal if causal is None else bool(causal)
+        self.causal = getattr(planner, "causal", True) if causal is None else bool(causal)
         self.scale = softmax_scale
         self.timeout = timeout if timeout is not None else group_timeout(self.group)
         self.backend = str(dist.get_backend(self.group))
-        n = planner.cluster.num_devices
-        error = None
-        if n != self.world:
-            error = InvalidArgumentError(f"the planner's cluster has {n} devices but the world has {self.world} ranks "
-                                         "(rank r runs device r)")
-        elif self.causal != planner.causal:
-            error = InvalidArgumentError(f"causal={self.causal} but the planner plans causal={planner.causal}")
+        error, identity = None, 0
+        try:  # every check first: a rank whose planner is wrong still meets the others in the agreement below
+            if not all(hasattr(planner, a) for a in ("cluster", "model", "training", "causal", "groups", "plan")) \
+                    or hasattr(planner, "assignment"):
+                raise InvalidArgumentError(f"planner must be a hexiseq.BatchPlanner (the job's planner, not one "
+                                           f"step's BatchPlan), got {type(planner).__name__}")
+            n = planner.cluster.num_devices
+            if n != self.world:
+                raise InvalidArgumentError(f"the planner's cluster has {n} devices but the world has {self.world} "
+                                           "ranks (rank r runs device r)")
+            if self.causal != planner.causal:
+                raise InvalidArgumentError(f"causal={self.causal} but the planner plans causal={planner.causal}")
+            identity = text_code(_job_identity(planner))
+        except Exception as e:  # noqa: BLE001 - whatever it is, the other ranks must learn of it, not hang
+            error = e
         self._cpu = self.group if "gloo" in self.backend else dist.new_group(backend="gloo", **self._timeout_kw())
-        agree(self._cpu, [text_code(_job_identity(planner)), int(self.causal), text_code(repr(softmax_scale))],
+        agree(self._cpu, [identity, int(self.causal), text_code(repr(softmax_scale))],
               ["planner", "causal", "softmax_scale"], error)
         self._groups: Dict[tuple, object] = {}
         self._contexts: "collections.OrderedDict[tuple, HexiSeqContext]" = collections.OrderedDict()
@@ -206,6 +214,9 @@ class Pass:
         """The pass's packed sequence: batch[i] (each sequence's tensor, its tokens along `dim`, for every
         sequence of the step in batch order) of this pass's sequences, laid end to end along `dim`."""
         parts = []
+        if self.sequences and len(batch) <= max(self.sequences):
+            raise InvalidArgumentError(f"batch must hold every sequence of the step in batch order (this pass takes "
+                                       f"sequence {max(self.sequences)}), got {len(batch)}")
         for i, n in zip(self.sequences, self.sequence_lengths):
             x = batch[i]
             if not isinstance(x, torch.Tensor) or x.dim() <= dim or x.shape[dim] != n:
@@ -375,21 +386,28 @@ class BatchStep:
 
     def per_sequence(self, values: Sequence[torch.Tensor]) -> torch.Tensor:
         """Per-token figures of this rank (values[p]: [tokens] of pass p, a loss per token, say) summed per
-        sequence over every rank: a [sequences] tensor in batch order, the same on every rank (an all-reduce
-        over the world, on the values' device; not differentiable)."""
-        if len(values) != len(self.passes):  # padded passes' values (empty) may come along
-            values = [v for v, p in zip(values, self.padded_passes()) if not isinstance(p, EmptyPass)]
-        if len(values) != len(self.passes):
-            raise InvalidArgumentError(f"values must hold one tensor per pass ({len(self.passes)}), got {len(values)}")
+        sequence over every rank: a float64 [sequences] tensor in batch order, the same on every rank (an
+        all-reduce over the world, on the values' device; not differentiable). Collective: a rank whose values do
+        not fit its passes makes every rank raise the same error."""
         n = len(self.plan.lengths)
-        device = values[0].device if values else collective_device(self.batch_context.group)
-        dtype = values[0].dtype if values else torch.float64
-        out = torch.zeros(n, dtype=dtype, device=device)
-        for p, v in zip(self.passes, values):
-            v = v.detach().reshape(-1)
-            if v.numel() != p.tokens:
-                raise InvalidArgumentError(f"values of {p} must hold {p.tokens} entries, got {v.numel()}")
-            out.index_add_(0, p.sequence_ids().to(device), v.to(dtype))
+        error, out = None, None
+        try:  # a rank whose values are wrong makes every rank raise, instead of leaving them in the all-reduce
+            values = list(values)
+            if len(values) != len(self.passes):  # padded passes' values may come along
+                values = [v for v, p in zip(values, self.padded_passes()) if not isinstance(p, EmptyPass)]
+            if len(values) != len(self.passes):
+                raise InvalidArgumentError(f"values must hold one tensor per pass ({len(self.passes)}), got "
+                                           f"{len(values)}")
+            device = values[0].device if values else collective_device(self.batch_context.group)
+            out = torch.zeros(n, dtype=torch.float64, device=device)
+            for p, v in zip(self.passes, values):
+                v = v.detach().reshape(-1)
+                if v.numel() != p.tokens:
+                    raise InvalidArgumentError(f"values of {p} must hold {p.tokens} entries, got {v.numel()}")
+                out.index_add_(0, p.sequence_ids().to(device), v.to(torch.float64))
+        except Exception as e:  # noqa: BLE001
+            error = e
+        agree(self.batch_context._cpu, [n], ["sequences"], error)
         dist.all_reduce(out, group=self.batch_context.group)
         return out
 

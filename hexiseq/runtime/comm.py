@@ -213,7 +213,9 @@ class Comm:
         every rank when they do not all agree and pass."""
         t0 = time.perf_counter()
         try:
-            agree(self._cpu_group, call, CALL_FIELDS, error)
+            # messages name global ranks: a plan over a subgroup (a batch plan's pass) numbers its devices from 0
+            agree(self._cpu_group, call, CALL_FIELDS, error, ranks=None if self.group is dist.group.WORLD else
+                  self._global)
         finally:
             self.phase_s["sync"] += time.perf_counter() - t0
 
@@ -340,7 +342,7 @@ def collective_device(group):
     return torch.device("cpu")
 
 
-def agree(group, values, fields, error=None, show=_show, device=None, words=None, free=()):
+def agree(group, values, fields, error=None, show=_show, device=None, words=None, free=(), ranks=None):
     """Compare `values` (ints, the fields in order) with every rank's over `group`, and learn whether any rank
     failed validation (`error`, the exception this rank would raise, or None). Raises the same HexiseqError on
     every rank when they do not all pass and agree: the ranks' errors (their class when every failing rank raised
@@ -350,12 +352,13 @@ def agree(group, values, fields, error=None, show=_show, device=None, words=None
     int each, or (name, width) for a field of `width` ints; show(name, value) words a value (an int, or a list for
     a wide field). words: this rank's value of each field in words (a list in fields order), for fields that
     travel as digests: gathered (one more collective, which every rank makes) only when the ranks disagree.
-    free: names of fields that may differ between ranks (gathered, not compared: a rank's own token count, say)."""
+    free: names of fields that may differ between ranks (gathered, not compared: a rank's own token count, say).
+    ranks: how messages name the group's ranks (their global ranks, say; default: their rank in the group)."""
     world = dist.get_world_size(group)
     if world == 1:  # no one to agree with: the same outcome without a collective (it is paid on every call)
         if error is not None:
             cls = type(error) if isinstance(error, HexiseqError) else InvalidArgumentError
-            raise cls(f"invalid input on 1 of 1 ranks (rank 0: {error})")
+            raise cls(f"invalid input on 1 of 1 ranks (rank {0 if ranks is None else ranks[0]}: {error})")
         return [list(values)]
     mine = torch.tensor([0 if error is None else 1, *values], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(world)]
@@ -367,7 +370,7 @@ def agree(group, values, fields, error=None, show=_show, device=None, words=None
         dist.all_gather_object(messages, None if error is None else (type(error).__name__, str(error)),
                                group=group)
         failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-        text = "; ".join(f"rank {r}: {m}" for r, (_, m) in failed)
+        text = "; ".join(f"rank {r if ranks is None else ranks[r]}: {m}" for r, (_, m) in failed)
         kinds = {kind for _, (kind, _) in failed}
         cls = getattr(errors_module, kinds.pop(), None) if len(kinds) == 1 else None
         if not (isinstance(cls, type) and issubclass(cls, HexiseqError)):
@@ -387,12 +390,12 @@ def agree(group, values, fields, error=None, show=_show, device=None, words=None
             said = [None] * world
             dist.all_gather_object(said, [str(w) for w in words], group=group)
             got, show = [s[i] for s in said], lambda _field, value: value
-        raise RankMismatchError(_disagreement(name, got, show, also))
+        raise RankMismatchError(_disagreement(name, got, show, also, ranks))
     return [e[1:] for e in every]
 
 
-def _disagreement(field, values, show=_show, also=()):
-    shown = ", ".join(f"rank {r}: {show(field, v)}" for r, v in enumerate(values))
+def _disagreement(field, values, show=_show, also=(), ranks=None):
+    shown = ", ".join(f"rank {r if ranks is None else ranks[r]}: {show(field, v)}" for r, v in enumerate(values))
     more = ""
     if also:
         listed = ", ".join(also[:8]) + (f" and {len(also) - 8} more" if len(also) > 8 else "")

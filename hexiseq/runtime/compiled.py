@@ -58,7 +58,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, b
     # nor may it share storage with what the op keeps for its backward (the output of a rank alone in its group is
     # the attention's own Og): the compiled graph owns its outputs and may reuse their memory
     kept = [t for s in saved for t in (*s[:3], *s[3])] if backward else []
-    return _unaliased([o], (q, k, v, *kept)) + [torch.tensor(handle, dtype=torch.int64)]
+    token = torch.tensor(handle, dtype=torch.int64)
+    if backward:
+        # what the backward needs lives as long as the handle, which autograd keeps for the backward: a graph
+        # dropped without its backward (an evaluation with gradients on, a skipped step) frees it, as eager does
+        weakref.finalize(token, ctx._op_saved.pop, handle, None)
+    return _unaliased([o], (q, k, v, *kept)) + [token]
 
 
 def _unaliased(outputs, inputs):

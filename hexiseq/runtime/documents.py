@@ -18,6 +18,8 @@ DOCUMENTS_KWARG = "hexiseq_documents"
 def frozen(value):
     """A copy of documents that later changes to the caller's lists cannot reach (the backward reads it): tensors
     and arrays as lists, lists as tuples, anything else as it is (validation words it)."""
+    if isinstance(value, (int, torch.SymInt)):  # a length (symbolic under torch.compile, which traces this)
+        return value
     if isinstance(value, torch.Tensor) or hasattr(value, "tolist") and hasattr(value, "ndim"):
         value = value.tolist()
     if isinstance(value, (list, tuple)):

@@ -24,7 +24,7 @@ except ImportError as e:  # pragma: no cover
 from . import blocks, compiled, ring
 from . import documents as documents_mod
 from .comm import Comm, describe_call
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UnsupportedError
 from .topology import Topology
 
 __all__ = ["HexiSeqAttention", "HexiSeqContext", "hexiseq_attn_func", "gather_sequence", "BatchContext", "BatchStep",
@@ -97,7 +97,7 @@ class HexiSeqContext:
                                             f"{type(t).__name__}{list(t.shape) if isinstance(t, torch.Tensor) else ''}")
             if t.shape[1] != self.me.tokens or t.shape[2] != heads:
                 return InvalidArgumentError(f"{name} must be [batch, {self.me.tokens}, {heads}, head_dim] on rank "
-                                            f"{self.rank} under this plan, got {list(t.shape)}")
+                                            f"{self.rank} under this plan{self._global_note()}, got {list(t.shape)}")
         if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
             return InvalidArgumentError(f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not agree")
         if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
@@ -106,6 +106,11 @@ class HexiSeqContext:
         if q.dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             return InvalidArgumentError(f"q dtype must be float64, float32, bfloat16 or float16, got {q.dtype}")
         return None
+
+    def _global_note(self):
+        """', global rank g' where the plan's rank numbering (its group's) is not the world's."""
+        g = dist.get_global_rank(self.group, self.rank) if self.group is not dist.group.WORLD else self.rank
+        return "" if g == self.rank else f" (global rank {g})"
 
     def _call(self, phase, t, error, backward, documents):
         """Agree on a call with every rank (raising the same error on all when any fails or they differ); the
@@ -182,9 +187,12 @@ def hexiseq_attn_func(q, k, v, context: HexiSeqContext, documents=None):
     must call it (it communicates), all with or all without gradients."""
     backward = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
     documents = documents_mod.frozen(documents)
-    if torch.compiler.is_compiling() and not (isinstance(documents, tuple) and documents
-                                              and isinstance(documents[0], tuple)):
-        # under torch.compile the layer is one custom op each way: no graph break (one document list per batch)
+    if torch.compiler.is_compiling():
+        # under torch.compile the layer is one custom op each way: no graph break
+        if isinstance(documents, tuple) and documents and isinstance(documents[0], tuple):
+            raise UnsupportedError("per-row documents (one list per batch row) under torch.compile: give one "
+                                   "document list for the whole batch, or keep this call out of the compiled "
+                                   "region (torch.compiler.disable)")
         return compiled.attn(q, k, v, context, backward, documents)
     return _HexiSeqAttentionFn.apply(q, k, v, context, backward, documents)
 

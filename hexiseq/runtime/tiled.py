@@ -37,6 +37,9 @@ class _TiledFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, module, tiles, dim, *params):
         ctx.module, ctx.tiles, ctx.dim, ctx.n_params = module, tiles, dim, len(params)
+        # the backward runs the tiles again under the autocast state of this forward, as torch's checkpoint does
+        kind = x.device.type
+        ctx.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
         ctx.save_for_backward(x)
         b = _bounds(x.shape[dim], tiles)
         with torch.no_grad():
@@ -51,7 +54,8 @@ class _TiledFn(torch.autograd.Function):
         b = _bounds(x.shape[ctx.dim], ctx.tiles)
         for lo, hi in zip(b[:-1], b[1:]):
             xt = x.narrow(ctx.dim, lo, hi - lo).detach().requires_grad_(ctx.needs_input_grad[0])
-            with torch.enable_grad():
+            kind, enabled, dtype = ctx.autocast
+            with torch.enable_grad(), torch.autocast(kind, dtype=dtype, enabled=enabled):
                 yt = ctx.module(xt)
             inputs = ([xt] if ctx.needs_input_grad[0] else []) + params
             got = torch.autograd.grad(yt, inputs, dy.narrow(ctx.dim, lo, hi - lo), allow_unused=True)
@@ -63,16 +67,20 @@ class _TiledFn(torch.autograd.Function):
 
 
 class TiledMLP(torch.nn.Module):
-    """`mlp` run over `tiles` tiles of the token dimension `dim` (default 1: [batch, tokens, hidden]), keeping one
-    tile's activations at a time. `mlp` must be token-local (each output token a function of its input token alone)
-    and deterministic (it runs again in the backward): an MLP, a norm, an activation; not attention, not dropout."""
+    """`mlp` run over `tiles` tiles of the token dimension `dim` (default -2: [batch, tokens, hidden] or
+    [tokens, hidden]), keeping one tile's activations at a time. `mlp` must be token-local (each output token a
+    function of its input token alone) and deterministic (it runs again in the backward, under the forward's
+    autocast state): an MLP, a norm, an activation; not attention, not dropout."""
 
-    def __init__(self, mlp: torch.nn.Module, tiles: int, dim: int = 1):
+    def __init__(self, mlp: torch.nn.Module, tiles: int, dim: int = -2):
         super().__init__()
         _check_tiles(tiles)
         self.mlp, self.tiles, self.dim = mlp, tiles, dim
 
     def forward(self, x):
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            raise InvalidArgumentError(f"x must be a tensor of at least 2 dimensions ([tokens, hidden]), got "
+                                       f"{type(x).__name__}{list(x.shape) if isinstance(x, torch.Tensor) else ''}")
         params = [p for p in self.mlp.parameters() if p.requires_grad]
         if not torch.is_grad_enabled() or not (x.requires_grad or params):
             return _TiledFn.forward(_NoCtx(), x, self.mlp, self.tiles, self.dim % x.dim())
@@ -135,4 +143,8 @@ def tiled_cross_entropy(hidden, weight, labels, tiles: int, ignore_index: int = 
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or labels.shape != hidden.shape[:1]:
         raise InvalidArgumentError(f"hidden [tokens, h], weight [vocab, h] and labels [tokens] do not agree: "
                                    f"{list(hidden.shape)}, {list(weight.shape)}, {list(labels.shape)}")
+    if labels.dtype != torch.long:
+        if labels.is_floating_point() or labels.dtype == torch.bool:
+            raise InvalidArgumentError(f"labels must be integer class indices, got {labels.dtype}")
+        labels = labels.long()
     return _TiledCE.apply(hidden, weight, labels, tiles, ignore_index)

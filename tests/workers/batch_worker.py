@@ -166,10 +166,30 @@ def batch_refusals(rank, world, init, results):
         other = hexiseq.BatchPlanner(planner.cluster, model="gpt-7b")
         run("other_model", lambda: ctx.step(other.plan([300, 20])))
 
+        probe = planner.plan([300, 20, 7])
+        busy = list(probe.groups[probe.assignment[0]])  # a group with a pass
+        bad = busy[-1]
+        report["probe"] = ("ok", (bad, busy), 0.0)
+
+        def wrong_values():  # the bad rank gives one value too many
+            step = ctx.step(probe)
+            step.per_sequence([torch.zeros(p.tokens + (rank == bad)) for p in step.passes])
+        run("per_sequence_values", wrong_values)
+
+        def wrong_shape():  # the bad rank feeds one token too many to its pass: its group raises, naming it
+            step = ctx.step(probe)
+            for p in step.passes:
+                n = p.tokens + (rank == bad)
+                q = torch.zeros(1, n, 8, HEAD_DIM, dtype=torch.float64)
+                kv = torch.zeros(1, n, 2, HEAD_DIM, dtype=torch.float64)
+                p.attention(q, kv, kv)
+        run("pass_input", wrong_shape)
+
         def good():
             step = ctx.step(planner.plan([300, 20, 7]))
             return [p.tokens for p in step.passes]
         run("good_after", good)
+        run("not_a_planner", lambda: BatchContext(planner.plan([30, 7]) if rank == 1 else planner).close())
         ctx.close()
         results.put((rank, "ok", report, None))
         dist.destroy_process_group()

@@ -43,7 +43,9 @@ def compiled_matches_eager(rank, world, init, plan_json, backend, results):
         x = plan.shard(torch.randn(1, plan.seq_len, 16, generator=torch.Generator().manual_seed(5),
                                    dtype=torch.float64), 1, rank)
         report = {}
-        for name, docs in (("plain", None), ("documents", [plan.seq_len // 3, plan.seq_len - plan.seq_len // 3])):
+        S = plan.seq_len
+        for name, docs in (("plain", None), ("documents", [S // 3, S - S // 3]),
+                           ("other-documents", [7, 1, S - 8])):  # lengths that change between steps
             outs = {}
             for mode, fn in (("eager", block), ("compiled", compiled)):
                 block.zero_grad()
@@ -54,6 +56,12 @@ def compiled_matches_eager(rank, world, init, plan_json, backend, results):
             e, c = outs["eager"], outs["compiled"]
             report[name] = {"errors": [float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
                                        for a, b in zip(c[:3], e[:3])], "compile_s": c[3]}
+        # forwards whose backward never runs (an evaluation with gradients on) keep nothing once dropped
+        import gc
+        for _ in range(3):
+            compiled(x, None)
+        gc.collect()
+        report["kept_after_forwards"] = len(attn.context._op_saved)
         attn.context.close()
         results.put((rank, "ok", report, None))
         dist.destroy_process_group()
