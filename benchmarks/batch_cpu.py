@@ -40,12 +40,27 @@ from hexiseq.planner.measurement import _llama_layer, predicted_layer  # noqa: E
 
 LAYER = hexiseq.Model(layers=1, hidden=MODEL.hidden, heads=MODEL.heads, kv_heads=MODEL.kv_heads,
                       head_dim=MODEL.head_dim, ffn=MODEL.ffn, vocab=8, dtype_bytes=4, gated_mlp=True, name="one-layer")
+MIXES = {
+    # one long sequence and a tail, each length half the one before it
+    "long-tail": [4096, 2048, 1024, 512, [128, 128], 128, [32, 32], 64, 128, 64],
+    # one long sequence and many short ones (most of the tokens in sequences of 256 or fewer)
+    "short-heavy": [2048] + [256] * 4 + [128] * 16 + [[64, 64]] * 8 + [32] * 16,
+}
+
+
+def configure(args):
+    """The layer the step runs (--hidden, --ffn: the matmuls around the attention, whose gradients all ranks
+    all-reduce)."""
+    global LAYER
+    LAYER = hexiseq.Model(layers=1, hidden=args.hidden, heads=MODEL.heads, kv_heads=MODEL.kv_heads,
+                          head_dim=MODEL.head_dim, ffn=args.ffn, vocab=8, dtype_bytes=4, gated_mlp=True,
+                          name="one-layer")
 TRAINING = hexiseq.Training(checkpointing=False, sharding="none")
 STRATEGIES = ("ring", "ulysses", "usp")
 
 
-def batch(scale):
-    base = [4096, 2048, 1024, 512, [128, 128], 128, [32, 32], 64, 128, 64]
+def batch(scale, mix="long-tail"):
+    base = MIXES[mix]
     out = []
     for x in base:
         out.append([max(1, int(v * scale)) for v in x] if isinstance(x, list) else max(1, int(x * scale)))
@@ -112,8 +127,9 @@ def run_step(layer, holder, runs, iters):
 
 
 def worker(rank, world, init, args, result_path):
+    configure(args)
     cluster = start_rank(rank, world, init)
-    lengths = batch(args.scale)
+    lengths = batch(args.scale, args.mix)
     docs_all = flat_documents(lengths)
     holder = {}  # the attention of the pass being run
     layer = _llama_layer(LAYER, lambda q, k, v: holder["attend"](q, k, v), torch.device("cpu"), torch.float32, 0)
@@ -167,7 +183,10 @@ def report(data, args, elapsed):
     lines = ["# A step of unequal sequences on ranks of unequal speed, measured", "",
              f"Machine: {machine()}. Gloo, one thread per process; rank 0 alone on core 0, ranks 1 and 2 sharing "
              "core 1 (rank 0 about twice as fast).", "",
-             f"Command: `python benchmarks/batch_cpu.py --iters {args.iters} --scale {args.scale}` ({elapsed:.0f} s).",
+             f"Command: `python benchmarks/batch_cpu.py --iters {args.iters} --scale {args.scale} --mix {args.mix} "
+             f"--hidden {args.hidden} --ffn {args.ffn}"
+             f"{'' if args.link_gbit is None else f' --link-gbit {args.link_gbit:g}'}` ({elapsed:.0f} s)"
+             f"{'' if args.link_gbit is None else f'; loopback limited to {args.link_gbit:g} Gbit/s (tc tbf), every link between ranks as slow as one between nodes'}.",
              "",
              f"Batch ({len(res['lengths'])} sequences, {sum(flat_documents(res['lengths'])):,} tokens; a list is a "
              f"sequence packed from documents): {res['lengths']}.", "",
@@ -197,8 +216,27 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--mix", default="long-tail", choices=sorted(MIXES))
+    ap.add_argument("--hidden", type=int, default=MODEL.hidden)
+    ap.add_argument("--ffn", type=int, default=MODEL.ffn)
+    ap.add_argument("--link-gbit", type=float, default=None,
+                    help="limit the loopback device to this rate for the whole run, calibration included (tc tbf on "
+                         "lo, as root; removed at the end): links between the ranks as slow as between nodes")
     ap.add_argument("--out", default=None, help="Markdown report (default: print only)")
-    run_ranks(worker, report, ap.parse_args())
+    args = ap.parse_args()
+    configure(args)
+    if args.link_gbit is None:
+        run_ranks(worker, report, args)
+        return
+    import subprocess
+    cmd = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{args.link_gbit}gbit", "burst", "256kb",
+           "latency", "100ms"]
+    if subprocess.run(cmd).returncode:
+        sys.exit("could not limit lo with tc (needs root and the tbf qdisc)")
+    try:
+        run_ranks(worker, report, args)
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"])
 
 
 if __name__ == "__main__":
