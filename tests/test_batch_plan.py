@@ -210,3 +210,21 @@ def test_bundles_cover_every_sequence_once():
     held_inf = [any(np.isinf(raw[1, m])) for m in members]            # and cannot go where one of them cannot
     assert list(np.isinf(c[1])) == held_inf
     assert all(len(m) == 1 for m in _bundles(_Rows(raw[:, :300], np.arange(5)), 512))
+
+
+def test_the_plan_says_why_this_many_groups():
+    """The plan keeps, per number of groups, the best step found (scored exactly where a finalist was), and
+    explain() sets the chosen count against its neighbours: the chosen count's entry is the plan's own step and no
+    scored alternative beats it."""
+    cluster = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 8, "intra_gbps": 300.0},
+                                                   {"gpu": "A100-80G", "count": 8, "intra_gbps": 300.0}],
+                                         "inter_node_gbps": 25.0})
+    bp = hexiseq.plan_batch(cluster, model="gpt-7b", lengths=[8000] * 12 + [300] * 40)
+    alt = {k: (t, scored) for k, t, scored in bp.alternatives}
+    n = len(bp.groups)
+    assert alt[n] == (pytest.approx(bp.step_time_s), True)
+    assert all(t >= bp.step_time_s * (1 - 1e-9) for k, (t, scored) in alt.items() if scored)
+    assert len(alt) >= 2
+    line = next(x for x in bp.explain().splitlines() if x.strip().startswith("why"))
+    assert f"why {n} groups" in line and "scored" in line
+    assert bp.to_dict()["alternatives"][0]["groups"] == min(alt)

@@ -350,6 +350,9 @@ class BatchPlan:
     model_group_time_s: Tuple[float, ...]
     searched_s: float
     pass_plans: Tuple[Tuple[Plan, ...], ...] = dataclasses.field(repr=False, compare=False)
+    # per number of groups, the best step found for a cut of that many groups, and whether it was scored exactly
+    # (else the search's linear pricing): why this many groups and not fewer or more
+    alternatives: Tuple[Tuple[int, float, bool], ...] = dataclasses.field(default=(), repr=False, compare=False)
 
     @property
     def gap_to_bound(self) -> float:
@@ -411,7 +414,8 @@ class BatchPlan:
                 "predicted": {"step_time_s": self.step_time_s, "group_time_s": list(self.group_time_s),
                               "model_step_time_s": self.model_step_time_s, "sync_s": self.sync_s,
                               "lower_bound_s": self.lower_bound_s, "tokens_per_s": self.tokens_per_s},
-                "candidates": self.candidates, "solve_s": self.solve_s}
+                "candidates": self.candidates, "solve_s": self.solve_s,
+                "alternatives": [{"groups": k, "step_time_s": t, "scored": e} for k, t, e in self.alternatives]}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -425,8 +429,11 @@ class BatchPlan:
                  f"  step (predicted) {self.step_time_s:.4g} s = slowest group {max(self.group_time_s):.4g} s + "
                  f"gradient sync across groups {self.sync_s:.3g} s",
                  f"  under the search's linear pricing: {self.model_step_time_s:.4g} s, and at least "
-                 f"{self.lower_bound_s:.4g} s for any grouping (gap {self.gap_to_bound:.2f}x)",
-                 "  group  devices                          sequences  tokens       time (s)"]
+                 f"{self.lower_bound_s:.4g} s for any grouping (gap {self.gap_to_bound:.2f}x)"]
+        why = self._why()
+        if why:
+            lines.append(why)
+        lines.append("  group  devices                          sequences  tokens       time (s)")
         for g, devs in enumerate(self.groups):
             seqs = self.sequences_of(g)
             kinds = {}
@@ -437,6 +444,20 @@ class BatchPlan:
             lines.append(f"  {g:>5}  {span:>9} ({what})".ljust(43) + f"{len(seqs):>9}  "
                          f"{sum(self.lengths[i] for i in seqs):>11,}  {self.group_time_s[g]:>9.4g}")
         return "\n".join(lines)
+
+    def _why(self) -> str:
+        """One line on why this many groups: the best step the search priced with the nearest fewer and more groups
+        (empty when the search priced no other count)."""
+        n = len(self.groups)
+        fewer = [a for a in self.alternatives if a[0] < n and math.isfinite(a[1])]
+        more = [a for a in self.alternatives if a[0] > n and math.isfinite(a[1])]
+        parts = [f"with {k} group{'s' if k != 1 else ''} {t:.4g} s ({'scored' if e else 'priced'})"
+                 for k, t, e in (fewer[-1:] + more[:1])]
+        if not parts:
+            return ""
+        return (f"  why {n} group{'s' if n != 1 else ''}: the best step found {' and '.join(parts)}, against "
+                f"{self.step_time_s:.4g} s scored (fewer groups spread each sequence over more devices; more groups "
+                "pay more gradient sync and hold fewer devices each)")
 
     def __repr__(self):
         return (f"BatchPlan(groups={len(self.groups)}, sequences={len(self.lengths)}, "
@@ -738,7 +759,16 @@ class BatchPlanner:
         if not plans:
             raise MemoryFitError("no cut of the candidate groups holds every sequence of this batch")
         best_plan = min(plans, key=lambda p: p.step_time_s)
-        return dataclasses.replace(best_plan, solve_s=time.perf_counter() - t0, searched_s=searched)
+        by_count = {}  # groups -> (step, scored exactly): an exactly scored plan where one was made, else the pricing
+        for cut, v in scored.items():
+            if len(cut) not in by_count or float(v[0]) < by_count[len(cut)][0]:
+                by_count[len(cut)] = (float(v[0]), False)
+        exact_best = {}
+        for p in plans:
+            exact_best[len(p.groups)] = min(exact_best.get(len(p.groups), math.inf), p.step_time_s)
+        by_count.update({k: (t, True) for k, t in exact_best.items()})
+        return dataclasses.replace(best_plan, solve_s=time.perf_counter() - t0, searched_s=searched,
+                                   alternatives=tuple((k, t, e) for k, (t, e) in sorted(by_count.items())))
 
     def _learn(self, plans):
         """Set each kind's correction (the factor on its linear pricing) from exactly scored plans: the largest
