@@ -175,7 +175,8 @@ def test_bandwidth_matrix_is_honoured():
     assert np.all(exposed["slow"][2:] == 0)                   # the others never touch it
 
 
-NOMINAL = {"gpt-3b": 3e9, "gpt-7b": 7e9, "gpt-13b": 13e9, "gpt-30b": 30e9, "llama3-8b": 8e9, "llama3-70b": 70e9}
+NOMINAL = {"gpt-3b": 3e9, "gpt-7b": 7e9, "gpt-13b": 13e9, "gpt-30b": 30e9, "llama3-8b": 8e9, "llama3-70b": 70e9,
+           "llama-tiny": 45e6}
 SHORT = {"3b": "gpt-3b", "7b": "gpt-7b", "13b": "gpt-13b", "30b": "gpt-30b", "8b": "llama3-8b", "70b": "llama3-70b"}
 
 

@@ -20,6 +20,7 @@ import json
 import math
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -123,6 +124,24 @@ def predicted_layer(plan: Plan, layer: str = "attention", documents=None):
     return out, step
 
 
+def _unlike_calibration(plan: Plan, dt) -> str:
+    """Words for how this measurement differs from what the plan's cluster was calibrated with (dtype, head dim,
+    attention heads), or "" (also without a calibration record)."""
+    cal = plan.cluster.calibration or {}
+    m = plan.model
+    said = []
+    dtype = str(dt).replace("torch.", "")
+    if cal.get("dtype") and cal["dtype"] != dtype:
+        said.append(f"in {dtype} on a cluster calibrated in {cal['dtype']}")
+    if cal.get("head_dim") and cal["head_dim"] != m.head_dim:
+        said.append(f"head_dim {m.head_dim} against the calibration's {cal['head_dim']}")
+    if cal.get("attn_heads") and (cal["attn_heads"], cal.get("attn_kv_heads", cal["attn_heads"])) != \
+            (m.heads, m.kv_heads):
+        said.append(f"{m.heads}/{m.kv_heads} heads against the calibration's {cal['attn_heads']}/"
+                    f"{cal.get('attn_kv_heads', cal['attn_heads'])}")
+    return ", ".join(said)
+
+
 def _dtype_for(plan: Plan, dtype):
     torch, _ = _torch()
 
@@ -216,6 +235,11 @@ def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=No
     rank = dist.get_rank(group)
     cuda = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    unlike = _unlike_calibration(plan, dt)
+    if unlike and rank == 0:
+        warnings.warn(f"hexiseq: measuring {unlike}: the prediction uses rates measured for the other, and can be "
+                      "off by that difference (calibrate with the model and dtype you measure)", UserWarning,
+                      stacklevel=2)
     attn = HexiSeqAttention(plan, group=group, causal=plan.causal)  # checks the plan and the world size
     ctx = attn.context
     ctx.sync_timing = cuda

@@ -188,6 +188,9 @@ MODEL_PRESETS = {
     "gpt-30b": Model(48, 7168, 56, 56, 128, 28672, 50304, name="gpt-30b"),
     "llama3-8b": Model(32, 4096, 32, 8, 128, 14336, 128256, gated_mlp=True, name="llama3-8b"),
     "llama3-70b": Model(80, 8192, 64, 8, 128, 28672, 128256, gated_mlp=True, name="llama3-70b"),
+    # not a published model: Llama 3's shape scaled down (45M parameters, states of 0.7 GiB under Adam) so that the
+    # whole loop (calibrate, plan, measure, train) runs on CPU ranks of a laptop or a CI machine
+    "llama-tiny": Model(4, 512, 8, 2, 64, 1408, 32000, gated_mlp=True, name="llama-tiny"),
 }
 
 _ALIASES = {"3b": "gpt-3b", "7b": "gpt-7b", "13b": "gpt-13b", "30b": "gpt-30b", "8b": "llama3-8b",
