@@ -1,0 +1,160 @@
+"""Re-balance a running plan when devices slow down (stragglers): token shares follow the ranks' measured speed.
+
+A device of a mixed cluster does not keep the speed it was planned at: it throttles, a neighbour job takes its
+cores or its link. `Rebalancer(attention)` watches the attention layer's own timers (HexiSeqContext.phase_s
+["attn"], the seconds inside the block kernels) and, when the ranks' measured speeds have moved from what the plan
+assumed, re-balances the token shares inside the plan's structure between two steps:
+
+- every rank all-gathers its kernel seconds since the last check; each rank's ratio measured / predicted (the
+  plan's per-device attention time) is normalised by the median ratio and smoothed over checks (exponentially,
+  `smoothing`), so a uniformly slower run (a different input, a busier machine) moves nothing;
+- when some rank's smoothed ratio is more than `threshold` away from 1 for `patience` checks in a row, the
+  cluster's per-device rates are divided by those ratios and the plan's layout re-balanced on it (Plan.rebalanced:
+  the same groups, members, head ranges and ring order; new S_g and token shares) — every rank computes the same new
+  plan from the same gathered figures, and the new context checks the fingerprint as any context does;
+- the new context reuses the old one's process groups (the structure, hence every all-to-all group, is the same),
+  and the model states keep their shares: nothing moves but the next step's token split.
+
+Default threshold 0.2: the runtime's own step-to-step spread on a busy CPU host is about 5-10% (the benchmarks'
+repeated runs), a share moved for less would chase noise; a device 25% slower than planned costs a balanced
+ring about that much of the step. The caller re-shards each step's inputs with `rebalancer.plan` (it changes only
+when `check()` says so). `check()` returns the event (old and new shares, the ratios, the reason) or None.
+"""
+
+from typing import List, Optional
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+from ..planner.cluster import Cluster, gpu_catalog
+from ..planner.plan import evaluate
+from ..runtime.comm import agree
+from ..runtime.nn import HexiSeqContext
+
+__all__ = ["Rebalancer", "RebalanceEvent"]
+
+_RATES = ("gemm_tflops", "attn_tflops", "attn_causal_tflops", "attn_document_tflops")
+
+
+class RebalanceEvent:
+    """What a re-balance did: tokens per rank before and after, the smoothed speed ratios (measured / planned time,
+    over the median) that triggered it, and a sentence."""
+
+    def __init__(self, before: List[int], after: List[int], ratios: List[float], reason: str):
+        self.before, self.after, self.ratios, self.reason = before, after, ratios, reason
+
+    def __repr__(self):
+        return f"RebalanceEvent({self.reason})"
+
+
+def _scaled_cluster(cluster: Cluster, factors) -> Cluster:
+    """The cluster with device d's compute rates multiplied by factors[d]. Devices without measured curves get
+    flat curves at their catalog rates (peak x efficiency, the node's peak where it gives one) first, every device
+    alike, so that only the factors change their ratios."""
+    d = cluster.to_dict()
+    catalog = {g["name"]: g for g in gpu_catalog()}
+    nodes = cluster.nodes
+    devices = d.get("devices") or [None] * cluster.num_devices
+    out = []
+    for i, (rates, f) in enumerate(zip(devices, factors)):
+        node = nodes[int(cluster.device_nodes[i])]
+        rates = dict(rates or {})
+        entry = catalog.get(node.gpu, {})
+        peak = node.peak_tflops or entry.get("peak_tflops", 1.0)
+        for key in _RATES:
+            if key not in rates or not rates[key]:
+                eff = entry.get("gemm_eff", 0.5) if key == "gemm_tflops" else entry.get("attn_eff", 0.35)
+                rates[key] = [[1.0, peak * eff]]
+            rates[key] = [[n, r * f] for n, r in rates[key]]
+        out.append(rates)
+    d["devices"] = out
+    return Cluster.from_dict(d)
+
+
+class Rebalancer:
+    """Re-balance `attention` (a HexiSeqAttention, or its HexiSeqContext) when the ranks' measured speeds move from
+    the plan's. Call `check()` on every rank between steps (collective: one small all-gather); read `plan` to shard
+    the next step's inputs. See the module's docstring."""
+
+    def __init__(self, attention, *, threshold: float = 0.2, patience: int = 2, smoothing: float = 0.5):
+        if not 0 < threshold < 10 or not isinstance(patience, int) or patience < 1 or not 0 < smoothing <= 1:
+            raise InvalidArgumentError(f"threshold must be in (0, 10), patience an int >= 1 and smoothing in (0, 1], "
+                                       f"got {threshold!r}, {patience!r}, {smoothing!r}")
+        self.owner = attention if hasattr(attention, "context") else None
+        self.context: HexiSeqContext = attention.context if self.owner is not None else attention
+        self.threshold, self.patience, self.smoothing = float(threshold), int(patience), float(smoothing)
+        self.ratios: Optional[np.ndarray] = None
+        self._over = 0
+        self.events: List[RebalanceEvent] = []
+        self.context.reset_timers()
+
+    @property
+    def plan(self):
+        return self.context.plan
+
+    def _predicted(self):
+        """Each rank's planned attention seconds (its slot's attn_s), by rank."""
+        p = self.plan
+        return np.array([float(p.devices.attn_s[p._slot(r)]) for r in range(self.context.world)])
+
+    def check(self, measured_s: Optional[float] = None) -> Optional[RebalanceEvent]:
+        """Gather every rank's kernel seconds since the last check (measured_s: this rank's, instead of its timer: for
+        tests and for callers that time their own way) and re-balance when the speeds have moved."""
+        ctx = self.context
+        mine = ctx.comm.phase_s["attn"] if measured_s is None else float(measured_s)
+        ctx.reset_timers()
+        every = agree(ctx.comm._cpu_group, [int(round(mine * 1e9))], ["attn_ns"], None, free=("attn_ns",))
+        measured = np.array([e[0] for e in every], dtype=np.float64) * 1e-9
+        predicted = self._predicted()
+        if (measured <= 0).any() or (predicted <= 0).any():
+            return None  # a rank that attended nothing (parked, or no call since the last check): nothing to learn
+        ratio = measured / predicted
+        ratio = ratio / np.median(ratio)
+        self.ratios = ratio if self.ratios is None else self.smoothing * ratio + (1 - self.smoothing) * self.ratios
+        if np.abs(self.ratios - 1.0).max() <= self.threshold:
+            self._over = 0
+            return None
+        self._over += 1
+        if self._over < self.patience:
+            return None
+        return self._rebalance()
+
+    def _rebalance(self):
+        ctx, old = self.context, self.plan
+        # the plan's cluster with each device's rates divided by its ratio: a rank twice as slow as planned gets
+        # rates half as high, and the layout's shares re-balanced on that cluster
+        factors = np.ones(old.cluster.num_devices)
+        for r in range(ctx.world):
+            factors[r] = 1.0 / self.ratios[r]
+        slowed = _scaled_cluster(old.cluster, factors)
+        new = evaluate(slowed, model=old.model, seq_len=old.seq_len, layout=old.layout, training=old.training,
+                       causal=old.causal, documents=old.documents).rebalanced(old.documents)
+        before = [int(old.devices.tokens[old._slot(r)]) for r in range(ctx.world)]
+        after = [int(new.devices.tokens[new._slot(r)]) for r in range(ctx.world)]
+        slow = int(np.argmax(self.ratios))
+        seen = [float(x) for x in self.ratios]
+        reason = (f"rank {slow} ran {self.ratios[slow]:.2f}x its planned share of the attention time (over the median "
+                  f"rank, smoothed over checks; threshold {self.threshold:g}); tokens per rank {before} -> {after}")
+        if after == before:
+            self._over = 0
+            return None
+        old_comm = ctx.comm
+        groups = {tuple(sorted(old_comm._global)): old_comm.group}
+        if old_comm.hp_group is not None:
+            groups[tuple(sorted(old_comm._global[mb.rank] for mb in
+                                ctx.topology.groups[ctx.topology.group_of(ctx.rank)]))] = old_comm.hp_group
+
+        def subgroups(ranks, backend):  # the old context's groups: the structure, hence every group, is the same
+            if backend == "gloo":
+                return old_comm._cpu_group
+            return groups[tuple(sorted(ranks))]
+        fresh = HexiSeqContext(new, group=old_comm.group, causal=ctx.causal, softmax_scale=ctx.scale,
+                               timeout=old_comm.timeout, a2a_slices=len(ctx.slices), subgroups=subgroups)
+        self.context = fresh
+        if self.owner is not None:
+            self.owner.context = fresh
+        self.ratios = np.ones(ctx.world)  # the new plan is made for the speeds just measured
+        self._over = 0
+        event = RebalanceEvent(before, after, seen, reason)
+        self.events.append(event)
+        return event
