@@ -1,0 +1,187 @@
+"""A device slows down mid-run: step times with and without hexiseq.rebalance.Rebalancer, measured on CPU ranks.
+
+Usage: python benchmarks/stragglers_cpu.py [--steps 60] [--seq 3072] [--out benchmarks/results/stragglers_cpu.md]
+
+Two Gloo processes (--world 2: rank 0 on core 0, rank 1 on core 1; --world 3 adds rank 2 on core 1, as
+benchmarks/heterogeneous_cpu.py pins them), one thread each, calibrated, and the attention layer (12 query heads, 4 kv heads, head dim 64, fp32, causal)
+planned by hexiseq on the calibrated cluster (its layout: the report says). Each step is the layer's forward and backward. From step
+steps/3 to step 2 steps/3 a competing CPU-bound process runs on core 0, so rank 0, planned as the fastest, computes
+at about half its speed. The run is made twice, alternately step by step is not possible (the plans differ), so one
+after the other: with a fixed plan, and with a Rebalancer (threshold 0.2, patience 2) checked after every step.
+Reported: the median step in each phase (before, during, after the slowdown) for both, and the steps a re-balance
+took to happen after each change; a plot of every step. Measured: the slowest rank's step from a common barrier.
+"""
+
+import argparse
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import hexiseq  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _machine import machine  # noqa: E402
+from heterogeneous_cpu import MODEL, start_rank  # noqa: E402
+
+
+def burn(stop):
+    """A CPU-bound competitor pinned to core 0."""
+    os.sched_setaffinity(0, {0})
+    x = 1.0
+    while not stop.is_set():
+        for _ in range(100000):
+            x = x * 1.0000001 + 1e-9
+
+
+def worker(rank, world, init, args, out_path, control):
+    from hexiseq.nn import HexiSeqAttention
+    from hexiseq.rebalance import Rebalancer
+
+    cluster = start_rank(rank, world, init)
+    training = hexiseq.Training(checkpointing=False, sharding="none")
+    plan = hexiseq.plan(cluster, model=MODEL, seq_len=args.seq, strategy="hexiseq", training=training)
+    S, H, Hkv, d = args.seq, MODEL.heads, MODEL.kv_heads, MODEL.head_dim
+    g = torch.Generator().manual_seed(1)
+    q, k, v, do = (torch.randn(1, S, n, d, generator=g) for n in (H, Hkv, Hkv, H))
+    runs = {}
+    for mode in ("fixed", "rebalanced"):
+        attn = HexiSeqAttention(plan)
+        rb = Rebalancer(attn, threshold=0.2, patience=2) if mode == "rebalanced" else None
+        times, events, tokens = [], [], []
+        for step in range(args.steps):
+            if rank == 0:  # the competitor: on for the middle third
+                if step == args.steps // 3:
+                    control.put("start")
+                if step == 2 * args.steps // 3:
+                    control.put("stop")
+            current = rb.plan if rb is not None else plan
+            ql, kl, vl = (current.shard(t, 1, rank).requires_grad_() for t in (q, k, v))
+            dist.barrier()
+            t0 = time.perf_counter()
+            attn(ql, kl, vl).backward(current.shard(do, 1, rank))
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            times.append(float(t))
+            tokens.append([int(current.devices.tokens[current._slot(r)]) for r in range(world)])
+            if rb is not None:
+                event = rb.check()
+                if event is not None:
+                    events.append({"step": step, "before": event.before, "after": event.after,
+                                   "reason": event.reason})
+                    if rank == 0:
+                        print(f"step {step}: {event.reason}", flush=True)
+        if rank == 0:
+            control.put("stop")  # in case the run ended inside the slow third
+        runs[mode] = {"times": times, "events": events, "tokens": tokens}
+        attn.context.close()
+        dist.barrier()
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"cluster": cluster.to_dict(), "runs": runs, "initial": plan.layout.to_dict()}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def phases(times, n):
+    a, b = n // 3, 2 * n // 3
+    return [statistics.median(times[1:a]), statistics.median(times[a:b]), statistics.median(times[b:])]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--seq", type=int, default=3072)
+    ap.add_argument("--world", type=int, default=2, choices=(2, 3),
+                    help="2: rank 0 on core 0, rank 1 on core 1; 3: rank 2 shares core 1 with rank 1")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not {0, 1} <= os.sched_getaffinity(0):
+        sys.exit("needs cores 0 and 1")
+    tmp = tempfile.mkdtemp()
+    out_path = os.path.join(tmp, "runs.json")
+    ctx = multiprocessing.get_context("spawn")
+    control = ctx.Queue()
+    stop = ctx.Event()
+    competitor = []
+
+    def steer():
+        while True:
+            msg = control.get()
+            if msg == "start" and not competitor:
+                stop.clear()
+                p = ctx.Process(target=burn, args=(stop,))
+                p.start()
+                competitor.append(p)
+            elif msg == "stop" and competitor:
+                stop.set()
+                competitor.pop().join()
+            elif msg == "end":
+                return
+    import threading
+    th = threading.Thread(target=steer, daemon=True)
+    th.start()
+    t0 = time.time()
+    mp.spawn(worker, args=(args.world, "file://" + os.path.join(tmp, "store"), args, out_path, control),
+             nprocs=args.world)
+    control.put("stop")
+    control.put("end")
+    th.join(timeout=10)
+    with open(out_path) as f:
+        data = json.load(f)
+    runs = data["runs"]
+    n = args.steps
+    fixed, reb = phases(runs["fixed"]["times"], n), phases(runs["rebalanced"]["times"], n)
+    lines = ["# A device slows down mid-run: a fixed plan against the Rebalancer", "",
+             f"Machine: {machine()}. Command: `python benchmarks/stragglers_cpu.py --steps {n} --seq {args.seq} "
+             f"--world {args.world}` ({time.time() - t0:.0f} s). {args.world} Gloo ranks, one thread each (rank 0 on "
+             f"core 0, {'rank 1 on core 1' if args.world == 2 else 'ranks 1 and 2 sharing core 1'}), calibrated; the attention layer (12/4 heads, head dim 64, fp32, causal) planned by "
+             f"hexiseq on the calibrated cluster (layout {data['initial']['groups']}), {args.seq} tokens, forward "
+             "and backward per step. A CPU-bound competitor runs on core 0 (rank "
+             f"0's) from step {n // 3} to step {2 * n // 3}. Measured: the slowest rank's step; medians per phase.", "",
+             "| phase | fixed plan (ms) | with the Rebalancer (ms) | fixed / rebalanced |", "|---|---:|---:|---:|"]
+    for name, a, b in zip(("before", "during the slowdown", "after"), fixed, reb):
+        lines.append(f"| {name} | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.2f}x |")
+    lines += ["", "Re-balances (the step after which each ran, tokens per rank):", ""]
+    for e in runs["rebalanced"]["events"]:
+        lines.append(f"- step {e['step']}: {e['before']} -> {e['after']} ({e['reason'].split(';')[0]})")
+    lines.append("")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        ax.plot([t * 1e3 for t in runs["fixed"]["times"]], label="fixed plan", color="#888888")
+        ax.plot([t * 1e3 for t in runs["rebalanced"]["times"]], label="Rebalancer", color="#1f77b4")
+        ax.axvspan(n // 3, 2 * n // 3, color="#f2d0a4", alpha=0.5, label="competitor on rank 0's core")
+        ax.set_xlabel("step")
+        ax.set_ylabel("step time (ms, measured)")
+        ax.legend(loc="upper left", fontsize=8)
+        ax.set_ylim(bottom=0)
+        fig.tight_layout()
+        if args.out:
+            png = os.path.splitext(args.out)[0] + ".png"
+            fig.savefig(png, dpi=120)
+            lines += [f"![step times]({os.path.basename(png)})", ""]
+    except ImportError:
+        pass
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump(data, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
