@@ -1,0 +1,144 @@
+"""The cost of one kind of group in a batch plan (hexiseq.planner.batch): how long a packed pass of S tokens whose
+documents leave P query-key pairs visible takes on it, priced f + a S + b P from base layouts the scheduler makes
+for the group, and the exact score of a pass. Groups of equal description (hexiseq.planner.batch's candidate tree
+has many of them) share one _Kind, made on first use."""
+
+import math
+
+import numpy as np
+
+from ..errors import InvalidArgumentError, MemoryFitError, UnsupportedError
+from .plan import _plan_one, _strategy, plan
+
+
+def _pairs(L, causal):
+    """Query-key pairs a document of L tokens leaves visible."""
+    L = np.asarray(L, dtype=np.float64)
+    return L * (L + 1) / 2 if causal else L * L
+
+
+def _short_docs(S, d):
+    return [d] * (S // d) + ([S % d] if S % d else [])
+
+
+class _Kind:
+    """One kind of group (groups of equal description share one): how long a packed pass takes on it.
+
+    `longest`: the most tokens one pass holds (the longest single sequence the scheduler fits, found by bisection to
+    0.4%). Base layouts: the scheduler's plans for a pass of S_ref tokens, as one document and as documents of 2,048
+    tokens (a ring for the one, all-to-alls for the other, typically), at S_ref = longest / 1, 4, 16 and 64 (a
+    layout made for a million tokens is a poor one for ten thousand). Under a base, a pass of S
+    tokens whose documents leave P query-key pairs visible is priced f + a S + b P, with f, a, b >= 0 fitted by least
+    squares to the cost model's figures for the base re-balanced to nine passes (S_ref / 16, S_ref / 4 and S_ref
+    tokens, each as short documents, one document, and half one document): work linear in tokens (GEMMs,
+    all-to-alls, the ring's traffic, which packed documents still send whole) and attention linear in visible pairs,
+    which is how the cost model prices a layout whose split is re-balanced.
+    Per step a kind prices with the bases made for the pass size it can expect (its devices' share of the batch's
+    tokens), keeping the one of the two that prices a pass of that share of the batch lower; bases are made on first
+    use."""
+
+    SHORT = 256      # tokens per document of the "short documents" calibration batch
+    TYPICAL = 2048   # tokens per document of the all-to-all base
+    SCALES = (1, 4, 16, 64)
+
+    def __init__(self, cluster, model, training, causal):
+        self.cluster, self.model, self.training, self.causal = cluster, model, training, causal
+        self.longest = None
+        self._bases = {}  # scale -> [(Plan, f, a, b), ...]
+        self.correction = 1.0  # exact / linear, learnt from exactly scored plans (BatchPlanner._learn)
+
+    def _fits(self, L):
+        # the scheduler alone: plan() would also work out, for the error it raises, the longest sequence that fits
+        # (a search of its own per probe, which made pricing 8,192 devices take minutes)
+        try:
+            _plan_one(self.cluster, self.model, self.training, int(L), self.causal, _strategy("hexiseq"), None, None)
+            return True
+        except (MemoryFitError, UnsupportedError):
+            return False
+
+    def _floor(self):
+        return max(4 * self.SHORT, 16 * self.cluster.num_devices)
+
+    def _ensure(self):
+        if self.longest is not None:
+            return
+        lo = self._floor()
+        if not self._fits(lo):
+            self.longest = 0
+            return
+        hi = lo
+        while hi < (1 << 30) and self._fits(hi):
+            lo, hi = hi, hi * 4
+        while hi - lo > max(1, lo // 256):
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self._fits(mid) else (lo, mid)
+        self.longest = lo
+
+    def bases(self, scale):
+        """The base layouts made for passes of longest / scale tokens, with their (f, a, b)."""
+        if scale not in self._bases:
+            S = max(self.longest // scale, self._floor())
+            out = []
+            for docs in (None, _short_docs(S, self.TYPICAL)):
+                try:
+                    base = plan(self.cluster, model=self.model, seq_len=S, training=self.training,
+                                causal=self.causal, strategy="hexiseq", documents=docs)
+                    out.append((base,) + self._fit(base))
+                except (MemoryFitError, UnsupportedError):
+                    continue
+            self._bases[scale] = out
+        return self._bases[scale]
+
+    def _fit(self, base):
+        """(f, a, b) of a base: least squares over the cost model's figures for the base re-balanced to passes of
+        S_ref / 16, S_ref / 4 and S_ref tokens, each as short documents, as one document, and as one document of half
+        the tokens beside short ones (nine points), with f, a, b >= 0."""
+        S, d = base.seq_len, self.SHORT
+        rows, ys = [], []
+        for n in {max(S // 16, 4 * d, base.num_groups), max(S // 4, 4 * d, base.num_groups), S}:
+            for docs in (_short_docs(n, d), None, [n // 2] + _short_docs(n - n // 2, d)):
+                try:
+                    t = base.rebalanced(seq_len=n, documents=docs).step_time_s
+                except (MemoryFitError, InvalidArgumentError):
+                    continue
+                pairs = float(_pairs(docs if docs is not None else [n], self.causal).sum())
+                rows.append((1.0, float(n), pairs))
+                ys.append(t)
+        A, y = np.array(rows), np.array(ys)
+        scale = np.abs(A).max(axis=0)
+        scale[scale == 0] = 1.0
+        free = [0, 1, 2]
+        while True:  # non-negative least squares on three columns: drop a column that comes out negative, refit
+            x = np.zeros(3)
+            x[free] = np.linalg.lstsq(A[:, free] / scale[free], y, rcond=None)[0] / scale[free]
+            neg = [k for k in free if x[k] < 0]
+            if not neg:
+                break
+            free.remove(min(neg, key=lambda k: x[k] * scale[k]))
+            if not free:
+                x = np.zeros(3)
+                break
+        return float(x[0]), float(x[1]), float(x[2])
+
+    def price(self, flat, owner, n_items, expect):
+        """(cost per item [n_items], f, base Plan): the documents `flat` (their item in `owner`) priced under the base
+        made for passes nearest `expect` tokens that prices a pass of that share of the batch lowest; inf when the
+        kind holds nothing."""
+        self._ensure()
+        if not self.longest:
+            return np.full(n_items, math.inf), 0.0, None
+        want = self.longest / max(min(expect, self.longest), 1)
+        scale = min(self.SCALES, key=lambda k: abs(math.log(k) - math.log(want)))
+        pairs = _pairs(flat, self.causal)
+        share = min(expect / max(float(flat.sum()), 1.0), 1.0)  # of the batch, what a group of this kind can expect
+        best = None
+        for base, f, a, b in self.bases(scale):
+            per_doc = a * flat + b * pairs
+            total = per_doc.sum() * share + f
+            if best is None or total < best[0]:
+                best = (total, per_doc, f, base)
+        if best is None:
+            return np.full(n_items, math.inf), 0.0, None
+        row = np.zeros(n_items)
+        np.add.at(row, owner, best[1])
+        return row, best[2], best[3]
