@@ -36,15 +36,20 @@ def init_params(heads, kv_heads, seed=7):
             "wk": w(hidden, kv_heads * HEAD_DIM), "wv": w(hidden, kv_heads * HEAD_DIM), "wo": w(heads * HEAD_DIM, hidden)}
 
 
-def token_losses(params, ids, pos, labels, attend, heads, kv_heads):
-    """Per-token cross entropy [tokens] (0 where the label is ignored) of a one-layer attention LM on ids [1, s]."""
+def lm_logits(params, ids, pos, attend, heads, kv_heads):
+    """[1, s, VOCAB] logits of a one-layer attention LM on ids [1, s] at positions pos [1, s]."""
     x = params["emb"][ids] + params["pos"][pos]
     s = ids.shape[1]
     q = (x @ params["wq"]).view(1, s, heads, HEAD_DIM)
     k = (x @ params["wk"]).view(1, s, kv_heads, HEAD_DIM)
     v = (x @ params["wv"]).view(1, s, kv_heads, HEAD_DIM)
     h = x + attend(q, k, v).reshape(1, s, heads * HEAD_DIM) @ params["wo"]
-    logits = h @ params["emb"].T
+    return h @ params["emb"].T
+
+
+def token_losses(params, ids, pos, labels, attend, heads, kv_heads):
+    """Per-token cross entropy [tokens] (0 where the label is ignored) of lm_logits."""
+    logits = lm_logits(params, ids, pos, attend, heads, kv_heads)
     return F.cross_entropy(logits[0], labels[0], ignore_index=-100, reduction="none")
 
 
@@ -67,24 +72,35 @@ def batches(seed, count, sequences):
     return out
 
 
+def documents(L, x):
+    """The documents of one sequence (L: its length, or its documents' lengths; x: its token ids), each [1, n]."""
+    at = 0
+    for n in (L if isinstance(L, list) else [L]):
+        yield x[at:at + n][None]
+        at += n
+
+
+def reference_loss(logits_of, L, x):
+    """One process: the summed next-token loss of every document of one sequence run on its own; logits_of(doc
+    [1, n]) -> [1, n, vocab]."""
+    return sum(F.cross_entropy(logits_of(d)[0, :-1], d[0, 1:], reduction="sum") for d in documents(L, x))
+
+
+def sum_gradients(params):
+    """The step's gradient: every rank's part, summed (a rank whose group the plan left idle adds zeros)."""
+    for t in params:
+        if t.grad is None:
+            t.grad = torch.zeros_like(t)
+        dist.all_reduce(t.grad)
+
+
 def reference_step(params, lengths, ids, heads, kv_heads):
     """One process: every document of every sequence on its own. (loss sum per sequence, labelled tokens)."""
-    per_seq, labelled = [], 0
-    for L, x in zip(lengths, ids):
-        docs = L if isinstance(L, list) else [L]
-        total, at = 0.0, 0
-        for n in docs:
-            d = x[at:at + n][None]
-            at += n
-            labels = torch.full_like(d, -100)
-            labels[0, :-1] = d[0, 1:]
-            pos = torch.arange(n)[None]
-            tl = token_losses(params, d, pos, labels, lambda q, k, v: attention(q, k, v, causal=True)[0],
-                              heads, kv_heads)
-            total = total + tl.sum()
-            labelled += n - 1
-        per_seq.append(total)
-    return per_seq, labelled
+    def logits_of(d):
+        return lm_logits(params, d, torch.arange(d.shape[1])[None],
+                         lambda q, k, v: attention(q, k, v, causal=True)[0], heads, kv_heads)
+    per_seq = [reference_loss(logits_of, L, x) for L, x in zip(lengths, ids)]
+    return per_seq, sum(d.shape[1] - 1 for L, x in zip(lengths, ids) for d in documents(L, x))
 
 
 def train_on_batch_plans(rank, world, init, candidates, steps, results):
@@ -93,7 +109,6 @@ def train_on_batch_plans(rank, world, init, candidates, steps, results):
     errors of the loss, the per-sequence loss sums and the gradients, the groups the plan chose, and at the end the
     largest parameter difference."""
     try:
-        import hexiseq
         from hexiseq.nn import BatchContext
 
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
@@ -115,10 +130,7 @@ def train_on_batch_plans(rank, world, init, candidates, steps, results):
                                       heads, kv_heads)
                     (tl.sum() / labelled).backward()
                     per_pass.append(tl.detach())
-            for t in ours.values():  # the step's gradient: every rank's part, summed
-                if t.grad is None:
-                    t.grad = torch.zeros_like(t)
-                dist.all_reduce(t.grad)
+            sum_gradients(ours.values())
             seq_sums = step.per_sequence(per_pass)
             loss = seq_sums.sum() / labelled
             ref_seq, ref_labelled = reference_step(ref, lengths, ids, heads, kv_heads)
@@ -232,22 +244,11 @@ def hf_batch_training(rank, world, init, steps, results):
                     loss = F.cross_entropy(logits[0], p.labels(ids)[0], ignore_index=-100, reduction="sum") / n
                     loss.backward()
                     total += loss.detach()
-            for q in ours.parameters():
-                if q.grad is None:
-                    q.grad = torch.zeros_like(q)
-                dist.all_reduce(q.grad)
+            sum_gradients(ours.parameters())
             dist.all_reduce(total)
             opt_ours.step()
             opt_ref.zero_grad()
-            ref_total = 0.0
-            for L, x in zip(lengths, ids):
-                at = 0
-                for m in (L if isinstance(L, list) else [L]):
-                    doc = x[at:at + m][None]
-                    at += m
-                    logits = ref(input_ids=doc).logits
-                    ref_total = ref_total + F.cross_entropy(logits[0, :-1], doc[0, 1:], reduction="sum")
-            ref_loss = ref_total / n
+            ref_loss = sum(reference_loss(lambda d: ref(input_ids=d).logits, L, x) for L, x in zip(lengths, ids)) / n
             ref_loss.backward()
             opt_ref.step()
             report.append({"groups": [list(g) for g in plan.groups],
@@ -328,14 +329,8 @@ def train_with_sharded_states(rank, world, init, candidates, steps, results):
                     loss.backward()
             opt.step()
             opt_ref.zero_grad()
-            total = 0.0
-            for L, x in zip(lengths, ids):
-                at = 0
-                for m in (L if isinstance(L, list) else [L]):
-                    d = x[at:at + m][None]
-                    at += m
-                    logits = ref(d, torch.arange(m)[None])
-                    total = total + F.cross_entropy(logits[0, :-1], d[0, 1:], reduction="sum")
+            total = sum(reference_loss(lambda d: ref(d, torch.arange(d.shape[1])[None]), L, x)
+                        for L, x in zip(lengths, ids))
             (total / n).backward()
             opt_ref.step()
         full = full_state_dict(ours)
