@@ -228,3 +228,13 @@ def test_the_plan_says_why_this_many_groups():
     line = next(x for x in bp.explain().splitlines() if x.strip().startswith("why"))
     assert f"why {n} groups" in line and "scored" in line
     assert bp.to_dict()["alternatives"][0]["groups"] == min(alt)
+
+
+def test_a_per_step_plan_scores_each_pass_once():
+    """A plan made with exact=False scores a pass when first asked; the runtime asks for each pass several times
+    in a step (fingerprint, process groups, contexts), and gets the same Plan object, not a new search."""
+    cluster = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 4, "intra_gbps": 300.0}]})
+    bp = BatchPlanner(cluster, model="gpt-7b").plan([8000, 300, 300, 4000], exact=False)
+    g = bp.assignment[0]
+    assert bp.plan_for(g) is bp.plan_for(g)
+    assert bp.fingerprint == bp.fingerprint

@@ -247,9 +247,13 @@ class BatchPlan:
         if not 0 <= p < len(self.passes[g]):
             raise InvalidArgumentError(f"group {g} makes {len(self.passes[g])} pass(es), got pass {p}")
         made = self.pass_plans[g]
-        if made and isinstance(made[0], _Kind):  # planned with exact=False: scored now
-            docs = [L for i in self.passes[g][p] for L in (self.documents[i] or (self.lengths[i],))]
-            return BatchPlanner._exact_pass(made[0], docs)
+        if made and isinstance(made[0], _Kind):  # planned with exact=False: scored on first use, then kept (a step's
+            # runtime asks for every pass more than once: its fingerprint, its process groups, its contexts)
+            scored = self.__dict__.setdefault("_scored", {})
+            if (g, p) not in scored:
+                docs = [L for i in self.passes[g][p] for L in (self.documents[i] or (self.lengths[i],))]
+                scored[(g, p)] = BatchPlanner._exact_pass(made[0], docs)
+            return scored[(g, p)]
         return made[p]
 
     @property
