@@ -50,8 +50,8 @@ typedef struct hexiseq_cuda_host {
 /* Bumped whenever this table or anything it passes across (the params structs, hexiseq_cuda_host, the status
  * codes) changes meaning; sizes are checked besides, so a library from another build is refused, not called.
  * 2: check_params no longer reads q_doc's values (the launchers pass device memory there); an extension of version 1
- * would read them on the host. */
-#define HEXISEQ_CUDA_ENTRY_VERSION 2u
+ * would read them on the host. 3: the params carry a sliding window and logit soft-capping. */
+#define HEXISEQ_CUDA_ENTRY_VERSION 3u
 #define HEXISEQ_CUDA_ENTRY_SYMBOL "hexiseq_cuda_entry_table"
 
 typedef struct hexiseq_cuda_entries {

@@ -229,6 +229,84 @@ def test_document_mask_blocks(backend, case):
     backend.check_backward(q, k, v, True, *pos, gen, what=case.name, q_doc=q_doc)
 
 
+# ------------------------------------------------------------------------------------------------ attention variants
+
+# Sliding windows, soft-capping and sinks: name -> (causal, (q_pos0, k_pos0), window, softcap, sinks, documents),
+# on a 97-query block against a block of Sk keys. amp scales q and k so that soft-capping saturates on part of the
+# scores (tanh near its asymptote, where a wrong derivative shows).
+VARIANTS = {
+    "window-diagonal": (True, (0, 0), (5, 0), None, False, False),           # a window narrower than any tile
+    "window-zero": (True, (0, 0), (0, 0), None, False, False),               # each query sees only itself
+    "window-ring-step": (True, (150, 100), (30, -1), None, False, False),   # later rows see nothing (0 / -inf)
+    "window-wide": (True, (64, 0), (100, 0), None, False, False),           # a window spanning several tiles
+    "window-both-sides": (False, (0, 0), (7, 11), None, False, False),
+    "window-right-only": (False, (20, 0), (-1, 3), None, False, False),
+    "window-left-only": (False, (0, 40), (9, -1), None, False, False),      # the first rows see nothing
+    "window-documents": (True, (300, 150), (40, 0), None, False, True),    # the later of window and document start
+    "softcap": (True, (0, 0), None, 2.0, False, False),
+    "softcap-full": (False, (0, 0), None, 30.0, False, False),
+    "softcap-window-sinks": (True, (10, 0), (12, 0), 5.0, True, False),
+    "sinks-rows-see-nothing": (True, (0, 120), None, None, True, False),   # the first rows: the sink alone
+}
+VARIANT_DOCS = [1, 120, 1, 1, 230, 47]
+
+
+def _variant_case(name, backend, dtype, D, Sk, **extra):
+    causal, pos, window, softcap, sinks, docs = VARIANTS[name]
+    return case(f"{name}-{str(dtype).split('.')[-1]}-D{D}" if backend == "cuda" else name,
+                shape=(2, 97, Sk, 4, 2, D), dtype=dtype, causal=causal, pos=pos, window=window, softcap=softcap,
+                sinks=sinks, docs=docs, amp=3.0 if softcap else 1.0, **extra)
+
+
+VARIANT_CASES = dict(
+    cpu=[_variant_case(name, "cpu", np.float64, 16, 193) for name in VARIANTS],
+    cuda=[_variant_case(name, "cuda", dtype, D, 193) for name in VARIANTS
+          for dtype, D in ((torch.bfloat16, 64), (torch.float16, 128), (torch.bfloat16, 256))]
+    # D = 128 runs the staged backward by default; the register backward on the same cases
+    + [_variant_case(name, "cuda", torch.bfloat16, 128, 193, backward_kernel="register")
+       for name in ("window-ring-step", "window-documents", "softcap-window-sinks")],
+)
+
+
+@over_backends(**VARIANT_CASES)
+def test_attention_variants(backend, case, monkeypatch):
+    """Sliding windows (left, right, both; causal and not; with documents), logit soft-capping and sink logits,
+    alone and together, at ring offsets where some rows see nothing: forward, then backward (the sinks' gradient
+    included), against the float64 reference."""
+    if getattr(case, "backward_kernel", None):
+        monkeypatch.setenv("HEXISEQ_CUDA_BACKWARD", case.backward_kernel)
+    (q, k, v), gen = backend.make(case.shape, case.dtype, case.seed if hasattr(case, "seed") else 11)
+    q, k = q * case.amp, k * case.amp
+    variant = dict(window=case.window, softcap=case.softcap)
+    if case.sinks:
+        sinks = np.array([0.5, -1.0, 2.0, 0.0])
+        variant["sinks"] = sinks if backend.name == "cpu" else torch.tensor(sinks, device=backend.device)
+    q_doc = None
+    if case.docs:
+        q_doc = ops.document_starts(VARIANT_DOCS, positions=np.arange(case.pos[0], case.pos[0] + q.shape[1]))
+        q_doc = q_doc if backend.name == "cpu" else torch.from_numpy(q_doc).to(backend.device)
+    backend.check_forward(q, k, v, case.causal, *case.pos, what=case.name, q_doc=q_doc, **variant)
+    backend.check_backward(q, k, v, case.causal, *case.pos, gen, what=case.name, q_doc=q_doc, **variant)
+
+
+def test_variant_refusals():
+    """Bad windows and caps are refused with the argument and the value named."""
+    q = np.zeros((1, 4, 2, 8))
+    for kw, words in ((dict(window=(3, 2)), "right bound must be -1 or 0"),
+                      (dict(window=(-2, 0)), "window left bound must be -1"),
+                      (dict(window=5), "window must be None or a pair"),
+                      (dict(window=(1.5, 0)), "window[left] must be an int"),
+                      (dict(softcap=-1.0), "softcap must be finite and >= 0"),
+                      (dict(softcap=math.inf), "softcap must be finite"),
+                      (dict(sinks=np.zeros(3)), "sinks must have shape [heads] = [2]")):
+        try:
+            ops.attention_forward(q, q, q, **kw)
+        except (ValueError, TypeError) as e:
+            assert words in str(e), (kw, str(e))
+        else:
+            raise AssertionError(f"{kw} was accepted")
+
+
 # ------------------------------------------------------------------------------------------------ NaN and infinities
 
 # (q row, k row) a poison lands on; the query and key blocks are 67 x 67 at (q_pos0, k_pos0) = (0, 10) when causal:

@@ -87,7 +87,46 @@ typedef struct hexiseq_attn_params {
     int32_t causal;   /* 0 or 1 */
     int32_t dtype;    /* hexiseq_dtype; a fixed-width int, not the enum, so the layout is ABI-stable */
     int32_t accumulate; /* backward only: 0 overwrites dq, dk, dv; 1 adds into them (ring steps summing pieces) */
+
+    /* Sliding window (window = 1), on top of the causal and document masks: key j is visible to query i only if
+     *   window_left  < 0  or  (q_pos0 + i) - (k_pos0 + j) <= window_left,   and
+     *   window_right < 0  or  (k_pos0 + j) - (q_pos0 + i) <= window_right
+     * (FlashAttention's window_size; a Hugging Face sliding_window of W tokens is window_left = W - 1). Each bound is
+     * -1 (none) or in [0, 2^62]; with causal = 1, window_right must be -1 or 0. window = 0, as in a zeroed struct:
+     * no window, the two bounds are ignored. */
+    int64_t window_left;
+    int64_t window_right;
+    /* Logit soft-capping (Gemma 2): with softcap > 0 each score x = scale * q.k becomes softcap * tanh(x / softcap)
+     * before the softmax, and LSE is that of the capped scores; 0: none. Finite and >= 0. */
+    double softcap;
+    int32_t window;   /* 0 or 1, see window_left */
+    int32_t reserved; /* 0 */
 } hexiseq_attn_params;
+
+/* The one mask form the kernels implement: the window's and the causal mask's bounds rewritten, in place, so that
+ * every call is either unwindowed, or causal with a left window only. A key is visible iff
+ *   max(document start, qpos - window_left) <= kpos <= qpos
+ * so the window's left bound is a per-row lower bound like the document start, and the kernels need one code path
+ * for both. How: a right bound R (window_right, or, for a non-causal call, the distance to the block's last key)
+ * becomes the causal diagonal shifted R positions later (q_pos0 + R), and the left bound grows by R. Positions only
+ * decide visibility, never values, so the shift changes nothing else. Bounds that reach past the whole block are
+ * dropped first (which also keeps the sums inside int64). Call after hexiseq_attn_check_params. */
+static inline void hexiseq_attn_canonical_mask(hexiseq_attn_params *p) {
+    if (!p->window)
+        return;
+    const int64_t q_last = p->q_pos0 + p->seq_q - 1, k_last = p->k_pos0 + p->seq_k - 1;
+    int64_t left = p->window_left, right = p->causal ? 0 : p->window_right;
+    if (left >= 0 && left >= q_last - p->k_pos0) /* every key at or before its query is inside the window */
+        left = -1;
+    const int64_t reach = k_last > p->q_pos0 ? k_last - p->q_pos0 : 0; /* the farthest any key lies ahead */
+    if (right < 0 || right > reach)
+        right = reach;
+    p->q_pos0 += right;
+    p->window_left = left >= 0 ? left + right : -1;
+    p->window_right = -1;
+    p->causal = 1;
+    p->window = p->window_left >= 0;
+}
 
 /* Fold one partial result (o_part, lse_part) into an accumulator (o_acc, lse_acc), in place:
  *   lse_new = logaddexp(lse_acc, lse_part)

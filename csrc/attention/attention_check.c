@@ -69,6 +69,26 @@ static hexiseq_status check_documents(const hexiseq_attn_params *p) {
     return check_extent("q_doc", p->q_doc_stride, dsize, 2);
 }
 
+/* The sliding window's flag and bounds (see hexiseq_attn_params). */
+static hexiseq_status check_window(const hexiseq_attn_params *p) {
+    if (p->window != 0 && p->window != 1)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "window must be 0 or 1, got %lld", (long long)p->window);
+    if (!p->window)
+        return HEXISEQ_OK;
+    if (p->window_left < -1 || p->window_left > HX_MAX_POS)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "window_left must be -1 (none) or in [0, 2^62], got %lld",
+                            (long long)p->window_left);
+    if (p->window_right < -1 || p->window_right > HX_MAX_POS)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "window_right must be -1 (none) or in [0, 2^62], got %lld",
+                            (long long)p->window_right);
+    if (p->causal && p->window_right > 0)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID,
+                            "window_right = %lld with causal = 1: the causal mask already hides every later key; "
+                            "pass -1 or 0",
+                            (long long)p->window_right);
+    return HEXISEQ_OK;
+}
+
 /* Every start inside [0, q_pos0 + i] (the kernels skip key tiles from the starts, so a start past its own row would
  * read as "sees nothing" and one before 0 is no position). One pass over batch * seq_q values: small next to the
  * kernels' batch * seq_q * seq_k work. */
@@ -146,6 +166,10 @@ hexiseq_status hexiseq_attn_check_params(const hexiseq_attn_params *p, int backw
     }
     if (p->q_doc != NULL)
         HEXISEQ_CHECK(check_documents(p));
+    HEXISEQ_CHECK(check_window(p));
+    if (!isfinite(p->softcap) || p->softcap < 0)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "softcap must be finite and >= 0 (0: no soft-capping), got %g",
+                            p->softcap);
     return HEXISEQ_OK;
 }
 

@@ -179,13 +179,20 @@ static inline int64_t visible_keys(const hexiseq_attn_params *p, int64_t qpos) {
     return min64(p->seq_k, max64(0, qpos - p->k_pos0 + 1));
 }
 
-/* Under the document mask (q_doc), the first key of the block that query row i of batch b may see: its
- * document's start, as an index into the block clamped to [0, seq_k]; 0 without a document mask. Keys before
- * it are masked as keys past the diagonal are under the causal mask. */
+/* Whether rows have a lower bound on their keys: a document mask, or a sliding window (which, in the canonical form
+ * of hexiseq_attn_canonical_mask, is a left bound only). Everything named doc_ below serves both. */
+static inline int has_lower_bound(const hexiseq_attn_params *p) { return p->q_doc != NULL || p->window; }
+
+/* The first key of the block that query row i of batch b may see: the later of its document's start (q_doc) and
+ * q_pos0 + i - window_left (a window), as an index into the block clamped to [0, seq_k]; 0 without either. Keys
+ * before it are masked as keys past the diagonal are under the causal mask. No overflow: in the canonical form
+ * q_pos0 + i - window_left >= -2^62 (see hexiseq_attn_canonical_mask), and k_pos0 <= 2^62. */
 static inline int64_t doc_first_key(const hexiseq_attn_params *p, int64_t b, int64_t i) {
-    if (p->q_doc == NULL)
+    if (!has_lower_bound(p))
         return 0;
-    const int64_t start = p->q_doc[b * p->q_doc_stride[0] + i * p->q_doc_stride[1]];
+    int64_t start = p->window ? p->q_pos0 + i - p->window_left : INT64_MIN / 2;
+    if (p->q_doc != NULL)
+        start = max64(start, p->q_doc[b * p->q_doc_stride[0] + i * p->q_doc_stride[1]]);
     return min64(p->seq_k, max64(0, start - p->k_pos0));
 }
 
@@ -196,7 +203,7 @@ static inline int64_t doc_first_key(const hexiseq_attn_params *p, int64_t b, int
  * at the first row that reaches back. nq without a document mask. */
 static inline int64_t doc_row_end(const hexiseq_attn_params *p, int64_t b, int64_t q0, int64_t i0, int64_t nq,
                                   int64_t kend) {
-    if (p->q_doc == NULL)
+    if (!has_lower_bound(p))
         return nq;
     int64_t i = nq;
     while (i > i0 && doc_first_key(p, b, q0 + i - 1) >= kend)
@@ -210,7 +217,7 @@ static inline int64_t doc_row_end(const hexiseq_attn_params *p, int64_t b, int64
  * NULL without a document mask; *failed set when the allocation fails. */
 static int64_t *doc_tile_first_keys(const hexiseq_attn_params *p, int *failed) {
     *failed = 0;
-    if (p->q_doc == NULL)
+    if (!has_lower_bound(p))
         return NULL;
     const int64_t nqt = (p->seq_q + BQ - 1) / BQ;
     int64_t *first = malloc(sizeof(int64_t) * (size_t)(p->batch * nqt));
@@ -281,7 +288,7 @@ static size_t fwd_scratch_bytes(int32_t dp, int64_t group, size_t esize) {
 /* Backward per-thread scratch, in bytes: the buffers bwd_kv_task carves, in T (esize bytes) then the double
  * dK, dV accumulators of the key tile. A multiple of 8 bytes. */
 static size_t bwd_scratch_bytes(int32_t dp, size_t esize) {
-    return ((size_t)8 * BQ * (size_t)dp + (size_t)3 * BQ * BK + 4 * BQ) * esize + (size_t)2 * BK * (size_t)dp * sizeof(double);
+    return ((size_t)8 * BQ * (size_t)dp + (size_t)4 * BQ * BK + 4 * BQ) * esize + (size_t)2 * BK * (size_t)dp * sizeof(double);
 }
 
 /* --------------------------------------------------------------------------------------------- */
@@ -295,6 +302,7 @@ static size_t bwd_scratch_bytes(int32_t dp, size_t esize) {
 #define HEXISEQ_ATTN_SUFFIX f64
 #define HX_GET get_f64
 #define HX_EXP exp
+#define HX_TANH tanh
 #define HX_USE_SIMD 0
 #include "attention_tile.inc"
 
@@ -302,16 +310,20 @@ static size_t bwd_scratch_bytes(int32_t dp, size_t esize) {
 #define HEXISEQ_ATTN_SUFFIX f32
 #define HX_GET get_f32
 #define HX_EXP hx_expf
+#define HX_TANH tanhf
 #define HX_USE_SIMD 1
 #include "attention_tile.inc"
 
 /* --------------------------------------------------------------------------------------------- */
 /* Entry points */
 
-hexiseq_status hexiseq_attn_forward_cpu(const hexiseq_attn_params *p) {
+hexiseq_status hexiseq_attn_forward_cpu(const hexiseq_attn_params *given) {
     hexiseq_clear_error();
-    HEXISEQ_CHECK(hexiseq_attn_check_params(p, 0));
-    HEXISEQ_CHECK(hexiseq_attn_check_doc_values(p));
+    HEXISEQ_CHECK(hexiseq_attn_check_params(given, 0));
+    HEXISEQ_CHECK(hexiseq_attn_check_doc_values(given));
+    hexiseq_attn_params canonical = *given; /* the window as a per-row lower bound, see attention.h */
+    hexiseq_attn_canonical_mask(&canonical);
+    const hexiseq_attn_params *p = &canonical;
     const int32_t dp = padded_dim(p->head_dim);
     const int nthreads = max_threads();
     const int64_t nqt = (p->seq_q + BQ - 1) / BQ;
@@ -359,10 +371,13 @@ hexiseq_status hexiseq_attn_forward_cpu(const hexiseq_attn_params *p) {
     return HEXISEQ_OK;
 }
 
-hexiseq_status hexiseq_attn_backward_cpu(const hexiseq_attn_params *p) {
+hexiseq_status hexiseq_attn_backward_cpu(const hexiseq_attn_params *given) {
     hexiseq_clear_error();
-    HEXISEQ_CHECK(hexiseq_attn_check_params(p, 1));
-    HEXISEQ_CHECK(hexiseq_attn_check_doc_values(p));
+    HEXISEQ_CHECK(hexiseq_attn_check_params(given, 1));
+    HEXISEQ_CHECK(hexiseq_attn_check_doc_values(given));
+    hexiseq_attn_params canonical = *given;
+    hexiseq_attn_canonical_mask(&canonical);
+    const hexiseq_attn_params *p = &canonical;
     const int32_t dp = padded_dim(p->head_dim);
     const int nthreads = max_threads();
     const int f64 = p->dtype == HEXISEQ_DTYPE_F64;

@@ -208,6 +208,8 @@ typedef struct {
     int causal, accumulate; /* forward and backward only, like the positions and the scale */
     long long q_pos0, k_pos0;
     double scale;
+    long long window_left, window_right; /* -1: no bound on that side */
+    double softcap;                      /* 0: none */
     unsigned long long stream; /* a cudaStream_t as an integer (CUDA calls) */
     union {
         hexiseq_attn_views attn;
@@ -264,6 +266,10 @@ static PyObject *run_attention(PyObject *module, const dl_arg *a, int n, attn_ca
         p.attn.k_pos0 = c->k_pos0;
         p.attn.scale = c->scale;
         p.attn.accumulate = c->kind == ATTN_BACKWARD ? c->accumulate : 0;
+        p.attn.window = c->window_left != -1 || c->window_right != -1; /* a bad bound reaches the check as it is */
+        p.attn.window_left = c->window_left;
+        p.attn.window_right = c->window_right;
+        p.attn.softcap = c->softcap;
     }
     if (s != HEXISEQ_OK) {
         raise_status(module, s);
@@ -285,8 +291,10 @@ done:
     return ret;
 }
 
-/* attention_forward(q, k, v, out, lse, causal, q_pos0, k_pos0, scale[, q_doc]) -> None; writes out and lse.
- * q_doc: the document mask's int64 starts (csrc/attention/attention.h), [batch, seq_q] or [seq_q]; None or absent: none.
+/* attention_forward(q, k, v, out, lse, causal, q_pos0, k_pos0, scale[, q_doc[, window_left, window_right, softcap]])
+ * -> None; writes out and lse. q_doc: the document mask's int64 starts (csrc/attention/attention.h), [batch, seq_q] or
+ * [seq_q]; None or absent: none. window_left, window_right: the sliding window's bounds, -1 (the default) for none;
+ * softcap: logit soft-capping, 0 (the default) for none.
  * attention_forward_cuda(..., scale, stream): the same on CUDA tensors, enqueued on the cudaStream_t `stream`. */
 static PyObject *attention_forward_impl(PyObject *module, PyObject *args, int cuda) {
     PyObject *q, *k, *v, *o, *lse, *doc = Py_None;
@@ -294,10 +302,12 @@ static PyObject *attention_forward_impl(PyObject *module, PyObject *args, int cu
     memset(&c, 0, sizeof c);
     c.kind = ATTN_FORWARD;
     c.cuda = cuda;
-    if (cuda ? !PyArg_ParseTuple(args, "OOOOOpLLdK|O:attention_forward_cuda", &q, &k, &v, &o, &lse, &c.causal,
-                                 &c.q_pos0, &c.k_pos0, &c.scale, &c.stream, &doc)
-             : !PyArg_ParseTuple(args, "OOOOOpLLd|O:attention_forward", &q, &k, &v, &o, &lse, &c.causal, &c.q_pos0,
-                                 &c.k_pos0, &c.scale, &doc))
+    c.window_left = c.window_right = -1;
+    if (cuda ? !PyArg_ParseTuple(args, "OOOOOpLLdK|OLLd:attention_forward_cuda", &q, &k, &v, &o, &lse, &c.causal,
+                                 &c.q_pos0, &c.k_pos0, &c.scale, &c.stream, &doc, &c.window_left, &c.window_right,
+                                 &c.softcap)
+             : !PyArg_ParseTuple(args, "OOOOOpLLd|OLLd:attention_forward", &q, &k, &v, &o, &lse, &c.causal, &c.q_pos0,
+                                 &c.k_pos0, &c.scale, &doc, &c.window_left, &c.window_right, &c.softcap))
         return NULL;
     hexiseq_attn_views *views = &c.views.attn;
     const dl_arg a[] = {
@@ -309,7 +319,8 @@ static PyObject *attention_forward_impl(PyObject *module, PyObject *args, int cu
     return run_attention(module, a, (int)(sizeof a / sizeof a[0]) - (doc == Py_None), &c);
 }
 
-/* attention_backward(q, k, v, out, lse, dout, dq, dk, dv, causal, q_pos0, k_pos0, scale, accumulate[, q_doc]) -> None;
+/* attention_backward(q, k, v, out, lse, dout, dq, dk, dv, causal, q_pos0, k_pos0, scale, accumulate[, q_doc[,
+ * window_left, window_right, softcap]]) -> None;
  * writes (or adds into) dq, dk, dv. attention_backward_cuda(..., accumulate, stream): the same on CUDA tensors. */
 static PyObject *attention_backward_impl(PyObject *module, PyObject *args, int cuda) {
     PyObject *q, *k, *v, *o, *lse, *dout, *dq, *dk, *dv, *doc = Py_None;
@@ -317,10 +328,13 @@ static PyObject *attention_backward_impl(PyObject *module, PyObject *args, int c
     memset(&c, 0, sizeof c);
     c.kind = ATTN_BACKWARD;
     c.cuda = cuda;
-    if (cuda ? !PyArg_ParseTuple(args, "OOOOOOOOOpLLdpK|O:attention_backward_cuda", &q, &k, &v, &o, &lse, &dout, &dq,
-                                 &dk, &dv, &c.causal, &c.q_pos0, &c.k_pos0, &c.scale, &c.accumulate, &c.stream, &doc)
-             : !PyArg_ParseTuple(args, "OOOOOOOOOpLLdp|O:attention_backward", &q, &k, &v, &o, &lse, &dout, &dq, &dk,
-                                 &dv, &c.causal, &c.q_pos0, &c.k_pos0, &c.scale, &c.accumulate, &doc))
+    c.window_left = c.window_right = -1;
+    if (cuda ? !PyArg_ParseTuple(args, "OOOOOOOOOpLLdpK|OLLd:attention_backward_cuda", &q, &k, &v, &o, &lse, &dout,
+                                 &dq, &dk, &dv, &c.causal, &c.q_pos0, &c.k_pos0, &c.scale, &c.accumulate, &c.stream,
+                                 &doc, &c.window_left, &c.window_right, &c.softcap)
+             : !PyArg_ParseTuple(args, "OOOOOOOOOpLLdp|OLLd:attention_backward", &q, &k, &v, &o, &lse, &dout, &dq,
+                                 &dk, &dv, &c.causal, &c.q_pos0, &c.k_pos0, &c.scale, &c.accumulate, &doc,
+                                 &c.window_left, &c.window_right, &c.softcap))
         return NULL;
     hexiseq_attn_views *views = &c.views.attn;
     const dl_arg a[] = {

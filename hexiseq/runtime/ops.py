@@ -23,7 +23,7 @@ import numpy as np
 from .. import _core
 from ..errors import ArgumentTypeError, InvalidArgumentError, UnsupportedError
 
-__all__ = ["attention_forward", "attention_backward", "merge_", "document_starts"]
+__all__ = ["attention_forward", "attention_backward", "merge_", "document_starts", "fold_sinks_", "sinks_backward"]
 
 # Absolute positions are limited to 2^62 so that every position difference stays inside int64 (the C rule is
 # q_pos0 <= 2^62 - seq_q, checked there with the sequence length).
@@ -222,6 +222,85 @@ def _doc_operand(q_doc, causal):
     return q_doc
 
 
+def _window(window, causal):
+    """(left, right) for the binding, (-1, -1) for None: each bound -1 (none) or an int in [0, 2^62]."""
+    if window is None:
+        return -1, -1
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ArgumentTypeError(f"window must be None or a pair (left, right) of ints (-1: no bound on that side), "
+                                f"got {_short(window)}")
+    bounds = []
+    for value, side in zip(window, ("left", "right")):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise ArgumentTypeError(f"window[{side}] must be an int, got {type(value).__name__} {_short(value)}")
+        if not -1 <= int(value) <= _MAX_POS:
+            raise InvalidArgumentError(f"window {side} bound must be -1 (none) or in [0, 2^62], got {int(value)}")
+        bounds.append(int(value))
+    if causal and bounds[1] > 0:
+        raise InvalidArgumentError(f"window = {tuple(bounds)} with causal=True: the causal mask already hides every "
+                                   f"later key; the right bound must be -1 or 0")
+    return bounds[0], bounds[1]
+
+
+def _softcap(softcap):
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise ArgumentTypeError(f"softcap must be a real number, got {type(softcap).__name__} {_short(softcap)}")
+    value = float(softcap)
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgumentError(f"softcap must be finite and >= 0 (0 or None: no soft-capping), got {value}")
+    return value
+
+
+def _sink_logits(sinks, lse, H):
+    """sinks as a [1, heads, 1] float tensor (or array) of lse's library, device and dtype."""
+    _require_tensor(sinks, "sinks")
+    if tuple(sinks.shape) != (H,):
+        raise InvalidArgumentError(f"sinks must have shape [heads] = [{H}], got {list(sinks.shape)}")
+    if _is_torch(lse):
+        return sinks.detach().to(device=lse.device, dtype=lse.dtype).reshape(1, H, 1)
+    return np.asarray(sinks, dtype=lse.dtype).reshape(1, H, 1)
+
+
+def fold_sinks_(out, lse, sinks):
+    """Add learned per-head sink logits (gpt-oss) to finished attention rows, in place: each row's softmax gains a
+    term exp(sinks[h]) in its denominator that attends to nothing,
+
+        lse_new = logaddexp(lse, sinks[h]);  out *= exp(lse - lse_new)
+
+    The sink is one more "block" of the softmax with O = 0 and LSE = sinks[h], so it is folded like any ring step:
+    once, after every key block is merged, and the backward of the kernels taken with (out, lse_new) is then exact
+    for q, k and v (see sinks_backward for the sinks' own gradient). A row that saw no key gets out = 0 and
+    lse = sinks[h]. out: [batch, seq, heads, head_dim]; lse: [batch, heads, seq]; sinks: [heads]. Returns None.
+    """
+    H = lse.shape[1]
+    sink = _sink_logits(sinks, lse, H)
+    if _is_torch(lse):
+        torch = _torch_module()
+        new = torch.logaddexp(lse, sink.expand_as(lse))
+        weight = torch.exp(lse - new)
+        out.mul_(weight.transpose(1, 2).unsqueeze(-1).to(out.dtype))
+        lse.copy_(new)
+    else:
+        new = np.logaddexp(lse, sink)
+        out *= np.exp(lse - new).transpose(0, 2, 1)[..., None].astype(out.dtype)
+        lse[...] = new
+
+
+def sinks_backward(out, dout, lse, sinks):
+    """The gradient of the sink logits: d sinks[h] = -sum over batch and rows of exp(sinks[h] - lse) * D, with
+    D = rowsum(dout * out), out and lse the folded ones (fold_sinks_). Returns a [heads] tensor (or array) in lse's
+    dtype."""
+    H = lse.shape[1]
+    sink = _sink_logits(sinks, lse, H)
+    if _is_torch(lse):
+        delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1).transpose(1, 2)  # [batch, heads, seq]
+        return -(_torch_module().exp(sink - lse) * delta).sum(dim=(0, 2))
+    delta = (dout.astype(lse.dtype) * out.astype(lse.dtype)).sum(-1).transpose(0, 2, 1)
+    return -(np.exp(sink - lse) * delta).sum(axis=(0, 2))
+
+
 def document_starts(lengths, positions=None):
     """The q_doc of a packed sequence: for each absolute position, the position at which its document starts.
 
@@ -264,7 +343,8 @@ def document_starts(lengths, positions=None):
     return q_doc
 
 
-def attention_forward(q, k, v, *, causal=True, q_pos0=0, k_pos0=0, scale=None, out=None, lse=None, q_doc=None):
+def attention_forward(q, k, v, *, causal=True, q_pos0=0, k_pos0=0, scale=None, out=None, lse=None, q_doc=None,
+                      window=None, softcap=None, sinks=None):
     """Attention of one query block against one key/value block; returns (out, lse).
 
     out = softmax(scale * q k^T + mask) v per (batch, query head); query head h reads kv head
@@ -290,6 +370,14 @@ def attention_forward(q, k, v, *, causal=True, q_pos0=0, k_pos0=0, scale=None, o
             CPU the values are checked; with CUDA tensors they are not (reading them would synchronise the stream):
             there a start past its own position leaves the row seeing nothing and one below 0 acts as 0. None: no
             document mask.
+        window: a sliding window (left, right), as FlashAttention's window_size: key j is visible to query i only
+            if (q_pos0 + i) - (k_pos0 + j) <= left and (k_pos0 + j) - (q_pos0 + i) <= right, -1 meaning no bound
+            on that side; on top of causal and q_doc (with causal=True, right must be -1 or 0). A Hugging Face
+            sliding_window of W tokens is window=(W - 1, 0). None: no window.
+        softcap: logit soft-capping (Gemma 2): each score x = scale q.k becomes softcap * tanh(x / softcap) before
+            the softmax; lse is that of the capped scores. None or 0: none.
+        sinks: learned per-head sink logits (gpt-oss), [heads]: each row's softmax gains exp(sinks[h]) in its
+            denominator (see fold_sinks_); lse then includes it. None: none.
 
     Returns:
         (out, lse) as above (the given objects when passed).
@@ -316,6 +404,8 @@ def attention_forward(q, k, v, *, causal=True, q_pos0=0, k_pos0=0, scale=None, o
     q_pos0 = _position(q_pos0, "q_pos0")
     k_pos0 = _position(k_pos0, "k_pos0")
     q_doc = _doc_operand(q_doc, causal)
+    window_left, window_right = _window(window, causal)
+    softcap = _softcap(softcap)
     for x, n in ((out, "out"), (lse, "lse")):
         if x is not None:
             _require_tensor(x, n)
@@ -327,21 +417,23 @@ def attention_forward(q, k, v, *, causal=True, q_pos0=0, k_pos0=0, scale=None, o
     named += ((q_doc, "q_doc"),) if q_doc is not None else ()
     device = _device_of(named)
     args = [_as_operand(x, n, device, output=n in ("out", "lse")) for x, n in named]
-    doc = args[5:]  # [q_doc] or []: the binding's optional last argument
+    variant = (args[5] if q_doc is not None else None, window_left, window_right, softcap)  # the optional tail
     if device is None:
-        _core.attention_forward(*args[:5], causal, q_pos0, k_pos0, scale, *doc)
+        _core.attention_forward(*args[:5], causal, q_pos0, k_pos0, scale, *variant)
     else:
         with _torch_module().cuda.device(device):
-            _core.attention_forward_cuda(*args[:5], causal, q_pos0, k_pos0, scale, _stream_of(device), *doc)
+            _core.attention_forward_cuda(*args[:5], causal, q_pos0, k_pos0, scale, _stream_of(device), *variant)
     if Sk == 0 and B * Sq * H > 0:  # no key at all: every row is fully masked (the kernel was not called)
         _fill(out, 0.0)
         _fill(lse, -math.inf)
+    if sinks is not None:
+        fold_sinks_(out, lse, sinks)
     return out, lse
 
 
 def attention_backward(q, k, v, out, lse, dout, *, causal=True, q_pos0=0, k_pos0=0, scale=None, dq=None, dk=None,
-                       dv=None, accumulate=False, q_doc=None):
-    """Gradients of attention_forward; returns (dq, dk, dv).
+                       dv=None, accumulate=False, q_doc=None, window=None, softcap=None, sinks=None):
+    """Gradients of attention_forward; returns (dq, dk, dv), and with sinks (dq, dk, dv, dsinks).
 
     out and lse are taken as given, never recomputed: with the globally merged out and lse of a ring (see
     merge_), the dq of the key blocks sum to the dq of the whole sequence, and each block's dk, dv are that
@@ -352,7 +444,10 @@ def attention_backward(q, k, v, out, lse, dout, *, causal=True, q_pos0=0, k_pos0
         out: [batch, seq_q, heads, head_dim], the forward output (q's dtype).
         lse: [batch, heads, seq_q], the forward log-sum-exp (float64 for float64 q else float32).
         dout: [batch, seq_q, heads, head_dim], gradient of out (q's dtype).
-        causal, q_pos0, k_pos0, scale, q_doc: as in attention_forward (must match the forward call).
+        causal, q_pos0, k_pos0, scale, q_doc, window, softcap: as in attention_forward (must match the forward
+            call).
+        sinks: the forward's sink logits, [heads]: out and lse are then the forward's, sinks included (the
+            kernels' backward is exact with them as they are), and the sinks' gradient is returned fourth.
         dq: [batch, seq_q, heads, head_dim]; dk, dv: [batch, seq_k, kv_heads, head_dim]; q's dtype. Written in
             place (or added into when accumulate=True); allocated with q's library if None (zeros when
             accumulating).
@@ -374,6 +469,8 @@ def attention_backward(q, k, v, out, lse, dout, *, causal=True, q_pos0=0, k_pos0
     k_pos0 = _position(k_pos0, "k_pos0")
     accumulate = _flag(accumulate, "accumulate")
     q_doc = _doc_operand(q_doc, causal)
+    window_left, window_right = _window(window, causal)
+    softcap = _softcap(softcap)
     for x, n in ((dq, "dq"), (dk, "dk"), (dv, "dv")):
         if x is not None:
             _require_tensor(x, n)
@@ -387,19 +484,21 @@ def attention_backward(q, k, v, out, lse, dout, *, causal=True, q_pos0=0, k_pos0
              (dv, "dv")) + (((q_doc, "q_doc"),) if q_doc is not None else ())
     device = _device_of(named)
     args = [_as_operand(x, n, device, output=n in ("dq", "dk", "dv")) for x, n in named]
-    doc = args[9:]  # [q_doc] or []: the binding's optional last argument
+    variant = (args[9] if q_doc is not None else None, window_left, window_right, softcap)  # the optional tail
     if device is None:
-        _core.attention_backward(*args[:9], causal, q_pos0, k_pos0, scale, accumulate, *doc)
+        _core.attention_backward(*args[:9], causal, q_pos0, k_pos0, scale, accumulate, *variant)
     else:
         with _torch_module().cuda.device(device):
             _core.attention_backward_cuda(*args[:9], causal, q_pos0, k_pos0, scale, accumulate, _stream_of(device),
-                                          *doc)
+                                          *variant)
     if not accumulate:  # the kernel was not called when a sequence is empty: the other side gets no gradient
         if kshape[1] == 0 and B * Sq * H > 0:
             _fill(dq, 0.0)
         if Sq == 0 and B * kshape[1] * kshape[2] > 0:
             _fill(dk, 0.0)
             _fill(dv, 0.0)
+    if sinks is not None:
+        return dq, dk, dv, sinks_backward(out, dout, lse, sinks)
     return dq, dk, dv
 
 

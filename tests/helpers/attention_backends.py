@@ -96,10 +96,11 @@ class _Cpu:
         """x as a torch tensor, for assertions written once for both backends."""
         return torch.from_numpy(np.ascontiguousarray(x))
 
-    def check_forward(self, q, k, v, causal, q_pos0, k_pos0, what="", q_doc=None):
-        """Forward within 1e-12 of the float64 reference; the same rows fully masked (lse = -inf)."""
-        out, lse = ops.attention_forward(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, q_doc=q_doc)
-        ref_o, ref_l = attention(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, q_doc=q_doc)
+    def check_forward(self, q, k, v, causal, q_pos0, k_pos0, what="", q_doc=None, **variant):
+        """Forward within 1e-12 of the float64 reference; the same rows fully masked (lse = -inf). variant: window,
+        softcap, sinks (as ops.attention_forward)."""
+        out, lse = ops.attention_forward(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, q_doc=q_doc, **variant)
+        ref_o, ref_l = attention(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, q_doc=q_doc, **variant)
         assert rel_err(out, ref_o) <= 1e-12, what
         assert np.array_equal(np.isneginf(lse), np.isneginf(ref_l)), what
         fin = np.isfinite(ref_l)
@@ -107,15 +108,23 @@ class _Cpu:
             assert np.abs(lse[fin] - ref_l[fin]).max() <= 1e-12 * max(1.0, np.abs(ref_l[fin]).max()), what
         return out, lse
 
-    def check_backward(self, q, k, v, causal, q_pos0, k_pos0, gen, what="", q_doc=None):
-        """Backward (dout drawn from gen) finite and within 1e-12 of the float64 reference from the same out, lse."""
+    def check_backward(self, q, k, v, causal, q_pos0, k_pos0, gen, what="", q_doc=None, **variant):
+        """Backward (dout drawn from gen) finite and within 1e-12 of the float64 reference from the same out, lse;
+        with sinks, their gradient within 1e-12 of autograd through the reference forward."""
         kw = dict(causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, q_doc=q_doc)
-        out, lse = ops.attention_forward(q, k, v, **kw)
+        out, lse = ops.attention_forward(q, k, v, **kw, **variant)
         dout = rand(gen, q.shape)
-        got = ops.attention_backward(q, k, v, out, lse, dout, **kw)
-        for g, r in zip(got, attention_backward(q, k, v, out, lse, dout, **kw)):
+        got = ops.attention_backward(q, k, v, out, lse, dout, **kw, **variant)
+        masks = {n: variant[n] for n in ("window", "softcap") if n in variant}
+        for g, r in zip(got[:3], attention_backward(q, k, v, out, lse, dout, **kw, **masks)):
             assert np.all(np.isfinite(g)), what
             assert rel_err(g, r, 1.0) <= 1e-12, what
+        if variant.get("sinks") is not None:
+            sinks = torch.tensor(np.asarray(variant["sinks"], np.float64), requires_grad=True)
+            qkv = (torch.from_numpy(np.ascontiguousarray(x)) for x in (q, k, v))
+            o, _ = attention(*qkv, **kw, **masks, sinks=sinks)
+            o.backward(torch.from_numpy(np.ascontiguousarray(dout)))
+            assert rel_err(got[3], sinks.grad.numpy(), 1.0) <= 1e-12, what
 
     def check_merged(self, acc, acc_lse, q, k, v, kw):
         """Split-KV forward merged into float64: within 1e-12 of the unsplit forward, whose out and lse it returns."""
@@ -151,13 +160,17 @@ DEV = torch.device("cuda")
 LOW = [torch.bfloat16, torch.float16]
 
 
-def sdpa(q, k, v, *, causal, q_pos0, k_pos0, scale, q_doc=None):
-    """torch SDPA in q's dtype on the same mask; [B, Sq, H, D]."""
+def sdpa(q, k, v, *, causal, q_pos0, k_pos0, scale, q_doc=None, window=None, softcap=None, sinks=None):
+    """torch SDPA in q's dtype on the same mask; [B, Sq, H, D]. SDPA has no soft-capping or sinks: for those the
+    baseline is the reference's math in q's dtype (FlashAttention's attention_ref(upcast=False))."""
+    if softcap or sinks is not None:
+        return attention(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale, q_doc=q_doc,
+                         window=window, softcap=softcap, sinks=sinks, dtype=q.dtype)[0]
     H, Hkv = q.shape[2], k.shape[2]
     qq = q.transpose(1, 2)
     kk = k.transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
     vv = v.transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
-    mask = visible(q.shape[1], k.shape[1], q_pos0, k_pos0, causal, q.device, q_doc)
+    mask = visible(q.shape[1], k.shape[1], q_pos0, k_pos0, causal, q.device, q_doc, window)
     out = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale)
     return out.transpose(1, 2)
 
@@ -184,13 +197,15 @@ def make(B, Sq, Sk, H, Hkv, D, dtype, seed=0):
     return q, k, v
 
 
-def check_forward(q, k, v, causal, q_pos0, k_pos0, scale=None, q_doc=None):
+def check_forward(q, k, v, causal, q_pos0, k_pos0, scale=None, q_doc=None, **variant):
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    kw = dict(causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale, q_doc=q_doc)
+    kw = dict(causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale, q_doc=q_doc, **variant)
     out, lse = ops.attention_forward(q, k, v, **kw)
     ref_out, ref_lse = attention(q, k, v, dtype=torch.float64, **kw)
-    seen = visible(q.shape[1], k.shape[1], q_pos0, k_pos0, causal, DEV, q_doc)
+    seen = visible(q.shape[1], k.shape[1], q_pos0, k_pos0, causal, DEV, q_doc, variant.get("window"))
+    if variant.get("sinks") is not None:  # a sink is seen by every row
+        seen = torch.ones_like(seen)
     assert seen.dim() == 2, "q_doc: one [seq_q] layout for every batch row, so that the rows that see a key are one set"
     rows = seen.any(-1)
     if rows.any():
@@ -206,26 +221,34 @@ def check_forward(q, k, v, causal, q_pos0, k_pos0, scale=None, q_doc=None):
     return out, lse
 
 
-def check_backward(q, k, v, causal, q_pos0, k_pos0, accumulate=False, q_doc=None):
+def check_backward(q, k, v, causal, q_pos0, k_pos0, accumulate=False, q_doc=None, **variant):
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D)
-    kw = dict(causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale, q_doc=q_doc)
+    sinks = variant.pop("sinks", None)
+    kw = dict(causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale, q_doc=q_doc, **variant)
     g = torch.Generator(device=DEV).manual_seed(7)
     dout = torch.randn(q.shape, device=DEV, generator=g).to(q.dtype)
-    out, lse = ops.attention_forward(q, k, v, **kw)
+    out, lse = ops.attention_forward(q, k, v, **kw, sinks=sinks)
+    dsinks = None
     if accumulate:
         start = [torch.randn(x.shape, device=DEV, generator=g).to(x.dtype) for x in (q, k, v)]
         dq, dk, dv = (x.clone() for x in start)
         ops.attention_backward(q, k, v, out, lse, dout, dq=dq, dk=dk, dv=dv, accumulate=True, **kw)
         dq, dk, dv = (a.double() - s.double() for a, s in zip((dq, dk, dv), start))
+    elif sinks is not None:
+        dq, dk, dv, dsinks = ops.attention_backward(q, k, v, out, lse, dout, **kw, sinks=sinks)
     else:
         dq, dk, dv = ops.attention_backward(q, k, v, out, lse, dout, **kw)
     grads = {}
     for dtype in (torch.float64, q.dtype):
         qq, kk, vv = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
-        o, _ = attention(qq, kk, vv, dtype=dtype, **kw)
+        ss = None if sinks is None else sinks.detach().to(torch.float64 if dtype == torch.float64 else torch.float32)
+        ss = None if ss is None else ss.requires_grad_()
+        o, _ = attention(qq, kk, vv, dtype=dtype, **kw, sinks=ss)
         o.backward(dout.to(dtype))
-        grads[dtype] = (qq.grad, kk.grad, vv.grad)
+        grads[dtype] = (qq.grad, kk.grad, vv.grad, None if ss is None else ss.grad)
+    if dsinks is not None:
+        assert_close_2x(dsinks, grads[q.dtype][3], grads[torch.float64][3], "dsinks")
     # dS = P (dP - D) subtracts two fp32 sums of the same products (dO_i . V_j and dO_i . O_i) that the kernel and
     # the reference add in different orders. Where they cancel exactly (one key: P = 1 and O = V) the float64
     # reference is exactly 0 and so is torch's, but a correct fp32 kernel leaves a rounding residue (seen on an
@@ -257,11 +280,11 @@ class _Cuda:
     def tensor(self, x):
         return x
 
-    def check_forward(self, q, k, v, causal, q_pos0, k_pos0, what="", q_doc=None):
-        return check_forward(q, k, v, causal, q_pos0, k_pos0, q_doc=q_doc)
+    def check_forward(self, q, k, v, causal, q_pos0, k_pos0, what="", q_doc=None, **variant):
+        return check_forward(q, k, v, causal, q_pos0, k_pos0, q_doc=q_doc, **variant)
 
-    def check_backward(self, q, k, v, causal, q_pos0, k_pos0, gen, what="", q_doc=None):
-        check_backward(q, k, v, causal, q_pos0, k_pos0, q_doc=q_doc)
+    def check_backward(self, q, k, v, causal, q_pos0, k_pos0, gen, what="", q_doc=None, **variant):
+        check_backward(q, k, v, causal, q_pos0, k_pos0, q_doc=q_doc, **variant)
 
     def check_merged(self, acc, acc_lse, q, k, v, kw):
         """Split-KV forward merged into fp32: the 2x rule against float64 for out, lse within 1e-3; returns the
