@@ -19,6 +19,7 @@ import warnings
 import torch
 
 from . import ops
+from .variants import PLAIN
 from ..errors import InvalidArgumentError, UnsupportedError
 
 _warned_fallback = False
@@ -34,15 +35,18 @@ def _tiles(n, tile):
     return [(s, min(tile, n - s)) for s in range(0, n, tile)]
 
 
-def _key_tiles(qs, qn, Sk, causal, q_pos0, k_pos0, tile, doc_lo):
+def _key_tiles(qs, qn, Sk, causal, q_pos0, k_pos0, tile, doc_lo, variant=PLAIN):
     """The key pieces [(ks, kn)] that some query of the piece [qs, qs + qn) can see: none after its last query
-    (causal), none ending before its earliest document start (doc_lo, absolute; None without documents)."""
+    (causal), none ending before its earliest document start (doc_lo, absolute; None without documents), none
+    outside every query's window."""
     out = []
     for ks, kn in _tiles(Sk, tile):
         if causal and k_pos0 + ks > q_pos0 + qs + qn - 1:
             break  # this key piece and the later ones are after every query of the piece
         if doc_lo is not None and k_pos0 + ks + kn <= doc_lo:
             continue  # every key of the piece lies before every query's document
+        if not variant.sees(causal, q_pos0 + qs, qn, k_pos0 + ks, kn):
+            continue
         out.append((ks, kn))
     return out
 
@@ -57,16 +61,19 @@ def _doc_lows(q_doc, Sq, tile):
     return torch.stack([rows[:, qs:qs + qn].amin() for qs, qn in pieces]).tolist() if pieces else []
 
 
-def _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, tile=None, q_doc=None):
+def _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, tile=None, q_doc=None, variant=PLAIN):
     """PyTorch path for one block pair: (out [B, Sq, H, d], lse [B, H, Sq] fp32/fp64). Same contract as
     hexiseq.ops.attention_forward, document mask q_doc ([Sq] or [B, Sq] absolute starts) included: K/V heads
     already expanded to H or in GQA ratio. torch's fused flash op where it applies (see _flash_causal; never
-    with documents, which it cannot mask); else tiled matmuls (tile: force those, with this tile size)."""
-    is_causal = _flash_causal(q, k, causal, q_pos0, k_pos0) if tile is None and q_doc is None else None
+    with documents or a variant); else tiled matmuls (tile: force those, with this tile size). variant: a window
+    and soft-capping (hexiseq.runtime.variants)."""
+    plain = tile is None and q_doc is None and variant.plain
+    is_causal = _flash_causal(q, k, causal, q_pos0, k_pos0) if plain else None
     if is_causal is not None:
         return _fused_forward(q, k, v, is_causal, scale)
     if q.device.type == "cuda":
-        why = "a document mask" if q_doc is not None else f"this block pair ({q.dtype}, head dim {q.shape[3]})"
+        why = ("a document mask" if q_doc is not None else "a window or soft-capping" if not variant.plain
+               else f"this block pair ({q.dtype}, head dim {q.shape[3]})")
         _warn_once(f"no fused attention for {why}; using tiled matmuls (correct, slow)")
     tile = tile or _TORCH_TILE
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -76,19 +83,20 @@ def _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, tile=None, q_do
         o_acc = torch.zeros(B, qn, H, d, dtype=acc, device=q.device)
         l_acc = torch.full((B, H, qn), float("-inf"), dtype=acc, device=q.device)
         doc = None if q_doc is None else q_doc[..., qs:qs + qn]
-        for ks, kn in _key_tiles(qs, qn, k.shape[1], causal, q_pos0, k_pos0, tile, lo):
+        for ks, kn in _key_tiles(qs, qn, k.shape[1], causal, q_pos0, k_pos0, tile, lo, variant):
             o_p, l_p = _tile_forward_torch(q[:, qs:qs + qn], k[:, ks:ks + kn], v[:, ks:ks + kn], causal,
-                                           q_pos0 + qs, k_pos0 + ks, scale, doc)
+                                           q_pos0 + qs, k_pos0 + ks, scale, doc, variant)
             merge(o_acc, l_acc, o_p, l_p, False)
         outs.append(o_acc)
         lses.append(l_acc)
     return torch.cat(outs, 1).to(q.dtype), torch.cat(lses, 2)
 
 
-def _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, tile=None, q_doc=None):
+def _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, tile=None, q_doc=None, variant=PLAIN):
     """PyTorch backward of one block pair with the final (o, lse): (dq, dk, dv) in q's dtype from torch's flash op
     where it applies (see _flash_causal; never with documents), else in fp32/fp64 from tiled matmuls."""
-    is_causal = _flash_causal(q, k, causal, q_pos0, k_pos0) if tile is None and q_doc is None else None
+    plain = tile is None and q_doc is None and variant.plain
+    is_causal = _flash_causal(q, k, causal, q_pos0, k_pos0) if plain else None
     if is_causal is not None:
         return _fused_backward(q, k, v, o, lse, do, is_causal, scale)
     tile = tile or _TORCH_TILE
@@ -98,25 +106,32 @@ def _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, ti
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
     for (qs, qn), lo in zip(_tiles(q.shape[1], tile), _doc_lows(q_doc, q.shape[1], tile)):
         doc = None if q_doc is None else q_doc[..., qs:qs + qn]
-        for ks, kn in _key_tiles(qs, qn, k.shape[1], causal, q_pos0, k_pos0, tile, lo):
+        for ks, kn in _key_tiles(qs, qn, k.shape[1], causal, q_pos0, k_pos0, tile, lo, variant):
             dq_p, dk_p, dv_p = _tile_backward_torch(
                 q[:, qs:qs + qn], k[:, ks:ks + kn], v[:, ks:ks + kn], o[:, qs:qs + qn], lse[:, :, qs:qs + qn],
-                do[:, qs:qs + qn], causal, q_pos0 + qs, k_pos0 + ks, scale, doc)
+                do[:, qs:qs + qn], causal, q_pos0 + qs, k_pos0 + ks, scale, doc, variant)
             dq[:, qs:qs + qn] += dq_p
             dk[:, ks:ks + kn] += dk_p
             dv[:, ks:ks + kn] += dv_p
     return dq, dk, dv
 
 
-def _hidden(s, causal, q_pos0, k_pos0, q_doc):
+def _hidden(s, causal, q_pos0, k_pos0, q_doc, window=None):
     """The invisible keys of scores s [B, H, Sq, Sk] as a bool mask that broadcasts against s (None: all visible):
-    after the query (causal), before the query's document start (q_doc, [Sq] or [B, Sq] absolute positions)."""
-    if not causal:
+    after the query (causal), before the query's document start (q_doc, [Sq] or [B, Sq] absolute positions),
+    outside the window ((left, right), -1: no bound)."""
+    if not causal and window is None:
         return None
     Sq, Sk = s.shape[2], s.shape[3]
     qp = torch.arange(Sq, device=s.device) + q_pos0
     kp = torch.arange(Sk, device=s.device) + k_pos0
-    hidden = kp[None, :] > qp[:, None]                                  # [Sq, Sk]
+    hidden = kp[None, :] > qp[:, None] if causal else torch.zeros(Sq, Sk, dtype=torch.bool, device=s.device)
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            hidden = hidden | (qp[:, None] - kp[None, :] > left)
+        if right >= 0:
+            hidden = hidden | (kp[None, :] - qp[:, None] > right)
     if q_doc is not None:
         hidden = hidden | (kp < q_doc.to(s.device)[..., None])          # [Sq, Sk] or [B, Sq, Sk]
         if hidden.dim() == 3:
@@ -133,7 +148,7 @@ def _probabilities(s, lse, hidden):
     return p if hidden is None else p.masked_fill(hidden, 0.0)
 
 
-def _tile_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, q_doc=None):
+def _tile_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, q_doc=None, variant=PLAIN):
     """One piece of _block_forward_torch, scores materialised: (out in fp32/fp64, lse)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, Sq, H, d = q.shape
@@ -143,7 +158,9 @@ def _tile_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, q_doc=None):
     kf = k.to(acc).permute(0, 2, 1, 3).repeat_interleave(rep, dim=1)   # [B, H, Sk, d]
     vf = v.to(acc).permute(0, 2, 1, 3).repeat_interleave(rep, dim=1)
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale                  # [B, H, Sq, Sk]
-    hidden = _hidden(s, causal, q_pos0, k_pos0, q_doc)
+    if variant.softcap:
+        s = variant.softcap * torch.tanh(s / variant.softcap)
+    hidden = _hidden(s, causal, q_pos0, k_pos0, q_doc, variant.window)
     if hidden is not None:
         s = s.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)                                    # [B, H, Sq]
@@ -152,7 +169,7 @@ def _tile_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, q_doc=None):
     return o, lse
 
 
-def _tile_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, q_doc=None):
+def _tile_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, q_doc=None, variant=PLAIN):
     """One piece of _block_backward_torch, scores materialised, with the block's final (o, lse)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, Sq, H, d = q.shape
@@ -164,12 +181,18 @@ def _tile_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, q_d
     dof = do.to(acc).permute(0, 2, 1, 3)
     of = o.to(acc).permute(0, 2, 1, 3)
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-    hidden = _hidden(s, causal, q_pos0, k_pos0, q_doc)
+    dcap = None
+    if variant.softcap:
+        t = torch.tanh(s / variant.softcap)
+        s, dcap = variant.softcap * t, 1 - t * t
+    hidden = _hidden(s, causal, q_pos0, k_pos0, q_doc, variant.window)
     p = _probabilities(s, lse.to(acc)[..., None], hidden)
     dv = torch.matmul(p.transpose(-1, -2), dof)
     dp = torch.matmul(dof, vf.transpose(-1, -2))
     D = (dof * of).sum(-1, keepdim=True)
     ds = p * (dp - D)
+    if dcap is not None:
+        ds = ds * dcap
     if hidden is not None:  # a NaN row's D must not reach its hidden keys through 0 * NaN
         ds = ds.masked_fill(hidden, 0.0)
     dq = torch.matmul(ds, kf) * scale
@@ -411,58 +434,67 @@ class BlockKernels:
         probe = torch.empty(0, device=device, dtype=dtype)
         self.name = "hexiseq" if use_c_kernels(probe) else "torch"
         self.dtype = dtype
+        self.device_type = probe.device.type
         self.acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         # the merge is one C/CUDA kernel where one is built for the device, instead of eight torch ops
         self._merge_c = self.name == "hexiseq" or (probe.device.type == "cuda" and ops._cuda_built())
         self._documents_c = None  # whether hexiseq.ops takes q_doc here: learnt at the first documents call
         self._documents_cuda = None  # on the PyTorch path: whether document pairs go to the CUDA kernels instead
 
-    def forward(self, q, k, v, causal, q_pos0, k_pos0, scale, q_doc=None, out=None, lse=None):
+    def forward(self, q, k, v, causal, q_pos0, k_pos0, scale, q_doc=None, out=None, lse=None, variant=PLAIN):
         """(out, lse) of the pair; out= and lse= (both or neither, q's dtype and the accumulator dtype) are written
-        in place and returned: the hexiseq kernels write them directly, the PyTorch path copies into them."""
-        if self._c_for(q_doc):
+        in place and returned: the hexiseq kernels write them directly, the PyTorch path copies into them.
+        variant: a window and soft-capping (hexiseq.runtime.variants)."""
+        if self._c_for(q_doc, variant):
             return ops.attention_forward(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale,
-                                         q_doc=q_doc, out=out, lse=lse)
-        o_p, l_p = _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, q_doc=q_doc)
+                                         q_doc=q_doc, out=out, lse=lse, **variant.kwargs())
+        o_p, l_p = _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, q_doc=q_doc, variant=variant)
         if out is None:
             return o_p, l_p
         out.copy_(o_p)
         lse.copy_(l_p)
         return out, lse
 
-    def backward_into(self, q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, dq, dk, dv, q_doc=None):
+    def backward_into(self, q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, dq, dk, dv, q_doc=None,
+                      variant=PLAIN):
         """Add the pair's gradients into dq [B, Sq, H, d], dk and dv [B, Sk, ., d] (accumulator dtype). q_doc:
-        the document mask of the pair's queries, as in hexiseq.ops (None: none)."""
-        c = self._c_for(q_doc)
+        the document mask of the pair's queries, as in hexiseq.ops (None: none); variant: as in forward."""
+        c = self._c_for(q_doc, variant)
+        kw = variant.kwargs()
         if c and self.acc_dtype == self.dtype:  # the kernel adds in place
             ops.attention_backward(q, k, v, o, lse.to(self.acc_dtype), do, causal=causal, q_pos0=q_pos0,
-                                   k_pos0=k_pos0, scale=scale, dq=dq, dk=dk, dv=dv, accumulate=True, q_doc=q_doc)
+                                   k_pos0=k_pos0, scale=scale, dq=dq, dk=dk, dv=dv, accumulate=True, q_doc=q_doc,
+                                   **kw)
             return
         if c:
             dq_p, dk_p, dv_p = ops.attention_backward(q, k, v, o, lse.to(torch.float32), do, causal=causal,
-                                                      q_pos0=q_pos0, k_pos0=k_pos0, scale=scale, q_doc=q_doc)
+                                                      q_pos0=q_pos0, k_pos0=k_pos0, scale=scale, q_doc=q_doc, **kw)
         else:
             dq_p, dk_p, dv_p = _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale,
-                                                     q_doc=q_doc)
+                                                     q_doc=q_doc, variant=variant)
         dq += dq_p.to(self.acc_dtype)
         dk += dk_p.to(self.acc_dtype)
         dv += dv_p.to(self.acc_dtype)
 
-    def backward(self, q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, q_doc=None):
+    def backward(self, q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, q_doc=None, variant=PLAIN):
         """The pair's (dq, dk, dv) in q's dtype, for a pair that is a query chunk's only one: no accumulator."""
-        if self._c_for(q_doc):
+        if self._c_for(q_doc, variant):
             return ops.attention_backward(q, k, v, o, lse.to(self.acc_dtype), do, causal=causal, q_pos0=q_pos0,
-                                          k_pos0=k_pos0, scale=scale, q_doc=q_doc)
+                                          k_pos0=k_pos0, scale=scale, q_doc=q_doc, **variant.kwargs())
         return tuple(g.to(q.dtype) for g in _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale,
-                                                                  q_doc=q_doc))
+                                                                  q_doc=q_doc, variant=variant))
 
-    def _c_for(self, q_doc):
+    def _c_for(self, q_doc, variant=PLAIN):
         """Whether hexiseq.ops runs this pair: the chosen implementation, except that a document mask goes to the
         PyTorch path on a device whose hexiseq kernels refuse q_doc (CUDA kernels built without it), and that on
-        the PyTorch path (not forced) a pair with a document mask goes to the hexiseq CUDA kernels where they take
-        it: torch's fused ops cannot mask documents, and its tiled matmuls are the slow fallback."""
+        the PyTorch path (not forced) a pair with a document mask, a window or soft-capping goes to the hexiseq
+        CUDA kernels where they take it: torch's fused ops cannot mask documents or cap logits, and its tiled
+        matmuls are the slow fallback. Every hexiseq kernel library that loads takes windows and soft-capping
+        (its entry table's version says so)."""
         if q_doc is None:
-            return self.name == "hexiseq"
+            if variant.plain or self.name == "hexiseq":
+                return self.name == "hexiseq"
+            return self._cuda_variants(variant)
         if self.name != "hexiseq":
             if self._documents_cuda is None:
                 self._documents_cuda = (
@@ -476,6 +508,14 @@ class BlockKernels:
                 _warn_once(f"the hexiseq kernels on {q_doc.device.type} take no document mask; documents run on "
                            "the PyTorch block attention")
         return self._documents_c
+
+    def _cuda_variants(self, variant):
+        """On the PyTorch path: whether a pair with a window or soft-capping (no documents) goes to the hexiseq CUDA
+        kernels: bf16/fp16 CUDA tensors with a CUDA build, unless the PyTorch path was forced."""
+        if getattr(self, "_variants_cuda", None) is None:
+            self._variants_cuda = (self.device_type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+                                   and not os.environ.get("HEXISEQ_RUNTIME_KERNELS", "") and ops._cuda_built())
+        return self._variants_cuda
 
     def merge(self, o_acc, lse_acc, o_part, lse_part):
         merge(o_acc, lse_acc, o_part.to(self.acc_dtype), lse_part.to(self.acc_dtype), self._merge_c)

@@ -42,7 +42,7 @@ _DEVICES = ["cpu", "cuda"]
 # "documents" is a digest of the call's document lengths (0: none), so that ranks packing different documents
 # fail together instead of masking differently.
 CALL_FIELDS = ("plan", "phase", "batch", "head_dim", "dtype", "device", "causal", "softmax_scale", "backward",
-               "documents")
+               "documents", "attention variant")
 _PHASES = ["forward", "backward"]
 
 
@@ -65,14 +65,15 @@ def plan_code(plan):
     return fp - (1 << 64) if fp >= (1 << 63) else fp
 
 
-def describe_call(code, phase, q, causal, scale, backward, documents=None):
+def describe_call(code, phase, q, causal, scale, backward, documents=None, variant=""):
     """The descriptor of a call as a tuple of ints in CALL_FIELDS order. code: the plan's plan_code (computed once
     per context: it hashes the whole plan, which took longer than a layer's kernels on one GPU at 8K tokens). q: the
     query (forward) or the output gradient (backward), [batch, tokens, heads, head_dim]. documents: the call's
-    document lengths, one tuple of ints per batch row (None: none)."""
+    document lengths, one tuple of ints per batch row (None: none). variant: the layer's window, soft-capping and
+    sinks as a text ("": none; see hexiseq.runtime.variants)."""
     return (code, _PHASES.index(phase), q.shape[0], q.shape[3], _code(_DTYPES, q.dtype),
             _code(_DEVICES, q.device.type), int(bool(causal)), _float_bits(scale), int(bool(backward)),
-            documents_code(documents))
+            documents_code(documents), text_code(variant) if variant else 0)
 
 
 def documents_code(rows):

@@ -23,6 +23,7 @@ except ImportError as e:  # pragma: no cover
 
 from . import blocks, compiled, ring
 from . import documents as documents_mod
+from .variants import PLAIN, variant as make_variant
 from .comm import Comm, describe_call
 from ..errors import InvalidArgumentError, UnsupportedError
 from .topology import Topology
@@ -112,15 +113,16 @@ class HexiSeqContext:
         g = dist.get_global_rank(self.group, self.rank) if self.group is not dist.group.WORLD else self.rank
         return "" if g == self.rank else f" (global rank {g})"
 
-    def _call(self, phase, t, error, backward, documents):
+    def _call(self, phase, t, error, backward, documents, variant=""):
         """Agree on a call with every rank (raising the same error on all when any fails or they differ); the
-        document mask of this rank's query chunks, or None."""
+        document mask of this rank's query chunks, or None. variant: the layer's variant as a text."""
         if error is None:
             error, lengths = documents_mod.check(documents, self.plan.seq_len, self.causal, t.shape[0])
         if error is not None:
             t, lengths = torch.empty(0, 0, 0, 0), None
         rows = None if lengths is None else lengths if isinstance(lengths[0], tuple) else (lengths,) * t.shape[0]
-        self.comm.agree(describe_call(self.comm.plan_code, phase, t, self.causal, self.scale, backward, rows), error)
+        self.comm.agree(describe_call(self.comm.plan_code, phase, t, self.causal, self.scale, backward, rows, variant),
+                        error)
         if lengths is None:
             return None
         # Every layer's forward and backward of a step pass the same documents: their mask is built and copied to
@@ -140,26 +142,43 @@ class HexiSeqContext:
         self._call("forward", None, error, False, None)
         raise error  # not reached: the agreement raises on every rank when one rank brings an error
 
-    def forward(self, q, k, v, backward: bool = False, documents=None):
+    def forward(self, q, k, v, backward: bool = False, documents=None, variant=PLAIN, sinks=None):
         """q [B, s_r, A, d], k/v [B, s_r, A_kv, d] -> (o [B, s_r, A, d], what backward needs). backward: whether
-        this rank will run the backward of this call (every rank must agree). documents: see hexiseq_attn_func."""
-        docs = self._call("forward", q, self._input_error(q, k, v), backward, documents)
+        this rank will run the backward of this call (every rank must agree). documents, variant (a
+        hexiseq.runtime.variants.Variant) and sinks ([A] or None): see hexiseq_attn_func."""
+        error = self._input_error(q, k, v) or _sinks_error(sinks, self.topology.heads)
+        docs = self._call("forward", q, error, backward, documents, _describe(variant, sinks))
         kern = blocks.kernels_for(q.device, q.dtype, self._kernels)
-        return ring.layer_forward(self.comm, self.slices, kern, q, k, v, self.causal, self._scale(q.shape[3]), docs)
+        return ring.layer_forward(self.comm, self.slices, kern, q, k, v, self.causal, self._scale(q.shape[3]), docs,
+                                  variant, sinks)
 
-    def backward(self, do, saved, documents=None):
-        """dO of this rank's output and forward's saved tensors -> (dq, dk, dv). documents: the forward's."""
-        docs = self._call("backward", do, None, True, documents)
+    def backward(self, do, saved, documents=None, variant=PLAIN, sinks=None):
+        """dO of this rank's output and forward's saved tensors -> (dq, dk, dv), and with sinks their gradient
+        (this rank's part, see hexiseq.runtime.ring.layer_backward). documents, variant, sinks: the forward's."""
+        docs = self._call("backward", do, None, True, documents, _describe(variant, sinks))
         kern = blocks.kernels_for(do.device, do.dtype, self._kernels)
         return ring.layer_backward(self.comm, self.slices, kern, do, saved, self.causal, self._scale(do.shape[3]),
-                                   docs)
+                                   docs, variant, sinks)
+
+
+def _describe(variant, sinks):
+    return variant.describe() + (" sinks" if sinks is not None else "")
+
+
+def _sinks_error(sinks, heads):
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (heads,) or not sinks.is_floating_point():
+        return InvalidArgumentError(f"sinks must be a floating tensor [heads] = [{heads}], got "
+                                    f"{type(sinks).__name__}{list(sinks.shape) if isinstance(sinks, torch.Tensor) else ''}")
+    return None
 
 
 class _HexiSeqAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, context, backward, documents):
-        o, saved = context.forward(q, k, v, backward, documents)
-        ctx.context, ctx.documents = context, documents
+    def forward(ctx, q, k, v, context, backward, documents, variant=PLAIN, sinks=None):
+        o, saved = context.forward(q, k, v, backward, documents, variant, sinks)
+        ctx.context, ctx.documents, ctx.variant, ctx.sinks = context, documents, variant, sinks
         ctx.n_lse = [len(s[3]) for s in saved]  # per slice: Qg, KV, Og, then its lse chunks
         ctx.save_for_backward(*[t for s in saved for t in (*s[:3], *s[3])])
         return o
@@ -170,11 +189,12 @@ class _HexiSeqAttentionFn(torch.autograd.Function):
         for n in ctx.n_lse:
             saved.append((*flat[:3], flat[3:3 + n]))
             flat = flat[3 + n:]
-        dq, dk, dv = ctx.context.backward(do, saved, ctx.documents)
-        return dq, dk, dv, None, None, None
+        grads = ctx.context.backward(do, saved, ctx.documents, ctx.variant, ctx.sinks)
+        dsinks = grads[3] if ctx.sinks is not None else None
+        return grads[0], grads[1], grads[2], None, None, None, None, dsinks
 
 
-def hexiseq_attn_func(q, k, v, context: HexiSeqContext, documents=None):
+def hexiseq_attn_func(q, k, v, context: HexiSeqContext, documents=None, window=None, softcap=None, sinks=None):
     """Attention of this rank's token shard under a plan, with autograd.
 
     q: [batch, s_r, heads, head_dim]; k, v: [batch, s_r, kv_heads, head_dim], where s_r is this rank's token
@@ -183,18 +203,34 @@ def hexiseq_attn_func(q, k, v, context: HexiSeqContext, documents=None):
     > 0 summing to plan.seq_len), one list for every batch row or one list per batch row; a query then sees only
     the keys of its own document, up to itself (document-causal; needs a causal context). Every rank passes the
     same documents (checked: a digest travels with the call). None: one causal document per sequence.
+
+    window, softcap, sinks: the layer's attention variant, per call (layers of one model may differ: sliding and
+    global layers share one context). window: (left, right) as in hexiseq.ops.attention_forward (a Hugging Face
+    sliding_window of W tokens is (W - 1, 0)); block pairs that lie outside every query's window are skipped.
+    softcap: logit soft-capping. sinks: the layer's sink logits [heads] (a parameter: it gets its gradient, this
+    rank's part of it, summed over ranks with the other parameters). Every rank passes the same variant (checked).
     Returns the output [batch, s_r, heads, head_dim] for the same tokens. Every rank of the context's group
     must call it (it communicates), all with or all without gradients."""
-    backward = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+    grads_of = (q, k, v) + ((sinks,) if sinks is not None else ())
+    backward = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in grads_of)
     documents = documents_mod.frozen(documents)
+    try:
+        variant = make_variant(window, softcap, context.causal)
+    except InvalidArgumentError as error:  # every rank raises it, not this one alone while the others wait
+        context.refuse(error)
     if torch.compiler.is_compiling():
+        if not variant.plain or sinks is not None:
+            raise UnsupportedError("a window, soft-capping or sinks under torch.compile: not yet; keep this call "
+                                   "out of the compiled region (torch.compiler.disable)")
         # under torch.compile the layer is one custom op each way: no graph break
         if isinstance(documents, tuple) and documents and isinstance(documents[0], tuple):
             raise UnsupportedError("per-row documents (one list per batch row) under torch.compile: give one "
                                    "document list for the whole batch, or keep this call out of the compiled "
                                    "region (torch.compiler.disable)")
         return compiled.attn(q, k, v, context, backward, documents)
-    return _HexiSeqAttentionFn.apply(q, k, v, context, backward, documents)
+    if variant.plain and sinks is None:
+        return _HexiSeqAttentionFn.apply(q, k, v, context, backward, documents)
+    return _HexiSeqAttentionFn.apply(q, k, v, context, backward, documents, variant, sinks)
 
 
 class HexiSeqAttention(torch.nn.Module):
@@ -203,18 +239,22 @@ class HexiSeqAttention(torch.nn.Module):
     plan: a hexiseq.Plan whose devices are the ranks of `group` (rank r = cluster device r).
     group: the process group (default: the world). causal: causal masking by absolute positions.
     softmax_scale: default 1/sqrt(head_dim). timeout: for the subgroups it creates (default: the group's).
-    a2a_slices: see HexiSeqContext.
+    a2a_slices: see HexiSeqContext. window, softcap: this layer's sliding window and logit soft-capping (see
+    hexiseq_attn_func).
     Construction is collective: every rank checks the plan's fingerprint against the others'."""
 
     def __init__(self, plan, group=None, causal: bool = True, softmax_scale: Optional[float] = None, timeout=None,
-                 a2a_slices: Optional[int] = None):
+                 a2a_slices: Optional[int] = None, window=None, softcap: Optional[float] = None):
         super().__init__()
         self.context = HexiSeqContext(plan, group=group, causal=causal, softmax_scale=softmax_scale, timeout=timeout,
                                       a2a_slices=a2a_slices)
+        self.window, self.softcap = window, softcap
 
-    def forward(self, q, k, v, documents=None):
-        """documents: the packed documents' lengths of this call (see hexiseq_attn_func), or None."""
-        return hexiseq_attn_func(q, k, v, self.context, documents)
+    def forward(self, q, k, v, documents=None, sinks=None):
+        """documents: the packed documents' lengths of this call (see hexiseq_attn_func), or None; sinks: the
+        layer's sink logits [heads], or None."""
+        return hexiseq_attn_func(q, k, v, self.context, documents, window=self.window, softcap=self.softcap,
+                                 sinks=sinks)
 
 
 def gather_sequence(x, plan, dim: int = 1, group=None):

@@ -21,7 +21,9 @@ import os
 
 import torch
 
+from . import ops
 from .comm import TAG_ACC, TAG_KV, TAG_REDUCE
+from .variants import PLAIN
 from ..errors import InvalidArgumentError
 
 
@@ -52,12 +54,17 @@ def _cols(t, topo, kv):
     return t[:, :, a:b] if kv else t[:, :, a * topo.per_kv:b * topo.per_kv]
 
 
-def layer_forward(comm, slices, kern, q, k, v, causal, scale, docs=None):
+def layer_forward(comm, slices, kern, q, k, v, causal, scale, docs=None, variant=PLAIN, sinks=None):
     """q [B, s_r, A, d], k/v [B, s_r, A_kv, d] -> (o [B, s_r, A, d], what layer_backward needs: per slice
     (Qg [B, S_g, h, d], KV [2, B, S_g, kv, d], Og [B, S_g, h, d], the lse of each query chunk)).
 
     docs: the document mask of the rank's group's query chunks (hexiseq.runtime.documents.chunk_starts), or None for one causal document
     per sequence. Documents do not change who holds what: only the block kernels see them.
+
+    variant: a sliding window and soft-capping (hexiseq.runtime.variants), applied by the block kernels; a block
+    pair no query of which sees a key of it under the window is neither computed nor merged. sinks: sink logits
+    [A] (or None), folded once into each finished row of the group (hexiseq.ops.fold_sinks_) before the output
+    goes home; the saved Og and lse are the folded ones, which is what makes the kernels' backward exact.
 
     slices: the plan's Topology cut by kv heads (Topology.slices). They are pipelined: the all-to-all into slice
     i + 1 travels while slice i's attention runs, and slice i's output all-to-all while slice i + 1's runs, so
@@ -91,7 +98,11 @@ def layer_forward(comm, slices, kern, q, k, v, causal, scale, docs=None):
         for mb, (_, kp, vp) in zip(members, got):
             KV[0, :, mb.tok_lo:mb.tok_lo + mb.tokens] = kp
             KV[1, :, mb.tok_lo:mb.tok_lo + mb.tokens] = vp
-        Og, lses = _ring_forward(comm, topo, kern, Qg, KV, causal, scale, docs)
+        Og, lses = _ring_forward(comm, topo, kern, Qg, KV, causal, scale, docs, variant)
+        if sinks is not None and me.heads:
+            mine = _my_sinks(sinks, topo, me)
+            for (qo, n), lse in zip(_chunk_spans(topo.chunks[topo.group_of(rank)]), lses):
+                ops.fold_sinks_(Og[:, qo:qo + n], lse, mine)
         # my heads of member j's tokens go back to member j
         parts = [[Og[:, mb.tok_lo:mb.tok_lo + mb.tokens]] for mb in members]
         shapes = [[(B, me.tokens, mb.heads, d)] for mb in members]
@@ -108,9 +119,12 @@ def layer_forward(comm, slices, kern, q, k, v, causal, scale, docs=None):
     return o, saved
 
 
-def layer_backward(comm, slices, kern, do, saved, causal, scale, docs=None):
+def layer_backward(comm, slices, kern, do, saved, causal, scale, docs=None, variant=PLAIN, sinks=None):
     """dO [B, s_r, A, d] and layer_forward's saved tensors -> (dq, dk, dv) of this rank's shards, pipelined over
-    the slices as the forward is. docs: as given to layer_forward."""
+    the slices as the forward is; with sinks also their gradient [A], this rank's part (its heads of its group's
+    rows; zero elsewhere): summed over the ranks, as every parameter's gradient of a sequence-parallel model is.
+    docs, variant, sinks: as given to layer_forward."""
+    dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float64, device=do.device)
     rank = comm.rank
     B, s_r, A, d = do.shape
     dev, dt = do.device, do.dtype
@@ -132,7 +146,12 @@ def layer_backward(comm, slices, kern, do, saved, causal, scale, docs=None):
         members, me = topo.groups[topo.group_of(rank)], topo.member(rank)
         dOg = _join([p[0] for p in got])
         Qg, KV, Og, lses = saved[i]
-        dQg, dKVg = _ring_backward(comm, topo, kern, Qg, KV, Og, lses, dOg, causal, scale, docs)
+        dQg, dKVg = _ring_backward(comm, topo, kern, Qg, KV, Og, lses, dOg, causal, scale, docs, variant)
+        if sinks is not None and me.heads:
+            lo = topo.kv_window[0] * topo.per_kv + me.head_lo
+            for (qo, n), lse in zip(_chunk_spans(topo.chunks[topo.group_of(rank)]), lses):
+                dsinks[lo:lo + me.heads] += ops.sinks_backward(Og[:, qo:qo + n], dOg[:, qo:qo + n], lse,
+                                                               _my_sinks(sinks, topo, me)).double()
         # dQ of member j's tokens for my heads, dK/dV for the kv heads I first-hold
         parts, shapes = [], []
         for mb in members:
@@ -142,7 +161,7 @@ def layer_backward(comm, slices, kern, do, saved, causal, scale, docs=None):
         grads.append(comm.a2a_start(parts, shapes, topo.a2a_grads(rank), B * d, dt, dev))
     if _alone(slices, rank):
         (dq, dk, dv), = comm.a2a_finish(grads[0])  # every head, every kv head first-held
-        return dq, dk, dv
+        return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks.to(sinks.dtype))
     dq = torch.empty(B, s_r, A, d, dtype=dt, device=dev)
     dk = torch.zeros(B, s_r, A // slices[0].per_kv, d, dtype=dt, device=dev)
     dv = torch.zeros_like(dk)
@@ -152,7 +171,22 @@ def layer_backward(comm, slices, kern, do, saved, causal, scale, docs=None):
             dqc[:, :, mb.head_lo:mb.head_lo + mb.heads] = gq
             dkc[:, :, mb.first_lo:mb.first_lo + mb.first_n] = gk
             dvc[:, :, mb.first_lo:mb.first_lo + mb.first_n] = gv
-    return dq, dk, dv
+    return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks.to(sinks.dtype))
+
+
+def _my_sinks(sinks, topo, me):
+    """The sink logits of the heads this member computes in this slice."""
+    lo = topo.kv_window[0] * topo.per_kv + me.head_lo
+    return sinks.detach()[lo:lo + me.heads]
+
+
+def _chunk_spans(chunks):
+    """(offset in the group's tokens, length) of each query chunk."""
+    spans, off = [], 0
+    for _, n in chunks:
+        spans.append((off, n))
+        off += n
+    return spans
 
 
 def _alone(slices, rank):
@@ -166,7 +200,7 @@ def _join(pieces):
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 1)
 
 
-def _ring_forward(comm, topo, kern, Qg, KV, causal, scale, docs):
+def _ring_forward(comm, topo, kern, Qg, KV, causal, scale, docs, variant=PLAIN):
     """The group's attention over the ring: (Og [B, S_g, h, d] in Qg's dtype, the lse [B, h, n] of each query
     chunk). Where the kernels accumulate in the inputs' dtype, a chunk's first block pair writes Og in place
     and the later ones merge into it (merging into zeros and -inf gives the same bits, one pass later); else
@@ -184,7 +218,7 @@ def _ring_forward(comm, topo, kern, Qg, KV, causal, scale, docs):
     runs = topo.head_runs(rank)
     # A chunk whose queries meet one block pair in the whole ring, in one head run, takes the block's (out, lse) as
     # they come: no accumulator, no copy, no cast (on one rank: the block backend called alone)
-    direct = [not in_place and n == 1 for n in _pairs_per_chunk(topo, g, runs, qoff)]
+    direct = [not in_place and n == 1 for n in _pairs_per_chunk(topo, g, runs, qoff, causal, variant)]
     Og = torch.empty(B, Sg, h, d, dtype=dt, device=dev) if in_place else None
     O = [Og[:, qo:qo + n] if in_place else None if one else torch.zeros(B, n, h, d, dtype=acc_dt, device=dev)
          for qo, (_, n), one in zip(qoff, chunks, direct)]
@@ -205,17 +239,19 @@ def _ring_forward(comm, topo, kern, Qg, KV, causal, scale, docs):
             i = qoff.index(qo)
             if docs is not None and kp0 + kn <= docs[i][1]:
                 continue  # every key lies before every query's document
+            if not variant.sees(causal, qp0, qn, kp0, kn):
+                continue  # every key lies outside every query's window
             t0 = comm.clock(dev)
             for r in runs:
                 hs, ks = slice(r.h_lo, r.h_lo + r.h_n), slice(r.kv_lo, r.kv_lo + r.kv_n)
                 args = (Qg[:, qo:qo + qn, hs], cur[0, :, ko:ko + kn, ks], cur[1, :, ko:ko + kn, ks], causal, qp0,
                         kp0, scale, None if docs is None else docs[i][0])
                 if direct[i]:
-                    O[i], L[i] = kern.forward(*args)
+                    O[i], L[i] = kern.forward(*args, variant=variant)
                 elif started[i]:
-                    kern.merge(O[i][:, :, hs], L[i][:, hs], *kern.forward(*args))
+                    kern.merge(O[i][:, :, hs], L[i][:, hs], *kern.forward(*args, variant=variant))
                 else:
-                    kern.forward(*args, out=O[i][:, :, hs], lse=L[i][:, hs])
+                    kern.forward(*args, out=O[i][:, :, hs], lse=L[i][:, hs], variant=variant)
             started[i] = True
             comm.phase_s["attn"] += comm.clock(dev) - t0
         if pending is not None:
@@ -234,7 +270,7 @@ def _ring_forward(comm, topo, kern, Qg, KV, causal, scale, docs):
     return (Og if in_place else _join([o.to(dt) for o in O])), L
 
 
-def _ring_backward(comm, topo, kern, Qg, KV, Og, lses, dOg, causal, scale, docs):
+def _ring_backward(comm, topo, kern, Qg, KV, Og, lses, dOg, causal, scale, docs, variant=PLAIN):
     """The group's attention gradients over the ring: (dQ [B, S_g, h, d], dK/dV [2, B, S_g, first_n, d] of the
     kv heads this member first-holds, whole over the ring), both in Qg's dtype."""
     rank = comm.rank
@@ -251,7 +287,8 @@ def _ring_backward(comm, topo, kern, Qg, KV, Og, lses, dOg, causal, scale, docs)
     co_holders = topo.co_holders(rank)
     pairs = topo.block_pairs(g, g)
     if G == 1 and len(runs) == 1 and len(pairs) == 1 and pairs[0].q_len == pairs[0].k_len == Sg \
-            and not any(co_holders) and runs[0].kv_n == kv == me.first_n and (docs is None or pairs[0].k_pos0 + Sg > docs[0][1]):
+            and not any(co_holders) and runs[0].kv_n == kv == me.first_n and (docs is None or pairs[0].k_pos0 + Sg > docs[0][1]) \
+            and variant.sees(causal, pairs[0].q_pos0, Sg, pairs[0].k_pos0, Sg):
         # one block pair holds the group's whole attention: its gradients are the answer as they come (no fp32
         # accumulators, no adds, no casts; on one rank, the block backend called alone)
         p, r = pairs[0], runs[0]
@@ -259,7 +296,7 @@ def _ring_backward(comm, topo, kern, Qg, KV, Og, lses, dOg, causal, scale, docs)
         t0 = comm.clock(dev)
         dq, dk, dv = kern.backward(Qg[:, :, hs], KV[0][:, :, ks], KV[1][:, :, ks], Og[:, :, hs], lses[0][:, hs],
                                    dOg[:, :, hs], causal, p.q_pos0, p.k_pos0, scale,
-                                   None if docs is None else docs[0][0])
+                                   None if docs is None else docs[0][0], variant=variant)
         comm.phase_s["attn"] += comm.clock(dev) - t0
         return dq, torch.stack((dk, dv))
     dQ = torch.zeros(B, Sg, h, d, dtype=acc_dt, device=dev)
@@ -295,6 +332,8 @@ def _ring_backward(comm, topo, kern, Qg, KV, Og, lses, dOg, causal, scale, docs)
             i = qoff.index(qo)
             if docs is not None and kp0 + kn <= docs[i][1]:
                 continue
+            if not variant.sees(causal, qp0, qn, kp0, kn):
+                continue
             t0 = comm.clock(dev)
             q_s = slice(qo, qo + qn)
             for r in runs:  # the runs read disjoint kv heads: each adds into its own part of contrib
@@ -302,7 +341,7 @@ def _ring_backward(comm, topo, kern, Qg, KV, Og, lses, dOg, causal, scale, docs)
                 kern.backward_into(Qg[:, q_s, hs], cur[0, :, ko:ko + kn, ks], cur[1, :, ko:ko + kn, ks],
                                    Og[:, q_s, hs], lses[i][:, hs], dOg[:, q_s, hs], causal, qp0, kp0, scale,
                                    dQ[:, q_s, hs], contrib[0, :, ko:ko + kn, ks], contrib[1, :, ko:ko + kn, ks],
-                                   None if docs is None else docs[i][0])
+                                   None if docs is None else docs[i][0], variant=variant)
             comm.phase_s["attn"] += comm.clock(dev) - t0
         # kv heads shared with another member: non-first holders hand their piece to the first holder
         contrib = _reduce_shared(comm, me, contrib, co_holders, B, Ssrc, d, acc_dt, dev)
@@ -329,13 +368,14 @@ def _ring_backward(comm, topo, kern, Qg, KV, Og, lses, dOg, causal, scale, docs)
     return dQ.to(dt), acc.to(dt)
 
 
-def _pairs_per_chunk(topo, g, runs, qoff):
+def _pairs_per_chunk(topo, g, runs, qoff, causal=True, variant=PLAIN):
     """Per query chunk of group g, how many block-pair kernel calls the whole ring makes for it (pairs over every
-    key group, times the head runs)."""
+    key group that some query sees under the window, times the head runs)."""
     count = dict.fromkeys(qoff, 0)
     for src in range(topo.n_groups):
         for bp in topo.block_pairs(g, src):
-            count[bp.q_off] += len(runs)
+            if variant.sees(causal, bp.q_pos0, bp.q_len, bp.k_pos0, bp.k_len):
+                count[bp.q_off] += len(runs)
     return [count[qo] for qo in qoff]
 
 

@@ -150,6 +150,55 @@ def check_documents(rank, world, init, runs, results):
         results.put((rank, "error", traceback.format_exc(), None))
 
 
+def check_variants(rank, world, init, plan_json, cases, results):
+    """Attention variants on one plan: for each case (name, window, softcap, sinks, documents, kernels), a layer
+    through hexiseq_attn_func with that window, soft-capping and sink logits (a leaf [heads] tensor, its gradient
+    summed over the ranks as a sequence-parallel model's parameters are), float64 against the one-process
+    reference with the same variant. Reports (rank, "ok", {name: [errors of out, dq, dk, dv, dsinks]}, None)."""
+    try:
+        import os
+
+        import hexiseq
+        from hexiseq.nn import HexiSeqContext, hexiseq_attn_func
+        from hexiseq.ops import document_starts
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        plan = hexiseq.Plan.from_json(plan_json)
+        m, S, d = plan.model, plan.seq_len, 8
+        report = {}
+        for name, window, softcap, with_sinks, documents, kernels in cases:
+            os.environ["HEXISEQ_RUNTIME_KERNELS"] = kernels
+            context = HexiSeqContext(plan, causal=plan.causal)
+            g = torch.Generator().manual_seed(len(report))
+            q, k, v, go = (torch.randn(2, S, n, d, generator=g, dtype=torch.float64) * (2.0 if i < 2 else 1.0)
+                           for i, n in enumerate((m.heads, m.kv_heads, m.kv_heads, m.heads)))
+            sinks = torch.randn(m.heads, generator=g, dtype=torch.float64) if with_sinks else None
+            q_doc = None if documents is None else torch.as_tensor(document_starts(documents))
+            qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+            sr = None if sinks is None else sinks.clone().requires_grad_()
+            ref, _ = attention(qr, kr, vr, causal=plan.causal, scale=d ** -0.5, q_doc=q_doc, window=window,
+                               softcap=softcap, sinks=sr)
+            ref.backward(go)
+            ql, kl, vl = (plan.shard(t, 1, rank).requires_grad_() for t in (q, k, v))
+            sl = None if sinks is None else sinks.clone().requires_grad_()
+            o = hexiseq_attn_func(ql, kl, vl, context, documents, window=window, softcap=softcap, sinks=sl)
+            o.backward(plan.shard(go, 1, rank))
+            errs = [_rel(o, plan.shard(ref.detach(), 1, rank)), _rel(ql.grad, plan.shard(qr.grad, 1, rank)),
+                    _rel(kl.grad, plan.shard(kr.grad, 1, rank)), _rel(vl.grad, plan.shard(vr.grad, 1, rank))]
+            if sinks is not None:
+                total = sl.grad.clone()
+                dist.all_reduce(total)
+                errs.append(_rel(total, sr.grad))
+            report[name] = errs
+            context.close()
+        results.put((rank, "ok", report, None))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc(), None))
+
+
 def check_plan_in_replicas(rank, world, init, plan_json, results):
     """Two data-parallel replicas of two ranks each ({0, 1} and {2, 3}), each running the same 2-device plan
     inside its own process group, with different data per replica; errors against the reference."""
