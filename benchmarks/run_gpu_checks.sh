@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU session checks of the CUDA attention kernels and the NCCL runtime, run from the repo root on a GPU machine:
-#   bash benchmarks/run_gpu_checks.sh [steps]      steps: any of build tests split sanitize accept bench backends runtime profile
+#   bash benchmarks/run_gpu_checks.sh [steps]      steps: any of build tests split sanitize accept bench variants backends runtime profile
 #                                                 (default: all, in that order)
 # Builds hexiseq in place with nvcc (no package index needed), runs the CUDA, CPU-op and block-path tests (the runtime on a
 # one-rank NCCL group among them), compute-sanitizer memcheck/racecheck/synccheck on forward, backward and merge at
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 RESULTS=${OUT:-benchmarks/results/gpu}
 mkdir -p "$RESULTS"
 exec > >(tee "$RESULTS/gpu_checks.log") 2>&1
-STEPS=${*:-build tests split sanitize accept bench backends runtime profile}
+STEPS=${*:-build tests split sanitize accept bench variants backends runtime profile}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 status=0
@@ -80,6 +80,9 @@ PY
             echo "--- $tool"
             timeout 200 "$SAN" --tool $tool --error-exitcode 3 python /tmp/hexiseq_sanitize.py 2>&1 | tail -8
             rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || note_fail "$rc"
+            echo "--- $tool, windows and soft-capping"
+            timeout 200 "$SAN" --tool $tool --error-exitcode 3 python benchmarks/gpu_variants.py --sanitize 2>&1 | tail -3
+            rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || note_fail "$rc"
             echo "--- $tool, document mask"
             timeout 200 "$SAN" --tool $tool --error-exitcode 3 python benchmarks/gpu_split_and_documents.py --docs 2>&1 | tail -3
             rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || note_fail "$rc"
@@ -100,6 +103,11 @@ fi
 if want bench; then
     step "benchmark vs torch SDPA flash"
     timeout 300 python benchmarks/bench_cuda_attention.py --bwd-kernels ${BWD_KERNELS:-auto} --fwd-keys ${FWD_KEYS:-auto} --out "$RESULTS/cuda_attention.md" || note_fail $?
+fi
+
+if want variants; then
+    step "attention variants: sliding window and soft-capping vs the plain causal kernels and SDPA flash"
+    timeout 200 python benchmarks/gpu_variants.py --out "$RESULTS/variants.md" || note_fail $?
 fi
 
 if want backends; then

@@ -72,8 +72,9 @@ Not supported (each raises a HexiseqError rather than computing something else; 
 it, every rank raises the same error together, through the attention call's agreement): padding masks that are not all
 ones and custom 4-D masks (HexiSeq applies the causal mask by absolute position itself, document-causal for packed
 documents; pack or trim instead),
-KV caches / generation (`patch_model` sets `config.use_cache = False`), attention dropout, logit soft-capping,
-sliding windows shorter than the plan's sequence, and `output_attentions` (the weights are returned as None).
+KV caches / generation (`patch_model` sets `config.use_cache = False`), attention dropout, and `output_attentions`
+(the weights are returned as None). Sliding windows (per layer: Mistral, Gemma 2 and 3, gpt-oss), logit soft-capping
+(Gemma 2) and sink logits (gpt-oss) run as the model asks, each call with the variant transformers passes it.
 
 transformers is imported lazily: this module imports without it.
 """
@@ -84,7 +85,6 @@ import torch
 import torch.distributed as dist
 
 from ..errors import HexiseqError, InvalidArgumentError, UnsupportedError
-from ..planner.model import hf_sliding_window
 from ..runtime.documents import DOCUMENTS_KWARG
 
 __all__ = ["patch_model", "unpatch_model", "shard_inputs", "sharded_causal_lm_loss", "documents_from_position_ids",
@@ -154,13 +154,6 @@ def _input_error(module, context, query, key, attention_mask, scaling, dropout, 
     if dropout:
         return UnsupportedError(f"hexiseq: attention dropout ({dropout}) is not supported; set "
                                 "config.attention_dropout = 0")
-    if kwargs.get("softcap") is not None:
-        return UnsupportedError(f"hexiseq: attention logit soft-capping (softcap={kwargs['softcap']}) is not "
-                                "supported")
-    window = kwargs.get("sliding_window")
-    if window is not None and context.plan.seq_len > window:
-        return UnsupportedError(f"hexiseq: sliding-window attention (sliding_window={window}) is not supported for "
-                                f"a {context.plan.seq_len}-token sequence")
     scale = context.scale if context.scale is not None else query.shape[-1] ** -0.5  # None: the default
     if scaling is not None and not math.isclose(scaling, scale, rel_tol=1e-12):
         return UnsupportedError(f"hexiseq: {type(module).__name__} scales by {scaling}, the model's HexiSeq context "
@@ -223,13 +216,23 @@ def hexiseq_attention_forward(module, query, key, value, attention_mask, scaling
     if parked:
         # a parked rank's placeholder token (see shard_inputs): attention runs its collectives with no tokens, and
         # the placeholder's output, 0, is tied to that empty output so that the backward's collectives run too
-        out = hexiseq_attn_func(*(x.transpose(1, 2)[:, :0] for x in (query, key, value)), context, documents)
+        out = hexiseq_attn_func(*(x.transpose(1, 2)[:, :0] for x in (query, key, value)), context, documents,
+                                **_variant(kwargs))
         return out.new_zeros(out.shape[0], 1, out.shape[2], out.shape[3]) + out.sum(), None
     q = query.transpose(1, 2)   # [batch, s_r, heads, head_dim]
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
-    out = hexiseq_attn_func(q, k, v, context, documents)
+    out = hexiseq_attn_func(q, k, v, context, documents, **_variant(kwargs))
     return out, None
+
+
+def _variant(kwargs):
+    """The layer's window, soft-capping and sinks from what transformers passes the attention function: its
+    sliding_window of W tokens (a key at most W - 1 positions back: the mask functions keep q - k < W), softcap
+    (Gemma 2) and s_aux, the sink logits (gpt-oss)."""
+    window = kwargs.get("sliding_window")
+    return {"window": None if window is None else (int(window) - 1, 0), "softcap": kwargs.get("softcap"),
+            "sinks": kwargs.get("s_aux")}
 
 
 def _check_positions(pos, want, documents, rank):
@@ -308,9 +311,9 @@ def patch_model(model, plan, group=None):
 
     Raises InvalidArgumentError when the model's num_attention_heads / num_key_value_heads differ from
     plan.model.heads / kv_heads, UnsupportedError for a model whose attention does not follow the
-    AttentionInterface pattern or that uses something HexiSeq does not execute (dropout, soft-capping, a sliding
-    window shorter than the plan's sequence). Tested with transformers 5.23.0: LlamaForCausalLM,
-    MistralForCausalLM, Qwen2ForCausalLM."""
+    AttentionInterface pattern or that uses something HexiSeq does not execute (dropout). Tested with transformers
+    5.24.0: LlamaForCausalLM, MistralForCausalLM (with and without a window), Qwen2ForCausalLM, Gemma2ForCausalLM,
+    Gemma3ForCausalLM, GptOssForCausalLM."""
     attn_fns, mask_fns = _transformers()
     from ..runtime.batch import BatchContext
     from ..runtime.nn import HexiSeqContext
@@ -340,15 +343,6 @@ def patch_model(model, plan, group=None):
     if getattr(cfg, "attention_dropout", 0.0):
         raise UnsupportedError(f"attention dropout ({cfg.attention_dropout}) is not supported; set "
                                "config.attention_dropout = 0")
-    for key in ("attn_logit_softcapping",):
-        if getattr(cfg, key, None) is not None:
-            raise UnsupportedError(f"{key} is not supported by hexiseq")
-    window = hf_sliding_window(cfg)
-    if window is not None and batch_context is not None:
-        raise UnsupportedError(f"sliding-window attention (window {window}) is not supported with batch plans")
-    if window is not None and plan.seq_len > window:
-        raise UnsupportedError(f"sliding-window attention (window {window}) is not supported for a "
-                               f"{plan.seq_len}-token plan")
     for name, m in modules:
         if getattr(m, "is_causal", True) is False:
             raise UnsupportedError(f"{name} is not causal; hexiseq.hf supports causal self-attention only")

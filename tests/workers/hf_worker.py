@@ -25,6 +25,22 @@ def tiny_model(family, seed, attn="sdpa"):
         cfg, cls = transformers.MistralConfig(**common), transformers.MistralForCausalLM
     elif family == "qwen2":     # biases on q/k/v
         cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    elif family == "mistral-window":  # a 9-token window on every layer
+        cfg, cls = transformers.MistralConfig(**common, sliding_window=9), transformers.MistralForCausalLM
+    elif family == "gemma3":    # a sliding layer and a global one
+        cfg = transformers.Gemma3TextConfig(**common, sliding_window=9, head_dim=8, query_pre_attn_scalar=8,
+                                            layer_types=["sliding_attention", "full_attention"])
+        cls = transformers.Gemma3ForCausalLM
+    elif family == "gemma2":    # soft-capped logits, a sliding layer and a global one (eager only in transformers)
+        common["attn_implementation"] = "eager" if attn == "sdpa" else attn
+        cfg = transformers.Gemma2Config(**common, sliding_window=9, attn_logit_softcapping=5.0, head_dim=8,
+                                        query_pre_attn_scalar=8, final_logit_softcapping=None)
+        cls = transformers.Gemma2ForCausalLM
+    elif family == "gpt_oss":   # sink logits, a sliding layer and a global one, 4 experts (eager only in transformers)
+        common["attn_implementation"] = "eager" if attn == "sdpa" else attn
+        cfg = transformers.GptOssConfig(**common, sliding_window=9, head_dim=8, num_local_experts=4,
+                                        num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"])
+        cls = transformers.GptOssForCausalLM
     else:
         raise ValueError(family)
     torch.manual_seed(seed)
