@@ -18,6 +18,11 @@
 // 8-byte aligned) adds float by float. Atomics are the simple choice: the cost is that dQ is not bit-for-bit
 // deterministic (summation order of fp32 adds across key tiles varies run to run). Scratch (D and the dQ
 // accumulator) is allocated with cudaMallocAsync / cudaFreeAsync on the stream.
+// Masks and soft-capping, in both backward kernels: the launcher passes the canonical mask (attention.h), so a sliding
+// window is a per-row lower bound like the document start, served by the lower-bound instances (LB, documents.cuh):
+// a key tile walks only the query tiles whose rows may see it. Soft-capping runs in instances of its own (CAP): P is
+// recomputed from the capped score softcap tanh(scale S / softcap) and dS takes the factor 1 - tanh^2; dQ and dK are
+// scaled as before. The plain instances carry neither.
 #include <stdlib.h>
 #include <string.h>
 
@@ -87,7 +92,7 @@ template <int D, int BK_ = bwd_default_bk(D)> struct BwdMmaTiles {
     static constexpr int delta = lse + smem_round(BQ * 4);
     static constexpr int xch = delta + smem_round(BQ * 4); // DS = 2: per warp, its partial S^T and dP^T
     static constexpr int xch_warp = 2 * 16 * BQ * 4;         // bytes per warp
-    static constexpr int doc = xch + (DS > 1 ? THREADS / 32 * xch_warp : 0); // document mask: each row's first key
+    static constexpr int doc = xch + (DS > 1 ? THREADS / 32 * xch_warp : 0); // lower bounds: each row's first key
     static constexpr int bytes = doc + smem_round(BQ * 4);
     // The dQ phase: THREADS / 32 warps over QM blocks of 16 query rows x (warps / QM) parts of DQ head-dim columns.
     static constexpr int QM = BQ / 16, DQ = D / (THREADS / 32 / QM);
@@ -97,10 +102,12 @@ template <int D, int BK_ = bwd_default_bk(D)> struct BwdMmaTiles {
 // Only the D = 128 instance has a smaller-tile fallback: D = 64 with BK = 128 fits every target (99 KiB and up).
 static_assert(BwdMmaTiles<64>::bytes <= 99 * 1024, "the D = 64 backward must fit a 99 KiB device");
 
-// DOC: the document mask, in its own instance (see attn_fwd_kernel in forward.cu): query tiles no row of which sees the key tile are
-// skipped (doc_next_tile; neither loaded nor computed), and the per-element mask reads the rows' starts only in the
-// steps whose tile holds a start past the key tile's first key.
-template <typename T, int D, int BK_, bool DOC>
+// LB: the per-row lower bounds (document mask, window; see documents.cuh), in their own instance (see attn_fwd_kernel in
+// forward.cu): query tiles no row of which sees the key tile are skipped (doc_next_tile; neither loaded nor computed),
+// and the per-element mask takes the rows' bounds only in the steps whose tile holds a bound past the key tile's first
+// key. CAP: soft-capping, in its own instance: P^T is recomputed from the capped score (t = tanh(S^T scale / softcap),
+// tanhf; P^T = exp2(t softcap log2(e) - LSE log2(e))) and dS^T takes the factor 1 - t^2 of the cap's derivative.
+template <typename T, int D, int BK_, bool LB, bool CAP>
 __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_kernel(const hexiseq_attn_params p, const BwdLaunch cfg) {
     using L = BwdMmaTiles<D, BK_>;
     constexpr int BQ = L::BQ, BK = L::BK, KB = L::KB, LDT = L::LDT, LDS = L::LDS, DS = L::DS, DW = L::DW;
@@ -111,7 +118,7 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
     T *dst = reinterpret_cast<T *>(smem + L::ds);                // [BK][LDS] dS^T, unscaled
     float *lse_s = reinterpret_cast<float *>(smem + L::lse);     // [BQ] LSE * log2(e); -inf: no key seen / past nq
     float *delta_s = reinterpret_cast<float *>(smem + L::delta); // [BQ] D
-    int *doc_s = reinterpret_cast<int *>(smem + L::doc);         // [BQ] first key of each row (document mask)
+    int *doc_s = reinterpret_cast<int *>(smem + L::doc);         // [BQ] first key of each row (lower bound)
 
     const int64_t bid = blockIdx.x;
     const int64_t kt = bid % cfg.n_ktiles;
@@ -127,10 +134,10 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
     const int c0 = dh * DW;                   // first head-dim column of this warp's dK, dV
 
     // K and V first in the plain instance, as they always were (computing the start below first moved the sm_80
-    // D = 256 build into a 4-byte spill); the document instance loads them only if some query tile sees them.
+    // D = 256 build into a 4-byte spill); the lower-bound instance loads them only if some query tile sees them.
     const T *kg = static_cast<const T *>(p.k) + b * p.k_stride[0] + k0 * p.k_stride[1] + hk * p.k_stride[2];
     const T *vg = static_cast<const T *>(p.v) + b * p.v_stride[0] + k0 * p.v_stride[1] + hk * p.v_stride[2];
-    if constexpr (!DOC) {
+    if constexpr (!LB) {
         load_kv_tiles<T, BK, D, LDT, NT>(ks, vs, kg, vg, p, nk, cfg.vec_k, cfg.vec_v);
     }
 
@@ -146,9 +153,9 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
     if (p.causal)
         i_first = max((int64_t)0, p.k_pos0 + k0 - p.q_pos0);
     const int64_t qt_first = i_first / BQ;
-    // Document mask: the first query tile with a row that may see the tile; seq_q: none (K, V are not even loaded).
+    // Lower bounds: the first query tile with a row that may see the tile; seq_q: none (K, V are not even loaded).
     int64_t q0_start = qt_first * BQ;
-    if constexpr (DOC) {
+    if constexpr (LB) {
         q0_start = doc_next_tile<BQ>(p, cfg, b, q0_start, key_first + nk - 1);
         if (q0_start < p.seq_q) {
             load_kv_tiles<T, BK, D, LDT, NT>(ks, vs, kg, vg, p, nk, cfg.vec_k, cfg.vec_v);
@@ -180,20 +187,20 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
         cp_async_commit();
     };
     // The step's query head h and first query row q0 advance by counting (no 64-bit divisions per step): the next
-    // query tile of the head, after its last tile the first tile of the next head. Under the document mask the next
+    // query tile of the head, after its last tile the first tile of the next head. Under lower bounds the next
     // tile is the next one doc_next_tile keeps, and the steps end with the group's heads (their count is not known
     // ahead).
     const int64_t q0_first = q0_start;
     const int32_t h_end = (hk + 1) * cfg.group;
-    int32_t h = DOC && q0_start >= p.seq_q ? h_end : hk * cfg.group;
+    int32_t h = LB && q0_start >= p.seq_q ? h_end : hk * cfg.group;
     int64_t q0 = q0_first;
-    if (async && (DOC ? h < h_end : n_steps > 0))
+    if (async && (LB ? h < h_end : n_steps > 0))
         prefetch(h, q0, 0);
     int buf = 0;
-    for (int64_t step = 0; DOC ? h < h_end : step < n_steps; ++step, buf ^= async ? 1 : 0) {
+    for (int64_t step = 0; LB ? h < h_end : step < n_steps; ++step, buf ^= async ? 1 : 0) {
         int32_t h_next = h;
         int64_t q0_next = q0 + BQ;
-        if constexpr (DOC)
+        if constexpr (LB)
             q0_next = doc_next_tile<BQ>(p, cfg, b, q0_next, key_first + nk - 1);
         if (q0_next >= p.seq_q) {
             q0_next = q0_first;
@@ -210,7 +217,7 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
         // of an earlier step) are behind that step's "dS^T complete" barrier, and dS^T is rewritten only
         // after the "ready" barrier below, which every warp reaches only after its previous dQ phase.
         if (async) {
-            if (DOC ? h_next < h_end : step + 1 < n_steps) { // a step follows this one
+            if (LB ? h_next < h_end : step + 1 < n_steps) { // a step follows this one
                 prefetch(h_next, q0_next, buf ^ 1);
                 cp_async_wait<1>(); // this thread's copies for this step are done
             } else {
@@ -221,10 +228,10 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
             load_tile<T, BQ, D, LDT, NT>(do_tile(0), do_src(h, q0), p.do_stride[1], p.do_stride[3], nq, p.head_dim, false);
         }
         load_row_stats<BQ, NT>(lse_s, delta_s, lseg, p.lse_stride[2], deltag, q0, nq);
-        const bool doc_cut = DOC && doc_tile_cut<BQ>(cfg, b, q0, key_first); // uniform
+        const bool doc_cut = LB && doc_tile_cut<BQ>(cfg, b, q0, key_first); // uniform
         if (doc_cut) // rewritten under the same rule as LSE and D (see above)
             doc_tile_starts<BQ, BK, NT>(doc_s, p, b, q0, nq, key_first);
-        __syncthreads(); // K, V (first step), Q, dO, LSE, D, document starts ready
+        __syncthreads(); // K, V (first step), Q, dO, LSE, D, lower bounds ready
 
         // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x BQ queries (query block j: 8j .. 8j+7),
         // over this warp's head-dim columns (all of them when DS = 1).
@@ -274,7 +281,8 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
         }
 
         // P^T, then dS^T = P^T (dP^T - D), in place; masked and out-of-range entries are 0 (dS too: a row whose D is
-        // NaN, from a NaN in its O, must not reach its masked keys through 0 x NaN).
+        // NaN, from a NaN in its O, must not reach its masked keys through 0 x NaN). Soft-capped: P^T from the capped
+        // score and dS^T times 1 - t^2.
 #pragma unroll
         for (int j = 0; j < BQ / 8; ++j)
 #pragma unroll
@@ -282,11 +290,18 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
                 const int kr = key0 + 8 * (e / 2), qc = 8 * j + 2 * t + (e & 1);
                 const float l2 = lse_s[qc];
                 bool ok = kr < nk && l2 != -INFINITY && kr - qc <= diag;
-                if constexpr (DOC)
+                if constexpr (LB)
                     ok = ok && (!doc_cut || kr >= doc_s[qc]);
-                const float pv = ok ? fast_exp2(st[j][e] * cfg.scale_log2 - l2) : 0.0f;
-                st[j][e] = pv;
-                dpt[j][e] = ok ? pv * (dpt[j][e] - delta_s[qc]) : 0.0f;
+                if constexpr (CAP) {
+                    const float th = tanhf(st[j][e] * cfg.cap_scale);
+                    const float pv = ok ? fast_exp2(th * cfg.cap_log2 - l2) : 0.0f;
+                    st[j][e] = pv;
+                    dpt[j][e] = ok ? pv * (dpt[j][e] - delta_s[qc]) * (1.0f - th * th) : 0.0f;
+                } else {
+                    const float pv = ok ? fast_exp2(st[j][e] * cfg.scale_log2 - l2) : 0.0f;
+                    st[j][e] = pv;
+                    dpt[j][e] = ok ? pv * (dpt[j][e] - delta_s[qc]) : 0.0f;
+                }
             }
 
         // dV += P^T dO and dK += dS^T Q: query block pair (2c, 2c + 1) is the A fragment of queries 16c .. +15.
@@ -404,11 +419,10 @@ hexiseq_status launch_bwd_mma(const hexiseq_attn_params &p, BwdLaunch cfg, cudaS
     using L = BwdMmaTiles<D, BK>;
     cfg.n_ktiles = ceil_div(p.seq_k, BK);
     const int64_t blocks = cfg.n_ktiles * p.kv_heads * p.batch;
-    if (p.q_doc != nullptr)
-        return launch_with_smem(attn_bwd_mma_kernel<T, D, BK, true>, "attn_bwd_mma_kernel", blocks, L::THREADS,
-                                L::bytes, stream, p, cfg);
-    return launch_with_smem(attn_bwd_mma_kernel<T, D, BK, false>, "attn_bwd_mma_kernel", blocks, L::THREADS, L::bytes,
-                            stream, p, cfg);
+    const bool lb = p.q_doc != nullptr || p.window, cap = p.softcap > 0; // the instance, as in launch_fwd
+    auto kernel = lb ? (cap ? attn_bwd_mma_kernel<T, D, BK, true, true> : attn_bwd_mma_kernel<T, D, BK, true, false>)
+                     : (cap ? attn_bwd_mma_kernel<T, D, BK, false, true> : attn_bwd_mma_kernel<T, D, BK, false, false>);
+    return launch_with_smem(kernel, "attn_bwd_mma_kernel", blocks, L::THREADS, L::bytes, stream, p, cfg);
 }
 template <typename T>
 hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream) {
@@ -421,6 +435,11 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
     cfg.vec_do = vec_ok(p->do_, p->do_stride, p->head_dim);
     cfg.scale = (float)p->scale;
     cfg.scale_log2 = (float)(p->scale * 1.4426950408889634);
+    if (p->softcap > 0) {
+        cfg.cap_scale = (float)(p->scale / p->softcap);
+        cfg.cap_log2 = (float)(p->softcap * 1.4426950408889634);
+    }
+    const bool lb = p->q_doc != nullptr || p->window; // per-row lower bounds: the LB instances and their chunk bounds
 
     const int D = padded_head_dim(p->head_dim);
     const int64_t rows = p->batch * p->heads * p->seq_q;
@@ -438,11 +457,11 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "HEXISEQ_CUDA_BACKWARD=%s: expected staged, register or unset", force);
     const bool staged_ok = !force || !*force || strcmp(force, "staged") == 0;
 
-    // Scratch: D [rows], the fp32 dQ accumulator [rows][d] and, with a document mask, its three [batch][chunks]
-    // bound arrays; stream-ordered.
+    // Scratch: D [rows], the fp32 dQ accumulator [rows][d] and, with lower bounds (document mask or window), their
+    // three [batch][chunks] bound arrays; stream-ordered.
     const size_t delta_bytes = (size_t)rows * sizeof(float);
     const size_t acc_bytes = (size_t)rows * (size_t)p->head_dim * sizeof(float);
-    cfg.doc_chunks = p->q_doc != nullptr ? ceil_div(p->seq_q, kDocChunk) : 0;
+    cfg.doc_chunks = lb ? ceil_div(p->seq_q, kDocChunk) : 0;
     const size_t doc_bytes = (size_t)(p->batch * cfg.doc_chunks) * sizeof(int64_t);
     auto up = [](size_t x) { return (x + 255) / 256 * 256; };
     void *scratch = nullptr;
@@ -451,7 +470,7 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
         return cuda_fail(e, "cudaMallocAsync of the backward scratch (D and the fp32 dQ accumulator)");
     cfg.delta = static_cast<float *>(scratch);
     cfg.dq_acc = reinterpret_cast<float *>(static_cast<char *>(scratch) + up(delta_bytes));
-    if (p->q_doc != nullptr) {
+    if (lb) {
         int64_t *doc = reinterpret_cast<int64_t *>(static_cast<char *>(scratch) + up(delta_bytes) + up(acc_bytes));
         cfg.doc_min = doc;
         cfg.doc_max = reinterpret_cast<int64_t *>(reinterpret_cast<char *>(doc) + up(doc_bytes));
@@ -466,7 +485,7 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
         HEXISEQ_LAUNCH(attn_bwd_delta_kernel<T>, (unsigned)delta_blocks, kThreads, 0, stream, *p, cfg);
         s = check_launch("attn_bwd_delta_kernel launch");
     }
-    if (s == HEXISEQ_OK && p->q_doc != nullptr) {
+    if (s == HEXISEQ_OK && lb) {
         HEXISEQ_LAUNCH(attn_doc_chunks_kernel, (unsigned)ceil_div(p->batch * cfg.doc_chunks, kThreads), kThreads, 0,
                        stream, *p, cfg);
         s = check_launch("attn_doc_chunks_kernel launch");
@@ -515,11 +534,14 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
 } // namespace
 
 // The shared checks, then the kernels for the dtype.
+// The kernels see the canonical mask (hexiseq_attn_canonical_mask, as in the forward).
 extern "C" hexiseq_status hexiseq_attn_backward_cuda(const hexiseq_attn_params *p, void *stream) {
     hexiseq_clear_error();
     HEXISEQ_CHECK(check_params(p, 1));
+    hexiseq_attn_params c = *p;
+    hexiseq_attn_canonical_mask(&c);
     cudaStream_t st = static_cast<cudaStream_t>(stream);
-    if (p->dtype == HEXISEQ_DTYPE_F16)
-        return backward_typed<__half>(p, st);
-    return backward_typed<__nv_bfloat16>(p, st);
+    if (c.dtype == HEXISEQ_DTYPE_F16)
+        return backward_typed<__half>(&c, st);
+    return backward_typed<__nv_bfloat16>(&c, st);
 }

@@ -15,10 +15,14 @@ struct BwdLaunch {
     int32_t group;   // heads / kv_heads
     int32_t vec_q, vec_k, vec_v, vec_do; // 16-byte loads allowed for that tensor (vec_ok)
     float scale, scale_log2; // the softmax scale in fp32, and times log2(e)
-    // Document mask only (attn_doc_chunks_kernel, attn_doc_suffix_kernel): per batch row and chunk of kDocChunk
-    // query rows, the smallest and largest start, and the smallest start of that chunk and every later one.
+    // Lower-bound instances only (document mask or window; attn_doc_chunks_kernel, attn_doc_suffix_kernel): per batch
+    // row and chunk of kDocChunk query rows, the smallest and largest bound (row_low), and the smallest bound of that
+    // chunk and every later one.
     int64_t *doc_min, *doc_max, *doc_suf; // [batch][doc_chunks] scratch
     int64_t doc_chunks;                         // ceil(seq_q / kDocChunk)
+    // Soft-capping instances only (CAP): scale / softcap (t = tanh(s scale / softcap), the capped score softcap t), and
+    // softcap log2(e) (P = exp2(t softcap log2(e) - LSE log2(e))).
+    float cap_scale, cap_log2;
 };
 static_assert(sizeof(hexiseq_attn_params) + sizeof(BwdLaunch) <= 4096, "kernel parameters past 4 KiB");
 

@@ -4,7 +4,8 @@
 // D = 128 where shared memory allows (attn_bwd_staged_kernel, FlashAttention-2's backward layout):
 // see the kernel's comment. P and dS are staged in shared memory so that each of the three products (S and
 // dP; dV and dK; dQ) gets its own split of the 8 warps into 32-row tiles, which reads each shared-memory
-// fragment for twice the tensor-core work of the register design (backward.cu).
+// fragment for twice the tensor-core work of the register design (backward.cu). Lower bounds (document mask, window)
+// and soft-capping: instances of their own (LB, CAP), as in the register design (see backward.cu's comment).
 #ifndef HEXISEQ_KERNELS_BACKWARD_STAGED_CUH
 #define HEXISEQ_KERNELS_BACKWARD_STAGED_CUH
 
@@ -54,12 +55,13 @@ template <int D> struct BwdStagedTiles {
     static constexpr int ds = p + pt;
     static constexpr int lse = ds + pt;
     static constexpr int delta = lse + smem_round(BQ * 4);
-    static constexpr int doc = delta + smem_round(BQ * 4); // document mask: each row's first key in the tile
+    static constexpr int doc = delta + smem_round(BQ * 4); // lower bounds: each row's first key in the tile
     static constexpr int bytes = doc + smem_round(BQ * 4);
 };
 
-// DOC: the document mask, as in attn_bwd_mma_kernel.
-template <typename T, int D, bool DOC>
+// LB: the per-row lower bounds (document mask, window), CAP: soft-capping, each in instances of their own, as in
+// attn_bwd_mma_kernel.
+template <typename T, int D, bool LB, bool CAP>
 __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_kernel(const hexiseq_attn_params p, const BwdLaunch cfg) {
     using L = BwdStagedTiles<D>;
     constexpr int BQ = L::BQ, BK = L::BK, LDT = L::LDT, LDP = L::LDP, NT = L::THREADS, DV = L::DV, DQ = L::DQ;
@@ -70,7 +72,7 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
     T *dss = reinterpret_cast<T *>(smem + L::ds);                // [BQ][LDP] dS, unscaled, rounded to T
     float *lse_s = reinterpret_cast<float *>(smem + L::lse);     // [BQ] LSE * log2(e); -inf: no key seen / past nq
     float *delta_s = reinterpret_cast<float *>(smem + L::delta); // [BQ] D
-    int *doc_s = reinterpret_cast<int *>(smem + L::doc);         // [BQ] first key of each row (document mask)
+    int *doc_s = reinterpret_cast<int *>(smem + L::doc);         // [BQ] first key of each row (lower bound)
 
     const int64_t bid = blockIdx.x;
     const int64_t kt = bid % cfg.n_ktiles;
@@ -88,14 +90,14 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
     int64_t i_first = 0; // queries before the first key of the tile see none of it under the causal mask
     if (p.causal)
         i_first = max((int64_t)0, p.k_pos0 + k0 - p.q_pos0);
-    // Document mask: the first query tile with a row that may see the tile; seq_q: none (K, V are not even loaded).
+    // Lower bounds: the first query tile with a row that may see the tile; seq_q: none (K, V are not even loaded).
     int64_t q0_start = i_first / BQ * BQ;
-    if constexpr (DOC)
+    if constexpr (LB)
         q0_start = doc_next_tile<BQ>(p, cfg, b, q0_start, key_first + nk - 1);
 
     const T *kg = static_cast<const T *>(p.k) + b * p.k_stride[0] + k0 * p.k_stride[1] + hk * p.k_stride[2];
     const T *vg = static_cast<const T *>(p.v) + b * p.v_stride[0] + k0 * p.v_stride[1] + hk * p.v_stride[2];
-    if (!DOC || q0_start < p.seq_q) {
+    if (!LB || q0_start < p.seq_q) {
         load_kv_tiles<T, BK, D, LDT, NT>(ks, vs, kg, vg, p, nk, cfg.vec_k, cfg.vec_v);
     }
 
@@ -125,23 +127,23 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
                                                 min((int64_t)BQ, p.seq_q - q0), p.head_dim);
         cp_async_commit();
     };
-    // Under the document mask the steps walk the tiles doc_next_tile keeps and end with the group's heads.
+    // Under lower bounds the steps walk the tiles doc_next_tile keeps and end with the group's heads.
     const int32_t h_end = (hk + 1) * cfg.group;
-    int32_t h = DOC && q0_start >= p.seq_q ? h_end : hk * cfg.group;
+    int32_t h = LB && q0_start >= p.seq_q ? h_end : hk * cfg.group;
     int64_t q0 = q0_first;
-    if (async && (DOC ? h < h_end : n_steps > 0))
+    if (async && (LB ? h < h_end : n_steps > 0))
         prefetch(h, q0, 0);
     int buf = 0;
-    for (int64_t step = 0; DOC ? h < h_end : step < n_steps; ++step, buf ^= async ? 1 : 0) {
+    for (int64_t step = 0; LB ? h < h_end : step < n_steps; ++step, buf ^= async ? 1 : 0) {
         int32_t h_next = h;
         int64_t q0_next = q0 + BQ;
-        if constexpr (DOC)
+        if constexpr (LB)
             q0_next = doc_next_tile<BQ>(p, cfg, b, q0_next, key_first + nk - 1);
         if (q0_next >= p.seq_q) {
             q0_next = q0_first;
             ++h_next;
         }
-        const bool more = DOC ? h_next < h_end : step + 1 < n_steps; // a step follows this one
+        const bool more = LB ? h_next < h_end : step + 1 < n_steps; // a step follows this one
         const int nq = (int)min((int64_t)BQ, p.seq_q - q0);
         const float *lseg = static_cast<const float *>(p.lse) + b * p.lse_stride[0] + h * p.lse_stride[1];
         const float *deltag = cfg.delta + (b * p.heads + h) * p.seq_q;
@@ -156,10 +158,10 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
             load_tile<T, BQ, D, LDT, NT>(do_tile(0), do_src(h, q0), p.do_stride[1], p.do_stride[3], nq, p.head_dim, false);
         }
         load_row_stats<BQ, NT>(lse_s, delta_s, lseg, p.lse_stride[2], deltag, q0, nq);
-        const bool doc_cut = DOC && doc_tile_cut<BQ>(cfg, b, q0, key_first); // uniform
+        const bool doc_cut = LB && doc_tile_cut<BQ>(cfg, b, q0, key_first); // uniform
         if (doc_cut) // rewritten under the same rule as LSE and D
             doc_tile_starts<BQ, BK, NT>(doc_s, p, b, q0, nq, key_first);
-        __syncthreads(); // K, V (first step), Q, dO, LSE, D, document starts ready; the previous step's readers of P,
+        __syncthreads(); // K, V (first step), Q, dO, LSE, D, lower bounds ready; the previous step's readers of P,
                          // dS done
         const T *qs = q_tile(buf), *dos = do_tile(buf);
 
@@ -209,7 +211,8 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
         }
         // P and dS = P (dP - D); masked entries and rows past nq are 0 (lse_s = -inf there), keys past nk too: row
         // qr keeps keys kr <= last, one compare per entry. dS is 0 there too: a row whose D is NaN (a NaN in its O)
-        // must not reach its masked keys through 0 x NaN.
+        // must not reach its masked keys through 0 x NaN. Soft-capped (CAP): P from the capped score softcap t, t =
+        // tanh(S scale / softcap), and dS times 1 - t^2.
         const float scale_log2 = cfg.scale_log2;
 #pragma unroll
         for (int i = 0; i < 2; ++i)
@@ -218,8 +221,8 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
                 const int qr = sm + 16 * i + g + 8 * hi;
                 const float l2 = lse_s[qr], dr = delta_s[qr];
                 const int last = l2 == -INFINITY ? -1 : min(nk - 1, qr + diag);
-                int first = 0; // document mask: the row's first key in the tile
-                if constexpr (DOC)
+                int first = 0; // lower bound: the row's first key in the tile
+                if constexpr (LB)
                     first = doc_cut ? doc_s[qr] : 0;
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
@@ -228,10 +231,16 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
                     for (int e = 0; e < 2; ++e) {
                         const int kr = sn + 8 * j + 2 * t + e;
                         bool ok = kr <= last;
-                        if constexpr (DOC)
+                        if constexpr (LB)
                             ok = ok && kr >= first;
-                        pv[e] = ok ? fast_exp2(s[i][j][2 * hi + e] * scale_log2 - l2) : 0.0f;
-                        sv[e] = ok ? pv[e] * (dp[i][j][2 * hi + e] - dr) : 0.0f;
+                        if constexpr (CAP) {
+                            const float th = tanhf(s[i][j][2 * hi + e] * cfg.cap_scale);
+                            pv[e] = ok ? fast_exp2(th * cfg.cap_log2 - l2) : 0.0f;
+                            sv[e] = ok ? pv[e] * (dp[i][j][2 * hi + e] - dr) * (1.0f - th * th) : 0.0f;
+                        } else {
+                            pv[e] = ok ? fast_exp2(s[i][j][2 * hi + e] * scale_log2 - l2) : 0.0f;
+                            sv[e] = ok ? pv[e] * (dp[i][j][2 * hi + e] - dr) : 0.0f;
+                        }
                     }
                     const int at = qr * LDP + sn + 8 * j + 2 * t;
                     *reinterpret_cast<uint32_t *>(ps + at) = pack2<T>(pv[0], pv[1]);
@@ -343,11 +352,10 @@ template <typename T, int D> hexiseq_status launch_bwd_staged(const hexiseq_attn
     using L = BwdStagedTiles<D>;
     cfg.n_ktiles = ceil_div(p.seq_k, L::BK);
     const int64_t blocks = cfg.n_ktiles * p.kv_heads * p.batch;
-    if (p.q_doc != nullptr)
-        return launch_with_smem(attn_bwd_staged_kernel<T, D, true>, "attn_bwd_staged_kernel", blocks, L::THREADS,
-                                L::bytes, stream, p, cfg);
-    return launch_with_smem(attn_bwd_staged_kernel<T, D, false>, "attn_bwd_staged_kernel", blocks, L::THREADS,
-                            L::bytes, stream, p, cfg);
+    const bool lb = p.q_doc != nullptr || p.window, cap = p.softcap > 0; // the instance, as in launch_fwd
+    auto kernel = lb ? (cap ? attn_bwd_staged_kernel<T, D, true, true> : attn_bwd_staged_kernel<T, D, true, false>)
+                     : (cap ? attn_bwd_staged_kernel<T, D, false, true> : attn_bwd_staged_kernel<T, D, false, false>);
+    return launch_with_smem(kernel, "attn_bwd_staged_kernel", blocks, L::THREADS, L::bytes, stream, p, cfg);
 }
 
 } // namespace

@@ -1,16 +1,22 @@
-// The document mask's bounds for the CUDA attention backward kernels: two small kernels writing per-chunk start
-// bounds, and the helpers with which a key tile's CTA picks and masks its query tiles.
+// The per-row lower bounds (document mask, sliding window) for the CUDA attention backward kernels: two small kernels
+// writing per-chunk bounds, and the helpers with which a key tile's CTA picks and masks its query tiles.
 //
-// Document mask (q_doc, packed sequences; key j visible to query i iff q_doc[b, i] <= k_pos0 + j <= q_pos0 + i):
-// instances of their own of the forward and of both backward kernels (template flag DOC), so the plain ones
-// carry none of it. Forward: each CTA reduces its rows' smallest and largest start once; the key loop starts at
-// the tile holding the smallest (earlier tiles are neither loaded nor computed), and only tiles beginning before
-// the largest read the rows' starts for the per-element mask. Backward: two small kernels write per 16-row chunk
-// the smallest and largest start and the suffix minimum; a key tile's CTA walks only the query tiles some row of
-// which may see it and stops once the suffix minimum passes its last key; the per-element mask runs only in
-// steps whose tile holds a start past the key tile's first key. Rows that see nothing: O = 0, LSE = -inf, no
-// gradient, as under the causal mask. Run on an H200: the document cases of tests/test_attention_ops.py pass and the
-// sanitizers report nothing (benchmarks/results/gpu/h200_split_kernels.md).
+// Per-row lower bound: in the canonical mask the launchers pass (hexiseq_attn_canonical_mask, attention.h), key j is
+// visible to query i iff low_i <= k_pos0 + j <= q_pos0 + i, where low_i (row_low, tile.cuh) is the larger of the
+// document start q_doc[b, i] (packed sequences) and, with a window, q_pos0 + i - window_left. Both masks are thus one
+// code path: instances of their own of the forward and of both backward kernels (template flag LB, launched when
+// q_doc != NULL or window), so the plain ones carry none of it; every read of q_doc goes through row_low. A window's
+// bound can be negative (before position 0): every clamp against a key position takes that as "no bound". Forward:
+// each CTA reduces its rows' smallest and largest bound once; the key loop starts at the tile holding the smallest
+// (earlier tiles are neither loaded nor computed: under a window a query tile walks only the key tiles of its window),
+// and only tiles beginning before the largest compute the rows' bounds for the per-element mask. Backward: two small
+// kernels write per 16-row chunk the smallest and largest bound and the suffix minimum; a key tile's CTA walks only
+// the query tiles some row of which may see it and stops once the suffix minimum passes its last key (a window's
+// bounds grow with the row, so the walk ends right after the window); the per-element mask runs only in steps whose
+// tile holds a bound past the key tile's first key. Rows that see nothing: O = 0, LSE = -inf, no gradient, as under
+// the causal mask. The document mask ran on an H200: its cases of tests/test_attention_ops.py pass and the sanitizers
+// report nothing (benchmarks/results/gpu/h200_split_kernels.md); the window is tested on the CPU emulator only
+// (tests/c/test_cuda_emu.cpp, test_window_softcap).
 #ifndef HEXISEQ_KERNELS_DOCUMENTS_CUH
 #define HEXISEQ_KERNELS_DOCUMENTS_CUH
 
@@ -19,11 +25,12 @@
 
 namespace {
 
-// The document mask's per-chunk bounds for the backward kernels, which walk query tiles for a fixed key tile: a tile
-// whose every start lies past the key tile's last key is skipped (its smallest start: the min over its chunks, every
+// The lower bounds' per-chunk extremes for the backward kernels, which walk query tiles for a fixed key tile: a tile
+// whose every bound lies past the key tile's last key is skipped (its smallest bound: the min over its chunks, every
 // query tile being whole chunks), and once the suffix minimum passes that key no later tile can see it either, so the
-// walk stops (exactly after the last visible tile when the starts do not decrease, as in packed sequences, and
-// correctly, if later, for any starts). Chunks of 16 rows: every backward query tile (16, 32, 64 rows) is whole ones.
+// walk stops (exactly after the last visible tile when the bounds do not decrease, as in packed sequences and under
+// a window, and correctly, if later, for any bounds). Chunks of 16 rows: every backward query tile (16, 32, 64 rows)
+// is whole ones.
 constexpr int kDocChunk = 16;
 
 // doc_min, doc_max of chunk c of batch row b, one thread per (b, c).
@@ -32,10 +39,9 @@ __global__ void attn_doc_chunks_kernel(const hexiseq_attn_params p, const BwdLau
     if (idx >= p.batch * cfg.doc_chunks)
         return;
     const int64_t b = idx / cfg.doc_chunks, i0 = idx % cfg.doc_chunks * kDocChunk;
-    const int64_t *docg = p.q_doc + b * p.q_doc_stride[0];
     int64_t lo = INT64_MAX, hi = INT64_MIN;
     for (int64_t i = i0; i < min(i0 + kDocChunk, p.seq_q); ++i) {
-        const int64_t s = docg[i * p.q_doc_stride[1]];
+        const int64_t s = row_low(p, b, i);
         lo = min(lo, s);
         hi = max(hi, s);
     }
@@ -70,7 +76,7 @@ __global__ void attn_doc_suffix_kernel(const hexiseq_attn_params p, const BwdLau
 }
 
 // The first tile start q0' >= q0 (q0 a tile start, q0' = q0 + a multiple of BQ) of a query tile with a row whose
-// document starts at or before key_last, the key tile's last key (absolute); seq_q when there is none. The same for
+// lower bound lies at or before key_last, the key tile's last key (absolute); seq_q when there is none. The same for
 // every thread of the CTA (uniform loads).
 template <int BQ>
 __device__ int64_t doc_next_tile(const hexiseq_attn_params &p, const BwdLaunch &cfg, int64_t b, int64_t q0,
@@ -80,7 +86,7 @@ __device__ int64_t doc_next_tile(const hexiseq_attn_params &p, const BwdLaunch &
     for (; q0 < p.seq_q; q0 += BQ) {
         const int64_t c = q0 / kDocChunk;
         if (suf[c] > key_last)
-            break; // every row from here on starts its document past the key tile
+            break; // every row from here on has its bound past the key tile
         int64_t lo = mn[c];
         for (int i = 1; i < BQ / kDocChunk && c + i < cfg.doc_chunks; ++i)
             lo = min(lo, mn[c + i]);
@@ -90,8 +96,8 @@ __device__ int64_t doc_next_tile(const hexiseq_attn_params &p, const BwdLaunch &
     return p.seq_q;
 }
 
-// Whether a row of the query tile at q0 starts its document after key_first, the key tile's first key (absolute):
-// only then do its keys need the per-element document mask.
+// Whether a row of the query tile at q0 has its lower bound after key_first, the key tile's first key (absolute):
+// only then do its keys need the per-element lower-bound mask.
 template <int BQ>
 __device__ bool doc_tile_cut(const BwdLaunch &cfg, int64_t b, int64_t q0, int64_t key_first) {
     const int64_t *mx = cfg.doc_max + b * cfg.doc_chunks;
@@ -102,14 +108,14 @@ __device__ bool doc_tile_cut(const BwdLaunch &cfg, int64_t b, int64_t q0, int64_
     return hi > key_first;
 }
 
-// Document starts of the query tile's rows as key-tile columns clamped to [0, BK] (the first key each row may see;
-// BK: none), into doc_s[r] for r < BQ (0 past nq). Threads r, r + NT, ...
+// Lower bounds of the query tile's rows as key-tile columns clamped to [0, BK] (the first key each row may see;
+// BK: none; a bound before the tile, negative ones included: 0), into doc_s[r] for r < BQ (0 past nq). Threads r,
+// r + NT, ...
 template <int BQ, int BK, int NT>
 __device__ __forceinline__ void doc_tile_starts(int *doc_s, const hexiseq_attn_params &p, int64_t b, int64_t q0, int nq,
                                                 int64_t key_first) {
-    const int64_t *docg = p.q_doc + b * p.q_doc_stride[0];
     for (int r = threadIdx.x; r < BQ; r += NT) {
-        const int64_t start = r < nq ? docg[(q0 + r) * p.q_doc_stride[1]] : 0;
+        const int64_t start = r < nq ? row_low(p, b, q0 + r) : 0;
         doc_s[r] = start > key_first ? (int)min((int64_t)BK, start - key_first) : 0; // no overflow: key_first >= 0
     }
 }

@@ -14,7 +14,12 @@
 // element). Not done: Hopper wgmma/TMA/warp specialisation (FlashAttention-3's techniques). A key block longer
 // than kFwdPieceKeys (2^16) is split by the launcher into pieces whose fp32 partials are merged in double (the
 // O and row-sum registers take every key in turn, so their fp32 error grows with the block; see forward_typed).
-// Document mask: see documents.cuh; the forward's part of it is in attn_fwd_kernel (DOC).
+// Masks: the launcher rewrites the call into its canonical mask (hexiseq_attn_canonical_mask in attention.h: no
+// window, or causal with a left window only), so a sliding window is one more per-row lower bound on the visible keys,
+// next to the document start: both run in the lower-bound instances (LB; documents.cuh has the design), where a query
+// tile walks only the key tiles from its smallest bound on. Logit soft-capping (softcap > 0) runs in instances of its
+// own (CAP: tanhf of the scaled scores before the mask, softcap log2(e) as the exponent's factor); the plain instances
+// carry neither.
 #include <stdlib.h>
 #include <string.h>
 
@@ -61,6 +66,7 @@ struct FwdLaunch {
     int32_t group;            // heads / kv_heads
     int32_t vec_q, vec_k, vec_v; // 16-byte loads allowed for that tensor (vec_ok)
     float scale_log2;         // scale * log2(e): scores go through exp2
+    float cap_scale, cap_log2; // softcap (CAP instances only): scale / softcap, and softcap * log2(e)
 };
 static_assert(sizeof(hexiseq_attn_params) + sizeof(FwdLaunch) <= 4096, "kernel parameters past 4 KiB");
 
@@ -69,11 +75,16 @@ static_assert(sizeof(hexiseq_attn_params) + sizeof(FwdLaunch) <= 4096, "kernel p
 // softmax on its registers (a row's 4 owners are the 4 lanes of a quad: max and sum need two shuffles), rescales
 // its O accumulator (registers) and adds P V with P taken straight from the score registers. O is stored as TO:
 // T, or float for the partial results of a key block split into pieces (see forward_typed).
-// DOC: the document mask (p.q_doc, device memory) is applied. A separate instance, so that the plain kernel carries
-// none of its registers: the tile's smallest and largest document start, read once per CTA, give the first key tile
-// any row sees (the loop starts there: earlier tiles are neither loaded nor computed) and the last that holds a
-// document start past its first key (only up to there does the per-element mask read the rows' starts).
-template <typename T, typename TO, int D, int BK_, bool DOC>
+// LB: the per-row lower bound of the canonical mask (row_low in tile.cuh: the document start of p.q_doc, device
+// memory, and the window's left edge) is applied. A separate instance, so that the plain kernel carries none of its
+// registers: the tile's smallest and largest bound, reduced once per CTA, give the first key tile any row sees (the
+// loop starts there: earlier tiles are neither loaded nor computed; under a window that is the whole saving, a query
+// tile walks only the key tiles of its window) and the last that holds a bound past its first key (only up to there
+// does the per-element mask compute the rows' bounds).
+// CAP: logit soft-capping, also an instance of its own: each raw score s becomes t = tanh(s scale / softcap) (tanhf,
+// the accurate one: tanh.approx's 2^-11 relative error would move a score by softcap 2^-11) before the mask, and the
+// exponent's factor is softcap log2(e) instead of scale log2(e), so the softmax runs on softcap t, the capped score.
+template <typename T, typename TO, int D, int BK_, bool LB, bool CAP>
 __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const hexiseq_attn_params p, const FwdLaunch cfg) {
     using L = FwdTiles<D, BK_>;
     constexpr int MW = L::MW, BQ = L::BQ, BK = L::BK, LDT = L::LDT;
@@ -98,16 +109,14 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const hexiseq_att
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int row0 = warp * 16 * MW + g; // this thread's rows in the tile: row0 + 16 mb + 8 i (m-block mb, i = 0, 1)
 
-    // Document mask: every warp reduces the tile's starts itself (the same values, so the results are CTA-uniform
-    // without a barrier or shared memory). Key tiles ending before the smallest start are skipped whole; a key tile
-    // starting at or after the largest needs no per-element document mask.
-    int64_t kbeg = 0, doc_hi = 0; // first key tile; the largest start (absolute)
-    const int64_t *docg = nullptr; // q_doc of the tile's row 0
-    if constexpr (DOC) {
-        docg = p.q_doc + b * p.q_doc_stride[0] + q0 * p.q_doc_stride[1];
+    // Lower bounds: every warp reduces the tile's bounds itself (the same values, so the results are CTA-uniform
+    // without a barrier or shared memory). Key tiles ending before the smallest bound are skipped whole; a key tile
+    // starting at or after the largest needs no per-element lower-bound mask.
+    int64_t kbeg = 0, doc_hi = 0; // first key tile; the largest bound (absolute)
+    if constexpr (LB) {
         int64_t lo = INT64_MAX, hi = INT64_MIN;
         for (int r = lane; r < nq; r += 32) {
-            const int64_t s = docg[r * p.q_doc_stride[1]];
+            const int64_t s = row_low(p, b, q0 + r);
             lo = min(lo, s);
             hi = max(hi, s);
         }
@@ -115,7 +124,7 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const hexiseq_att
             lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
             hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
         }
-        if (lo > p.k_pos0) // no overflow: lo > k_pos0 >= 0
+        if (lo > p.k_pos0) // no overflow: lo > k_pos0 >= 0 (a negative bound skips nothing)
             kbeg = (lo - p.k_pos0) / BK * BK;
         doc_hi = hi;
     }
@@ -192,12 +201,23 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const hexiseq_att
             }
         }
 
+        // Soft-capping: t = tanh(s scale / softcap), its factor softcap folded into the exponent like the scale.
+        if constexpr (CAP) {
+#pragma unroll
+            for (int mb = 0; mb < MW; ++mb)
+#pragma unroll
+                for (int j = 0; j < BK / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        s[mb][j][e] = tanhf(s[mb][j][e] * cfg.cap_scale);
+        }
+
         // Mask (the scores stay unscaled: the scale is folded into the exponent's FFMA below). Only the last, partial
         // key tile and the tiles crossing the causal diagonal need the mask: a tile whose every key is present and at
         // or before the CTA's first query position is visible to every row (rows past nq hold zero-filled Q and are
-        // never stored). Under the document mask also the tiles whose first key lies before some row's document
-        // start (doc_cut). The tests are CTA-uniform.
-        const bool doc_cut = DOC && p.k_pos0 + k0 < doc_hi;
+        // never stored). Under a lower bound also the tiles whose first key lies before some row's bound (doc_cut).
+        // The tests are CTA-uniform.
+        const bool doc_cut = LB && p.k_pos0 + k0 < doc_hi;
         const bool all_visible = nk == BK && (!p.causal || p.k_pos0 + k0 + BK - 1 <= p.q_pos0 + q0) && !doc_cut;
         if (!all_visible) {
             // Key c of the tile is visible to tile row r iff c < nk and c <= diag + r (causal_diag: 32-bit).
@@ -209,10 +229,10 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const hexiseq_att
                     // This thread's columns are 8j + 2t + e: visible iff 8j + e <= last, a compare with a constant.
                     const int last = min((int)nk - 1, diag + row0 + 16 * mb + 8 * i) - 2 * t;
                     if (doc_cut) {
-                        // and (document) iff 8j + e >= first: the row's start as a tile column, clamped to [0, BK]
-                        // (a start past the tile hides all of it); rows past nq read none
+                        // and (lower bound) iff 8j + e >= first: the row's bound as a tile column, clamped to [0, BK]
+                        // (a bound past the tile hides all of it, one before it nothing); rows past nq read none
                         const int r = row0 + 16 * mb + 8 * i;
-                        const int64_t start = r < nq ? docg[r * p.q_doc_stride[1]] : 0, base = p.k_pos0 + k0;
+                        const int64_t start = r < nq ? row_low(p, b, q0 + r) : 0, base = p.k_pos0 + k0;
                         const int first = (start > base ? (int)min((int64_t)BK, start - base) : 0) - 2 * t;
 #pragma unroll
                         for (int j = 0; j < BK / 8; ++j)
@@ -231,10 +251,10 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const hexiseq_att
                 }
         }
 
-        // Online softmax per row on scaled scores (s scale log2(e); the maximum of the unscaled scores, scaled, is
-        // the scaled maximum since the scale is positive): maxima over the quad (the 4 lanes holding a row),
-        // rescale l and O, exponentiate.
-        const float sl2 = cfg.scale_log2;
+        // Online softmax per row on scaled scores (s scale log2(e), or t softcap log2(e); the maximum of the unscaled
+        // scores, scaled, is the scaled maximum since the factor is positive): maxima over the quad (the 4 lanes
+        // holding a row), rescale l and O, exponentiate.
+        const float sl2 = CAP ? cfg.cap_log2 : cfg.scale_log2;
 #pragma unroll
         for (int mb = 0; mb < MW; ++mb) {
             float mx[2] = {-INFINITY, -INFINITY};
@@ -330,11 +350,11 @@ hexiseq_status launch_fwd(const hexiseq_attn_params &p, FwdLaunch cfg, cudaStrea
         return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED,
                             "batch * heads * ceil(seq_q / %d) = %lld CTAs exceeds the CUDA grid limit 2^31 - 1", L::BQ,
                             (long long)blocks);
-    if (p.q_doc != nullptr)
-        return launch_with_smem(attn_fwd_kernel<T, TO, D, BK, true>, "attn_fwd_kernel", blocks, kFwdThreads, L::bytes,
-                                stream, p, cfg);
-    return launch_with_smem(attn_fwd_kernel<T, TO, D, BK, false>, "attn_fwd_kernel", blocks, kFwdThreads, L::bytes,
-                            stream, p, cfg);
+    // The instance: lower bounds (document mask or window) and soft-capping each only where the call has them.
+    const bool lb = p.q_doc != nullptr || p.window, cap = p.softcap > 0;
+    auto kernel = lb ? (cap ? attn_fwd_kernel<T, TO, D, BK, true, true> : attn_fwd_kernel<T, TO, D, BK, true, false>)
+                     : (cap ? attn_fwd_kernel<T, TO, D, BK, false, true> : attn_fwd_kernel<T, TO, D, BK, false, false>);
+    return launch_with_smem(kernel, "attn_fwd_kernel", blocks, kFwdThreads, L::bytes, stream, p, cfg);
 }
 // One forward launch of p (a key block of at most one piece), O stored as TO; keys: HEXISEQ_CUDA_FORWARD_KEYS.
 template <typename T, typename TO>
@@ -346,6 +366,10 @@ hexiseq_status launch_fwd_any(const hexiseq_attn_params &p, const char *keys, cu
     cfg.vec_k = vec_ok(p.k, p.k_stride, p.head_dim);
     cfg.vec_v = vec_ok(p.v, p.v_stride, p.head_dim);
     cfg.scale_log2 = (float)(p.scale * 1.4426950408889634);
+    if (p.softcap > 0) {
+        cfg.cap_scale = (float)(p.scale / p.softcap);
+        cfg.cap_log2 = (float)(p.softcap * 1.4426950408889634);
+    }
     switch (padded_head_dim(p.head_dim)) {
     case 64: return launch_fwd<T, TO, 64>(p, cfg, stream);
     case 128:
@@ -471,13 +495,18 @@ template <typename T> hexiseq_status forward_typed(const hexiseq_attn_params *p,
 } // namespace
 
 // The shared checks, then the kernels for the dtype.
+// The kernels see the canonical mask (hexiseq_attn_canonical_mask): no window, or causal with a left window only, so
+// the window is one more per-row lower bound; the split into key pieces works on that form too (positions are
+// absolute, so a piece needs no other change).
 extern "C" hexiseq_status hexiseq_attn_forward_cuda(const hexiseq_attn_params *p, void *stream) {
     hexiseq_clear_error();
     HEXISEQ_CHECK(check_params(p, 0));
+    hexiseq_attn_params c = *p;
+    hexiseq_attn_canonical_mask(&c);
     cudaStream_t st = static_cast<cudaStream_t>(stream);
-    if (p->dtype == HEXISEQ_DTYPE_F16)
-        return forward_typed<__half>(p, st);
-    return forward_typed<__nv_bfloat16>(p, st);
+    if (c.dtype == HEXISEQ_DTYPE_F16)
+        return forward_typed<__half>(&c, st);
+    return forward_typed<__nv_bfloat16>(&c, st);
 }
 
 extern "C" hexiseq_status hexiseq_attn_merge_cuda(const hexiseq_attn_merge_params *m, void *stream) {

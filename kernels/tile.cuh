@@ -9,7 +9,8 @@
 //   backward.cu          the register backward kernel (attn_bwd_mma_kernel), the delta and dq kernels, the launchers
 //   backward.cuh         what the backward kernels share: their launch parameters and the dQ atomics
 //   backward_staged.cuh  the staged backward kernel (attn_bwd_staged_kernel) and its launcher
-//   documents.cuh        the backward's document-mask bounds: two small kernels and the per-tile helpers
+//   documents.cuh        the backward's per-row lower bounds (document mask, window): two small kernels and the
+//                        per-tile helpers
 //   entry.cu, device_info.cu the library's export table and its CUDA runtime queries
 // setup.py compiles each .cu file on its own and links them into libhexiseq_cuda.so; code two of them use lives in
 // the .cuh headers (include guards; internal linkage, so each .cu file holds its own copy of what it uses).
@@ -32,11 +33,16 @@
 // sm_80 and sm_90 (-O3), has byte-identical machine code before and after. The split files then ran on an NVIDIA
 // H200 (benchmarks/results/gpu/h200_split_kernels.md): the CUDA tests (the document mask's cases among them), the
 // sanitizers and the acceptance check pass, at the same ratios to flash as before.
+// The sliding window and logit soft-capping (the LB instances' window bound and the CAP instances) are tested on the
+// emulator only (test_window_softcap); their plain instances compiled for sm_80 and sm_90 have the same machine code
+// as before (nvdisasm, modulo addresses); they have not yet run on a GPU.
 //
 // Semantics are those of csrc/attention/attention.h and the CPU reference: causal means key_pos <= query_pos on
 // absolute positions (q_pos0 + i, k_pos0 + j); a fully masked row gives O = 0, LSE = -inf and no gradient;
 // the backward takes O and LSE as given and computes D = rowsum(dO * O) itself; the merge is computed in
-// double and is an exact no-op for lse_part = -inf.
+// double and is an exact no-op for lse_part = -inf. Sliding window and soft-capping as in attention.h: the launchers
+// rewrite every call into its canonical mask (hexiseq_attn_canonical_mask: unwindowed, or causal with a left window),
+// so the kernels see a window only as a per-row lower bound next to the document start (row_low below).
 //
 // Design (FlashAttention-2 structure, written for readability):
 //   * dtypes: float16 and bfloat16 inputs, fp32 accumulation everywhere (S, P, O, dK, dV, dQ). float32 and
@@ -47,7 +53,7 @@
 //     head_dim stride is 1, d % 8 == 0, the base is 16-byte aligned and the other strides are multiples of 8;
 //     otherwise element by element (correct, slower).
 //   * the kernels: forward.cu (forward), backward.cu (register backward), backward_staged.cuh (backward with the
-//     scores staged in shared memory), merge.cuh (merge), documents.cuh (document mask); each file's comment has
+//     scores staged in shared memory), merge.cuh (merge), documents.cuh (document mask, window); each file's comment has
 //     its design.
 //
 // Resource usage (nvcc 13.0 --resource-usage, -O3; bf16 shown, f16 within a few registers):
@@ -61,11 +67,22 @@
 //     2 x 64 floats per thread at D = 128 and 256, 2 x 32 at D = 64)
 //   backward staged kernel (256 threads), D = 64 / 128: sm_80 221 / 252, sm_90 222 / 247 (no spills; its phase-1
 //     loops are unrolled by 2, not fully: fully unrolled, the D = 128 instance spilled 80 bytes)
-//   document-mask instances (DOC), sm_80 / sm_90: forward D = 64 233 / 233, D = 128 BK = 32 252 / 250, D = 256 241 / 244
-//     (no spills), D = 128 BK = 64 255 with 56 / 76 bytes (sm_80) and 56 / 56 (sm_90) of spill stores / loads (the
-//     plain instance spills there already); register backward D = 64 / 128 (BK 128) / 128 (BK 64) / 256: sm_80 242 /
-//     250 / 255 / 252, sm_90 244 / 242 / 254 / 254; staged D = 64 / 128: sm_80 226 / 249, sm_90 227 / 246 (no spills);
-//     the plain instances are unchanged by them (same registers, no new spill)
+//   lower-bound (LB: document mask, window), soft-capping (CAP) and LB + CAP instances, registers sm_80 / sm_90
+//   (nvcc 13.0 -O3 -Xptxas -v; spill stores / loads in brackets, none where not given):
+//     forward, D = 64 / 128 (BK 64) / 128 (BK 32) / 256:
+//       LB        230 / 230, 255 (68/124) / 255 (56/56), 253 / 255 (8/28), 241 / 244
+//       CAP       254 / 251, 255 / 255, 249 / 251, 239 / 240
+//       LB + CAP  254 / 254, 255 (68/124) / 255 (108/116), 254 / 255 (56/72), 241 / 244
+//     register backward, D = 64 / 128 (BK 128) / 128 (BK 64) / 256:
+//       LB        sm_80 245 / 250 / 255 (4/4) / 252, sm_90 243 / 241 / 253 / 254
+//       CAP       sm_80 238 / 245 / 255 / 255, sm_90 239 / 246 / 255 / 254
+//       LB + CAP  sm_80 242 / 250 / 255 (4/4) / 252, sm_90 244 / 244 / 253 / 254
+//     staged backward, D = 64 / 128: LB and LB + CAP sm_80 226 / 249, sm_90 227 / 255; CAP sm_80 222 / 253, sm_90
+//       222 / 247
+//     The plain instances are unchanged by them: the same machine code (nvdisasm of the sm_80 and sm_90 cubins before
+//     and after, modulo addresses and helper names). The window made the LB forward's D = 128 instances spill more on
+//     one target each (sm_80 BK 64: 56 / 76 bytes before; sm_90 BK 32: none before), the other LB instances did not
+//     change by more than 3 registers.
 //   delta 32-40, dq 28-30, merge 66-68, split-forward store 28-30, document bounds 28-32 registers; no spills
 //   dynamic shared memory per CTA (opted in with cudaFuncSetAttribute on every launch):
 //     forward  D=64: 54 KiB   D=128: 102 KiB   D=256: 99 KiB (Q [BQ][D+8], 2 x K and V [BK][D+8], 16-bit)
@@ -168,6 +185,18 @@ __device__ void load_tile(T *dst /* [ROWS][LD] smem */, const T *src, int64_t ro
 template <int BQ, int BK>
 __device__ __forceinline__ int causal_diag(const hexiseq_attn_params &p, int64_t q0, int64_t k0) {
     return p.causal ? (int)max((int64_t)-BQ, min((int64_t)BK, p.q_pos0 + q0 - p.k_pos0 - k0)) : BK;
+}
+
+// The per-row lower bound of the canonical mask (hexiseq_attn_canonical_mask; the launchers pass its form): the first
+// absolute key position query row i of batch row b may see, the larger of its document start (q_doc) and, with a
+// window, q_pos0 + i - window_left; INT64_MIN when neither applies. It may be negative (a window reaching before
+// position 0), so every use clamps it against a key position (`start > key ? start - key : 0`). The only reader of
+// q_doc in the kernels: the lower-bound instances (template flag LB) take every bound through it.
+__device__ __forceinline__ int64_t row_low(const hexiseq_attn_params &p, int64_t b, int64_t i) {
+    int64_t lo = p.window ? p.q_pos0 + i - p.window_left : INT64_MIN; // no overflow: the bounds fit the block
+    if (p.q_doc != nullptr)
+        lo = max(lo, p.q_doc[b * p.q_doc_stride[0] + i * p.q_doc_stride[1]]);
+    return lo;
 }
 
 // Byte size of a shared buffer rounded up to 128 bytes, so every buffer carved after it stays aligned.

@@ -18,8 +18,8 @@ if not hexiseq.build_info()["cuda"]:
 
 PACKAGE = os.path.dirname(os.path.abspath(hexiseq.__file__))
 SYMBOL = b"hexiseq_cuda_entry_table"
-# The table's head as kernels/launch.h lays it out: version 2, then its size (4 uint32 and 5 function pointers).
-HEAD = struct.pack("<II", 2, 4 * 4 + 5 * 8)
+# The table's head as kernels/launch.h lays it out: version 3, then its size (4 uint32 and 5 function pointers).
+HEAD = struct.pack("<II", 3, 4 * 4 + 5 * 8)
 
 
 def child(package_parent):

@@ -5,8 +5,9 @@
 // This tests the kernels' logic on machines without a GPU: tiling and tile tails, causal masking by absolute
 // positions (every offset case, fully masked rows and blocks), GQA/MQA, padded head dims, the vector-load and
 // element-by-element paths, strides (heads-major, strided head_dim, negative, misaligned), the online softmax
-// and LSE, the backward's accumulators and dQ atomics, accumulate, the merge, and the document mask (against a
-// brute-force float64 reference, test_documents). Every case runs under four
+// and LSE, the backward's accumulators and dQ atomics, accumulate, the merge, the document mask, the sliding window and
+// logit soft-capping (against a brute-force float64 reference, test_documents and test_window_softcap). Every case
+// runs under four
 // thread schedules (lockstep, run-ahead from either end, pseudo-random; see emu.h) and must give bit-identical
 // outputs: a difference is a race between two barriers. What it cannot test: speed, hardware memory ordering,
 // a misreading of the PTX fragment layouts shared by the kernels and the emulator, and anything only a GPU
@@ -93,13 +94,13 @@ struct Half4 {
         }
         mem.assign((size_t)std::max<int64_t>(total, 1), to_bits(dtype, NAN)); // untouched elements are NaN
     }
-    void fill_random(std::vector<double> &ref) {
+    void fill_random(std::vector<double> &ref, double amp = 1.0) { // values amp * uniform[-1, 1), rounded
         ref.resize((size_t)count());
         for (int64_t b = 0; b < n[0]; ++b)
             for (int64_t s = 0; s < n[1]; ++s)
                 for (int64_t h = 0; h < n[2]; ++h)
                     for (int64_t c = 0; c < n[3]; ++c) {
-                        const uint16_t bits = to_bits(dtype, urand());
+                        const uint16_t bits = to_bits(dtype, amp * urand());
                         mem[(size_t)at(b, s, h, c)] = bits;
                         ref[(size_t)lin(b, s, h, c)] = from_bits(dtype, bits);
                     }
@@ -152,6 +153,10 @@ struct Case {
     int lse_transposed; // LSE stored [batch][seq][heads] instead of [batch][heads][seq]
     int accumulate;     // backward adds into preset gradients
     int docs = 0;       // document mask (Docs below); 0: none
+    int window = 0;     // sliding window (hexiseq_attn_params): 1 with the bounds below (-1: none on that side)
+    int64_t wl = -1, wr = -1;
+    double cap = 0;     // logit soft-capping; 0: none
+    double amp = 1;     // q and k drawn from amp * uniform[-1, 1): larger scores, so that soft-capping bites
 };
 
 // Document layouts of the document-masked cases, over absolute positions from 0 (each batch row its own draw).
@@ -211,12 +216,16 @@ std::vector<int64_t> document_starts(const Case &c) {
 }
 
 std::string describe(const Case &c) {
-    char buf[256];
-    snprintf(buf, sizeof buf, "%s B%lld Sq%lld Sk%lld H%d/%d d%d %s qp%lld kp%lld %s%s%s%s",
+    char buf[320], extra[96] = "";
+    if (c.window)
+        snprintf(extra, sizeof extra, " win(%lld,%lld)", (long long)c.wl, (long long)c.wr);
+    if (c.cap > 0)
+        snprintf(extra + strlen(extra), sizeof extra - strlen(extra), " cap%g amp%g", c.cap, c.amp);
+    snprintf(buf, sizeof buf, "%s B%lld Sq%lld Sk%lld H%d/%d d%d %s qp%lld kp%lld %s%s%s%s%s",
              c.dtype == HEXISEQ_DTYPE_F16 ? "f16" : "bf16", (long long)c.batch, (long long)c.seq_q,
              (long long)c.seq_k, c.heads, c.kv_heads, c.head_dim, c.causal ? "causal" : "full", (long long)c.q_pos0,
              (long long)c.k_pos0, layout_name(c.layout), c.lse_transposed ? " lse-T" : "",
-             c.accumulate ? " acc" : "", docs_name(c.docs));
+             c.accumulate ? " acc" : "", docs_name(c.docs), extra);
     return buf;
 }
 
@@ -238,8 +247,8 @@ struct Problem {
           k(c.dtype, c.batch, c.seq_k, c.kv_heads, c.head_dim, for_role(c.layout, K)),
           v(c.dtype, c.batch, c.seq_k, c.kv_heads, c.head_dim, for_role(c.layout, V)),
           dout(c.dtype, c.batch, c.seq_q, c.heads, c.head_dim, for_role(c.layout, DO)), doc(document_starts(c)) {
-        q.fill_random(rq);
-        k.fill_random(rk);
+        q.fill_random(rq, c.amp);
+        k.fill_random(rk, c.amp);
         v.fill_random(rv);
         dout.fill_random(rdo);
         for (Half4 *t : {&k, &v})
@@ -252,11 +261,12 @@ struct Problem {
                         }
     }
 
-    // Brute-force float64 attention under the document mask, straight from the definition
-    // (csrc/attention/attention.h): key j visible to query i iff doc[b, i] <= k_pos0 + j <= q_pos0 + i. Only visible
-    // keys are read (NaN keys are not).
-    // The backward is the exact gradient of that forward (D from the float64 O).
-    void reference_documents(Outputs &r) {
+    // Brute-force float64 attention straight from the definitions (csrc/attention/attention.h), not from the kernels'
+    // canonical form: key j visible to query i iff every mask the case has allows it, causal (k_pos0 + j <= q_pos0 + i),
+    // document (doc[b, i] <= k_pos0 + j) and window ((q_pos0 + i) - (k_pos0 + j) <= wl, (k_pos0 + j) - (q_pos0 + i) <= wr,
+    // each when >= 0); soft-capping turns each score x into cap tanh(x / cap). Only visible keys are read (NaN keys are
+    // not). The backward is the exact gradient of that forward (D from the float64 O; dS times 1 - tanh^2 when capped).
+    void reference_brute(Outputs &r) {
         const int64_t B = c.batch, Sq = c.seq_q, Sk = c.seq_k, H = c.heads, G = c.heads / c.kv_heads, Dh = c.head_dim;
         const int64_t nq = B * Sq * H * Dh, nk = B * Sk * c.kv_heads * Dh;
         r.o.assign((size_t)nq, 0), r.lse.assign((size_t)(B * H * Sq), -INFINITY);
@@ -267,40 +277,60 @@ struct Problem {
         auto ki = [&](int64_t b, int64_t j, int64_t h, int64_t x) {
             return (size_t)(((b * Sk + j) * c.kv_heads + h / G) * Dh + x);
         };
-        std::vector<double> pr((size_t)Sk);
+        auto visible = [&](int64_t b, int64_t i, int64_t j) {
+            const int64_t qp = c.q_pos0 + i, kp = c.k_pos0 + j;
+            if (c.causal && kp > qp)
+                return false;
+            if (!doc.empty() && kp < doc[(size_t)(b * Sq + i)])
+                return false;
+            if (c.window && c.wl >= 0 && qp - kp > c.wl)
+                return false;
+            return !(c.window && c.wr >= 0 && kp - qp > c.wr);
+        };
+        std::vector<double> pr((size_t)Sk), th((size_t)Sk); // per visible key: score then p; tanh of the capped score
+        std::vector<int64_t> keys;
         for (int64_t b = 0; b < B; ++b)
             for (int64_t h = 0; h < H; ++h)
                 for (int64_t i = 0; i < Sq; ++i) {
-                    const int64_t lo = std::max<int64_t>(0, doc[(size_t)(b * Sq + i)] - c.k_pos0);
-                    const int64_t hi = std::min<int64_t>(Sk, c.q_pos0 + i - c.k_pos0 + 1); // keys [lo, hi)
-                    if (lo >= hi)
+                    keys.clear();
+                    for (int64_t j = 0; j < Sk; ++j)
+                        if (visible(b, i, j))
+                            keys.push_back(j);
+                    if (keys.empty())
                         continue; // sees nothing: O = 0, LSE = -inf, no gradient
                     double mx = -INFINITY;
-                    for (int64_t j = lo; j < hi; ++j) {
+                    for (int64_t j : keys) {
                         double dot = 0;
                         for (int64_t x = 0; x < Dh; ++x)
                             dot += rq[qi(b, i, h, x)] * rk[ki(b, j, h, x)];
-                        pr[(size_t)j] = dot * scale();
-                        mx = std::max(mx, pr[(size_t)j]);
+                        double y = dot * scale();
+                        if (c.cap > 0) {
+                            th[(size_t)j] = tanh(y / c.cap);
+                            y = c.cap * th[(size_t)j];
+                        }
+                        pr[(size_t)j] = y;
+                        mx = std::max(mx, y);
                     }
                     double sum = 0;
-                    for (int64_t j = lo; j < hi; ++j)
+                    for (int64_t j : keys)
                         sum += (pr[(size_t)j] = exp(pr[(size_t)j] - mx));
                     r.lse[(size_t)((b * H + h) * Sq + i)] = mx + log(sum);
                     double dd = 0; // D = rowsum(dO * O)
                     for (int64_t x = 0; x < Dh; ++x) {
                         double o = 0;
-                        for (int64_t j = lo; j < hi; ++j)
+                        for (int64_t j : keys)
                             o += pr[(size_t)j] / sum * rv[ki(b, j, h, x)];
                         r.o[qi(b, i, h, x)] = o;
                         dd += o * rdo[qi(b, i, h, x)];
                     }
-                    for (int64_t j = lo; j < hi; ++j) {
+                    for (int64_t j : keys) {
                         const double pj = pr[(size_t)j] / sum;
                         double dp = 0;
                         for (int64_t x = 0; x < Dh; ++x)
                             dp += rdo[qi(b, i, h, x)] * rv[ki(b, j, h, x)];
-                        const double ds = pj * (dp - dd) * scale();
+                        double ds = pj * (dp - dd) * scale();
+                        if (c.cap > 0)
+                            ds *= 1 - th[(size_t)j] * th[(size_t)j];
                         for (int64_t x = 0; x < Dh; ++x) {
                             r.dv[ki(b, j, h, x)] += pj * rdo[qi(b, i, h, x)];
                             r.dq[qi(b, i, h, x)] += ds * rk[ki(b, j, h, x)];
@@ -329,6 +359,7 @@ struct Problem {
         p.batch = c.batch, p.seq_q = c.seq_q, p.seq_k = c.seq_k, p.q_pos0 = c.q_pos0, p.k_pos0 = c.k_pos0;
         p.scale = scale(), p.heads = c.heads, p.kv_heads = c.kv_heads, p.head_dim = c.head_dim;
         p.causal = c.causal;
+        p.window = c.window, p.window_left = c.wl, p.window_right = c.wr, p.softcap = c.cap;
         return p;
     }
 
@@ -427,8 +458,9 @@ void run_case(const Case &c) {
     Outputs ref, a, b;
     hexiseq_emu::set_schedule(hexiseq_emu::SCHEDULE_ROUND_ROBIN, 0);
     pr.emulated(a); // first: draws the accumulate presets the reference needs
-    if (c.docs != DOCS_NONE)
-        pr.reference_documents(ref);
+    const bool brute = c.docs != DOCS_NONE || c.window || c.cap > 0; // masks the CPU kernels may not have
+    if (brute)
+        pr.reference_brute(ref);
     else
         pr.reference(ref);
     const double u = unit_roundoff(c.dtype);
@@ -444,16 +476,22 @@ void run_case(const Case &c) {
     EXPECT(ek <= 6 * u, "%s: dK error %.3g > 6u = %.3g", name.c_str(), ek, 6 * u);
     EXPECT(ev <= 6 * u, "%s: dV error %.3g > 6u = %.3g", name.c_str(), ev, 6 * u);
 
-    // Fully masked rows: O exactly 0 (or the preset, for gradients nothing flows).
+    // Fully masked rows: O exactly 0, and (brute-force reference cases) their dq exactly 0 or the preset: nothing flows.
     for (size_t i = 0; i < ref.lse.size(); ++i)
         if (ref.lse[i] == -INFINITY) {
             const int64_t s = (int64_t)(i % (size_t)c.seq_q), h = (int64_t)(i / (size_t)c.seq_q % (size_t)c.heads),
                           bb = (int64_t)(i / (size_t)c.seq_q / (size_t)c.heads);
-            bool zero = true;
-            for (int64_t x = 0; x < c.head_dim; ++x)
-                zero = zero && a.o[(size_t)pr.q.lin(bb, s, h, x)] == 0.0;
+            bool zero = true, no_grad = true;
+            for (int64_t x = 0; x < c.head_dim; ++x) {
+                const size_t at = (size_t)pr.q.lin(bb, s, h, x);
+                zero = zero && a.o[at] == 0.0;
+                no_grad = no_grad && a.dq[at] == ref.dq[at];
+            }
             EXPECT(zero, "%s: fully masked row b%lld h%lld s%lld has O != 0", name.c_str(), (long long)bb,
                    (long long)h, (long long)s);
+            if (brute)
+                EXPECT(no_grad, "%s: fully masked row b%lld h%lld s%lld has a dq", name.c_str(), (long long)bb,
+                       (long long)h, (long long)s);
         }
 
     // Nothing visible at all: no gradient may flow, exactly (or the presets stay exactly as they were).
@@ -480,8 +518,9 @@ void run_case(const Case &c) {
 #if defined(__SANITIZE_ADDRESS__) // the sanitizer build is there for memory errors: one more schedule is enough
     const int first_schedule = hexiseq_emu::SCHEDULE_RANDOM;
 #else
-    // the document cases are many and share the plain kernels' barriers: the random schedule is enough for them
-    const int first_schedule = c.docs != DOCS_NONE ? hexiseq_emu::SCHEDULE_RANDOM : hexiseq_emu::SCHEDULE_LOWEST_FIRST;
+    // the document, window and soft-capping cases are many and share the plain kernels' barriers: the random schedule
+    // is enough for them
+    const int first_schedule = brute ? hexiseq_emu::SCHEDULE_RANDOM : hexiseq_emu::SCHEDULE_LOWEST_FIRST;
 #endif
     for (int sch = first_schedule; sch <= hexiseq_emu::SCHEDULE_RANDOM; ++sch) {
         hexiseq_emu::set_schedule((hexiseq_emu::Schedule)sch, 0x5eed0000ull + (uint64_t)c.seq_q * 131 + c.head_dim);
@@ -706,9 +745,23 @@ void test_refusals() {
     EXPECT(hexiseq_attn_forward_cuda(&p, nullptr) == HEXISEQ_ERR_INVALID &&
                strstr(hexiseq_last_error(), "q_doc_stride") != nullptr,
            "a q_doc stride out of range must be refused: %s", hexiseq_last_error());
+    // A window reaching past the causal diagonal (window_right > 0 with causal = 1), and a negative softcap: refused
+    // by the shared check, before anything runs.
+    p.q_doc = nullptr, p.q_doc_stride[1] = 0;
+    p.causal = 1, p.window = 1, p.window_left = -1, p.window_right = 3;
+    for (int backward = 0; backward < 2; ++backward) {
+        const hexiseq_status s = backward ? hexiseq_attn_backward_cuda(&p, nullptr) : hexiseq_attn_forward_cuda(&p, nullptr);
+        EXPECT(s == HEXISEQ_ERR_INVALID && strstr(hexiseq_last_error(), "window_right") != nullptr,
+               "window_right = 3 with causal = 1 must be refused by the CUDA %s: %s", backward ? "backward" : "forward",
+               hexiseq_last_error());
+    }
+    p.window = 0, p.window_right = -1, p.softcap = -1;
+    EXPECT(hexiseq_attn_forward_cuda(&p, nullptr) == HEXISEQ_ERR_INVALID &&
+               strstr(hexiseq_last_error(), "softcap") != nullptr,
+           "a negative softcap must be refused: %s", hexiseq_last_error());
 }
 
-// The document mask (q_doc) against the brute-force float64 reference (Problem::reference_documents): random
+// The document mask (q_doc) against the brute-force float64 reference (Problem::reference_brute): random
 // documents, documents of one token, boundaries on tile edges, one document (bit for bit the plain causal result),
 // blocks at ring-step offsets (keys before the queries, keys overlapping them), GQA and MQA, fp16 and bf16, head dims
 // 64, 128, 256 and a padded one, accumulate; every backward kernel (register at D = 64, 128 and 256, staged at 128 and,
@@ -764,6 +817,88 @@ void test_documents() {
         for (const Case &c : small)
             run_case(c);
     }
+    hexiseq_emu::set_smem_optin_limit(166912);
+}
+
+// The sliding window and logit soft-capping against the brute-force float64 reference (Problem::reference_brute, from
+// the definitions, so the launchers' rewrite into the canonical mask is checked too): causal windows of width 0, 1,
+// under a tile, across tiles and past the whole block (dropped: the plain kernel); non-causal windows with both bounds
+// and with one side -1 (the right bound becomes a shifted diagonal); a window on top of documents; soft-capping at 5
+// and 30 on scaled-up q and k (scores up to about 30: tanh saturates partly), alone, under a causal window, with
+// documents; ring offsets where some rows or the whole block see nothing (O = 0, LSE = -inf, no gradient); odd sizes
+// (97 x 193), GQA 4:2, fp16 and bf16, head dims 64, 128, 256 and accumulate. Every backward kernel: register at D = 64
+// and 256, staged at D = 128 (sm_90) and forced at 64, register at D = 128 (forced, and on a 99 KiB device with the
+// smaller tiles of both directions); the forward in 64-key pieces merged in double.
+void test_window_softcap() {
+    const int BF = HEXISEQ_DTYPE_BF16, F16 = HEXISEQ_DTYPE_F16;
+    const Case cases[] = {
+        // dtype B  Sq   Sk  H  Hkv d  causal qp kp  layout  lseT acc docs  window wl wr  cap amp
+        // causal, left window: one key, two keys, under a tile, across tiles, past the block (dropped)
+        {BF, 1, 97, 193, 4, 2, 64, 1, 96, 0, CONTIG, 0, 0, 0, 1, 0, -1, 0, 1},
+        {F16, 1, 97, 193, 4, 2, 128, 1, 96, 0, CONTIG, 0, 0, 0, 1, 1, -1, 0, 1},
+        {BF, 1, 97, 193, 4, 2, 256, 1, 96, 0, CONTIG, 0, 0, 0, 1, 20, -1, 0, 1},
+        {F16, 2, 97, 193, 4, 2, 64, 1, 96, 0, CONTIG, 1, 1, 0, 1, 100, -1, 0, 1},
+        {BF, 1, 193, 193, 2, 1, 128, 1, 0, 0, HEADS_MAJOR, 0, 0, 0, 1, 150, 0, 0, 1},
+        {F16, 1, 97, 193, 4, 2, 64, 1, 96, 0, CONTIG, 0, 0, 0, 1, 1000, -1, 0, 1},
+        // not causal: both bounds, the right only, the left only, the diagonal alone, right 0 (= causal), neither
+        {BF, 1, 97, 193, 4, 2, 64, 0, 50, 0, CONTIG, 0, 0, 0, 1, 10, 5, 0, 1},
+        {F16, 1, 97, 193, 4, 2, 128, 0, 0, 0, CONTIG, 0, 1, 0, 1, -1, 7, 0, 1},
+        {BF, 1, 97, 193, 4, 2, 256, 0, 100, 0, NEG_SEQ, 0, 0, 0, 1, 30, -1, 0, 1},
+        {F16, 1, 97, 193, 4, 2, 64, 0, 10, 0, MIXED_K, 0, 0, 0, 1, 0, 0, 0, 1},
+        {BF, 1, 97, 193, 4, 2, 64, 0, 40, 0, CONTIG, 0, 0, 0, 1, -1, 0, 0, 1},
+        {F16, 1, 97, 193, 4, 2, 64, 0, 20, 0, CONTIG, 0, 0, 0, 1, -1, -1, 0, 1}, // window on, no bound: full attention
+        // ring offsets: keys after the queries (rows 0..49 see nothing), rows past the keys' reach, a whole block
+        // outside the window, keys starting inside the queries
+        {BF, 1, 97, 193, 4, 2, 128, 0, 0, 200, CONTIG, 1, 0, 0, 1, -1, 150, 0, 1},
+        {F16, 1, 97, 193, 4, 2, 64, 1, 180, 0, CONTIG, 0, 0, 0, 1, 20, -1, 0, 1},
+        {BF, 1, 97, 193, 4, 2, 128, 1, 300, 0, CONTIG, 0, 1, 0, 1, 50, -1, 0, 1},
+        {F16, 1, 97, 193, 4, 2, 256, 1, 0, 50, CONTIG, 0, 0, 0, 1, 5, -1, 0, 1},
+        // window and documents
+        {BF, 2, 200, 200, 4, 2, 64, 1, 0, 0, CONTIG, 0, 0, DOCS_RANDOM, 1, 30, -1, 0, 1},
+        {F16, 1, 100, 150, 4, 2, 128, 1, 100, 0, CONTIG, 0, 1, DOCS_LONG, 1, 100, 0, 0, 1},
+        {BF, 1, 200, 200, 2, 1, 256, 1, 0, 0, CONTIG, 0, 0, DOCS_TILE_EDGE, 1, 64, -1, 0, 1},
+        // soft-capping alone, then with windows (and documents)
+        {BF, 1, 97, 193, 4, 2, 64, 0, 0, 0, CONTIG, 0, 0, 0, 0, -1, -1, 5, 4},
+        {F16, 1, 97, 193, 4, 2, 128, 1, 96, 0, CONTIG, 0, 0, 0, 0, -1, -1, 30, 4},
+        {BF, 1, 97, 193, 4, 2, 256, 1, 96, 0, CONTIG, 0, 0, 0, 0, -1, -1, 5, 3},
+        {BF, 1, 97, 193, 4, 2, 128, 0, 0, 0, HEADS_MAJOR, 1, 1, 0, 0, -1, -1, 30, 4},
+        {F16, 1, 97, 193, 4, 2, 64, 1, 96, 0, CONTIG, 0, 0, 0, 1, 40, -1, 5, 4},
+        {BF, 1, 200, 200, 4, 2, 128, 1, 0, 0, CONTIG, 0, 0, DOCS_RANDOM, 1, 20, -1, 30, 4},
+        {F16, 1, 97, 193, 4, 2, 256, 0, 48, 0, CONTIG, 0, 0, 0, 1, 15, 15, 10, 3},
+        {F16, 1, 97, 193, 4, 2, 64, 1, 180, 0, CONTIG, 0, 0, 0, 1, 20, -1, 30, 4},
+    };
+    auto pick = [&](std::initializer_list<int> idx) {
+        std::vector<Case> out;
+        for (int i : idx)
+            out.push_back(cases[i]);
+        return out;
+    };
+#if defined(__SANITIZE_ADDRESS__)
+    // The sanitizer build looks for memory errors: one case of each kind, each variant below once.
+    const std::vector<Case> base = pick({0, 4, 7, 12, 14, 17, 21, 24, 25}), staged = pick({23}), reg = pick({20}),
+                            pieces = pick({13}), small = pick({1});
+#else
+    const std::vector<Case> base(std::begin(cases), std::end(cases)), staged = pick({0, 6, 16, 19, 23, 26}),
+                            reg = pick({1, 4, 7, 12, 14, 17, 20, 22, 24}), pieces = pick({3, 8, 12, 13, 17, 23, 25}),
+                            small = pick({1, 7, 20, 24});
+#endif
+    hexiseq_emu::set_smem_optin_limit(227 * 1024); // sm_90: the staged backward at D = 128
+    for (const Case &c : base)
+        run_case(c);
+    setenv("HEXISEQ_CUDA_BACKWARD", "staged", 1); // the staged kernel at D = 64
+    for (const Case &c : staged)
+        run_case(c);
+    setenv("HEXISEQ_CUDA_BACKWARD", "register", 1); // the register kernel at D = 128
+    for (const Case &c : reg)
+        run_case(c);
+    unsetenv("HEXISEQ_CUDA_BACKWARD");
+    setenv("HEXISEQ_CUDA_FORWARD_PIECE", "64", 1); // the forward in 64-key pieces merged in double
+    for (const Case &c : pieces)
+        run_case(c);
+    unsetenv("HEXISEQ_CUDA_FORWARD_PIECE");
+    hexiseq_emu::set_smem_optin_limit(99 * 1024); // sm_86: the D = 128 forward's 32-key and backward's 64-key tiles
+    for (const Case &c : small)
+        run_case(c);
     hexiseq_emu::set_smem_optin_limit(166912);
 }
 
@@ -843,7 +978,8 @@ void test_nonfinite() {
             }
 }
 
-// test_cuda_emu [-v] [name ...]: every test, or only those named (refusals merge documents cases small_smem nonfinite).
+// test_cuda_emu [-v] [name ...]: every test, or only those named (refusals merge documents window_softcap cases
+// small_smem nonfinite).
 int main(int argc, char **argv) {
     int first = 1;
     verbose = argc > 1 && strcmp(argv[1], "-v") == 0;
@@ -852,7 +988,8 @@ int main(int argc, char **argv) {
         const char *name;
         void (*run)();
     } tests[] = {{"refusals", test_refusals},   {"merge", test_merge},
-                 {"documents", test_documents}, {"cases", test_attention_cases},
+                 {"documents", test_documents}, {"window_softcap", test_window_softcap},
+                 {"cases", test_attention_cases},
                  {"small_smem", test_small_smem_device}, {"nonfinite", test_nonfinite}};
     for (const auto &t : tests) {
         bool wanted = first >= argc;
