@@ -34,8 +34,8 @@
 // H200 (benchmarks/results/gpu/h200_split_kernels.md): the CUDA tests (the document mask's cases among them), the
 // sanitizers and the acceptance check pass, at the same ratios to flash as before.
 // The sliding window and logit soft-capping (the LB instances' window bound and the CAP instances) are tested on the
-// emulator only (test_window_softcap); their plain instances compiled for sm_80 and sm_90 have the same machine code
-// as before (nvdisasm, modulo addresses); they have not yet run on a GPU.
+// emulator (test_window_softcap) against a float64 reference; the plain instances compiled for sm_80 and sm_90 have the
+// same machine code as before them (nvdisasm, modulo addresses); H200 timings: benchmarks/results/gpu/variants_h200.md.
 //
 // Semantics are those of csrc/attention/attention.h and the CPU reference: causal means key_pos <= query_pos on
 // absolute positions (q_pos0 + i, k_pos0 + j); a fully masked row gives O = 0, LSE = -inf and no gradient;
