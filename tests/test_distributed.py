@@ -228,12 +228,24 @@ def _variant_cases(plan):
     return cases
 
 
-@pytest.mark.parametrize("case", ["asymmetric", "gqa4-three-groups", "ring-mqa-noncausal"])
+def _contiguous(plan):
+    return hexiseq.evaluate(plan.cluster, model=plan.model, seq_len=plan.seq_len,
+                            layout=dict(plan.layout.to_dict(), chunking="contiguous"))
+
+
+@pytest.mark.parametrize("case", ["asymmetric", "gqa4-three-groups", "ring-mqa-noncausal",
+                                  "gqa4-three-groups-contiguous"])
 def test_attention_variants_match_single_process(case, tmp_path):
     """Sliding windows, soft-capping and sink logits across uneven plans (head parallelism with a one-token rank and
-    unequal head shares, three ring groups with a kv head split between two ranks, a non-causal MQA ring):
-    forward, backward and the sinks' gradient in float64 within 1e-10 of one process (1e-8 on the PyTorch path)."""
-    plan = CASES[case]()
+    unequal head shares, three ring groups with a kv head split between two ranks, a non-causal MQA ring, and the
+    three groups in contiguous chunks, where a 5-token window cuts the ring to 2 of its 3 steps and the
+    accumulators go home directly): forward, backward and the sinks' gradient in float64 within 1e-10 of one
+    process (1e-8 on the PyTorch path)."""
+    plan = _contiguous(CASES[case[:-len("-contiguous")]]()) if case.endswith("-contiguous") else CASES[case]()
+    if case.endswith("-contiguous"):
+        from hexiseq.runtime.topology import Topology
+        from hexiseq.runtime.variants import variant
+        assert Topology(plan, True).ring_steps(True, variant((5, 0))) == 2 < plan.num_groups
     cases = _variant_cases(plan)
     out = spawn(dist_worker.check_variants, plan.cluster.num_devices, (plan.to_json(), cases), tmp_path)
     for rank, (status, report, _) in sorted(out.items()):

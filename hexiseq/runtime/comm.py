@@ -143,6 +143,7 @@ class Comm:
         # set, CUDA work is synchronised at every phase boundary so the clock sees the device, not the launches
         # (slower: for measurement only).
         self.phase_s = {"attn": 0.0, "a2a": 0.0, "ring_wait": 0.0, "sync": 0.0}
+        self.p2p_bytes = 0  # bytes this rank has sent by P2P (ring steps, accumulators, co-holders' pieces)
         self.sync_timing = False
         self._global = [self._global_rank(r) for r in range(self.world)]
         self._check_construction(plan, causal, softmax_scale)
@@ -304,6 +305,7 @@ class Comm:
             if t.numel():
                 keep.append(t)
                 posted.append(dist.P2POp(dist.isend, t, self._global[peer], tag=tag))
+                self.p2p_bytes += t.numel() * t.element_size()
         for peer, lo, n in recvs:
             t = torch.empty(recv_shape_of(lo, n), dtype=dtype, device=device)
             out.append((lo, n, t))

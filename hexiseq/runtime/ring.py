@@ -227,10 +227,11 @@ def _ring_forward(comm, topo, kern, Qg, KV, causal, scale, docs, variant=PLAIN):
     started = [not in_place and not one for one in direct]
     cur = KV                                          # [2, B, S_src, kv, d], the own block first
     sends, recvs = topo.ring_routes(rank, "kv")
-    for step in range(G):
+    T = topo.ring_steps(causal, variant)  # under a window, the steps past T meet only blocks no query sees
+    for step in range(T):
         src = (g - step) % G
         pending = None
-        if step < G - 1:
+        if step < T - 1:
             nxt_src = (g - step - 1) % G
             pending = comm.exchange(
                 sends, recvs, lambda lo, n, c=cur: c[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n],
@@ -315,14 +316,20 @@ def _ring_backward(comm, topo, kern, Qg, KV, Og, lses, dOg, causal, scale, docs,
         return acc
 
     # Both transfers of a step overlap the step's kernels: the next K/V block is posted before them, and the
-    # accumulator a step hands on is waited for only at the end of the next step (or after the loop).
+    # accumulator a step hands on is waited for only at the end of the next step (or after the loop). Under a
+    # window the ring stops after T steps (topo.ring_steps): the accumulators then go home directly, T - 1 groups
+    # back, instead of round the rest of the ring.
+    T = topo.ring_steps(causal, variant)
+    home_sends, home_recvs = acc_sends, acc_recvs
+    if T < G:
+        home_sends, home_recvs = topo.ring_routes(rank, "acc", hops=1 - T)
     acc_pending = None
-    for step in range(G):
+    for step in range(T):
         src = (g - step) % G
         Ssrc = topo.S[src]
         nxt_src = (g - step - 1) % G
         kv_pending = None
-        if step < G - 1:
+        if step < T - 1:
             kv_pending = comm.exchange(
                 kv_sends, kv_recvs, lambda lo, n, c=cur: c[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n],
                 lambda lo, n, S=topo.S[nxt_src]: (2, B, S, n, d), dt, dev, TAG_KV)
@@ -351,18 +358,21 @@ def _ring_backward(comm, topo, kern, Qg, KV, Og, lses, dOg, causal, scale, docs,
         else:
             acc = assemble(acc_pending, Ssrc)
             acc += contrib[:, :, :, f]
-        if G == 1:
+        if T == 1:
             break
-        # hand it on (after the last step this hop takes it home); receive the next block's accumulator
+        # hand it on (after the last step this hop takes it home); receive the next block's accumulator (after the
+        # last step: my own block's, from the group that met it last)
+        last = step == T - 1
         acc_pending = comm.exchange(
-            acc_sends, acc_recvs, lambda lo, n, a=acc: a[:, :, :, lo - me.first_lo:lo - me.first_lo + n],
-            lambda lo, n, S=topo.S[nxt_src]: (2, B, S, n, d), acc_dt, dev, TAG_ACC)
+            home_sends if last else acc_sends, home_recvs if last else acc_recvs,
+            lambda lo, n, a=acc: a[:, :, :, lo - me.first_lo:lo - me.first_lo + n],
+            lambda lo, n, S=topo.S[g if last else nxt_src]: (2, B, S, n, d), acc_dt, dev, TAG_ACC)
         if kv_pending is not None:
             comm.wait(kv_pending[0], dev)
             cur = torch.empty(2, B, topo.S[nxt_src], kv, d, dtype=dt, device=dev)
             for lo, n, t in kv_pending[1]:
                 cur[:, :, :, lo - me.kv_lo:lo - me.kv_lo + n] = t
-    if G > 1:  # the last hop brought my own group's block home
+    if T > 1:  # the last hop brought my own group's block home
         acc = assemble(acc_pending, Sg)
     # acc now holds the full dK/dV of my own group's block for the kv heads I first-hold
     return dQ.to(dt), acc.to(dt)

@@ -141,17 +141,19 @@ class Topology:
             h = stop
         return runs
 
-    def ring_routes(self, rank: int, what: str) -> Tuple[List[Route], List[Route]]:
+    def ring_routes(self, rank: int, what: str, hops: int = 1) -> Tuple[List[Route], List[Route]]:
         """P2P routes of one ring step for `rank`. what = "kv": K/V of its kv range from the previous group's first
         holders, and to the next group's members what it first-holds of their ranges; what = "acc": dK/dV
-        accumulators, first holder to first holder. Returns (sends, recvs) in member order."""
+        accumulators, first holder to first holder. hops: to the group that many places on (and from the group
+        that many places back) instead of the neighbours: a ring cut short by a window sends its accumulators
+        home directly. Returns (sends, recvs) in member order."""
         if what not in ("kv", "acc"):
             raise ValueError(f"what must be 'kv' or 'acc', got {what!r}")
         g, me = self._where[rank]
         G = self.n_groups
-        if G == 1 or me.heads == 0:
+        if G == 1 or me.heads == 0 or hops % G == 0:
             return [], []
-        prev, nxt = self.groups[(g - 1) % G], self.groups[(g + 1) % G]
+        prev, nxt = self.groups[(g - hops) % G], self.groups[(g + hops) % G]
 
         def need(mb):
             return (mb.kv_lo, mb.kv_n) if what == "kv" else (mb.first_lo, mb.first_n)
@@ -206,6 +208,25 @@ class Topology:
         g, me = self._where[rank]
         return [(mb.tokens * (me.heads + 2 * me.first_n), me.tokens * (mb.heads + 2 * mb.first_n))
                 for mb in self.groups[g]]
+
+    def ring_steps(self, causal: bool, variant) -> int:
+        """How many ring steps a layer of this variant needs: one more than the farthest step at which some group
+        meets a key block some query of it sees under the window (all of them without one). The same on every
+        rank (the plan's geometry alone); kept per (causal, variant)."""
+        key = (causal, variant)
+        cache = self.__dict__.setdefault("_ring_steps", {})
+        if key not in cache:
+            G, last = self.n_groups, 0
+            if variant.window is None:
+                last = G - 1
+            for g in range(G) if variant.window is not None else ():
+                for s in range(G - 1, last, -1):  # only steps past the farthest found so far can raise it
+                    if any(variant.sees(causal, p.q_pos0, p.q_len, p.k_pos0, p.k_len)
+                           for p in self.block_pairs(g, (g - s) % G)):
+                        last = s
+                        break
+            cache[key] = last + 1
+        return cache[key]
 
     def block_pairs(self, gq: int, gk: int) -> List[BlockPair]:
         """The contiguous chunk pairs of group gq's queries and group gk's keys with any visible key."""
