@@ -156,11 +156,17 @@ typedef struct {
     int32_t vocab;           /* V */
     int32_t dtype_bytes;     /* bytes per activation / parameter element (2 for bf16) */
     int32_t gated_mlp;       /* 1: SwiGLU (3 matrices H x F), 0: GELU MLP (2 matrices) */
+    /* Sliding-window attention: window_layers of the layers see only the `window` latest keys (a query at q sees
+     * keys q - window + 1 .. q: a Hugging Face sliding_window), the others every earlier key; 0 and 0 (a zeroed
+     * struct): full causal attention everywhere. A windowed layer is priced with the pairs and the ring steps it
+     * needs (the runtime skips the rest). */
+    int32_t window;
+    int32_t window_layers;
 } hexiseq_model;
 
 HEXISEQ_API hexiseq_status hexiseq_model_validate(const hexiseq_model *model);
 /* The range the core accepts for an integer input, by name: "model.<field>" (layers, hidden, heads, kv_heads,
- * head_dim, ffn, vocab, dtype_bytes, gated_mlp), "nodes.count", "devices" (a cluster's total), "seq_len",
+ * head_dim, ffn, vocab, dtype_bytes, gated_mlp, window, window_layers), "nodes.count", "devices" (a cluster's total), "seq_len",
  * "training.sequences", "training.checkpointing", "training.sharding". Bindings use it to name the range of a
  * value too large for the field's C type, without a second copy of the limits. */
 HEXISEQ_API hexiseq_status hexiseq_int_range(const char *field, int64_t *lo, int64_t *hi);

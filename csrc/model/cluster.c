@@ -365,6 +365,7 @@ static const struct {
     {"nodes.count", 1, HEXISEQ_MAX_DEVICES},        {"devices", 1, HEXISEQ_MAX_DEVICES},
     {"seq_len", 1, HEXISEQ_MAX_SEQ_LEN},            {"training.sequences", 1, INT32_MAX},
     {"training.checkpointing", 0, 1},              {"training.sharding", HEXISEQ_SHARD_FULL, HEXISEQ_SHARD_NONE},
+    {"model.window", 0, HEXISEQ_MAX_SEQ_LEN},      {"model.window_layers", 0, 100000},
 };
 
 hexiseq_status hexiseq_int_range(const char *field, int64_t *lo, int64_t *hi) {
@@ -395,6 +396,17 @@ hexiseq_status hexiseq_model_validate(const hexiseq_model *m) {
                             m->kv_heads);
     if (m->gated_mlp != 0 && m->gated_mlp != 1)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "model.gated_mlp must be 0 or 1, got %d", m->gated_mlp);
+    if (m->window < 0 || (int64_t)m->window > HEXISEQ_MAX_SEQ_LEN)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "model.window must be in [0, %lld] (0: no window), got %d",
+                            (long long)HEXISEQ_MAX_SEQ_LEN, m->window);
+    if (m->window_layers < 0 || m->window_layers > m->layers)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "model.window_layers must be in [0, model.layers = %d], got %d",
+                            m->layers, m->window_layers);
+    if ((m->window > 0) != (m->window_layers > 0))
+        return hexiseq_fail(HEXISEQ_ERR_INVALID,
+                            "model.window = %d and model.window_layers = %d: give both (a window and the layers "
+                            "that use it) or neither",
+                            m->window, m->window_layers);
     return HEXISEQ_OK;
 }
 

@@ -126,6 +126,26 @@ static int same_device(const hexiseq_cluster *c, int32_t a, int32_t b) {
 }
 
 /* Total work over total rate, phase by phase: no layout of these devices can be faster. */
+/* Whether windowed layers are priced as such: a causal model with a window, priced step by step. */
+static int windowed(const cost_ctx *x) { return x->m->window > 0 && x->causal && x->n_types == 0; }
+
+/* x->window_steps: as the runtime's Topology.ring_steps, one more than the farthest ring step at which some
+ * group's queries see some key of the block under the window (G without one). O(G^2) pair counts: rings of more
+ * than 4096 groups (grouped pricing takes them anyway) keep G. */
+static void window_steps(cost_ctx *x) {
+    int32_t G = x->l->n_groups, last = 0;
+    x->window_steps = G;
+    if (!windowed(x) || G > 4096)
+        return;
+    for (int32_t g = 0; g < G; ++g)
+        for (int32_t k = G - 1; k > last; --k) /* only steps past the farthest found so far can raise it */
+            if (hexiseq_group_pairs_window(&x->span[g], &x->span[(g - k + G) % G], x->m->window, NULL) > 0) {
+                last = k;
+                break;
+            }
+    x->window_steps = last + 1;
+}
+
 static double lower_bound_s(const cost_ctx *x) {
     double gemm_rate = x->c->gemm_rate_sum, attn_rate = x->c->attn_rate_sum[x->causal ? 1 : 0];
     double S = (double)x->seq_len, seqs = x->t->sequences;
@@ -133,7 +153,12 @@ static double lower_bound_s(const cost_ctx *x) {
                         (x->m->layers * layer_gemm_flops_per_token(x->m) * gemm_passes(x->t) +
                          head_gemm_flops_per_token(x->m) * (1.0 + GEMM_BWD_FACTOR));
     double pairs = x->docs ? (double)x->docs->tri[x->docs->n] : x->causal ? S * (S + 1.0) / 2.0 : S * S;
-    double attn_flops = seqs * x->m->layers * attn_fwd_flops(x->m, pairs, x->m->heads) * attn_passes(x->t);
+    double layer_pairs = x->m->layers * pairs;
+    if (x->m->window > 0 && x->causal) { /* the windowed layers' pairs (under documents: the smaller, as priced) */
+        double w = (double)hexiseq_window_pairs(0, x->seq_len, 0, x->seq_len, x->m->window);
+        layer_pairs += x->m->window_layers * (fmin(w, pairs) - pairs);
+    }
+    double attn_flops = seqs * attn_fwd_flops(x->m, layer_pairs, x->m->heads) * attn_passes(x->t);
     return gemm_flops / gemm_rate + attn_flops / attn_rate;
 }
 
@@ -206,6 +231,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     x.span = malloc((size_t)l->n_groups * sizeof *x.span);
     double *group_a2a = calloc((size_t)l->n_groups, sizeof *group_a2a);
     x.step_pairs = malloc((size_t)l->n_groups * sizeof *x.step_pairs);
+    x.step_pairs_w = malloc((size_t)l->n_groups * sizeof *x.step_pairs_w);
     x.doc_len = malloc((size_t)l->n_groups * sizeof *x.doc_len);
     x.hold = malloc((size_t)l->n_devices * sizeof *x.hold);
     x.hold_off = malloc(((size_t)l->n_groups + 1) * sizeof *x.hold_off);
@@ -213,7 +239,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     x.kv_lo = malloc((size_t)l->n_devices * sizeof *x.kv_lo);
     x.kv_n = malloc((size_t)l->n_devices * sizeof *x.kv_n);
     x.first_n = malloc((size_t)l->n_devices * sizeof *x.first_n);
-    if (!x.group_of || !x.offset || !x.span || !group_a2a || !x.step_pairs || !x.doc_len || !x.hold || !x.hold_off ||
+    if (!x.group_of || !x.offset || !x.span || !group_a2a || !x.step_pairs || !x.step_pairs_w || !x.doc_len || !x.hold || !x.hold_off ||
         !x.first_holder || !x.kv_lo || !x.kv_n || !x.first_n || !hexiseq_ring_types_build(&x)) {
         free(x.kv_lo);
         free(x.kv_n);
@@ -223,6 +249,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         free(x.hold_off);
         hexiseq_ring_types_free(&x);
         free(x.step_pairs);
+        free(x.step_pairs_w);
         free(x.doc_len);
         free(x.group_of);
         free(x.offset);
@@ -244,6 +271,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     }
     first_holders(&x);
     hexiseq_layout_spans(l, x.span);
+    window_steps(&x);
     if (x.docs)
         for (int32_t g = 0; g < l->n_groups; ++g) {
             double w = 0.0, wl = 0.0;
@@ -274,8 +302,12 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         int32_t g = x.group_of[r], G = l->n_groups;
         int first = r == x.offset[g];
         if (first) { /* the group's pairs per ring step (grouped pricing needs only its own block's) */
-            for (int32_t k = 0; k < (x.n_types ? 1 : G); ++k)
+            for (int32_t k = 0; k < (x.n_types ? 1 : G); ++k) {
                 x.step_pairs[k] = hexiseq_group_pairs(&x.span[g], &x.span[(g - k + G) % G], causal, x.docs);
+                if (windowed(&x))
+                    x.step_pairs_w[k] = hexiseq_group_pairs_window(&x.span[g], &x.span[(g - k + G) % G], m->window,
+                                                                   x.docs);
+            }
             if (x.n_types && g > 0)
                 x.type_before[x.type_of[g - 1]]++;
             if (!hexiseq_a2a_kinds_build(&x, g)) {
@@ -391,6 +423,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     free(x.offset);
     free(x.span);
     free(x.step_pairs);
+    free(x.step_pairs_w);
     free(x.doc_len);
     free(group_a2a);
     free(x.hold);

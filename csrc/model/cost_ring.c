@@ -23,6 +23,24 @@ double hexiseq_group_pairs(const hexiseq_group_span *sq, const hexiseq_group_spa
     return total;
 }
 
+/* hexiseq_group_pairs for a causal layer with a window of `window` keys. Under documents, the smaller of the
+ * documents' pairs and the window's (an upper bound of the pairs in both: a document longer than the window loses
+ * what lies outside it, one shorter is inside it whole; exact when either mask leaves the other nothing to cut). */
+double hexiseq_group_pairs_window(const hexiseq_group_span *sq, const hexiseq_group_span *sk, int64_t window,
+                                  const hexiseq_documents *docs) {
+    int64_t qs[2][2] = {{sq->front_start, sq->front_start + sq->front_len}, {sq->back_start, sq->back_start + sq->back_len}};
+    int64_t ks[2][2] = {{sk->front_start, sk->front_start + sk->front_len}, {sk->back_start, sk->back_start + sk->back_len}};
+    double total = 0.0;
+    for (int i = 0; i < 2; ++i)
+        for (int j = 0; j < 2; ++j) {
+            double w = (double)hexiseq_window_pairs(qs[i][0], qs[i][1], ks[j][0], ks[j][1], window);
+            if (docs)
+                w = fmin(w, (double)hexiseq_visible_pairs(docs, qs[i][0], qs[i][1], ks[j][0], ks[j][1]));
+            total += w;
+        }
+    return total;
+}
+
 /* Achieved attention rate (FLOP/s) for a block whose shorter side is n tokens. */
 static double attn_rate_flops(const hexiseq_device_info *d, double n) {
     if (d->attn_curve.n > 0)
@@ -115,9 +133,11 @@ static double ring_transfer_s(const ring_link *k, double tokens, double msgs) {
  * tokens arrives. `diag`: the step of the group's own block (k = 0). Out: the step's forward attention
  * (fwd), its compute (forward passes + backward) and its exposed communication, one layer, one sequence. */
 static void ring_step(const cost_ctx *x, const hexiseq_device_info *d, int32_t h, const ring_link *link, int32_t g,
-                      int diag, double pairs, double sk, int more, double next_tokens, double *fwd_out,
+                      int diag, double pairs, double sk, int more, double next_tokens, double window, double *fwd_out,
                       double *compute_out, double *exposed_out) {
-    int split_diag = x->causal && (d->attn_causal_curve.n > 0 || d->attn_curve.n > 0);
+    /* window > 0: a windowed layer's step; its kernel rows are at most `window` keys long, and its own block is
+     * a band, not the two causal triangles the split below prices */
+    int split_diag = x->causal && window <= 0 && (d->attn_causal_curve.n > 0 || d->attn_curve.n > 0);
     double fwd_passes = 1.0 + (x->t->checkpointing ? 1.0 : 0.0);
     double sq = (double)x->l->group_seq[g];
     /* causal blocks run as zigzag half-chunks: the kernel sees blocks half as long; under documents it runs
@@ -129,6 +149,8 @@ static void ring_step(const cost_ctx *x, const hexiseq_device_info *d, int32_t h
      * step at that rate for the documents' length (it holds the per-row and straddling-tile work the pairs miss) */
     int packed = x->docs && d->attn_document_curve.n > 0 && doc < block;
     block = fmin(block, doc);
+    if (window > 0)
+        block = fmin(block, window);
     double fwd = 0.0;
     if (pairs > 0 && packed) {
         fwd = attn_fwd_flops(x->m, pairs, h) / (hexiseq_curve_tflops(&d->attn_document_curve, doc) * 1e12);
@@ -198,19 +220,31 @@ void hexiseq_ring_time_s(const cost_ctx *x, int32_t r, const ring_link *link, do
     if (h == 0)
         return;
     double compute = 0.0, exposed = 0.0, fwd_sum = 0.0, f, cm, ex;
+    /* windowed layers (direct pricing only: grouped pricing prices them as full ones): the steps they take, the
+     * pairs of each; the sums below are per layer, so they are weighted by the layers of each kind */
+    double wl = x->n_types == 0 && x->m->window > 0 ? (double)x->m->window_layers : 0.0;
+    double full_l = (double)x->m->layers - wl;
     if (x->n_types == 0) { /* step by step, in ring order */
         for (int32_t k = 0; k < G; ++k) {
             int32_t src = (g - k + G) % G, nxt = (g - k - 1 + 2 * G) % G;
             int more = k < G - 1; /* the next block arrives during this step */
             ring_step(x, d, h, link, g, k == 0, x->step_pairs[k], (double)x->l->group_seq[src], more,
-                      more ? (double)x->l->group_seq[nxt] : 0.0, &f, &cm, &ex);
-            compute += cm;
-            fwd_sum += f;
-            exposed += ex;
+                      more ? (double)x->l->group_seq[nxt] : 0.0, 0.0, &f, &cm, &ex);
+            compute += cm * full_l;
+            fwd_sum += f * full_l;
+            exposed += ex * full_l;
+            if (wl > 0 && k < x->window_steps) { /* the ring stops after window_steps: the last sends dK, dV home */
+                int wmore = k < x->window_steps - 1;
+                ring_step(x, d, h, link, g, k == 0, x->step_pairs_w[k], (double)x->l->group_seq[src], wmore,
+                          wmore ? (double)x->l->group_seq[nxt] : 0.0, (double)x->m->window, &f, &cm, &ex);
+                compute += cm * wl;
+                fwd_sum += f * wl;
+                exposed += ex * wl;
+            }
         }
     } else { /* grouped: own block, the last step (source g + 1, nothing arrives), then each type and side */
         ring_step(x, d, h, link, g, 1, x->step_pairs[0], (double)x->l->group_seq[g], G > 1,
-                  G > 1 ? (double)x->l->group_seq[(g - 1 + G) % G] : 0.0, &f, &cm, &ex);
+                  G > 1 ? (double)x->l->group_seq[(g - 1 + G) % G] : 0.0, 0.0, &f, &cm, &ex);
         compute += cm;
         fwd_sum += f;
         exposed += ex;
@@ -218,7 +252,7 @@ void hexiseq_ring_time_s(const cost_ctx *x, int32_t r, const ring_link *link, do
         int last_before = last < g;
         if (G > 1) {
             int64_t sk = x->l->group_seq[last];
-            ring_step(x, d, h, link, g, 0, side_pairs(x, g, sk, last_before), (double)sk, 0, 0.0, &f, &cm, &ex);
+            ring_step(x, d, h, link, g, 0, side_pairs(x, g, sk, last_before), (double)sk, 0, 0.0, 0.0, &f, &cm, &ex);
             compute += cm;
             fwd_sum += f;
             exposed += ex;
@@ -232,16 +266,17 @@ void hexiseq_ring_time_s(const cost_ctx *x, int32_t r, const ring_link *link, do
                     continue;
                 int64_t sk = x->type_sk[t];
                 ring_step(x, d, h, link, g, 0, side_pairs(x, g, sk, before), (double)sk, 1, (double)x->type_snext[t],
-                          &f, &cm, &ex);
+                          0.0, &f, &cm, &ex);
                 compute += (double)count * cm;
                 fwd_sum += (double)count * f;
                 exposed += (double)count * ex;
             }
     }
-    double reps = (double)x->m->layers * x->t->sequences;
+    /* direct pricing summed over the layers already (each kind by its count); grouped pricing is per layer */
+    double layers = (double)x->m->layers, reps = (x->n_types == 0 ? 1.0 : layers) * x->t->sequences;
     *attn_s = compute * reps;
     *exposed_s = exposed * reps;
-    *fwd_layer_s = fwd_sum;
+    *fwd_layer_s = x->n_types == 0 ? fwd_sum / layers : fwd_sum; /* the mean layer's */
 }
 
 /* Ring step types of a layout (see cost_ctx): kept only when they are few (more than

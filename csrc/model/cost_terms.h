@@ -31,6 +31,11 @@ typedef struct {
     hexiseq_group_span *span; /* [n_groups] */
     double *step_pairs;       /* [n_groups] visible pairs at each ring step, for the group being scored
                                  (direct pricing only) */
+    double *step_pairs_w;     /* [n_groups] the same under the model's window (when it has one) */
+    int32_t window_steps;     /* ring steps a windowed layer takes (topology's ring_steps: one more than the
+                                 farthest step at which some group meets a key in some query's window); n_groups
+                                 without a window, and under grouped pricing (which prices windowed layers as
+                                 full ones) */
     double max_block;         /* longest ring block (the largest S_g; 0 with one group), tokens */
     int32_t *kv_lo, *kv_n;    /* [n_devices] kv heads each slot needs (hexiseq_kv_range of its heads) */
     int32_t *first_n;         /* [n_devices] kv heads each slot first-holds (see first_holder) */
@@ -111,6 +116,8 @@ double hexiseq_layer_gemm_fwd_s(const cost_ctx *x, const hexiseq_device_info *d,
  * kernels; the ring step types of grouped pricing (0 when out of memory). */
 double hexiseq_group_pairs(const hexiseq_group_span *sq, const hexiseq_group_span *sk, int32_t causal,
                            const hexiseq_documents *docs);
+double hexiseq_group_pairs_window(const hexiseq_group_span *sq, const hexiseq_group_span *sk, int64_t window,
+                                  const hexiseq_documents *docs);
 void hexiseq_ring_link_of(const cost_ctx *x, int32_t r, ring_link *out);
 void hexiseq_ring_time_s(const cost_ctx *x, int32_t r, const ring_link *link, double *attn_s, double *exposed_s,
                          double *fwd_layer_s);

@@ -91,6 +91,12 @@ static int64_t doc_of(const hexiseq_documents *d, int64_t p) {
     return lo;
 }
 
+/* The causal pairs less those with k <= q - window, which are the causal pairs of the queries moved window
+ * positions back. */
+int64_t hexiseq_window_pairs(int64_t q0, int64_t q1, int64_t k0, int64_t k1, int64_t window) {
+    return hexiseq_causal_pairs(q0, q1, k0, k1) - hexiseq_causal_pairs(q0 - window, q1 - window, k0, k1);
+}
+
 /* Causal pairs of [q0, q1) x [k0, k1), both clipped to document i. */
 static int64_t in_doc(const hexiseq_documents *d, int64_t i, int64_t q0, int64_t q1, int64_t k0, int64_t k1) {
     int64_t start = i ? d->end[i - 1] : 0, end = d->end[i];

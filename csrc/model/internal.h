@@ -75,6 +75,9 @@ void hexiseq_gpu_known_list(char *buf, size_t cap);
 
 /* Number of (query, key) pairs with key <= query for queries in [q0, q1) and keys in [k0, k1). */
 int64_t hexiseq_causal_pairs(int64_t q0, int64_t q1, int64_t k0, int64_t k1);
+/* Causal pairs of [q0, q1) x [k0, k1) inside a window of `window` keys: key k visible to query q iff
+ * q - window < k <= q (a Hugging Face sliding_window). */
+int64_t hexiseq_window_pairs(int64_t q0, int64_t q1, int64_t k0, int64_t k1, int64_t window);
 
 /* Split `total` into `parts` near-equal integers, the larger ones first. */
 static inline int64_t hexiseq_even_share(int64_t total, int64_t parts, int64_t i) {

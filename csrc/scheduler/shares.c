@@ -533,7 +533,8 @@ static hexiseq_status optimise_chunking(sched *s, hexiseq_layout *l, shares_ws *
  * `unit` is the head granularity (1 or heads per kv head). One causal document is balanced by the zigzag
  * chunks alone. Packed documents may favour contiguous chunks (short documents keep the work near the
  * diagonal, where contiguous ranges split it by length and meet fewer remote keys), so under documents both
- * chunkings are optimised and the faster kept. */
+ * chunkings are optimised and the faster kept; so too for a model with sliding-window layers, whose work also sits
+ * near the diagonal and whose ring, in contiguous chunks, stops after the few steps that meet its windows. */
 hexiseq_status hexiseq_sched_optimise_shares(sched *s, hexiseq_layout *l, shares_ws *w, int32_t unit,
                                              hexiseq_plan_cost *out) {
     l->chunking = HEXISEQ_CHUNK_ZIGZAG;
@@ -541,7 +542,7 @@ hexiseq_status hexiseq_sched_optimise_shares(sched *s, hexiseq_layout *l, shares
     zig.fits = 0;
     zig.step_time_s = INFINITY;
     HEXISEQ_CHECK(optimise_chunking(s, l, w, unit, &zig));
-    if (!s->t->documents) {
+    if (!s->t->documents && !(s->m->window > 0 && s->m->window_layers > 0 && s->causal)) {
         if (out)
             *out = zig;
         return HEXISEQ_OK;

@@ -220,18 +220,22 @@ done:
     return c;
 }
 
-/* A model from (layers, hidden, heads, kv_heads, head_dim, ffn, vocab, dtype_bytes, gated_mlp). */
+/* A model from (layers, hidden, heads, kv_heads, head_dim, ffn, vocab, dtype_bytes, gated_mlp[, window,
+ * window_layers]). */
 static int parse_model(PyObject *module, PyObject *obj, hexiseq_model *m) {
-    static const char *names[9] = {"model.layers", "model.hidden", "model.heads", "model.kv_heads", "model.head_dim",
-                                   "model.ffn", "model.vocab", "model.dtype_bytes", "model.gated_mlp"};
-    int32_t *dst[9] = {&m->layers, &m->hidden, &m->heads, &m->kv_heads, &m->head_dim, &m->ffn, &m->vocab,
-                       &m->dtype_bytes, &m->gated_mlp};
-    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 9) {
-        PyErr_SetString(PyExc_TypeError,
-                        "model is (layers, hidden, heads, kv_heads, head_dim, ffn, vocab, dtype_bytes, gated_mlp)");
+    static const char *names[11] = {"model.layers", "model.hidden", "model.heads", "model.kv_heads", "model.head_dim",
+                                    "model.ffn", "model.vocab", "model.dtype_bytes", "model.gated_mlp",
+                                    "model.window", "model.window_layers"};
+    int32_t *dst[11] = {&m->layers, &m->hidden, &m->heads, &m->kv_heads, &m->head_dim, &m->ffn, &m->vocab,
+                        &m->dtype_bytes, &m->gated_mlp, &m->window, &m->window_layers};
+    memset(m, 0, sizeof *m);
+    const Py_ssize_t n = PyTuple_Check(obj) ? PyTuple_GET_SIZE(obj) : 0;
+    if (n != 9 && n != 11) {
+        PyErr_SetString(PyExc_TypeError, "model is (layers, hidden, heads, kv_heads, head_dim, ffn, vocab, "
+                                         "dtype_bytes, gated_mlp[, window, window_layers])");
         return 0;
     }
-    for (int i = 0; i < 9; ++i)
+    for (int i = 0; i < (int)n; ++i)
         if (!int32_arg(module, PyTuple_GET_ITEM(obj, i), names[i], names[i], dst[i]))
             return 0;
     return 1;

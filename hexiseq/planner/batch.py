@@ -555,8 +555,6 @@ class BatchPlanner:
         t0 = time.perf_counter()
         time_limit_s = number(time_limit_s, "time_limit_s", positive=True, optional=True)
         total, docs = _lengths(lengths)
-        for i, L in enumerate(total):
-            self.model.check_seq_len(int(L))
         cost, fixed, cap, base = self._cost_matrix(total, docs)
         f_kind = np.zeros(len(self._kinds_list))
         f_kind[self._kind_of] = fixed  # a kind's candidates share their f

@@ -12,6 +12,17 @@ from ..errors import InvalidArgumentError
 __all__ = ["Model", "Training", "Sharding", "MODEL_PRESETS"]
 
 
+def hf_sliding_layers(config, layers):
+    """How many of a Hugging Face config's `layers` use its sliding window: the "sliding_attention" entries of
+    `layer_types` when it lists them (Gemma 2 and 3, gpt-oss), else every layer (Mistral)."""
+    get = (lambda k, default=None: config.get(k, default)) if isinstance(config, dict) else (
+        lambda k, default=None: getattr(config, k, default))
+    layer_types = get("layer_types") or []
+    if layer_types:
+        return sum(1 for t in layer_types if t == "sliding_attention")
+    return layers
+
+
 def hf_sliding_window(config):
     """The attention window a Hugging Face config applies, or None for full causal attention: `sliding_window`
     counts unless `use_sliding_window` is false (Qwen2 keeps a window size it does not use), or when some
@@ -33,10 +44,11 @@ def hf_sliding_window(config):
 class Model:
     """A decoder-only transformer's shape. `gated_mlp` selects SwiGLU (3 matrices) over a GELU MLP (2).
 
-    `sliding_window`: the attention window of a model that uses one (e.g. Mistral 7B v0.1's 4096), None for full
-    causal attention. The cost model and the runtime compute full causal attention only, which equals windowed
-    attention when no sequence is longer than the window: planning a longer sequence is refused (hexiseq.plan),
-    rather than pricing and running attention the model does not use."""
+    `sliding_window`: the attention window of a model that uses one, in tokens as Hugging Face counts it (a query
+    sees its `sliding_window` latest keys, itself included; Mistral 7B v0.1: 4096), None for full causal attention.
+    `sliding_layers`: how many of the layers use it (Gemma 3: 5 of every 6; Mistral: all, the default when a window
+    is given). The cost model prices a windowed layer with the pairs and ring steps it needs, and the runtime runs
+    it so (hexiseq_attn_func's window: (sliding_window - 1, 0)); the plan balances the mix of both kinds."""
 
     layers: int
     hidden: int
@@ -49,10 +61,11 @@ class Model:
     gated_mlp: bool = False
     name: str = "custom"
     sliding_window: Optional[int] = None
+    sliding_layers: Optional[int] = None
 
     def __post_init__(self):
         for f in fields(self):
-            if f.name in ("name", "gated_mlp", "sliding_window"):
+            if f.name in ("name", "gated_mlp", "sliding_window", "sliding_layers"):
                 continue
             object.__setattr__(self, f.name, core_integer(getattr(self, f.name), f"model.{f.name}", f"model.{f.name}"))
         if self.sliding_window is not None:
@@ -60,6 +73,13 @@ class Model:
             if window < 1:
                 raise InvalidArgumentError(f"model.sliding_window must be a positive token count or None, got {window}")
             object.__setattr__(self, "sliding_window", window)
+            used = self.layers if self.sliding_layers is None else integer(self.sliding_layers, "model.sliding_layers")
+            if not 0 <= used <= self.layers:
+                raise InvalidArgumentError(f"model.sliding_layers must be in [0, model.layers = {self.layers}], got "
+                                           f"{used}")
+            object.__setattr__(self, "sliding_layers", used)
+        elif self.sliding_layers is not None:
+            raise InvalidArgumentError(f"model.sliding_layers = {self.sliding_layers!r} needs model.sliding_window")
         object.__setattr__(self, "gated_mlp", boolean(self.gated_mlp, "model.gated_mlp"))
         if not isinstance(self.name, str):
             raise InvalidArgumentError(f"model.name must be a string, got {self.name!r}")
@@ -70,24 +90,23 @@ class Model:
         """Parameter count, embeddings and an untied output head included."""
         return _core.model_params(self._as_core())
 
+    @property
+    def window(self):
+        """The runtime's window of the sliding layers, (sliding_window - 1, 0), or None."""
+        return None if self.sliding_window is None else (self.sliding_window - 1, 0)
+
     def _as_core(self):
-        return (self.layers, self.hidden, self.heads, self.kv_heads, self.head_dim, self.ffn, self.vocab,
+        core = (self.layers, self.hidden, self.heads, self.kv_heads, self.head_dim, self.ffn, self.vocab,
                 self.dtype_bytes, int(self.gated_mlp))
+        if self.sliding_window is None or not self.sliding_layers:
+            return core
+        return core + (self.sliding_window, self.sliding_layers)
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        if d["sliding_window"] is None:  # absent, as before the field existed: older plan files keep their hash
-            del d["sliding_window"]
+        if d["sliding_window"] is None:  # absent, as before the fields existed: older plan files keep their hash
+            del d["sliding_window"], d["sliding_layers"]
         return d
-
-    def check_seq_len(self, seq_len: int) -> None:
-        """Refuse a sequence longer than the model's attention window (see the class comment)."""
-        if self.sliding_window is not None and seq_len > self.sliding_window:
-            raise InvalidArgumentError(
-                f"model.sliding_window is {self.sliding_window} but seq_len is {seq_len}: sliding-window attention "
-                f"is not modelled (the cost model and the runtime compute full causal attention, which equals it "
-                f"only up to {self.sliding_window} tokens); plan at most {self.sliding_window} tokens, or set "
-                f"sliding_window to null in the config to plan full attention")
 
     @classmethod
     def from_dict(cls, d: dict) -> "Model":
@@ -172,10 +191,12 @@ class Model:
         dtype = str(first("torch_dtype")[1] or "bfloat16")
         dtype_bytes = 4 if "float32" in dtype else 2
         window = hf_sliding_window(config)
+        sliding = None if window is None else hf_sliding_layers(config, layers)
         return cls(layers=layers, hidden=hidden, heads=heads, kv_heads=kv, head_dim=head_dim, ffn=ffn,
                    vocab=count("vocab", "vocab_size", default=32000), dtype_bytes=dtype_bytes, gated_mlp=gated,
                    name=str(first("_name_or_path", "model_type")[1] or "hf-config"),
-                   sliding_window=None if window is None else integer(window, "sliding_window", minimum=1))
+                   sliding_window=None if window is None else integer(window, "sliding_window", minimum=1),
+                   sliding_layers=sliding)
 
 
 # GPT-style models follow the GPT-3 paper's shapes (Brown et al. 2020, Table 2.1, 2.7B/6.7B/13B) with
@@ -191,6 +212,11 @@ MODEL_PRESETS = {
     # not a published model: Llama 3's shape scaled down (45M parameters, states of 0.7 GiB under Adam) so that the
     # whole loop (calibrate, plan, measure, train) runs on CPU ranks of a laptop or a CI machine
     "llama-tiny": Model(4, 512, 8, 2, 64, 1408, 32000, gated_mlp=True, name="llama-tiny"),
+    # sliding-window models, from their published configs: Mistral 7B v0.1 (a 4096-token window on every layer) and
+    # Gemma 3 12B (a 1024-token window on 40 of its 48 layers, five local layers to each global one)
+    "mistral-7b": Model(32, 4096, 32, 8, 128, 14336, 32000, gated_mlp=True, name="mistral-7b", sliding_window=4096),
+    "gemma3-12b": Model(48, 3840, 16, 8, 256, 15360, 262208, gated_mlp=True, name="gemma3-12b", sliding_window=1024,
+                        sliding_layers=40),
 }
 
 _ALIASES = {"3b": "gpt-3b", "7b": "gpt-7b", "13b": "gpt-13b", "30b": "gpt-30b", "8b": "llama3-8b",

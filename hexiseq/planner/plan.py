@@ -254,7 +254,6 @@ class Plan:
 
     def __init__(self, cluster: Cluster, model: Model, training: Training, seq_len: int, causal: bool,
                  strategy: str, layout: Layout, stopped_early: bool = False, documents=None):
-        model.check_seq_len(seq_len)  # also for plans read from files
         documents = _documents(documents, seq_len, causal)
         self.documents = documents
         self.cluster = cluster
@@ -388,7 +387,6 @@ class Plan:
         if seq_len < self.num_groups:  # every group of the structure holds at least one token
             raise InvalidArgumentError(f"seq_len must be >= {self.num_groups} to rebalance this plan (one token for "
                                        f"each of its {self.num_groups} groups), got {seq_len}")
-        self.model.check_seq_len(seq_len)
         documents = _documents(documents, seq_len, self.causal)
         arrays = _core.rebalance(*self.cluster._core_args(), self.model._as_core(), self.training._as_core(),
                                  seq_len, self.causal, self.layout._as_core(), documents)
@@ -576,7 +574,6 @@ def _inputs(cluster, model, training, seq_len):
     if not isinstance(training, Training):
         raise InvalidArgumentError(f"training must be a Training or a dict, got {training!r}")
     seq_len = parse_tokens(seq_len)
-    model.check_seq_len(seq_len)
     return cluster, model, training, seq_len
 
 

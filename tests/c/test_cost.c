@@ -97,7 +97,7 @@ static void fill_layout(hexiseq_layout *l, const int32_t *gsize, const int64_t *
 
 /* The tiny model of the hand-computed cases: L=2, H=8, A=4, A_kv=2 (GQA, 2 query heads per kv head), d=2,
  * F=16, V=32, bf16, GELU MLP. */
-static const hexiseq_model TINY = {2, 8, 4, 2, 2, 16, 32, 2, 0};
+static const hexiseq_model TINY = {2, 8, 4, 2, 2, 16, 32, 2, 0, 0, 0};
 /* Named copies of its numbers for the arithmetic. */
 static const double L = 2, H = 8, A = 4, Akv = 2, d = 2, F = 16, V = 32, b = 2;
 
@@ -828,7 +828,7 @@ static void test_strategies_odd_sizes(void) {
                                node("L40S", 4, 64, 0, 0, 0, 0)};
     hexiseq_cluster *c = NULL;
     EXPECT_OK(hexiseq_cluster_create(3, nd, 25.0, NULL, &c));
-    hexiseq_model m = {2, 5120, 40, 8, 128, 13824, 8192, 2, 1};
+    hexiseq_model m = {2, 5120, 40, 8, 128, 13824, 8192, 2, 1, 0, 0};
     hexiseq_training t;
     hexiseq_training_default(&t);
     t.checkpointing = 1;
@@ -861,7 +861,7 @@ static void test_strategies_odd_sizes(void) {
     EXPECT_ERR(hexiseq_plan_strategy(c, &m, &t, 7, 1, HEXISEQ_STRATEGY_RING, &out, &pc), HEXISEQ_ERR_UNSUPPORTED,
                "seq_len");
     /* a model that fits nowhere: MEMORY, with the least-short layout returned and the device named */
-    hexiseq_model huge = {100, 16384, 128, 8, 128, 65536, 128256, 2, 1};
+    hexiseq_model huge = {100, 16384, 128, 8, 128, 65536, 128256, 2, 1, 0, 0};
     hexiseq_status st = hexiseq_plan_strategy(c, &huge, &t, S, 1, HEXISEQ_STRATEGY_RING, &out, &pc);
     EXPECT(st == HEXISEQ_ERR_MEMORY && pc.fits == 0 && out.group_size != NULL && strstr(hexiseq_last_error(), "device") &&
                strstr(hexiseq_last_error(), "GiB"),
@@ -1831,7 +1831,98 @@ static void test_state_shares(void) {
     hexiseq_cluster_destroy(c);
 }
 
+/* Sliding windows: the pairs inside a window, one device with one windowed layer of two (by hand), a window that
+ * covers the whole sequence (the same cost as none, exactly), a window that cuts a contiguous ring short, and the
+ * model's window fields refused out of range. */
+static void test_window(void) {
+    /* q - window < k <= q. [0,10) x [0,10), W = 3: query q sees min(q + 1, 3) keys: 1 + 2 + 3 * 8 = 27. [20,30) x
+     * [0,10), W = 15: query 20 sees keys 6..9, 21 sees 7..9, 22 two, 23 one, later ones none: 10. */
+    EXPECT(hexiseq_window_pairs(0, 10, 0, 10, 3) == 27, "window pairs %lld", (long long)hexiseq_window_pairs(0, 10, 0, 10, 3));
+    EXPECT(hexiseq_window_pairs(20, 30, 0, 10, 15) == 10, "window pairs %lld",
+           (long long)hexiseq_window_pairs(20, 30, 0, 10, 15));
+    for (int64_t q0 = 0; q0 < 24; q0 += 5) /* against brute force on odd ranges */
+        for (int64_t k0 = 0; k0 < 24; k0 += 7)
+            for (int64_t w = 1; w < 20; w += 6) {
+                int64_t n = 0;
+                for (int64_t q = q0; q < q0 + 9; ++q)
+                    for (int64_t k = k0; k < k0 + 11; ++k)
+                        n += k <= q && q - k < w;
+                EXPECT(hexiseq_window_pairs(q0, q0 + 9, k0, k0 + 11, w) == n, "window pairs q0 %lld k0 %lld w %lld",
+                       (long long)q0, (long long)k0, (long long)w);
+            }
+
+    hexiseq_node_desc nd = node("A100-80G", 1, 100.0, 10.0, 2.0, 0.5, 0.25);
+    hexiseq_cluster *c = NULL;
+    EXPECT_OK(hexiseq_cluster_create(1, &nd, 10.0, NULL, &c));
+    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.5, HEXISEQ_STATES_EVEN, NULL};
+    hexiseq_layout l;
+    EXPECT_OK(hexiseq_layout_alloc(1, 1, &l));
+    const int32_t gs[] = {1}, dv[] = {0}, lo[] = {0}, cnt[] = {4};
+    const int64_t gq[] = {10}, tk[] = {10};
+    fill_layout(&l, gs, gq, dv, tk, lo, cnt);
+    hexiseq_device_cost per[3], ref[3];
+    hexiseq_plan_cost pc, pref;
+    hexiseq_model m = TINY;
+    m.window = 3;
+    m.window_layers = 1;
+    EXPECT_OK(hexiseq_evaluate(c, &m, &t, 10, 1, &l, per, &pc));
+    /* the full layer: 55 pairs on zigzag half-chunks of 5; the windowed one: 27 pairs on rows of at most 3 keys */
+    const double peak = 2.0, ae = 0.25, S = 10;
+    const double fwd_full = 4.0 * 55 * d * A / attn_rate(peak, ae, S / 2), fwd_w = 4.0 * 27 * d * A / attn_rate(peak, ae, 3);
+    NEAR(per[0].attn_s, 3.5 * (fwd_full + fwd_w), "window attn_s (one layer of two windowed)");
+    EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 10, 1, &l, ref, &pref));
+    const double lb_attn_full = L * 4.0 * 55 * d * A * 3.5 / (peak * 1e12 * ae);
+    NEAR(pref.lower_bound_s - pc.lower_bound_s, lb_attn_full * (55.0 - 27.0) / (2.0 * 55.0),
+         "window lower bound: one layer's pairs 55 -> 27");
+    /* a window as long as the sequence: the cost of full attention, bit for bit */
+    m.window = 10;
+    m.window_layers = 2;
+    EXPECT_OK(hexiseq_evaluate(c, &m, &t, 10, 1, &l, per, &pc));
+    EXPECT(per[0].attn_s == ref[0].attn_s && pc.step_time_s == pref.step_time_s, "a window of the whole sequence: %g vs %g",
+           per[0].attn_s, ref[0].attn_s);
+    hexiseq_layout_free(&l);
+    hexiseq_cluster_destroy(c);
+
+    /* Three groups of one device in contiguous chunks [0,4) [4,8) [8,12), W = 2: at ring step 1 group 1 meets key
+     * 3 from query 4, at step 2 no group meets a key within 2 positions: the windowed ring takes 2 steps, so every
+     * device's exposed ring time and the step drop below full attention's (attention alone need not: rows of 2
+     * keys run at the rate of 2-token blocks, against 4 for the full layer's, and at these sizes that costs more
+     * than the pairs it saves). */
+    hexiseq_node_desc n3 = node("A100-80G", 3, 100.0, 10.0, 2.0, 0.5, 0.25);
+    EXPECT_OK(hexiseq_cluster_create(1, &n3, 10.0, NULL, &c));
+    hexiseq_layout l3;
+    EXPECT_OK(hexiseq_layout_alloc(3, 3, &l3));
+    const int32_t gs3[] = {1, 1, 1}, dv3[] = {0, 1, 2}, lo3[] = {0, 0, 0}, cnt3[] = {4, 4, 4};
+    const int64_t gq3[] = {4, 4, 4}, tk3[] = {4, 4, 4};
+    fill_layout(&l3, gs3, gq3, dv3, tk3, lo3, cnt3);
+    l3.chunking = HEXISEQ_CHUNK_CONTIGUOUS;
+    EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 12, 1, &l3, ref, &pref));
+    m = TINY;
+    m.window = 2;
+    m.window_layers = 2;
+    EXPECT_OK(hexiseq_evaluate(c, &m, &t, 12, 1, &l3, per, &pc));
+    for (int r = 0; r < 3; ++r)
+        EXPECT(per[r].ring_exposed_s < ref[r].ring_exposed_s, "3 groups, W = 2, device %d: exposed %g vs %g", r,
+               per[r].ring_exposed_s, ref[r].ring_exposed_s);
+    EXPECT(pc.step_time_s < pref.step_time_s, "3 groups, W = 2: step %g vs %g", pc.step_time_s, pref.step_time_s);
+    /* group 0 meets only its own block (its step-1 and step-2 sources lie after it): its windowed pairs are
+     * those of [0,4) x [0,4) with W = 2, 4 + 3 = 7, against 10 causal, on rows of 2 keys, against blocks of 4 */
+    NEAR(per[0].attn_s, 3.5 * L * 4.0 * 7 * d * A / attn_rate(peak, ae, 2), "group 0 windowed attention");
+    hexiseq_layout_free(&l3);
+
+    m = TINY;
+    m.window = 5;
+    m.window_layers = 3;
+    EXPECT_ERR(hexiseq_model_validate(&m), HEXISEQ_ERR_INVALID, "model.window_layers");
+    m.window_layers = 0;
+    EXPECT_ERR(hexiseq_model_validate(&m), HEXISEQ_ERR_INVALID, "give both");
+    m.window = -1;
+    EXPECT_ERR(hexiseq_model_validate(&m), HEXISEQ_ERR_INVALID, "model.window");
+    hexiseq_cluster_destroy(c);
+}
+
 int main(void) {
+    test_window();
     test_one_device();
     test_two_devices();
     test_three_devices();
