@@ -102,18 +102,18 @@ def test_patched_models_match_full_sequence(asymmetric_run):
         assert m["unpatched_logits"] <= 1e-12
 
 
-# Sliding windows and soft-capping. Gemma's RMSNorm computes in float32 even in a float64 model (q_norm, k_norm:
-# their weights' gradients differ by float32 roundings), and gemma2's reference is transformers' eager attention
-# (it has no SDPA path), whose softmax also runs in float32: their bounds are float32's. gpt-oss (sinks) is not in
-# the list: its experts' grouped matmul refuses float64 (the sinks are checked on the runtime, test_distributed.py).
-VARIANT_FAMILIES = {"mistral-window": 1e-10, "gemma3": 1e-6, "gemma2": 1e-6}
+# Sliding windows, soft-capping and sinks. Gemma's RMSNorm computes in float32 even in a float64 model (q_norm,
+# k_norm: their weights' gradients differ by float32 roundings), and gemma2's reference is transformers' eager
+# attention (it has no SDPA path), whose softmax also runs in float32: their bounds are float32's. gpt-oss runs in
+# float32 (its experts' grouped matmul takes no float64; eager attention too): 1e-5.
+VARIANT_FAMILIES = {"mistral-window": 1e-10, "gemma3": 1e-6, "gemma2": 1e-6, "gpt_oss": 1e-5}
 
 
 def test_windowed_softcapped_and_sink_models_match_full_sequence(tmp_path):
-    """Mistral with a window shorter than the sequence, Gemma 3 (a sliding and a global layer) and Gemma 2
-    (soft-capped logits too) through the adapter on the asymmetric plan, batch 2: logits, loss and every
-    parameter's gradient against the unpatched model on the full sequence, packed documents against each document
-    alone."""
+    """Mistral with a window shorter than the sequence, Gemma 3 (a sliding and a global layer), Gemma 2
+    (soft-capped logits too) and gpt-oss (sink logits, experts) through the adapter on the asymmetric plan, batch 2:
+    logits, loss and every parameter's gradient (the sinks' included) against the unpatched model on the full
+    sequence, packed documents against each document alone."""
     plan = asymmetric_plan()
     out = spawn(hf_worker.check_models, plan.cluster.num_devices, (plan.to_json(), tuple(VARIANT_FAMILIES), 2, False),
                 tmp_path, timeout_s=150)
