@@ -81,6 +81,6 @@ def test_python_sub_packages_import_only_downwards():
 def test_the_checks_see_the_imports_they_guard():
     # the import reader finds what it must, so the test above cannot pass by reading nothing
     assert "runtime.nn" in _imports(os.path.join(ROOT, "hexiseq", "planner", "measurement.py"))
-    assert "planner.model" in _imports(os.path.join(ROOT, "hexiseq", "integrations", "hf.py"))
+    assert "planner.model" in _imports(os.path.join(ROOT, "hexiseq", "integrations", "group.py"))
     assert "errors" in _imports(os.path.join(ROOT, "hexiseq", "runtime", "comm.py"))
     assert _header_folder("internal.h") == ["model"]

@@ -517,6 +517,14 @@ class BlockKernels:
                                    and not os.environ.get("HEXISEQ_RUNTIME_KERNELS", "") and ops._cuda_built())
         return self._variants_cuda
 
+    def fold_sinks(self, out, lse, sinks):
+        """Sink logits into finished rows, in place (hexiseq.ops.fold_sinks_)."""
+        ops.fold_sinks_(out, lse, sinks)
+
+    def sinks_backward(self, out, dout, lse, sinks):
+        """The sink logits' gradient of finished rows (hexiseq.ops.sinks_backward)."""
+        return ops.sinks_backward(out, dout, lse, sinks)
+
     def merge(self, o_acc, lse_acc, o_part, lse_part):
         merge(o_acc, lse_acc, o_part.to(self.acc_dtype), lse_part.to(self.acc_dtype), self._merge_c)
 

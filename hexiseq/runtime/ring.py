@@ -21,7 +21,6 @@ import os
 
 import torch
 
-from . import ops
 from .comm import TAG_ACC, TAG_KV, TAG_REDUCE
 from .variants import PLAIN
 from ..errors import InvalidArgumentError
@@ -63,7 +62,7 @@ def layer_forward(comm, slices, kern, q, k, v, causal, scale, docs=None, variant
 
     variant: a sliding window and soft-capping (hexiseq.runtime.variants), applied by the block kernels; a block
     pair no query of which sees a key of it under the window is neither computed nor merged. sinks: sink logits
-    [A] (or None), folded once into each finished row of the group (hexiseq.ops.fold_sinks_) before the output
+    [A] (or None), folded once into each finished row of the group (BlockKernels.fold_sinks) before the output
     goes home; the saved Og and lse are the folded ones, which is what makes the kernels' backward exact.
 
     slices: the plan's Topology cut by kv heads (Topology.slices). They are pipelined: the all-to-all into slice
@@ -102,7 +101,7 @@ def layer_forward(comm, slices, kern, q, k, v, causal, scale, docs=None, variant
         if sinks is not None and me.heads:
             mine = _my_sinks(sinks, topo, me)
             for (qo, n), lse in zip(_chunk_spans(topo.chunks[topo.group_of(rank)]), lses):
-                ops.fold_sinks_(Og[:, qo:qo + n], lse, mine)
+                kern.fold_sinks(Og[:, qo:qo + n], lse, mine)
         # my heads of member j's tokens go back to member j
         parts = [[Og[:, mb.tok_lo:mb.tok_lo + mb.tokens]] for mb in members]
         shapes = [[(B, me.tokens, mb.heads, d)] for mb in members]
@@ -150,8 +149,8 @@ def layer_backward(comm, slices, kern, do, saved, causal, scale, docs=None, vari
         if sinks is not None and me.heads:
             lo = topo.kv_window[0] * topo.per_kv + me.head_lo
             for (qo, n), lse in zip(_chunk_spans(topo.chunks[topo.group_of(rank)]), lses):
-                dsinks[lo:lo + me.heads] += ops.sinks_backward(Og[:, qo:qo + n], dOg[:, qo:qo + n], lse,
-                                                               _my_sinks(sinks, topo, me)).double()
+                dsinks[lo:lo + me.heads] += kern.sinks_backward(Og[:, qo:qo + n], dOg[:, qo:qo + n], lse,
+                                                                _my_sinks(sinks, topo, me)).double()
         # dQ of member j's tokens for my heads, dK/dV for the kv heads I first-hold
         parts, shapes = [], []
         for mb in members:
