@@ -266,3 +266,54 @@ def plan_scenario():
     total = sum(p.numel() for p in make_net().parameters())
     net = hexiseq.shard_states(make_net(), plan)
     return plan.state_shares.tolist(), sum(p.numel() for p in net.parameters()), total
+
+
+def _numpy(state):
+    """A state dict as NumPy arrays: tensors sent through a queue live in shared memory that dies with the sender."""
+    return {k: v.detach().cpu().numpy().copy() for k, v in state.items()}
+
+
+def checkpoint_phase(rank, world, init, phase, shares, path, results):
+    """DCP checkpoints of sharded states. phase "save": 2 Adam steps (reduce="sum"; rank r on batch(step, r) of
+    three ranks' batches), save, then a third step. phase "load": a model of other weights, sharded over this world
+    with other shares, loads the checkpoint and takes the same third step, the three batches split over its ranks.
+    Reports (rank, "ok", {"at_save": full state at the save, "after": full state after the third step}) from each
+    rank, or (rank, "error", traceback)."""
+    try:
+        import hexiseq
+        from hexiseq.states import load_states, save_states
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=30))
+        net = hexiseq.shard_states(make_net(seed=0 if phase == "save" else 5), shares, reduce="sum")
+        opt = torch.optim.Adam(net.parameters(), lr=0.05)
+        # every phase's ranks cover the three batches of a step between them
+        mine = [r for r in range(3) if r % world == rank]
+
+        def step(s):  # one forward per rank (every rank must run the units equally often), its batches stacked
+            opt.zero_grad()
+            idx, target = (torch.cat(t) for t in zip(*(batch(s, r) for r in mine)))
+            logits = net(idx).reshape(len(mine), -1, VOCAB)
+            loss = sum(F.cross_entropy(lg, tg.reshape(-1)) for lg, tg in zip(logits, target.reshape(len(mine), -1)))
+            loss.backward()
+            opt.step()
+
+        report = {}
+        if phase == "save":
+            for s in range(2):
+                step(s)
+            save_states(net, path, opt)
+            report["at_save"] = _numpy(hexiseq.full_state_dict(net))
+        else:
+            for g in opt.param_groups:
+                g["lr"] = 1.0  # the checkpoint's hyper-parameters must come back
+            load_states(net, path, opt)
+            report["lr"] = opt.param_groups[0]["lr"]
+            report["loaded"] = _numpy(hexiseq.full_state_dict(net))
+        step(2)
+        report["after"] = _numpy(hexiseq.full_state_dict(net))
+        results.put((rank, "ok", report))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc()))
