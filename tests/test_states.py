@@ -4,6 +4,7 @@ between forward and backward, optimizer states only for the local shards, and th
 ranks that disagree raise the same error on every rank, quickly. One spawn of three Gloo ranks runs every
 scenario in turn (tests/workers/states_worker.run_all)."""
 
+import math
 import time
 
 import pytest
@@ -226,3 +227,27 @@ def test_checkpoint_reshards_across_world_sizes_and_shares(tmp_path):
 def _diff(a, b):
     assert sorted(a) == sorted(b), (sorted(a), sorted(b))
     return max(float(abs(a[k].astype("float64") - b[k].astype("float64")).max()) for k in a)
+
+
+def test_checkpoint_chunks_cover_a_flat_range_exactly():
+    """A contiguous range of a row-major tensor as rectangles (what a rank's shard holds of one parameter): every
+    element of the range once, nothing else, each rectangle contiguous where its flat range says, at most
+    2 ndim - 1 of them."""
+    import random
+
+    from hexiseq.runtime.checkpoint import chunks
+
+    rng = random.Random(3)
+    for shape in [(7,), (3, 5), (4, 1, 6), (2, 3, 4, 5), (1, 1), (5, 7, 3)]:
+        n = math.prod(shape)
+        ids = torch.arange(n).view(shape)
+        pairs = [(0, n), (0, 0), (n - 1, n)] + [tuple(sorted(rng.sample(range(n + 1), 2))) for _ in range(30)]
+        for lo, hi in pairs:
+            got = chunks(lo, hi, shape)
+            assert len(got) <= max(1, 2 * len(shape) - 1)
+            covered = []
+            for f0, f1, off, size in got:
+                block = ids[tuple(slice(o, o + s) for o, s in zip(off, size))]
+                assert block.reshape(-1).tolist() == list(range(f0, f1)), (shape, lo, hi, off, size)
+                covered += list(range(f0, f1))
+            assert covered == list(range(lo, hi)), (shape, lo, hi)
