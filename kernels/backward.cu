@@ -106,7 +106,7 @@ static_assert(BwdMmaTiles<64>::bytes <= 99 * 1024, "the D = 64 backward must fit
 // forward.cu): query tiles no row of which sees the key tile are skipped (doc_next_tile; neither loaded nor computed),
 // and the per-element mask takes the rows' bounds only in the steps whose tile holds a bound past the key tile's first
 // key. CAP: soft-capping, in its own instance: P^T is recomputed from the capped score (t = tanh(S^T scale / softcap),
-// tanhf; P^T = exp2(t softcap log2(e) - LSE log2(e))) and dS^T takes the factor 1 - t^2 of the cap's derivative.
+// cap_tanh, tile.cuh; P^T = exp2(t softcap log2(e) - LSE log2(e))) and dS^T takes the factor 1 - t^2 of the cap's derivative.
 template <typename T, int D, int BK_, bool LB, bool CAP>
 __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_kernel(const hexiseq_attn_params p, const BwdLaunch cfg) {
     using L = BwdMmaTiles<D, BK_>;
@@ -293,7 +293,7 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
                 if constexpr (LB)
                     ok = ok && (!doc_cut || kr >= doc_s[qc]);
                 if constexpr (CAP) {
-                    const float th = tanhf(st[j][e] * cfg.cap_scale);
+                    const float th = cap_tanh(st[j][e] * cfg.cap_scale);
                     const float pv = ok ? fast_exp2(th * cfg.cap_log2 - l2) : 0.0f;
                     st[j][e] = pv;
                     dpt[j][e] = ok ? pv * (dpt[j][e] - delta_s[qc]) * (1.0f - th * th) : 0.0f;

@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
                         if constexpr (LB)
                             ok = ok && kr >= first;
                         if constexpr (CAP) {
-                            const float th = tanhf(s[i][j][2 * hi + e] * cfg.cap_scale);
+                            const float th = cap_tanh(s[i][j][2 * hi + e] * cfg.cap_scale);
                             pv[e] = ok ? fast_exp2(th * cfg.cap_log2 - l2) : 0.0f;
                             sv[e] = ok ? pv[e] * (dp[i][j][2 * hi + e] - dr) * (1.0f - th * th) : 0.0f;
                         } else {

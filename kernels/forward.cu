@@ -18,7 +18,7 @@
 // window, or causal with a left window only), so a sliding window is one more per-row lower bound on the visible keys,
 // next to the document start: both run in the lower-bound instances (LB; documents.cuh has the design), where a query
 // tile walks only the key tiles from its smallest bound on. Logit soft-capping (softcap > 0) runs in instances of its
-// own (CAP: tanhf of the scaled scores before the mask, softcap log2(e) as the exponent's factor); the plain instances
+// own (CAP: cap_tanh of the scaled scores before the mask, softcap log2(e) as the exponent's factor); the plain instances
 // carry neither.
 #include <stdlib.h>
 #include <string.h>
@@ -81,8 +81,9 @@ static_assert(sizeof(hexiseq_attn_params) + sizeof(FwdLaunch) <= 4096, "kernel p
 // loop starts there: earlier tiles are neither loaded nor computed; under a window that is the whole saving, a query
 // tile walks only the key tiles of its window) and the last that holds a bound past its first key (only up to there
 // does the per-element mask compute the rows' bounds).
-// CAP: logit soft-capping, also an instance of its own: each raw score s becomes t = tanh(s scale / softcap) (tanhf,
-// the accurate one: tanh.approx's 2^-11 relative error would move a score by softcap 2^-11) before the mask, and the
+// CAP: logit soft-capping, also an instance of its own: each raw score s becomes t = tanh(s scale / softcap) (cap_tanh
+// of tile.cuh, to a few 1e-8 absolute: tanh.approx's 2^-11 relative error would move a score by softcap 2^-11) before
+// the mask, and the
 // exponent's factor is softcap log2(e) instead of scale log2(e), so the softmax runs on softcap t, the capped score.
 template <typename T, typename TO, int D, int BK_, bool LB, bool CAP>
 __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const hexiseq_attn_params p, const FwdLaunch cfg) {
@@ -209,7 +210,7 @@ __global__ void __launch_bounds__(kFwdThreads) attn_fwd_kernel(const hexiseq_att
                 for (int j = 0; j < BK / 8; ++j)
 #pragma unroll
                     for (int e = 0; e < 4; ++e)
-                        s[mb][j][e] = tanhf(s[mb][j][e] * cfg.cap_scale);
+                        s[mb][j][e] = cap_tanh(s[mb][j][e] * cfg.cap_scale);
         }
 
         // Mask (the scores stay unscaled: the scale is folded into the exponent's FFMA below). Only the last, partial
