@@ -31,8 +31,9 @@ def test_fullgraph_compile_matches_eager(backend, tmp_path):
     for rank, (status, report, _) in sorted(out.items()):
         assert status == "ok", f"rank {rank}: {report}"
         assert report.pop("kept_after_forwards") == 0, report
-        assert len(report) == 3, report
+        assert len(report) == 4, report
+        assert len(report["window-softcap-sinks"]["errors"]) == 4
         for name, r in report.items():
-            for what, e in zip(("loss", "dw", "do"), r["errors"]):
+            for what, e in zip(("loss", "dw", "do", "dsinks"), r["errors"]):
                 assert e <= 1e-12, f"{backend} {name} rank {rank}: {what} relative error {e:.3g}"
     assert time.monotonic() - t0 < 240

@@ -219,15 +219,12 @@ def hexiseq_attn_func(q, k, v, context: HexiSeqContext, documents=None, window=N
     except InvalidArgumentError as error:  # every rank raises it, not this one alone while the others wait
         context.refuse(error)
     if torch.compiler.is_compiling():
-        if not variant.plain or sinks is not None:
-            raise UnsupportedError("a window, soft-capping or sinks under torch.compile: not yet; keep this call "
-                                   "out of the compiled region (torch.compiler.disable)")
         # under torch.compile the layer is one custom op each way: no graph break
         if isinstance(documents, tuple) and documents and isinstance(documents[0], tuple):
             raise UnsupportedError("per-row documents (one list per batch row) under torch.compile: give one "
                                    "document list for the whole batch, or keep this call out of the compiled "
                                    "region (torch.compiler.disable)")
-        return compiled.attn(q, k, v, context, backward, documents)
+        return compiled.attn(q, k, v, context, backward, documents, variant, sinks)
     if variant.plain and sinks is None:
         return _HexiSeqAttentionFn.apply(q, k, v, context, backward, documents)
     return _HexiSeqAttentionFn.apply(q, k, v, context, backward, documents, variant, sinks)

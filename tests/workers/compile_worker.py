@@ -15,7 +15,7 @@ def compiled_matches_eager(rank, world, init, plan_json, backend, results):
     try:
         torch.set_num_threads(1)
         import hexiseq
-        from hexiseq.nn import HexiSeqAttention
+        from hexiseq.nn import HexiSeqAttention, hexiseq_attn_func
 
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
@@ -31,11 +31,16 @@ def compiled_matches_eager(rank, world, init, plan_json, backend, results):
                 self.w = torch.nn.Parameter(torch.randn(16, (m.heads + 2 * m.kv_heads) * d, generator=g,
                                                         dtype=torch.float64) / 4)
                 self.o = torch.nn.Parameter(torch.randn(m.heads * d, 16, generator=g, dtype=torch.float64) / 4)
+                self.sinks = torch.nn.Parameter(torch.randn(m.heads, generator=g, dtype=torch.float64))
 
-            def forward(self, x, documents=None):
+            def forward(self, x, documents=None, variant=False):
                 q, k, v = (x @ self.w).split([m.heads * d, m.kv_heads * d, m.kv_heads * d], -1)
-                a = attn(q.view(1, s, m.heads, d), k.view(1, s, m.kv_heads, d), v.view(1, s, m.kv_heads, d),
-                         documents=documents)
+                q, k, v = q.view(1, s, m.heads, d), k.view(1, s, m.kv_heads, d), v.view(1, s, m.kv_heads, d)
+                if variant:  # a sliding window, soft-capping and sink logits (a parameter of the block)
+                    a = hexiseq_attn_func(q, k, v, attn.context, documents, window=(5, 0), softcap=2.0,
+                                          sinks=self.sinks)
+                else:
+                    a = attn(q, k, v, documents=documents)
                 return torch.tanh(a.reshape(1, s, m.heads * d) @ self.o).square().sum()
 
         block = Block()
@@ -44,22 +49,26 @@ def compiled_matches_eager(rank, world, init, plan_json, backend, results):
                                    dtype=torch.float64), 1, rank)
         report = {}
         S = plan.seq_len
-        for name, docs in (("plain", None), ("documents", [S // 3, S - S // 3]),
-                           ("other-documents", [7, 1, S - 8])):  # lengths that change between steps
+        for name, docs, variant in (("plain", None, False), ("documents", [S // 3, S - S // 3], False),
+                                    ("other-documents", [7, 1, S - 8], False),  # lengths that change between steps
+                                    ("window-softcap-sinks", [S // 3, S - S // 3], True)):
             outs = {}
             for mode, fn in (("eager", block), ("compiled", compiled)):
                 block.zero_grad()
                 t0 = time.monotonic()
-                loss = fn(x, docs)
+                loss = fn(x, docs, variant)
                 loss.backward()
-                outs[mode] = (loss.detach(), block.w.grad.clone(), block.o.grad.clone(), time.monotonic() - t0)
+                sink_grad = block.sinks.grad.clone() if variant else None
+                outs[mode] = (loss.detach(), block.w.grad.clone(), block.o.grad.clone(), sink_grad,
+                              time.monotonic() - t0)
             e, c = outs["eager"], outs["compiled"]
+            n = 4 if variant else 3
             report[name] = {"errors": [float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
-                                       for a, b in zip(c[:3], e[:3])], "compile_s": c[3]}
+                                       for a, b in zip(c[:n], e[:n])], "compile_s": c[4]}
         # forwards whose backward never runs (an evaluation with gradients on) keep nothing once dropped
         import gc
         for _ in range(3):
-            compiled(x, None)
+            compiled(x, None, False)
         gc.collect()
         report["kept_after_forwards"] = len(attn.context._op_saved)
         attn.context.close()
