@@ -6,10 +6,10 @@
 // positions (every offset case, fully masked rows and blocks), GQA/MQA, padded head dims, the vector-load and
 // element-by-element paths, strides (heads-major, strided head_dim, negative, misaligned), the online softmax
 // and LSE, the backward's accumulators and dQ atomics, accumulate, the merge, the document mask, the sliding window and
-// logit soft-capping (against a brute-force float64 reference, test_documents and test_window_softcap). Every case
-// runs under four
-// thread schedules (lockstep, run-ahead from either end, pseudo-random; see emu.h) and must give bit-identical
-// outputs: a difference is a race between two barriers. What it cannot test: speed, hardware memory ordering,
+// logit soft-capping (against a brute-force float64 reference, test_documents and test_window_softcap, in
+// test_cuda_emu_masks.inc). Every case runs under four thread schedules (lockstep, run-ahead from either end,
+// pseudo-random; see emu.h) and must give bit-identical outputs: a difference is a race between two barriers. What it
+// cannot test: speed, hardware memory ordering,
 // a misreading of the PTX fragment layouts shared by the kernels and the emulator, and anything only a GPU
 // does (tests/test_cuda_ops.py, on a GPU).
 //
