@@ -465,6 +465,7 @@ def test_sliding_window_is_carried_and_priced(tmp_path, example):
     # inter-node link above all, then dominates the step)
     assert p.phases["ring_phase_s"] < 0.3 * full.phases["ring_phase_s"], (p.phases, full.phases)
     assert p.step_time_s <= full.step_time_s and p.lower_bound_s < 0.7 * full.lower_bound_s
+    assert "(a 4,096-token window on 32 of 32 layers)" in p.explain().splitlines()[0]
     long = hexiseq.plan(example, model=m, seq_len="256k", training=training)
     long_full = hexiseq.plan(example, model=full.model, seq_len="256k", training=training)
     assert long.step_time_s < 0.2 * long_full.step_time_s, (long.step_time_s, long_full.step_time_s)

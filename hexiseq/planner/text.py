@@ -19,7 +19,7 @@ def explain(plan, one_document=None) -> str:
 
     lines = [
         f"HexiSeq plan '{plan.strategy}': {plan.model.name}, seq_len {plan.seq_len:,}, "
-        f"{'causal' if plan.causal else 'full'} attention, {plan.cluster.describe()}",
+        f"{'causal' if plan.causal else 'full'} attention{_window_words(plan)}, {plan.cluster.describe()}",
     ]
     if plan.stopped_early:
         lines.append("  search           STOPPED EARLY at the time limit: the best plan found by then")
@@ -144,3 +144,11 @@ def _ranges(ids: List[int]) -> str:
             out.append(f"{start}" if start == d else f"{start}-{d}")
             start = None
     return ",".join(out)
+
+
+def _window_words(plan):
+    """' (a W-token window on n of L layers)' for a model with sliding-window layers, else ''."""
+    m = plan.model
+    if m.sliding_window is None or not m.sliding_layers or not plan.causal:
+        return ""
+    return f" (a {m.sliding_window:,}-token window on {m.sliding_layers} of {m.layers} layers)"
