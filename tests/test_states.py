@@ -195,7 +195,7 @@ def test_full_state_dict_round_trip(reports):
 
 
 def test_checkpoint_reshards_across_world_sizes_and_shares(tmp_path):
-    """save_states at 3 ranks with shares [0.5, 0.3, 0.2] (DCP format, after two Adam steps), load_states at 2 ranks
+    """hexiseq.checkpoint: save_states at 3 ranks with shares [0.5, 0.3, 0.2] (DCP format, after two Adam steps), load_states at 2 ranks
     with shares [0.25, 0.75] into a model of other weights and a fresh optimizer (its learning rate changed): the
     weights and the optimizer's moments, step and hyper-parameters come back, so the next step equals the one the
     saving job took (1e-12, float64); and a plain unsharded model in one process loads the weights as they were

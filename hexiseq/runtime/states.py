@@ -52,8 +52,7 @@ from .comm import (_DTYPES, _bits_float, _code, _float_bits, _show, agree, colle
                    text_code)
 from ..errors import InvalidArgumentError
 
-__all__ = ["shard_states", "full_state_dict", "load_full_state_dict", "shard_sizes", "sum_fsdp2_gradients",
-           "save_states", "load_states"]
+__all__ = ["shard_states", "full_state_dict", "load_full_state_dict", "shard_sizes", "sum_fsdp2_gradients"]
 
 SHARD_NAME = "hexiseq_shard"
 REDUCES = ("mean", "sum")
@@ -703,17 +702,3 @@ def load_full_state_dict(module, state_dict, strict=True):
     module.load_state_dict(rest, strict=False)
     return module
 
-
-def save_states(module, path, optimizer=None):
-    """Write the sharded module (and optimizer) as a torch.distributed.checkpoint folder: see
-    hexiseq.runtime.checkpoint.save_states."""
-    from .checkpoint import save_states as save
-
-    return save(module, path, optimizer)
-
-
-def load_states(module, path, optimizer=None):
-    """Load a checkpoint at any world size and shares: see hexiseq.runtime.checkpoint.load_states."""
-    from .checkpoint import load_states as load
-
-    return load(module, path, optimizer)

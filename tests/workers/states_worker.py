@@ -281,7 +281,7 @@ def checkpoint_phase(rank, world, init, phase, shares, path, results):
     rank, or (rank, "error", traceback)."""
     try:
         import hexiseq
-        from hexiseq.states import load_states, save_states
+        from hexiseq.checkpoint import load_states, save_states
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
