@@ -139,7 +139,7 @@ static void window_steps(cost_ctx *x) {
         return;
     for (int32_t g = 0; g < G; ++g)
         for (int32_t k = G - 1; k > last; --k) /* only steps past the farthest found so far can raise it */
-            if (hexiseq_group_pairs_window(&x->span[g], &x->span[(g - k + G) % G], x->m->window, NULL) > 0) {
+            if (hexiseq_group_pairs(&x->span[g], &x->span[(g - k + G) % G], 1, NULL, x->m->window) > 0) {
                 last = k;
                 break;
             }
@@ -303,10 +303,10 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         int first = r == x.offset[g];
         if (first) { /* the group's pairs per ring step (grouped pricing needs only its own block's) */
             for (int32_t k = 0; k < (x.n_types ? 1 : G); ++k) {
-                x.step_pairs[k] = hexiseq_group_pairs(&x.span[g], &x.span[(g - k + G) % G], causal, x.docs);
+                x.step_pairs[k] = hexiseq_group_pairs(&x.span[g], &x.span[(g - k + G) % G], causal, x.docs, 0);
                 if (windowed(&x))
-                    x.step_pairs_w[k] = hexiseq_group_pairs_window(&x.span[g], &x.span[(g - k + G) % G], m->window,
-                                                                   x.docs);
+                    x.step_pairs_w[k] = hexiseq_group_pairs(&x.span[g], &x.span[(g - k + G) % G], causal, x.docs,
+                                                            m->window);
             }
             if (x.n_types && g > 0)
                 x.type_before[x.type_of[g - 1]]++;

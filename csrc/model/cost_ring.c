@@ -7,36 +7,25 @@
 #include "cost_terms.h"
 
 /* Visible (query, key) pairs between the positions of groups gq (queries) and gk (keys); under `docs` (not
- * NULL only when causal) inside one document. */
+ * NULL only when causal) inside one document; with window > 0 (causal only) inside a window of that many keys. Under
+ * both, the smaller of the documents' pairs and the window's (an upper bound of the pairs in both: a document
+ * longer than the window loses what lies outside it, one shorter is inside it whole; exact when either mask leaves
+ * the other nothing to cut). */
 double hexiseq_group_pairs(const hexiseq_group_span *sq, const hexiseq_group_span *sk, int32_t causal,
-                           const hexiseq_documents *docs) {
+                           const hexiseq_documents *docs, int64_t window) {
     int64_t qs[2][2] = {{sq->front_start, sq->front_start + sq->front_len}, {sq->back_start, sq->back_start + sq->back_len}};
     int64_t ks[2][2] = {{sk->front_start, sk->front_start + sk->front_len}, {sk->back_start, sk->back_start + sk->back_len}};
     double total = 0.0;
     for (int i = 0; i < 2; ++i)
         for (int j = 0; j < 2; ++j) {
-            if (causal)
-                total += (double)hexiseq_visible_pairs(docs, qs[i][0], qs[i][1], ks[j][0], ks[j][1]);
-            else
+            if (!causal) {
                 total += (double)(qs[i][1] - qs[i][0]) * (double)(ks[j][1] - ks[j][0]);
-        }
-    return total;
-}
-
-/* hexiseq_group_pairs for a causal layer with a window of `window` keys. Under documents, the smaller of the
- * documents' pairs and the window's (an upper bound of the pairs in both: a document longer than the window loses
- * what lies outside it, one shorter is inside it whole; exact when either mask leaves the other nothing to cut). */
-double hexiseq_group_pairs_window(const hexiseq_group_span *sq, const hexiseq_group_span *sk, int64_t window,
-                                  const hexiseq_documents *docs) {
-    int64_t qs[2][2] = {{sq->front_start, sq->front_start + sq->front_len}, {sq->back_start, sq->back_start + sq->back_len}};
-    int64_t ks[2][2] = {{sk->front_start, sk->front_start + sk->front_len}, {sk->back_start, sk->back_start + sk->back_len}};
-    double total = 0.0;
-    for (int i = 0; i < 2; ++i)
-        for (int j = 0; j < 2; ++j) {
-            double w = (double)hexiseq_window_pairs(qs[i][0], qs[i][1], ks[j][0], ks[j][1], window);
-            if (docs)
-                w = fmin(w, (double)hexiseq_visible_pairs(docs, qs[i][0], qs[i][1], ks[j][0], ks[j][1]));
-            total += w;
+                continue;
+            }
+            double n = (double)hexiseq_visible_pairs(docs, qs[i][0], qs[i][1], ks[j][0], ks[j][1]);
+            if (window > 0)
+                n = fmin(n, (double)hexiseq_window_pairs(qs[i][0], qs[i][1], ks[j][0], ks[j][1], window));
+            total += n;
         }
     return total;
 }
@@ -199,7 +188,7 @@ static double side_pairs(const cost_ctx *x, int32_t g, int64_t sk, int before) {
         k.front_start = q->front_start + q->front_len;
         k.back_start = q->back_start - k.back_len;
     }
-    return hexiseq_group_pairs(q, &k, x->causal, NULL); /* grouped pricing runs without documents */
+    return hexiseq_group_pairs(q, &k, x->causal, NULL, 0); /* grouped pricing runs without documents or windows */
 }
 
 /* Attention and exposed ring time of slot r over the whole step. Ring step k attends the group's queries

@@ -115,9 +115,7 @@ double hexiseq_layer_gemm_fwd_s(const cost_ctx *x, const hexiseq_device_info *d,
  * exposed ring time over the whole step (and one layer's forward attention); the runtime's work around the
  * kernels; the ring step types of grouped pricing (0 when out of memory). */
 double hexiseq_group_pairs(const hexiseq_group_span *sq, const hexiseq_group_span *sk, int32_t causal,
-                           const hexiseq_documents *docs);
-double hexiseq_group_pairs_window(const hexiseq_group_span *sq, const hexiseq_group_span *sk, int64_t window,
-                                  const hexiseq_documents *docs);
+                           const hexiseq_documents *docs, int64_t window);
 void hexiseq_ring_link_of(const cost_ctx *x, int32_t r, ring_link *out);
 void hexiseq_ring_time_s(const cost_ctx *x, int32_t r, const ring_link *link, double *attn_s, double *exposed_s,
                          double *fwd_layer_s);

@@ -145,16 +145,24 @@ static void grad_by_hand(int32_t sharding, double N, double bw, double lat, doub
 /* ------------------------------------------------------------------------------------------------ */
 /* 1 device, 1 group: only token-parallel compute and attention; no communication at all. */
 
-static void test_one_device(void) {
+/* The one-device case: an A100-80G of peak 2 TFLOP/s (gemm_eff 0.5, attn_eff 0.25), 10 tokens and all 4 heads in one
+ * group, one sequence, FULL sharding with 0.5 GiB reserved. */
+static void one_device(hexiseq_cluster **c, hexiseq_training *t, hexiseq_layout *l) {
     hexiseq_node_desc nd = node("A100-80G", 1, 100.0, 10.0, 2.0, 0.5, 0.25);
-    hexiseq_cluster *c = NULL;
-    EXPECT_OK(hexiseq_cluster_create(1, &nd, 10.0, NULL, &c));
-    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.5, HEXISEQ_STATES_EVEN, NULL};
-    hexiseq_layout l;
-    EXPECT_OK(hexiseq_layout_alloc(1, 1, &l));
+    EXPECT_OK(hexiseq_cluster_create(1, &nd, 10.0, NULL, c));
+    const hexiseq_training one = {1, 0, HEXISEQ_SHARD_FULL, 0.5, HEXISEQ_STATES_EVEN, NULL};
+    *t = one;
+    EXPECT_OK(hexiseq_layout_alloc(1, 1, l));
     const int32_t gs[] = {1}, dv[] = {0}, lo[] = {0}, cnt[] = {4};
     const int64_t gq[] = {10}, tk[] = {10};
-    fill_layout(&l, gs, gq, dv, tk, lo, cnt);
+    fill_layout(l, gs, gq, dv, tk, lo, cnt);
+}
+
+static void test_one_device(void) {
+    hexiseq_cluster *c = NULL;
+    hexiseq_training t;
+    hexiseq_layout l;
+    one_device(&c, &t, &l);
     hexiseq_device_cost per[1];
     hexiseq_plan_cost pc;
     EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 10, 1, &l, per, &pc));
@@ -1851,15 +1859,10 @@ static void test_window(void) {
                        (long long)q0, (long long)k0, (long long)w);
             }
 
-    hexiseq_node_desc nd = node("A100-80G", 1, 100.0, 10.0, 2.0, 0.5, 0.25);
     hexiseq_cluster *c = NULL;
-    EXPECT_OK(hexiseq_cluster_create(1, &nd, 10.0, NULL, &c));
-    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.5, HEXISEQ_STATES_EVEN, NULL};
+    hexiseq_training t;
     hexiseq_layout l;
-    EXPECT_OK(hexiseq_layout_alloc(1, 1, &l));
-    const int32_t gs[] = {1}, dv[] = {0}, lo[] = {0}, cnt[] = {4};
-    const int64_t gq[] = {10}, tk[] = {10};
-    fill_layout(&l, gs, gq, dv, tk, lo, cnt);
+    one_device(&c, &t, &l);
     hexiseq_device_cost per[3], ref[3];
     hexiseq_plan_cost pc, pref;
     hexiseq_model m = TINY;
