@@ -5,28 +5,23 @@ plain causal mask and to torch SDPA (its default backend choice) on the plain ca
 per score. With --sanitize: a few small odd-shaped variant calls, forward and backward, for compute-sanitizer.
 Usage: python benchmarks/gpu_variants.py [--out FILE.md] [--sanitize]"""
 import argparse
-import statistics
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
 from hexiseq import ops
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_cuda_attention import time_ms as bench_time_ms  # noqa: E402
+
 dev = torch.device("cuda")
 
 
-def time_ms(fn, iters=10, warmup=3):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def time_ms(fn):
+    """CUDA-event median of 10 calls after 3 warm-ups (the kernel benchmark's timer)."""
+    return bench_time_ms(fn, 10)
 
 
 def sanitize_cases():
