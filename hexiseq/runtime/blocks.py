@@ -440,6 +440,7 @@ class BlockKernels:
         self._merge_c = self.name == "hexiseq" or (probe.device.type == "cuda" and ops._cuda_built())
         self._documents_c = None  # whether hexiseq.ops takes q_doc here: learnt at the first documents call
         self._documents_cuda = None  # on the PyTorch path: whether document pairs go to the CUDA kernels instead
+        self._variants_cuda = None  # on the PyTorch path: whether windowed or soft-capped pairs do
 
     def forward(self, q, k, v, causal, q_pos0, k_pos0, scale, q_doc=None, out=None, lse=None, variant=PLAIN):
         """(out, lse) of the pair; out= and lse= (both or neither, q's dtype and the accumulator dtype) are written
@@ -512,7 +513,7 @@ class BlockKernels:
     def _cuda_variants(self, variant):
         """On the PyTorch path: whether a pair with a window or soft-capping (no documents) goes to the hexiseq CUDA
         kernels: bf16/fp16 CUDA tensors with a CUDA build, unless the PyTorch path was forced."""
-        if getattr(self, "_variants_cuda", None) is None:
+        if self._variants_cuda is None:
             self._variants_cuda = (self.device_type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
                                    and not os.environ.get("HEXISEQ_RUNTIME_KERNELS", "") and ops._cuda_built())
         return self._variants_cuda

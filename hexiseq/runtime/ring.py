@@ -212,7 +212,7 @@ def _ring_forward(comm, topo, kern, Qg, KV, causal, scale, docs, variant=PLAIN):
         return Qg.new_zeros(B, Sg, 0, d), []
     acc_dt = kern.acc_dtype
     chunks = topo.chunks[g]
-    qoff = [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
+    qoff = [o for o, _ in _chunk_spans(chunks)]
     in_place = acc_dt == dt
     runs = topo.head_runs(rank)
     # A chunk whose queries meet one block pair in the whole ring, in one head run, takes the block's (out, lse) as
@@ -282,7 +282,7 @@ def _ring_backward(comm, topo, kern, Qg, KV, Og, lses, dOg, causal, scale, docs,
         return Qg.new_zeros(B, Sg, 0, d), Qg.new_zeros(2, B, Sg, 0, d)
     acc_dt = kern.acc_dtype
     chunks = topo.chunks[g]
-    qoff = [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
+    qoff = [o for o, _ in _chunk_spans(chunks)]
     runs = topo.head_runs(rank)
     co_holders = topo.co_holders(rank)
     pairs = topo.block_pairs(g, g)

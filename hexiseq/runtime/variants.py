@@ -36,7 +36,7 @@ class Variant(NamedTuple):
         lo, hi = q_pos0 - (k_pos0 + k_len - 1), q_pos0 + q_len - 1 - k_pos0
         left, right = self.window if self.window is not None else (-1, -1)
         if causal:
-            right = 0 if right < 0 else min(right, 0)
+            right = 0  # the diagonal: a causal window_right is -1 or 0
         return (right < 0 or hi >= -right) and (left < 0 or lo <= left)
 
 
