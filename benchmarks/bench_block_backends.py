@@ -33,14 +33,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hexiseq import ops  # noqa: E402
-from hexiseq.runtime import blocks  # noqa: E402
+from hexiseq.runtime import fused  # noqa: E402
 from bench_cuda_attention import time_ms  # noqa: E402  (CUDA-event median after warm-up, as the kernel benchmark)
 
 
 def flash(q, k, v, do, causal, scale):
-    out, lse = blocks._flash_forward(q, k, v, causal, scale)
-    return (lambda: blocks._flash_forward(q, k, v, causal, scale),
-            lambda: blocks._flash_backward(q, k, v, out, lse, do, causal, scale), out, "aten op")
+    out, lse = fused._flash_forward(q, k, v, causal, scale)
+    return (lambda: fused._flash_forward(q, k, v, causal, scale),
+            lambda: fused._flash_backward(q, k, v, out, lse, do, causal, scale), out, "aten op")
 
 
 def hexiseq_kernels(q, k, v, do, causal, scale):

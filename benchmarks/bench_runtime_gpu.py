@@ -29,7 +29,7 @@ from bench_block_backends import documents_case  # the document lengths the bloc
 from bench_cuda_attention import time_ms  # CUDA-event median after warm-up, as the kernel benchmark
 from hexiseq import ops
 from hexiseq.nn import HexiSeqAttention
-from hexiseq.runtime import blocks
+from hexiseq.runtime import fused
 
 
 def _hexiseq_forward(q, k, v, causal, scale):
@@ -40,8 +40,8 @@ def _hexiseq_backward(q, k, v, o, lse, do, causal, scale):
     return ops.attention_backward(q, k, v, o, lse, do, causal=causal, scale=scale)
 
 
-BLOCK_OPS = {"flash": (blocks._flash_forward, blocks._flash_backward),
-             "cudnn": (blocks._cudnn_forward, blocks._cudnn_backward),
+BLOCK_OPS = {"flash": (fused._flash_forward, fused._flash_backward),
+             "cudnn": (fused._cudnn_forward, fused._cudnn_backward),
              "hexiseq": (_hexiseq_forward, _hexiseq_backward)}
 
 
@@ -121,13 +121,18 @@ def main():
             do = torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16)
             row = {"S": S}
             scale = D ** -0.5
-            for impl in ("flash", "cudnn", "hexiseq"):
-                os.environ["HEXISEQ_RUNTIME_KERNELS"] = impl
+            for impl in ("flash", "cudnn", "hexiseq", "default"):
+                if impl == "default":  # the runtime's own choice for this device (measured on its first call)
+                    os.environ.pop("HEXISEQ_RUNTIME_KERNELS", None)
+                else:
+                    os.environ["HEXISEQ_RUNTIME_KERNELS"] = impl
                 attn = HexiSeqAttention(plan, causal=True)
-
+                if impl == "default":
+                    attn(q, k, v).backward(do)
+                    row["default_is"] = fused.choice(q, k, "pairs")
                 def step():
                     attn(q, k, v).backward(do)
-                fwd, bwd = BLOCK_OPS[impl]
+                fwd, bwd = BLOCK_OPS[row["default_is"] if impl == "default" else impl]
                 qd, kd, vd = q.detach(), k.detach(), v.detach()
 
                 def alone():  # the block backend called once on the whole sequence, GQA native, as the runtime calls it
@@ -164,26 +169,39 @@ def main():
                 except RuntimeError as e:
                     row[name] = float("nan")
                     print(f"{name}: {str(e).splitlines()[0][:200]}", flush=True)
-            # packed documents, the default block backend (document pairs: the hexiseq CUDA kernels with their mask)
+            # packed documents on each document backend, and the runtime's own choice
             lengths = documents_case(S, S + D)
             q_doc = torch.from_numpy(ops.document_starts(lengths)).to("cuda")
-            attn = HexiSeqAttention(plan, causal=True)
             qd, kd, vd = q.detach(), k.detach(), v.detach()
+            row["docs"] = len(lengths)
+            for docb in ("varlen", "hexiseq", "default"):
+                if docb == "default":
+                    os.environ.pop("HEXISEQ_DOCUMENT_KERNELS", None)
+                    row["docs_default_is"] = fused.choice(q, k, "documents")
+                else:
+                    os.environ["HEXISEQ_DOCUMENT_KERNELS"] = docb
+                attn = HexiSeqAttention(plan, causal=True)
+                seg = fused.segments(qd, kd, 0, 0, q_doc)
+                alone_b = row["docs_default_is"] if docb == "default" else docb
 
-            def doc_step():
-                attn(q, k, v, documents=lengths).backward(do)
+                def doc_step():
+                    attn(q, k, v, documents=lengths).backward(do)
 
-            def doc_alone():
-                o, lse = ops.attention_forward(qd, kd, vd, causal=True, scale=scale, q_doc=q_doc)
-                ops.attention_backward(qd, kd, vd, o, lse, do, causal=True, scale=scale, q_doc=q_doc)
-            try:
-                row["docs"] = len(lengths)
-                row["docs_runtime"] = back_to_back_ms(doc_step, args.iters)
-                row["docs_alone"] = back_to_back_ms(doc_alone, args.iters)
-            except Exception as e:  # noqa: BLE001 - reported, not timed
-                row["docs_runtime"] = row["docs_alone"] = float("nan")
-                print(f"documents: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
-            attn.context.close()
+                def doc_alone():
+                    if alone_b == "varlen":
+                        o, lse = fused.varlen_forward(qd, kd, vd, seg, scale)
+                        fused.varlen_backward(qd, kd, vd, o, lse, do, seg, scale)
+                    else:
+                        o, lse = ops.attention_forward(qd, kd, vd, causal=True, scale=scale, q_doc=q_doc)
+                        ops.attention_backward(qd, kd, vd, o, lse, do, causal=True, scale=scale, q_doc=q_doc)
+                try:
+                    row[f"docs_{docb}_runtime"] = back_to_back_ms(doc_step, args.iters)
+                    row[f"docs_{docb}_alone"] = back_to_back_ms(doc_alone, args.iters)
+                except Exception as e:  # noqa: BLE001 - reported, not timed
+                    row[f"docs_{docb}_runtime"] = row[f"docs_{docb}_alone"] = float("nan")
+                    print(f"documents, {docb}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+                attn.context.close()
+            os.environ.pop("HEXISEQ_DOCUMENT_KERNELS", None)
             rows.append(row)
             print(row, flush=True)
             del q, k, v, do, qt, kt, vt
@@ -194,17 +212,20 @@ def main():
              "alone, back to back (ms) | runtime / alone, back to back | host time per runtime step (ms) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        for impl in ("flash", "cudnn", "hexiseq"):
-            lines.append(f"| {r['S']} | {impl} | {r[impl]:.2f} | {r[impl + '_alone']:.2f} | "
+        for impl in ("flash", "cudnn", "hexiseq", "default"):
+            name = f"default ({r['default_is']})" if impl == "default" else impl
+            lines.append(f"| {r['S']} | {name} | {r[impl]:.2f} | {r[impl + '_alone']:.2f} | "
                          f"{r[impl] / r[impl + '_alone']:.3f} | {r[impl + '_b2b']:.2f} | {r[impl + '_alone_b2b']:.2f} | "
                          f"{r[impl + '_b2b'] / r[impl + '_alone_b2b']:.3f} | {r[impl + '_host']:.2f} |")
-    lines += ["", "Packed documents (lognormal lengths, as benchmarks/bench_block_backends.py), the default block "
-              "backend, back to back:", "",
-              "| S | documents | runtime (ms) | hexiseq kernels with the document mask alone (ms) | runtime / alone |",
-              "|---|---|---|---|---|"]
+    lines += ["", "Packed documents (lognormal lengths, as benchmarks/bench_block_backends.py) per document backend, "
+              "back to back; 'alone' is that backend called once on the whole sequence:", "",
+              "| S | documents | document backend | runtime (ms) | the backend alone (ms) | runtime / alone |",
+              "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['S']} | {r['docs']} | {r['docs_runtime']:.2f} | {r['docs_alone']:.2f} | "
-                     f"{r['docs_runtime'] / r['docs_alone']:.3f} |")
+        for docb in ("varlen", "hexiseq", "default"):
+            name = f"default ({r['docs_default_is']})" if docb == "default" else docb
+            lines.append(f"| {r['S']} | {r['docs']} | {name} | {r[f'docs_{docb}_runtime']:.2f} | "
+                         f"{r[f'docs_{docb}_alone']:.2f} | {r[f'docs_{docb}_runtime'] / r[f'docs_{docb}_alone']:.3f} |")
     lines += ["", "| S | runtime, flash blocks (ms) | runtime, cuDNN blocks (ms) | runtime, hexiseq kernels (ms) | "
              "SDPA flash alone (ms) | SDPA cuDNN alone (ms) | flash blocks / SDPA flash | cuDNN blocks / SDPA cuDNN | "
              "hexiseq kernels / SDPA flash |", "|---|---|---|---|---|---|---|---|---|"]

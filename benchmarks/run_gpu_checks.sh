@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU session checks of the CUDA attention kernels and the NCCL runtime, run from the repo root on a GPU machine:
-#   bash benchmarks/run_gpu_checks.sh [steps]      steps: any of build tests split sanitize accept bench variants backends runtime profile
+#   bash benchmarks/run_gpu_checks.sh [steps]      steps: any of build tests split sanitize accept bench variants backends calibrate runtime profile
 #                                                 (default: all, in that order)
 # Builds hexiseq in place with nvcc (no package index needed), runs the CUDA, CPU-op and block-path tests (the runtime on a
 # one-rank NCCL group among them), compute-sanitizer memcheck/racecheck/synccheck on forward, backward and merge at
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 RESULTS=${OUT:-benchmarks/results/gpu}
 mkdir -p "$RESULTS"
 exec > >(tee "$RESULTS/gpu_checks.log") 2>&1
-STEPS=${*:-build tests split sanitize accept bench variants backends runtime profile}
+STEPS=${*:-build tests split sanitize accept bench variants backends calibrate runtime profile}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 status=0
@@ -39,7 +39,7 @@ python -c "import hexiseq; info = hexiseq.build_info(); n = hexiseq.cuda_device_
     || note_fail $?
 
 if want tests; then
-    TESTS="tests/test_cuda_ops.py tests/test_attention_ops.py tests/test_cuda_loader.py tests/test_torch_blocks.py tests/test_ops.py"
+    TESTS="tests/test_cuda_ops.py tests/test_attention_ops.py tests/test_cuda_loader.py tests/test_torch_blocks.py tests/test_ops.py tests/test_fused.py"
     step "tests: $TESTS"
     timeout 300 python -m pytest -q -rfEs -p no:cacheprovider --durations=5 $TESTS > "$RESULTS/pytest.log" 2>&1
     rc=$?; [ "$rc" -eq 0 ] || note_fail "$rc"
@@ -113,6 +113,25 @@ fi
 if want backends; then
     step "block backends side by side: hexiseq, torch flash, torch cuDNN; documents: hexiseq vs varlen flash"
     timeout 200 python benchmarks/bench_block_backends.py --out "$RESULTS" || note_fail $?
+fi
+
+if want calibrate; then
+    step "calibrate on a one-rank NCCL group: the block backends chosen for the model's head shape, and the curves timed through them"
+    RESULTS=$RESULTS timeout 200 python - <<'PY' || note_fail $?
+import os, tempfile
+import torch.distributed as dist
+import hexiseq
+dist.init_process_group("nccl", init_method=f"file://{tempfile.mkdtemp()}/store", rank=0, world_size=1)
+try:
+    for model in ("llama3-8b", "gpt-7b"):
+        c = hexiseq.calibrate(model, attn_blocks=[1024, 4096, 16384], gemm_rows=[2048], iters=3,
+                              out=os.path.join(os.environ["RESULTS"], f"calibrated_{model}.yaml"), progress=False)
+        cal = c.calibration
+        print(model, "heads", cal["attn_heads"], "/", cal["attn_kv_heads"], "head_dim", cal["head_dim"],
+              "block backends", cal["block_backends"], flush=True)
+finally:
+    dist.destroy_process_group()
+PY
 fi
 
 if want runtime; then

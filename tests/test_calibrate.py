@@ -94,6 +94,8 @@ def test_calibrated_rates_and_links_make_sense(calibrated):
     cal = spec["calibration"]
     assert cal["model"] == "tiny" and cal["world"] == 3 and cal["backend"] == "gloo"
     assert cal["links"] == "every pair"
+    # the block backends each device's runtime will use (and its curves were timed with): on CPUs the C kernels
+    assert cal["block_backends"] == [{"pairs": "hexiseq", "documents": "hexiseq"}] * 3
     assert [a["ranks"] for a in cal["all_to_all"]] == [2, 3]
     assert all(a["seconds"] > 0 for a in cal["all_to_all"])
 

@@ -147,7 +147,7 @@ def test_runtime_torch_blocks(case, D, fused, monkeypatch):
                       "partial": (True, 200, 0)}[case]
     q, k, v = make(2, sq, sk, 6, 2, D, torch.bfloat16, seed=11)
     scale = D ** -0.5
-    fused = blocks._flash_causal(q, k, causal, qp, kp)
+    fused = blocks.fused.exact_causal(q, k, causal, qp, kp)
     assert (fused is None) == (case == "partial"), f"{case}: flash op applies = {fused is not None}"
     out, lse = blocks._block_forward_torch(q, k, v, causal, qp, kp, scale)
     kw = dict(causal=causal, q_pos0=qp, k_pos0=kp, scale=scale)
@@ -255,3 +255,71 @@ def test_batch_context_on_one_gpu(tmp_path):
     finally:
         dist.destroy_process_group()
     assert checked >= 1
+
+
+DOC_PAIRS = {  # documents of each batch row, q_pos0, Sq, k_pos0, Sk (as in tests/test_fused.py, at GPU lengths)
+    "diagonal": ([[500, 170, 33, 600], [77, 1000, 226]], 411, 611, 411, 611),
+    "keys_before": ([[300, 700, 300], [950, 350]], 700, 333, 200, 450),
+    "keys_before_none": ([[400, 400, 500]], 800, 200, 300, 100),
+}
+
+
+@pytest.mark.parametrize("backend", ["varlen", "hexiseq"])
+@pytest.mark.parametrize("case", list(DOC_PAIRS))
+@pytest.mark.parametrize("D", [64, 128])
+def test_document_pairs_on_each_backend(case, backend, D, monkeypatch):
+    """A document pair through the runtime's block kernels with the documents' backend forced (torch's variable-
+    length flash op, or the hexiseq kernels' mask): forward, and backward with the pair's own out and LSE, against
+    float64 under the same mask; bf16, GQA 6:2, two batch rows with different documents, odd lengths."""
+    from hexiseq.runtime import blocks
+    from hexiseq.runtime.variants import PLAIN
+
+    monkeypatch.delenv("HEXISEQ_RUNTIME_KERNELS", raising=False)
+    monkeypatch.setenv("HEXISEQ_DOCUMENT_KERNELS", backend)
+    docs, qp, Sq, kp, Sk = DOC_PAIRS[case]
+    B = len(docs)
+    q, k, v = make(B, Sq, Sk, 6, 2, D, torch.bfloat16, seed=31)
+    positions = list(range(qp, qp + Sq))
+    q_doc = torch.stack([torch.as_tensor(ops.document_starts(r, positions)) for r in docs]).to(DEV)
+    kern = blocks.BlockKernels(DEV, torch.bfloat16)
+    assert kern._route(q, k, True, qp, kp, q_doc, PLAIN)[0] == backend
+    scale = D ** -0.5
+    kw = dict(causal=True, q_pos0=qp, k_pos0=kp, scale=scale, q_doc=q_doc)
+    out, lse = kern.forward(q, k, v, True, qp, kp, scale, q_doc)
+    ref_out, ref_lse = attention(q, k, v, dtype=torch.float64, **kw)
+    base_out, base_lse = attention(q, k, v, dtype=torch.bfloat16, **kw)
+    assert_close_2x(out, base_out, ref_out, "out")
+    seen = torch.isfinite(ref_lse)
+    assert torch.all(lse[~seen] == -float("inf")) and torch.all(out.transpose(1, 2)[~seen] == 0)
+    if seen.any():
+        assert_close_2x(lse[seen], base_lse[seen], ref_lse[seen], "lse")
+    g = torch.Generator(device=DEV).manual_seed(32)
+    dout = torch.randn(q.shape, device=DEV, generator=g).to(q.dtype)
+    grads = kern.backward(q, k, v, out, lse, dout, True, qp, kp, scale, q_doc)
+    refs = {}
+    for dtype in (torch.float64, torch.bfloat16):
+        qq, kk, vv = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
+        attention(qq, kk, vv, dtype=dtype, **kw)[0].backward(dout.to(dtype))
+        refs[dtype] = (qq.grad, kk.grad, vv.grad)
+    for name, ours, ref, base in zip(("dq", "dk", "dv"), grads, refs[torch.float64], refs[torch.bfloat16]):
+        assert ours.shape == ref.shape, f"{name}: shape {list(ours.shape)} != {list(ref.shape)}"
+        assert_close_2x(ours, base, ref, name, floor=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["pairs", "documents"])
+def test_block_backends_are_measured_and_recorded(kind, monkeypatch):
+    """Each kind's candidates run here, agree with their reference and are timed; the fastest is the choice, and
+    every pair torch's fused ops cannot compute (a partly visible one) goes to the hexiseq kernels, never to the
+    tiled matmuls."""
+    from hexiseq.runtime import blocks, fused
+    from hexiseq.runtime.variants import PLAIN
+
+    monkeypatch.delenv("HEXISEQ_RUNTIME_KERNELS", raising=False)
+    monkeypatch.delenv("HEXISEQ_DOCUMENT_KERNELS", raising=False)
+    best, times = fused.measure(DEV, torch.bfloat16, 16, 4, 128, kind)
+    want = {"pairs": {"flash", "hexiseq"}, "documents": {"hexiseq", "varlen"}}[kind]
+    assert want <= set(times) and best == min(times, key=times.get), times
+    print(f"{kind}: {best} of {', '.join(f'{n} {t:.3f} ms' for n, t in times.items())}")
+    q, k, _ = make(1, 333, 517, 6, 2, 64, torch.bfloat16)
+    kern = blocks.BlockKernels(DEV, torch.bfloat16)
+    assert kern._route(q, k, True, 200, 0, None, PLAIN) == ("hexiseq", None)

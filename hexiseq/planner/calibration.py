@@ -644,8 +644,13 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
     prog.stage(f"{world} rank(s), {device.type}, {str(dt).replace('torch.', '')}: matmul rates on {model.name}'s "
                f"shapes at {', '.join(map(str, rows_list))} rows")
     gemm = _gemm_curve(model, rows_list, device, dt, iters, warmup, barrier, prog)
-    prog.stage(f"attention rates, full and causal blocks of {', '.join(map(str, blocks))} tokens and documents "
-               f"packed in {max(blocks)}, head_dim {model.head_dim}")
+    # the block backends the runtime will use for this head shape, measured (or forced) first: the attention
+    # curves below time the ones chosen, so the cost model prices what runs
+    h_run, kv_run = _attention_heads(model, device, attn_heads)
+    backends = _block_backends(device, dt, h_run, kv_run, model.head_dim)
+    prog.stage(f"attention rates through the block backends chosen here (pairs: {backends['pairs']}, documents: "
+               f"{backends['documents']}), full and causal blocks of {', '.join(map(str, blocks))} tokens and "
+               f"documents packed in {max(blocks)}, head_dim {model.head_dim}")
     full, diag, packed, h_meas, kv_meas = _attention_curves(model, blocks, device, dt, attn_heads, iters, warmup,
                                                             barrier, prog)
     prog.stage(f"the runtime's work around the kernels, attention layers of "
@@ -677,7 +682,7 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
         a2a, a2a_bytes = [], 0
     row = {"host": host, "gpu": device_name(device), "memory_gib": memory, "gemm": gemm, "attn": full,
            "attn_causal": diag, "attn_document": packed, "runtime": runtime, "runtime_a2a": runtime_a2a,
-           "runtime_ring": runtime_ring,
+           "runtime_ring": runtime_ring, "block_backends": backends,
            "links": {p: (l, b) for p, (l, b) in mine.items()},
            "a2a": [t for _, t in a2a]}
     rows = [None] * world
@@ -705,6 +710,7 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
             "hosts": sorted(set(hosts)), "iters": iters, "message_bytes": message_bytes, "a2a_bytes": a2a_bytes,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "seconds": round(time.perf_counter() - t_start, 1)}
+    meta["block_backends"] = [rr["block_backends"] for rr in rows]  # per device, rank order (runtime.nn adopts)
     meta = _broadcast(meta, group)
     cluster = _build_cluster(rows, bw, lat, pairs_note, a2a_max, meta, tolerance)
     if out is not None and rank == 0:
@@ -713,6 +719,12 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
         barrier()
     prog.stage(f"done: {cluster.describe()}" + (f", written to {out}" if out is not None else ""))
     return cluster
+
+
+def _block_backends(device, dtype, heads, kv_heads, head_dim):
+    from ..runtime import fused
+
+    return fused.choices(device, dtype, heads, kv_heads, head_dim)
 
 
 def _runtime_uses_c(device, dtype):

@@ -21,7 +21,7 @@ try:
 except ImportError as e:  # pragma: no cover
     raise ImportError("hexiseq.nn needs PyTorch (pip install torch)") from e
 
-from . import blocks, compiled, ring
+from . import blocks, compiled, fused, ring
 from . import documents as documents_mod
 from .variants import PLAIN, variant as make_variant
 from .comm import Comm, describe_call
@@ -148,7 +148,7 @@ class HexiSeqContext:
         hexiseq.runtime.variants.Variant) and sinks ([A] or None): see hexiseq_attn_func."""
         error = self._input_error(q, k, v) or _sinks_error(sinks, self.topology.heads)
         docs = self._call("forward", q, error, backward, documents, _describe(variant, sinks))
-        kern = blocks.kernels_for(q.device, q.dtype, self._kernels)
+        kern = self._block_kernels(q)
         return ring.layer_forward(self.comm, self.slices, kern, q, k, v, self.causal, self._scale(q.shape[3]), docs,
                                   variant, sinks)
 
@@ -156,9 +156,29 @@ class HexiSeqContext:
         """dO of this rank's output and forward's saved tensors -> (dq, dk, dv), and with sinks their gradient
         (this rank's part, see hexiseq.runtime.ring.layer_backward). documents, variant, sinks: the forward's."""
         docs = self._call("backward", do, None, True, documents, _describe(variant, sinks))
-        kern = blocks.kernels_for(do.device, do.dtype, self._kernels)
+        kern = self._block_kernels(do)
         return ring.layer_backward(self.comm, self.slices, kern, do, saved, self.causal, self._scale(do.shape[3]),
                                    docs, variant, sinks)
+
+
+    def _block_kernels(self, t):
+        """The BlockKernels for t's device and dtype; on the first call for a GPU, the block backends a calibration
+        of the plan's cluster chose for this rank's device are adopted (hexiseq.runtime.fused.prefer), so the
+        runtime runs what the cost model priced instead of measuring again."""
+        if (t.device, t.dtype) not in self._kernels and t.device.type == "cuda":
+            adopt_calibrated_backends(self.plan, self.rank, t.device, t.dtype)
+        return blocks.kernels_for(t.device, t.dtype, self._kernels)
+
+
+def adopt_calibrated_backends(plan, rank, device, dtype):
+    """Prefer the block backends recorded for cluster device `rank` by the calibration the plan's cluster came
+    from (calibration.block_backends), where it measured this dtype; a cluster without one changes nothing."""
+    cal = plan.cluster.calibration or {}
+    chosen = cal.get("block_backends")
+    if (not isinstance(chosen, list) or len(chosen) != plan.cluster.num_devices or not isinstance(chosen[rank], dict)
+            or cal.get("dtype") != str(dtype).replace("torch.", "") or "head_dim" not in cal):
+        return
+    fused.prefer(device, dtype, cal["head_dim"], **{k: chosen[rank].get(k) for k in ("pairs", "documents")})
 
 
 def _describe(variant, sinks):
