@@ -154,7 +154,7 @@ def main():
                         row.setdefault(impl + key, float("nan"))
                     print(f"{impl}: {str(e).splitlines()[0][:200]}", flush=True)
                 attn.context.close()
-            os.environ.pop("HEXISEQ_RUNTIME_KERNELS")
+            os.environ.pop("HEXISEQ_RUNTIME_KERNELS", None)
             # SDPA's flash backend takes equal head counts: K, V expanded once, outside the timed region (in the
             # baseline's favour); the same tensors for SDPA's cuDNN backend
             qt = q.detach().transpose(1, 2).requires_grad_()

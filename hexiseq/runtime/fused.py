@@ -291,9 +291,16 @@ def _flash_forward(q, k, v, is_causal, scale):
     return r[0].transpose(1, 2), r[1]
 
 
+_rng_placeholders = {}
+
+
 def _no_rng(device):
-    """The random-state operands of torch's flash backwards, which read none without dropout."""
-    return torch.zeros(2, dtype=torch.int64, device=device), torch.zeros((), dtype=torch.int64, device=device)
+    """The random-state operands of torch's flash backwards, which read none without dropout: made once per
+    device (two allocations and two fills per call were host time a short call does not hide)."""
+    if device not in _rng_placeholders:
+        _rng_placeholders[device] = (torch.zeros(2, dtype=torch.int64, device=device),
+                                     torch.zeros((), dtype=torch.int64, device=device))
+    return _rng_placeholders[device]
 
 
 def _flash_backward(q, k, v, o, lse, do, is_causal, scale):
