@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # GPU session checks of the CUDA attention kernels and the NCCL runtime, run from the repo root on a GPU machine:
-#   bash benchmarks/run_gpu_checks.sh [steps]      steps: any of build tests split sanitize accept bench variants backends calibrate runtime profile
+#   bash benchmarks/run_gpu_checks.sh [steps]      steps: any of build tests split sanitize accept bench variants gqa backends calibrate runtime profile
 #                                                 (default: all, in that order)
 # Builds hexiseq in place with nvcc (no package index needed), runs the CUDA, CPU-op and block-path tests (the runtime on a
 # one-rank NCCL group among them), compute-sanitizer memcheck/racecheck/synccheck on forward, backward and merge at
 # head dims 64, 128 and 256, an external acceptance check when one is present at .gpu/acceptance.py, the
 # benchmark against torch SDPA's flash backend, and an Nsight Compute profile of one forward and one backward.
 # Everything lands in $OUT (or benchmarks/results/gpu/ when unset); the full log is $OUT/gpu_checks.log.
-# BWD_KERNELS=staged,register and FWD_KEYS=64,32 time those kernel variants side by side in the benchmark.
+# BWD_KERNELS=staged,register and FWD_KEYS=64,32 time those kernel variants side by side in the benchmark;
+# SAN_TOOLS=memcheck (say) runs only those compute-sanitizer tools.
 # Every step runs even if one fails; the exit status is that of the first failure. Budget: under 10 minutes.
 set -u
 cd "$(dirname "$0")/.."
 RESULTS=${OUT:-benchmarks/results/gpu}
 mkdir -p "$RESULTS"
 exec > >(tee "$RESULTS/gpu_checks.log") 2>&1
-STEPS=${*:-build tests split sanitize accept bench variants backends calibrate runtime profile}
+STEPS=${*:-build tests split sanitize accept bench variants gqa backends calibrate runtime profile}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 status=0
@@ -76,7 +77,7 @@ print("sanitizer cases ran")
 PY
     SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
     if [ -n "$SAN" ]; then
-        for tool in memcheck racecheck synccheck; do
+        for tool in ${SAN_TOOLS:-memcheck racecheck synccheck}; do
             echo "--- $tool"
             timeout 200 "$SAN" --tool $tool --error-exitcode 3 python /tmp/hexiseq_sanitize.py 2>&1 | tail -8
             rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || note_fail "$rc"
@@ -108,6 +109,11 @@ fi
 if want variants; then
     step "attention variants: sliding window and soft-capping vs the plain causal kernels and SDPA flash"
     timeout 200 python benchmarks/gpu_variants.py --out "$RESULTS/variants.md" || note_fail $?
+fi
+
+if want gqa; then
+    step "the backward with GQA: query heads split over CTAs vs one CTA per group, and torch's flash backward"
+    timeout 200 python benchmarks/gpu_gqa_backward.py --out "$RESULTS/gqa_backward.md" || note_fail $?
 fi
 
 if want backends; then

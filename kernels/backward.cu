@@ -122,8 +122,10 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
 
     const int64_t bid = blockIdx.x;
     const int64_t kt = bid % cfg.n_ktiles;
-    const int32_t hk = (int32_t)(bid / cfg.n_ktiles % p.kv_heads);
-    const int64_t b = bid / cfg.n_ktiles / p.kv_heads;
+    const int32_t slot = (int32_t)(bid / cfg.n_ktiles % ((int64_t)p.kv_heads * cfg.splits)); // (kv head, split)
+    const int32_t hk = slot / cfg.splits;
+    const int32_t h_first = hk * cfg.group + slot % cfg.splits * cfg.heads_per; // this CTA's first query head
+    const int64_t b = bid / cfg.n_ktiles / ((int64_t)p.kv_heads * cfg.splits);
     const int64_t k0 = kt * BK;
     const int nk = (int)min((int64_t)BK, p.seq_k - k0); // keys in this tile (32-bit compares per element)
     const int64_t key_first = p.k_pos0 + k0;             // absolute position of the tile's first key
@@ -171,7 +173,7 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
     // double-buffered with cp.async when their rows allow 16-byte copies (the next step's tiles load during this
     // one, across head boundaries too); otherwise loaded element by element into buffer 0.
     const int64_t n_qt = max((int64_t)0, (p.seq_q + BQ - 1) / BQ - qt_first);
-    const int64_t n_steps = (int64_t)cfg.group * n_qt;
+    const int64_t n_steps = (int64_t)cfg.heads_per * n_qt;
     const bool async = cfg.vec_q && cfg.vec_do;
     auto q_tile = [&](int buf) { return reinterpret_cast<T *>(smem + L::q + buf * L::qt); };   // [BQ][LDT]
     auto do_tile = [&](int buf) { return reinterpret_cast<T *>(smem + L::dO + buf * L::qt); }; // [BQ][LDT]
@@ -191,8 +193,8 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
     // tile is the next one doc_next_tile keeps, and the steps end with the group's heads (their count is not known
     // ahead).
     const int64_t q0_first = q0_start;
-    const int32_t h_end = (hk + 1) * cfg.group;
-    int32_t h = LB && q0_start >= p.seq_q ? h_end : hk * cfg.group;
+    const int32_t h_end = h_first + cfg.heads_per;
+    int32_t h = LB && q0_start >= p.seq_q ? h_end : h_first;
     int64_t q0 = q0_first;
     if (async && (LB ? h < h_end : n_steps > 0))
         prefetch(h, q0, 0);
@@ -375,7 +377,8 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
         q0 = q0_next;
     }
 
-    // dK = scale dS^T Q and dV; one thread owns each element, so plain stores (accumulate: add to old values).
+    // dK = scale dS^T Q and dV; one thread owns each element, so plain stores (accumulate: add to old values), or,
+    // with the group's heads split over CTAs, fp32 adds.
     T *dkg = static_cast<T *>(p.dk) + b * p.dk_stride[0] + k0 * p.dk_stride[1] + hk * p.dk_stride[2];
     T *dvg = static_cast<T *>(p.dv) + b * p.dv_stride[0] + k0 * p.dv_stride[1] + hk * p.dv_stride[2];
 #pragma unroll
@@ -385,9 +388,15 @@ __global__ void __launch_bounds__(BwdMmaTiles<D, BK_>::THREADS) attn_bwd_mma_ker
             const int r = key0 + 8 * (e / 2), col = c0 + 8 * j + 2 * t + (e & 1);
             if (r >= nk || col >= p.head_dim)
                 continue;
+            float gk = dk[j][e] * cfg.scale, gv = dv[j][e];
+            if (cfg.dkv_acc) { // the group's heads split over CTAs: their sums meet in fp32 (attn_bwd_dkv_kernel)
+                float *at = cfg.dkv_acc + (((b * p.seq_k + k0 + r) * p.kv_heads + hk) * p.head_dim + col);
+                atomicAdd(at, gk);
+                atomicAdd(at + p.batch * p.seq_k * p.kv_heads * p.head_dim, gv);
+                continue;
+            }
             T *pk = dkg + r * p.dk_stride[1] + col * p.dk_stride[3];
             T *pv = dvg + r * p.dv_stride[1] + col * p.dv_stride[3];
-            float gk = dk[j][e] * cfg.scale, gv = dv[j][e];
             if (p.accumulate) {
                 gk += to_f32(*pk);
                 gv += to_f32(*pv);
@@ -412,13 +421,62 @@ template <typename T> __global__ void attn_bwd_dq_kernel(const hexiseq_attn_para
         *pq = from_f32<T>(g);
     }
 }
+// dk[b, j, hk, c] = (accumulate ? dk : 0) + dkv_acc[0][b, j, hk, c], and dv from dkv_acc[1]: the sums of the CTAs
+// that split a GQA group's query heads, one thread per element.
+template <typename T> __global__ void attn_bwd_dkv_kernel(const hexiseq_attn_params p, const BwdLaunch cfg) {
+    const int64_t n = p.batch * p.seq_k * p.kv_heads * p.head_dim;
+    for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t c = idx % p.head_dim;
+        const int64_t hk = idx / p.head_dim % p.kv_heads;
+        const int64_t j = idx / p.head_dim / p.kv_heads % p.seq_k;
+        const int64_t b = idx / p.head_dim / p.kv_heads / p.seq_k;
+        T *pk = static_cast<T *>(p.dk) + b * p.dk_stride[0] + j * p.dk_stride[1] + hk * p.dk_stride[2] + c * p.dk_stride[3];
+        T *pv = static_cast<T *>(p.dv) + b * p.dv_stride[0] + j * p.dv_stride[1] + hk * p.dv_stride[2] + c * p.dv_stride[3];
+        float gk = cfg.dkv_acc[idx], gv = cfg.dkv_acc[n + idx];
+        if (p.accumulate) {
+            gk += to_f32(*pk);
+            gv += to_f32(*pv);
+        }
+        *pk = from_f32<T>(gk);
+        *pv = from_f32<T>(gv);
+    }
+}
+// How many CTAs split a GQA group's query heads (BwdLaunch::splits): the smallest divisor of the group that gives
+// the backward at least 8 CTAs per SM to spread (one CTA of 8 warps fits an SM at a time, and under the causal mask
+// key tiles carry unequal work, so a few waves balance it), else the whole group. HEXISEQ_CUDA_BWD_SPLITS=n forces
+// the largest divisor of the group up to n (to time one against another, and for the tests). base: CTAs unsplit.
+hexiseq_status bwd_splits(int32_t group, int64_t base, int32_t *splits) {
+    const char *force = getenv("HEXISEQ_CUDA_BWD_SPLITS");
+    if (force && *force) {
+        char *end = nullptr;
+        const long n = strtol(force, &end, 10);
+        if (*end != '\0' || n < 1)
+            return hexiseq_fail(HEXISEQ_ERR_INVALID, "HEXISEQ_CUDA_BWD_SPLITS=%s: expected a positive integer or unset",
+                                force);
+        int32_t d = 1;
+        for (int32_t x = 1; x <= group && x <= n; ++x)
+            if (group % x == 0)
+                d = x;
+        *splits = d;
+        return HEXISEQ_OK;
+    }
+    const int64_t want = 8 * (int64_t)sm_count();
+    *splits = group;
+    for (int32_t x = 1; x < group; ++x)
+        if (group % x == 0 && base * x >= want) {
+            *splits = x;
+            break;
+        }
+    return HEXISEQ_OK;
+}
 // The key tile (BK keys per CTA) depends on the instance, so the grid is sized here (backward_typed has checked
 // it against the grid limit for the smallest key tile).
 template <typename T, int D, int BK = bwd_default_bk(D)>
 hexiseq_status launch_bwd_mma(const hexiseq_attn_params &p, BwdLaunch cfg, cudaStream_t stream) {
     using L = BwdMmaTiles<D, BK>;
     cfg.n_ktiles = ceil_div(p.seq_k, BK);
-    const int64_t blocks = cfg.n_ktiles * p.kv_heads * p.batch;
+    const int64_t blocks = cfg.n_ktiles * p.kv_heads * cfg.splits * p.batch;
     const bool lb = p.q_doc != nullptr || p.window, cap = p.softcap > 0; // the instance, as in launch_fwd
     auto kernel = lb ? (cap ? attn_bwd_mma_kernel<T, D, BK, true, true> : attn_bwd_mma_kernel<T, D, BK, true, false>)
                      : (cap ? attn_bwd_mma_kernel<T, D, BK, false, true> : attn_bwd_mma_kernel<T, D, BK, false, false>);
@@ -443,7 +501,10 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
 
     const int D = padded_head_dim(p->head_dim);
     const int64_t rows = p->batch * p->heads * p->seq_q;
-    const int64_t main_blocks = ceil_div(p->seq_k, 64) * p->kv_heads * p->batch; // the most: 64-key tiles
+    const int64_t base_blocks = ceil_div(p->seq_k, 64) * p->kv_heads * p->batch; // the most unsplit: 64-key tiles
+    HEXISEQ_CHECK(bwd_splits(cfg.group, base_blocks, &cfg.splits));
+    cfg.heads_per = cfg.group / cfg.splits;
+    const int64_t main_blocks = base_blocks * cfg.splits;
     const int64_t delta_blocks = ceil_div(rows, kThreads / 32);
     if (main_blocks > INT32_MAX || delta_blocks > INT32_MAX || rows > INT64_MAX / 8 / p->head_dim)
         return hexiseq_fail(HEXISEQ_ERR_UNSUPPORTED,
@@ -463,9 +524,12 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
     const size_t acc_bytes = (size_t)rows * (size_t)p->head_dim * sizeof(float);
     cfg.doc_chunks = lb ? ceil_div(p->seq_q, kDocChunk) : 0;
     const size_t doc_bytes = (size_t)(p->batch * cfg.doc_chunks) * sizeof(int64_t);
+    const size_t kv_elems = (size_t)(p->batch * p->seq_k * p->kv_heads * p->head_dim);
+    const size_t dkv_bytes = cfg.splits > 1 ? 2 * kv_elems * sizeof(float) : 0; // split heads: fp32 dK, dV sums
     auto up = [](size_t x) { return (x + 255) / 256 * 256; };
     void *scratch = nullptr;
-    cudaError_t e = cudaMallocAsync(&scratch, up(delta_bytes) + up(acc_bytes) + 3 * up(doc_bytes), stream);
+    cudaError_t e = cudaMallocAsync(&scratch, up(delta_bytes) + up(acc_bytes) + 3 * up(doc_bytes) + up(dkv_bytes),
+                                    stream);
     if (e != cudaSuccess)
         return cuda_fail(e, "cudaMallocAsync of the backward scratch (D and the fp32 dQ accumulator)");
     cfg.delta = static_cast<float *>(scratch);
@@ -476,11 +540,19 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
         cfg.doc_max = reinterpret_cast<int64_t *>(reinterpret_cast<char *>(doc) + up(doc_bytes));
         cfg.doc_suf = reinterpret_cast<int64_t *>(reinterpret_cast<char *>(doc) + 2 * up(doc_bytes));
     }
+    cfg.dkv_acc = dkv_bytes ? reinterpret_cast<float *>(static_cast<char *>(scratch) + up(delta_bytes) + up(acc_bytes) +
+                                                        3 * up(doc_bytes))
+                            : nullptr;
 
     hexiseq_status s = HEXISEQ_OK;
     e = cudaMemsetAsync(cfg.dq_acc, 0, acc_bytes, stream);
     if (e != cudaSuccess)
         s = cuda_fail(e, "cudaMemsetAsync of the dQ accumulator");
+    if (s == HEXISEQ_OK && dkv_bytes) {
+        e = cudaMemsetAsync(cfg.dkv_acc, 0, dkv_bytes, stream);
+        if (e != cudaSuccess)
+            s = cuda_fail(e, "cudaMemsetAsync of the dK, dV accumulators");
+    }
     if (s == HEXISEQ_OK) {
         HEXISEQ_LAUNCH(attn_bwd_delta_kernel<T>, (unsigned)delta_blocks, kThreads, 0, stream, *p, cfg);
         s = check_launch("attn_bwd_delta_kernel launch");
@@ -524,6 +596,12 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
         const int64_t blocks = ceil_div(n, kThreads) < (1 << 20) ? ceil_div(n, kThreads) : (1 << 20); // grid-stride
         HEXISEQ_LAUNCH(attn_bwd_dq_kernel<T>, (unsigned)blocks, kThreads, 0, stream, *p, cfg);
         s = check_launch("attn_bwd_dq_kernel launch");
+    }
+    if (s == HEXISEQ_OK && dkv_bytes) {
+        const int64_t n = (int64_t)kv_elems;
+        const int64_t blocks = ceil_div(n, kThreads) < (1 << 20) ? ceil_div(n, kThreads) : (1 << 20);
+        HEXISEQ_LAUNCH(attn_bwd_dkv_kernel<T>, (unsigned)blocks, kThreads, 0, stream, *p, cfg);
+        s = check_launch("attn_bwd_dkv_kernel launch");
     }
     e = cudaFreeAsync(scratch, stream);
     if (e != cudaSuccess && s == HEXISEQ_OK)

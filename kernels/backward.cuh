@@ -11,8 +11,15 @@ namespace {
 struct BwdLaunch {
     float *delta;    // [batch, heads, seq_q] contiguous scratch: D = rowsum(dO * O)
     float *dq_acc;   // [batch, heads, seq_q, head_dim] contiguous scratch: fp32 dQ (already scaled)
-    int64_t n_ktiles; // key tiles per (batch, kv head): the grid is n_ktiles x kv_heads x batch
+    int64_t n_ktiles; // key tiles per (batch, kv head): the grid is n_ktiles x (kv_heads x splits) x batch
     int32_t group;   // heads / kv_heads
+    // The query heads of a GQA group split over `splits` CTAs per key tile, heads_per = group / splits each (more
+    // CTAs where one per kv head would leave the GPU idle: 16/4 heads at 8K tokens made 512 CTAs on 132 SMs, each
+    // walking 4 heads, and the causal backward took as long as the full one). With splits > 1 the CTAs add their
+    // scaled dK, dV into dkv_acc (fp32 [2][batch, seq_k, kv_heads, head_dim], zeroed) and attn_bwd_dkv_kernel
+    // writes dk, dv; with splits = 1 dkv_acc is null and each CTA stores its own.
+    int32_t splits, heads_per;
+    float *dkv_acc;
     int32_t vec_q, vec_k, vec_v, vec_do; // 16-byte loads allowed for that tensor (vec_ok)
     float scale, scale_log2; // the softmax scale in fp32, and times log2(e)
     // Lower-bound instances only (document mask or window; attn_doc_chunks_kernel, attn_doc_suffix_kernel): per batch

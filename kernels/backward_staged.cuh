@@ -76,8 +76,10 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
 
     const int64_t bid = blockIdx.x;
     const int64_t kt = bid % cfg.n_ktiles;
-    const int32_t hk = (int32_t)(bid / cfg.n_ktiles % p.kv_heads);
-    const int64_t b = bid / cfg.n_ktiles / p.kv_heads;
+    const int32_t slot = (int32_t)(bid / cfg.n_ktiles % ((int64_t)p.kv_heads * cfg.splits)); // (kv head, split)
+    const int32_t hk = slot / cfg.splits;
+    const int32_t h_first = hk * cfg.group + slot % cfg.splits * cfg.heads_per; // this CTA's first query head
+    const int64_t b = bid / cfg.n_ktiles / ((int64_t)p.kv_heads * cfg.splits);
     const int64_t k0 = kt * BK;
     const int nk = (int)min((int64_t)BK, p.seq_k - k0); // keys in this tile (32-bit compares per element)
     const int64_t key_first = p.k_pos0 + k0;             // absolute position of the tile's first key
@@ -112,7 +114,7 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
 
     const int64_t q0_first = q0_start;
     const int64_t n_qt = max((int64_t)0, (p.seq_q - q0_first + BQ - 1) / BQ);
-    const int64_t n_steps = (int64_t)cfg.group * n_qt;
+    const int64_t n_steps = (int64_t)cfg.heads_per * n_qt;
     const bool async = cfg.vec_q && cfg.vec_do;
     auto q_tile = [&](int buf) { return reinterpret_cast<T *>(smem + L::q + buf * L::qt); };   // [BQ][LDT]
     auto do_tile = [&](int buf) { return reinterpret_cast<T *>(smem + L::dO + buf * L::qt); }; // [BQ][LDT]
@@ -128,8 +130,8 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
         cp_async_commit();
     };
     // Under lower bounds the steps walk the tiles doc_next_tile keeps and end with the group's heads.
-    const int32_t h_end = (hk + 1) * cfg.group;
-    int32_t h = LB && q0_start >= p.seq_q ? h_end : hk * cfg.group;
+    const int32_t h_end = h_first + cfg.heads_per;
+    int32_t h = LB && q0_start >= p.seq_q ? h_end : h_first;
     int64_t q0 = q0_first;
     if (async && (LB ? h < h_end : n_steps > 0))
         prefetch(h, q0, 0);
@@ -336,9 +338,15 @@ __global__ void __launch_bounds__(BwdStagedTiles<D>::THREADS) attn_bwd_staged_ke
                 const int r = vk + 16 * i + g + 8 * (e / 2), col = vc + 8 * j + 2 * t + (e & 1);
                 if (r >= nk || col >= p.head_dim)
                     continue;
+                float gk = dk[i][j][e] * cfg.scale, gv = dv[i][j][e];
+                if (cfg.dkv_acc) { // the group's heads split over CTAs (see attn_bwd_mma_kernel)
+                    float *at = cfg.dkv_acc + (((b * p.seq_k + k0 + r) * p.kv_heads + hk) * p.head_dim + col);
+                    atomicAdd(at, gk);
+                    atomicAdd(at + p.batch * p.seq_k * p.kv_heads * p.head_dim, gv);
+                    continue;
+                }
                 T *pk = dkg + r * p.dk_stride[1] + col * p.dk_stride[3];
                 T *pv = dvg + r * p.dv_stride[1] + col * p.dv_stride[3];
-                float gk = dk[i][j][e] * cfg.scale, gv = dv[i][j][e];
                 if (p.accumulate) {
                     gk += to_f32(*pk);
                     gv += to_f32(*pv);
@@ -351,7 +359,7 @@ template <typename T, int D> hexiseq_status launch_bwd_staged(const hexiseq_attn
                                                               cudaStream_t stream) {
     using L = BwdStagedTiles<D>;
     cfg.n_ktiles = ceil_div(p.seq_k, L::BK);
-    const int64_t blocks = cfg.n_ktiles * p.kv_heads * p.batch;
+    const int64_t blocks = cfg.n_ktiles * p.kv_heads * cfg.splits * p.batch;
     const bool lb = p.q_doc != nullptr || p.window, cap = p.softcap > 0; // the instance, as in launch_fwd
     auto kernel = lb ? (cap ? attn_bwd_staged_kernel<T, D, true, true> : attn_bwd_staged_kernel<T, D, true, false>)
                      : (cap ? attn_bwd_staged_kernel<T, D, false, true> : attn_bwd_staged_kernel<T, D, false, false>);

@@ -83,6 +83,14 @@ int smem_optin_limit() {
         return 0;
     return bytes;
 }
+// The current device's multiprocessor count; 108 (an A100's) if it cannot be read.
+int sm_count() {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 1)
+        return 108;
+    return n;
+}
 } // namespace
 
 #endif // HEXISEQ_KERNELS_HOST_CUH

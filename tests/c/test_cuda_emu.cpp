@@ -601,6 +601,23 @@ void test_attention_cases() {
     for (const Case &c : staged64)
         run_case(c);
     unsetenv("HEXISEQ_CUDA_BACKWARD");
+    // The backward's split of a GQA group's query heads over CTAs: small cases take the whole group apart (one query
+    // head per CTA, dK and dV summed in fp32 by attn_bwd_dkv_kernel); forced to 1, each CTA walks every head of its
+    // group and stores dK, dV itself; forced to 2 on a group of 6, three heads per CTA. Both backward kernels, with
+    // accumulate, documents' per-row bounds aside (test_documents runs them split by default).
+    const Case gqa[] = {
+        {BF, 1, 150, 150, 6, 2, 64, 1, 0, 0, CONTIG, 0, 0},
+        {BF, 2, 150, 140, 4, 2, 64, 1, 20, 0, MIXED_K, 1, 1},
+        {BF, 1, 150, 180, 6, 2, 128, 1, 100, 80, MIXED_Q, 1, 0},
+        {F16, 1, 100, 90, 4, 2, 256, 0, 0, 0, CONTIG, 0, 1},
+        {BF, 1, 65, 129, 3, 1, 128, 0, 0, 0, MIXED_K, 1, 1},
+    };
+    for (const char *splits : {"1", "2"}) {
+        setenv("HEXISEQ_CUDA_BWD_SPLITS", splits, 1);
+        for (const Case &c : gqa)
+            run_case(c);
+    }
+    unsetenv("HEXISEQ_CUDA_BWD_SPLITS");
     // A key block longer than one forward piece is cut into pieces merged in double (see forward_typed); pieces of
     // 64 and 128 keys reach that path here: several pieces per block, partial last pieces, pieces no query of a
     // slice sees (causal, keys after the queries), fully masked rows, GQA, D = 256, strided and transposed outputs.
@@ -733,6 +750,13 @@ void test_refusals() {
                strstr(hexiseq_last_error(), "HEXISEQ_CUDA_BACKWARD=fast") != nullptr,
            "HEXISEQ_CUDA_BACKWARD=fast must be refused by name: %s", hexiseq_last_error());
     unsetenv("HEXISEQ_CUDA_BACKWARD");
+    for (const char *bad : {"0", "two", "2x"}) {
+        setenv("HEXISEQ_CUDA_BWD_SPLITS", bad, 1);
+        EXPECT(hexiseq_attn_backward_cuda(&p, nullptr) == HEXISEQ_ERR_INVALID &&
+                   strstr(hexiseq_last_error(), "HEXISEQ_CUDA_BWD_SPLITS") != nullptr,
+               "HEXISEQ_CUDA_BWD_SPLITS=%s must be refused by name: %s", bad, hexiseq_last_error());
+    }
+    unsetenv("HEXISEQ_CUDA_BWD_SPLITS");
     // A document mask: its layout is checked like the CPU entry points' (it needs causal = 1; strides in range), its
     // values are not read by the checks (on a GPU they are device memory).
     const int64_t doc[1] = {0};

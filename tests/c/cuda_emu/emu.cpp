@@ -534,7 +534,13 @@ cudaError_t cudaGetDevice(int *device) {
 }
 
 cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device) {
-    if (attr != cudaDevAttrMaxSharedMemoryPerBlockOptin || device != 0)
+    if (device != 0)
+        return cudaErrorInvalidValue;
+    if (attr == cudaDevAttrMultiProcessorCount) { // an H100 SXM's
+        *value = 132;
+        return cudaSuccess;
+    }
+    if (attr != cudaDevAttrMaxSharedMemoryPerBlockOptin)
         return cudaErrorInvalidValue;
     *value = hexiseq_emu::smem_optin_limit;
     return cudaSuccess;

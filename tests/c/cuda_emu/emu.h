@@ -288,7 +288,7 @@ typedef enum cudaError {
 } cudaError_t;
 typedef struct CUstream_st *cudaStream_t;
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
-enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };
+enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16, cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };
 
 cudaError_t cudaGetLastError();
 const char *cudaGetErrorString(cudaError_t e);
