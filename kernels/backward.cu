@@ -3,7 +3,8 @@
 //
 // Backward where the staged kernel (backward_staged.cuh) does not run: attn_bwd_mma_kernel, the same register design as the forward on the transposed problem. A
 // preprocessing kernel writes D = rowsum(dO * O) (fp32, [batch, heads, seq_q]). One CTA per (key tile, kv head,
-// batch): 128 keys and 8 warps at D = 64 and 128 (64 keys and 4 warps for D = 128 on GPUs with 99 KiB of shared
+// batch; where one CTA per kv head is too few, one per query head or a few of them: BwdLaunch::splits): 128 keys
+// and 8 warps at D = 64 and 128 (64 keys and 4 warps for D = 128 on GPUs with 99 KiB of shared
 // memory), 64 keys and 8 warps at D = 256; each warp owns 16 keys and their dK, dV accumulators in registers (at D
 // = 256 two warps split a key block's head dim and swap partial scores through shared memory), and loops over every
 // query head of its GQA group and every query tile that can see the key tile: S^T = K Q^T, P^T = exp(scale S^T -
@@ -442,11 +443,15 @@ template <typename T> __global__ void attn_bwd_dkv_kernel(const hexiseq_attn_par
         *pv = from_f32<T>(gv);
     }
 }
-// How many CTAs split a GQA group's query heads (BwdLaunch::splits): the smallest divisor of the group that gives
-// the backward at least 8 CTAs per SM to spread (one CTA of 8 warps fits an SM at a time, and under the causal mask
-// key tiles carry unequal work, so a few waves balance it), else the whole group. HEXISEQ_CUDA_BWD_SPLITS=n forces
-// the largest divisor of the group up to n (to time one against another, and for the tests). base: CTAs unsplit.
-hexiseq_status bwd_splits(int32_t group, int64_t base, int32_t *splits) {
+// How many CTAs split a GQA group's query heads (BwdLaunch::splits). Under the causal mask or per-row lower bounds
+// key tiles carry unequal work, and one CTA per (key tile, kv head) leaves the SMs that got the light tiles idle:
+// the smallest divisor of the group that gives at least 8 CTAs per SM to spread (one CTA of 8 warps fits an SM at a
+// time), else the whole group. Without a mask every CTA carries the same work, and splitting only adds the fp32
+// sums: split just enough for one CTA per SM. On an H100 (benchmarks/results/gpu/gqa_backward_h100.md, 16/4 heads)
+// the causal backward took 0.76-0.80x the unsplit time at 4K and 8K tokens, the full one 0.98-1.16x, where this rule
+// would have split it. HEXISEQ_CUDA_BWD_SPLITS=n forces the largest divisor of the group up to n (to time one
+// against another, and for the tests). base: CTAs unsplit; uneven: a causal mask or lower bounds.
+hexiseq_status bwd_splits(int32_t group, int64_t base, bool uneven, int32_t *splits) {
     const char *force = getenv("HEXISEQ_CUDA_BWD_SPLITS");
     if (force && *force) {
         char *end = nullptr;
@@ -461,7 +466,7 @@ hexiseq_status bwd_splits(int32_t group, int64_t base, int32_t *splits) {
         *splits = d;
         return HEXISEQ_OK;
     }
-    const int64_t want = 8 * (int64_t)sm_count();
+    const int64_t want = (uneven ? 8 : 1) * (int64_t)sm_count();
     *splits = group;
     for (int32_t x = 1; x < group; ++x)
         if (group % x == 0 && base * x >= want) {
@@ -502,7 +507,7 @@ hexiseq_status backward_typed(const hexiseq_attn_params *p, cudaStream_t stream)
     const int D = padded_head_dim(p->head_dim);
     const int64_t rows = p->batch * p->heads * p->seq_q;
     const int64_t base_blocks = ceil_div(p->seq_k, 64) * p->kv_heads * p->batch; // the most unsplit: 64-key tiles
-    HEXISEQ_CHECK(bwd_splits(cfg.group, base_blocks, &cfg.splits));
+    HEXISEQ_CHECK(bwd_splits(cfg.group, base_blocks, p->causal || lb, &cfg.splits));
     cfg.heads_per = cfg.group / cfg.splits;
     const int64_t main_blocks = base_blocks * cfg.splits;
     const int64_t delta_blocks = ceil_div(rows, kThreads / 32);
