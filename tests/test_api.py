@@ -255,7 +255,7 @@ def _check_plan(p, cluster, seq_len, heads):
     t = p.devices
     n = cluster.num_devices
     expected_cols = ["device", "node", "gpu", "group", "rank", "tokens", "head_lo", "head_count", "kv_lo",
-                     "kv_count", "first_lo", "first_count", "gemm_s", "layer_gemm_s", "attn_s", "a2a_s",
+                     "kv_count", "first_lo", "first_count", "gemm_s", "layer_gemm_s", "mem_bound_s", "layer_mem_bound_s", "attn_s", "a2a_s",
                      "ring_exposed_s", "runtime_s", "busy_s",
                      "mem_states_gib", "mem_act_gib", "mem_attn_gib", "mem_ring_gib", "mem_total_gib", "mem_cap_gib", "state_share",
                      "ring_send_bytes", "ring_recv_bytes", "a2a_send_bytes", "a2a_recv_bytes",

@@ -126,6 +126,7 @@ typedef struct {
     double peak_tflops;      /* 0 for a model outside the catalog described by curves only */
     double gemm_eff;
     double attn_eff;
+    double hbm_gbps;         /* memory bandwidth, GB/s, for the memory-bound work (0: unknown, not charged) */
     hexiseq_rate_curve gemm_curve;        /* measured rates (n = 0: none), see hexiseq_device_desc */
     hexiseq_rate_curve attn_curve;
     hexiseq_rate_curve attn_causal_curve;
@@ -269,11 +270,15 @@ HEXISEQ_API hexiseq_status hexiseq_layout_spans(const hexiseq_layout *layout, he
 typedef struct {
     double gemm_s;           /* token-parallel compute: projections, MLP, output head */
     double layer_gemm_s;     /* of which one layer, forward + backward, one sequence (no recompute, no head) */
+    double mem_bound_s;      /* memory-bound work beside the matmuls: norms, residual adds, rotary, the MLP's
+                                activation (forward, backward, recompute), the loss over the logits, and the
+                                optimizer step over the parameters the device updates */
+    double layer_mem_bound_s; /* of which one layer, forward + backward, one sequence (no recompute) */
     double attn_s;           /* attention kernels over all ring steps */
     double a2a_s;            /* this device's all-to-all transfers, serialised */
     double ring_exposed_s;   /* ring receive/send time not hidden behind attention, plus per-step sync */
     double runtime_s;        /* the runtime's work around the kernels (measured runtime curves; else 0) */
-    double busy_s;           /* gemm_s + max(a2a of its group) + attn_s + ring_exposed_s + runtime_s */
+    double busy_s;           /* gemm_s + mem_bound_s + max(a2a of its group) + attn_s + ring_exposed_s + runtime_s */
     double mem_states_gib;   /* parameters, gradients, optimizer states, gathered layer weights */
     double mem_act_gib;      /* token-parallel activations (incl. logits) */
     double mem_attn_gib;     /* attention working set: Q, K, V, O of the group's tokens for its heads */
@@ -297,7 +302,7 @@ typedef struct {
 typedef struct {
     double step_time_s;      /* predicted step time: sum over phases of the slowest device's phase time,
                                 plus the exposed gradient collectives */
-    double gemm_phase_s;     /* slowest device's token-parallel compute */
+    double gemm_phase_s;     /* slowest device's token-parallel phase: matmuls and memory-bound work */
     double a2a_phase_s;      /* slowest group's all-to-all */
     double ring_phase_s;     /* slowest device's attention + exposed ring communication */
     double grad_sync_s;      /* parameter and gradient collectives over all devices, whole step */

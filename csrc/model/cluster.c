@@ -279,6 +279,7 @@ hexiseq_status hexiseq_cluster_create_ex(int32_t n_nodes, const hexiseq_node_des
             di->peak_tflops = nd->peak_tflops > 0 ? nd->peak_tflops : spec.peak_tflops;
             di->gemm_eff = nd->gemm_eff > 0 ? nd->gemm_eff : spec.gemm_eff;
             di->attn_eff = nd->attn_eff > 0 ? nd->attn_eff : spec.attn_eff;
+            di->hbm_gbps = spec.hbm_gbps;
             if (dd) {
                 di->gemm_curve = dd->gemm;
                 di->attn_curve = dd->attn;
@@ -420,8 +421,7 @@ hexiseq_status hexiseq_model_params(const hexiseq_model *m, double *params) {
     HEXISEQ_CHECK(hexiseq_model_validate(m));
     if (!params)
         return hexiseq_fail(HEXISEQ_ERR_NULL, "params must not be NULL");
-    /* embedding + untied output head + final norm */
-    *params = m->layers * hexiseq_layer_params(m) + 2.0 * (double)m->vocab * m->hidden + m->hidden;
+    *params = hexiseq_total_params(m);
     return HEXISEQ_OK;
 }
 

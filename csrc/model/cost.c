@@ -159,7 +159,20 @@ static double lower_bound_s(const cost_ctx *x) {
         layer_pairs += x->m->window_layers * (fmin(w, pairs) - pairs);
     }
     double attn_flops = seqs * attn_fwd_flops(x->m, layer_pairs, x->m->heads) * attn_passes(x->t);
-    return gemm_flops / gemm_rate + attn_flops / attn_rate;
+    /* the memory-bound work spread over every device's bandwidth, the optimizer step at its smallest (every
+     * parameter updated once); none where some device's bandwidth is unknown (it is charged nothing there) */
+    double mem_rate = 0.0;
+    for (int32_t d = 0; d < x->c->n_devices; ++d) {
+        if (x->c->dev[d].hbm_gbps <= 0.0) {
+            mem_rate = 0.0;
+            break;
+        }
+        mem_rate += x->c->dev[d].hbm_gbps * 1e9 * MEM_BOUND_EFF;
+    }
+    double mem_bytes = seqs * S * (x->m->layers * layer_mem_elems_per_token(x->m) * x->m->dtype_bytes *
+                                   mem_bound_passes(x->t) + (double)x->m->vocab * loss_bytes_per_logit(x->m)) +
+                       hexiseq_total_params(x->m) * optimizer_bytes_per_param(x->m);
+    return gemm_flops / gemm_rate + attn_flops / attn_rate + (mem_rate > 0.0 ? mem_bytes / mem_rate : 0.0);
 }
 
 static hexiseq_status validate_training(const hexiseq_training *t) {
@@ -370,9 +383,6 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         prev_link = link;
         prev_attn_fwd = attn_fwd;
         prev_gemm_fwd = gemm_fwd;
-        /* one layer's compute of this device, forward and backward (with recompute), one sequence */
-        b_fwd = fmax(b_fwd, gemm_fwd + attn_fwd);
-        b_bwd = fmax(b_bwd, gemm_fwd * (GEMM_BWD_FACTOR + ckpt) + attn_fwd * (ATTN_BWD_FACTOR + ckpt));
         if (alike) { /* memory: same states, ring buffers, cap; same tokens and group */
             dc->mem_states_gib = pc->mem_states_gib;
             dc->mem_act_gib = pc->mem_act_gib;
@@ -381,13 +391,24 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
             dc->mem_total_gib = pc->mem_total_gib;
             dc->mem_cap_gib = pc->mem_cap_gib;
             dc->state_share = pc->state_share;
+            dc->mem_bound_s = pc->mem_bound_s;
+            dc->layer_mem_bound_s = pc->layer_mem_bound_s;
         } else {
             hexiseq_memory_terms(&x, r, dc->kv_count, dc);
+            /* the optimizer step covers the parameters whose optimizer states the device holds */
+            double opt_params = hexiseq_total_params(m) * (t->sharding == HEXISEQ_SHARD_NONE ? 1.0 : dc->state_share);
+            dc->mem_bound_s = hexiseq_mem_bound_time_s(&x, d, l->tokens[r], opt_params);
+            dc->layer_mem_bound_s = hexiseq_layer_mem_bound_s(&x, d, l->tokens[r]);
         }
+        /* one layer's compute of this device, forward and backward (with recompute), one sequence */
+        double mem_fwd = dc->layer_mem_bound_s / (1.0 + MEM_BOUND_BWD_FACTOR);
+        b_fwd = fmax(b_fwd, gemm_fwd + attn_fwd + mem_fwd);
+        b_bwd = fmax(b_bwd, gemm_fwd * (GEMM_BWD_FACTOR + ckpt) + attn_fwd * (ATTN_BWD_FACTOR + ckpt) +
+                                mem_fwd * (MEM_BOUND_BWD_FACTOR + ckpt));
         group_a2a[x.group_of[r]] = fmax(group_a2a[x.group_of[r]], dc->a2a_s);
         double ring_s = dc->attn_s + dc->ring_exposed_s + dc->runtime_s;
-        if (dc->gemm_s > out->gemm_phase_s || r == 0) {
-            out->gemm_phase_s = dc->gemm_s;
+        if (dc->gemm_s + dc->mem_bound_s > out->gemm_phase_s || r == 0) {
+            out->gemm_phase_s = dc->gemm_s + dc->mem_bound_s;
             out->gemm_bottleneck = l->device[r];
         }
         if (ring_s > out->ring_phase_s || r == 0) {
@@ -405,7 +426,7 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     for (int32_t r = 0; r < l->n_devices && st == HEXISEQ_OK; ++r) {
         hexiseq_device_cost *dc = &per_device[r];
         double ga = group_a2a[x.group_of[r]];
-        dc->busy_s = dc->gemm_s + ga + dc->attn_s + dc->ring_exposed_s + dc->runtime_s;
+        dc->busy_s = dc->gemm_s + dc->mem_bound_s + ga + dc->attn_s + dc->ring_exposed_s + dc->runtime_s;
         if (ga > out->a2a_phase_s) {
             out->a2a_phase_s = ga;
             out->a2a_bottleneck = l->device[r];

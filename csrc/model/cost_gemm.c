@@ -1,4 +1,5 @@
-/* Cost term: token-parallel compute (projections, MLP, output head) at the device's achieved matmul rate. */
+/* Cost terms: token-parallel compute (projections, MLP, output head) at the device's achieved matmul rate, and the
+ * memory-bound work beside it at the device's memory bandwidth. */
 #include "cost_terms.h"
 
 /* Achieved matmul rate (FLOP/s) of a device running an m-row problem: the measured curve when there is
@@ -23,4 +24,27 @@ double hexiseq_layer_gemm_fwd_s(const cost_ctx *x, const hexiseq_device_info *d,
     if (tokens == 0)
         return 0.0;
     return (double)tokens * layer_gemm_flops_per_token(x->m) / gemm_rate_flops(d, (double)tokens);
+}
+
+/* Bytes per second the memory-bound work moves on a device; 0 where its bandwidth is unknown. */
+static double mem_bound_rate(const hexiseq_device_info *d) { return d->hbm_gbps * 1e9 * MEM_BOUND_EFF; }
+
+/* The memory-bound work of a device over the whole step: every layer's (forward, backward, recompute) and the loss
+ * for each sequence's tokens, and the optimizer step once over the parameters it updates, seconds. */
+double hexiseq_mem_bound_time_s(const cost_ctx *x, const hexiseq_device_info *d, int64_t tokens, double opt_params) {
+    double rate = mem_bound_rate(d);
+    if (rate <= 0.0)
+        return 0.0;
+    const hexiseq_model *m = x->m;
+    double per_token = m->layers * layer_mem_elems_per_token(m) * m->dtype_bytes * mem_bound_passes(x->t) +
+                       (double)m->vocab * loss_bytes_per_logit(m);
+    return (x->t->sequences * (double)tokens * per_token + opt_params * optimizer_bytes_per_param(m)) / rate;
+}
+
+/* One layer's memory-bound work, forward + backward, one sequence (no recompute), seconds. */
+double hexiseq_layer_mem_bound_s(const cost_ctx *x, const hexiseq_device_info *d, int64_t tokens) {
+    double rate = mem_bound_rate(d);
+    if (rate <= 0.0 || tokens == 0)
+        return 0.0;
+    return (double)tokens * layer_mem_elems_per_token(x->m) * x->m->dtype_bytes * (1.0 + MEM_BOUND_BWD_FACTOR) / rate;
 }

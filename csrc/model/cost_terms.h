@@ -11,6 +11,18 @@
 #define ATTN_HALF_TOKENS 384.0
 #define GEMM_HALF_TOKENS 128.0
 
+/* The memory-bound work beside the matmuls (norms, residual adds, rotary, the MLP's activation, the loss, the
+ * optimizer step) moves its bytes at this fraction of the device's memory bandwidth: PyTorch's elementwise and
+ * norm kernels stream large tensors at 70-90% of HBM bandwidth; the low end, since a norm's backward makes several
+ * passes. Not yet fitted to a measurement: on one H100 a gpt-3b layer at 32K tokens spent 6.7 ms beyond its
+ * calibrated matmul and attention times (benchmarks/results/gpu/calibrate_measure_h100.md), which this term prices
+ * at 4.4 ms; the rest of that gap is the runtime's copies around the attention kernels (6.8 ms measured in the
+ * attention layer alone), which calibrated runtime curves price and catalog defaults do not. */
+#define MEM_BOUND_EFF 0.75
+/* Its backward moves about twice the forward's bytes (it reads the saved inputs and the incoming gradient and
+ * writes the input gradient, where the forward read one and wrote one). */
+#define MEM_BOUND_BWD_FACTOR 2.0
+
 /* Backward costs this many forwards (attention: two extra matmul pairs plus recomputing P). */
 #define ATTN_BWD_FACTOR 2.5
 #define GEMM_BWD_FACTOR 2.0
@@ -72,6 +84,29 @@ static inline double layer_gemm_flops_per_token(const hexiseq_model *m) {
     return 2.0 * (H * q + 2.0 * H * kv + q * H + (m->gated_mlp ? 3.0 : 2.0) * H * m->ffn);
 }
 
+/* Elements one layer's memory-bound forward reads and writes per token: two norms (read H, write H each), two
+ * residual adds (read 2H, write H each), rotary embedding of q and k (read and write both), and the MLP's
+ * activation (gated: read gate and up, write their product; else read and write the intermediate). */
+static inline double layer_mem_elems_per_token(const hexiseq_model *m) {
+    double H = m->hidden, q = (double)m->heads * m->head_dim, kv = (double)m->kv_heads * m->head_dim;
+    return 4.0 * H + 6.0 * H + 2.0 * (q + kv) + (m->gated_mlp ? 3.0 : 2.0) * m->ffn;
+}
+
+/* Bytes the loss moves per token and vocabulary entry, forward and backward: the logits read and their gradient
+ * written in the training dtype, and the fp32 softmax written and read once (a fused cross-entropy). */
+static inline double loss_bytes_per_logit(const hexiseq_model *m) { return 2.0 * m->dtype_bytes + 8.0; }
+
+/* Bytes the optimizer step moves per parameter it updates (Adam): the fp32 master weight, first and second
+ * moments read and written (24), the gradient read (in fp32, 4), and below fp32 the working copy written. */
+static inline double optimizer_bytes_per_param(const hexiseq_model *m) {
+    return 28.0 + (m->dtype_bytes < 4 ? m->dtype_bytes : 0.0);
+}
+
+/* Forward passes per step of the memory-bound layer work: forward, backward (+1 recompute). */
+static inline double mem_bound_passes(const hexiseq_training *t) {
+    return 1.0 + MEM_BOUND_BWD_FACTOR + (t->checkpointing ? 1.0 : 0.0);
+}
+
 /* Forward FLOPs of the output head per token. */
 static inline double head_gemm_flops_per_token(const hexiseq_model *m) { return 2.0 * (double)m->hidden * m->vocab; }
 
@@ -110,6 +145,11 @@ typedef struct {
  * sequence, seconds. */
 double hexiseq_gemm_time_s(const cost_ctx *x, const hexiseq_device_info *d, int64_t tokens);
 double hexiseq_layer_gemm_fwd_s(const cost_ctx *x, const hexiseq_device_info *d, int64_t tokens);
+/* cost_gemm.c: the memory-bound work of a device over the whole step (layers, loss, and the optimizer step over
+ * `opt_params` parameters), and of one layer's forward + backward for one sequence, seconds (0 where the device's
+ * memory bandwidth is unknown). */
+double hexiseq_mem_bound_time_s(const cost_ctx *x, const hexiseq_device_info *d, int64_t tokens, double opt_params);
+double hexiseq_layer_mem_bound_s(const cost_ctx *x, const hexiseq_device_info *d, int64_t tokens);
 
 /* cost_ring.c: visible pairs between two groups' positions; the ring links of slot r; its attention and
  * exposed ring time over the whole step (and one layer's forward attention); the runtime's work around the

@@ -43,6 +43,8 @@ int hexiseq_gpu_index(const char *name);
  * (the cluster's rate classes and the scheduler's node classes both use it). */
 int hexiseq_same_device(const hexiseq_device_info *a, const hexiseq_device_info *b);
 double hexiseq_layer_params(const hexiseq_model *m);
+/* Every parameter of the model: the layers, the embedding and output head, the final norm. */
+double hexiseq_total_params(const hexiseq_model *m);
 
 /* Bandwidth a -> b in bytes/s, no validation (a != b). */
 static inline double hexiseq_bw_bytes(const hexiseq_cluster *c, int32_t a, int32_t b) {

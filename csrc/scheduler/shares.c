@@ -438,7 +438,7 @@ static void refit(sched *s, const hexiseq_layout *l, shares_ws *w) {
     for (int32_t g = 0; g < l->n_groups; ++g) {
         double gemm = 0, rest_a2a = 0, rest_ring = 0;
         for (int32_t r = w->offset[g]; r < w->offset[g + 1]; ++r) {
-            gemm = fmax(gemm, s->per[r].gemm_s);
+            gemm = fmax(gemm, s->per[r].gemm_s + s->per[r].mem_bound_s); /* the token-parallel phase */
             rest_a2a = fmax(rest_a2a, s->per[r].a2a_s);
             rest_ring = fmax(rest_ring, s->per[r].attn_s + s->per[r].ring_exposed_s + s->per[r].runtime_s);
         }

@@ -321,6 +321,8 @@ static PyObject *device_costs_to_dict(const hexiseq_device_cost *dc, npy_intp n)
     } cols[] = {
         {"gemm_s", offsetof(hexiseq_device_cost, gemm_s), 0},
         {"layer_gemm_s", offsetof(hexiseq_device_cost, layer_gemm_s), 0},
+        {"mem_bound_s", offsetof(hexiseq_device_cost, mem_bound_s), 0},
+        {"layer_mem_bound_s", offsetof(hexiseq_device_cost, layer_mem_bound_s), 0},
         {"attn_s", offsetof(hexiseq_device_cost, attn_s), 0},
         {"a2a_s", offsetof(hexiseq_device_cost, a2a_s), 0},
         {"ring_exposed_s", offsetof(hexiseq_device_cost, ring_exposed_s), 0},

@@ -108,7 +108,9 @@ def predicted_layer(plan: Plan, layer: str = "attention", documents=None):
     out, gemm, runtime = {}, {}, {}
     for i in range(len(dev)):
         d = int(dev["device"][i])
-        gemm[d] = float(dev["layer_gemm_s"][i]) if layer == "llama" else 0.0
+        # a llama layer's token-parallel part: its matmuls and its memory-bound work (norms, residuals, rotary, the
+        # MLP's activation)
+        gemm[d] = float(dev["layer_gemm_s"][i] + dev["layer_mem_bound_s"][i]) if layer == "llama" else 0.0
         runtime[d] = float(dev["runtime_s"][i]) / L  # the runtime's work around the kernels (0 uncalibrated)
         out[d] = {"attn": float(dev["attn_s"][i]) / L, "a2a": float(dev["a2a_s"][i]) / L,
                   "ring": float(dev["ring_exposed_s"][i]) / L, "sync": 0.0, "rest": gemm[d] + runtime[d]}

@@ -201,14 +201,15 @@ class DeviceTable:
 
     Columns: device, node, gpu, group, rank, tokens, head_lo, head_count, kv_lo, kv_count, first_lo,
     first_count (the kv heads the device first-holds: it sends them around the ring for its group), gemm_s,
-    layer_gemm_s, attn_s, a2a_s, ring_exposed_s, runtime_s (the runtime's work around the kernels, priced from a
+    layer_gemm_s, mem_bound_s (the memory-bound work beside the matmuls: norms, residual adds, rotary, the MLP's
+    activation, the loss, the optimizer step; priced at the device's memory bandwidth), layer_mem_bound_s, attn_s, a2a_s, ring_exposed_s, runtime_s (the runtime's work around the kernels, priced from a
     calibrated runtime_*_ns curves, else 0), busy_s, mem_states_gib, mem_act_gib, mem_attn_gib,
     mem_ring_gib, mem_total_gib, mem_cap_gib, state_share (the fraction of the sharded model states the device
     holds), ring_send_bytes, ring_recv_bytes, a2a_send_bytes, a2a_recv_bytes, a2a_grad_send_bytes,
     a2a_grad_recv_bytes.
     Index by name (`table["tokens"]`) or attribute (`table.tokens`). layer_gemm_s is the token-parallel compute
     of one layer, forward + backward, one sequence (no recompute, no output head): what a measured single
-    layer's matmuls compare with. The byte columns are the traffic the times charge: ring K/V bytes per token of a
+    layer's matmuls compare with; layer_mem_bound_s the same layer's memory-bound work. The byte columns are the traffic the times charge: ring K/V bytes per token of a
     block sent to the next group and received from the previous one, and one layer's all-to-all bytes for one
     sequence, forward (Q, K, V in and O out) and backward (dO in, dQ and the first-held kv heads' dK, dV out);
     hexiseq.runtime.topology counts the same from what the runtime sends."""

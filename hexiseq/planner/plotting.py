@@ -57,7 +57,7 @@ def plot_plan(plan, path=None, baselines=None):
 
     ax = axes[2]
     bottom = np.zeros(n)
-    for name, label in (("gemm_s", "token-parallel"), ("a2a_s", "all-to-all"), ("attn_s", "attention"),
+    for name, label in (("gemm_s", "matmuls"), ("mem_bound_s", "memory-bound"), ("a2a_s", "all-to-all"), ("attn_s", "attention"),
                         ("ring_exposed_s", "exposed ring")):
         ax.bar(x, t[name], bottom=bottom, label=label)
         bottom += t[name]

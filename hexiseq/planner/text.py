@@ -80,7 +80,7 @@ def table(plan, max_rows: int = 64) -> str:
         kv = _span(t.kv_lo[i], t.kv_count[i])
         rows.append(
             f"{t.device[i]:>4} {t.gpu[i]:<10} {t.group[i]:>3} {t.tokens[i]:>9,} {heads:>9} {kv:>7} "
-            f"{t.gemm_s[i]:>9.4f} {t.attn_s[i]:>9.4f} {t.a2a_s[i]:>8.4f} {t.ring_exposed_s[i]:>8.4f} "
+            f"{t.gemm_s[i] + t.mem_bound_s[i]:>9.4f} {t.attn_s[i]:>9.4f} {t.a2a_s[i]:>8.4f} {t.ring_exposed_s[i]:>8.4f} "
             f"{t.busy_s[i]:>9.4f} {t.mem_total_gib[i]:>6.1f}/{t.mem_cap_gib[i]:<6.1f}")
     return "\n".join(rows)
 
@@ -129,9 +129,10 @@ def _span(lo: int, count: int) -> str:
 
 TABLE_LEGEND = (
     "columns: tokens = the device's share of the sequence; heads, kv = query and key/value heads it holds\n"
-    "(inclusive ranges, like devices); gemm s = token-parallel compute (projections, MLP); attn s = attention\n"
-    "of all ring steps; a2a s = all-to-all; ring s = ring transfers not hidden behind attention; busy s = their\n"
-    "sum; mem GiB = peak / capacity. Times are per training step, all layers, forward and backward.")
+    "(inclusive ranges, like devices); gemm s = token-parallel work (the projections' and MLP's matmuls, and the\n"
+    "memory-bound norms, activations, loss and optimizer step); attn s = attention of all ring steps; a2a s =\n"
+    "all-to-all; ring s = ring transfers not hidden behind attention; busy s = their sum; mem GiB = peak /\n"
+    "capacity. Times are per training step, all layers, forward and backward.")
 
 
 def _ranges(ids: List[int]) -> str:

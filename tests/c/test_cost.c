@@ -117,6 +117,22 @@ static double tiny_layer_params(void) {
 }
 static double tiny_params(void) { return L * tiny_layer_params() + 2.0 * V * H + H; }
 
+/* The memory-bound work, written out from cost_terms.h: per token and layer the forward reads and writes 4H (two
+ * norms: read H, write H) + 6H (two residual adds: read 2H, write H) + 2 (A d + Akv d) (rotary on q and k) + 2F (the
+ * activation; TINY's MLP is not gated) elements of b bytes, over 3 passes (the forward and a backward of two), one
+ * more with recompute; per token the loss moves V logits of 2b + 8 bytes; the optimizer step 28 + b bytes per
+ * parameter the device updates; all at 0.75 of the device's memory bandwidth (GB/s). */
+static double tiny_mem_elems(void) { return 4.0 * H + 6.0 * H + 2.0 * (A * d + Akv * d) + 2.0 * F; }
+static double mem_rate(double hbm_gbps) { return hbm_gbps * 1e9 * 0.75; }
+static double mem_bound(double hbm_gbps, double tokens, double seqs, int ckpt, double opt_params) {
+    return (seqs * tokens * (L * tiny_mem_elems() * b * (3.0 + ckpt) + V * (2.0 * b + 8.0)) + opt_params * (28.0 + b)) /
+           mem_rate(hbm_gbps);
+}
+/* One layer's memory-bound forward, one sequence. */
+static double mem_fwd(double hbm_gbps, double tokens) { return tokens * tiny_mem_elems() * b / mem_rate(hbm_gbps); }
+/* The catalog's bandwidths of the parts these tests use (GB/s). */
+static const double HBM_A100 = 2039.0, HBM_H100 = 3350.0;
+
 /* The gradient and parameter collectives of one step, from cost_sync.c's comments. The ring over devices
  * 0..N-1 has slowest link bw (bytes/s) and largest latency lat (s). One reduce-scatter or all-gather of all
  * P parameters, run layer by layer, costs A = (N-1)/N * P * b / bw + L * (N-1) * lat, a = A / L per layer.
@@ -195,20 +211,24 @@ static void test_one_device(void) {
     EXPECT_OK(hexiseq_model_params(&TINY, &params));
     NEAR(params, P, "model params");
 
+    /* the memory-bound work: all 10 tokens, one sequence, and the optimizer over every parameter (one device) */
+    const double mem_s = mem_bound(HBM_A100, s0, 1.0, 0, P);
     NEAR(per[0].gemm_s, gemm_s, "1dev gemm_s");
+    NEAR(per[0].mem_bound_s, mem_s, "1dev mem_bound_s");
+    NEAR(per[0].layer_mem_bound_s, 3.0 * mem_fwd(HBM_A100, s0), "1dev layer_mem_bound_s");
     NEAR(per[0].attn_s, attn_s, "1dev attn_s");
     NEAR(per[0].a2a_s, 0.0, "1dev a2a_s");
     NEAR(per[0].ring_exposed_s, 0.0, "1dev ring_exposed_s");
-    NEAR(per[0].busy_s, gemm_s + attn_s, "1dev busy_s");
-    NEAR(pc.step_time_s, gemm_s + attn_s, "1dev step_time_s");
+    NEAR(per[0].busy_s, gemm_s + mem_s + attn_s, "1dev busy_s");
+    NEAR(pc.step_time_s, gemm_s + mem_s + attn_s, "1dev step_time_s");
     NEAR(pc.grad_sync_s, 0.0, "1dev grad_sync_s (nothing to synchronise)");
     NEAR(pc.grad_exposed_s, 0.0, "1dev grad_exposed_s");
     NEAR(per[0].layer_gemm_s, s0 * tiny_layer_fpt() * 3.0 / gemm_rate(peak, ge, s0), "1dev layer_gemm_s");
-    NEAR(pc.gemm_phase_s, gemm_s, "1dev gemm_phase_s");
+    NEAR(pc.gemm_phase_s, gemm_s + mem_s, "1dev gemm_phase_s");
     NEAR(pc.a2a_phase_s, 0.0, "1dev a2a_phase_s");
     NEAR(pc.ring_phase_s, attn_s, "1dev ring_phase_s");
-    NEAR(pc.lower_bound_s, lb, "1dev lower_bound_s");
-    NEAR(pc.tokens_per_s, S / (gemm_s + attn_s), "1dev tokens_per_s");
+    NEAR(pc.lower_bound_s, lb + mem_s, "1dev lower_bound_s (one device: its memory-bound work is the bound's)");
+    NEAR(pc.tokens_per_s, S / (gemm_s + mem_s + attn_s), "1dev tokens_per_s");
     NEAR(per[0].mem_states_gib, states / GIB, "1dev mem_states_gib");
     NEAR(per[0].mem_act_gib, act / GIB, "1dev mem_act_gib");
     NEAR(per[0].mem_attn_gib, attn_mem / GIB, "1dev mem_attn_gib");
@@ -224,7 +244,8 @@ static void test_one_device(void) {
     EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 10, 0, &l, per, &pc));
     const double fwd_full = 4.0 * brute_pairs(pos, 10, pos, 10, 0) * d * A / attn_rate(peak, ae, S);
     NEAR(per[0].attn_s, 3.5 * fwd_full * L, "1dev non-causal attn_s");
-    NEAR(pc.lower_bound_s, S * fpt / (peak * 1e12 * ge) + L * 4.0 * S * S * d * A * 3.5 / (peak * 1e12 * ae),
+    NEAR(pc.lower_bound_s,
+         S * fpt / (peak * 1e12 * ge) + L * 4.0 * S * S * d * A * 3.5 / (peak * 1e12 * ae) + mem_s,
          "1dev non-causal lower_bound_s");
 
     /* Too little memory: a 1e-6 GiB device cannot hold it; the shortfall is total - cap. */
@@ -291,8 +312,12 @@ static void test_two_devices(void) {
     const double fpt = L * tiny_layer_fpt() * 3.0 + tiny_head_fpt() * 3.0;
     const double states = (2.0 * b + opt) * P / N + 3.0 * fmax(tiny_layer_params(), V * H) * b;
     const double act_layer = b * (4.0 * H + A * d + 2.0 * F);
+    /* the memory-bound work: each device's tokens, the optimizer over its half of the parameters (FULL sharding,
+     * even shares); in the bound, all of it over both devices' bandwidth */
+    const double hbm[2] = {HBM_A100, HBM_H100};
     const double lb = S * fpt / (pk[0] * 1e12 * ge[0] + pk[1] * 1e12 * ge[1]) +
-                      L * 4.0 * (S * (S + 1) / 2) * d * A * 3.5 / (pk[0] * 1e12 * ae[0] + pk[1] * 1e12 * ae[1]);
+                      L * 4.0 * (S * (S + 1) / 2) * d * A * 3.5 / (pk[0] * 1e12 * ae[0] + pk[1] * 1e12 * ae[1]) +
+                      mem_bound(hbm[0] + hbm[1], S, 1.0, 0, P);
     const int64_t all[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
     hexiseq_device_cost per[2];
     hexiseq_plan_cost pc;
@@ -335,17 +360,19 @@ static void test_two_devices(void) {
         double gemm[2], attn[2], mem_act[2], mem_attn[2], b_fwd = 0, b_bwd = 0;
         const double pairs = brute_pairs(all, 10, all, 10, 1);
         for (int r = 0; r < 2; ++r) {
-            gemm[r] = s[r] * fpt / gemm_rate(pk[r], ge[r], s[r]);
+            /* the token-parallel phase: matmuls and memory-bound work */
+            gemm[r] = s[r] * fpt / gemm_rate(pk[r], ge[r], s[r]) + mem_bound(hbm[r], s[r], 1.0, 0, P / N);
             attn[r] = 3.5 * (4.0 * pairs * d * h[r] / attn_rate(pk[r], ae[r], S / 2)) * L; /* all 10 tokens, my heads */
             /* one layer, one sequence: forward, and backward at 2 (matmuls) and 2.5 (attention) forwards */
             double gf = s[r] * tiny_layer_fpt() / gemm_rate(pk[r], ge[r], s[r]);
             double af = 4.0 * pairs * d * h[r] / attn_rate(pk[r], ae[r], S / 2);
-            b_fwd = fmax(b_fwd, gf + af);
-            b_bwd = fmax(b_bwd, 2.0 * gf + 2.5 * af);
+            double mf = mem_fwd(hbm[r], s[r]);
+            b_fwd = fmax(b_fwd, gf + af + mf);
+            b_bwd = fmax(b_bwd, 2.0 * gf + 2.5 * af + 2.0 * mf);
             NEAR(per[r].layer_gemm_s, 3.0 * gf, "1 group layer_gemm_s");
             mem_act[r] = s[r] * L * act_layer + s[r] * V * (b + 4.0);
             mem_attn[r] = (S * (2.0 * h[r] + 2.0 * kv[r]) * d * b + S * h[r] * 4.0) * (L + 1.0);
-            NEAR(per[r].gemm_s, gemm[r], "1 group gemm_s");
+            NEAR(per[r].gemm_s + per[r].mem_bound_s, gemm[r], "1 group gemm_s + mem_bound_s");
             NEAR(per[r].attn_s, attn[r], "1 group attn_s");
             NEAR(per[r].ring_exposed_s, 0.0, "1 group ring_exposed_s");
             NEAR(per[r].busy_s, gemm[r] + group_a2a + attn[r], "1 group busy_s");
@@ -418,9 +445,9 @@ static void test_two_devices(void) {
             /* sync: step 0 forward and both backward steps receive a message (20 us); step 1's forward does not */
             exposed[g] = (fmax(0, comm0 - fwd0) + lat + fmax(0, bcomm0 - bwd0) + lat + fmax(0, comm1 - fwd1) +
                           fmax(0, bcomm1 - bwd1) + lat) * L;
-            double gf = Sg[g] * tiny_layer_fpt() / gemm_rate(pk[g], ge[g], Sg[g]);
-            b_fwd = fmax(b_fwd, gf + fwd0 + fwd1);
-            b_bwd = fmax(b_bwd, 2.0 * gf + bwd0 + bwd1);
+            double gf = Sg[g] * tiny_layer_fpt() / gemm_rate(pk[g], ge[g], Sg[g]), mf = mem_fwd(hbm[g], Sg[g]);
+            b_fwd = fmax(b_fwd, gf + fwd0 + fwd1 + mf);
+            b_bwd = fmax(b_bwd, 2.0 * gf + bwd0 + bwd1 + 2.0 * mf);
             double mem_attn = (Sg[g] * (2.0 * 4 + 2.0 * 2) * d * b + Sg[g] * 4 * 4.0) * (L + 1.0);
             double mem_ring = 2.0 * 6 /* largest block */ * 2.0 * 2 /* kv heads */ * d * (b + 4.0);
             double mem_act = Sg[g] * L * act_layer + Sg[g] * V * (b + 4.0);
@@ -439,7 +466,8 @@ static void test_two_devices(void) {
         NEAR(pc.grad_sync_s, gsync, "ring grad_sync_s");
         NEAR(pc.grad_exposed_s, gexp, "ring grad_exposed_s");
         NEAR(pc.step_time_s,
-             fmax(6 * fpt / gemm_rate(pk[0], ge[0], 6), 4 * fpt / gemm_rate(pk[1], ge[1], 4)) +
+             fmax(6 * fpt / gemm_rate(pk[0], ge[0], 6) + mem_bound(hbm[0], 6, 1.0, 0, P / N),
+                  4 * fpt / gemm_rate(pk[1], ge[1], 4) + mem_bound(hbm[1], 4, 1.0, 0, P / N)) +
                  fmax(attn[0] + exposed[0], attn[1] + exposed[1]) + gexp,
              "ring step_time_s");
         NEAR(pc.lower_bound_s, lb, "ring lower_bound_s (layout-independent)");
@@ -491,10 +519,14 @@ static void test_three_devices(void) {
            "3dev kv ranges");
     /* gemm: layers run 4 passes (forward, backward = 2, recompute), the head 3; 3 sequences */
     const double fpt = L * tiny_layer_fpt() * 4.0 + tiny_head_fpt() * 3.0;
-    double gemm[3];
+    /* memory-bound work: 3 sequences with recompute, the optimizer over a third of the parameters (ZeRO-2, even) */
+    const double hbm[3] = {HBM_A100, HBM_A100, HBM_H100};
+    double gemm[3], tp[3]; /* matmuls; the token-parallel phase with the memory-bound work */
     for (int r = 0; r < 3; ++r) {
         gemm[r] = seqs * s[r] * fpt / gemm_rate(pk[r], ge[r], s[r]);
+        tp[r] = gemm[r] + mem_bound(hbm[r], s[r], seqs, 1, P / N);
         NEAR(per[r].gemm_s, gemm[r], "3dev gemm_s");
+        NEAR(per[r].mem_bound_s, tp[r] - gemm[r], "3dev mem_bound_s");
     }
     /* all-to-all in group 0 over the 50 GB/s link, elem = d * b = 4 bytes; one message per exchange to the
      * one peer, 10 us inside a node (no latency matrix) */
@@ -555,11 +587,11 @@ static void test_three_devices(void) {
                       2.0 * fmax(0, comm1 - fwd1) + fmax(0, bcomm1 - 2.5 * fwd1) + lat_x) * L * seqs;
         NEAR(per[r].attn_s, attn[r], "3dev attn_s");
         NEAR(per[r].ring_exposed_s, exposed[r], "3dev ring_exposed_s");
-        NEAR(per[r].busy_s, gemm[r] + ga[r] + attn[r] + exposed[r], "3dev busy_s");
-        /* per layer and sequence: forward; backward 2 + 1 recompute (matmuls), 2.5 + 1 (attention) */
-        double gf = s[r] * tiny_layer_fpt() / gemm_rate(pk[r], ge[r], s[r]);
-        b_fwd = fmax(b_fwd, gf + fwd0 + fwd1);
-        b_bwd = fmax(b_bwd, 3.0 * gf + 3.5 * (fwd0 + fwd1));
+        NEAR(per[r].busy_s, tp[r] + ga[r] + attn[r] + exposed[r], "3dev busy_s");
+        /* per layer and sequence: forward; backward 2 + 1 recompute (matmuls, memory-bound), 2.5 + 1 (attention) */
+        double gf = s[r] * tiny_layer_fpt() / gemm_rate(pk[r], ge[r], s[r]), mf = mem_fwd(hbm[r], s[r]);
+        b_fwd = fmax(b_fwd, gf + fwd0 + fwd1 + mf);
+        b_bwd = fmax(b_bwd, 3.0 * gf + 3.5 * (fwd0 + fwd1) + 3.0 * mf);
         NEAR(per[r].layer_gemm_s, 3.0 * gf, "3dev layer_gemm_s (no recompute)");
     }
     /* memory: ZeRO-2 = replicated bf16 params + sharded grads and optimizer + one gathered bucket */
@@ -578,7 +610,7 @@ static void test_three_devices(void) {
         NEAR(per[r].mem_ring_gib, mem_ring / GIB, "3dev mem_ring_gib");
         NEAR(per[r].mem_total_gib, (states + act + mem_attn + mem_ring) / GIB + 1.0, "3dev mem_total_gib");
     }
-    NEAR(pc.gemm_phase_s, fmax(gemm[0], fmax(gemm[1], gemm[2])), "3dev gemm_phase_s");
+    NEAR(pc.gemm_phase_s, fmax(tp[0], fmax(tp[1], tp[2])), "3dev gemm_phase_s");
     NEAR(pc.a2a_phase_s, ga[0], "3dev a2a_phase_s");
     const double ring_phase = fmax(attn[0] + exposed[0], fmax(attn[1] + exposed[1], attn[2] + exposed[2]));
     NEAR(pc.ring_phase_s, ring_phase, "3dev ring_phase_s");
@@ -590,7 +622,8 @@ static void test_three_devices(void) {
     NEAR(pc.step_time_s, pc.gemm_phase_s + ga[0] + ring_phase + gexp, "3dev step_time_s");
     NEAR(pc.tokens_per_s, seqs * S / pc.step_time_s, "3dev tokens_per_s");
     const double gemm_flops = seqs * S * fpt, attn_flops = seqs * L * 4.0 * (S * (S + 1) / 2) * d * A * 4.5;
-    const double lb = gemm_flops / ((2 * 2 * 0.5 + 4 * 0.75) * 1e12) + attn_flops / ((2 * 2 * 0.25 + 4 * 0.5) * 1e12);
+    const double lb = gemm_flops / ((2 * 2 * 0.5 + 4 * 0.75) * 1e12) + attn_flops / ((2 * 2 * 0.25 + 4 * 0.5) * 1e12) +
+                      mem_bound(hbm[0] + hbm[1] + hbm[2], S, seqs, 1, P);
     NEAR(pc.lower_bound_s, lb, "3dev lower_bound_s");
     EXPECT(pc.step_time_s >= pc.lower_bound_s, "3dev step below bound");
     EXPECT(pc.a2a_bottleneck == (a2a0 >= a2a1 ? 0 : 1), "3dev a2a bottleneck %d", pc.a2a_bottleneck);
@@ -610,7 +643,7 @@ static void test_four_devices(void) {
     hexiseq_gpu_spec h100, a100;
     EXPECT_OK(hexiseq_gpu_find("H100-SXM", &h100));
     EXPECT_OK(hexiseq_gpu_find("A100-80G", &a100));
-    double pk[4], ge[4], ae[4];
+    double pk[4], ge[4], ae[4], hbm[4];
     for (int r = 0; r < 4; ++r) {
         hexiseq_device_info di;
         const hexiseq_gpu_spec *sp = r < 2 ? &h100 : &a100;
@@ -621,6 +654,8 @@ static void test_four_devices(void) {
         pk[r] = sp->peak_tflops;
         ge[r] = sp->gemm_eff;
         ae[r] = sp->attn_eff;
+        hbm[r] = sp->hbm_gbps;
+        NEAR(di.hbm_gbps, sp->hbm_gbps, "the catalog's memory bandwidth");
     }
     hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL};
     hexiseq_layout l;
@@ -658,14 +693,17 @@ static void test_four_devices(void) {
         attn *= L;
         exposed *= L;
         double gemm = Sg[g] * fpt / gemm_rate(pk[g], ge[g], Sg[g]);
-        double gf = Sg[g] * tiny_layer_fpt() / gemm_rate(pk[g], ge[g], Sg[g]);
-        b_fwd = fmax(b_fwd, gf + fwd_sum);
-        b_bwd = fmax(b_bwd, 2.0 * gf + 2.5 * fwd_sum);
+        double gf = Sg[g] * tiny_layer_fpt() / gemm_rate(pk[g], ge[g], Sg[g]), mf = mem_fwd(hbm[g], Sg[g]);
+        /* the optimizer over a quarter of the parameters (ZeRO-3, even shares) */
+        double mem = mem_bound(hbm[g], Sg[g], 1.0, 0, tiny_params() / 4);
+        b_fwd = fmax(b_fwd, gf + fwd_sum + mf);
+        b_bwd = fmax(b_bwd, 2.0 * gf + 2.5 * fwd_sum + 2.0 * mf);
         NEAR(per[g].attn_s, attn, "4dev attn_s");
         NEAR(per[g].ring_exposed_s, exposed, "4dev ring_exposed_s");
         NEAR(per[g].gemm_s, gemm, "4dev gemm_s");
+        NEAR(per[g].mem_bound_s, mem, "4dev mem_bound_s");
         ring_phase = fmax(ring_phase, attn + exposed);
-        gemm_phase = fmax(gemm_phase, gemm);
+        gemm_phase = fmax(gemm_phase, gemm + mem);
     }
     /* ZeRO-3 over the ring 0 -> 1 -> 2 -> 3 -> 0: slowest link 10 GB/s, largest latency 20 us */
     double gsync, gexp;
@@ -678,7 +716,10 @@ static void test_four_devices(void) {
         gsum += pk[r] * 1e12 * ge[r];
         asum += pk[r] * 1e12 * ae[r];
     }
-    NEAR(pc.lower_bound_s, 8 * fpt / gsum + L * 4.0 * 64 * d * A * 3.5 / asum, "4dev lower_bound_s");
+    NEAR(pc.lower_bound_s,
+         8 * fpt / gsum + L * 4.0 * 64 * d * A * 3.5 / asum + mem_bound(hbm[0] + hbm[1] + hbm[2] + hbm[3], 8, 1.0, 0,
+                                                                        tiny_params()),
+         "4dev lower_bound_s");
     hexiseq_layout_free(&l);
 
     /* Strategies: ring = 4 groups of 1, ulysses = 1 group of 4, usp = best of hp in {1, 2, 4}; each must
@@ -1328,8 +1369,10 @@ static void test_curves(void) {
         NEAR(per[0].gemm_s, S * fpt / (pts[i].gemm_tflops * 1e12), pts[i].what);
         NEAR(per[0].layer_gemm_s, S * tiny_layer_fpt() * 3.0 / (pts[i].gemm_tflops * 1e12), pts[i].what);
         NEAR(per[0].attn_s, 3.5 * 4.0 * S * S * d * A * L / (pts[i].attn_tflops * 1e12), pts[i].what);
-        /* lower bound: the curves' largest rates */
-        NEAR(pc.lower_bound_s, S * fpt / 3e12 + L * 4.0 * S * S * d * A * 3.5 / 1.5e12, "curve lower bound");
+        /* lower bound: the curves' largest rates, and the memory-bound work at the catalog's bandwidth */
+        NEAR(pc.lower_bound_s,
+             S * fpt / 3e12 + L * 4.0 * S * S * d * A * 3.5 / 1.5e12 + mem_bound(HBM_A100, S, 1.0, 0, tiny_params()),
+             "curve lower bound");
         NEAR(per[0].mem_cap_gib, 7.0, "device memory from the device description");
     }
     EXPECT(lerp_log(16, 10, 1.0, 40, 3.0) > 1.6, "log interpolation differs from linear (1.4) at 16");
@@ -1347,7 +1390,10 @@ static void test_curves(void) {
         one_device_layout(&l, sizes[i]);
         EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, sizes[i], 1, &l, per, &pc));
         NEAR(per[0].attn_s, 3.5 * 4.0 * d * A * t_causal * L, "causal diagonal at the causal curve");
-        NEAR(pc.lower_bound_s, S * fpt / 3e12 + L * 4.0 * (S * (S + 1) / 2) * d * A * 3.5 / 1.5e12, "causal lower bound");
+        NEAR(pc.lower_bound_s,
+             S * fpt / 3e12 + L * 4.0 * (S * (S + 1) / 2) * d * A * 3.5 / 1.5e12 +
+                 mem_bound(HBM_A100, S, 1.0, 0, tiny_params()),
+             "causal lower bound");
     }
     hexiseq_cluster_destroy(c);
 
@@ -1368,10 +1414,11 @@ static void test_curves(void) {
     EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 20, 1, &l, per, &pc));
     double t_mixed = 110.0 / (lerp_log(10, 4, 0.25, 16, 0.75) * 1e12) + 100.0 / attn_rate(2.0, 0.25, 10);
     NEAR(per[0].attn_s, 3.5 * 4.0 * d * A * t_mixed * L, "causal curve + catalog formula");
-    NEAR(pc.lower_bound_s, 20 * fpt / 3e12 + L * 4.0 * 210.0 * d * A * 3.5 / 0.75e12, "mixed causal lower bound");
+    const double mem20 = mem_bound(HBM_A100, 20, 1.0, 0, tiny_params());
+    NEAR(pc.lower_bound_s, 20 * fpt / 3e12 + L * 4.0 * 210.0 * d * A * 3.5 / 0.75e12 + mem20, "mixed causal lower bound");
     EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 20, 0, &l, per, &pc));
     NEAR(per[0].attn_s, 3.5 * 4.0 * d * A * 400.0 / attn_rate(2.0, 0.25, 20) * L, "non-causal ignores the causal curve");
-    NEAR(pc.lower_bound_s, 20 * fpt / 3e12 + L * 4.0 * 400.0 * d * A * 3.5 / 0.5e12, "non-causal lower bound");
+    NEAR(pc.lower_bound_s, 20 * fpt / 3e12 + L * 4.0 * 400.0 * d * A * 3.5 / 0.5e12 + mem20, "non-causal lower bound");
     hexiseq_cluster_destroy(c);
     hexiseq_layout_free(&l);
 
@@ -1574,6 +1621,43 @@ static void test_latency(void) {
  * 0 -> 1 at 50 GB/s and 1 -> 0 at 80, latency 3 us and 7 us: the ring's slowest link is 50 GB/s and its
  * largest latency 7 us. One group of both devices, non-causal, tokens 5 | 5, heads 2 | 2. */
 
+/* The memory-bound work on its own: a gated MLP reads gate and up and writes their product (3F elements), and
+ * without sharding every device's optimizer step covers every parameter; with it, the device's share. Two A100s
+ * of one node, one group, tokens 6 | 4, 2 sequences with recompute. */
+static void test_memory_bound_work(void) {
+    hexiseq_node_desc nd = node("A100-80G", 2, 100.0, 10.0, 2.0, 0.5, 0.25);
+    hexiseq_cluster *c = NULL;
+    EXPECT_OK(hexiseq_cluster_create(1, &nd, 10.0, NULL, &c));
+    hexiseq_model gated = TINY;
+    gated.gated_mlp = 1;
+    hexiseq_layout l;
+    EXPECT_OK(hexiseq_layout_alloc(1, 2, &l));
+    const int32_t gs[] = {2}, dv[] = {0, 1}, lo[] = {0, 2}, cnt[] = {2, 2};
+    const int64_t gq[] = {10}, tk[] = {6, 4};
+    fill_layout(&l, gs, gq, dv, tk, lo, cnt);
+    double P = 0;
+    EXPECT_OK(hexiseq_model_params(&gated, &P));
+    /* per token and layer: 4H + 6H + 2 (A d + Akv d) + 3F elements, as tiny_mem_elems with the gated MLP */
+    const double elems = 4.0 * H + 6.0 * H + 2.0 * (A * d + Akv * d) + 3.0 * F, rate = mem_rate(HBM_A100);
+    const double s[2] = {6, 4};
+    for (int32_t sh = HEXISEQ_SHARD_FULL; sh <= HEXISEQ_SHARD_NONE; sh += HEXISEQ_SHARD_NONE - HEXISEQ_SHARD_FULL) {
+        hexiseq_training t = {2, 1, sh, 0.0, HEXISEQ_STATES_EVEN, NULL};
+        hexiseq_device_cost per[2];
+        hexiseq_plan_cost pc;
+        EXPECT_OK(hexiseq_evaluate(c, &gated, &t, 10, 1, &l, per, &pc));
+        const double opt = sh == HEXISEQ_SHARD_NONE ? P : P / 2; /* every parameter, or half of them */
+        for (int r = 0; r < 2; ++r) {
+            const double want = (2.0 * s[r] * (L * elems * b * 4.0 + V * (2.0 * b + 8.0)) + opt * (28.0 + b)) / rate;
+            NEAR(per[r].mem_bound_s, want, sh == HEXISEQ_SHARD_NONE ? "unsharded memory-bound" : "sharded memory-bound");
+            NEAR(per[r].layer_mem_bound_s, s[r] * elems * b * 3.0 / rate, "one layer's memory-bound work");
+        }
+        NEAR(pc.gemm_phase_s, fmax(per[0].gemm_s + per[0].mem_bound_s, per[1].gemm_s + per[1].mem_bound_s),
+             "the token-parallel phase holds the memory-bound work");
+    }
+    hexiseq_layout_free(&l);
+    hexiseq_cluster_destroy(c);
+}
+
 static void test_grad_collectives(void) {
     const double bwm[4] = {0, 50, 80, 0}, latm[4] = {0, 3, 7, 0};
     const hexiseq_cluster_options opt = {NULL, latm};
@@ -1601,7 +1685,9 @@ static void test_grad_collectives(void) {
                     hexiseq_plan_cost pc;
                     EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 10, 0, &l, per, &pc));
                     double gsync, gexp;
-                    grad_by_hand(sh, 2, 50e9, 7e-6, seqs, ck, gf + af, (2.0 + ck) * gf + (2.5 + ck) * af, &gsync, &gexp);
+                    const double mf = mem_fwd(HBM_H100, 5); /* one layer's memory-bound forward, 5 tokens */
+                    grad_by_hand(sh, 2, 50e9, 7e-6, seqs, ck, gf + af + mf,
+                                 (2.0 + ck) * gf + (2.5 + ck) * af + (2.0 + ck) * mf, &gsync, &gexp);
                     char what[96];
                     snprintf(what, sizeof what, "grad sharding %d ckpt %d seqs %d peak %g", sh, ck, seqs, peaks[pi]);
                     NEAR(pc.grad_sync_s, gsync, what);
@@ -1648,6 +1734,9 @@ static void test_unknown_gpu(void) {
     const double fpt = L * tiny_layer_fpt() * 3.0 + tiny_head_fpt() * 3.0;
     EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 10, 1, &l, per, &pc));
     NEAR(per[0].gemm_s, 6 * fpt / gemm_rate(500.0, 0.6, 6), "unknown GPU gemm_s from the node's rates");
+    /* no catalog entry, so no memory bandwidth: its memory-bound work is not charged, nor in the bound */
+    EXPECT(di.hbm_gbps == 0.0 && per[0].mem_bound_s == 0.0 && per[0].layer_mem_bound_s == 0.0,
+           "unknown GPU: memory-bound work %g s at %g GB/s", per[0].mem_bound_s, di.hbm_gbps);
     hexiseq_layout out;
     EXPECT_OK(hexiseq_plan_strategy(c, &TINY, &t, 1000, 1, HEXISEQ_STRATEGY_HEXISEQ, &out, &pc));
     hexiseq_layout_free(&out);
@@ -1934,6 +2023,7 @@ int main(void) {
     test_runtime_curve();
     test_latency();
     test_grad_collectives();
+    test_memory_bound_work();
     test_unknown_gpu();
     test_state_shares();
     test_garbage_measurements();
