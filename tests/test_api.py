@@ -420,14 +420,16 @@ def _attention_rate_tflops(gpu):
 
 # Published FlashAttention-2 rates, head dim 128, 16K tokens:
 #   H100 SXM5: forward ~335 TFLOP/s causal, ~370 non-causal (Shah et al. 2024, "FlashAttention-3",
-#              Fig. 5, which re-measures FA2 on H100); we compare with the causal figure.
-#   A100: "50-73% of the theoretical maximum FLOPs/s" (Dao 2023, FlashAttention-2 abstract): 0.73 * 312 = 228.
-# Tolerance 25%: the figures are forward-only while the model's rate covers forward + backward (FA2's
-# backward runs at a somewhat lower fraction of peak), and the published numbers are read from plots.
-@pytest.mark.parametrize("gpu,published", [("H100-SXM", 335.0), ("A100-80G", 0.73 * 312.0)])
-def test_attention_rate_matches_flashattention2(gpu, published):
+#              Fig. 5, which re-measures FA2 on H100); we compare with the causal figure, within 25% (the
+#              figure is forward-only while the model's rate covers forward + backward, whose backward runs at
+#              a lower fraction of peak, and it is read from a plot).
+#   A100: "50-73% of the theoretical maximum FLOPs/s" (Dao 2023, FlashAttention-2 abstract): the model's rate
+#         must lie in that range, 156-228 TFLOP/s. The catalog's efficiency was chosen on published end-to-end
+#         runs (benchmarks/fidelity.py), so it sits in the range's lower half.
+@pytest.mark.parametrize("gpu,low,high", [("H100-SXM", 0.75 * 335.0, 1.25 * 335.0), ("A100-80G", 0.50 * 312.0, 0.73 * 312.0)])
+def test_attention_rate_matches_flashattention2(gpu, low, high):
     rate = _attention_rate_tflops(gpu)
-    assert abs(rate - published) <= 0.25 * published, (gpu, rate, published)
+    assert low <= rate <= high, (gpu, rate, low, high)
 
 
 def test_extreme_cluster_sizes_plan_without_error():
