@@ -148,8 +148,10 @@ def main():
     lines = ["| row | source, where | setup | S | measured s | predicted s | error | set |", "|---|---|---|---|---|---|---|---|"]
     errs = {"used": [], "held aside": []}
     by_source = {}
+    preds = []
     for r in usable:
         pred, meas, how = predict(r)
+        preds.append((pred, meas))
         e = pred / meas - 1.0
         which = "held aside" if r["id"] in held else "used"
         errs[which].append(e)
@@ -162,6 +164,27 @@ def main():
     for name, es in list(errs.items()) + [("all", errs["used"] + errs["held aside"])] + sorted(by_source.items()):
         med, worst, signed = stats(es)
         lines.append(f"| {name} | {len(es)} | {med:.1%} | {worst:.1%} | {signed:+.1%} |")
+    # the ranking of the layouts of one published table (same source table, GPUs, model and length): kept for every
+    # pair whose measured steps differ by more than 5%?
+    results = {r["id"]: (r, p_m) for r, p_m in zip(usable, preds)}
+    pairs = kept = 0
+    flips = []
+    ids = sorted(results)
+    for i, a in enumerate(ids):
+        for b in ids[i + 1:]:
+            ra, (pa, ma) = results[a]
+            rb, (pb, mb) = results[b]
+            if (ra["where"], ra["gpus"], ra["model"], ra["seq_len"]) != (rb["where"], rb["gpus"], rb["model"], rb["seq_len"]):
+                continue
+            if abs(ma / mb - 1.0) <= 0.05:
+                continue
+            pairs += 1
+            if (pa < pb) == (ma < mb) and pa != pb:
+                kept += 1
+            else:
+                flips.append(f"{a} vs {b}: measured {ma:.3f} / {mb:.3f} s, predicted {pa:.3f} / {pb:.3f} s")
+    lines += ["", f"Ranking of the layouts of one table (pairs measured more than 5% apart): {kept} of {pairs} kept."]
+    lines += [f"- not kept: {f}" for f in flips]
     lines += ["", "Rows not predicted:", ""]
     for r in rows:
         why = why_not(r)
@@ -170,11 +193,15 @@ def main():
     table = "\n".join(lines)
     print(table)
     if args.out:
+        notes = ""  # a "## Notes" section written by hand under the generated tables is kept
+        if os.path.exists(args.out):
+            old = open(args.out).read()
+            notes = old[old.index("\n## Notes"):] if "\n## Notes" in old else ""
         with open(args.out, "w") as f:
             f.write("# The cost model against published measured runs (catalog defaults, no calibration)\n\n"
                     "Predicted by `python benchmarks/fidelity.py` from `benchmarks/data/published_runs.yaml`; "
                     "measured figures as published (see the data file for each row's source and cells).\n\n"
-                    + table + "\n")
+                    + table + "\n" + notes)
 
 
 if __name__ == "__main__":
