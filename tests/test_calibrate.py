@@ -77,6 +77,8 @@ def test_calibrated_rates_and_links_make_sense(calibrated):
             assert sizes == sorted(sizes) and len(sizes) >= 2, (key, d[key])
             assert all(math.isfinite(v) and v > 0 for _, v in d[key]), (key, d[key])
         assert d["memory_gib"] > 0
+        # the memory-bound work's rate, timed on the model's shapes: a CPU streams GB/s, not TB/s or KB/s
+        assert 0.05 < d["mem_bound_gbps"] < 1000, d["mem_bound_gbps"]
     bw, lat = spec["bandwidth_gbps"], spec["latency_us"]
     for a in range(3):
         for b in range(3):

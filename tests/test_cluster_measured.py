@@ -26,7 +26,8 @@ def _measured():
         {"memory_gib": 79.1, "gemm_tflops": [[256, 401.3], [1024, 612.0000000000001], [16384, 0.1 + 0.2 + 700]],
          "attn_tflops": [[512, 1 / 3 * 900], [8192, 355.5]], "attn_causal_tflops": [[512, 150.25], [8192, 301.0]],
          "attn_document_tflops": [[64, 20.5], [2048, 1 / 3 * 600]], "runtime_ns": [[81920, 0.75], [1e7, 0.1 + 0.2]],
-         "runtime_a2a_ns": [[4096, 2.5]], "runtime_ring_ns": [[512, 7.0], [65536, 1.25]]},
+         "runtime_a2a_ns": [[4096, 2.5]], "runtime_ring_ns": [[512, 7.0], [65536, 1.25]],
+         "mem_bound_gbps": 1 / 3 * 4000},
         {"gemm_tflops": [[256, 390.0], [16384, 650.123456789]], "attn_tflops": [[512, 280.0], [8192, 340.0]]},
         None,
         {"memory_gib": 150.0},
@@ -156,6 +157,8 @@ def test_bad_measurements_name_field_and_value():
     _raises(lambda: Cluster(n2, devices=[{"gemm_tflops": [[2 ** k, 1.0] for k in range(17)]}, None]),
             "devices[0].gemm_tflops", "17 points", "16")
     _raises(lambda: Cluster(n2, devices=[{"memory_gib": -4}, None]), "devices[0].memory_gib", "-4")
+    _raises(lambda: Cluster(n2, devices=[None, {"mem_bound_gbps": 0}]), "devices[1].mem_bound_gbps", "0")
+    _raises(lambda: Cluster(n2, devices=[None, {"mem_bound_gbps": float("nan")}]), "devices[1].mem_bound_gbps", "nan")
     _raises(lambda: Cluster(n2, devices=[{"memory": 4}, None]), "devices[0]", "memory")
     _raises(lambda: Cluster(n2, devices=[None, "fast"]), "devices[1]", "fast")
     _raises(lambda: Cluster(n2, devices=[None]), "devices", "2", "1")

@@ -80,9 +80,13 @@ typedef struct {
  *               (its tokens * (heads + 2 kv_heads) * head_dim): packing, unpacking, the collective's copies.
  *   runtime_ring the same per element of the K, V blocks a member of a ring of several groups receives over
  *               one pass ((S - S_g) * 2 kv * head_dim): assembling them, their gradients' accumulators.
- * A curve replaces the catalog formula for that kind of work on that device. */
+ * A curve replaces the catalog formula for that kind of work on that device.
+ * mem_bound_gbps: the rate at which the device does the memory-bound work beside the matmuls (norms, residual adds,
+ * rotary, activations, the loss, the optimizer step), in GB of the bytes the cost model counts for it per second,
+ * as measured; <= 0: the catalog's memory bandwidth times its default efficiency. */
 typedef struct {
     double memory_gib;       /* device memory, GiB; <= 0: the node's */
+    double mem_bound_gbps;
     hexiseq_rate_curve gemm;
     hexiseq_rate_curve attn;
     hexiseq_rate_curve attn_causal;
@@ -126,7 +130,9 @@ typedef struct {
     double peak_tflops;      /* 0 for a model outside the catalog described by curves only */
     double gemm_eff;
     double attn_eff;
-    double hbm_gbps;         /* memory bandwidth, GB/s, for the memory-bound work (0: unknown, not charged) */
+    double hbm_gbps;         /* the catalog's memory bandwidth, GB/s (0: not in the catalog) */
+    double mem_bound_gbps;   /* the rate of its memory-bound work (measured, else hbm_gbps x the default
+                                efficiency), GB/s; 0: unknown, not charged */
     hexiseq_rate_curve gemm_curve;        /* measured rates (n = 0: none), see hexiseq_device_desc */
     hexiseq_rate_curve attn_curve;
     hexiseq_rate_curve attn_causal_curve;

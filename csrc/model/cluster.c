@@ -211,6 +211,9 @@ hexiseq_status hexiseq_cluster_create_ex(int32_t n_nodes, const hexiseq_node_des
             if (!isfinite(dd->memory_gib))
                 return hexiseq_fail(HEXISEQ_ERR_INVALID, "devices[%d].memory_gib must be a finite number, got %g", d,
                                     dd->memory_gib);
+            if (!isfinite(dd->mem_bound_gbps))
+                return hexiseq_fail(HEXISEQ_ERR_INVALID, "devices[%d].mem_bound_gbps must be a finite number, got %g",
+                                    d, dd->mem_bound_gbps);
             HEXISEQ_CHECK(check_curve(&dd->gemm, d, "gemm_tflops"));
             HEXISEQ_CHECK(check_curve(&dd->attn, d, "attn_tflops"));
             HEXISEQ_CHECK(check_curve(&dd->attn_causal, d, "attn_causal_tflops"));
@@ -280,6 +283,7 @@ hexiseq_status hexiseq_cluster_create_ex(int32_t n_nodes, const hexiseq_node_des
             di->gemm_eff = nd->gemm_eff > 0 ? nd->gemm_eff : spec.gemm_eff;
             di->attn_eff = nd->attn_eff > 0 ? nd->attn_eff : spec.attn_eff;
             di->hbm_gbps = spec.hbm_gbps;
+            di->mem_bound_gbps = dd && dd->mem_bound_gbps > 0 ? dd->mem_bound_gbps : spec.hbm_gbps * MEM_BOUND_EFF;
             if (dd) {
                 di->gemm_curve = dd->gemm;
                 di->attn_curve = dd->attn;

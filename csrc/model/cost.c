@@ -163,11 +163,11 @@ static double lower_bound_s(const cost_ctx *x) {
      * parameter updated once); none where some device's bandwidth is unknown (it is charged nothing there) */
     double mem_rate = 0.0;
     for (int32_t d = 0; d < x->c->n_devices; ++d) {
-        if (x->c->dev[d].hbm_gbps <= 0.0) {
+        if (x->c->dev[d].mem_bound_gbps <= 0.0) {
             mem_rate = 0.0;
             break;
         }
-        mem_rate += x->c->dev[d].hbm_gbps * 1e9 * MEM_BOUND_EFF;
+        mem_rate += x->c->dev[d].mem_bound_gbps * 1e9;
     }
     double mem_bytes = seqs * S * (x->m->layers * layer_mem_elems_per_token(x->m) * x->m->dtype_bytes *
                                    mem_bound_passes(x->t) + (double)x->m->vocab * loss_bytes_per_logit(x->m)) +

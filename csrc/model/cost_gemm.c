@@ -27,7 +27,7 @@ double hexiseq_layer_gemm_fwd_s(const cost_ctx *x, const hexiseq_device_info *d,
 }
 
 /* Bytes per second the memory-bound work moves on a device; 0 where its bandwidth is unknown. */
-static double mem_bound_rate(const hexiseq_device_info *d) { return d->hbm_gbps * 1e9 * MEM_BOUND_EFF; }
+static double mem_bound_rate(const hexiseq_device_info *d) { return d->mem_bound_gbps * 1e9; }
 
 /* The memory-bound work of a device over the whole step: every layer's (forward, backward, recompute) and the loss
  * for each sequence's tokens, and the optimizer step once over the parameters it updates, seconds. */

@@ -11,14 +11,6 @@
 #define ATTN_HALF_TOKENS 384.0
 #define GEMM_HALF_TOKENS 128.0
 
-/* The memory-bound work beside the matmuls (norms, residual adds, rotary, the MLP's activation, the loss, the
- * optimizer step) moves its bytes at this fraction of the device's memory bandwidth: PyTorch's elementwise and
- * norm kernels stream large tensors at 70-90% of HBM bandwidth; the low end, since a norm's backward makes several
- * passes. Not yet fitted to a measurement: on one H100 a gpt-3b layer at 32K tokens spent 6.7 ms beyond its
- * calibrated matmul and attention times (benchmarks/results/gpu/calibrate_measure_h100.md), which this term prices
- * at 4.4 ms; the rest of that gap is the runtime's copies around the attention kernels (6.8 ms measured in the
- * attention layer alone), which calibrated runtime curves price and catalog defaults do not. */
-#define MEM_BOUND_EFF 0.75
 /* Its backward moves about twice the forward's bytes (it reads the saved inputs and the incoming gradient and
  * writes the input gradient, where the forward read one and wrote one). */
 #define MEM_BOUND_BWD_FACTOR 2.0

@@ -42,6 +42,15 @@ int hexiseq_gpu_index(const char *name);
 /* Same model, name, memory, peak, efficiencies and measured curves: devices the cost model cannot tell apart
  * (the cluster's rate classes and the scheduler's node classes both use it). */
 int hexiseq_same_device(const hexiseq_device_info *a, const hexiseq_device_info *b);
+/* The memory-bound work beside the matmuls (norms, residual adds, rotary, the MLP's activation, the loss, the
+ * optimizer step) moves its bytes, unless measured (hexiseq_device_desc.mem_bound_gbps), at this fraction of the device's memory bandwidth: PyTorch's elementwise and
+ * norm kernels stream large tensors at 70-90% of HBM bandwidth; the low end, since a norm's backward makes several
+ * passes. Not yet fitted to a measurement: on one H100 a gpt-3b layer at 32K tokens spent 6.7 ms beyond its
+ * calibrated matmul and attention times (benchmarks/results/gpu/calibrate_measure_h100.md), which this term prices
+ * at 4.4 ms; the rest of that gap is the runtime's copies around the attention kernels (6.8 ms measured in the
+ * attention layer alone), which calibrated runtime curves price and catalog defaults do not. */
+#define MEM_BOUND_EFF 0.75
+
 double hexiseq_layer_params(const hexiseq_model *m);
 /* Every parameter of the model: the layers, the embedding and output head, the final norm. */
 double hexiseq_total_params(const hexiseq_model *m);

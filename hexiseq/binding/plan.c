@@ -102,7 +102,7 @@ static int parse_curve(PyObject *module, PyObject *obj, Py_ssize_t dev, const ch
 }
 
 /* Per-device descriptions from None or a list of n entries, each None or (memory_gib, gemm, attn, attn_causal,
- * attn_document, runtime, runtime_a2a, runtime_ring) with curves as above. Returns a PyMem block (NULL with *none set when not given) or NULL on error. */
+ * attn_document, runtime, runtime_a2a, runtime_ring, mem_bound_gbps) with curves as above. Returns a PyMem block (NULL with *none set when not given) or NULL on error. */
 static hexiseq_device_desc *parse_devices(PyObject *module, PyObject *obj, int64_t n, int *none) {
     *none = obj == Py_None;
     if (*none)
@@ -125,9 +125,9 @@ static hexiseq_device_desc *parse_devices(PyObject *module, PyObject *obj, int64
         if (item == Py_None)
             continue;
         if (!PyArg_ParseTuple(item,
-                              "dOOOOOOO;devices entries are (memory_gib, gemm, attn, attn_causal, attn_document, "
-                              "runtime, runtime_a2a, runtime_ring)",
-                              &dd[i].memory_gib, &g, &a, &ac, &ad, &rt, &ra, &rr) ||
+                              "dOOOOOOOd;devices entries are (memory_gib, gemm, attn, attn_causal, attn_document, "
+                              "runtime, runtime_a2a, runtime_ring, mem_bound_gbps)",
+                              &dd[i].memory_gib, &g, &a, &ac, &ad, &rt, &ra, &rr, &dd[i].mem_bound_gbps) ||
             parse_curve(module, g, i, "gemm_tflops", &dd[i].gemm) < 0 ||
             parse_curve(module, a, i, "attn_tflops", &dd[i].attn) < 0 ||
             parse_curve(module, ac, i, "attn_causal_tflops", &dd[i].attn_causal) < 0 ||

@@ -184,6 +184,54 @@ def _gemm_curve(model: Model, rows_list, device, dtype, iters, warmup, barrier, 
     return curve
 
 
+def _mem_bound_rate(model: Model, rows, device, dtype, iters, warmup, barrier, progress):
+    """GB/s of the bytes the cost model counts for a layer's memory-bound work (csrc/model/cost_terms.h:
+    layer_mem_elems_per_token elements of the dtype per token, 3 passes for forward + backward), timed on `rows`
+    tokens of the model's shapes through what a Llama-style layer runs in PyTorch: two RMS norms, two residual adds,
+    rotary embedding of q and k, and the MLP's activation, forward and backward."""
+    torch, _ = _torch()
+    H, q, kv, F = model.hidden, model.heads * model.head_dim, model.kv_heads * model.head_dim, model.ffn
+    g = torch.Generator(device=device).manual_seed(99)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype).requires_grad_()
+
+    x, qk, up = leaf(rows, H), leaf(rows, q + kv), leaf(rows, (2 if model.gated_mlp else 1) * F)
+    w1, w2 = leaf(H), leaf(H)
+    cos = torch.randn(rows, q + kv, generator=g, device=device, dtype=dtype)
+    sin = torch.randn(rows, q + kv, generator=g, device=device, dtype=dtype)
+
+    def rms(t, w):
+        return t * torch.rsqrt(t.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(t.dtype) * w
+
+    def forward():
+        a = x + rms(x, w1)
+        y = a + rms(a, w2)
+        half = qk.shape[1] // 2
+        rot = qk * cos + torch.cat([-qk[:, half:], qk[:, :half]], 1) * sin
+        if model.gated_mlp:
+            act = torch.nn.functional.silu(up[:, :F]) * up[:, F:]
+        else:
+            act = torch.nn.functional.gelu(up)
+        return y, rot, act
+
+    outs = forward()
+    grads = [torch.ones_like(o) for o in outs]
+
+    def fwd():
+        with torch.no_grad():
+            forward()
+
+    def bwd():
+        torch.autograd.grad(outs, [x, qk, up, w1, w2], grads, retain_graph=True)
+
+    barrier()
+    t = _seconds(fwd, device, iters, warmup) + _seconds(bwd, device, iters, warmup)
+    elems = 4.0 * H + 6.0 * H + 2.0 * (q + kv) + (3.0 if model.gated_mlp else 2.0) * F
+    progress.tick()
+    return rows * elems * torch.empty(0, dtype=dtype).element_size() * 3.0 / t / 1e9
+
+
 def _attention_heads(model: Model, device, heads):
     """Query and kv heads to measure with: the model's by default. Fewer heads measure faster but can read high:
     on a CPU, curves timed with 3 of a model's 12 heads (and without the merge, then) left the model 26-45%
@@ -539,6 +587,8 @@ def _build_cluster(rows, bw, lat, pairs_note, a2a, meta, tolerance) -> Cluster:
                 if curve:  # (no packed-document curve from a single block size)
                     entry[name] = [[int(s), float(f"{v:.6g}")] for s, v in curve]  # (6 digits, never 0)
             entry["memory_gib"] = spec["memory_gib"] if same else round(rows[r]["memory_gib"], 3)
+            mem_bound = statistics.median(rows[x]["mem_bound_gbps"] for x in rs) if same else rows[r]["mem_bound_gbps"]
+            entry["mem_bound_gbps"] = float(f"{mem_bound:.6g}")
             devices[r] = entry
     spec = {"nodes": node_specs, "devices": devices}
     inter = [bw[a][b] for a in range(world) for b in range(world) if a != b and node_of[a] != node_of[b]]
@@ -637,13 +687,15 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
     rounds = _rounds(pairs)
     a2a_sizes = len(_a2a_sizes(world)) if world > 1 else 0
     prog = _Progress(progress and rank == 0,
-                     len(rows_list) + 2 * len(blocks) + len(_document_sizes(blocks)) +
+                     len(rows_list) + 1 + 2 * len(blocks) + len(_document_sizes(blocks)) +
                      len(_runtime_sizes(blocks)) * (3 if world > 1 else 1) +
                      len(rounds) + a2a_sizes)
 
     prog.stage(f"{world} rank(s), {device.type}, {str(dt).replace('torch.', '')}: matmul rates on {model.name}'s "
                f"shapes at {', '.join(map(str, rows_list))} rows")
     gemm = _gemm_curve(model, rows_list, device, dt, iters, warmup, barrier, prog)
+    prog.stage(f"memory-bound work (norms, residual adds, rotary, activation) at {max(rows_list)} rows")
+    mem_bound = _mem_bound_rate(model, max(rows_list), device, dt, iters, warmup, barrier, prog)
     # the block backends the runtime will use for this head shape, measured (or forced) first: the attention
     # curves below time the ones chosen, so the cost model prices what runs
     h_run, kv_run = _attention_heads(model, device, attn_heads)
@@ -682,7 +734,7 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
         a2a, a2a_bytes = [], 0
     row = {"host": host, "gpu": device_name(device), "memory_gib": memory, "gemm": gemm, "attn": full,
            "attn_causal": diag, "attn_document": packed, "runtime": runtime, "runtime_a2a": runtime_a2a,
-           "runtime_ring": runtime_ring, "block_backends": backends,
+           "runtime_ring": runtime_ring, "block_backends": backends, "mem_bound_gbps": mem_bound,
            "links": {p: (l, b) for p, (l, b) in mine.items()},
            "a2a": [t for _, t in a2a]}
     rows = [None] * world

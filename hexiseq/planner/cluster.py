@@ -76,6 +76,10 @@ class DeviceRates:
         element of its own tokens * (heads + 2 kv_heads) * head_dim (packing, unpacking, the collective's copies).
     runtime_ring_ns: the same for a member of a ring of several groups, per element of the other groups' K, V
         blocks it receives for its kv heads, (seq_len - S_g) * 2 kv * head_dim (assembly, gradient accumulators).
+    mem_bound_gbps: the rate of the memory-bound work beside the matmuls (norms, residual adds, rotary,
+        activations, the loss, the optimizer step), GB of the bytes the cost model counts for it per second
+        (hexiseq.calibrate times a layer's norms, residual adds, rotary and activation); default: the catalog's
+        memory bandwidth times 0.75.
     Sizes strictly increase; the cost model interpolates linearly in log(size) and clamps outside. A curve
     replaces the catalog's (or the node's) rates for that kind of work on that device."""
 
@@ -87,6 +91,7 @@ class DeviceRates:
     runtime_ns: Optional[Curve] = None
     runtime_a2a_ns: Optional[Curve] = None
     runtime_ring_ns: Optional[Curve] = None
+    mem_bound_gbps: Optional[float] = None
 
     @classmethod
     def from_dict(cls, d, where="device") -> "DeviceRates":
@@ -94,13 +99,16 @@ class DeviceRates:
             d = d.to_dict()
         if not isinstance(d, dict):
             raise InvalidArgumentError(f"{where} must be a mapping with memory_gib, gemm_tflops, attn_tflops, "
-                                       f"attn_causal_tflops, attn_document_tflops, runtime_ns, runtime_a2a_ns, runtime_ring_ns, or null, got {d!r}")
-        unknown = set(d) - {"memory_gib", *_CURVES}
+                                       f"attn_causal_tflops, attn_document_tflops, runtime_ns, runtime_a2a_ns, runtime_ring_ns, "
+                                       f"mem_bound_gbps, or null, got {d!r}")
+        unknown = set(d) - {"memory_gib", "mem_bound_gbps", *_CURVES}
         if unknown:
             raise InvalidArgumentError(f"{where}: unknown field(s) {sorted(unknown)}; "
-                                       f"expected {sorted({'memory_gib', *_CURVES})}")
+                                       f"expected {sorted({'memory_gib', 'mem_bound_gbps', *_CURVES})}")
         curves = {k: _curve(d.get(k), f"{where}.{k}") for k in _CURVES}
         return cls(memory_gib=number(d.get("memory_gib"), f"{where}.memory_gib", positive=True, optional=True),
+                   mem_bound_gbps=number(d.get("mem_bound_gbps"), f"{where}.mem_bound_gbps", positive=True,
+                                         optional=True),
                    **curves)
 
     def to_dict(self) -> dict:
@@ -110,16 +118,18 @@ class DeviceRates:
         for k in _CURVES:
             if getattr(self, k) is not None:
                 out[k] = [list(p) for p in getattr(self, k)]
+        if self.mem_bound_gbps is not None:
+            out["mem_bound_gbps"] = self.mem_bound_gbps
         return out
 
     @property
     def measured(self) -> bool:
-        """Whether any rate curve is given."""
-        return any(getattr(self, k) is not None for k in _CURVES)
+        """Whether any rate (a curve or the memory-bound rate) is given."""
+        return any(getattr(self, k) is not None for k in _CURVES) or self.mem_bound_gbps is not None
 
     def _as_core(self):
         return (0.0 if self.memory_gib is None else self.memory_gib,
-                *(getattr(self, k) for k in _CURVES))
+                *(getattr(self, k) for k in _CURVES), 0.0 if self.mem_bound_gbps is None else self.mem_bound_gbps)
 
 
 def _curve(value, where) -> Optional[Curve]:

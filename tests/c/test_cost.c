@@ -1414,11 +1414,22 @@ static void test_curves(void) {
     EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 20, 1, &l, per, &pc));
     double t_mixed = 110.0 / (lerp_log(10, 4, 0.25, 16, 0.75) * 1e12) + 100.0 / attn_rate(2.0, 0.25, 10);
     NEAR(per[0].attn_s, 3.5 * 4.0 * d * A * t_mixed * L, "causal curve + catalog formula");
+
     const double mem20 = mem_bound(HBM_A100, 20, 1.0, 0, tiny_params());
     NEAR(pc.lower_bound_s, 20 * fpt / 3e12 + L * 4.0 * 210.0 * d * A * 3.5 / 0.75e12 + mem20, "mixed causal lower bound");
     EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 20, 0, &l, per, &pc));
     NEAR(per[0].attn_s, 3.5 * 4.0 * d * A * 400.0 / attn_rate(2.0, 0.25, 20) * L, "non-causal ignores the causal curve");
     NEAR(pc.lower_bound_s, 20 * fpt / 3e12 + L * 4.0 * 400.0 * d * A * 3.5 / 0.5e12 + mem20, "non-causal lower bound");
+    hexiseq_cluster_destroy(c);
+    /* a measured memory-bound rate (GB/s of the bytes the model counts) replaces bandwidth x 0.75 */
+    dd.mem_bound_gbps = 5.0;
+    EXPECT_OK(hexiseq_cluster_create_ex(1, &nd, 10.0, NULL, &opt, &c));
+    EXPECT_OK(hexiseq_cluster_device(c, 0, &di));
+    EXPECT(di.mem_bound_gbps == 5.0 && di.hbm_gbps == HBM_A100, "measured rate %g, catalog bandwidth %g",
+           di.mem_bound_gbps, di.hbm_gbps);
+    EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 20, 1, &l, per, &pc));
+    NEAR(per[0].mem_bound_s, mem_bound(5.0 / 0.75, 20, 1.0, 0, tiny_params()), "measured memory-bound rate");
+    dd.mem_bound_gbps = 0.0;
     hexiseq_cluster_destroy(c);
     hexiseq_layout_free(&l);
 
