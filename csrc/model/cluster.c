@@ -421,6 +421,11 @@ double hexiseq_layer_params(const hexiseq_model *m) {
     return H * q + 2.0 * H * kv + q * H + (m->gated_mlp ? 3.0 : 2.0) * H * m->ffn + 2.0 * H;
 }
 
+/* embedding + untied output head + final norm */
+double hexiseq_total_params(const hexiseq_model *m) {
+    return m->layers * hexiseq_layer_params(m) + 2.0 * (double)m->vocab * m->hidden + m->hidden;
+}
+
 hexiseq_status hexiseq_model_params(const hexiseq_model *m, double *params) {
     HEXISEQ_CHECK(hexiseq_model_validate(m));
     if (!params)

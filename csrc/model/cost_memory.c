@@ -6,11 +6,6 @@
 
 #define GIB 1073741824.0
 
-/* embedding + untied output head + final norm */
-double hexiseq_total_params(const hexiseq_model *m) {
-    return m->layers * hexiseq_layer_params(m) + 2.0 * (double)m->vocab * m->hidden + m->hidden;
-}
-
 void hexiseq_states(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t, int32_t device,
                     hexiseq_states_t *out) {
     double P = hexiseq_total_params(m);
