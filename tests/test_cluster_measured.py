@@ -35,7 +35,7 @@ def _measured():
     lat = [[0, 3.5, 21.25, 22], [3.25, 0, 19.5, 1e-3], [20, 20, 0, 4.75], [1 / 7, 20.5, 5.0, 0]]
     calibration = {"model": "tiny", "dtype": "bfloat16", "when": "2025-01-02T03:04:05", "world": 4,
                    "notes": ["a", 1, 2.5, True, None], "nested": {"k": [1, {"x": 0.1}]}}
-    return Cluster([Node("H100-SXM", 2, 450.0), Node("MI300X", 2, 400.0, memory_gib=192.0, peak_tflops=1307.4,
+    return Cluster([Node("H100-SXM", 2, 450.0), Node("XPU-900", 2, 400.0, memory_gib=192.0, peak_tflops=1307.4,
                                                      gemm_eff=0.55, attn_eff=0.4)],
                    inter_node_gbps=37.5, latency_us=lat, devices=devices, calibration=calibration)
 
@@ -112,7 +112,7 @@ def test_equality_covers_every_field():
 def test_describe_and_device_rates():
     c = _measured()
     assert "measured rates on 2 of them" in c.describe()
-    assert "MI300X" in c.describe()
+    assert "XPU-900" in c.describe()
     assert Cluster([Node("H100", 2, 450.0)], devices=[{"gemm_tflops": _flat(500)}] * 2).describe().endswith(
         "measured rates")
     assert "measured" not in Cluster.example().describe()
@@ -185,10 +185,10 @@ def test_bad_measurements_name_field_and_value():
 
 def test_unknown_gpu_fully_described_plans():
     c = Cluster([Node("H100-SXM", 4, 450.0),
-                 Node("MI300X", 4, 400.0, memory_gib=192.0, peak_tflops=1307.4, gemm_eff=0.55, attn_eff=0.4)], 50.0)
-    assert c.nodes[1].gpu == "MI300X" and list(c.device_gpus[4:]) == ["MI300X"] * 4
+                 Node("XPU-900", 4, 400.0, memory_gib=192.0, peak_tflops=1307.4, gemm_eff=0.55, attn_eff=0.4)], 50.0)
+    assert c.nodes[1].gpu == "XPU-900" and list(c.device_gpus[4:]) == ["XPU-900"] * 4
     p = hexiseq.plan(c, model="7b", seq_len="64k")
-    assert p.fits and "MI300X" in p.explain() and "MI300X" in p.devices.gpu.tolist()
+    assert p.fits and "XPU-900" in p.explain() and "XPU-900" in p.devices.gpu.tolist()
     assert Plan.from_json(p.to_json()).fingerprint == p.fingerprint
     # by measured curves and per-device memory only
     dev = {"memory_gib": 64.0, "gemm_tflops": _flat(300.0), "attn_tflops": _flat(200.0)}
@@ -197,13 +197,13 @@ def test_unknown_gpu_fully_described_plans():
     assert p.fits and list(p.devices.mem_cap_gib) == [64.0, 64.0]
     assert Cluster.from_dict(m.to_dict()) == m
     # not fully described: the error names the node, the model and what to give
-    for bad in (lambda: Cluster([Node("MI300X", 2, 400.0, peak_tflops=1300.0, gemm_eff=0.5, attn_eff=0.4)]),
-                lambda: Cluster([Node("MI300X", 2, 400.0, memory_gib=192.0)]),
+    for bad in (lambda: Cluster([Node("XPU-900", 2, 400.0, peak_tflops=1300.0, gemm_eff=0.5, attn_eff=0.4)]),
+                lambda: Cluster([Node("XPU-900", 2, 400.0, memory_gib=192.0)]),
                 lambda: Cluster([Node("Gaudi-X", 2, 300.0)], devices=[dev, {"memory_gib": 64.0}])):
         with pytest.raises(UnknownGPUError) as e:
             bad()
         msg = str(e.value)
-        assert "nodes[0].gpu" in msg and ("MI300X" in msg or "Gaudi-X" in msg) and "memory_gib" in msg
+        assert "nodes[0].gpu" in msg and ("XPU-900" in msg or "Gaudi-X" in msg) and "memory_gib" in msg
         assert "H100-SXM" in msg, msg
 
 

@@ -49,6 +49,24 @@ static const hexiseq_gpu_spec catalog[] = {
      "NVIDIA Ampere GA102 whitepaper (RTX 3090: 71 TFLOP/s fp16/bf16 with fp32 accumulate, 24 GB, 936 GB/s)"},
     {"V100", 125.0, 31.7, 900.0, 0.55, 0.34,
      "NVIDIA V100 datasheet (SXM2 32GB: 125 TFLOP/s fp16 tensor, no bf16, 900 GB/s); attn_eff estimated"},
+    /* Other vendors' accelerators. Their efficiencies are estimates (no published run in
+     * benchmarks/data/published_runs.yaml), as for the NVIDIA parts without one; the hexiseq CUDA kernels do not
+     * run on them, the planner and cost model do. */
+    {"MI300X", 1307.4, 191.7, 5300.0, 0.50, 0.30,
+     "AMD CDNA 3 white paper (MI300X: 1307.4 TFLOP/s bf16 dense, 192 GB HBM3, 5.3 TB/s); rocm-smi reports "
+     "191.7 GiB; efficiencies estimated"},
+    {"MI250X-GCD", 191.5, 64.0, 1638.4, 0.50, 0.30,
+     "AMD CDNA 2 white paper (MI250X: 383 TFLOP/s bf16 dense, 128 GB HBM2e, 3.2768 TB/s per module of two "
+     "GCDs, each its own device to ROCm: half of each); efficiencies estimated"},
+    {"Gaudi2", 432.0, 96.0, 2460.0, 0.50, 0.30,
+     "Intel, Hot Chips 2024 (Gaudi 2: 432 TFLOP/s bf16, 96 GB HBM2e, 2.46 TB/s); hl-smi reports 96 GiB; "
+     "efficiencies estimated"},
+    {"Gaudi3", 1835.0, 128.0, 3670.0, 0.50, 0.30,
+     "Intel, Hot Chips 2024 (Gaudi 3: 1835 TFLOP/s bf16, 128 GB HBM2e, 3.67 TB/s; a later Intel figure of 1678 "
+     "is reported, not verified); efficiencies estimated"},
+    {"Ascend910B3", 313.0, 64.0, 1600.0, 0.50, 0.30,
+     "Huawei Atlas 800T A2 specification in MindStudio (910B3: 313 TFLOP/s fp16, 64 GB HBM2e); 1.6 TB/s from "
+     "third-party reports, no Huawei datasheet read: low confidence; fp16 taken for bf16; efficiencies estimated"},
 };
 
 #define CATALOG_SIZE ((int)(sizeof catalog / sizeof catalog[0]))
@@ -59,6 +77,7 @@ static const struct {
 } aliases[] = {
     {"H100", "H100-SXM"}, {"H100-80G", "H100-SXM"}, {"A100", "A100-80G"}, {"A800-80G", "A800"},
     {"RTX-4090", "RTX4090"}, {"RTX-3090", "RTX3090"}, {"RTX-A6000", "A6000"}, {"V100-32G", "V100"},
+    {"MI250X", "MI250X-GCD"}, {"Gaudi-2", "Gaudi2"}, {"Gaudi-3", "Gaudi3"}, {"Ascend-910B3", "Ascend910B3"},
 };
 
 int hexiseq_gpu_catalog_size(void) { return CATALOG_SIZE; }

@@ -1724,14 +1724,14 @@ static void test_grad_collectives(void) {
 /* A GPU model outside the catalog, fully described by the node's overrides or by measured curves. */
 
 static void test_unknown_gpu(void) {
-    char name[16] = "MI300X";
+    char name[16] = "XPU-900";
     hexiseq_node_desc nd = node(name, 2, 100.0, 64.0, 500.0, 0.6, 0.4);
     hexiseq_cluster *c = NULL;
     EXPECT_OK(hexiseq_cluster_create(1, &nd, 10.0, NULL, &c));
     strcpy(name, "XXXXX"); /* the cluster keeps its own copy of the name */
     hexiseq_device_info di;
     EXPECT_OK(hexiseq_cluster_device(c, 1, &di));
-    EXPECT(di.gpu_index == -1 && strcmp(di.gpu_name, "MI300X") == 0 && di.memory_gib == 64.0 && di.peak_tflops == 500.0 &&
+    EXPECT(di.gpu_index == -1 && strcmp(di.gpu_name, "XPU-900") == 0 && di.memory_gib == 64.0 && di.peak_tflops == 500.0 &&
                di.gemm_eff == 0.6 && di.attn_eff == 0.4,
            "unknown GPU device: index %d name %s", di.gpu_index, di.gpu_name);
     hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL};
@@ -1753,29 +1753,29 @@ static void test_unknown_gpu(void) {
     hexiseq_layout_free(&out);
     hexiseq_cluster_destroy(c);
     /* too little memory: the error names the model */
-    strcpy(name, "MI300X");
+    strcpy(name, "XPU-900");
     nd.memory_gib = 1e-6;
     EXPECT_OK(hexiseq_cluster_create(1, &nd, 10.0, NULL, &c));
-    EXPECT_ERR(hexiseq_plan_strategy(c, &TINY, &t, 1000, 1, HEXISEQ_STRATEGY_RING, &out, &pc), HEXISEQ_ERR_MEMORY, "MI300X");
+    EXPECT_ERR(hexiseq_plan_strategy(c, &TINY, &t, 1000, 1, HEXISEQ_STRATEGY_RING, &out, &pc), HEXISEQ_ERR_MEMORY, "XPU-900");
     hexiseq_layout_free(&out);
-    EXPECT_ERR(hexiseq_plan_strategy(c, &TINY, &t, 1000, 1, HEXISEQ_STRATEGY_HEXISEQ, &out, &pc), HEXISEQ_ERR_MEMORY, "MI300X");
+    EXPECT_ERR(hexiseq_plan_strategy(c, &TINY, &t, 1000, 1, HEXISEQ_STRATEGY_HEXISEQ, &out, &pc), HEXISEQ_ERR_MEMORY, "XPU-900");
     hexiseq_layout_free(&out);
     hexiseq_cluster_destroy(c);
 
     /* Not fully described: the error names the node, the model, what to give, and the catalog. */
-    hexiseq_node_desc bad = node("MI300X", 2, 100.0, 0.0, 500.0, 0.6, 0.4);
-    EXPECT_ERR(hexiseq_cluster_create(1, &bad, 10.0, NULL, &c), HEXISEQ_ERR_UNKNOWN_GPU, "nodes[0].gpu 'MI300X'");
+    hexiseq_node_desc bad = node("XPU-900", 2, 100.0, 0.0, 500.0, 0.6, 0.4);
+    EXPECT_ERR(hexiseq_cluster_create(1, &bad, 10.0, NULL, &c), HEXISEQ_ERR_UNKNOWN_GPU, "nodes[0].gpu 'XPU-900'");
     EXPECT(strstr(hexiseq_last_error(), "memory_gib, peak_tflops, gemm_eff and attn_eff") &&
                strstr(hexiseq_last_error(), "H100-SXM") && strstr(hexiseq_last_error(), "device 0 has no memory_gib"),
            "unknown GPU message: '%s'", hexiseq_last_error());
     EXPECT(c == NULL, "no cluster on failure");
-    bad = node("MI300X", 2, 100.0, 64.0, 500.0, 0.6, 0.0);
+    bad = node("XPU-900", 2, 100.0, 64.0, 500.0, 0.6, 0.0);
     EXPECT_ERR(hexiseq_cluster_create(1, &bad, 10.0, NULL, &c), HEXISEQ_ERR_UNKNOWN_GPU, "attention rate");
-    bad = node("MI300X", 2, 100.0, 64.0, 0.0, 0.6, 0.4);
+    bad = node("XPU-900", 2, 100.0, 64.0, 0.0, 0.6, 0.4);
     EXPECT_ERR(hexiseq_cluster_create(1, &bad, 10.0, NULL, &c), HEXISEQ_ERR_UNKNOWN_GPU, "matmul rate");
 
     /* Described by measurements only: each device's memory and gemm, attn curves. */
-    hexiseq_node_desc nodes[2] = {node("A100-80G", 1, 100.0, 0, 0, 0, 0), node("MI300X", 2, 100.0, 0, 0, 0, 0)};
+    hexiseq_node_desc nodes[2] = {node("A100-80G", 1, 100.0, 0, 0, 0, 0), node("XPU-900", 2, 100.0, 0, 0, 0, 0)};
     hexiseq_device_desc dd[3];
     memset(dd, 0, sizeof dd);
     for (int i = 1; i < 3; ++i) {
@@ -1786,7 +1786,7 @@ static void test_unknown_gpu(void) {
     const hexiseq_cluster_options opt = {dd, NULL};
     EXPECT_OK(hexiseq_cluster_create_ex(2, nodes, 10.0, NULL, &opt, &c));
     EXPECT_OK(hexiseq_cluster_device(c, 2, &di));
-    EXPECT(di.gpu_index == -1 && strcmp(di.gpu_name, "MI300X") == 0 && di.memory_gib == 102.0 && di.peak_tflops == 0.0,
+    EXPECT(di.gpu_index == -1 && strcmp(di.gpu_name, "XPU-900") == 0 && di.memory_gib == 102.0 && di.peak_tflops == 0.0,
            "curve-described device: index %d name %s memory %g peak %g", di.gpu_index, di.gpu_name, di.memory_gib,
            di.peak_tflops);
     EXPECT_OK(hexiseq_cluster_device(c, 0, &di));
@@ -1805,7 +1805,7 @@ static void test_unknown_gpu(void) {
     hexiseq_layout_free(&l3);
     hexiseq_cluster_destroy(c);
     dd[2].attn.n = 0; /* device 2 without an attention rate */
-    EXPECT_ERR(hexiseq_cluster_create_ex(2, nodes, 10.0, NULL, &opt, &c), HEXISEQ_ERR_UNKNOWN_GPU, "nodes[1].gpu 'MI300X'");
+    EXPECT_ERR(hexiseq_cluster_create_ex(2, nodes, 10.0, NULL, &opt, &c), HEXISEQ_ERR_UNKNOWN_GPU, "nodes[1].gpu 'XPU-900'");
     EXPECT(strstr(hexiseq_last_error(), "device 2 has no attention rate"), "names the device: '%s'", hexiseq_last_error());
     dd[2].attn = curve2(1, 0.25, 16, 1.5);
     dd[2].memory_gib = 0; /* nor memory */
