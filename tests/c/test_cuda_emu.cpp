@@ -603,7 +603,7 @@ void test_attention_cases() {
     unsetenv("HEXISEQ_CUDA_BACKWARD");
     // The backward's split of a GQA group's query heads over CTAs: small cases take the whole group apart (one query
     // head per CTA, dK and dV summed in fp32 by attn_bwd_dkv_kernel); forced to 1, each CTA walks every head of its
-    // group and stores dK, dV itself; forced to 2 on a group of 6, three heads per CTA. Both backward kernels, with
+    // group and stores dK, dV itself; forced to 2 on groups of 4 heads, two CTAs of two heads each. Both backward kernels, with
     // accumulate, documents' per-row bounds aside (test_documents runs them split by default).
     const Case gqa[] = {
         {BF, 1, 150, 150, 6, 2, 64, 1, 0, 0, CONTIG, 0, 0},
@@ -612,11 +612,14 @@ void test_attention_cases() {
         {F16, 1, 100, 90, 4, 2, 256, 0, 0, 0, CONTIG, 0, 1},
         {BF, 1, 65, 129, 3, 1, 128, 0, 0, 0, MIXED_K, 1, 1},
     };
-    for (const char *splits : {"1", "2"}) {
-        setenv("HEXISEQ_CUDA_BWD_SPLITS", splits, 1);
-        for (const Case &c : gqa)
-            run_case(c);
-    }
+    setenv("HEXISEQ_CUDA_BWD_SPLITS", "1", 1);
+    for (const Case &c : gqa)
+        run_case(c);
+    setenv("HEXISEQ_CUDA_BWD_SPLITS", "2", 1); // groups of 4 heads in two CTAs of two heads each
+    const Case halves[] = {{BF, 1, 150, 150, 8, 2, 64, 1, 0, 0, CONTIG, 0, 0},
+                           {F16, 1, 130, 140, 8, 2, 128, 1, 10, 0, CONTIG, 0, 1}};
+    for (const Case &c : halves)
+        run_case(c);
     unsetenv("HEXISEQ_CUDA_BWD_SPLITS");
     // A key block longer than one forward piece is cut into pieces merged in double (see forward_typed); pieces of
     // 64 and 128 keys reach that path here: several pieces per block, partial last pieces, pieces no query of a
