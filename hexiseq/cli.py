@@ -99,6 +99,28 @@ def cmd_plan_batch(args, cluster, model, training, causal) -> int:
     return 0
 
 
+# Above this many devices the batch planner's first pricing of its candidate groups takes minutes (224 s for
+# 8,192), too long to run unasked beside a plan that takes milliseconds; --batch runs it when asked.
+_BATCH_ALTERNATIVE_UP_TO = 1024
+
+
+def _batch_alternative(cluster, model, training, seq_len, causal, chosen):
+    """For several sequences per step, the batch plan of those sequences (groups of devices, each running some of
+    them) when the batch planner predicts it faster than `chosen`, one layout over every device run once per
+    sequence; else None (one sequence, a cluster too large to price quickly, no faster grouping, or none fits)."""
+    from .planner.batch import plan_batch
+
+    if training.sequences < 2 or cluster.num_devices > _BATCH_ALTERNATIVE_UP_TO:
+        return None
+    one = Training(sequences=1, checkpointing=training.checkpointing, sharding=training.sharding,
+                   reserved_gib=training.reserved_gib, state_shares=training.state_shares)
+    try:
+        bp = plan_batch(cluster, model=model, lengths=[seq_len] * training.sequences, training=one, causal=causal)
+    except MemoryFitError:
+        return None
+    return bp if bp.step_time_s < chosen.step_time_s else None
+
+
 def _measure_line(cluster) -> str:
     """The command that times a plan on its cluster: torchrun with one process per device (one node:
     --nproc_per_node; several nodes of one size: --nnodes too, started on every node with a rendezvous)."""
@@ -154,6 +176,15 @@ def cmd_plan(args) -> int:
                   "found by then", file=sys.stderr)
         print(chosen.to_json(indent=2))
         return 0
+    batch = _batch_alternative(cluster, model, training, seq_len, causal, chosen) if (
+        strategy is Strategy.AUTO and documents is None) else None
+    if batch is not None:
+        print(batch.explain())
+        print(f"\n--sequences {training.sequences}: the batch planner's groups above are predicted "
+              f"{chosen.step_time_s / batch.step_time_s:.2f}x as fast as one layout over all "
+              f"{cluster.num_devices} devices run {training.sequences} times ({chosen.step_time_s:.4g} s), which "
+              "follows for comparison\n(run a batch plan with hexiseq.nn.BatchContext; `--batch` plans steps of "
+              "unequal lengths; see docs/batch.md)\n")
     print(chosen.explain())
     print()
     print(TABLE_LEGEND)

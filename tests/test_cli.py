@@ -221,6 +221,23 @@ def test_plan_batch_from_a_file_and_inline(tmp_path):
     assert_clean_error(run("plan", "--batch", "0,5"), "lengths[0] must be between 1")
 
 
+def test_several_sequences_are_planned_on_groups_when_that_is_faster():
+    """`hexiseq plan --sequences N`: where the batch planner's groups beat one layout over every device run N times,
+    the batch plan is printed first, with how many groups and why, and the ratio to the single layout, which
+    follows; with one sequence, or no faster grouping, only the single layout."""
+    out = run("plan", "--sequences", "4", "--checkpointing", "--model", "8b", "--seq-len", "32k")
+    assert out.returncode == 0, out.stderr
+    head = out.stdout.split("HexiSeq plan 'hexiseq'")[0]
+    assert head.startswith("batch plan: 4 sequences (131,072 tokens, the longest 32,768) on 16 devices"), head
+    assert "why 2 groups" in head and "--sequences 4: the batch planner's groups above are predicted" in head
+    ratio = float(head.split("are predicted ")[1].split("x as fast")[0])
+    single = float(out.stdout.split("HexiSeq plan 'hexiseq'")[1].split("step time")[1].split("s")[0])
+    batch = float(head.split("step (predicted) ")[1].split(" s")[0])
+    assert ratio > 1 and abs(single / batch - ratio) < 0.01 * ratio, (ratio, single, batch)
+    one = run("plan", "--checkpointing", "--model", "8b", "--seq-len", "32k")
+    assert one.returncode == 0 and "batch plan" not in one.stdout, one.stderr
+
+
 def test_yaml_syntax_error_is_one_line_with_file_line_and_column(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("nodes:\n  - {gpu: H100-SXM, count: 2, intra_gbps: 450\ninter_node_gbps: 25\n")
