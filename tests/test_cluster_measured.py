@@ -291,3 +291,21 @@ def test_measure_says_when_it_runs_unlike_the_calibration():
     assert "head_dim 128 against the calibration's 64" in words and "8/8 heads against the calibration's 12/4" in words
     plain = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 2, "intra_gbps": 300.0}]})
     assert _unlike_calibration(hexiseq.plan(plain, model=other, seq_len=1024), "torch.bfloat16") == ""
+
+
+def test_without_drops_devices_and_keeps_the_rest():
+    """Cluster.without: the survivors keep their nodes, links and measured rates, a node left empty goes, the
+    calibration's per-device block backends are cut the same way and the drop is noted; dropping every device or a
+    device that does not exist is refused by name and value."""
+    c = _measured()
+    w = c.without([1, 2])
+    assert w.num_devices == 2 and [n.count for n in w.nodes] == [1, 1] and [n.gpu for n in w.nodes] == ["H100-SXM", "XPU-900"]
+    assert w.devices[0] == c.devices[0] and w.devices[1] == c.devices[3]
+    assert np.array_equal(w.latency_us, np.asarray(c.latency_us)[np.ix_([0, 3], [0, 3])])
+    assert w.calibration["dropped_devices"] == [[1, 2]] and w.calibration["model"] == "tiny"
+    gone = c.without([0, 1])
+    assert [n.gpu for n in gone.nodes] == ["XPU-900"] and gone.num_devices == 2
+    cal = Cluster([Node("H100-SXM", 3, 450.0)], calibration={"block_backends": ["a", "b", "c"]}).without([1])
+    assert cal.calibration["block_backends"] == ["a", "c"]
+    _raises(lambda: c.without([0, 1, 2, 3]), "every device")
+    _raises(lambda: c.without([7]), "devices", "7")

@@ -214,6 +214,19 @@ def test_checkpoint_reshards_across_world_sizes_and_shares(tmp_path):
         assert report["lr"] == 0.05
         assert _diff(report["loaded"], at_save) == 0.0, "the weights as saved, bit for bit"
         assert _diff(report["after"], after) <= 1e-12, "the next step as the saving job took it"
+    # a node lost: the survivors' plan (the cluster less the lost device, states shared by memory) gives the shares
+    # the checkpoint is loaded at, and the next step is the one the saving job took
+    cluster = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 2, "intra_gbps": 450},
+                                                   {"gpu": "L40S", "count": 1, "intra_gbps": 32}],
+                                         "inter_node_gbps": 25})
+    survivors = hexiseq.plan(cluster.without([0]), model="gpt-3b", seq_len=8192,
+                             training=hexiseq.Training(checkpointing=True, state_shares="memory"))
+    shares = [float(x) for x in survivors.state_shares]
+    assert len(shares) == 2 and abs(shares[0] - shares[1]) > 0.1, shares  # uneven: the H100 holds more
+    resumed = dist_worker.spawn(states_worker.checkpoint_phase, 2, ("load", shares, path), tmp_path, 120)
+    for rank, (status, report) in sorted(resumed.items()):
+        assert status == "ok", f"resume rank {rank}: {report}"
+        assert _diff(report["loaded"], at_save) == 0.0 and _diff(report["after"], after) <= 1e-12
     # a different starting point really differs: the comparison above is not vacuous
     assert _diff(states_worker._numpy(states_worker.make_net(seed=5).state_dict()), at_save) > 1e-3
     assert _diff(after, at_save) > 1e-3  # and the step moves the weights

@@ -360,6 +360,27 @@ class Cluster:
                            latency_us=lat if lat is None or isinstance(lat, float) else lat[np.ix_(idx, idx)],
                            devices=None if self.devices is None else [self.devices[d] for d in chosen])
 
+    def without(self, devices) -> "Cluster":
+        """This cluster less the given devices (indices as its plans number them): what a job restarted on the
+        survivors of a lost device or node plans on (then hexiseq.checkpoint.load_states re-shards the last
+        checkpoint to the new plan's shares). The survivors keep their order, nodes, links and measured rates, as
+        in subset(); the calibration record stays, its per-device block_backends cut the same way, and its
+        dropped_devices lists each drop's devices (in the numbering of the cluster they were dropped from)."""
+        lost = set(device_set(devices, self.num_devices, "devices"))
+        kept = [d for d in range(self.num_devices) if d not in lost]
+        if not kept:
+            raise InvalidArgumentError(f"devices {sorted(lost)} are every device of the cluster: none would be left")
+        out = self.subset(kept)
+        cal = self.calibration
+        if cal is not None:
+            backends = cal.get("block_backends")
+            if isinstance(backends, list) and len(backends) == self.num_devices:
+                cal["block_backends"] = [backends[d] for d in kept]
+            # one list per drop, each in the numbering of the cluster it was dropped from
+            cal["dropped_devices"] = list(cal.get("dropped_devices") or []) + [sorted(lost)]
+            out._calibration = _plain(cal, "calibration")
+        return out
+
     # ------------------------------------------------------------------ queries
 
     def _core_nodes(self):
