@@ -105,7 +105,7 @@ def main():
     taken_twice = sorted(s for s in final if sum(1 for e in events if e.get("step") == s) > 1)
     worst = max(abs(final[s]["loss"] - reference[s]) for s in reference) if len(final) == len(reference) else None
     lines += ["", f"Steps taken: {len(final)} of {a.steps}; taken again after the restart: {taken_twice}.",
-              f"Largest difference of a step's loss from the uninterrupted one-process run: "
+              "Largest difference of a step's loss from the uninterrupted one-process run: "
               + (f"{worst:.2e}" if worst is not None else "MISSING STEPS"),
               "", "| step | world | loss | uninterrupted | difference |", "|---|---|---|---|---|"]
     for s in sorted(final):
