@@ -142,16 +142,15 @@ def prefer(device, dtype, head_dim, pairs=None, documents=None):
         _preferred[(_index(device), dtype, int(head_dim), kind)] = name
 
 
-def refused(q, k, kind, backend, error):
-    """A chosen backend refused a shape its measurement did not try (cuDNN and a length, say): that shape class
-    goes to the next candidate from now on (warned once), or the error is re-raised where the backend was forced."""
-    if os.environ.get("HEXISEQ_RUNTIME_KERNELS", "") == backend or _forced_documents() == backend:
+def refused(q, k, error):
+    """cuDNN, chosen for pairs, refused a shape its measurement did not try (a length, a causal flag): that shape
+    class goes to flash from now on (warned once), or the error is re-raised where cuDNN was forced."""
+    if os.environ.get("HEXISEQ_RUNTIME_KERNELS", "") == "cudnn":
         raise error
-    fallback = "flash" if kind == "pairs" else "hexiseq"
-    _chosen[(_index(q.device), q.dtype, q.shape[2], k.shape[2], q.shape[3], kind)] = fallback
-    _warn_once(f"torch's {backend} attention refused a block pair ({str(error).splitlines()[0][:200]}); this shape "
-               f"class uses {fallback} from now on")
-    return fallback
+    _chosen[(_index(q.device), q.dtype, q.shape[2], k.shape[2], q.shape[3], "pairs")] = "flash"
+    _warn_once(f"torch's cuDNN attention refused a block pair ({str(error).splitlines()[0][:200]}); this shape "
+               "class uses flash from now on")
+    return "flash"
 
 
 def measure(device, dtype, heads, kv_heads, head_dim, kind="pairs", reps=3):
@@ -228,7 +227,7 @@ def pair_forward(q, k, v, causal, q_pos0, k_pos0, scale):
         try:
             return _cudnn_forward(q, k, v, exact_causal(q, k, causal, q_pos0, k_pos0), scale)
         except RuntimeError as e:
-            name = refused(q, k, "pairs", "cudnn", e)
+            name = refused(q, k, e)
     if name == "hexiseq":
         return ops.attention_forward(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale)
     return _flash_forward(q, k, v, exact_causal(q, k, causal, q_pos0, k_pos0), scale)
@@ -241,7 +240,7 @@ def pair_backward(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale):
         try:
             return _cudnn_backward(q, k, v, o, lse, do, exact_causal(q, k, causal, q_pos0, k_pos0), scale)
         except RuntimeError as e:
-            name = refused(q, k, "pairs", "cudnn", e)
+            name = refused(q, k, e)
     if name == "hexiseq":
         return ops.attention_backward(q, k, v, o, lse.to(torch.float32), do, causal=causal, q_pos0=q_pos0,
                                       k_pos0=k_pos0, scale=scale)
