@@ -199,3 +199,22 @@ def test_runtime_adopts_the_calibrated_choice(monkeypatch):
     fused._preferred.clear()
     nn.adopt_calibrated_backends(plain, 0, torch.device("cpu"), torch.bfloat16)
     assert fused._preferred == {}
+
+
+@pytest.mark.parametrize("causal,qp,kp,sq,sk", [(False, 30, 200, 17, 23), (True, 90, 20, 17, 23), (True, 41, 41, 29, 29)],
+                         ids=["full_noncausal", "keys_before", "diagonal"])
+def test_exact_pairs_on_the_hexiseq_kernels_at_positions_zero(causal, qp, kp, sq, sk, monkeypatch):
+    """An exact pair chosen for the hexiseq kernels runs them at positions 0 with exact_causal's answer: the same
+    out, LSE and gradients as at the pair's own positions (float64, GQA 6:2). exact_causal needs a GPU, so its
+    answer for each pair is written here: all visible (False) or the diagonal square (True)."""
+    monkeypatch.setattr(fused, "choice", lambda q, k, kind="pairs": "hexiseq")
+    q, k, v, do = _case(2, sq, sk, 6, 2, 24, seed=3)
+    is_causal = qp == kp and sq == sk
+    out, lse = fused.pair_forward(q, k, v, is_causal, 0.3)
+    ref_out, ref_lse = ops.attention_forward(q, k, v, causal=causal, q_pos0=qp, k_pos0=kp, scale=0.3)
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+    grads = fused.pair_backward(q, k, v, ref_out, ref_lse, do, is_causal, 0.3)
+    refs = ops.attention_backward(q, k, v, ref_out, ref_lse, do, causal=causal, q_pos0=qp, k_pos0=kp, scale=0.3)
+    for ours, ref in zip(grads, refs):
+        torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)

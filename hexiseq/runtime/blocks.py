@@ -11,7 +11,6 @@ Two implementations, one interface (`BlockKernels`, chosen once per device and d
 """
 
 import os
-import warnings
 
 import torch
 
@@ -19,7 +18,6 @@ from . import fused, ops
 from .variants import PLAIN
 from ..errors import InvalidArgumentError, UnsupportedError
 
-_warned_fallback = False
 
 
 # The PyTorch block path materialises scores one [B, H, tile, tile] piece at a time: a block of any length then
@@ -64,13 +62,14 @@ def _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, tile=None, q_do
     already expanded to H or in GQA ratio. The chosen fused backend where one applies (see fused.exact_causal;
     never with documents or a variant); else tiled matmuls (tile: force those, with this tile size). variant: a window
     and soft-capping (hexiseq.runtime.variants)."""
-    plain = tile is None and q_doc is None and variant.plain
-    if plain and fused.exact_causal(q, k, causal, q_pos0, k_pos0) is not None:
-        return fused.pair_forward(q, k, v, causal, q_pos0, k_pos0, scale)
+    is_causal = fused.exact_causal(q, k, causal, q_pos0, k_pos0) if tile is None and q_doc is None and variant.plain \
+        else None
+    if is_causal is not None:
+        return fused.pair_forward(q, k, v, is_causal, scale)
     if q.device.type == "cuda":
         why = ("a document mask" if q_doc is not None else "a window or soft-capping" if not variant.plain
                else f"this block pair ({q.dtype}, head dim {q.shape[3]})")
-        _warn_once(f"no fused attention for {why}; using tiled matmuls (correct, slow)")
+        fused.warn_once(f"no fused attention for {why}; using tiled matmuls (correct, slow)")
     tile = tile or _TORCH_TILE
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, Sq, H, d = q.shape
@@ -91,9 +90,10 @@ def _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, tile=None, q_do
 def _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, tile=None, q_doc=None, variant=PLAIN):
     """PyTorch backward of one block pair with the final (o, lse): (dq, dk, dv) in q's dtype from torch's flash op
     where it applies (see fused.exact_causal; never with documents), else in fp32/fp64 from tiled matmuls."""
-    plain = tile is None and q_doc is None and variant.plain
-    if plain and fused.exact_causal(q, k, causal, q_pos0, k_pos0) is not None:
-        return fused.pair_backward(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale)
+    is_causal = fused.exact_causal(q, k, causal, q_pos0, k_pos0) if tile is None and q_doc is None and variant.plain \
+        else None
+    if is_causal is not None:
+        return fused.pair_backward(q, k, v, o, lse, do, is_causal, scale)
     tile = tile or _TORCH_TILE
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -220,17 +220,12 @@ def use_c_kernels(t):
     if forced == "hexiseq":
         if t.device.type == "cuda" and t.dtype in (torch.bfloat16, torch.float16) and ops._cuda_built():
             return True
-        _warn_once(f"HEXISEQ_RUNTIME_KERNELS=hexiseq: hexiseq has no kernel for {t.dtype} on {t.device.type} "
+        fused.warn_once(f"HEXISEQ_RUNTIME_KERNELS=hexiseq: hexiseq has no kernel for {t.dtype} on {t.device.type} "
                    f"(CUDA kernels: bf16/fp16{'' if ops._cuda_built() else ', and this build has none'}); using the "
                    "PyTorch block attention")
     return False
 
 
-def _warn_once(message):
-    global _warned_fallback
-    if not _warned_fallback:
-        warnings.warn("hexiseq: " + message, RuntimeWarning, stacklevel=3)
-        _warned_fallback = True
 
 
 def merge(o_acc, lse_acc, o_part, lse_part, use_c):
@@ -265,15 +260,17 @@ class BlockKernels:
         self._documents_c = None  # whether hexiseq.ops takes q_doc here: learnt at the first documents call
 
     def _route(self, q, k, causal, q_pos0, k_pos0, q_doc, variant):
-        """(where this pair runs, the varlen segments or None): "hexiseq" (hexiseq.ops), "varlen" (torch's
-        variable-length flash op over the pair's documents), or "torch" (_block_forward_torch: the chosen fused
-        backend where one computes the pair exactly, tiled matmuls otherwise)."""
+        """(where this pair runs, what that needs): "hexiseq" (hexiseq.ops), "fused" with its is_causal (the backend
+        chosen among torch's fused ops and the hexiseq kernels for an exact pair, fused.pair_forward), "varlen" with
+        its segments (torch's variable-length flash op over the pair's documents), or "torch" (tiled matmuls)."""
         if self.name == "hexiseq":
             return ("hexiseq" if q_doc is None or self._takes_documents(q_doc) else "torch"), None
         if q_doc is None:
-            exact = variant.plain and fused.exact_causal(q, k, causal, q_pos0, k_pos0) is not None
-            return ("torch" if exact or not self._own else "hexiseq"), None
-        if variant.plain and fused._flash_usable(q) and fused.choice(q, k, "documents") == "varlen":
+            is_causal = fused.exact_causal(q, k, causal, q_pos0, k_pos0) if variant.plain else None
+            if is_causal is not None:
+                return "fused", is_causal
+            return ("hexiseq" if self._own else "torch"), None
+        if variant.plain and fused.flash_usable(q) and fused.choice(q, k, "documents") == "varlen":
             seg = fused.segments(q, k, q_pos0, k_pos0, q_doc)
             if seg is not None:
                 return "varlen", seg
@@ -284,7 +281,7 @@ class BlockKernels:
         if self._documents_c is None:
             self._documents_c = _takes_documents(q_doc.device, self.dtype)
             if not self._documents_c and self.name == "hexiseq":
-                _warn_once(f"the hexiseq kernels on {q_doc.device.type} take no document mask; documents run on "
+                fused.warn_once(f"the hexiseq kernels on {q_doc.device.type} take no document mask; documents run on "
                            "the PyTorch block attention")
         return self._documents_c
 
@@ -292,12 +289,14 @@ class BlockKernels:
         """(out, lse) of the pair; out= and lse= (both or neither, q's dtype and the accumulator dtype) are written
         in place and returned: the hexiseq kernels write them directly, the other backends copy into them.
         variant: a window and soft-capping (hexiseq.runtime.variants)."""
-        where, seg = self._route(q, k, causal, q_pos0, k_pos0, q_doc, variant)
+        where, how = self._route(q, k, causal, q_pos0, k_pos0, q_doc, variant)
         if where == "hexiseq":
             return ops.attention_forward(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale,
                                          q_doc=q_doc, out=out, lse=lse, **variant.kwargs())
-        if where == "varlen":
-            o_p, l_p = fused.varlen_forward(q, k, v, seg, scale)
+        if where == "fused":
+            o_p, l_p = fused.pair_forward(q, k, v, how, scale)
+        elif where == "varlen":
+            o_p, l_p = fused.varlen_forward(q, k, v, how, scale)
         else:
             o_p, l_p = _block_forward_torch(q, k, v, causal, q_pos0, k_pos0, scale, q_doc=q_doc, variant=variant)
         if out is None:
@@ -310,7 +309,7 @@ class BlockKernels:
                       variant=PLAIN):
         """Add the pair's gradients into dq [B, Sq, H, d], dk and dv [B, Sk, ., d] (accumulator dtype). q_doc:
         the document mask of the pair's queries, as in hexiseq.ops (None: none); variant: as in forward."""
-        where, seg = self._route(q, k, causal, q_pos0, k_pos0, q_doc, variant)
+        where, how = self._route(q, k, causal, q_pos0, k_pos0, q_doc, variant)
         kw = variant.kwargs()
         if where == "hexiseq" and self.acc_dtype == self.dtype:  # the kernel adds in place
             ops.attention_backward(q, k, v, o, lse.to(self.acc_dtype), do, causal=causal, q_pos0=q_pos0,
@@ -320,8 +319,10 @@ class BlockKernels:
         if where == "hexiseq":
             dq_p, dk_p, dv_p = ops.attention_backward(q, k, v, o, lse.to(torch.float32), do, causal=causal,
                                                       q_pos0=q_pos0, k_pos0=k_pos0, scale=scale, q_doc=q_doc, **kw)
+        elif where == "fused":
+            dq_p, dk_p, dv_p = fused.pair_backward(q, k, v, o, lse, do, how, scale)
         elif where == "varlen":
-            dq_p, dk_p, dv_p = fused.varlen_backward(q, k, v, o, lse, do, seg, scale)
+            dq_p, dk_p, dv_p = fused.varlen_backward(q, k, v, o, lse, do, how, scale)
         else:
             dq_p, dk_p, dv_p = _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale,
                                                      q_doc=q_doc, variant=variant)
@@ -331,12 +332,14 @@ class BlockKernels:
 
     def backward(self, q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale, q_doc=None, variant=PLAIN):
         """The pair's (dq, dk, dv) in q's dtype, for a pair that is a query chunk's only one: no accumulator."""
-        where, seg = self._route(q, k, causal, q_pos0, k_pos0, q_doc, variant)
+        where, how = self._route(q, k, causal, q_pos0, k_pos0, q_doc, variant)
         if where == "hexiseq":
             return ops.attention_backward(q, k, v, o, lse.to(self.acc_dtype), do, causal=causal, q_pos0=q_pos0,
                                           k_pos0=k_pos0, scale=scale, q_doc=q_doc, **variant.kwargs())
+        if where == "fused":
+            return fused.pair_backward(q, k, v, o, lse, do, how, scale)
         if where == "varlen":
-            return fused.varlen_backward(q, k, v, o, lse, do, seg, scale)
+            return fused.varlen_backward(q, k, v, o, lse, do, how, scale)
         return tuple(g.to(q.dtype) for g in _block_backward_torch(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale,
                                                                   q_doc=q_doc, variant=variant))
 

@@ -38,7 +38,8 @@ _TORCH_ONLY = ("torch", "flash", "cudnn")  # HEXISEQ_RUNTIME_KERNELS values that
 _warned = set()
 
 
-def _warn_once(message):
+def warn_once(message):
+    """A RuntimeWarning prefixed "hexiseq: ", once per distinct message (the runtime's fallbacks and choices)."""
     if message not in _warned:
         _warned.add(message)
         warnings.warn("hexiseq: " + message, RuntimeWarning, stacklevel=3)
@@ -64,7 +65,7 @@ def hexiseq_allowed(device, dtype):
 _flash_capable = {}
 
 
-def _flash_usable(q):
+def flash_usable(q):
     """CUDA, bf16/fp16, a head dim torch's flash op takes, on a GPU it runs on (compute capability 8.0 and up)."""
     if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
         return False
@@ -84,7 +85,7 @@ def exact_causal(q, k, causal, q_pos0, k_pos0):
     visible to every query (not causal, or all keys at or before the first query) or the causal square on the
     diagonal (same positions, same length: the ops' mask is then key j <= query i, ours)."""
     Sq, Sk = q.shape[1], k.shape[1]
-    if Sq == 0 or Sk == 0 or not _flash_usable(q):
+    if Sq == 0 or Sk == 0 or not flash_usable(q):
         return None
     if not causal or k_pos0 + Sk - 1 <= q_pos0:
         return False
@@ -148,7 +149,7 @@ def refused(q, k, error):
     if os.environ.get("HEXISEQ_RUNTIME_KERNELS", "") == "cudnn":
         raise error
     _chosen[(_index(q.device), q.dtype, q.shape[2], k.shape[2], q.shape[3], "pairs")] = "flash"
-    _warn_once(f"torch's cuDNN attention refused a block pair ({str(error).splitlines()[0][:200]}); this shape "
+    warn_once(f"torch's cuDNN attention refused a block pair ({str(error).splitlines()[0][:200]}); this shape "
                "class uses flash from now on")
     return "flash"
 
@@ -175,7 +176,7 @@ def measure(device, dtype, heads, kv_heads, head_dim, kind="pairs", reps=3):
             o, lse = fwd(q, k, v, True, 0, 0, scale, q_doc)
             runs[name] = (o, lse) + tuple(bwd(q, k, v, o, lse, do, True, 0, 0, scale, q_doc))
         except Exception as e:  # noqa: BLE001 - an op this torch, cuDNN or GPU lacks is not a candidate
-            _warn_once(f"{name} attention is not usable here ({type(e).__name__}: "
+            warn_once(f"{name} attention is not usable here ({type(e).__name__}: "
                        f"{str(e).splitlines()[0][:200] if str(e) else ''}); it is left out of the choice")
             continue
         if reference is None:
@@ -184,7 +185,7 @@ def measure(device, dtype, heads, kv_heads, head_dim, kind="pairs", reps=3):
         for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), runs[reference], runs[name]):
             a, b = a.float(), b.float().reshape(a.shape)
             if not bool(((a - b).abs().max() <= 0.02 * max(a.abs().max().item(), 1.0)).item()):
-                _warn_once(f"{name} attention disagrees with {reference} on {what} here; it is left out of the "
+                warn_once(f"{name} attention disagrees with {reference} on {what} here; it is left out of the "
                            "choice")
                 del runs[name]
                 break
@@ -218,33 +219,29 @@ def choices(device, dtype, heads, kv_heads, head_dim):
 
 # ------------------------------------------------------------------------------ plain pairs, one op each
 
-def pair_forward(q, k, v, causal, q_pos0, k_pos0, scale):
-    """(out, lse) of a pair exact_causal accepts, through the backend chosen for its shape; where cuDNN refuses
-    a shape its measurement did not try, flash takes that shape class (all backends take each other's (out, LSE),
-    so a pass may mix them)."""
+def pair_forward(q, k, v, is_causal, scale):
+    """(out, lse) of a pair exact_causal accepts (is_causal: its answer), through the backend chosen for its shape;
+    where cuDNN refuses a shape its measurement did not try, flash takes that shape class (all backends take each
+    other's (out, LSE), so a pass may mix them). The hexiseq kernels see the pair at positions 0: an exact pair is
+    all visible (not causal) or the causal square on the diagonal, whatever its absolute positions."""
     name = choice(q, k)
     if name == "cudnn":
         try:
-            return _cudnn_forward(q, k, v, exact_causal(q, k, causal, q_pos0, k_pos0), scale)
+            return _cudnn_forward(q, k, v, is_causal, scale)
         except RuntimeError as e:
             name = refused(q, k, e)
-    if name == "hexiseq":
-        return ops.attention_forward(q, k, v, causal=causal, q_pos0=q_pos0, k_pos0=k_pos0, scale=scale)
-    return _flash_forward(q, k, v, exact_causal(q, k, causal, q_pos0, k_pos0), scale)
+    return _CALLS[name][0](q, k, v, is_causal, 0, 0, scale, None)
 
 
-def pair_backward(q, k, v, o, lse, do, causal, q_pos0, k_pos0, scale):
+def pair_backward(q, k, v, o, lse, do, is_causal, scale):
     """(dq, dk, dv) in q's dtype of a pair exact_causal accepts, with the ring's final (o, lse)."""
     name = choice(q, k)
     if name == "cudnn":
         try:
-            return _cudnn_backward(q, k, v, o, lse, do, exact_causal(q, k, causal, q_pos0, k_pos0), scale)
+            return _cudnn_backward(q, k, v, o, lse, do, is_causal, scale)
         except RuntimeError as e:
             name = refused(q, k, e)
-    if name == "hexiseq":
-        return ops.attention_backward(q, k, v, o, lse.to(torch.float32), do, causal=causal, q_pos0=q_pos0,
-                                      k_pos0=k_pos0, scale=scale)
-    return _flash_backward(q, k, v, o, lse, do, exact_causal(q, k, causal, q_pos0, k_pos0), scale)
+    return _CALLS[name][1](q, k, v, o, lse, do, is_causal, 0, 0, scale, None)
 
 
 _cudnn_aux = {}  # device -> the forward's cumulative-length and random-state outputs, which its backward takes back
