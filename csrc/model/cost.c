@@ -289,8 +289,12 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         for (int32_t g = 0; g < l->n_groups; ++g) {
             double w = 0.0, wl = 0.0;
             const hexiseq_group_span *sp = &x.span[g];
-            hexiseq_document_pieces(x.docs, sp->front_start, sp->front_start + sp->front_len, &w, &wl);
-            hexiseq_document_pieces(x.docs, sp->back_start, sp->back_start + sp->back_len, &w, &wl);
+            if (span_joined(sp)) { /* one chunk to the kernels: a document crossing the seam is one piece */
+                hexiseq_document_pieces(x.docs, sp->front_start, sp->back_start + sp->back_len, &w, &wl);
+            } else {
+                hexiseq_document_pieces(x.docs, sp->front_start, sp->front_start + sp->front_len, &w, &wl);
+                hexiseq_document_pieces(x.docs, sp->back_start, sp->back_start + sp->back_len, &w, &wl);
+            }
             x.doc_len[g] = w > 0 ? wl / w : 1.0;
         }
     if (l->n_groups > 1)

@@ -109,14 +109,6 @@ static double ring_transfer_s(const ring_link *k, double tokens, double msgs) {
     return fmax(k->recv_pt * tokens + k->recv_lat * msgs, k->send_pt * tokens + k->send_lat * msgs);
 }
 
-/* Attention and exposed ring time of slot r over the whole step. Ring step k attends the group's queries
- * to the block of the group k places back in the ring while the next block arrives; a step costs
- * max(compute, transfer) plus a synchronisation that compute cannot hide (the largest latency among the
- * messages received in the step). Backward moves K, V forward and dK, dV along with them (accumulated in
- * fp32, so 4/dtype_bytes times the bytes of K, V, in messages of their own), and the last dK, dV back to
- * their owner. Causal blocks run as zigzag half-chunks, so the kernel efficiency is taken at half the
- * shorter block; with measured curves, the two diagonal chunk blocks of step 0 run at the causal curve.
- * `fwd_layer_s` gets one forward pass of one layer and one sequence (no communication). */
 /* One ring step of a device of group g with h heads: the block of a source group of sk tokens whose
  * positions meet g's queries in `pairs` visible pairs, while (when `more`) the next block of next_tokens
  * tokens arrives. `diag`: the step of the group's own block (k = 0). Out: the step's forward attention
@@ -129,10 +121,14 @@ static void ring_step(const cost_ctx *x, const hexiseq_device_info *d, int32_t h
     int split_diag = x->causal && window <= 0 && (d->attn_causal_curve.n > 0 || d->attn_curve.n > 0);
     double fwd_passes = 1.0 + (x->t->checkpointing ? 1.0 : 0.0);
     double sq = (double)x->l->group_seq[g];
-    /* causal blocks run as zigzag half-chunks: the kernel sees blocks half as long; under documents it runs
-     * at most at the rate of the documents' length (short documents: short diagonal blocks, per-row and
+    /* a group whose chunks the runtime joins (span_joined) runs its own block as one causal block of sq tokens,
+     * one kernel call, not the two half-chunk triangles and the rectangle between them */
+    const hexiseq_group_span *sp = &x->span[g];
+    int joined = diag && span_joined(sp);
+    /* otherwise causal blocks run as zigzag half-chunks: the kernel sees blocks half as long; under documents it
+     * runs at most at the rate of the documents' length (short documents: short diagonal blocks, per-row and
      * partly masked tile work that the pairs alone do not count) */
-    double block = (sq < sk ? sq : sk) * (x->causal && x->l->chunking == HEXISEQ_CHUNK_ZIGZAG ? 0.5 : 1.0);
+    double block = (sq < sk ? sq : sk) * (x->causal && x->l->chunking == HEXISEQ_CHUNK_ZIGZAG && !joined ? 0.5 : 1.0);
     double doc = x->docs ? x->doc_len[g] : INFINITY;
     /* documents shorter than the block, on a device whose packed-document rate was measured: every pair of the
      * step at that rate for the documents' length (it holds the per-row and straddling-tile work the pairs miss) */
@@ -143,9 +139,10 @@ static void ring_step(const cost_ctx *x, const hexiseq_device_info *d, int32_t h
     double fwd = 0.0;
     if (pairs > 0 && packed) {
         fwd = attn_fwd_flops(x->m, pairs, h) / (hexiseq_curve_tflops(&d->attn_document_curve, doc) * 1e12);
+    } else if (pairs > 0 && split_diag && joined) {
+        fwd = attn_fwd_flops(x->m, pairs, h) / attn_diag_rate_flops(d, block);
     } else if (pairs > 0 && split_diag && diag) { /* (x->docs: the diagonal blocks' pairs are the documents' own) */
         /* own positions: front x front and back x back are causal diagonal blocks, back x front full */
-        const hexiseq_group_span *sp = &x->span[g];
         double fl = (double)sp->front_len, bl = (double)sp->back_len;
         int64_t f0 = sp->front_start, f1 = f0 + sp->front_len, b0 = sp->back_start, b1 = b0 + sp->back_len;
         double diag_f = (double)hexiseq_visible_pairs(x->docs, f0, f1, f0, f1);
@@ -197,7 +194,8 @@ static double side_pairs(const cost_ctx *x, int32_t g, int64_t sk, int before) {
  * messages received in the step). Backward moves K, V forward and dK, dV along with them (accumulated in
  * fp32, so 4/dtype_bytes times the bytes of K, V, in messages of their own), and the last dK, dV back to
  * their owner. Causal blocks run as zigzag half-chunks, so the kernel efficiency is taken at half the
- * shorter block; with measured curves, the two diagonal chunk blocks of step 0 run at the causal curve.
+ * shorter block; with measured curves, the two diagonal chunk blocks of step 0 run at the causal curve (one
+ * causal block of the group's tokens where its chunks touch and the runtime joins them: see ring_step).
  * `fwd_layer_s` gets one forward pass of one layer and one sequence (no communication). */
 void hexiseq_ring_time_s(const cost_ctx *x, int32_t r, const ring_link *link, double *attn_s, double *exposed_s,
                          double *fwd_layer_s) {

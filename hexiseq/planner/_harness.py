@@ -75,3 +75,31 @@ def _agree_arguments(group, error, arguments):
     texts = [repr(value) for _, value in arguments]
     agree(group, [text_code(t) for t in texts], [name for name, _ in arguments], error,
           device=collective_device(group), words=texts)
+
+
+# ------------------------------------------------------------------------------------------ a layer's elementwise work
+# The memory-bound work of a Llama-style layer as the Hugging Face Llama code writes it (eager PyTorch): the
+# calibration times these functions for the cost model's memory-bound rate, and measure's Llama layer runs the same
+# ones, so that what is priced and what is measured are one piece of code.
+
+def rms_norm(x, weight, eps=1e-6):
+    """RMS norm computed in float32 and cast back, then scaled by `weight`."""
+    torch, _ = _torch()
+    var = x.float().pow(2).mean(-1, keepdim=True)
+    return (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * weight
+
+
+def rotary(x, cos, sin):
+    """Rotary position embedding of x [..., tokens, width] in the rotate-half form; cos and sin broadcast to x."""
+    torch, _ = _torch()
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def rotary_tables(tokens, head_dim, device, dtype, base=10000.0):
+    """(cos, sin) [tokens, head_dim] of positions 0..tokens-1."""
+    torch, _ = _torch()
+    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(tokens, device=device, dtype=torch.float32), inv)
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -35,7 +35,7 @@ from .. import _core
 from .cluster import Cluster, gpu_catalog
 from ..errors import InvalidArgumentError
 from .model import Model
-from ._harness import _agree_arguments, _barrier, _broadcast, _dtype, _group, _torch
+from ._harness import _agree_arguments, _barrier, _broadcast, _dtype, _group, _torch, rms_norm, rotary, rotary_tables
 
 __all__ = ["calibrate"]
 
@@ -196,19 +196,17 @@ def _mem_bound_rate(model: Model, rows, device, dtype, iters, warmup, barrier, p
     def leaf(*shape):
         return torch.randn(*shape, generator=g, device=device, dtype=dtype).requires_grad_()
 
-    x, qk, up = leaf(rows, H), leaf(rows, q + kv), leaf(rows, (2 if model.gated_mlp else 1) * F)
+    d = model.head_dim
+    x, up = leaf(rows, H), leaf(rows, (2 if model.gated_mlp else 1) * F)
+    qk = leaf(rows, model.heads + model.kv_heads, d)  # the query and key heads rotary turns
     w1, w2 = leaf(H), leaf(H)
-    cos = torch.randn(rows, q + kv, generator=g, device=device, dtype=dtype)
-    sin = torch.randn(rows, q + kv, generator=g, device=device, dtype=dtype)
-
-    def rms(t, w):
-        return t * torch.rsqrt(t.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(t.dtype) * w
+    cos, sin = rotary_tables(rows, d, device, dtype)
+    cos, sin = cos[:, None, :], sin[:, None, :]
 
     def forward():
-        a = x + rms(x, w1)
-        y = a + rms(a, w2)
-        half = qk.shape[1] // 2
-        rot = qk * cos + torch.cat([-qk[:, half:], qk[:, :half]], 1) * sin
+        a = x + rms_norm(x, w1)
+        y = a + rms_norm(a, w2)
+        rot = rotary(qk, cos, sin)
         if model.gated_mlp:
             act = torch.nn.functional.silu(up[:, :F]) * up[:, F:]
         else:
@@ -282,9 +280,11 @@ def _attention_curves(model: Model, sizes, device, dtype, heads, iters, warmup, 
             dv = torch.zeros(v.shape, dtype=acc_dt, device=device)
 
             def fwd():
-                # the block and its merge into the fp32 accumulator, as a ring step runs them
+                # a full block and its merge into the fp32 accumulator, as a later ring step runs them; the diagonal
+                # block alone: a chunk's own block comes first in the ring and is written, not merged
                 o_p, l_p = kern.forward(q, k, v, True, q_pos0, 0, scale)
-                kern.merge(o_acc, lse_acc, o_p, l_p)
+                if q_pos0:
+                    kern.merge(o_acc, lse_acc, o_p, l_p)
 
             def bwd():
                 kern.backward_into(q, k, v, o, lse, do, True, q_pos0, 0, scale, dq, dk, dv)
@@ -655,7 +655,7 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
         try:
             dt = _dtype(dtype, device)
             rows_list = gemm_rows or [512, 2048, 8192] if cuda else gemm_rows or [64, 256, 1024]
-            blocks = attn_blocks or [256, 1024, 4096, 16384] if cuda else attn_blocks or [64, 128, 256, 512, 1024]
+            blocks = attn_blocks or [256, 1024, 2048, 4096, 8192, 16384] if cuda else attn_blocks or [64, 128, 256, 512, 1024]
             message_bytes = message_bytes or (64 << 20 if cuda else 4 << 20)
             iters = iters or (5 if cuda else 3)
             _attention_heads(model, device, attn_heads)  # checks attn_heads before anything runs

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from .._validate import document_lengths
-from ._harness import _agree_arguments, _barrier, _dtype, _group, _torch
+from ._harness import _agree_arguments, _barrier, _dtype, _group, _torch, rms_norm, rotary, rotary_tables
 from ..errors import InvalidArgumentError
 from .model import Training
 from .plan import Plan, evaluate
@@ -162,7 +162,9 @@ def _dtype_for(plan: Plan, dtype):
 
 
 def _llama_layer(model, attention, device, dtype, seed):
-    """A Llama-style block around the distributed attention (no rotary embedding: it costs no matmul)."""
+    """A Llama-style block around the distributed attention, its elementwise work (RMS norms, rotary embedding of q
+    and k, the MLP's activation, residual adds) written as the Hugging Face Llama code writes it, with the functions
+    the calibration times for the cost model's memory-bound rate (planner/_harness.py)."""
     torch, _ = _torch()
     nn = torch.nn
     H, A, K, d, F = model.hidden, model.heads, model.kv_heads, model.head_dim, model.ffn
@@ -170,19 +172,25 @@ def _llama_layer(model, attention, device, dtype, seed):
     class Layer(nn.Module):
         def __init__(self):
             super().__init__()
-            self.norm1 = nn.RMSNorm(H)
-            self.norm2 = nn.RMSNorm(H)
+            self.norm1 = nn.Parameter(torch.ones(H))
+            self.norm2 = nn.Parameter(torch.ones(H))
             self.wqkv = nn.Linear(H, (A + 2 * K) * d, bias=False)
             self.wo = nn.Linear(A * d, H, bias=False)
             self.up = nn.Linear(H, 2 * F if model.gated_mlp else F, bias=False)
             self.down = nn.Linear(F, H, bias=False)
+            self._tables = {}
 
         def forward(self, x):
             B, s, _ = x.shape
-            q, k, v = self.wqkv(self.norm1(x)).split([A * d, K * d, K * d], dim=-1)
-            o = attention(q.view(B, s, A, d), k.view(B, s, K, d), v.view(B, s, K, d))
+            if s not in self._tables:
+                cos, sin = rotary_tables(s, d, x.device, x.dtype)
+                self._tables = {s: (cos[:, None, :], sin[:, None, :])}
+            cos, sin = self._tables[s]
+            q, k, v = self.wqkv(rms_norm(x, self.norm1)).split([A * d, K * d, K * d], dim=-1)
+            q, k = rotary(q.view(B, s, A, d), cos, sin), rotary(k.view(B, s, K, d), cos, sin)
+            o = attention(q, k, v.view(B, s, K, d))
             x = x + self.wo(o.reshape(B, s, A * d))
-            h = self.up(self.norm2(x))
+            h = self.up(rms_norm(x, self.norm2))
             if model.gated_mlp:
                 a, b = h.chunk(2, dim=-1)
                 h = torch.nn.functional.silu(a) * b

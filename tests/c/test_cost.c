@@ -192,7 +192,8 @@ static void test_one_device(void) {
     const int64_t pos[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
     const double pairs = brute_pairs(pos, 10, pos, 10, 1);
     EXPECT(pairs == 55.0, "brute pairs %g", pairs);
-    const double fwd = 4.0 * pairs * d * A / attn_rate(peak, ae, S / 2); /* causal: half-chunks */
+    /* causal: the front and back chunks touch, so the runtime joins them and the kernel sees one block of 10 */
+    const double fwd = 4.0 * pairs * d * A / attn_rate(peak, ae, S);
     const double attn_s = (fwd * 1.0 + 2.5 * fwd) * L * 1.0; /* per layer fwd + bwd, times layers x sequences */
     /* lower bound: total FLOPs over the plateau rates */
     const double lb = S * fpt / (peak * 1e12 * ge) + L * 4.0 * (S * (S + 1) / 2) * d * A * 3.5 / (peak * 1e12 * ae);
@@ -362,10 +363,11 @@ static void test_two_devices(void) {
         for (int r = 0; r < 2; ++r) {
             /* the token-parallel phase: matmuls and memory-bound work */
             gemm[r] = s[r] * fpt / gemm_rate(pk[r], ge[r], s[r]) + mem_bound(hbm[r], s[r], 1.0, 0, P / N);
-            attn[r] = 3.5 * (4.0 * pairs * d * h[r] / attn_rate(pk[r], ae[r], S / 2)) * L; /* all 10 tokens, my heads */
+            /* all 10 tokens, my heads; the only group's chunks touch, so the runtime joins them: one block of S */
+            attn[r] = 3.5 * (4.0 * pairs * d * h[r] / attn_rate(pk[r], ae[r], S)) * L;
             /* one layer, one sequence: forward, and backward at 2 (matmuls) and 2.5 (attention) forwards */
             double gf = s[r] * tiny_layer_fpt() / gemm_rate(pk[r], ge[r], s[r]);
-            double af = 4.0 * pairs * d * h[r] / attn_rate(pk[r], ae[r], S / 2);
+            double af = 4.0 * pairs * d * h[r] / attn_rate(pk[r], ae[r], S);
             double mf = mem_fwd(hbm[r], s[r]);
             b_fwd = fmax(b_fwd, gf + af + mf);
             b_bwd = fmax(b_bwd, 2.0 * gf + 2.5 * af + 2.0 * mf);
@@ -433,7 +435,9 @@ static void test_two_devices(void) {
             int o = 1 - g;
             /* step 0: own block (pairs gg), next block (the other group's, S_o tokens) arrives meanwhile */
             double pairs0 = g == 0 ? p00 : p11, pairs1 = g == 0 ? p01 : p10;
-            double fwd0 = 4.0 * pairs0 * d * A / attn_rate(pk[g], ae[g], Sg[g] / 2);
+            /* group 1's chunks [3,5) and [5,7) touch: the runtime joins them, one block of 4 tokens; group 0's
+             * own block runs as half-chunks of 3 */
+            double fwd0 = 4.0 * pairs0 * d * A / attn_rate(pk[g], ae[g], g == 1 ? Sg[g] : Sg[g] / 2);
             double comm0 = pt[g] * Sg[o] + lat;
             /* + fp32 dK, dV of the own block, a second message */
             double bwd0 = 2.5 * fwd0, bcomm0 = pt[g] * Sg[o] + pt[g] * Sg[g] * (4.0 / b) + 2.0 * lat;
@@ -573,7 +577,8 @@ static void test_three_devices(void) {
     for (int r = 0; r < 3; ++r) {
         int g = r < 2 ? 0 : 1, o = 1 - g;
         /* step 0: own block, the other group's block arrives; step 1: the other block, last */
-        double fwd0 = 4.0 * p[g][g] * d * h[r] / attn_rate(pk[r], ae[r], GS[g] / 2);
+        /* group 1's chunks [4,7) and [7,9) touch: joined by the runtime, its own block one of 5 tokens */
+        double fwd0 = 4.0 * p[g][g] * d * h[r] / attn_rate(pk[r], ae[r], g == 1 ? GS[g] : GS[g] / 2);
         double fwd1 = 4.0 * p[g][o] * d * h[r] / attn_rate(pk[r], ae[r], fmin(GS[g], GS[o]) / 2);
         double comm0 = fmax(recv_pt[r] * GS[o] + recv_lat[r], send_pt[r] * GS[o] + send_lat[r]), comm1 = 0.0;
         /* backward: K, V of the next block and fp32 dK, dV of this one, two messages; the last step only dK, dV */
@@ -1377,16 +1382,13 @@ static void test_curves(void) {
     }
     EXPECT(lerp_log(16, 10, 1.0, 40, 3.0) > 1.6, "log interpolation differs from linear (1.4) at 16");
 
-    /* causal, one group: front chunk [0, fl), back chunk [fl, S). The two diagonal blocks (fl (fl+1)/2 and
-     * bl (bl+1)/2 pairs) run at the causal curve at their own lengths; the back x front block (fl * bl pairs)
-     * at the attn curve at the half-chunk block S / 2. */
-    const int64_t sizes[] = {20, 21};
-    for (int i = 0; i < 2; ++i) {
-        double S = (double)sizes[i], fl = S - floor(S / 2), bl = floor(S / 2);
-        double diag_f = fl * (fl + 1) / 2, diag_b = bl * (bl + 1) / 2, rest = fl * bl;
-        EXPECT(diag_f + diag_b + rest == S * (S + 1) / 2, "causal pairs split");
-        double t_causal = diag_f / (lerp_log(fl, 4, 0.25, 16, 0.75) * 1e12) + diag_b / (lerp_log(bl, 4, 0.25, 16, 0.75) * 1e12) +
-                          rest / (lerp_log(S / 2, 4, 0.5, 16, 1.5) * 1e12);
+    /* causal, one group: front chunk [0, fl), back chunk [fl, S) touch, so the runtime joins them: one causal
+     * diagonal block of S tokens, its S (S+1)/2 pairs at the causal curve at S (above its last point, 16:
+     * clamped to 0.75 TFLOP/s). Ring groups whose chunks do not touch split theirs (the 2-group ring below). */
+    const int64_t sizes[] = {12, 20, 21};
+    for (int i = 0; i < 3; ++i) {
+        double S = (double)sizes[i];
+        double t_causal = S * (S + 1) / 2 / ((S > 16 ? 0.75 : lerp_log(S, 4, 0.25, 16, 0.75)) * 1e12);
         one_device_layout(&l, sizes[i]);
         EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, sizes[i], 1, &l, per, &pc));
         NEAR(per[0].attn_s, 3.5 * 4.0 * d * A * t_causal * L, "causal diagonal at the causal curve");
@@ -1397,22 +1399,23 @@ static void test_curves(void) {
     }
     hexiseq_cluster_destroy(c);
 
-    /* No causal curve: the diagonal falls back to the attn curve at the chunk length. */
+    /* No causal curve: the diagonal falls back to the attn curve at the block's length (20: clamped, 1.5). */
     dd.attn_causal.n = 0;
     EXPECT_OK(hexiseq_cluster_create_ex(1, &nd, 10.0, NULL, &opt, &c));
     one_device_layout(&l, 20);
     EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 20, 1, &l, per, &pc));
-    NEAR(per[0].attn_s, 3.5 * 4.0 * d * A * 210.0 / (lerp_log(10, 4, 0.5, 16, 1.5) * 1e12) * L, "diagonal at the attn curve");
+    NEAR(per[0].attn_s, 3.5 * 4.0 * d * A * 210.0 / 1.5e12 * L, "diagonal at the attn curve");
     hexiseq_cluster_destroy(c);
 
-    /* Only a causal curve: the diagonal at it, the rest by the catalog formula (peak 2, attn_eff 0.25). The
+    /* Only a causal curve: the one joined diagonal block at it (20: clamped, 0.75); the catalog formula (peak 2,
+     * attn_eff 0.25) would price full blocks, of which one group has none. The
      * attention plateau is the larger of peak * attn_eff (0.5) and the causal curve's best (0.75) when causal,
      * peak * attn_eff without a mask. The gemm curve stays (plateau 3 TFLOP/s). */
     dd.attn.n = 0;
     dd.attn_causal = curve3(1, 0.125, 4, 0.25, 16, 0.75);
     EXPECT_OK(hexiseq_cluster_create_ex(1, &nd, 10.0, NULL, &opt, &c));
     EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 20, 1, &l, per, &pc));
-    double t_mixed = 110.0 / (lerp_log(10, 4, 0.25, 16, 0.75) * 1e12) + 100.0 / attn_rate(2.0, 0.25, 10);
+    double t_mixed = 210.0 / 0.75e12;
     NEAR(per[0].attn_s, 3.5 * 4.0 * d * A * t_mixed * L, "causal curve + catalog formula");
 
     const double mem20 = mem_bound(HBM_A100, 20, 1.0, 0, tiny_params());
@@ -1435,8 +1438,8 @@ static void test_curves(void) {
 
     /* A 2-group ring (S = 10 as 6 | 4, as in test_two_devices): only ring step 0 splits off the diagonal.
      * Group 0 front [0,3) back [7,10): step 0 = 6 + 6 diagonal pairs at causal(3), 3 * 3 at attn(3);
-     * step 1 = p01 pairs against group 1 at attn(min(6, 4) / 2 = 2). Group 1 front [3,5) back [5,7):
-     * step 0 = 3 + 3 at causal(2), 2 * 2 at attn(2); step 1 = p10 at attn(2). */
+     * step 1 = p01 pairs against group 1 at attn(min(6, 4) / 2 = 2). Group 1 front [3,5) back [5,7) touch
+     * (joined by the runtime): step 0 = its 10 pairs as one causal block at causal(4); step 1 = p10 at attn(2). */
     hexiseq_node_desc two[2] = {nd, nd};
     hexiseq_device_desc dd2[2];
     memset(dd2, 0, sizeof dd2);
@@ -1453,9 +1456,9 @@ static void test_curves(void) {
     const double p00 = brute_pairs(pos0, 6, pos0, 6, 1), p01 = brute_pairs(pos0, 6, pos1, 4, 1);
     const double p11 = brute_pairs(pos1, 4, pos1, 4, 1), p10 = brute_pairs(pos1, 4, pos0, 6, 1);
     EXPECT(p00 == 21 && p11 == 10, "own-position pairs %g %g", p00, p11);
-    const double c3 = lerp_log(3, 1, 0.125, 4, 0.25) * 1e12, c2 = lerp_log(2, 1, 0.125, 4, 0.25) * 1e12;
+    const double c3 = lerp_log(3, 1, 0.125, 4, 0.25) * 1e12;
     const double a3 = lerp_log(3, 1, 0.25, 4, 0.5) * 1e12, a2 = lerp_log(2, 1, 0.25, 4, 0.5) * 1e12;
-    const double t0 = 12.0 / c3 + 9.0 / a3 + p01 / a2, t1 = 6.0 / c2 + 4.0 / a2 + p10 / a2;
+    const double t0 = 12.0 / c3 + 9.0 / a3 + p01 / a2, t1 = 10.0 / (0.25 * 1e12) + p10 / a2;
     NEAR(per[0].attn_s, 3.5 * 4.0 * d * A * t0 * L, "ring group 0 attn_s with curves");
     NEAR(per[1].attn_s, 3.5 * 4.0 * d * A * t1 * L, "ring group 1 attn_s with curves");
     hexiseq_layout_free(&l);
@@ -1969,9 +1972,10 @@ static void test_window(void) {
     m.window = 3;
     m.window_layers = 1;
     EXPECT_OK(hexiseq_evaluate(c, &m, &t, 10, 1, &l, per, &pc));
-    /* the full layer: 55 pairs on zigzag half-chunks of 5; the windowed one: 27 pairs on rows of at most 3 keys */
+    /* the full layer: 55 pairs in one block of 10 (the only group's chunks, joined); the windowed one: 27 pairs on
+     * rows of at most 3 keys */
     const double peak = 2.0, ae = 0.25, S = 10;
-    const double fwd_full = 4.0 * 55 * d * A / attn_rate(peak, ae, S / 2), fwd_w = 4.0 * 27 * d * A / attn_rate(peak, ae, 3);
+    const double fwd_full = 4.0 * 55 * d * A / attn_rate(peak, ae, S), fwd_w = 4.0 * 27 * d * A / attn_rate(peak, ae, 3);
     NEAR(per[0].attn_s, 3.5 * (fwd_full + fwd_w), "window attn_s (one layer of two windowed)");
     EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 10, 1, &l, ref, &pref));
     const double lb_attn_full = L * 4.0 * 55 * d * A * 3.5 / (peak * 1e12 * ae);
