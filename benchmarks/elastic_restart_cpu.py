@@ -1,11 +1,13 @@
 """A node lost mid-run, the job resumed on the survivor (measured on this machine, CPU, Gloo).
 
 Two torchrun elastic agents on localhost (`--nnodes 1:2 --max-restarts 3`, c10d rendezvous), one process each,
-stand for two nodes of a saved two-device cluster; each process is told its device (in a real job: its host and
-local rank). They train a small model with its states sharded by the plan's shares, checkpointing every few steps
-(hexiseq.checkpoint, DCP format). Mid-run the second agent is killed with its worker. The first agent restarts
-its worker, which re-plans on `cluster.without(lost)`, loads the last checkpoint at the new plan's shares and
-trains on. The loss of every step is compared with an uninterrupted one-process run of the same steps: only the
+stand for the two machines of a saved two-device cluster (`host: node-a` and `node-b`; each agent names its machine
+by HEXISEQ_HOST, as two real machines would by their host names), and each worker finds its device with
+hexiseq.elastic.survivors (its machine and local rank matched to the nodes' hosts). They train a small model with
+its states sharded by the plan's shares, checkpointing every few steps (hexiseq.checkpoint, DCP format). Mid-run
+the second agent is killed with its worker. The first agent restarts its worker, which finds that only node-a is
+left, re-plans on the cluster of the devices left, loads the last checkpoint at the new plan's shares and trains
+on. The loss of every step is compared with an uninterrupted one-process run of the same steps: only the
 steps since the last checkpoint are taken again, and each step's loss is the same.
 
     python benchmarks/elastic_restart_cpu.py [--out benchmarks/results/elastic_restart_cpu.md]
@@ -25,8 +27,8 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 WORKER = os.path.join(ROOT, "benchmarks", "elastic_worker.py")
 CLUSTER = """nodes:
-  - {gpu: cpu-node, count: 1, intra_gbps: 10, memory_gib: 8, peak_tflops: 0.2, gemm_eff: 0.5, attn_eff: 0.3}
-  - {gpu: cpu-node, count: 1, intra_gbps: 10, memory_gib: 8, peak_tflops: 0.2, gemm_eff: 0.5, attn_eff: 0.3}
+  - {gpu: cpu-node, count: 1, intra_gbps: 10, memory_gib: 8, peak_tflops: 0.2, gemm_eff: 0.5, attn_eff: 0.3, host: node-a}
+  - {gpu: cpu-node, count: 1, intra_gbps: 10, memory_gib: 8, peak_tflops: 0.2, gemm_eff: 0.5, attn_eff: 0.3, host: node-b}
 inter_node_gbps: 1
 """
 
@@ -38,7 +40,8 @@ def free_port():
 
 
 def agent(device, nnodes, port, work, log, steps, sleep, tag):
-    env = dict(os.environ, HEXISEQ_DEMO_DEVICE=str(device), HEXISEQ_DEMO_PROGRESS=os.path.join(work, f"progress-{tag}"),
+    # each agent stands for a machine of the saved cluster: its worker finds its device by that name
+    env = dict(os.environ, HEXISEQ_HOST=f"node-{'ab'[device]}", HEXISEQ_DEMO_PROGRESS=os.path.join(work, f"progress-{tag}"),
                HEXISEQ_DEMO_SLEEP=str(sleep), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", f"demo-{tag}",

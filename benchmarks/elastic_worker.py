@@ -1,9 +1,9 @@
 """The worker of benchmarks/elastic_restart_cpu.py: one rank of a small training job under torchrun's elastic agent.
 
-On every (re)start it learns which devices of the saved cluster are still there (each process is told its device
-by the agent's environment, HEXISEQ_DEMO_DEVICE: in a real job the host and the local rank), plans on the cluster
-less the lost ones, shards the model states at that plan's shares, loads the last checkpoint if there is one, and
-trains on. A step's batch is the same whatever the world size (split over the ranks, losses summed), so the loss
+On every (re)start it learns which devices of the saved cluster are still there (hexiseq.elastic.survivors: each
+rank's machine name and local rank, matched to the nodes' hosts; each agent here names its machine by HEXISEQ_HOST,
+standing in for a machine of its own), plans on the cluster of those devices in rank order, shards the model states
+at that plan's shares, loads the last checkpoint if there is one, and trains on. A step's batch is the same whatever the world size (split over the ranks, losses summed), so the loss
 of a step does not depend on how many ranks took it.
 """
 
@@ -58,14 +58,11 @@ def main():
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=10))
     rank, world = dist.get_rank(), dist.get_world_size()
     cluster = hexiseq.Cluster.from_file(a.cluster)
-    mine = int(os.environ["HEXISEQ_DEMO_DEVICE"])
-    present = [None] * world
-    dist.all_gather_object(present, mine)
+    survivors, present = hexiseq.elastic.survivors(cluster)  # device r of `survivors` is rank r's
+    mine = present[rank]
     lost = sorted(set(range(cluster.num_devices)) - set(present))
-    survivors = cluster.without(lost) if lost else cluster
     plan = hexiseq.plan(survivors, model="llama-tiny", seq_len=4096)
-    kept = sorted(present)
-    shares = [float(plan.state_shares[kept.index(d)]) for d in present]  # this world's ranks, in rank order
+    shares = [float(x) for x in plan.state_shares]  # this world's ranks, in rank order
     net = hexiseq.shard_states(Net(), shares, reduce="sum")
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     start = 0

@@ -59,7 +59,8 @@ __all__ = [
 # The public modules by their short names (`import hexiseq.nn`, `from hexiseq.hf import patch_model`): each is the
 # module of its sub-package itself, loaded on first use (nn, states and hf need PyTorch or transformers).
 PUBLIC_MODULES = {"ops": "runtime.ops", "nn": "runtime.nn", "states": "runtime.states", "hf": "integrations.hf",
-                  "trainer": "integrations.trainer", "group": "integrations.group", "rebalance": "integrations.rebalance", "plotting": "planner.plotting",
+                  "trainer": "integrations.trainer", "elastic": "integrations.elastic", "group": "integrations.group",
+                  "rebalance": "integrations.rebalance", "plotting": "planner.plotting",
                   "checkpoint": "runtime.checkpoint"}
 install_module_aliases(__name__, PUBLIC_MODULES)
 

@@ -309,3 +309,69 @@ def test_without_drops_devices_and_keeps_the_rest():
     assert cal.calibration["block_backends"] == ["a", "c"]
     _raises(lambda: c.without([0, 1, 2, 3]), "every device")
     _raises(lambda: c.without([7]), "devices", "7")
+
+
+def _hosted():
+    return Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 2, "intra_gbps": 450.0, "host": "a"},
+                                        {"gpu": "A100-80G", "count": 2, "intra_gbps": 300.0, "host": "b"}],
+                              "inter_node_gbps": 25.0, "latency_us": 10.0,
+                              "calibration": {"block_backends": ["h0", "h1", "a0", "a1"]}})
+
+
+def test_hosts_round_trip_and_are_checked(tmp_path):
+    """A node's `host` survives to_dict, YAML and from_dict; an empty or non-string one is refused by name; hosts
+    do not change a plan's predicted figures, and groups that differ only by host are priced as one kind."""
+    c = _hosted()
+    assert c.host_devices() == {"a": [0, 1], "b": [2, 3]}
+    path = tmp_path / "c.yaml"
+    c.to_yaml(str(path))
+    again = Cluster.from_file(str(path))
+    assert [n.host for n in again.nodes] == ["a", "b"]
+    _raises(lambda: Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 2, "intra_gbps": 450.0, "host": ""}]}),
+            "nodes[0].host", "''")
+    _raises(lambda: Cluster([Node("H100-SXM", 2, 450.0, host=7)]), "nodes[0].host", "7")
+    plain = Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 2, "intra_gbps": 450.0},
+                                         {"gpu": "A100-80G", "count": 2, "intra_gbps": 300.0}],
+                               "inter_node_gbps": 25.0, "latency_us": 10.0})
+    assert hexiseq.plan(c, model="7b", seq_len=16384).step_time_s == hexiseq.plan(plain, model="7b",
+                                                                                    seq_len=16384).step_time_s
+    from hexiseq.planner.batch import BatchPlanner
+    two = Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 2, "intra_gbps": 450.0, "host": "a"},
+                                       {"gpu": "H100-SXM", "count": 2, "intra_gbps": 450.0, "host": "b"}],
+                             "inter_node_gbps": 25.0})
+    planner = BatchPlanner(two, model="7b")
+    assert planner._kind[planner.groups.index((0, 1))] is planner._kind[planner.groups.index((2, 3))]
+
+
+def test_for_ranks_puts_the_devices_in_rank_order():
+    """Cluster.for_ranks: device r of the result is devices[r]; nodes follow their devices, links and the
+    calibration's per-device entries too, the devices left out are noted as dropped; a node's devices split apart,
+    a repeated device, or one out of range are refused."""
+    c = _hosted()
+    r = c.for_ranks([2, 3, 1])
+    assert [(n.gpu, n.count, n.host) for n in r.nodes] == [("A100-80G", 2, "b"), ("H100-SXM", 1, "a")]
+    assert r.calibration["block_backends"] == ["a0", "a1", "h1"] and r.calibration["dropped_devices"] == [[0]]
+    same = c.for_ranks([0, 1, 2, 3])
+    assert same.to_dict()["nodes"] == c.to_dict()["nodes"] and "dropped_devices" not in same.calibration
+    assert c.without([0]).to_dict() == c.for_ranks([1, 2, 3]).to_dict()
+    _raises(lambda: c.for_ranks([2, 0, 3]), "node 1", "consecutive")
+    _raises(lambda: c.for_ranks([2, 2]), "distinct", "[2, 2]")
+    _raises(lambda: c.for_ranks([4]), "devices", "4")
+
+
+def test_survivors_match_machines_to_devices():
+    """hexiseq.elastic's matching (the pure part of survivors, which every rank runs on the same gathered list):
+    each rank's (machine, local rank) to the k-th device of the nodes naming that machine, in rank order; every
+    refusal names the rank and the value."""
+    from hexiseq.integrations.elastic import _match
+
+    c = _hosted()
+    cluster, devices = _match(c, [("b", 0), ("b", 1), ("a", 1)])
+    assert devices == [2, 3, 1] and [n.host for n in cluster.nodes] == ["b", "a"]
+    _raises(lambda: _match(c, [("b", 0), ("c", 0)]), "rank 1", "'c'", "a, b")
+    _raises(lambda: _match(c, [("b", 2)]), "rank 0", "local rank 2", "2 device(s)")
+    _raises(lambda: _match(c, [("b", 0), ("b", 0)]), "ranks 0 and 1", "device 2")
+    _raises(lambda: _match(c, [("b", 0), ("a", 0), ("b", 1)]), "consecutive")
+    _raises(lambda: _match(c, [("a", None)]), "rank 0", "LOCAL_RANK")
+    nameless = Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 2, "intra_gbps": 450.0}]})
+    _raises(lambda: _match(nameless, [("a", 0)]), "names no machines", "host:")

@@ -264,3 +264,18 @@ def test_checkpoint_chunks_cover_a_flat_range_exactly():
                 assert block.reshape(-1).tolist() == list(range(f0, f1)), (shape, lo, hi, off, size)
                 covered += list(range(f0, f1))
             assert covered == list(range(lo, hi)), (shape, lo, hi)
+
+
+def test_restarted_ranks_find_their_devices_by_machine(tmp_path):
+    """hexiseq.elastic.survivors on 3 Gloo ranks of a saved 4-device cluster whose node-a is half gone: each rank's
+    machine (HEXISEQ_HOST) and LOCAL_RANK give its device, the cluster comes back in rank order; a rank on a machine
+    the cluster does not name makes every rank raise the same error."""
+    got = dist_worker.spawn(states_worker.survivors_phase, 3, ([("node-b", 0), ("node-b", 1), ("node-a", 1)],),
+                            tmp_path, 60)
+    for rank, (status, devices, nodes) in sorted(got.items()):
+        assert status == "ok", f"rank {rank}: {devices}"
+        assert devices == [2, 3, 1] and nodes == [("L40S", 2, "node-b"), ("H100-SXM", 1, "node-a")]
+    bad = dist_worker.spawn(states_worker.survivors_phase, 2, ([("node-a", 0), ("node-c", 0)],), tmp_path, 60)
+    assert {(s, m) for s, m, _ in bad.values()} == {
+        ("InvalidArgumentError", "rank 1 runs on machine 'node-c', which the saved cluster does not name (its "
+                                 "machines: node-a, node-b; HEXISEQ_HOST overrides the name)")}

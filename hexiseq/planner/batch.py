@@ -412,7 +412,10 @@ class BatchPlanner:
         self._kind = []     # candidate index -> its curve
         for g in self.groups:
             sub = cluster.subset(g)
-            key = json.dumps(sub.to_dict(), sort_keys=True)
+            spec = sub.to_dict()
+            for node in spec["nodes"]:  # machines' names do not change what a group costs
+                node.pop("host", None)
+            key = json.dumps(spec, sort_keys=True)
             if key not in self._kinds:
                 self._kinds[key] = _Kind(sub, model, training, self.causal)
             self._kind.append(self._kinds[key])

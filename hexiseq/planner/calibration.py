@@ -569,7 +569,8 @@ def _build_cluster(rows, bw, lat, pairs_note, a2a, meta, tolerance) -> Cluster:
     for i, n in enumerate(nodes):
         rs = n["ranks"]
         intra = [bw[a][b] for a in rs for b in rs if a != b]
-        spec = {"gpu": n["gpu"], "count": len(rs), "memory_gib": round(min(rows[r]["memory_gib"] for r in rs), 3)}
+        spec = {"gpu": n["gpu"], "count": len(rs), "memory_gib": round(min(rows[r]["memory_gib"] for r in rs), 3),
+                "host": n["host"]}  # a job restarted on fewer machines finds its devices by it (hexiseq.elastic)
         if intra:
             spec["intra_gbps"] = round(statistics.median(intra), 3)
         node_specs.append(spec)

@@ -31,7 +31,9 @@ def gpu_catalog():
 class Node:
     """`count` GPUs of one model behind a switch of `intra_gbps` GB/s per device and direction.
 
-    The optional fields override the catalog for this node (e.g. with measured rates)."""
+    The optional fields override the catalog for this node (e.g. with measured rates). `host`: the name of the machine
+    the node is (hexiseq calibrate writes it); a job restarted on fewer machines finds its devices by it
+    (hexiseq.elastic.survivors)."""
 
     gpu: str
     count: int
@@ -40,6 +42,7 @@ class Node:
     peak_tflops: Optional[float] = None
     gemm_eff: Optional[float] = None
     attn_eff: Optional[float] = None
+    host: Optional[str] = None
 
     def _as_core(self):
         def opt(x):
@@ -49,7 +52,7 @@ class Node:
                 opt(self.gemm_eff), opt(self.attn_eff))
 
 
-_NODE_KEYS = {"gpu", "count", "intra_gbps", "memory_gib", "peak_tflops", "gemm_eff", "attn_eff"}
+_NODE_KEYS = {"gpu", "count", "intra_gbps", "memory_gib", "peak_tflops", "gemm_eff", "attn_eff", "host"}
 
 Curve = Tuple[Tuple[float, float], ...]
 _CURVES = ("gemm_tflops", "attn_tflops", "attn_causal_tflops", "attn_document_tflops", "runtime_ns",
@@ -216,7 +219,11 @@ class Cluster:
                 peak_tflops=number(node.peak_tflops, f"nodes[{i}].peak_tflops", positive=True, optional=True),
                 gemm_eff=number(node.gemm_eff, f"nodes[{i}].gemm_eff", positive=True, optional=True),
                 attn_eff=number(node.attn_eff, f"nodes[{i}].attn_eff", positive=True, optional=True),
+                host=node.host,
             )
+            if node.host is not None and (not isinstance(node.host, str) or not node.host.strip()):
+                raise InvalidArgumentError(f"nodes[{i}].host must be a machine's name (a non-empty string), got "
+                                           f"{node.host!r}")
             checked.append(node)
         self.nodes = tuple(checked)
         self.inter_node_gbps = number(inter_node_gbps, "inter_node_gbps")
@@ -308,7 +315,7 @@ class Cluster:
         nodes = []
         for n in self.nodes:
             d = {"gpu": n.gpu, "count": n.count, "intra_gbps": n.intra_gbps}
-            for k in ("memory_gib", "peak_tflops", "gemm_eff", "attn_eff"):
+            for k in ("memory_gib", "peak_tflops", "gemm_eff", "attn_eff", "host"):
                 if getattr(n, k) is not None:
                     d[k] = getattr(n, k)
             nodes.append(d)
@@ -343,14 +350,22 @@ class Cluster:
         their indices: each node keeps the devices it had among them (same model, links and overrides), a bandwidth
         or latency matrix keeps their rows and columns, measured rates stay with their device. What a group of a
         batch plan runs on."""
-        chosen = device_set(devices, self.num_devices, "devices")
+        return self._pick(device_set(devices, self.num_devices, "devices"))
+
+    def _pick(self, chosen) -> "Cluster":
+        """The cluster of the devices `chosen` (distinct indices) in that order; each node's devices must be
+        consecutive in it."""
         node_of = self.device_nodes
-        nodes = []
+        nodes, seen = [], set()
         for d in chosen:
             if nodes and nodes[-1][0] == node_of[d]:
                 nodes[-1][1] += 1
+            elif node_of[d] in seen:
+                raise InvalidArgumentError(f"the devices of node {int(node_of[d])} must be consecutive in the order "
+                                           f"given, got {list(chosen)!r}")
             else:
                 nodes.append([node_of[d], 1])
+                seen.add(node_of[d])
         idx = np.array(chosen)
         lat = self.latency_us
         with warnings.catch_warnings():  # this cluster's own figures were warned about once, when it was made
@@ -370,15 +385,40 @@ class Cluster:
         kept = [d for d in range(self.num_devices) if d not in lost]
         if not kept:
             raise InvalidArgumentError(f"devices {sorted(lost)} are every device of the cluster: none would be left")
-        out = self.subset(kept)
+        return self.for_ranks(kept)
+
+    def for_ranks(self, devices) -> "Cluster":
+        """The cluster of the given devices in the order given: device r of the result is devices[r] of this one,
+        what a restarted job whose rank r runs on that device plans on (plans number devices as the ranks). Each
+        node's devices must be consecutive in the list (torchrun numbers a machine's processes consecutively). As
+        in without(): links and measured rates go with their devices, the calibration's per-device block_backends
+        follow them, and the devices left out (if any) are added to its dropped_devices."""
+        if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
+            raise InvalidArgumentError(f"devices must be a list of device indices, got {devices!r}")
+        order = list(devices)
+        if len(device_set(order, self.num_devices, "devices")) != len(order):
+            raise InvalidArgumentError(f"devices must hold distinct device indices, got {order!r}")
+        order = [int(d) for d in order]
+        out = self._pick(order)
         cal = self.calibration
-        if cal is not None:
-            backends = cal.get("block_backends")
-            if isinstance(backends, list) and len(backends) == self.num_devices:
-                cal["block_backends"] = [backends[d] for d in kept]
-            # one list per drop, each in the numbering of the cluster it was dropped from
-            cal["dropped_devices"] = list(cal.get("dropped_devices") or []) + [sorted(lost)]
-            out._calibration = _plain(cal, "calibration")
+        if cal is None:
+            return out
+        backends = cal.get("block_backends")
+        if isinstance(backends, list) and len(backends) == self.num_devices:
+            cal["block_backends"] = [backends[d] for d in order]
+        lost = sorted(set(range(self.num_devices)) - set(order))
+        if lost:  # one list per drop, each in the numbering of the cluster it was dropped from
+            cal["dropped_devices"] = list(cal.get("dropped_devices") or []) + [lost]
+        out._calibration = _plain(cal, "calibration")
+        return out
+
+    def host_devices(self) -> dict:
+        """{host: its devices in order} of the nodes that name their host (hexiseq calibrate writes the names)."""
+        out, start = {}, 0
+        for n in self.nodes:
+            if n.host is not None:
+                out.setdefault(n.host, []).extend(range(start, start + n.count))
+            start += n.count
         return out
 
     # ------------------------------------------------------------------ queries
@@ -508,7 +548,7 @@ def _node_from_dict(d, where) -> Node:
             raise InvalidArgumentError(f"{where}.{key} is required")
     return Node(gpu=d["gpu"], count=d["count"], intra_gbps=d.get("intra_gbps", 1.0),
                 memory_gib=d.get("memory_gib"), peak_tflops=d.get("peak_tflops"),
-                gemm_eff=d.get("gemm_eff"), attn_eff=d.get("attn_eff"))
+                gemm_eff=d.get("gemm_eff"), attn_eff=d.get("attn_eff"), host=d.get("host"))
 
 
 _CLUSTER_KEYS = ("nodes", "inter_node_gbps", "bandwidth_gbps", "latency_us", "devices", "calibration")

@@ -317,3 +317,30 @@ def checkpoint_phase(rank, world, init, phase, shares, path, results):
         dist.destroy_process_group()
     except Exception:
         results.put((rank, "error", traceback.format_exc()))
+
+
+def survivors_phase(rank, world, init, machines, results):
+    """hexiseq.elastic.survivors on `world` ranks, rank r told it runs on machines[r] = (HEXISEQ_HOST, LOCAL_RANK):
+    reports (the devices found, the cluster's nodes) or the error's class and message."""
+    try:
+        import os
+
+        import hexiseq
+
+        host, local = machines[rank]
+        os.environ["HEXISEQ_HOST"] = host
+        os.environ["LOCAL_RANK"] = str(local)
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=10))
+        saved = hexiseq.Cluster.from_dict({"nodes": [
+            {"gpu": "H100-SXM", "count": 2, "intra_gbps": 450.0, "host": "node-a"},
+            {"gpu": "L40S", "count": 2, "intra_gbps": 32.0, "host": "node-b"}], "inter_node_gbps": 25.0})
+        try:
+            cluster, devices = hexiseq.elastic.survivors(saved)
+            out = ("ok", devices, [(n.gpu, n.count, n.host) for n in cluster.nodes])
+        except hexiseq.errors.HexiseqError as e:
+            out = (type(e).__name__, str(e), None)
+        results.put((rank,) + out)
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc(), None))
