@@ -2,6 +2,8 @@
 plan's structure, with no new process group, the same new plan on every rank, and the layer on it exact against
 one process (float64, 1e-10)."""
 
+import re
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -25,7 +27,9 @@ def test_a_slow_rank_gets_fewer_tokens(tmp_path):
     before, after, reason = r0["event"]
     assert before == r0["before"] and sum(after) == 3000
     assert after[2] < 0.7 * after[0] and after[2] < 0.7 * after[1], after
-    assert "rank 2 ran 2.00x" in reason, reason
+    # 2x the others' time, over each rank's predicted time (the middle group of a zigzag ring runs its own block as
+    # one call, predicted a little faster: 2.16x)
+    assert re.search(r"rank 2 ran 2\.\d\dx its planned share", reason), reason
     for rank, r in reports.items():
         assert r["event"] == r0["event"] and r["same_plan"] == r0["same_plan"], rank
         assert r["groups_made"] == 0 and r["owner_updated"] and r["quiet"] is None, r

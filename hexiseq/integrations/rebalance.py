@@ -9,7 +9,10 @@ assumed, re-balances the token shares inside the plan's structure between two st
   plan's per-device attention time) is normalised by the median ratio and smoothed over checks (exponentially,
   `smoothing`), so a uniformly slower run (a different input, a busier machine) moves nothing;
 - when some rank's smoothed ratio is more than `threshold` away from 1 for `patience` checks in a row, the
-  cluster's per-device rates are divided by those ratios and the plan's layout re-balanced on it (Plan.rebalanced:
+  cluster's per-device rates are divided by the ratios of those last `patience` checks (each rank's median over
+  them, unsmoothed: the smoothing is there to decide whether to act, and would lag behind a speed that has just
+  changed; a first correction made on it left the step 1.12x a fresh calibrate and plan, below the threshold and so
+  never corrected, in benchmarks/results/stragglers_cpu.md) and the plan's layout re-balanced on it (Plan.rebalanced:
   the same groups, members, head ranges and ring order; new S_g and token shares) — every rank computes the same new
   plan from the same gathered figures, and the new context checks the fingerprint as any context does;
 - the new context reuses the old one's process groups (the structure, hence every all-to-all group, is the same),
@@ -84,6 +87,7 @@ class Rebalancer:
         self.context: HexiSeqContext = attention.context if self.owner is not None else attention
         self.threshold, self.patience, self.smoothing = float(threshold), int(patience), float(smoothing)
         self.ratios: Optional[np.ndarray] = None
+        self._recent: List[np.ndarray] = []  # the last `patience` checks' ratios, unsmoothed
         self._over = 0
         self.events: List[RebalanceEvent] = []
         self.context.reset_timers()
@@ -111,6 +115,7 @@ class Rebalancer:
         ratio = measured / predicted
         ratio = ratio / np.median(ratio)
         self.ratios = ratio if self.ratios is None else self.smoothing * ratio + (1 - self.smoothing) * self.ratios
+        self._recent = (self._recent + [ratio])[-self.patience:]
         if np.abs(self.ratios - 1.0).max() <= self.threshold:
             self._over = 0
             return None
@@ -123,18 +128,20 @@ class Rebalancer:
         ctx, old = self.context, self.plan
         # the plan's cluster with each device's rates divided by its ratio: a rank twice as slow as planned gets
         # rates half as high, and the layout's shares re-balanced on that cluster
+        now = np.median(np.array(self._recent), axis=0)  # the speeds of the last checks, not the smoothed ones
         factors = np.ones(old.cluster.num_devices)
         for r in range(ctx.world):
-            factors[r] = 1.0 / self.ratios[r]
+            factors[r] = 1.0 / now[r]
         slowed = _scaled_cluster(old.cluster, factors)
         new = evaluate(slowed, model=old.model, seq_len=old.seq_len, layout=old.layout, training=old.training,
                        causal=old.causal, documents=old.documents).rebalanced(old.documents)
         before = [int(old.devices.tokens[old._slot(r)]) for r in range(ctx.world)]
         after = [int(new.devices.tokens[new._slot(r)]) for r in range(ctx.world)]
-        slow = int(np.argmax(self.ratios))
-        seen = [float(x) for x in self.ratios]
-        reason = (f"rank {slow} ran {self.ratios[slow]:.2f}x its planned share of the attention time (over the median "
-                  f"rank, smoothed over checks; threshold {self.threshold:g}); tokens per rank {before} -> {after}")
+        slow = int(np.argmax(np.abs(now - 1.0)))
+        seen = [float(x) for x in now]
+        reason = (f"rank {slow} ran {now[slow]:.2f}x its planned share of the attention time (over the median rank, "
+                  f"in the last {len(self._recent)} check(s); threshold {self.threshold:g}, on the smoothed ratios); "
+                  f"tokens per rank {before} -> {after}")
         if after == before:
             self._over = 0
             return None
@@ -154,6 +161,7 @@ class Rebalancer:
         if self.owner is not None:
             self.owner.context = fresh
         self.ratios = np.ones(ctx.world)  # the new plan is made for the speeds just measured
+        self._recent = []
         self._over = 0
         event = RebalanceEvent(before, after, seen, reason)
         self.events.append(event)
