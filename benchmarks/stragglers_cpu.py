@@ -203,6 +203,8 @@ def main():
         ax.plot([t * 1e3 for t in runs["fixed"]["times"]], label="fixed plan", color="#888888")
         ax.plot([t * 1e3 for t in runs["rebalanced"]["times"]], label="Rebalancer", color="#1f77b4")
         ax.axvspan(n // 3, 2 * n // 3, color="#f2d0a4", alpha=0.5, label="competitor on rank 0's core")
+        ax.hlines(statistics.median(runs["fresh"]["times"][1:]) * 1e3, n // 3, 2 * n // 3, colors="#d62728",
+                  linestyles="dashed", label="fresh calibrate + plan, competitor running (median)")
         ax.set_xlabel("step")
         ax.set_ylabel("step time (ms, measured)")
         ax.legend(loc="upper left", fontsize=8)
