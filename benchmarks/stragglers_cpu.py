@@ -82,7 +82,7 @@ def worker(rank, world, init, args, out_path, control):
                         print(f"step {step}: {event.reason}", flush=True)
         if rank == 0:
             control.put("stop")  # in case the run ended inside the slow third
-        runs[mode] = {"times": times, "events": events, "tokens": tokens}
+        runs[mode] = {"times": times, "events": events, "tokens": tokens, "layout": current.layout.to_dict()}
         attn.context.close()
         dist.barrier()
     # What the Rebalancer should come back to: a fresh calibration and plan made with the competitor running, then
@@ -108,7 +108,7 @@ def worker(rank, world, init, args, out_path, control):
     attn.context.close()
     if rank == 0:
         control.put("stop")
-    runs["fresh"] = {"times": times, "calibrate_and_plan_s": t_cal,
+    runs["fresh"] = {"times": times, "calibrate_and_plan_s": t_cal, "layout": fresh.layout.to_dict(),
                      "tokens": [int(fresh.devices.tokens[fresh._slot(r)]) for r in range(world)]}
     dist.barrier()
     if rank == 0:
