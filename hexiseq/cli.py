@@ -314,6 +314,9 @@ def cmd_gpus(args) -> int:
         also = ", ".join(g["aliases"]) or "-"
         print(f"{g['name']:<10} {also:<18} {g['peak_tflops']:>8.1f} {g['memory_gib']:>6.1f} {g['hbm_gbps']:>9.0f} "
               f"{g['gemm_eff']:>9.2f} {g['attn_eff']:>9.2f}  {g['source']}")
+    print("\nThe attention kernel each attn eff stands for:")
+    for g in gpu_catalog():
+        print(f"  {g['name']:<12} {g['attn_kernel']}")
     print("\nNames are case-insensitive; 'also' lists the short names read as the model on their line (a Cluster "
           "stores the catalog name). A model not listed is accepted when described: memory_gib with peak_tflops, "
           "gemm_eff and attn_eff, or measured rates (hexiseq calibrate).")

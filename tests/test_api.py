@@ -114,6 +114,9 @@ def test_gpu_catalog():
             assert isinstance(g[key], float) and g[key] > 0, (name, key)
         assert g["gemm_eff"] <= 1 and g["attn_eff"] <= 1
         assert isinstance(g["source"], str) and g["source"].strip()
+    for g in cat.values():  # every model names the attention kernel its attn_eff stands for
+        assert isinstance(g["attn_kernel"], str) and len(g["attn_kernel"]) > 10, g["name"]
+    assert "FlashAttention-2" in cat["A100-80G"]["attn_kernel"] and "Hopper" in cat["H100-SXM"]["attn_kernel"]
 
 
 def test_example_cluster(example):

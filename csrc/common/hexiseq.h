@@ -25,6 +25,7 @@ typedef struct {
     double gemm_eff;         /* achieved fraction of peak on large matmuls */
     double attn_eff;         /* achieved fraction of peak by flash attention, forward+backward */
     const char *source;      /* where the numbers come from */
+    const char *attn_kernel; /* the attention kernel a user runs there (what attn_eff stands for), and its source */
 } hexiseq_gpu_spec;
 
 HEXISEQ_API int hexiseq_gpu_catalog_size(void);

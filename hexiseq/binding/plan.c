@@ -400,10 +400,10 @@ static PyObject *core_gpu_catalog(PyObject *module, PyObject *Py_UNUSED(ignored)
             }
             Py_DECREF(text);
         }
-        PyObject *item = aliases ? Py_BuildValue("{s:s,s:d,s:d,s:d,s:d,s:d,s:s,s:N}", "name", g.name, "peak_tflops",
+        PyObject *item = aliases ? Py_BuildValue("{s:s,s:d,s:d,s:d,s:d,s:d,s:s,s:s,s:N}", "name", g.name, "peak_tflops",
                                                  g.peak_tflops, "memory_gib", g.memory_gib, "hbm_gbps", g.hbm_gbps,
                                                  "gemm_eff", g.gemm_eff, "attn_eff", g.attn_eff, "source", g.source,
-                                                 "aliases", aliases)
+                                                 "attn_kernel", g.attn_kernel, "aliases", aliases)
                                  : NULL;
         if (!item) {
             Py_DECREF(out);
