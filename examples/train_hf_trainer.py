@@ -8,8 +8,8 @@ Trainer script: the class and its `plan=`) patches the model, gives every rank t
 its shard of the tokens and makes the loss and gradient those of the whole sequences. The plan is an asymmetric
 one, made for a mixed cluster (an H100 node of 2 and an A100): unequal token shares and head counts on the ranks.
 Rank 0 then runs a plain `transformers.Trainer` on the same data in a process of its own (no torchrun environment)
-and compares every step's loss and the trained weights; the script exits with status 1 if they differ by more
-than --tolerance (relative).
+and compares every step's loss, the trained weights and the evaluation loss on a held-out set; the script exits
+with status 1 if they differ by more than --tolerance (relative; the weights 10x that).
 """
 
 import argparse
@@ -43,7 +43,8 @@ def build_dataset(n, seq_len, seed):
 
 def arguments(args, out_dir):
     return transformers.TrainingArguments(
-        output_dir=out_dir, max_steps=args.steps, per_device_train_batch_size=args.batch_size, learning_rate=args.lr,
+        output_dir=out_dir, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size, learning_rate=args.lr,
         logging_steps=1, report_to=[], save_strategy="no", seed=args.seed, use_cpu=True, disable_tqdm=True,
         dataloader_drop_last=True, lr_scheduler_type="constant", optim=args.optim)
 
@@ -82,9 +83,11 @@ def reference(args):
     """A plain Trainer in this one process: every step's loss and the trained weights, to args.out."""
     model = build_model(getattr(torch, args.dtype), args.seed)
     with tempfile.TemporaryDirectory() as d:
-        t = PlainTrainer(model=model, args=arguments(args, d), train_dataset=build_dataset(64, args.seq_len, args.seed))
+        t = PlainTrainer(model=model, args=arguments(args, d), train_dataset=build_dataset(64, args.seq_len, args.seed),
+                         eval_dataset=build_dataset(6, args.seq_len, args.seed + 7))
         t.train()
-    torch.save({"losses": t.losses, "state": model.state_dict()}, args.out)
+        evaluated = t.evaluate()["eval_loss"]
+    torch.save({"losses": t.losses, "state": model.state_dict(), "eval_loss": evaluated}, args.out)
 
 
 def main():
@@ -127,12 +130,14 @@ def main():
         {"devices": [2], "seq": S - g0, "tokens": [S - g0], "heads": [8]}]})
     with tempfile.TemporaryDirectory() as d:
         trainer = Trainer(model=model, args=arguments(args, d), plan=plan,
-                          train_dataset=build_dataset(64, args.seq_len, args.seed))
+                          train_dataset=build_dataset(64, args.seq_len, args.seed),
+                          eval_dataset=build_dataset(6, args.seq_len, args.seed + 7))
         rank = torch.distributed.get_rank()
         if rank == 0:
             print(plan.explain().splitlines()[0])
             print("\n".join(plan.explain().splitlines()[-3:]))
         trainer.train()
+        evaluated = trainer.evaluate()["eval_loss"]
     if rank != 0:
         return
     with tempfile.TemporaryDirectory() as d:
@@ -151,8 +156,12 @@ def main():
         print(f"step {step}: HexiSeqTrainer {a!r}  plain Trainer {b!r}  relative difference {diff:.2e}")
     drift = max(float((p - ref["state"][k]).abs().max() / ref["state"][k].abs().max().clamp_min(1e-30))
                 for k, p in model.state_dict().items())
-    ok = len(trainer.losses) == len(ref["losses"]) == args.steps and worst <= tolerance and drift <= tolerance * 10
     print(f"trained weights: max relative difference to the plain Trainer's {drift:.2e}")
+    eval_diff = abs(evaluated - ref["eval_loss"]) / abs(ref["eval_loss"])
+    print(f"evaluation loss: HexiSeqTrainer {evaluated!r}  plain Trainer {ref['eval_loss']!r}  relative difference "
+          f"{eval_diff:.2e}")
+    ok = len(trainer.losses) == len(ref["losses"]) == args.steps and worst <= tolerance and drift <= tolerance * 10 \
+        and eval_diff <= tolerance
     print(f"max relative loss difference {worst:.2e} ({'OK' if ok else 'FAILED'}: tolerance {tolerance:g})")
     print(json.dumps({"losses": trainer.losses, "reference": ref["losses"], "weights_drift": drift}))
     if not ok:

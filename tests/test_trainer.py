@@ -48,6 +48,8 @@ def test_trainer_matches_plain_trainer_in_one_process(dtype):
     assert len(re.findall(r"^step \d+: HexiSeqTrainer", out, re.M)) == 4
     drift = float(re.search(r"trained weights: max relative difference to the plain Trainer's (\S+)", out).group(1))
     assert drift <= (1e-8 if dtype == "float64" else 1e-4)
+    evaluated = float(re.search(r"evaluation loss: .* relative difference (\S+)", out).group(1))
+    assert evaluated <= (1e-9 if dtype == "float64" else 1e-5)
 
 
 def test_trainer_refuses_a_plan_of_another_size():
