@@ -43,6 +43,18 @@ def burn(stop):
             x = x * 1.0000001 + 1e-9
 
 
+def timed_step(attn, plan, rank, q, k, v, do):
+    """One forward and backward of the layer on this rank's shard of q, k, v under `plan`: the slowest rank's
+    seconds from a common barrier."""
+    ql, kl, vl = (plan.shard(t, 1, rank).requires_grad_() for t in (q, k, v))
+    dist.barrier()
+    t0 = time.perf_counter()
+    attn(ql, kl, vl).backward(plan.shard(do, 1, rank))
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
 def worker(rank, world, init, args, out_path, control):
     from hexiseq.nn import HexiSeqAttention
     from hexiseq.rebalance import Rebalancer
@@ -65,13 +77,7 @@ def worker(rank, world, init, args, out_path, control):
                 if step == 2 * args.steps // 3:
                     control.put("stop")
             current = rb.plan if rb is not None else plan
-            ql, kl, vl = (current.shard(t, 1, rank).requires_grad_() for t in (q, k, v))
-            dist.barrier()
-            t0 = time.perf_counter()
-            attn(ql, kl, vl).backward(current.shard(do, 1, rank))
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            times.append(float(t))
+            times.append(timed_step(attn, current, rank, q, k, v, do))
             tokens.append([int(current.devices.tokens[current._slot(r)]) for r in range(world)])
             if rb is not None:
                 event = rb.check()
@@ -96,15 +102,7 @@ def worker(rank, world, init, args, out_path, control):
     fresh = hexiseq.plan(fresh_cluster, model=MODEL, seq_len=args.seq, strategy="hexiseq", training=training)
     t_cal = time.perf_counter() - t_cal
     attn = HexiSeqAttention(fresh)
-    times = []
-    for step in range(args.steps // 3):
-        ql, kl, vl = (fresh.shard(t, 1, rank).requires_grad_() for t in (q, k, v))
-        dist.barrier()
-        t0 = time.perf_counter()
-        attn(ql, kl, vl).backward(fresh.shard(do, 1, rank))
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(float(t))
+    times = [timed_step(attn, fresh, rank, q, k, v, do) for _ in range(args.steps // 3)]
     attn.context.close()
     if rank == 0:
         control.put("stop")
