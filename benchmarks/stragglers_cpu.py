@@ -66,9 +66,9 @@ def worker(rank, world, init, args, out_path, control):
     g = torch.Generator().manual_seed(1)
     q, k, v, do = (torch.randn(1, S, n, d, generator=g) for n in (H, Hkv, Hkv, H))
     runs = {}
-    for mode in ("fixed", "rebalanced"):
+    for mode in ("fixed", "rebalanced", "replanned"):
         attn = HexiSeqAttention(plan)
-        rb = Rebalancer(attn, threshold=0.2, patience=2) if mode == "rebalanced" else None
+        rb = Rebalancer(attn, threshold=0.2, patience=2, replan=mode == "replanned") if mode != "fixed" else None
         times, events, tokens = [], [], []
         for step in range(args.steps):
             if rank == 0:  # the competitor: on for the middle third
@@ -121,6 +121,31 @@ def phases(times, n):
     return [statistics.median(times[1:a]), statistics.median(times[a:b]), statistics.median(times[b:])]
 
 
+def plot(runs, n, png):
+    """Every step of the runs, the slow third shaded, the fresh plan's median; False without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    ax.plot([t * 1e3 for t in runs["fixed"]["times"]], label="fixed plan", color="#888888")
+    ax.plot([t * 1e3 for t in runs["rebalanced"]["times"]], label="Rebalancer", color="#1f77b4")
+    ax.plot([t * 1e3 for t in runs["replanned"]["times"]], label="Rebalancer, replan=True", color="#2ca02c")
+    ax.axvspan(n // 3, 2 * n // 3, color="#f2d0a4", alpha=0.5, label="competitor on rank 0's core")
+    ax.hlines(statistics.median(runs["fresh"]["times"][1:]) * 1e3, n // 3, 2 * n // 3, colors="#d62728",
+              linestyles="dashed", label="fresh calibrate + plan, competitor running (median)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("step time (ms, measured)")
+    ax.legend(loc="lower center", fontsize=8, ncol=2)  # below the lines, which all run above 140 ms
+    ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
@@ -164,7 +189,7 @@ def main():
         data = json.load(f)
     runs = data["runs"]
     n = args.steps
-    fixed, reb = phases(runs["fixed"]["times"], n), phases(runs["rebalanced"]["times"], n)
+    fixed, reb, rep = (phases(runs[m]["times"], n) for m in ("fixed", "rebalanced", "replanned"))
     lines = ["# A device slows down mid-run: a fixed plan against the Rebalancer", "",
              f"Machine: {machine()}. Command: `python benchmarks/stragglers_cpu.py --steps {n} --seq {args.seq} "
              f"--world {args.world}` ({time.time() - t0:.0f} s). {args.world} Gloo ranks, one thread each (rank 0 on "
@@ -172,48 +197,36 @@ def main():
              f"hexiseq on the calibrated cluster (layout {data['initial']['groups']}), {args.seq} tokens, forward "
              "and backward per step. A CPU-bound competitor runs on core 0 (rank "
              f"0's) from step {n // 3} to step {2 * n // 3}. Measured: the slowest rank's step; medians per phase.", "",
-             "| phase | fixed plan (ms) | with the Rebalancer (ms) | fixed / rebalanced |", "|---|---:|---:|---:|"]
-    for name, a, b in zip(("before", "during the slowdown", "after"), fixed, reb):
-        lines.append(f"| {name} | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.2f}x |")
-    lines += ["", "Re-balances (the step after which each ran, tokens per rank):", ""]
-    for e in runs["rebalanced"]["events"]:
-        lines.append(f"- step {e['step']}: {e['before']} -> {e['after']} ({e['reason'].split(';')[0]})")
+             "| phase | fixed plan (ms) | with the Rebalancer (ms) | fixed / rebalanced | Rebalancer with replan=True "
+             "(ms) | fixed / replanned |", "|---|---:|---:|---:|---:|---:|"]
+    for name, a, b, c in zip(("before", "during the slowdown", "after"), fixed, reb, rep):
+        lines.append(f"| {name} | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.2f}x | {c * 1e3:.1f} | {a / c:.2f}x |")
+    for mode in ("rebalanced", "replanned"):
+        lines += ["", f"Re-balances, {mode} run (the step after which each ran, tokens per rank):", ""]
+        for e in runs[mode]["events"]:
+            planned = e["reason"].split("; planned afresh: ")
+            lines.append(f"- step {e['step']}: {e['before']} -> {e['after']} ({e['reason'].split(';')[0]}"
+                         + (f"; planned afresh: {planned[1]}" if len(planned) > 1 else "") + ")")
     lines.append("")
     # the Rebalancer's steps once it has acted in the slow third, against a fresh calibration and plan made then
     fresh = runs["fresh"]
-    first = [e["step"] for e in runs["rebalanced"]["events"] if n // 3 <= e["step"] < 2 * n // 3]
-    if first:
-        settled = runs["rebalanced"]["times"][first[0] + 2:2 * n // 3]
+    b = statistics.median(fresh["times"][1:])
+    lines += [f"A fresh `hexiseq.calibrate` and plan made with the competitor running (took "
+              f"{fresh['calibrate_and_plan_s']:.1f} s; tokens per rank {fresh['tokens']}), then {len(fresh['times'])} "
+              f"steps on it with the competitor still running: {b * 1e3:.1f} ms (median of the steps after the first).",
+              ""]
+    for mode in ("rebalanced", "replanned"):
+        first = [e["step"] for e in runs[mode]["events"] if n // 3 <= e["step"] < 2 * n // 3]
+        settled = runs[mode]["times"][first[0] + 2:2 * n // 3] if first else []
         if settled:
-            a, b = statistics.median(settled), statistics.median(fresh["times"][1:])
-            lines += [f"During the slowdown, once re-balanced (steps {first[0] + 2}-{2 * n // 3 - 1}): "
-                      f"{a * 1e3:.1f} ms; a fresh `hexiseq.calibrate` and plan made with the competitor running "
-                      f"(took {fresh['calibrate_and_plan_s']:.1f} s; tokens per rank {fresh['tokens']}), then "
-                      f"{len(fresh['times'])} steps on it with the competitor still running: {b * 1e3:.1f} ms "
-                      f"(median of the steps after the first). Re-balanced over fresh: {a / b:.2f}x.", ""]
-    else:
-        lines += ["The Rebalancer did not act during the slowdown.", ""]
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 3.2))
-        ax.plot([t * 1e3 for t in runs["fixed"]["times"]], label="fixed plan", color="#888888")
-        ax.plot([t * 1e3 for t in runs["rebalanced"]["times"]], label="Rebalancer", color="#1f77b4")
-        ax.axvspan(n // 3, 2 * n // 3, color="#f2d0a4", alpha=0.5, label="competitor on rank 0's core")
-        ax.hlines(statistics.median(runs["fresh"]["times"][1:]) * 1e3, n // 3, 2 * n // 3, colors="#d62728",
-                  linestyles="dashed", label="fresh calibrate + plan, competitor running (median)")
-        ax.set_xlabel("step")
-        ax.set_ylabel("step time (ms, measured)")
-        ax.legend(loc="upper left", fontsize=8)
-        ax.set_ylim(bottom=0)
-        fig.tight_layout()
-        if args.out:
-            png = os.path.splitext(args.out)[0] + ".png"
-            fig.savefig(png, dpi=120)
-            lines += [f"![step times]({os.path.basename(png)})", ""]
-    except ImportError:
-        pass
+            a = statistics.median(settled)
+            lines += [f"- {mode}: during the slowdown, once re-balanced (steps {first[0] + 2}-{2 * n // 3 - 1}): "
+                      f"{a * 1e3:.1f} ms, {a / b:.2f}x the fresh plan's step."]
+        else:
+            lines += [f"- {mode}: the Rebalancer did not act during the slowdown."]
+    lines.append("")
+    if args.out and plot(runs, n, os.path.splitext(args.out)[0] + ".png"):
+        lines += [f"![step times]({os.path.basename(os.path.splitext(args.out)[0])}.png)", ""]
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -12,6 +12,8 @@ import torch.distributed as dist  # noqa: E402
 import dist_worker  # noqa: E402
 import rebalance_worker  # noqa: E402
 
+import hexiseq  # noqa: E402
+
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 
@@ -35,3 +37,21 @@ def test_a_slow_rank_gets_fewer_tokens(tmp_path):
         assert r["groups_made"] == 0 and r["owner_updated"] and r["quiet"] is None, r
         for what, e in zip(("out", "dq", "dk", "dv"), r["errors"]):
             assert e <= 1e-10, f"rank {rank}: {what} relative error {e:.3g}"
+
+
+def test_rebalanced_heads_follow_the_attention_rates():
+    """Plan.rebalanced(heads=True) hands a head-parallel group's heads out again by its members' attention rates
+    (same members, same group), where heads=False keeps them: one group of two devices, one of them with half the
+    attention rate; the predicted step is never worse, and every head is still held once."""
+    fast = {"gpu": "H100-SXM", "count": 1, "intra_gbps": 300.0}
+    slow = dict(fast, attn_eff=0.15)  # half the catalog's 0.30
+    cluster = hexiseq.Cluster.from_dict({"nodes": [fast, slow], "inter_node_gbps": 300.0})
+    even = hexiseq.evaluate(cluster, model="llama-tiny", seq_len=8192, layout={"groups": [
+        {"devices": [0, 1], "seq": 8192, "tokens": [4096, 4096], "heads": [4, 4]}]})
+    kept = even.rebalanced()
+    moved = even.rebalanced(heads=True)
+    heads = lambda p: [int(p.devices.head_count[p._slot(r)]) for r in range(2)]  # noqa: E731
+    assert heads(kept) == [4, 4]
+    assert heads(moved)[0] > heads(moved)[1] and sum(heads(moved)) == 8, heads(moved)
+    assert [len(g["devices"]) for g in moved.layout.to_dict()["groups"]] == [2]
+    assert moved.step_time_s <= kept.step_time_s * (1 + 1e-12) and moved.step_time_s < even.step_time_s

@@ -385,6 +385,13 @@ HEXISEQ_API hexiseq_status hexiseq_plan_strategy_ex(const hexiseq_cluster *clust
 HEXISEQ_API hexiseq_status hexiseq_rebalance(const hexiseq_cluster *cluster, const hexiseq_model *model,
                                              const hexiseq_training *training, int64_t seq_len, int32_t causal,
                                              const hexiseq_layout *in, hexiseq_layout *out, hexiseq_plan_cost *cost);
+/* hexiseq_rebalance that also hands each group's heads out again over its members by their attention rates (one
+ * head at a time and, with GQA, whole kv heads, the better kept; a member with no heads keeps none): the same
+ * groups, members and ring order, so the same all-to-all groups and ring. For devices whose speed has changed. */
+HEXISEQ_API hexiseq_status hexiseq_rebalance_heads(const hexiseq_cluster *cluster, const hexiseq_model *model,
+                                                   const hexiseq_training *training, int64_t seq_len, int32_t causal,
+                                                   const hexiseq_layout *in, hexiseq_layout *out,
+                                                   hexiseq_plan_cost *cost);
 
 /* ------------------------------------------------------------------ batch assignment */
 

@@ -119,9 +119,10 @@ hexiseq_status hexiseq_schedule(const hexiseq_cluster *c, const hexiseq_model *m
     return sched_finish(&s, st, out, cost);
 }
 
-hexiseq_status hexiseq_rebalance(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
-                                 int64_t seq_len, int32_t causal, const hexiseq_layout *in, hexiseq_layout *out,
-                                 hexiseq_plan_cost *cost) {
+/* heads: also hand the groups' heads out again (units of 1 and, with GQA, of a kv head's query heads). */
+static hexiseq_status rebalance(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
+                                int64_t seq_len, int32_t causal, const hexiseq_layout *in, int heads,
+                                hexiseq_layout *out, hexiseq_plan_cost *cost) {
     hexiseq_clear_error();
     if (!in || !out || !cost)
         return hexiseq_fail(HEXISEQ_ERR_NULL, "in, out and cost must not be NULL");
@@ -180,9 +181,27 @@ hexiseq_status hexiseq_rebalance(const hexiseq_cluster *c, const hexiseq_model *
             hexiseq_plan_cost got;
             st = hexiseq_sched_optimise_shares(&s, &l, &w, 0, &got);
         }
+        int32_t per_kv = m->heads / m->kv_heads;
+        for (int pass = 0; heads && pass < (per_kv > 1 ? 2 : 1) && st == HEXISEQ_OK; ++pass) {
+            hexiseq_plan_cost got;
+            hexiseq_layout_copy(&l, in);
+            st = hexiseq_sched_optimise_shares(&s, &l, &w, pass ? per_kv : 1, &got);
+        }
     }
     hexiseq_sched_ws_free(&w);
     hexiseq_layout_free(&l);
     return sched_finish(&s, st, out, cost);
+}
+
+hexiseq_status hexiseq_rebalance(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
+                                 int64_t seq_len, int32_t causal, const hexiseq_layout *in, hexiseq_layout *out,
+                                 hexiseq_plan_cost *cost) {
+    return rebalance(c, m, t, seq_len, causal, in, 0, out, cost);
+}
+
+hexiseq_status hexiseq_rebalance_heads(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
+                                       int64_t seq_len, int32_t causal, const hexiseq_layout *in,
+                                       hexiseq_layout *out, hexiseq_plan_cost *cost) {
+    return rebalance(c, m, t, seq_len, causal, in, 1, out, cost);
 }
 

@@ -681,14 +681,15 @@ static PyObject *core_plan_strategy(PyObject *module, PyObject *args) {
 }
 
 /* rebalance(nodes, inter_gbps, bandwidth, latency, devices, model, training, seq_len, causal, layout_dict,
- *           documents) -> layout dict: hexiseq_rebalance. */
+ *           documents[, heads]) -> layout dict: hexiseq_rebalance, or hexiseq_rebalance_heads when heads. */
 static PyObject *core_rebalance(PyObject *module, PyObject *args) {
     PyObject *nodes, *bw, *lat, *dev, *model_obj, *train_obj, *layout_obj, *docs_obj;
     double inter;
     long long seq_len;
     int causal;
-    if (!PyArg_ParseTuple(args, "OdOOOOOLpO!O:rebalance", &nodes, &inter, &bw, &lat, &dev, &model_obj, &train_obj,
-                          &seq_len, &causal, &PyDict_Type, &layout_obj, &docs_obj))
+    int heads = 0;
+    if (!PyArg_ParseTuple(args, "OdOOOOOLpO!O|p:rebalance", &nodes, &inter, &bw, &lat, &dev, &model_obj, &train_obj,
+                          &seq_len, &causal, &PyDict_Type, &layout_obj, &docs_obj, &heads))
         return NULL;
     hexiseq_model m;
     hexiseq_training t;
@@ -707,7 +708,8 @@ static PyObject *core_rebalance(PyObject *module, PyObject *args) {
     hexiseq_layout out;
     hexiseq_plan_cost pc;
     hexiseq_status s;
-    Py_BEGIN_ALLOW_THREADS s = hexiseq_rebalance(c, &m, &t, seq_len, causal, &in, &out, &pc);
+    Py_BEGIN_ALLOW_THREADS s = heads ? hexiseq_rebalance_heads(c, &m, &t, seq_len, causal, &in, &out, &pc)
+                                     : hexiseq_rebalance(c, &m, &t, seq_len, causal, &in, &out, &pc);
     Py_END_ALLOW_THREADS if (s != HEXISEQ_OK) {
         raise_status(module, s);
         goto done;

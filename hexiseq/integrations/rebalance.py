@@ -12,11 +12,21 @@ assumed, re-balances the token shares inside the plan's structure between two st
   cluster's per-device rates are divided by the ratios of those last `patience` checks (each rank's median over
   them, unsmoothed: the smoothing is there to decide whether to act, and would lag behind a speed that has just
   changed; a first correction made on it left the step 1.12x a fresh calibrate and plan, below the threshold and so
-  never corrected, in benchmarks/results/stragglers_cpu.md) and the plan's layout re-balanced on it (Plan.rebalanced:
-  the same groups, members, head ranges and ring order; new S_g and token shares) — every rank computes the same new
-  plan from the same gathered figures, and the new context checks the fingerprint as any context does;
+  never corrected, in benchmarks/results/stragglers_cpu.md) and the plan's layout re-balanced on it
+  (Plan.rebalanced(heads=True): the same groups, members and ring order; new S_g, token shares and head counts
+  inside each group — a head-parallel group's attention work follows its heads, not its tokens) — every rank
+  computes the same new plan from the same gathered figures, and the new context checks the fingerprint as any
+  context does;
 - the new context reuses the old one's process groups (the structure, hence every all-to-all group, is the same),
   and the model states keep their shares: nothing moves but the next step's token split.
+
+With `replan=True` the Rebalancer also plans the slowed cluster afresh (the scheduler, as `hexiseq.plan` would on
+a cluster calibrated now) and takes that plan when it is predicted faster than the re-balanced one: its structure
+may differ (a head-parallel group where the ring was), so the new context makes the process groups it needs (a
+collective every rank runs at the same check, a few milliseconds on a few ranks); the model states still keep
+their shares. In benchmarks/results/stragglers_cpu.md a fresh plan under the competitor was a head-parallel group
+of both ranks where the plan was a ring, and the ring re-balanced to the fresh plan's own split still ran 1.4x
+its step in two runs of five.
 
 Default threshold 0.2: the runtime's own step-to-step spread on a busy CPU host is about 5-10% (the benchmarks'
 repeated runs), a share moved for less would chase noise; a device 25% slower than planned costs a balanced
@@ -74,15 +84,24 @@ def _scaled_cluster(cluster: Cluster, factors) -> Cluster:
     return Cluster.from_dict(d)
 
 
+def _structure(plan):
+    """The groups' members in ring order: what decides the process groups a context needs."""
+    return [tuple(g["devices"]) for g in plan.layout.to_dict()["groups"]]
+
+
 class Rebalancer:
     """Re-balance `attention` (a HexiSeqAttention, or its HexiSeqContext) when the ranks' measured speeds move from
     the plan's. Call `check()` on every rank between steps (collective: one small all-gather); read `plan` to shard
     the next step's inputs. See the module's docstring."""
 
-    def __init__(self, attention, *, threshold: float = 0.2, patience: int = 2, smoothing: float = 0.5):
+    def __init__(self, attention, *, threshold: float = 0.2, patience: int = 2, smoothing: float = 0.5,
+                 replan: bool = False):
         if not 0 < threshold < 10 or not isinstance(patience, int) or patience < 1 or not 0 < smoothing <= 1:
             raise InvalidArgumentError(f"threshold must be in (0, 10), patience an int >= 1 and smoothing in (0, 1], "
                                        f"got {threshold!r}, {patience!r}, {smoothing!r}")
+        if not isinstance(replan, bool):
+            raise InvalidArgumentError(f"replan must be True or False, got {replan!r}")
+        self.replan = replan
         self.owner = attention if hasattr(attention, "context") else None
         self.context: HexiSeqContext = attention.context if self.owner is not None else attention
         self.threshold, self.patience, self.smoothing = float(threshold), int(patience), float(smoothing)
@@ -134,7 +153,18 @@ class Rebalancer:
             factors[r] = 1.0 / now[r]
         slowed = _scaled_cluster(old.cluster, factors)
         new = evaluate(slowed, model=old.model, seq_len=old.seq_len, layout=old.layout, training=old.training,
-                       causal=old.causal, documents=old.documents).rebalanced(old.documents)
+                       causal=old.causal, documents=old.documents).rebalanced(old.documents, heads=True)
+        if self.replan:
+            from ..errors import MemoryFitError, UnsupportedError
+            from ..planner.plan import plan as make_plan
+
+            try:  # the scheduler on the slowed cluster; every rank computes the same plan from the same figures
+                fresh = make_plan(slowed, model=old.model, seq_len=old.seq_len, training=old.training,
+                                  causal=old.causal, strategy="hexiseq", documents=old.documents)
+                if fresh.step_time_s < new.step_time_s * (1 - 1e-9):
+                    new = fresh
+            except (MemoryFitError, UnsupportedError):
+                pass
         before = [int(old.devices.tokens[old._slot(r)]) for r in range(ctx.world)]
         after = [int(new.devices.tokens[new._slot(r)]) for r in range(ctx.world)]
         slow = int(np.argmax(np.abs(now - 1.0)))
@@ -142,7 +172,8 @@ class Rebalancer:
         reason = (f"rank {slow} ran {now[slow]:.2f}x its planned share of the attention time (over the median rank, "
                   f"in the last {len(self._recent)} check(s); threshold {self.threshold:g}, on the smoothed ratios); "
                   f"tokens per rank {before} -> {after}")
-        if after == before:
+        same_structure = _structure(new) == _structure(old)
+        if after == before and same_structure:
             self._over = 0
             return None
         old_comm = ctx.comm
@@ -155,8 +186,13 @@ class Rebalancer:
             if backend == "gloo":
                 return old_comm._cpu_group
             return groups[tuple(sorted(ranks))]
+        # a new structure makes its own process groups (every rank here at the same check, in the same order)
         fresh = HexiSeqContext(new, group=old_comm.group, causal=ctx.causal, softmax_scale=ctx.scale,
-                               timeout=old_comm.timeout, a2a_slices=len(ctx.slices), subgroups=subgroups)
+                               timeout=old_comm.timeout, a2a_slices=len(ctx.slices) if same_structure else None,
+                               subgroups=subgroups if same_structure else None)
+        if not same_structure:
+            reason += "; planned afresh: " + ", ".join(f"{len(g['devices'])}-device group" for g in
+                                                      new.layout.to_dict()["groups"])
         self.context = fresh
         if self.owner is not None:
             self.owner.context = fresh

@@ -375,12 +375,14 @@ class Plan:
             raise InvalidArgumentError(f"group must be in [0, {g}), got {group!r}")
         return int(group)
 
-    def rebalanced(self, documents=None, seq_len=None) -> "Plan":
+    def rebalanced(self, documents=None, seq_len=None, heads: bool = False) -> "Plan":
         """This plan's structure (groups, members, head ranges, ring order) with the sequence split (S_g, token
         shares, chunking) optimised again for another batch: `documents` (lengths in sequence order, or None for
         one causal document) and, if given, another `seq_len`. It costs a few cost-model evaluations instead of a
         search (milliseconds at 128 devices), so it can run every step; the all-to-all groups and the ring stay
         the same. The result is never predicted slower than this plan's own split under the new batch.
+        heads=True also hands each group's heads out again over its members by their attention rates (for a plan
+        whose cluster's rates have changed: hexiseq.rebalance); the all-to-all groups and the ring still stay.
 
         Raises InvalidArgumentError for a seq_len out of bounds (fewer tokens than the plan has groups, or past
         2^30), and MemoryFitError, as plan() does, when the re-balanced plan does not fit in memory."""
@@ -390,7 +392,7 @@ class Plan:
                                        f"each of its {self.num_groups} groups), got {seq_len}")
         documents = _documents(documents, seq_len, self.causal)
         arrays = _core.rebalance(*self.cluster._core_args(), self.model._as_core(), self.training._as_core(),
-                                 seq_len, self.causal, self.layout._as_core(), documents)
+                                 seq_len, self.causal, self.layout._as_core(), documents, bool(heads))
         out = Plan(self.cluster, self.model, self.training, seq_len, self.causal, self.strategy, Layout(**arrays),
                    documents=documents)
         if not out.fits:
