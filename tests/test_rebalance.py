@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 
 def test_a_slow_rank_gets_fewer_tokens(tmp_path):
-    out = dist_worker.spawn(rebalance_worker.straggler_rebalance, 3, (), tmp_path, timeout_s=120)
+    out = dist_worker.spawn(rebalance_worker.straggler_rebalance, 3, ("ring", False), tmp_path, timeout_s=120)
     reports = {}
     for rank, (status, report, _) in sorted(out.items()):
         assert status == "ok", f"rank {rank}: {report}"
@@ -55,3 +55,28 @@ def test_rebalanced_heads_follow_the_attention_rates():
     assert heads(moved)[0] > heads(moved)[1] and sum(heads(moved)) == 8, heads(moved)
     assert [len(g["devices"]) for g in moved.layout.to_dict()["groups"]] == [2]
     assert moved.step_time_s <= kept.step_time_s * (1 + 1e-12) and moved.step_time_s < even.step_time_s
+
+
+@pytest.mark.parametrize("structure,replan", [("ulysses", False), ("ring", True)])
+def test_heads_and_fresh_plans_under_a_slow_rank(tmp_path, structure, replan):
+    """One head-parallel group of the three ranks, rank 2 reporting twice the others' attention time: the
+    Rebalancer moves heads off rank 2 (same group, no process group made), and the layer stays exact. With
+    replan=True on the ring, the scheduler's plan of the slowed cluster is taken when predicted faster (it may make
+    process groups): every rank takes the same one, and the layer on it is exact against one process (float64)."""
+    out = dist_worker.spawn(rebalance_worker.straggler_rebalance, 3, (structure, replan), tmp_path, timeout_s=120)
+    reports = {}
+    for rank, (status, report, _) in sorted(out.items()):
+        assert status == "ok", f"rank {rank}: {report}"
+        reports[rank] = report
+    r0 = reports[0]
+    assert r0["event"] is not None
+    if structure == "ulysses":
+        assert r0["heads_before"] == [3, 3, 2] and r0["heads_after"][2] < 2 and sum(r0["heads_after"]) == 8, r0
+        assert r0["structure"] == [3] and r0["groups_made"] == 0
+    else:  # the fresh plan gives the slow rank less (here: nothing, it parks it)
+        after = r0["event"][1]
+        assert after[2] < 0.7 * min(after[0], after[1]), after
+    for rank, r in reports.items():
+        assert r["event"] == r0["event"] and r["same_plan"] == r0["same_plan"] and r["quiet"] is None, (rank, r)
+        for what, e in zip(("out", "dq", "dk", "dv"), r["errors"]):
+            assert e <= 1e-10, f"rank {rank}: {what} relative error {e:.3g}"
