@@ -55,6 +55,23 @@ def timed_step(attn, plan, rank, q, k, v, do):
     return float(t)
 
 
+def per_phase(attn, plan, rank, world):
+    """This step's phases, measured (the context's timers: kernels, all-to-all, exposed ring, waits at the call
+    checks) next to the plan's prediction for one layer (its per-device phases over the model's layers), per rank."""
+    comm = attn.context.comm
+    mine = [comm.phase_s["attn"], comm.phase_s.get("a2a", 0.0), comm.phase_s.get("ring_wait", 0.0)]
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    L = plan.model.layers
+    out = []
+    for r in range(world):
+        i = plan._slot(r)
+        out.append({"measured_ms": [x * 1e3 for x in every[r]],
+                    "predicted_ms": [float(plan.devices.attn_s[i]) / L * 1e3, float(plan.devices.a2a_s[i]) / L * 1e3,
+                                     float(plan.devices.ring_exposed_s[i]) / L * 1e3]})
+    return out
+
+
 def worker(rank, world, init, args, out_path, control):
     from hexiseq.nn import HexiSeqAttention
     from hexiseq.rebalance import Rebalancer
@@ -80,6 +97,8 @@ def worker(rank, world, init, args, out_path, control):
             times.append(timed_step(attn, current, rank, q, k, v, do))
             tokens.append([int(current.devices.tokens[current._slot(r)]) for r in range(world)])
             if rb is not None:
+                if events and events[-1]["step"] == step - 1:  # the first step on a re-balanced plan
+                    events[-1]["layer"] = per_phase(attn, current, rank, world)
                 event = rb.check()
                 if event is not None:
                     events.append({"step": step, "before": event.before, "after": event.after,
@@ -207,6 +226,11 @@ def main():
             planned = e["reason"].split("; planned afresh: ")
             lines.append(f"- step {e['step']}: {e['before']} -> {e['after']} ({e['reason'].split(';')[0]}"
                          + (f"; planned afresh: {planned[1]}" if len(planned) > 1 else "") + ")")
+            for r, ph in enumerate(e.get("layer", [])):  # the next step, per phase: measured / predicted (ms)
+                lines.append(f"  - step {e['step'] + 1}, rank {r}: " + ", ".join(
+                    f"{name} {m:.1f} / {p:.1f}" for name, m, p in
+                    zip(("attention kernels", "all-to-all", "exposed ring"), ph["measured_ms"], ph["predicted_ms"]))
+                    + " ms measured / predicted")
     lines.append("")
     # the Rebalancer's steps once it has acted in the slow third, against a fresh calibration and plan made then
     fresh = runs["fresh"]

@@ -28,6 +28,9 @@ their shares. In benchmarks/results/stragglers_cpu.md a fresh plan under the com
 of both ranks where the plan was a ring, and the ring re-balanced to the fresh plan's own split still ran 1.4x
 its step in two runs of five.
 
+For `3 x patience` checks after a re-balance the threshold is halved, so that a residual left by a correction made
+while the speeds were still moving is corrected too.
+
 Default threshold 0.2: the runtime's own step-to-step spread on a busy CPU host is about 5-10% (the benchmarks'
 repeated runs), a share moved for less would chase noise; a device 25% slower than planned costs a balanced
 ring about that much of the step. The caller re-shards each step's inputs with `rebalancer.plan` (it changes only
@@ -107,6 +110,9 @@ class Rebalancer:
         self.threshold, self.patience, self.smoothing = float(threshold), int(patience), float(smoothing)
         self.ratios: Optional[np.ndarray] = None
         self._recent: List[np.ndarray] = []  # the last `patience` checks' ratios, unsmoothed
+        self._settling = 0  # checks left at half the threshold, after a re-balance
+        self.last_measured_s: Optional[np.ndarray] = None
+        self.last_predicted_s: Optional[np.ndarray] = None
         self._over = 0
         self.events: List[RebalanceEvent] = []
         self.context.reset_timers()
@@ -129,13 +135,21 @@ class Rebalancer:
         every = agree(ctx.comm._cpu_group, [int(round(mine * 1e9))], ["attn_ns"], None, free=("attn_ns",))
         measured = np.array([e[0] for e in every], dtype=np.float64) * 1e-9
         predicted = self._predicted()
+        # what this check saw, per rank: the kernel seconds since the last check, and the plan's attention seconds
+        # of one step (all layers): their ratio is what a check compares (over the median rank)
+        self.last_measured_s, self.last_predicted_s = measured, predicted
         if (measured <= 0).any() or (predicted <= 0).any():
             return None  # a rank that attended nothing (parked, or no call since the last check): nothing to learn
         ratio = measured / predicted
         ratio = ratio / np.median(ratio)
         self.ratios = ratio if self.ratios is None else self.smoothing * ratio + (1 - self.smoothing) * self.ratios
         self._recent = (self._recent + [ratio])[-self.patience:]
-        if np.abs(self.ratios - 1.0).max() <= self.threshold:
+        # for a few checks after a re-balance, half the threshold: the speeds were just seen to move, and a first
+        # correction made while they still moved can leave a residual below the threshold that would otherwise
+        # never be corrected (1.2x the fresh plan's step in one of four straggler runs)
+        threshold = self.threshold / 2 if self._settling > 0 else self.threshold
+        self._settling = max(0, self._settling - 1)
+        if np.abs(self.ratios - 1.0).max() <= threshold:
             self._over = 0
             return None
         self._over += 1
@@ -198,6 +212,7 @@ class Rebalancer:
             self.owner.context = fresh
         self.ratios = np.ones(ctx.world)  # the new plan is made for the speeds just measured
         self._recent = []
+        self._settling = 3 * self.patience
         self._over = 0
         event = RebalanceEvent(before, after, seen, reason)
         self.events.append(event)
