@@ -41,7 +41,8 @@ def free_port():
 
 def agent(device, nnodes, port, work, log, steps, sleep, tag):
     # each agent stands for a machine of the saved cluster: its worker finds its device by that name
-    env = dict(os.environ, HEXISEQ_HOST=f"node-{'ab'[device]}", HEXISEQ_DEMO_PROGRESS=os.path.join(work, f"progress-{tag}"),
+    env = dict(os.environ, HEXISEQ_HOST=f"node-{'ab'[device]}",
+               HEXISEQ_DEMO_PROGRESS=os.path.join(work, f"progress-{tag}"),
                HEXISEQ_DEMO_SLEEP=str(sleep), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", f"demo-{tag}",

@@ -3,8 +3,9 @@
 On every (re)start it learns which devices of the saved cluster are still there (hexiseq.elastic.survivors: each
 rank's machine name and local rank, matched to the nodes' hosts; each agent here names its machine by HEXISEQ_HOST,
 standing in for a machine of its own), plans on the cluster of those devices in rank order, shards the model states
-at that plan's shares, loads the last checkpoint if there is one, and trains on. A step's batch is the same whatever the world size (split over the ranks, losses summed), so the loss
-of a step does not depend on how many ranks took it.
+at that plan's shares, loads the last checkpoint if there is one, and trains on. A step's batch is the same
+whatever the world size (split over the ranks, losses summed), so the loss of a step does not depend on how many
+ranks took it.
 """
 
 import argparse

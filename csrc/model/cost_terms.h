@@ -143,15 +143,15 @@ double hexiseq_layer_gemm_fwd_s(const cost_ctx *x, const hexiseq_device_info *d,
 double hexiseq_mem_bound_time_s(const cost_ctx *x, const hexiseq_device_info *d, int64_t tokens, double opt_params);
 double hexiseq_layer_mem_bound_s(const cost_ctx *x, const hexiseq_device_info *d, int64_t tokens);
 
-/* cost_ring.c: visible pairs between two groups' positions; the ring links of slot r; its attention and
- * exposed ring time over the whole step (and one layer's forward attention); the runtime's work around the
- * kernels; the ring step types of grouped pricing (0 when out of memory). */
 /* A group's front and back chunks touch (the only group of a ring, the middle group of an odd one): the runtime
  * joins them into one chunk (hexiseq.runtime.topology), so the kernels see one block of the group's tokens. */
 static inline int span_joined(const hexiseq_group_span *sp) {
     return sp->back_len > 0 && sp->front_start + sp->front_len == sp->back_start;
 }
 
+/* cost_ring.c: visible pairs between two groups' positions; the ring links of slot r; its attention and
+ * exposed ring time over the whole step (and one layer's forward attention); the runtime's work around the
+ * kernels; the ring step types of grouped pricing (0 when out of memory). */
 double hexiseq_group_pairs(const hexiseq_group_span *sq, const hexiseq_group_span *sk, int32_t causal,
                            const hexiseq_documents *docs, int64_t window);
 void hexiseq_ring_link_of(const cost_ctx *x, int32_t r, ring_link *out);

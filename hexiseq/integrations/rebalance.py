@@ -41,9 +41,10 @@ from typing import List, Optional
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, MemoryFitError, UnsupportedError
 from ..planner.cluster import Cluster, gpu_catalog
 from ..planner.plan import evaluate
+from ..planner.plan import plan as make_plan
 from ..runtime.comm import agree
 from ..runtime.nn import HexiSeqContext
 
@@ -111,8 +112,6 @@ class Rebalancer:
         self.ratios: Optional[np.ndarray] = None
         self._recent: List[np.ndarray] = []  # the last `patience` checks' ratios, unsmoothed
         self._settling = 0  # checks left at half the threshold, after a re-balance
-        self.last_measured_s: Optional[np.ndarray] = None
-        self.last_predicted_s: Optional[np.ndarray] = None
         self._over = 0
         self.events: List[RebalanceEvent] = []
         self.context.reset_timers()
@@ -135,9 +134,6 @@ class Rebalancer:
         every = agree(ctx.comm._cpu_group, [int(round(mine * 1e9))], ["attn_ns"], None, free=("attn_ns",))
         measured = np.array([e[0] for e in every], dtype=np.float64) * 1e-9
         predicted = self._predicted()
-        # what this check saw, per rank: the kernel seconds since the last check, and the plan's attention seconds
-        # of one step (all layers): their ratio is what a check compares (over the median rank)
-        self.last_measured_s, self.last_predicted_s = measured, predicted
         if (measured <= 0).any() or (predicted <= 0).any():
             return None  # a rank that attended nothing (parked, or no call since the last check): nothing to learn
         ratio = measured / predicted
@@ -169,9 +165,6 @@ class Rebalancer:
         new = evaluate(slowed, model=old.model, seq_len=old.seq_len, layout=old.layout, training=old.training,
                        causal=old.causal, documents=old.documents).rebalanced(old.documents, heads=True)
         if self.replan:
-            from ..errors import MemoryFitError, UnsupportedError
-            from ..planner.plan import plan as make_plan
-
             try:  # the scheduler on the slowed cluster; every rank computes the same plan from the same figures
                 fresh = make_plan(slowed, model=old.model, seq_len=old.seq_len, training=old.training,
                                   causal=old.causal, strategy="hexiseq", documents=old.documents)
@@ -187,7 +180,7 @@ class Rebalancer:
                   f"in the last {len(self._recent)} check(s); threshold {self.threshold:g}, on the smoothed ratios); "
                   f"tokens per rank {before} -> {after}")
         same_structure = _structure(new) == _structure(old)
-        if after == before and same_structure:
+        if new.layout.to_dict() == old.layout.to_dict():  # (tokens, heads and structure all as they were)
             self._over = 0
             return None
         old_comm = ctx.comm

@@ -35,7 +35,8 @@ from .. import _core
 from .cluster import Cluster, gpu_catalog
 from ..errors import InvalidArgumentError
 from .model import Model
-from ._harness import _agree_arguments, _barrier, _broadcast, _dtype, _group, _torch, rms_norm, rotary, rotary_tables
+from ._harness import (_agree_arguments, _barrier, _broadcast, _dtype, _group, _torch, rms_norm, rotary,
+                       rotary_tables)
 
 __all__ = ["calibrate"]
 
@@ -656,7 +657,7 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
         try:
             dt = _dtype(dtype, device)
             rows_list = gemm_rows or [512, 2048, 8192] if cuda else gemm_rows or [64, 256, 1024]
-            blocks = attn_blocks or [256, 1024, 2048, 4096, 8192, 16384] if cuda else attn_blocks or [64, 128, 256, 512, 1024]
+            blocks = attn_blocks or ([256, 1024, 2048, 4096, 8192, 16384] if cuda else [64, 128, 256, 512, 1024])
             message_bytes = message_bytes or (64 << 20 if cuda else 4 << 20)
             iters = iters or (5 if cuda else 3)
             _attention_heads(model, device, attn_heads)  # checks attn_heads before anything runs

@@ -178,14 +178,14 @@ def _llama_layer(model, attention, device, dtype, seed):
             self.wo = nn.Linear(A * d, H, bias=False)
             self.up = nn.Linear(H, 2 * F if model.gated_mlp else F, bias=False)
             self.down = nn.Linear(F, H, bias=False)
-            self._tables = {}
+            self._rotary = (None, None, None)  # (tokens, cos, sin) of the last call's length
 
         def forward(self, x):
             B, s, _ = x.shape
-            if s not in self._tables:
+            if self._rotary[0] != s:
                 cos, sin = rotary_tables(s, d, x.device, x.dtype)
-                self._tables = {s: (cos[:, None, :], sin[:, None, :])}
-            cos, sin = self._tables[s]
+                self._rotary = (s, cos[:, None, :], sin[:, None, :])
+            _, cos, sin = self._rotary
             q, k, v = self.wqkv(rms_norm(x, self.norm1)).split([A * d, K * d, K * d], dim=-1)
             q, k = rotary(q.view(B, s, A, d), cos, sin), rotary(k.view(B, s, K, d), cos, sin)
             o = attention(q, k, v.view(B, s, K, d))
