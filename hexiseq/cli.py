@@ -1,6 +1,7 @@
 """The `hexiseq` command: plan a cluster and compare strategies from a terminal."""
 
 import argparse
+import dataclasses
 import errno
 import json
 import os
@@ -112,8 +113,7 @@ def _batch_alternative(cluster, model, training, seq_len, causal, chosen):
 
     if training.sequences < 2 or cluster.num_devices > _BATCH_ALTERNATIVE_UP_TO:
         return None
-    one = Training(sequences=1, checkpointing=training.checkpointing, sharding=training.sharding,
-                   reserved_gib=training.reserved_gib, state_shares=training.state_shares)
+    one = dataclasses.replace(training, sequences=1)
     try:
         bp = plan_batch(cluster, model=model, lengths=[seq_len] * training.sequences, training=one, causal=causal)
     except MemoryFitError:
@@ -139,11 +139,10 @@ def cmd_plan(args) -> int:
     model = _load_model(args.model)
     reserved = {} if args.reserved_gib is None else {"reserved_gib": args.reserved_gib}
     training = Training(sequences=args.sequences, checkpointing=args.checkpointing, sharding=args.sharding,
-                        state_shares=args.state_shares, **reserved)
+                        state_shares=args.state_shares, memory_features=args.memory_features, **reserved)
     causal = not args.no_causal
     if args.batch is not None:
-        return cmd_plan_batch(args, cluster, model, Training(checkpointing=args.checkpointing, sharding=args.sharding,
-                                                             state_shares=args.state_shares, **reserved), causal)
+        return cmd_plan_batch(args, cluster, model, dataclasses.replace(training, sequences=1), causal)
     strategy = Strategy(args.strategy)
     seq_len = parse_tokens(args.seq_len)
     documents = _documents_arg(args.documents)
@@ -351,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--state-shares", default="auto", choices=["auto", "even", "memory"],
                     help="how the sharded states are divided: even (FSDP, ZeRO), by each device's memory "
                          "(run with hexiseq.shard_states), or auto (default: even when it fits, else by memory)")
+    pl.add_argument("--memory-features", default="auto", metavar="auto|none|NAMES",
+                    help="what a device short of memory may use, chosen per device: offload (checkpoints to host "
+                         "memory; needs --checkpointing), tile_mlp, tile_loss, joined by ','; auto (default) allows "
+                         "all three, none none")
     pl.add_argument("--no-causal", action="store_true", help="full (non-causal) attention")
     pl.add_argument("--reserved-gib", type=float, metavar="GIB",
                     help="memory kept back on every device for the CUDA context, the framework and fragmentation "

@@ -262,7 +262,8 @@ def _check_plan(p, cluster, seq_len, heads):
                      "ring_exposed_s", "runtime_s", "busy_s",
                      "mem_states_gib", "mem_act_gib", "mem_attn_gib", "mem_ring_gib", "mem_total_gib", "mem_cap_gib", "state_share",
                      "ring_send_bytes", "ring_recv_bytes", "a2a_send_bytes", "a2a_recv_bytes",
-                     "a2a_grad_send_bytes", "a2a_grad_recv_bytes"]
+                     "a2a_grad_send_bytes", "a2a_grad_recv_bytes", "offload_s", "tiling_s", "mem_host_gib",
+                     "host_cap_gib", "features"]
     assert t.columns == expected_cols
     assert len(t) == n and all(len(t[c]) == n for c in expected_cols)
     assert sorted(t.device.tolist()) == list(range(n))

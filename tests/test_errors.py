@@ -270,19 +270,24 @@ def test_states_shared_by_memory_fit_where_even_shares_do_not():
         Training(state_shares="uneven")
 
 
-def test_memory_error_gives_the_longest_sequence_that_fits():
-    """llama3-8b at 4M tokens: the error names the longest length that fits, with and without checkpointing, and
-    both are true: a plan of that length fits, 1024 tokens more does not. The same holds for one strategy."""
+@pytest.mark.parametrize("features", ["none", "auto"])
+def test_memory_error_gives_the_longest_sequence_that_fits(features):
+    """llama3-8b at 4M tokens (16M with the memory features, which fit 4M with checkpointing): the error names the
+    longest length that fits, with and without checkpointing, and both are true: a plan of that length fits, 1024
+    tokens more does not. The same holds for one strategy."""
     cluster = Cluster.from_dict(MIXED)
+    seq_len = 4 * 1048576 if features == "none" else 16 * 1048576
     for strategy in ("auto", "ring"):
         with pytest.raises(MemoryFitError) as info:
-            hexiseq.plan(cluster, model="8b", seq_len="4m", strategy=strategy)
+            hexiseq.plan(cluster, model="8b", seq_len=seq_len, strategy=strategy,
+                         training=Training(memory_features=features))
         err, msg = info.value, str(info.value)
         assert "the longest sequence that fits is" in msg, msg
+        assert ("with the memory features where a device needs them" in msg) == (features == "auto"), msg
         assert err.states_fit is True and all(0 < s < 45 for s in err.states_gib)
-        assert 0 < err.longest_seq_len < err.longest_seq_len_checkpointing < 4 * 1048576, msg
+        assert 0 < err.longest_seq_len < err.longest_seq_len_checkpointing < seq_len, msg
         for length, ckpt in ((err.longest_seq_len, False), (err.longest_seq_len_checkpointing, True)):
-            training = Training(checkpointing=ckpt)
+            training = Training(checkpointing=ckpt, memory_features=features)
             assert hexiseq.plan(cluster, model="8b", seq_len=length, strategy=strategy, training=training).fits
             with pytest.raises(MemoryFitError):
                 hexiseq.plan(cluster, model="8b", seq_len=length + 1024, strategy=strategy, training=training)

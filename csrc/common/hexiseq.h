@@ -26,6 +26,7 @@ typedef struct {
     double attn_eff;         /* achieved fraction of peak by flash attention, forward+backward */
     const char *source;      /* where the numbers come from */
     const char *attn_kernel; /* the attention kernel a user runs there (what attn_eff stands for), and its source */
+    double host_gbps;        /* the host link (PCIe, or the CPU-GPU interconnect), GB/s per direction, datasheet */
 } hexiseq_gpu_spec;
 
 HEXISEQ_API int hexiseq_gpu_catalog_size(void);
@@ -51,7 +52,17 @@ typedef struct {
     double peak_tflops;      /* override of the catalog peak, TFLOP/s */
     double gemm_eff;         /* override of the matmul efficiency, (0, 1] */
     double attn_eff;         /* override of the attention efficiency, (0, 1] */
+    double host_memory_gib;  /* host memory of the node, GiB, that offloaded activations may use; <= 0: twice the
+                                node's device memory (HEXISEQ_HOST_MEMORY_FACTOR). Each device may use its node's
+                                host memory divided by the node's devices. */
 } hexiseq_node_desc;
+
+/* Host memory a node is taken to have, per GiB of its devices' memory, when its description does not say:
+ * an 8 x H100 DGX has 2 TiB for 640 GB (3.2x), cloud 8 x A100 and L40S servers 1-2 TiB for 320-640 GB. */
+#define HEXISEQ_HOST_MEMORY_FACTOR 2.0
+/* Fraction of the host link's datasheet rate that pinned, asynchronous copies achieve (PCIe 4.0 x16: about 25 of
+ * 32 GB/s; 5.0 x16: about 50 of 64), unless measured (hexiseq_device_desc.host_gbps). */
+#define HEXISEQ_HOST_LINK_EFF 0.8
 
 /* A measured rate as a function of problem size: points (size[i], tflops[i]) with sizes strictly
  * increasing and > 0, rates finite and > 0; n = 0 means "not measured". The cost model reads it by linear
@@ -95,6 +106,8 @@ typedef struct {
     hexiseq_rate_curve runtime;
     hexiseq_rate_curve runtime_a2a;
     hexiseq_rate_curve runtime_ring;
+    double host_gbps;        /* measured host link rate, GB/s per direction (pinned copies); <= 0: the catalog's
+                                datasheet rate x HEXISEQ_HOST_LINK_EFF */
 } hexiseq_device_desc;
 
 /* Optional parts of a cluster description; NULL pointers (or a NULL options pointer) mean "not given". */
@@ -141,6 +154,8 @@ typedef struct {
     hexiseq_rate_curve runtime_curve;
     hexiseq_rate_curve runtime_a2a_curve;
     hexiseq_rate_curve runtime_ring_curve;
+    double host_gbps;        /* the host link's achieved rate, GB/s per direction (0: unknown, no offloading) */
+    double host_memory_gib;  /* the host memory this device's offloaded activations may use, GiB */
 } hexiseq_device_info;
 
 HEXISEQ_API hexiseq_status hexiseq_cluster_device(const hexiseq_cluster *cluster, int32_t device,
@@ -227,7 +242,26 @@ typedef struct {
                                 sharding, reserved_gib} initialisers keep meaning even shares) */
     const hexiseq_documents *documents; /* NULL: one causal document per sequence; else every sequence packs
                                 these documents (causal only; their lengths sum to seq_len) */
+    int32_t memory_features; /* hexiseq_memory_feature mask: what the cost model may use on a device whose
+                                activations do not fit otherwise (0, a zeroed struct: none) */
 } hexiseq_training;
+
+/* Ways a device can trade time for memory. The cost model chooses per device, among those the training allows,
+ * the combination that fits with the least added time (none when nothing is needed); the scheduler plans shares
+ * that need them where that is predicted faster or is the only way to fit. */
+typedef enum {
+    HEXISEQ_OFFLOAD = 1,   /* activation checkpoints copied to host memory in the forward and back before the
+                              layer's backward, overlapped with the neighbouring layer's compute (needs
+                              checkpointing): two layers' checkpoints stay on the device */
+    HEXISEQ_TILE_MLP = 2,  /* the MLP run HEXISEQ_TILE_TOKENS tokens at a time and each tile recomputed in the
+                              backward: its intermediate activations are one tile's, for one more MLP forward */
+    HEXISEQ_TILE_LOSS = 4, /* the logits and loss a tile at a time, recomputed in the backward: one tile's logits,
+                              for one more output-head forward */
+    HEXISEQ_MEMORY_FEATURES_ALL = 7
+} hexiseq_memory_feature;
+/* Tokens of one tile of the tiled MLP and loss (the runtime's hexiseq.nn.TiledMLP and tiled_cross_entropy use the
+ * tile count ceil(tokens / this)). */
+#define HEXISEQ_TILE_TOKENS 4096
 
 HEXISEQ_API void hexiseq_training_default(hexiseq_training *out);
 
@@ -285,7 +319,8 @@ typedef struct {
     double a2a_s;            /* this device's all-to-all transfers, serialised */
     double ring_exposed_s;   /* ring receive/send time not hidden behind attention, plus per-step sync */
     double runtime_s;        /* the runtime's work around the kernels (measured runtime curves; else 0) */
-    double busy_s;           /* gemm_s + mem_bound_s + max(a2a of its group) + attn_s + ring_exposed_s + runtime_s */
+    double busy_s;           /* gemm_s + mem_bound_s + offload_s + tiling_s + max(a2a of its group) + attn_s +
+                                ring_exposed_s + runtime_s */
     double mem_states_gib;   /* parameters, gradients, optimizer states, gathered layer weights */
     double mem_act_gib;      /* token-parallel activations (incl. logits) */
     double mem_attn_gib;     /* attention working set: Q, K, V, O of the group's tokens for its heads */
@@ -304,12 +339,18 @@ typedef struct {
     int32_t kv_count;        /* kv heads it needs (0 when it has no query heads) */
     int32_t first_lo;        /* first kv head the device first-holds: it is the lowest member of its group (in */
     int32_t first_count;     /*   layout order) whose kv range holds it; contiguous, 0 heads when none */
+    int32_t features;        /* hexiseq_memory_feature mask the device uses (chosen by the cost model) */
+    double offload_s;        /* copies of offloaded checkpoints not hidden behind the layers' compute, whole step */
+    double tiling_s;         /* what tiling adds: the extra MLP / head forwards, and smaller matmuls, whole step */
+    double mem_host_gib;     /* host memory its offloaded checkpoints take */
+    double host_cap_gib;     /* host memory it may use (hexiseq_device_info.host_memory_gib) */
 } hexiseq_device_cost;
 
 typedef struct {
     double step_time_s;      /* predicted step time: sum over phases of the slowest device's phase time,
                                 plus the exposed gradient collectives */
-    double gemm_phase_s;     /* slowest device's token-parallel phase: matmuls and memory-bound work */
+    double gemm_phase_s;     /* slowest device's token-parallel phase: matmuls, memory-bound work, and what
+                                offloading and tiling add */
     double a2a_phase_s;      /* slowest group's all-to-all */
     double ring_phase_s;     /* slowest device's attention + exposed ring communication */
     double grad_sync_s;      /* parameter and gradient collectives over all devices, whole step */

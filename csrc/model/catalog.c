@@ -24,6 +24,10 @@
  * attn_kernel names the attention kernel a user runs on each part (the one attn_eff stands for), with where it comes
  *   from; hexiseq's own CUDA kernels and torch's fused ops are chosen per device at run time (hexiseq.runtime.fused),
  *   which calibrate measures.
+ * host_gbps is the host link per direction, from the PCIe generation each part's datasheet gives: 5.0 x16 = 64 GB/s
+ *   (Hopper, MI300X, Gaudi 3), 4.0 x16 = 32 (Ampere, Ada, Gaudi 2; MI250X's GCDs an estimate, the module's link
+ *   shared by two), 3.0 x16 = 16 (V100); Ascend 910B3 32, low confidence. Offloading prices copies at
+ *   HEXISEQ_HOST_LINK_EFF of it unless calibrate measured the link.
  * Measured rates override every default through the cluster's per-node fields. */
 /* The attention kernels of the entries below (attn_kernel). */
 #define KERNEL_HOPPER "FlashAttention-2 (Dao 2023), which the published H100 runs attn_eff is fitted on ran (ALST " \
@@ -37,66 +41,66 @@
 static const hexiseq_gpu_spec catalog[] = {
     {"H100-SXM", 989.4, 79.6, 3350.0, 0.55, 0.30,
      "NVIDIA H100 datasheet (SXM5: 989 TFLOP/s bf16 dense, 80 GB HBM3, 3.35 TB/s)",
-     KERNEL_HOPPER},
+     KERNEL_HOPPER, 64.0},
     {"H100-PCIe", 756.5, 79.6, 2000.0, 0.55, 0.30,
      "NVIDIA H100 datasheet (PCIe: 756 TFLOP/s bf16 dense, 80 GB HBM2e, 2.0 TB/s)",
-     KERNEL_HOPPER},
+     KERNEL_HOPPER, 64.0},
     {"H200", 989.4, 140.4, 4800.0, 0.55, 0.30,
      "NVIDIA H200 datasheet (SXM: 989 TFLOP/s bf16 dense, 141 GB HBM3e, 4.8 TB/s)",
-     KERNEL_HOPPER},
+     KERNEL_HOPPER, 64.0},
     {"H800", 989.4, 79.6, 3350.0, 0.55, 0.30,
      "NVIDIA H800 SXM5 product brief (same compute as H100 SXM5, 80 GB, 3.35 TB/s)",
-     KERNEL_HOPPER},
+     KERNEL_HOPPER, 64.0},
     {"A100-40G", 312.0, 40.0, 1555.0, 0.55, 0.55,
      "NVIDIA A100 datasheet (312 TFLOP/s bf16 dense, 40 GB HBM2, 1.56 TB/s)",
-     KERNEL_AMPERE},
+     KERNEL_AMPERE, 32.0},
     {"A100-80G", 312.0, 80.0, 2039.0, 0.55, 0.55,
      "NVIDIA A100 datasheet (SXM: 312 TFLOP/s bf16 dense, 80 GB HBM2e, 2.04 TB/s)",
-     KERNEL_AMPERE},
+     KERNEL_AMPERE, 32.0},
     {"A800", 312.0, 80.0, 2039.0, 0.55, 0.55,
      "NVIDIA A800 SXM4 product brief (same compute as A100 80GB, 2.04 TB/s)",
-     KERNEL_AMPERE},
+     KERNEL_AMPERE, 32.0},
     {"L40S", 362.1, 45.0, 864.0, 0.51, 0.42,
      "NVIDIA L40S datasheet (362 TFLOP/s bf16 dense, 48 GB GDDR6, 864 GB/s); attn_eff estimated",
-     KERNEL_ADA},
+     KERNEL_ADA, 32.0},
     {"L40", 181.0, 45.0, 864.0, 0.55, 0.46,
      "NVIDIA L40 datasheet (181 TFLOP/s bf16 dense, 48 GB GDDR6, 864 GB/s); attn_eff estimated",
-     KERNEL_ADA},
+     KERNEL_ADA, 32.0},
     {"A6000", 154.8, 48.0, 768.0, 0.55, 0.46,
      "NVIDIA RTX A6000 datasheet (309.7 sparse = 154.8 dense TFLOP/s, 48 GB, 768 GB/s); attn_eff estimated",
-     KERNEL_AMPERE},
+     KERNEL_AMPERE, 32.0},
     {"RTX4090", 165.2, 24.0, 1008.0, 0.55, 0.46,
      "NVIDIA Ada whitepaper (RTX 4090: 165.2 TFLOP/s fp16/bf16 with fp32 accumulate, 24 GB, 1008 GB/s)",
-     KERNEL_ADA},
+     KERNEL_ADA, 32.0},
     {"RTX3090", 71.0, 24.0, 936.0, 0.55, 0.46,
      "NVIDIA Ampere GA102 whitepaper (RTX 3090: 71 TFLOP/s fp16/bf16 with fp32 accumulate, 24 GB, 936 GB/s)",
-     KERNEL_AMPERE},
+     KERNEL_AMPERE, 32.0},
     {"V100", 125.0, 31.7, 900.0, 0.55, 0.34,
      "NVIDIA V100 datasheet (SXM2 32GB: 125 TFLOP/s fp16 tensor, no bf16, 900 GB/s); attn_eff estimated",
-     "memory-efficient attention (xformers, torch SDPA's efficient backend): FlashAttention-2 needs sm80"},
+     "memory-efficient attention (xformers, torch SDPA's efficient backend): FlashAttention-2 needs sm80", 16.0},
     /* Other vendors' accelerators. Their efficiencies are estimates (no published run in
      * benchmarks/data/published_runs.yaml), as for the NVIDIA parts without one; the hexiseq CUDA kernels do not
      * run on them, the planner and cost model do. */
     {"MI300X", 1307.4, 191.7, 5300.0, 0.50, 0.30,
      "AMD CDNA 3 white paper (MI300X: 1307.4 TFLOP/s bf16 dense, 192 GB HBM3, 5.3 TB/s); rocm-smi reports "
      "191.7 GiB; efficiencies estimated",
-     KERNEL_ROCM},
+     KERNEL_ROCM, 64.0},
     {"MI250X-GCD", 191.5, 64.0, 1638.4, 0.50, 0.30,
      "AMD CDNA 2 white paper (MI250X: 383 TFLOP/s bf16 dense, 128 GB HBM2e, 3.2768 TB/s per module of two "
      "GCDs, each its own device to ROCm: half of each); efficiencies estimated",
-     KERNEL_ROCM},
+     KERNEL_ROCM, 32.0},
     {"Gaudi2", 432.0, 96.0, 2460.0, 0.50, 0.30,
      "Intel, Hot Chips 2024 (Gaudi 2: 432 TFLOP/s bf16, 96 GB HBM2e, 2.46 TB/s); hl-smi reports 96 GiB; "
      "efficiencies estimated",
-     KERNEL_GAUDI},
+     KERNEL_GAUDI, 32.0},
     {"Gaudi3", 1835.0, 128.0, 3670.0, 0.50, 0.30,
      "Intel, Hot Chips 2024 (Gaudi 3: 1835 TFLOP/s bf16, 128 GB HBM2e, 3.67 TB/s; a later Intel figure of 1678 "
      "is reported, not verified); efficiencies estimated",
-     KERNEL_GAUDI},
+     KERNEL_GAUDI, 64.0},
     {"Ascend910B3", 313.0, 64.0, 1600.0, 0.50, 0.30,
      "Huawei Atlas 800T A2 specification in MindStudio (910B3: 313 TFLOP/s fp16, 64 GB HBM2e); 1.6 TB/s from "
      "third-party reports, no Huawei datasheet read: low confidence; fp16 taken for bf16; efficiencies estimated",
-     "torch_npu npu_fusion_attention (Ascend FlashAttentionScore operator)"},
+     "torch_npu npu_fusion_attention (Ascend FlashAttentionScore operator)", 32.0},
 };
 
 #define CATALOG_SIZE ((int)(sizeof catalog / sizeof catalog[0]))

@@ -82,7 +82,8 @@ int hexiseq_same_device(const hexiseq_device_info *a, const hexiseq_device_info 
            same_curve(&a->attn_causal_curve, &b->attn_causal_curve) &&
            same_curve(&a->attn_document_curve, &b->attn_document_curve) &&
            same_curve(&a->runtime_curve, &b->runtime_curve) && same_curve(&a->runtime_a2a_curve, &b->runtime_a2a_curve) &&
-           same_curve(&a->runtime_ring_curve, &b->runtime_ring_curve);
+           same_curve(&a->runtime_ring_curve, &b->runtime_ring_curve) && a->mem_bound_gbps == b->mem_bound_gbps &&
+           a->host_gbps == b->host_gbps && a->host_memory_gib == b->host_memory_gib;
 }
 
 static int ascending(const void *a, const void *b) {
@@ -181,6 +182,9 @@ hexiseq_status hexiseq_cluster_create_ex(int32_t n_nodes, const hexiseq_node_des
         HEXISEQ_CHECK(check_override(nd->peak_tflops, i, "peak_tflops", 0));
         HEXISEQ_CHECK(check_override(nd->gemm_eff, i, "gemm_eff", 1));
         HEXISEQ_CHECK(check_override(nd->attn_eff, i, "attn_eff", 1));
+        if (!isfinite(nd->host_memory_gib))
+            return hexiseq_fail(HEXISEQ_ERR_INVALID, "nodes[%d].host_memory_gib must be a finite number, got %g", i,
+                                nd->host_memory_gib);
         total += nd->count;
     }
     if (total > HEXISEQ_MAX_DEVICES)
@@ -211,6 +215,9 @@ hexiseq_status hexiseq_cluster_create_ex(int32_t n_nodes, const hexiseq_node_des
             if (!isfinite(dd->memory_gib))
                 return hexiseq_fail(HEXISEQ_ERR_INVALID, "devices[%d].memory_gib must be a finite number, got %g", d,
                                     dd->memory_gib);
+            if (!isfinite(dd->host_gbps))
+                return hexiseq_fail(HEXISEQ_ERR_INVALID, "devices[%d].host_gbps must be a finite number, got %g", d,
+                                    dd->host_gbps);
             if (!isfinite(dd->mem_bound_gbps))
                 return hexiseq_fail(HEXISEQ_ERR_INVALID, "devices[%d].mem_bound_gbps must be a finite number, got %g",
                                     d, dd->mem_bound_gbps);
@@ -270,6 +277,7 @@ hexiseq_status hexiseq_cluster_create_ex(int32_t n_nodes, const hexiseq_node_des
             spec.name = c->node_gpu[i];
         }
         c->intra_gbps[i] = nd->intra_gbps;
+        int32_t node_first = d;
         for (int32_t k = 0; k < nd->count; ++k, ++d) {
             hexiseq_device_info *di = &c->dev[d];
             const hexiseq_device_desc *dd = devices ? &devices[d] : NULL;
@@ -284,6 +292,7 @@ hexiseq_status hexiseq_cluster_create_ex(int32_t n_nodes, const hexiseq_node_des
             di->attn_eff = nd->attn_eff > 0 ? nd->attn_eff : spec.attn_eff;
             di->hbm_gbps = spec.hbm_gbps;
             di->mem_bound_gbps = dd && dd->mem_bound_gbps > 0 ? dd->mem_bound_gbps : spec.hbm_gbps * MEM_BOUND_EFF;
+            di->host_gbps = dd && dd->host_gbps > 0 ? dd->host_gbps : spec.host_gbps * HEXISEQ_HOST_LINK_EFF;
             if (dd) {
                 di->gemm_curve = dd->gemm;
                 di->attn_curve = dd->attn;
@@ -294,6 +303,15 @@ hexiseq_status hexiseq_cluster_create_ex(int32_t n_nodes, const hexiseq_node_des
                 di->runtime_ring_curve = dd->runtime_ring;
             }
         }
+        /* the node's host memory, split evenly among its devices (unless given: twice their memory) */
+        double host = nd->host_memory_gib;
+        if (!(host > 0)) {
+            host = 0.0;
+            for (int32_t k = node_first; k < d; ++k)
+                host += HEXISEQ_HOST_MEMORY_FACTOR * c->dev[k].memory_gib;
+        }
+        for (int32_t k = node_first; k < d; ++k)
+            c->dev[k].host_memory_gib = host / nd->count;
     }
     if (!derive(c)) {
         hexiseq_cluster_destroy(c);
@@ -371,6 +389,7 @@ static const struct {
     {"seq_len", 1, HEXISEQ_MAX_SEQ_LEN},            {"training.sequences", 1, INT32_MAX},
     {"training.checkpointing", 0, 1},              {"training.sharding", HEXISEQ_SHARD_FULL, HEXISEQ_SHARD_NONE},
     {"model.window", 0, HEXISEQ_MAX_SEQ_LEN},      {"model.window_layers", 0, 100000},
+    {"training.memory_features", 0, HEXISEQ_MEMORY_FEATURES_ALL},
 };
 
 hexiseq_status hexiseq_int_range(const char *field, int64_t *lo, int64_t *hi) {
@@ -443,4 +462,5 @@ void hexiseq_training_default(hexiseq_training *out) {
     out->reserved_gib = 2.0;
     out->state_shares = HEXISEQ_STATES_EVEN;
     out->documents = NULL;
+    out->memory_features = 0;
 }

@@ -185,6 +185,9 @@ static hexiseq_status validate_training(const hexiseq_training *t) {
     if (t->state_shares != HEXISEQ_STATES_EVEN && t->state_shares != HEXISEQ_STATES_BY_MEMORY)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "training.state_shares must be 0 (even) or 1 (by memory), got %d",
                             t->state_shares);
+    if (t->memory_features < 0 || t->memory_features > HEXISEQ_MEMORY_FEATURES_ALL)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "training.memory_features must be a mask in [0, %d], got %d",
+                            HEXISEQ_MEMORY_FEATURES_ALL, t->memory_features);
     if (!isfinite(t->reserved_gib) || t->reserved_gib < 0)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "training.reserved_gib must be a finite number >= 0, got %g",
                             t->reserved_gib);
@@ -397,6 +400,11 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
             dc->state_share = pc->state_share;
             dc->mem_bound_s = pc->mem_bound_s;
             dc->layer_mem_bound_s = pc->layer_mem_bound_s;
+            dc->features = pc->features;
+            dc->offload_s = pc->offload_s;
+            dc->tiling_s = pc->tiling_s;
+            dc->mem_host_gib = pc->mem_host_gib;
+            dc->host_cap_gib = pc->host_cap_gib;
         } else {
             hexiseq_memory_terms(&x, r, dc->kv_count, dc);
             /* the optimizer step covers the parameters whose optimizer states the device holds */
@@ -406,13 +414,18 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
         }
         /* one layer's compute of this device, forward and backward (with recompute), one sequence */
         double mem_fwd = dc->layer_mem_bound_s / (1.0 + MEM_BOUND_BWD_FACTOR);
-        b_fwd = fmax(b_fwd, gemm_fwd + attn_fwd + mem_fwd);
-        b_bwd = fmax(b_bwd, gemm_fwd * (GEMM_BWD_FACTOR + ckpt) + attn_fwd * (ATTN_BWD_FACTOR + ckpt) +
-                                mem_fwd * (MEM_BOUND_BWD_FACTOR + ckpt));
+        double layer_fwd = gemm_fwd + attn_fwd + mem_fwd, layer_bwd = gemm_fwd * (GEMM_BWD_FACTOR + ckpt) +
+                                                                      attn_fwd * (ATTN_BWD_FACTOR + ckpt) +
+                                                                      mem_fwd * (MEM_BOUND_BWD_FACTOR + ckpt);
+        if (!alike) /* short of memory: the memory features that make it fit, if the training allows them */
+            hexiseq_memory_choose(&x, r, dc->kv_count, d, layer_fwd, layer_bwd, dc);
+        b_fwd = fmax(b_fwd, layer_fwd);
+        b_bwd = fmax(b_bwd, layer_bwd);
         group_a2a[x.group_of[r]] = fmax(group_a2a[x.group_of[r]], dc->a2a_s);
         double ring_s = dc->attn_s + dc->ring_exposed_s + dc->runtime_s;
-        if (dc->gemm_s + dc->mem_bound_s > out->gemm_phase_s || r == 0) {
-            out->gemm_phase_s = dc->gemm_s + dc->mem_bound_s;
+        double token_s = dc->gemm_s + dc->mem_bound_s + dc->offload_s + dc->tiling_s;
+        if (token_s > out->gemm_phase_s || r == 0) {
+            out->gemm_phase_s = token_s;
             out->gemm_bottleneck = l->device[r];
         }
         if (ring_s > out->ring_phase_s || r == 0) {
@@ -430,7 +443,8 @@ hexiseq_status hexiseq_evaluate(const hexiseq_cluster *c, const hexiseq_model *m
     for (int32_t r = 0; r < l->n_devices && st == HEXISEQ_OK; ++r) {
         hexiseq_device_cost *dc = &per_device[r];
         double ga = group_a2a[x.group_of[r]];
-        dc->busy_s = dc->gemm_s + dc->mem_bound_s + ga + dc->attn_s + dc->ring_exposed_s + dc->runtime_s;
+        dc->busy_s = dc->gemm_s + dc->mem_bound_s + dc->offload_s + dc->tiling_s + ga + dc->attn_s +
+                     dc->ring_exposed_s + dc->runtime_s;
         if (ga > out->a2a_phase_s) {
             out->a2a_phase_s = ga;
             out->a2a_bottleneck = l->device[r];

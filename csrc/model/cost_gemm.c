@@ -1,5 +1,7 @@
 /* Cost terms: token-parallel compute (projections, MLP, output head) at the device's achieved matmul rate, and the
  * memory-bound work beside it at the device's memory bandwidth. */
+#include <math.h>
+
 #include "cost_terms.h"
 
 /* Achieved matmul rate (FLOP/s) of a device running an m-row problem: the measured curve when there is
@@ -47,4 +49,34 @@ double hexiseq_layer_mem_bound_s(const cost_ctx *x, const hexiseq_device_info *d
     if (rate <= 0.0 || tokens == 0)
         return 0.0;
     return (double)tokens * layer_mem_elems_per_token(x->m) * x->m->dtype_bytes * (1.0 + MEM_BOUND_BWD_FACTOR) / rate;
+}
+
+double hexiseq_tiling_time_s(const cost_ctx *x, const hexiseq_device_info *d, int64_t tokens, int32_t features) {
+    if (tokens == 0 || !(features & (HEXISEQ_TILE_MLP | HEXISEQ_TILE_LOSS)))
+        return 0.0;
+    const hexiseq_model *m = x->m;
+    double n = (double)tokens, tile = fmin(n, HEXISEQ_TILE_TOKENS), rate = mem_bound_rate(d);
+    double whole = gemm_rate_flops(d, n), tiled = gemm_rate_flops(d, tile), s = 0.0;
+    if (features & HEXISEQ_TILE_MLP) {
+        double inner = (m->gated_mlp ? 3.0 : 2.0) * m->ffn, flops = 2.0 * inner * m->hidden; /* forward, per token */
+        double passes = gemm_passes(x->t);
+        s += m->layers * n * flops * ((passes + 1.0) / tiled - passes / whole);
+        if (rate > 0.0)
+            s += m->layers * n * inner * m->dtype_bytes / rate; /* the activation once more */
+    }
+    if (features & HEXISEQ_TILE_LOSS) {
+        double flops = head_gemm_flops_per_token(m);
+        s += n * flops * ((2.0 + GEMM_BWD_FACTOR) / tiled - (1.0 + GEMM_BWD_FACTOR) / whole);
+        if (rate > 0.0)
+            s += n * (double)m->vocab * (m->dtype_bytes + 4.0) / rate; /* the logits and their softmax once more */
+    }
+    return x->t->sequences * s;
+}
+
+double hexiseq_offload_time_s(const cost_ctx *x, const hexiseq_device_info *d, int64_t tokens, double fwd_s,
+                              double bwd_s) {
+    if (tokens == 0 || !(d->host_gbps > 0))
+        return 0.0;
+    double copy = (double)tokens * x->m->hidden * x->m->dtype_bytes / (d->host_gbps * 1e9);
+    return (double)x->t->sequences * x->m->layers * (fmax(0.0, copy - fwd_s) + fmax(0.0, copy - bwd_s));
 }

@@ -44,16 +44,38 @@ void hexiseq_states(const hexiseq_cluster *c, const hexiseq_model *m, const hexi
     }
 }
 
+int32_t hexiseq_memory_features_allowed(const hexiseq_training *t, const hexiseq_device_info *d) {
+    int32_t f = t->memory_features & HEXISEQ_MEMORY_FEATURES_ALL;
+    if (!t->checkpointing || !(d->host_gbps > 0) || !(d->host_memory_gib > 0))
+        f &= ~HEXISEQ_OFFLOAD;
+    return f;
+}
+
 void hexiseq_memory_coeffs(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
-                           int32_t device, int32_t heads, int32_t kv_n, double ring_block, hexiseq_memory_coeffs_t *out) {
+                           int32_t device, int32_t heads, int32_t kv_n, double ring_block, int32_t features,
+                           hexiseq_memory_coeffs_t *out) {
     hexiseq_states_t st;
     hexiseq_states(c, m, t, device, &st);
     double b = m->dtype_bytes;
     double H = m->hidden;
     /* saved per token and layer: 2 norm inputs, 2 norm outputs, attention output, MLP intermediates */
     double act_layer = b * (4.0 * H + (double)m->heads * m->head_dim + (m->gated_mlp ? 3.0 : 2.0) * m->ffn);
+    double mlp = b * (m->gated_mlp ? 3.0 : 2.0) * m->ffn, logits = m->vocab * (b + 4.0);
     double act = t->checkpointing ? m->layers * H * b + act_layer : m->layers * act_layer;
-    act += m->vocab * (b + 4.0); /* logits and their fp32 softmax */
+    double host = 0.0, tile = 0.0;
+    if ((features & HEXISEQ_OFFLOAD) && t->checkpointing) { /* the checkpoints go to the host; the one being
+                                                               copied and the next stay */
+        host = m->layers * H * b;
+        act = fmin(m->layers, 2.0) * H * b + act_layer;
+    }
+    if (features & HEXISEQ_TILE_MLP) { /* the MLP keeps its input (a norm output, counted): one tile's intermediates */
+        act -= (t->checkpointing ? 1.0 : m->layers) * mlp;
+        tile += mlp;
+    }
+    if (features & HEXISEQ_TILE_LOSS)
+        tile += logits; /* one tile's logits and their fp32 softmax */
+    else
+        act += logits; /* logits and their fp32 softmax */
     /* Q, K, V, O of the group's tokens for the device's heads, and the fp32 LSE; saved for every layer
      * (one with checkpointing) plus the gradients of one layer */
     double qkvo = (2.0 * heads + 2.0 * kv_n) * m->head_dim * b + heads * 4.0;
@@ -67,17 +89,59 @@ void hexiseq_memory_coeffs(const hexiseq_cluster *c, const hexiseq_model *m, con
     out->per_group_token_gib = attn / GIB;
     out->reserved_gib = t->reserved_gib;
     out->cap_gib = c->dev[device].memory_gib;
+    out->tile_per_token_gib = tile / GIB;
+    out->host_per_token_gib = host / GIB;
+    out->host_cap_gib = c->dev[device].host_memory_gib;
 }
 
-/* Memory of slot r, filled into the GiB fields of `out`. */
-void hexiseq_memory_terms(const cost_ctx *x, int32_t r, int32_t kv_n, hexiseq_device_cost *out) {
+/* Memory of slot r with `features`, filled into the GiB fields of `out`. */
+static void memory_terms(const cost_ctx *x, int32_t r, int32_t kv_n, int32_t features, hexiseq_device_cost *out) {
     hexiseq_memory_coeffs_t mc;
-    hexiseq_memory_coeffs(x->c, x->m, x->t, x->l->device[r], x->l->head_count[r], kv_n, x->max_block, &mc);
+    hexiseq_memory_coeffs(x->c, x->m, x->t, x->l->device[r], x->l->head_count[r], kv_n, x->max_block, features, &mc);
+    double tokens = (double)x->l->tokens[r];
+    out->features = features;
     out->mem_states_gib = mc.states_gib;
     out->state_share = mc.state_share;
-    out->mem_act_gib = mc.per_token_gib * (double)x->l->tokens[r];
+    out->mem_act_gib = mc.per_token_gib * tokens;
+    if (mc.tile_per_token_gib > 0)
+        out->mem_act_gib += mc.tile_per_token_gib * fmin(tokens, HEXISEQ_TILE_TOKENS);
     out->mem_attn_gib = mc.per_group_token_gib * (double)x->l->group_seq[x->group_of[r]];
     out->mem_ring_gib = mc.ring_gib;
     out->mem_total_gib = out->mem_states_gib + out->mem_act_gib + out->mem_attn_gib + out->mem_ring_gib + mc.reserved_gib;
     out->mem_cap_gib = mc.cap_gib;
+    out->mem_host_gib = mc.host_per_token_gib * tokens;
+    out->host_cap_gib = mc.host_cap_gib;
+}
+
+void hexiseq_memory_terms(const cost_ctx *x, int32_t r, int32_t kv_n, hexiseq_device_cost *out) {
+    memory_terms(x, r, kv_n, 0, out);
+}
+
+void hexiseq_memory_choose(const cost_ctx *x, int32_t r, int32_t kv_n, const hexiseq_device_info *d, double fwd_s,
+                           double bwd_s, hexiseq_device_cost *out) {
+    int32_t allowed = hexiseq_memory_features_allowed(x->t, d);
+    int64_t tokens = x->l->tokens[r];
+    if (!allowed || tokens == 0 || out->mem_total_gib <= out->mem_cap_gib)
+        return; /* nothing to save, or nothing the features save (they only shrink what grows with tokens) */
+    hexiseq_device_cost best = *out, trial;
+    double best_extra = INFINITY;
+    int best_fits = 0;
+    for (int32_t f = 1; f <= HEXISEQ_MEMORY_FEATURES_ALL; ++f) { /* in order: ties keep the fewer features */
+        if (f & ~allowed)
+            continue;
+        trial = *out;
+        memory_terms(x, r, kv_n, f, &trial);
+        if ((f & HEXISEQ_OFFLOAD) && trial.mem_host_gib > trial.host_cap_gib)
+            continue; /* more than the host can hold */
+        trial.tiling_s = hexiseq_tiling_time_s(x, d, tokens, f);
+        trial.offload_s = (f & HEXISEQ_OFFLOAD) ? hexiseq_offload_time_s(x, d, tokens, fwd_s, bwd_s) : 0.0;
+        double extra = trial.tiling_s + trial.offload_s;
+        int fits = trial.mem_total_gib <= trial.mem_cap_gib;
+        if (fits ? !best_fits || extra < best_extra : !best_fits && trial.mem_total_gib < best.mem_total_gib) {
+            best = trial;
+            best_extra = extra;
+            best_fits = fits;
+        }
+    }
+    *out = best;
 }

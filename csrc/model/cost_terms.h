@@ -142,6 +142,14 @@ double hexiseq_layer_gemm_fwd_s(const cost_ctx *x, const hexiseq_device_info *d,
  * memory bandwidth is unknown). */
 double hexiseq_mem_bound_time_s(const cost_ctx *x, const hexiseq_device_info *d, int64_t tokens, double opt_params);
 double hexiseq_layer_mem_bound_s(const cost_ctx *x, const hexiseq_device_info *d, int64_t tokens);
+/* cost_gemm.c: what tiling the MLP and / or the loss (features) adds to a device's step: one more forward of each
+ * tiled part, and every pass of it at the rate of a tile's rows instead of the device's tokens, seconds. */
+double hexiseq_tiling_time_s(const cost_ctx *x, const hexiseq_device_info *d, int64_t tokens, int32_t features);
+/* cost_gemm.c: the copies of offloaded checkpoints not hidden behind compute: per layer and sequence, one copy of
+ * the layer's checkpoint to the host during its forward (fwd_s) and one back during the next layer's backward with
+ * recompute (bwd_s), over the device's host link, seconds. */
+double hexiseq_offload_time_s(const cost_ctx *x, const hexiseq_device_info *d, int64_t tokens, double fwd_s,
+                              double bwd_s);
 
 /* A group's front and back chunks touch (the only group of a ring, the middle group of an odd one): the runtime
  * joins them into one chunk (hexiseq.runtime.topology), so the kernels see one block of the group's tokens. */
@@ -168,8 +176,14 @@ double hexiseq_a2a_time_s(const cost_ctx *x, int32_t r, double *bytes);
 int hexiseq_a2a_kinds_build(cost_ctx *x, int32_t g);
 void hexiseq_a2a_kinds_free(cost_ctx *x);
 
-/* cost_memory.c: memory of slot r, filled into the GiB fields of `out`. */
+/* cost_memory.c: memory of slot r without memory features, filled into the GiB fields of `out`. */
 void hexiseq_memory_terms(const cost_ctx *x, int32_t r, int32_t kv_n, hexiseq_device_cost *out);
+/* cost_memory.c: when slot r (device d) does not fit as hexiseq_memory_terms left `out`, the memory features the
+ * training allows that make it fit with the least added time (else those that leave it least short), their memory
+ * and times in `out` (fwd_s, bwd_s: the device's one layer forward, and backward with recompute, one sequence:
+ * what the offloaded copies hide behind). */
+void hexiseq_memory_choose(const cost_ctx *x, int32_t r, int32_t kv_n, const hexiseq_device_info *d, double fwd_s,
+                           double bwd_s, hexiseq_device_cost *out);
 
 /* cost_sync.c: gradient and parameter collectives of the step, and what of them compute does not hide,
  * seconds. */

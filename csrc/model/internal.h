@@ -114,13 +114,21 @@ typedef struct {
 void hexiseq_states(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t, int32_t device,
                     hexiseq_states_t *out);
 
-/* Memory of one device as states + ring + reserved + per_token * s_r + per_group_token * S_g (GiB). */
+/* Memory of one device as states + ring + reserved + tile + per_token * s_r + per_group_token * S_g (GiB), with the
+ * memory features in `features` (hexiseq_memory_feature): tile is what one tile of the tiled MLP and loss holds
+ * (HEXISEQ_TILE_TOKENS tokens; a device with fewer tokens holds fewer), and offloading moves host_per_token * s_r
+ * to the host, where host_cap_gib is the device's part of its node's memory. */
 typedef struct {
     double states_gib, ring_gib, reserved_gib, per_token_gib, per_group_token_gib, cap_gib, state_share;
+    double tile_per_token_gib, host_per_token_gib, host_cap_gib;
 } hexiseq_memory_coeffs_t;
 
 void hexiseq_memory_coeffs(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
-                           int32_t device, int32_t heads, int32_t kv_n, double ring_block, hexiseq_memory_coeffs_t *out);
+                           int32_t device, int32_t heads, int32_t kv_n, double ring_block, int32_t features,
+                           hexiseq_memory_coeffs_t *out);
+/* The memory features a training lets a device use: training.memory_features, without offloading when there is
+ * no checkpointing (the runtime offloads the layers' checkpoints) or the device has no host link rate. */
+int32_t hexiseq_memory_features_allowed(const hexiseq_training *t, const hexiseq_device_info *d);
 
 /* kv heads needed by query heads [lo, lo + count): first and how many (0 when count is 0). */
 void hexiseq_kv_range(const hexiseq_model *m, int32_t lo, int32_t count, int32_t *kv_lo, int32_t *kv_count);

@@ -27,6 +27,8 @@ typedef struct {
     hexiseq_device_cost *per; /* [n] scratch for evaluations */
     double *fgemm, *fattn;    /* [n] effective rates, FLOP/s; 0 for a parked device */
     double *fgemm0, *fattn0;  /* [n] the devices' real rates */
+    int32_t relax;            /* memory features (hexiseq_memory_feature) the memory caps assume each device uses
+                                 where its training allows them; 0: none, the caps of a device that needs none */
     /* best so far */
     hexiseq_layout best;
     hexiseq_plan_cost best_cost;

@@ -77,6 +77,57 @@ static hexiseq_status sched_finish(sched *s, hexiseq_status st, hexiseq_layout *
     return st;
 }
 
+/* Stages 1-5 under the memory caps s->relax gives. */
+static hexiseq_status search(sched *s) {
+    hexiseq_status st = HEXISEQ_OK;
+    const hexiseq_cluster *c = s->c;
+    /* 1-4. structures from the topology, and groups spanning nodes; every partition when small */
+    if (s->n <= EXACT_PARTITION_DEVICES)
+        st = hexiseq_sched_run_all_partitions(s);
+    if (st == HEXISEQ_OK)
+        st = hexiseq_sched_run_topology(s);
+    int32_t max_node = 0;
+    for (int32_t r = 0, k = -1, cnt = 0; r < s->n; ++r) {
+        cnt = c->dev[r].node == k ? cnt + 1 : 1;
+        k = c->dev[r].node;
+        if (cnt > max_node)
+            max_node = cnt;
+    }
+    for (int32_t hp = max_node + 1; hp <= s->n && st == HEXISEQ_OK; ++hp)
+        if (s->n % hp == 0)
+            st = hexiseq_sched_run_consecutive(s, hp);
+    /* 5. polish: park devices that only slow the others down (every subset when small), then single moves */
+    if (st == HEXISEQ_OK)
+        st = s->n <= EXACT_PARTITION_DEVICES ? hexiseq_sched_park_subsets(s) : hexiseq_sched_park_search(s);
+    if (st == HEXISEQ_OK && s->have_best) {
+        hexiseq_layout start;
+        st = hexiseq_layout_alloc(s->best.n_groups, s->n, &start);
+        if (st == HEXISEQ_OK) {
+            hexiseq_layout_copy(&start, &s->best);
+            hexiseq_plan_cost start_cost = s->best_cost;
+            st = hexiseq_sched_local_search(s, &start, &start_cost,
+                                            s->n <= 16 ? LOCAL_SEARCH_EVALS_SMALL : LOCAL_SEARCH_EVALS);
+            hexiseq_layout_free(&start);
+        }
+    }
+    return st;
+}
+
+/* Whether the best plan so far is short of memory or close to it on some device (MEMORY_TIGHT of its memory): then
+ * shares that need memory features may fit or be faster. Re-scores the best (fills s->per). */
+#define MEMORY_TIGHT 0.95
+static hexiseq_status memory_tight(sched *s, int *tight) {
+    *tight = 0;
+    if (!s->have_best)
+        return HEXISEQ_OK;
+    hexiseq_plan_cost cost;
+    HEXISEQ_CHECK(hexiseq_sched_eval(s, &s->best, &cost));
+    *tight = !cost.fits;
+    for (int32_t r = 0; r < s->n && !*tight; ++r)
+        *tight = s->best.tokens[r] > 0 && s->per[r].mem_total_gib > MEMORY_TIGHT * s->per[r].mem_cap_gib;
+    return HEXISEQ_OK;
+}
+
 hexiseq_status hexiseq_schedule(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t,
                                 int64_t seq_len, int32_t causal, const hexiseq_layout *seed,
                                 const hexiseq_plan_cost *seed_cost, hexiseq_budget *b, hexiseq_layout *out,
@@ -88,33 +139,18 @@ hexiseq_status hexiseq_schedule(const hexiseq_cluster *c, const hexiseq_model *m
     /* 0. the best uniform baseline, scored by the dispatcher */
     if (seed)
         st = hexiseq_sched_offer(&s, seed, seed_cost);
-    /* 1-4. structures from the topology, and groups spanning nodes; every partition when small */
-    if (st == HEXISEQ_OK && s.n <= EXACT_PARTITION_DEVICES)
-        st = hexiseq_sched_run_all_partitions(&s);
+    /* 1-5 with the caps of devices that use no memory features: where everything fits so with room to spare, the
+     * plan of a training without them */
     if (st == HEXISEQ_OK)
-        st = hexiseq_sched_run_topology(&s);
-    int32_t max_node = 0;
-    for (int32_t r = 0, k = -1, cnt = 0; r < s.n; ++r) {
-        cnt = c->dev[r].node == k ? cnt + 1 : 1;
-        k = c->dev[r].node;
-        if (cnt > max_node)
-            max_node = cnt;
-    }
-    for (int32_t hp = max_node + 1; hp <= s.n && st == HEXISEQ_OK; ++hp)
-        if (s.n % hp == 0)
-            st = hexiseq_sched_run_consecutive(&s, hp);
-    /* 5. polish: park devices that only slow the others down (every subset when small), then single moves */
-    if (st == HEXISEQ_OK)
-        st = s.n <= EXACT_PARTITION_DEVICES ? hexiseq_sched_park_subsets(&s) : hexiseq_sched_park_search(&s);
-    if (st == HEXISEQ_OK && s.have_best) {
-        hexiseq_layout start;
-        st = hexiseq_layout_alloc(s.best.n_groups, s.n, &start);
-        if (st == HEXISEQ_OK) {
-            hexiseq_layout_copy(&start, &s.best);
-            hexiseq_plan_cost start_cost = s.best_cost;
-            st = hexiseq_sched_local_search(&s, &start, &start_cost, s.n <= 16 ? LOCAL_SEARCH_EVALS_SMALL : LOCAL_SEARCH_EVALS);
-            hexiseq_layout_free(&start);
-        }
+        st = search(&s);
+    /* then, when memory binds, again with caps that assume the features the training allows: shares the features
+     * make room for are tried, and kept where predicted faster (or where nothing fitted before) */
+    int tight = 0;
+    if (st == HEXISEQ_OK && t->memory_features)
+        st = memory_tight(&s, &tight);
+    if (st == HEXISEQ_OK && tight) {
+        s.relax = t->memory_features;
+        st = search(&s);
     }
     return sched_finish(&s, st, out, cost);
 }
@@ -144,6 +180,7 @@ static hexiseq_status rebalance(const hexiseq_cluster *c, const hexiseq_model *m
     hexiseq_budget_init(&b, NULL);
     sched s;
     hexiseq_status st = sched_init(&s, c, m, t, seq_len, causal, &b);
+    s.relax = t->memory_features; /* the kept layout may use them: its shares may too */
     hexiseq_layout l;
     memset(&l, 0, sizeof l);
     shares_ws w;

@@ -199,9 +199,12 @@ static void memory_caps(sched *s, hexiseq_layout *l, shares_ws *w, double ring_b
             }
             prev_kv = kv_n;
             hexiseq_memory_coeffs_t mc;
+            int32_t features = s->relax & hexiseq_memory_features_allowed(s->t, &s->c->dev[l->device[r]]);
             hexiseq_memory_coeffs(s->c, s->m, s->t, l->device[r], l->head_count[r], kv_n,
-                                  l->n_groups > 1 ? ring_block : 0.0, &mc);
-            w->free0[r] = mc.cap_gib - mc.states_gib - mc.ring_gib - mc.reserved_gib;
+                                  l->n_groups > 1 ? ring_block : 0.0, features, &mc);
+            /* a whole tile's memory (the cost model charges fewer tokens' when the device holds fewer) */
+            w->free0[r] = mc.cap_gib - mc.states_gib - mc.ring_gib - mc.reserved_gib -
+                          mc.tile_per_token_gib * HEXISEQ_TILE_TOKENS;
             w->per_tok[r] = mc.per_token_gib;
             w->per_gtok[r] = mc.per_group_token_gib;
         }

@@ -125,9 +125,10 @@ static hexiseq_device_desc *parse_devices(PyObject *module, PyObject *obj, int64
         if (item == Py_None)
             continue;
         if (!PyArg_ParseTuple(item,
-                              "dOOOOOOOd;devices entries are (memory_gib, gemm, attn, attn_causal, attn_document, "
-                              "runtime, runtime_a2a, runtime_ring, mem_bound_gbps)",
-                              &dd[i].memory_gib, &g, &a, &ac, &ad, &rt, &ra, &rr, &dd[i].mem_bound_gbps) ||
+                              "dOOOOOOOd|d;devices entries are (memory_gib, gemm, attn, attn_causal, attn_document, "
+                              "runtime, runtime_a2a, runtime_ring, mem_bound_gbps[, host_gbps])",
+                              &dd[i].memory_gib, &g, &a, &ac, &ad, &rt, &ra, &rr, &dd[i].mem_bound_gbps,
+                              &dd[i].host_gbps) ||
             parse_curve(module, g, i, "gemm_tflops", &dd[i].gemm) < 0 ||
             parse_curve(module, a, i, "attn_tflops", &dd[i].attn) < 0 ||
             parse_curve(module, ac, i, "attn_causal_tflops", &dd[i].attn_causal) < 0 ||
@@ -180,9 +181,11 @@ static hexiseq_cluster *make_cluster(PyObject *module, PyObject *nodes, double i
         PyObject *count;
         char shown[48];
         PyOS_snprintf(shown, sizeof shown, "nodes[%zd].count", i);
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(nodes, i), "sOddddd;nodes entries are (gpu, count, intra_gbps, memory_gib, peak_tflops, gemm_eff, attn_eff)",
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(nodes, i),
+                              "sOddddd|d;nodes entries are (gpu, count, intra_gbps, memory_gib, peak_tflops, gemm_eff, "
+                              "attn_eff[, host_memory_gib])",
                               &d->gpu, &count, &d->intra_gbps, &d->memory_gib, &d->peak_tflops, &d->gemm_eff,
-                              &d->attn_eff) ||
+                              &d->attn_eff, &d->host_memory_gib) ||
             !int32_arg(module, count, "nodes.count", shown, &d->count)) {
             PyMem_Free(desc);
             return NULL;
@@ -241,15 +244,20 @@ static int parse_model(PyObject *module, PyObject *obj, hexiseq_model *m) {
     return 1;
 }
 
-/* A training setting from (sequences, checkpointing, sharding, reserved_gib, state_shares). */
+/* A training setting from (sequences, checkpointing, sharding, reserved_gib, state_shares[, memory_features]). */
 static int parse_training(PyObject *module, PyObject *obj, hexiseq_training *t) {
-    static const char *names[4] = {"training.sequences", "training.checkpointing", "training.sharding",
-                                   "training.state_shares"};
+    static const char *names[5] = {"training.sequences", "training.checkpointing", "training.sharding",
+                                   "training.state_shares", "training.memory_features"};
     int32_t *dst[4] = {&t->sequences, &t->checkpointing, &t->sharding, &t->state_shares};
-    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 5) {
-        PyErr_SetString(PyExc_TypeError, "training is (sequences, checkpointing, sharding, reserved_gib, state_shares)");
+    memset(t, 0, sizeof *t);
+    const Py_ssize_t n = PyTuple_Check(obj) ? PyTuple_GET_SIZE(obj) : 0;
+    if (n != 5 && n != 6) {
+        PyErr_SetString(PyExc_TypeError, "training is (sequences, checkpointing, sharding, reserved_gib, state_shares"
+                                         "[, memory_features])");
         return 0;
     }
+    if (n == 6 && !int32_arg(module, PyTuple_GET_ITEM(obj, 5), names[4], names[4], &t->memory_features))
+        return 0;
     for (int i = 0; i < 3; ++i)
         if (!int32_arg(module, PyTuple_GET_ITEM(obj, i), names[i], names[i], dst[i]))
             return 0;
@@ -345,6 +353,11 @@ static PyObject *device_costs_to_dict(const hexiseq_device_cost *dc, npy_intp n)
         {"kv_count", offsetof(hexiseq_device_cost, kv_count), 1},
         {"first_lo", offsetof(hexiseq_device_cost, first_lo), 1},
         {"first_count", offsetof(hexiseq_device_cost, first_count), 1},
+        {"features", offsetof(hexiseq_device_cost, features), 1},
+        {"offload_s", offsetof(hexiseq_device_cost, offload_s), 0},
+        {"tiling_s", offsetof(hexiseq_device_cost, tiling_s), 0},
+        {"mem_host_gib", offsetof(hexiseq_device_cost, mem_host_gib), 0},
+        {"host_cap_gib", offsetof(hexiseq_device_cost, host_cap_gib), 0},
     };
     PyObject *out = PyDict_New();
     if (!out)
@@ -400,10 +413,11 @@ static PyObject *core_gpu_catalog(PyObject *module, PyObject *Py_UNUSED(ignored)
             }
             Py_DECREF(text);
         }
-        PyObject *item = aliases ? Py_BuildValue("{s:s,s:d,s:d,s:d,s:d,s:d,s:s,s:s,s:N}", "name", g.name, "peak_tflops",
+        PyObject *item = aliases ? Py_BuildValue("{s:s,s:d,s:d,s:d,s:d,s:d,s:s,s:s,s:d,s:N}", "name", g.name, "peak_tflops",
                                                  g.peak_tflops, "memory_gib", g.memory_gib, "hbm_gbps", g.hbm_gbps,
                                                  "gemm_eff", g.gemm_eff, "attn_eff", g.attn_eff, "source", g.source,
-                                                 "attn_kernel", g.attn_kernel, "aliases", aliases)
+                                                 "attn_kernel", g.attn_kernel, "host_gbps", g.host_gbps, "aliases",
+                                                 aliases)
                                  : NULL;
         if (!item) {
             Py_DECREF(out);
@@ -843,11 +857,17 @@ static int add_enums(PyObject *module) {
                                            {"opt", HEXISEQ_SHARD_OPT}, {"none", HEXISEQ_SHARD_NONE}};
     static const enum_entry state_shares[] = {{"even", HEXISEQ_STATES_EVEN}, {"memory", HEXISEQ_STATES_BY_MEMORY}};
     static const enum_entry chunkings[] = {{"zigzag", HEXISEQ_CHUNK_ZIGZAG}, {"contiguous", HEXISEQ_CHUNK_CONTIGUOUS}};
+    static const enum_entry features[] = {{"offload", HEXISEQ_OFFLOAD}, {"tile_mlp", HEXISEQ_TILE_MLP},
+                                          {"tile_loss", HEXISEQ_TILE_LOSS}};
 #define N_OF(a) (sizeof(a) / sizeof((a)[0]))
     int rc = add_enum(module, "STRATEGIES", strategies, N_OF(strategies)) < 0 ||
                      add_enum(module, "SHARDINGS", shardings, N_OF(shardings)) < 0 ||
                      add_enum(module, "STATE_SHARES", state_shares, N_OF(state_shares)) < 0 ||
-                     add_enum(module, "CHUNKINGS", chunkings, N_OF(chunkings)) < 0
+                     add_enum(module, "CHUNKINGS", chunkings, N_OF(chunkings)) < 0 ||
+                     add_enum(module, "MEMORY_FEATURES", features, N_OF(features)) < 0 ||
+                     PyModule_AddIntConstant(module, "TILE_TOKENS", HEXISEQ_TILE_TOKENS) < 0 ||
+                     PyModule_AddObject(module, "HOST_LINK_EFF", PyFloat_FromDouble(HEXISEQ_HOST_LINK_EFF)) < 0 ||
+                     PyModule_AddObject(module, "HOST_MEMORY_FACTOR", PyFloat_FromDouble(HEXISEQ_HOST_MEMORY_FACTOR)) < 0
                  ? -1
                  : 0;
 #undef N_OF

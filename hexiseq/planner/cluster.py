@@ -33,7 +33,8 @@ class Node:
 
     The optional fields override the catalog for this node (e.g. with measured rates). `host`: the name of the machine
     the node is (hexiseq calibrate writes it); a job restarted on fewer machines finds its devices by it
-    (hexiseq.elastic.survivors)."""
+    (hexiseq.elastic.survivors). host_memory_gib: the machine's memory that offloaded activation checkpoints may
+    use, shared evenly by the node's devices (default: twice the node's device memory)."""
 
     gpu: str
     count: int
@@ -43,16 +44,18 @@ class Node:
     gemm_eff: Optional[float] = None
     attn_eff: Optional[float] = None
     host: Optional[str] = None
+    host_memory_gib: Optional[float] = None
 
     def _as_core(self):
         def opt(x):
             return 0.0 if x is None else x
 
         return (self.gpu, self.count, self.intra_gbps, opt(self.memory_gib), opt(self.peak_tflops),
-                opt(self.gemm_eff), opt(self.attn_eff))
+                opt(self.gemm_eff), opt(self.attn_eff), opt(self.host_memory_gib))
 
 
-_NODE_KEYS = {"gpu", "count", "intra_gbps", "memory_gib", "peak_tflops", "gemm_eff", "attn_eff", "host"}
+_NODE_KEYS = {"gpu", "count", "intra_gbps", "memory_gib", "peak_tflops", "gemm_eff", "attn_eff", "host",
+              "host_memory_gib"}
 
 Curve = Tuple[Tuple[float, float], ...]
 _CURVES = ("gemm_tflops", "attn_tflops", "attn_causal_tflops", "attn_document_tflops", "runtime_ns",
@@ -83,6 +86,8 @@ class DeviceRates:
         activations, the loss, the optimizer step), GB of the bytes the cost model counts for it per second
         (hexiseq.calibrate times a layer's norms, residual adds, rotary and activation); default: the catalog's
         memory bandwidth times 0.75.
+    host_gbps: the host link's rate, GB/s per direction, of pinned asynchronous copies (what offloaded checkpoints
+        travel at); default: the catalog's PCIe rate times 0.8.
     Sizes strictly increase; the cost model interpolates linearly in log(size) and clamps outside. A curve
     replaces the catalog's (or the node's) rates for that kind of work on that device."""
 
@@ -95,6 +100,7 @@ class DeviceRates:
     runtime_a2a_ns: Optional[Curve] = None
     runtime_ring_ns: Optional[Curve] = None
     mem_bound_gbps: Optional[float] = None
+    host_gbps: Optional[float] = None
 
     @classmethod
     def from_dict(cls, d, where="device") -> "DeviceRates":
@@ -103,15 +109,16 @@ class DeviceRates:
         if not isinstance(d, dict):
             raise InvalidArgumentError(f"{where} must be a mapping with memory_gib, gemm_tflops, attn_tflops, "
                                        f"attn_causal_tflops, attn_document_tflops, runtime_ns, runtime_a2a_ns, runtime_ring_ns, "
-                                       f"mem_bound_gbps, or null, got {d!r}")
-        unknown = set(d) - {"memory_gib", "mem_bound_gbps", *_CURVES}
+                                       f"mem_bound_gbps, host_gbps, or null, got {d!r}")
+        unknown = set(d) - {"memory_gib", "mem_bound_gbps", "host_gbps", *_CURVES}
         if unknown:
             raise InvalidArgumentError(f"{where}: unknown field(s) {sorted(unknown)}; "
-                                       f"expected {sorted({'memory_gib', 'mem_bound_gbps', *_CURVES})}")
+                                       f"expected {sorted({'memory_gib', 'mem_bound_gbps', 'host_gbps', *_CURVES})}")
         curves = {k: _curve(d.get(k), f"{where}.{k}") for k in _CURVES}
         return cls(memory_gib=number(d.get("memory_gib"), f"{where}.memory_gib", positive=True, optional=True),
                    mem_bound_gbps=number(d.get("mem_bound_gbps"), f"{where}.mem_bound_gbps", positive=True,
                                          optional=True),
+                   host_gbps=number(d.get("host_gbps"), f"{where}.host_gbps", positive=True, optional=True),
                    **curves)
 
     def to_dict(self) -> dict:
@@ -123,16 +130,20 @@ class DeviceRates:
                 out[k] = [list(p) for p in getattr(self, k)]
         if self.mem_bound_gbps is not None:
             out["mem_bound_gbps"] = self.mem_bound_gbps
+        if self.host_gbps is not None:
+            out["host_gbps"] = self.host_gbps
         return out
 
     @property
     def measured(self) -> bool:
         """Whether any rate (a curve or the memory-bound rate) is given."""
-        return any(getattr(self, k) is not None for k in _CURVES) or self.mem_bound_gbps is not None
+        return (any(getattr(self, k) is not None for k in _CURVES) or self.mem_bound_gbps is not None
+                or self.host_gbps is not None)
 
     def _as_core(self):
         return (0.0 if self.memory_gib is None else self.memory_gib,
-                *(getattr(self, k) for k in _CURVES), 0.0 if self.mem_bound_gbps is None else self.mem_bound_gbps)
+                *(getattr(self, k) for k in _CURVES), 0.0 if self.mem_bound_gbps is None else self.mem_bound_gbps,
+                0.0 if self.host_gbps is None else self.host_gbps)
 
 
 def _curve(value, where) -> Optional[Curve]:
@@ -220,6 +231,8 @@ class Cluster:
                 gemm_eff=number(node.gemm_eff, f"nodes[{i}].gemm_eff", positive=True, optional=True),
                 attn_eff=number(node.attn_eff, f"nodes[{i}].attn_eff", positive=True, optional=True),
                 host=node.host,
+                host_memory_gib=number(node.host_memory_gib, f"nodes[{i}].host_memory_gib", positive=True,
+                                       optional=True),
             )
             if node.host is not None and (not isinstance(node.host, str) or not node.host.strip()):
                 raise InvalidArgumentError(f"nodes[{i}].host must be a machine's name (a non-empty string), got "
@@ -315,7 +328,7 @@ class Cluster:
         nodes = []
         for n in self.nodes:
             d = {"gpu": n.gpu, "count": n.count, "intra_gbps": n.intra_gbps}
-            for k in ("memory_gib", "peak_tflops", "gemm_eff", "attn_eff", "host"):
+            for k in ("memory_gib", "peak_tflops", "gemm_eff", "attn_eff", "host", "host_memory_gib"):
                 if getattr(n, k) is not None:
                     d[k] = getattr(n, k)
             nodes.append(d)
@@ -548,7 +561,8 @@ def _node_from_dict(d, where) -> Node:
             raise InvalidArgumentError(f"{where}.{key} is required")
     return Node(gpu=d["gpu"], count=d["count"], intra_gbps=d.get("intra_gbps", 1.0),
                 memory_gib=d.get("memory_gib"), peak_tflops=d.get("peak_tflops"),
-                gemm_eff=d.get("gemm_eff"), attn_eff=d.get("attn_eff"), host=d.get("host"))
+                gemm_eff=d.get("gemm_eff"), attn_eff=d.get("attn_eff"), host=d.get("host"),
+                host_memory_gib=d.get("host_memory_gib"))
 
 
 _CLUSTER_KEYS = ("nodes", "inter_node_gbps", "bandwidth_gbps", "latency_us", "devices", "calibration")

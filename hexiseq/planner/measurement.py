@@ -100,7 +100,7 @@ def predicted_layer(plan: Plan, layer: str = "attention", documents=None):
     `documents` (packed document lengths, or None for one causal document)."""
     t = plan.training
     one = Training(sequences=1, checkpointing=False, sharding=t.sharding, reserved_gib=t.reserved_gib,
-                   state_shares=t.state_shares)
+                   state_shares=t.state_shares, memory_features="none")  # what the timed layer runs
     p = evaluate(plan.cluster, model=plan.model, seq_len=plan.seq_len, layout=plan.layout, training=one,
                  causal=plan.causal, documents=documents)
     L = plan.model.layers

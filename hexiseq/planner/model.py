@@ -3,7 +3,7 @@
 import enum
 import os
 from dataclasses import asdict, dataclass, fields
-from typing import Optional
+from typing import List, Optional
 
 from .. import _core
 from .._validate import boolean, core_integer, integer, load_json, number, read_text
@@ -235,6 +235,38 @@ class Sharding(enum.Enum):
 _SHARDING_CODE = {s: _core.SHARDINGS[s.value] for s in Sharding}  # the core's enum values, by name
 STATE_SHARES = ("auto", "even", "memory")
 _STATE_SHARES_CODE = dict(_core.STATE_SHARES)  # the core's values; "auto" is chosen in Python (plan.py)
+MEMORY_FEATURES = tuple(_core.MEMORY_FEATURES)  # "offload", "tile_mlp", "tile_loss": the core's mask bits by name
+
+
+def memory_features_mask(value: str) -> int:
+    """The core's mask of a training's memory_features ("auto": all, "none": none, else names joined by ',')."""
+    if value == "auto":
+        return sum(_core.MEMORY_FEATURES.values())
+    if value == "none":
+        return 0
+    return sum(_core.MEMORY_FEATURES[f] for f in value.split(","))
+
+
+def memory_features_names(mask: int) -> List[str]:
+    """The names of the features in a core mask, in the core's order."""
+    return [f for f in MEMORY_FEATURES if mask & _core.MEMORY_FEATURES[f]]
+
+
+def _memory_features(value) -> str:
+    """A training's memory_features in its canonical form: "auto", "none", or known names joined by ','."""
+    if isinstance(value, (list, tuple, set, frozenset)):
+        value = ",".join(str(v) for v in value) if value else "none"
+    if not isinstance(value, str):
+        raise InvalidArgumentError(f"training.memory_features must be 'auto', 'none' or names from "
+                                   f"{list(MEMORY_FEATURES)}, got {value!r}")
+    if value in ("auto", "none"):
+        return value
+    names = [v.strip() for v in value.replace("+", ",").split(",") if v.strip()]
+    bad = [v for v in names if v not in MEMORY_FEATURES]
+    if bad or not names:
+        raise InvalidArgumentError(f"training.memory_features must be 'auto', 'none' or names from "
+                                   f"{list(MEMORY_FEATURES)} joined by ',', got {value!r}")
+    return ",".join(f for f in MEMORY_FEATURES if f in names)
 
 
 @dataclass(frozen=True)
@@ -248,13 +280,21 @@ class Training:
     state_shares: how the sharded states are divided: "even" (1/N per device, what FSDP and ZeRO do), "memory"
         (in proportion to the memory each device has beside the unsharded part, so a small device holds less;
         run such a plan with hexiseq.shard_states), or "auto" (even when a plan fits so, else by memory; a plan
-        records which it chose)."""
+        records which it chose).
+    memory_features: what a device short of memory may use, chosen per device by the cost model (the combination
+        that fits with the least added time; none where nothing is short): "offload" (activation checkpoints to
+        host memory, overlapped with the neighbouring layer; needs checkpointing), "tile_mlp" (the MLP a tile of
+        tokens at a time, recomputed per tile), "tile_loss" (the logits and loss a tile at a time). "auto" allows
+        all three, "none" none; or names joined by ','. The plan says per device what it chose
+        (`plan.memory_features(device)`); hexiseq.hf applies it, hexiseq.nn has the pieces for a model of one's
+        own."""
 
     sequences: int = 1
     checkpointing: bool = False
     sharding: Sharding = Sharding.FULL
     reserved_gib: float = 2.0
     state_shares: str = "auto"
+    memory_features: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "sequences", core_integer(self.sequences, "training.sequences", "training.sequences"))
@@ -271,17 +311,20 @@ class Training:
         if self.state_shares not in STATE_SHARES:
             raise InvalidArgumentError(f"training.state_shares must be one of {list(STATE_SHARES)}, "
                                        f"got {self.state_shares!r}")
+        object.__setattr__(self, "memory_features", _memory_features(self.memory_features))
 
     def _as_core(self):
         """The core's training tuple; "auto" is evaluated as even (plan() tries even first, then by memory)."""
         return (self.sequences, int(self.checkpointing), _SHARDING_CODE[self.sharding], self.reserved_gib,
-                _STATE_SHARES_CODE.get(self.state_shares, 0))
+                _STATE_SHARES_CODE.get(self.state_shares, 0), memory_features_mask(self.memory_features))
 
     def to_dict(self) -> dict:
         d = {"sequences": self.sequences, "checkpointing": self.checkpointing, "sharding": self.sharding.value,
              "reserved_gib": self.reserved_gib, "state_shares": self.state_shares}
         if self.state_shares == "even":  # absent, as before the field existed: older plan files keep their hash
             del d["state_shares"]
+        if self.memory_features != "none":  # likewise: absent means none (what older files planned without)
+            d["memory_features"] = self.memory_features
         return d
 
     @classmethod

@@ -15,7 +15,7 @@ from .. import _core
 from .._validate import boolean, document_lengths, integer, integers, load_json, number, parse_tokens
 from .cluster import Cluster
 from ..errors import InternalError, InvalidArgumentError, LayoutError, MemoryFitError, UnsupportedError
-from .model import Model, Sharding, Training
+from .model import Model, Sharding, Training, memory_features_names
 from . import text
 
 __all__ = ["Strategy", "Layout", "Plan", "DeviceTable", "plan", "evaluate", "compare"]
@@ -206,7 +206,10 @@ class DeviceTable:
     calibrated runtime_*_ns curves, else 0), busy_s, mem_states_gib, mem_act_gib, mem_attn_gib,
     mem_ring_gib, mem_total_gib, mem_cap_gib, state_share (the fraction of the sharded model states the device
     holds), ring_send_bytes, ring_recv_bytes, a2a_send_bytes, a2a_recv_bytes, a2a_grad_send_bytes,
-    a2a_grad_recv_bytes.
+    a2a_grad_recv_bytes, features (the memory features the device uses, names joined by '+', "" for none: see
+    Training.memory_features), offload_s (copies of offloaded checkpoints the compute does not hide), tiling_s (what
+    the tiled MLP and loss add), mem_host_gib (host memory of its offloaded checkpoints), host_cap_gib (host memory
+    it may use). offload_s and tiling_s are part of the token-parallel phase and of busy_s.
     Index by name (`table["tokens"]`) or attribute (`table.tokens`). layer_gemm_s is the token-parallel compute
     of one layer, forward + backward, one sequence (no recompute, no output head): what a measured single
     layer's matmuls compare with; layer_mem_bound_s the same layer's memory-bound work. The byte columns are the traffic the times charge: ring K/V bytes per token of a
@@ -292,7 +295,9 @@ class Plan:
             "first_lo": per.pop("first_lo"),
             "first_count": per.pop("first_count"),
         }
+        features = per.pop("features")
         columns.update(per)
+        columns["features"] = np.array(["+".join(memory_features_names(int(f))) for f in features])
         for v in columns.values():
             v.setflags(write=False)
         self.devices = DeviceTable(columns)
@@ -330,6 +335,20 @@ class Plan:
     @property
     def fits(self) -> bool:
         return self._cost["fits"]
+
+    def memory_features(self, device: int) -> dict:
+        """What device `device` (its rank) runs to fit its memory, as the cost model chose it: {"offload": bool
+        (activation checkpoints to host memory), "mlp_tiles": int, "loss_tiles": int} (1: untiled; else tiles of
+        about hexiseq's tile size, ceil(tokens / TILE_TOKENS)). hexiseq.hf.patch_model applies it."""
+        t = self.devices
+        rows = np.flatnonzero(t.device == device)
+        if isinstance(device, bool) or not isinstance(device, (int, np.integer)) or len(rows) != 1:
+            raise InvalidArgumentError(f"device must be one of the plan's devices 0..{len(t) - 1}, got {device!r}")
+        i = int(rows[0])
+        names = t.features[i].split("+") if t.features[i] else []
+        tiles = max(1, -(-int(t.tokens[i]) // _core.TILE_TOKENS))
+        return {"offload": "offload" in names, "mlp_tiles": tiles if "tile_mlp" in names else 1,
+                "loss_tiles": tiles if "tile_loss" in names else 1}
 
     @property
     def state_shares(self) -> np.ndarray:
@@ -545,8 +564,8 @@ class Plan:
         if not isinstance(stopped_early, bool):
             raise InvalidArgumentError(f"plan stopped_early must be true or false, got {stopped_early!r}")
         training = doc["training"]
-        if isinstance(training, dict):  # written only when not even (Training.to_dict)
-            training = {"state_shares": "even", **training}
+        if isinstance(training, dict):  # written only when not even, not none (Training.to_dict)
+            training = {"state_shares": "even", "memory_features": "none", **training}
         p = cls(Cluster.from_dict(doc["cluster"]), Model.from_dict(doc["model"]), Training.from_dict(training),
                 parse_tokens(doc["seq_len"], "seq_len"), doc["causal"], doc["strategy"], Layout.from_dict(doc["layout"]),
                 stopped_early=stopped_early, documents=doc.get("documents"))
@@ -703,7 +722,10 @@ def _memory_advice(cluster, model, training, seq_len, causal, strategies, error)
             ckpt = f" (with activation checkpointing, {_tokens_text(seq_len)} fits: --checkpointing)"
         else:
             ckpt = f" ({_tokens_text(with_ckpt)} with activation checkpointing)"
-        fits_text = (f"the longest sequence that fits is {_tokens_text(best)} tokens" if best
+        features = {"auto": " with the memory features where a device needs them (offloaded checkpoints, tiled MLP "
+                            "and loss)", "none": ""}.get(training.memory_features,
+                                                        f" with {training.memory_features} where a device needs them")
+        fits_text = (f"the longest sequence that fits is {_tokens_text(best)} tokens{features}" if best
                      else "no sequence of 1024 tokens or more fits")
         advice = f"{fits_text}{ckpt}; model states take " + (
             f"{min(states):.1f}-{max(states):.1f} GiB per device (shared by memory)"

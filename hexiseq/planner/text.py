@@ -53,6 +53,9 @@ def explain(plan, one_document=None) -> str:
         f"  memory           {'fits' if plan.fits else 'DOES NOT FIT'}: peak "
         f"{float(t.mem_total_gib.max()):.1f} GiB (device {int(t.device[int(np.argmax(t.mem_total_gib))])})",
         f"  model states     {_states_words(plan)}",
+    ]
+    lines += _memory_feature_lines(plan)
+    lines += [
         f"  groups in ring order ({plan.num_groups}):",
     ]
     r = 0
@@ -77,8 +80,9 @@ def explain(plan, one_document=None) -> str:
 def table(plan, max_rows: int = 64) -> str:
     """The per-device table as aligned text."""
     t = plan.devices
+    saving = any(t.features)
     head = (f"{'dev':>4} {'gpu':<10} {'grp':>3} {'tokens':>9} {'heads':>9} {'kv':>7} {'gemm s':>9} "
-            f"{'attn s':>9} {'a2a s':>8} {'ring s':>8} {'busy s':>9} {'mem GiB':>13}")
+            f"{'attn s':>9} {'a2a s':>8} {'ring s':>8} {'busy s':>9} {'mem GiB':>13}" + ("  saves" if saving else ""))
     rows = [head]
     n = len(t)
     idx = list(range(n)) if n <= max_rows else list(range(max_rows // 2)) + list(range(n - max_rows // 2, n))
@@ -91,8 +95,9 @@ def table(plan, max_rows: int = 64) -> str:
         kv = _span(t.kv_lo[i], t.kv_count[i])
         rows.append(
             f"{t.device[i]:>4} {t.gpu[i]:<10} {t.group[i]:>3} {t.tokens[i]:>9,} {heads:>9} {kv:>7} "
-            f"{t.gemm_s[i] + t.mem_bound_s[i]:>9.4f} {t.attn_s[i]:>9.4f} {t.a2a_s[i]:>8.4f} {t.ring_exposed_s[i]:>8.4f} "
-            f"{t.busy_s[i]:>9.4f} {t.mem_total_gib[i]:>6.1f}/{t.mem_cap_gib[i]:<6.1f}")
+            f"{t.gemm_s[i] + t.mem_bound_s[i] + t.offload_s[i] + t.tiling_s[i]:>9.4f} {t.attn_s[i]:>9.4f} {t.a2a_s[i]:>8.4f} {t.ring_exposed_s[i]:>8.4f} "
+            f"{t.busy_s[i]:>9.4f} {t.mem_total_gib[i]:>6.1f}/{t.mem_cap_gib[i]:<6.1f}"
+            + (f"  {_feature_codes(t.features[i])}" if saving else ""))
     return "\n".join(rows)
 
 
@@ -143,7 +148,37 @@ TABLE_LEGEND = (
     "(inclusive ranges, like devices); gemm s = token-parallel work (the projections' and MLP's matmuls, and the\n"
     "memory-bound norms, activations, loss and optimizer step); attn s = attention of all ring steps; a2a s =\n"
     "all-to-all; ring s = ring transfers not hidden behind attention; busy s = their sum; mem GiB = peak /\n"
-    "capacity. Times are per training step, all layers, forward and backward.")
+    "capacity; saves (when a device needs them) = memory features: O offloaded checkpoints, M tiled MLP, L tiled\n"
+    "loss (gemm s holds what they add). Times are per training step, all layers, forward and backward.")
+
+
+def _feature_codes(features: str) -> str:
+    codes = {"offload": "O", "tile_mlp": "M", "tile_loss": "L"}
+    return "".join(codes[f] for f in features.split("+")) if features else "-"
+
+
+def _memory_feature_lines(plan) -> List[str]:
+    """Which devices use which memory features, what they add, and how to run them."""
+    t = plan.devices
+    used = [i for i in range(len(t)) if t.features[i]]
+    allowed = plan.training.memory_features
+    if not used:
+        return [] if allowed == "none" else [
+            f"  memory features  none needed ({'allowed: ' + allowed if allowed != 'auto' else 'all allowed'})"]
+    words = {"offload": "checkpoints offloaded to host memory", "tile_mlp": "tiled MLP", "tile_loss": "tiled loss"}
+    lines = []
+    kinds = sorted({(t.features[i], t.gpu[i]) for i in used}, key=lambda k: min(
+        int(t.device[i]) for i in used if (t.features[i], t.gpu[i]) == k))
+    for combo, gpu in kinds:  # one line per choice and GPU model, in device order
+        rows = [i for i in used if t.features[i] == combo and t.gpu[i] == gpu]
+        devs = sorted(int(t.device[i]) for i in rows)
+        added = max(float(t.offload_s[i] + t.tiling_s[i]) for i in rows)
+        host = max(float(t.mem_host_gib[i]) for i in rows)
+        what = ", ".join(words[f] for f in combo.split("+"))
+        extra = f"; host memory up to {host:.1f} GiB a device" if host > 0 else ""
+        lines.append(f"    device(s) {_ranges(devs)} ({gpu}): {what} (adds up to {added:.4f} s{extra})")
+    return [f"  memory features  {len(used)} device(s) fit their memory with them (chosen per device; hexiseq.hf "
+            "applies them, hexiseq.nn has them for a model of one's own):"] + lines
 
 
 def _ranges(ids: List[int]) -> str:

@@ -80,7 +80,7 @@ static double brute_pairs(const int64_t *q, int nq, const int64_t *k, int nk, in
 
 static hexiseq_node_desc node(const char *gpu, int32_t count, double intra, double mem, double peak, double ge,
                               double ae) {
-    hexiseq_node_desc n = {gpu, count, intra, mem, peak, ge, ae};
+    hexiseq_node_desc n = {gpu, count, intra, mem, peak, ge, ae, 0.0};
     return n;
 }
 
@@ -166,7 +166,7 @@ static void grad_by_hand(int32_t sharding, double N, double bw, double lat, doub
 static void one_device(hexiseq_cluster **c, hexiseq_training *t, hexiseq_layout *l) {
     hexiseq_node_desc nd = node("A100-80G", 1, 100.0, 10.0, 2.0, 0.5, 0.25);
     EXPECT_OK(hexiseq_cluster_create(1, &nd, 10.0, NULL, c));
-    const hexiseq_training one = {1, 0, HEXISEQ_SHARD_FULL, 0.5, HEXISEQ_STATES_EVEN, NULL};
+    const hexiseq_training one = {1, 0, HEXISEQ_SHARD_FULL, 0.5, HEXISEQ_STATES_EVEN, NULL, 0};
     *t = one;
     EXPECT_OK(hexiseq_layout_alloc(1, 1, l));
     const int32_t gs[] = {1}, dv[] = {0}, lo[] = {0}, cnt[] = {4};
@@ -308,7 +308,7 @@ static void test_two_devices(void) {
     EXPECT_OK(hexiseq_cluster_latency(c, 1, 0, &lus));
     EXPECT(lus == 20.0, "default latency between nodes %g us", lus);
     const double pk[2] = {2.0, 4.0}, ge[2] = {0.5, 0.75}, ae[2] = {0.25, 0.5};
-    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL};
+    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL, 0};
     const double S = 10, N = 2, P = tiny_params(), opt = 12.0;
     const double fpt = L * tiny_layer_fpt() * 3.0 + tiny_head_fpt() * 3.0;
     const double states = (2.0 * b + opt) * P / N + 3.0 * fmax(tiny_layer_params(), V * H) * b;
@@ -505,7 +505,7 @@ static void test_three_devices(void) {
     hexiseq_cluster *c = NULL;
     EXPECT_OK(hexiseq_cluster_create(2, nd, 5.0, NULL, &c));
     EXPECT(hexiseq_cluster_num_devices(c) == 3 && hexiseq_cluster_num_nodes(c) == 2, "3-device cluster sizes");
-    hexiseq_training t = {3, 1, HEXISEQ_SHARD_GRAD_OPT, 1.0, HEXISEQ_STATES_EVEN, NULL};
+    hexiseq_training t = {3, 1, HEXISEQ_SHARD_GRAD_OPT, 1.0, HEXISEQ_STATES_EVEN, NULL, 0};
     hexiseq_layout l;
     EXPECT_OK(hexiseq_layout_alloc(2, 3, &l));
     const int32_t gs[] = {2, 1}, dv[] = {0, 1, 2}, lo[] = {0, 3, 0}, cnt[] = {3, 1, 4};
@@ -662,7 +662,7 @@ static void test_four_devices(void) {
         hbm[r] = sp->hbm_gbps;
         NEAR(di.hbm_gbps, sp->hbm_gbps, "the catalog's memory bandwidth");
     }
-    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL};
+    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL, 0};
     hexiseq_layout l;
     EXPECT_OK(hexiseq_layout_alloc(4, 4, &l));
     const int32_t gs[] = {1, 1, 1, 1}, dv[] = {0, 1, 2, 3}, lo[] = {0, 0, 0, 0}, cnt[] = {4, 4, 4, 4};
@@ -1348,7 +1348,7 @@ static void test_curves(void) {
     EXPECT(di.gemm_curve.n == 2 && di.attn_curve.n == 3 && di.attn_causal_curve.n == 3 && di.attn_curve.size[2] == 16 &&
                di.memory_gib == 7.0 && di.gpu_index >= 0 && strcmp(di.gpu_name, "A100-80G") == 0,
            "device info carries the curves and the device's memory");
-    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL};
+    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL, 0};
     const double fpt = L * tiny_layer_fpt() * 3.0 + tiny_head_fpt() * 3.0;
     hexiseq_device_cost per[2];
     hexiseq_plan_cost pc;
@@ -1492,7 +1492,7 @@ static void test_runtime_curve(void) {
     EXPECT_OK(hexiseq_cluster_create_ex(1, &nd, 10.0, NULL, &with, &c));
     EXPECT_OK(hexiseq_cluster_create_ex(1, &nd, 10.0, NULL, &without, &p));
     for (int ckpt = 0; ckpt < 2; ++ckpt) {
-        hexiseq_training t = {3, ckpt, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL};
+        hexiseq_training t = {3, ckpt, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL, 0};
         for (int ring = 0; ring < 2; ++ring) {
             hexiseq_layout l;
             EXPECT_OK(hexiseq_layout_alloc(ring ? 2 : 1, 2, &l));
@@ -1565,7 +1565,7 @@ static void test_latency(void) {
      * receives, in every forward step but the last (times 2 with checkpointing) and every backward step:
      * per layer and sequence ((G - 1) * fwd_passes + G) * lat(prev -> me). */
     for (int ck = 0; ck <= 1; ++ck) {
-        hexiseq_training t = {2, ck, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL};
+        hexiseq_training t = {2, ck, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL, 0};
         const double reps = L * 2.0, fp = 1.0 + ck;
         hexiseq_layout l3, l2;
         EXPECT_OK(hexiseq_layout_alloc(3, 3, &l3));
@@ -1607,7 +1607,7 @@ static void test_latency(void) {
     /* Group {0 (heads 0-1: kv 0), 1 (heads 2-3: kv 1)} and group {2}: device 2 receives kv 0 from 0 and kv 1
      * from 1 (two messages; its sync is the larger latency); sends kv 0 to 0 and kv 1 to 1. The all-to-all
      * inside group 0 pays lat(0 -> 1) per message device 0 sends and lat(1 -> 0) per message it receives. */
-    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL};
+    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL, 0};
     hexiseq_layout l;
     EXPECT_OK(hexiseq_layout_alloc(2, 3, &l));
     const int32_t gs[] = {2, 1}, dv[] = {0, 1, 2}, lo[] = {0, 2, 0}, cnt[] = {2, 2, 4};
@@ -1655,7 +1655,7 @@ static void test_memory_bound_work(void) {
     const double elems = 4.0 * H + 6.0 * H + 2.0 * (A * d + Akv * d) + 3.0 * F, rate = mem_rate(HBM_A100);
     const double s[2] = {6, 4};
     for (int32_t sh = HEXISEQ_SHARD_FULL; sh <= HEXISEQ_SHARD_NONE; sh += HEXISEQ_SHARD_NONE - HEXISEQ_SHARD_FULL) {
-        hexiseq_training t = {2, 1, sh, 0.0, HEXISEQ_STATES_EVEN, NULL};
+        hexiseq_training t = {2, 1, sh, 0.0, HEXISEQ_STATES_EVEN, NULL, 0};
         hexiseq_device_cost per[2];
         hexiseq_plan_cost pc;
         EXPECT_OK(hexiseq_evaluate(c, &gated, &t, 10, 1, &l, per, &pc));
@@ -1694,7 +1694,7 @@ static void test_grad_collectives(void) {
         for (int32_t sh = HEXISEQ_SHARD_FULL; sh <= HEXISEQ_SHARD_NONE; ++sh)
             for (int ck = 0; ck <= 1; ++ck)
                 for (int seqs = 1; seqs <= 3; seqs += 2) {
-                    hexiseq_training t = {seqs, ck, sh, 0.0, HEXISEQ_STATES_EVEN, NULL};
+                    hexiseq_training t = {seqs, ck, sh, 0.0, HEXISEQ_STATES_EVEN, NULL, 0};
                     hexiseq_device_cost per[2];
                     hexiseq_plan_cost pc;
                     EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 10, 0, &l, per, &pc));
@@ -1737,7 +1737,7 @@ static void test_unknown_gpu(void) {
     EXPECT(di.gpu_index == -1 && strcmp(di.gpu_name, "XPU-900") == 0 && di.memory_gib == 64.0 && di.peak_tflops == 500.0 &&
                di.gemm_eff == 0.6 && di.attn_eff == 0.4,
            "unknown GPU device: index %d name %s", di.gpu_index, di.gpu_name);
-    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL};
+    hexiseq_training t = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL, 0};
     hexiseq_layout l;
     EXPECT_OK(hexiseq_layout_alloc(1, 2, &l));
     const int32_t gs[] = {2}, dv[] = {0, 1}, lo[] = {0, 2}, cnt[] = {2, 2};
@@ -1886,8 +1886,8 @@ static void test_state_shares(void) {
                                   node("A100", 1, 100.0, (fixed + 0.15 * S) / GIB, 100.0, 0.5, 0.5)};
     hexiseq_cluster *c = NULL;
     EXPECT_OK(hexiseq_cluster_create(2, nodes, 10.0, NULL, &c));
-    hexiseq_training even = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL};
-    hexiseq_training mem = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_BY_MEMORY, NULL};
+    hexiseq_training even = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL, 0};
+    hexiseq_training mem = {1, 0, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_BY_MEMORY, NULL, 0};
     hexiseq_layout l;
     EXPECT_OK(hexiseq_layout_alloc(4, 4, &l));
     const int32_t gs[] = {1, 1, 1, 1}, dv[] = {0, 1, 2, 3}, lo[] = {0, 0, 0, 0}, cnt[] = {4, 4, 4, 4};
@@ -1933,10 +1933,10 @@ static void test_state_shares(void) {
         NEAR(pm[r].state_share, 0.25, "alike devices");
     NEAR(cm.grad_sync_s, 3 * (0.75 * P * b / 10e9 + lat), "alike devices' collectives");
     /* replicated states have no shares to move; a bad mode is refused by name */
-    hexiseq_training none = {1, 0, HEXISEQ_SHARD_NONE, 0.0, HEXISEQ_STATES_BY_MEMORY, NULL};
+    hexiseq_training none = {1, 0, HEXISEQ_SHARD_NONE, 0.0, HEXISEQ_STATES_BY_MEMORY, NULL, 0};
     EXPECT_OK(hexiseq_evaluate(c, &TINY, &none, 4, 1, &l, pm, &cm));
     NEAR(pm[0].mem_states_gib, (2.0 * b + 12.0) * P / GIB, "replicated states");
-    hexiseq_training bad = {1, 0, HEXISEQ_SHARD_FULL, 0.0, 7, NULL};
+    hexiseq_training bad = {1, 0, HEXISEQ_SHARD_FULL, 0.0, 7, NULL, 0};
     EXPECT_ERR(hexiseq_evaluate(c, &TINY, &bad, 4, 1, &l, pm, &cm), HEXISEQ_ERR_INVALID, "training.state_shares");
     hexiseq_layout_free(&l);
     hexiseq_cluster_destroy(c);

@@ -92,7 +92,7 @@ static void test_init_refusals(void) {
 /* n alike devices; flat: measured curves of one point each, so that every kernel size runs at one rate;
  * doc_rate > 0: a flat packed-document curve at that rate too. */
 static hexiseq_cluster *alike_cluster_doc(int32_t n, int flat, double doc_rate) {
-    hexiseq_node_desc node = {"A100-80G", n, 300.0, 0, 0, 0, 0};
+    hexiseq_node_desc node = {"A100-80G", n, 300.0, 0, 0, 0, 0, 0};
     hexiseq_device_desc dev[8];
     memset(dev, 0, sizeof dev);
     for (int32_t i = 0; i < n && i < 8; ++i) {
@@ -282,7 +282,7 @@ static void test_refusals(void) {
  * fast under them as the plan made for one causal document; and a batch of one long document plans the
  * zigzag. */
 static void test_scheduler(void) {
-    hexiseq_node_desc nodes[2] = {{"H100-SXM", 4, 450.0, 0, 0, 0, 0}, {"L40S", 4, 32.0, 0, 0, 0, 0}};
+    hexiseq_node_desc nodes[2] = {{"H100-SXM", 4, 450.0, 0, 0, 0, 0, 0}, {"L40S", 4, 32.0, 0, 0, 0, 0, 0}};
     hexiseq_cluster *c = NULL;
     EXPECT(hexiseq_cluster_create(2, nodes, 25.0, NULL, &c) == HEXISEQ_OK, "cluster: %s", hexiseq_last_error());
     const hexiseq_model m = {8, 4096, 32, 8, 128, 11008, 32000, 2, 1, 0, 0};
@@ -331,7 +331,7 @@ static void test_scheduler(void) {
 /* Re-balancing keeps the structure (groups, members, heads, order), re-splits the sequence for new documents,
  * and is never predicted slower than the layout it starts from. */
 static void test_rebalance(void) {
-    hexiseq_node_desc nodes[2] = {{"H100-SXM", 4, 450.0, 0, 0, 0, 0}, {"L40S", 4, 32.0, 0, 0, 0, 0}};
+    hexiseq_node_desc nodes[2] = {{"H100-SXM", 4, 450.0, 0, 0, 0, 0, 0}, {"L40S", 4, 32.0, 0, 0, 0, 0, 0}};
     hexiseq_cluster *c = NULL;
     hexiseq_cluster_create(2, nodes, 25.0, NULL, &c);
     const hexiseq_model m = {8, 4096, 32, 8, 128, 11008, 32000, 2, 1, 0, 0};

@@ -285,8 +285,8 @@ static hexiseq_rate_curve flat_curve(double tflops) {
 static void test_measured_against_exhaustive(int instances) {
     double worst = 0;
     for (int k = 0; k < instances; ++k) {
-        hexiseq_node_desc nodes[2] = {{"H100-SXM", 2, rnd_real(100.0, 450.0), 0, 0, 0, 0},
-                                      {"H100-SXM", 2, rnd_real(100.0, 450.0), 0, 0, 0, 0}};
+        hexiseq_node_desc nodes[2] = {{"H100-SXM", 2, rnd_real(100.0, 450.0), 0, 0, 0, 0, 0},
+                                      {"H100-SXM", 2, rnd_real(100.0, 450.0), 0, 0, 0, 0, 0}};
         nodes[1].intra_gbps = nodes[0].intra_gbps; /* same nodes but for the measured curves */
         hexiseq_device_desc dd[4];
         double lat[16], speed[4];
@@ -413,7 +413,7 @@ static void test_awkward_sizes(void) {
     hexiseq_training t;
     hexiseq_training_default(&t);
     /* one device */
-    hexiseq_node_desc one = {"A100-80G", 1, 300.0, 0, 0, 0, 0};
+    hexiseq_node_desc one = {"A100-80G", 1, 300.0, 0, 0, 0, 0, 0};
     hexiseq_cluster *c1 = NULL;
     CHECK(hexiseq_cluster_create(1, &one, 25.0, NULL, &c1) == HEXISEQ_OK, "one-device cluster");
     hexiseq_model small = {4, 256, 4, 2, 64, 1024, 1000, 2, 1, 0, 0};
@@ -469,7 +469,7 @@ static void test_awkward_sizes(void) {
     hexiseq_cluster_destroy(c);
 
     /* a cluster that fits under no plan: the error names the short device */
-    hexiseq_node_desc tiny = {"RTX3090", 2, 32.0, 0, 0, 0, 0};
+    hexiseq_node_desc tiny = {"RTX3090", 2, 32.0, 0, 0, 0, 0, 0};
     CHECK(hexiseq_cluster_create(1, &tiny, 25.0, NULL, &c) == HEXISEQ_OK, "RTX3090 cluster");
     hexiseq_model big = {80, 8192, 64, 8, 128, 28672, 128256, 2, 1, 0, 0};
     t.checkpointing = 0;
