@@ -79,6 +79,7 @@ KV caches / generation (`patch_model` sets `config.use_cache = False`), attentio
 transformers is imported lazily: this module imports without it.
 """
 
+import functools
 import math
 
 import torch
@@ -87,8 +88,8 @@ import torch.distributed as dist
 from ..errors import HexiseqError, InvalidArgumentError, UnsupportedError
 from ..runtime.documents import DOCUMENTS_KWARG
 
-__all__ = ["patch_model", "unpatch_model", "shard_inputs", "sharded_causal_lm_loss", "documents_from_position_ids",
-           "ATTN_IMPLEMENTATION", "DOCUMENTS_KWARG"]
+__all__ = ["patch_model", "unpatch_model", "shard_inputs", "sharded_causal_lm_loss", "sharded_causal_lm_loss_from_hidden",
+           "documents_from_position_ids", "ATTN_IMPLEMENTATION", "DOCUMENTS_KWARG"]
 
 ATTN_IMPLEMENTATION = "hexiseq"
 # DOCUMENTS_KWARG (imported above, with the runtime's documents, whose batch passes set it too): the model keyword
@@ -309,6 +310,12 @@ def patch_model(model, plan, group=None):
     (see the module's docstring). The logits are those of the rank's tokens; `sharded_causal_lm_loss` turns them
     into the global loss. `config.use_cache` is set to False (no KV caches / generation while patched).
 
+    Memory features: where the plan chose them for this rank's device (`plan.memory_features(rank)`), each decoder
+    layer's MLP is wrapped in hexiseq.nn.TiledMLP, and its checkpoint keeps its input in host memory
+    (hexiseq.nn.offloaded_checkpoint; where any device offloads, every rank's model checkpoints, enabled
+    non-reentrant when it was off, since the recompute repeats the attention's collectives). A tiled loss is the
+    caller's: `sharded_causal_lm_loss_from_hidden` on the decoder's output. unpatch_model undoes all of it.
+
     Raises InvalidArgumentError when the model's num_attention_heads / num_key_value_heads differ from
     plan.model.heads / kv_heads, UnsupportedError for a model whose attention does not follow the
     AttentionInterface pattern or that uses something HexiSeq does not execute (dropout). Tested with transformers
@@ -374,7 +381,67 @@ def patch_model(model, plan, group=None):
         model.config.use_cache = False
     model._hexiseq_context = context
     model._hexiseq_saved = state
+    if batch_context is None:
+        state["memory"] = _apply_memory_features(model, plan, context.rank)
     return model
+
+
+def _apply_memory_features(model, plan, rank):
+    """What the plan chose for this rank's device to fit its memory (plan.memory_features): each decoder layer's
+    MLP wrapped in hexiseq.nn.TiledMLP, and its checkpoint made an offloaded one (hexiseq.nn.offloaded_checkpoint).
+    Where any device offloads, every rank checkpoints (enabled, non-reentrant, where it was not): a checkpoint's
+    recompute calls the attention layer's collectives again, so the ranks must recompute alike. Returns what to
+    undo."""
+    from ..runtime.offload import OffloadCheckpoints, offloaded_checkpoint
+    from ..runtime.tiled import TiledMLP
+
+    chosen = plan.memory_features(rank)
+    layers = [m for _, m in _decoder_layers(model)]
+    undo = {"mlp": [], "checkpoint": [], "enabled": False}
+    if chosen["mlp_tiles"] > 1:
+        for layer in layers:
+            mlp = getattr(layer, "mlp", None)
+            if isinstance(mlp, torch.nn.Module) and not isinstance(mlp, TiledMLP):
+                layer.mlp = TiledMLP(mlp, chosen["mlp_tiles"])
+                undo["mlp"].append((layer, mlp))
+    if any(plan.memory_features(d)["offload"] for d in range(plan.cluster.num_devices)):
+        if not any(getattr(layer, "gradient_checkpointing", False) for layer in layers):
+            enable = getattr(model, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:  # pragma: no cover (transformers before activation_checkpointing_enable)
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            undo["enabled"] = True
+    if chosen["offload"]:
+        offloader = OffloadCheckpoints()
+        model._hexiseq_offloader = offloader
+        for layer in layers:
+            undo["checkpoint"].append((layer, layer.__dict__.get("_gradient_checkpointing_func")))
+            layer._gradient_checkpointing_func = functools.partial(offloaded_checkpoint, offloader=offloader)
+    return undo
+
+
+def _restore_memory_features(model, undo):
+    for layer, mlp in undo["mlp"]:
+        layer.mlp = mlp
+    for layer, fn in undo["checkpoint"]:
+        if fn is None:
+            layer.__dict__.pop("_gradient_checkpointing_func", None)
+        else:
+            layer._gradient_checkpointing_func = fn
+    if undo["enabled"]:
+        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        disable()
+    model.__dict__.pop("_hexiseq_offloader", None)
+
+
+def _decoder_layers(model):
+    """The model's checkpointable decoder layers (transformers' GradientCheckpointingLayer), by name."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # pragma: no cover (older transformers)
+        return []
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def _set_attn_implementation(model, impl):
@@ -392,6 +459,8 @@ def unpatch_model(model):
     state = getattr(model, "_hexiseq_saved", None)
     if state is None:
         return model
+    if "memory" in state:
+        _restore_memory_features(model, state["memory"])
     for _, m in _attention_modules(model):
         for attr in (_CTX, _CHECK_POS):
             if hasattr(m, attr):
@@ -526,37 +595,70 @@ def sharded_causal_lm_loss(logits, labels_full, plan, rank=None, group=None, ign
 
     Precision: computed in float32 for half-precision logits and in float64 for float64 logits (transformers'
     own loss casts to float32 even for float64 models)."""
+    return _sharded_loss(logits, None, labels_full, plan, rank, group, ignore_index, None)
+
+
+def sharded_causal_lm_loss_from_hidden(hidden, head_weight, labels_full, plan, rank=None, group=None,
+                                       ignore_index: int = -100, tiles=None):
+    """sharded_causal_lm_loss from this rank's last hidden states and the LM head's weight, the logits computed a
+    tile of tokens at a time and recomputed in the backward (hexiseq.nn.tiled_cross_entropy): one tile's logits in
+    memory instead of [s_r, vocab]. hidden: [1, s_r, hidden_size] (the decoder's output, e.g.
+    `model.model(**inputs).last_hidden_state`); head_weight: [vocab, hidden_size] (`model.lm_head.weight`; a model
+    that soft-caps its logits needs the logits and sharded_causal_lm_loss). tiles: None for what the plan chose for
+    this rank's device (`plan.memory_features(rank)["loss_tiles"]`, 1 where it chose no tiling), else a count.
+    Collective and exact as sharded_causal_lm_loss (up to the order of the sums over tiles)."""
+    return _sharded_loss(hidden, head_weight, labels_full, plan, rank, group, ignore_index, tiles)
+
+
+def _sharded_loss(x, head_weight, labels_full, plan, rank, group, ignore_index, tiles):
+    """The two losses above: x is the logits (head_weight None) or the hidden states."""
     import torch.nn.functional as F
 
     from ..runtime.comm import plan_code
+    from ..runtime.tiled import tiled_cross_entropy
 
     rank = _rank(plan, rank, group)
     group = group if group is not None else dist.group.WORLD
+    what = "logits" if head_weight is None else "hidden"
+    width = "vocab" if head_weight is None else "hidden_size"
 
     def check():
         if not isinstance(labels_full, torch.Tensor) or labels_full.dim() != 2 or labels_full.shape[1] != plan.seq_len:
             raise InvalidArgumentError(f"labels_full must be [batch, {plan.seq_len}] (the full sequence), "
                                        f"got {_shape_words(labels_full)}")
-        if not isinstance(logits, torch.Tensor):
-            raise InvalidArgumentError(f"logits must be a [batch, tokens, vocab] tensor, got {type(logits).__name__}")
-        shifted = F.pad(labels_full.to(logits.device), (0, 1), value=ignore_index)[:, 1:]
+        if not isinstance(x, torch.Tensor):
+            raise InvalidArgumentError(f"{what} must be a [batch, tokens, {width}] tensor, got {type(x).__name__}")
+        if head_weight is not None and (not isinstance(head_weight, torch.Tensor) or head_weight.dim() != 2
+                                        or x.dim() != 3 or head_weight.shape[1] != x.shape[-1]):
+            raise InvalidArgumentError(f"head_weight must be a [vocab, {x.shape[-1] if x.dim() else '?'}] tensor "
+                                       f"(the LM head's weight), got {_shape_words(head_weight)}")
+        if head_weight is not None and x.dim() == 3 and x.shape[0] != 1:
+            raise InvalidArgumentError(f"hidden must be [1, tokens, hidden_size] (one sequence), got {list(x.shape)}")
+        if tiles is not None and (isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1):
+            raise InvalidArgumentError(f"tiles must be a positive integer or None, got {tiles!r}")
+        shifted = F.pad(labels_full.to(x.device), (0, 1), value=ignore_index)[:, 1:]
         mine = plan.shard(shifted, 1, rank)
-        lg = logits
+        lg = x
         if mine.shape[1] == 0 and lg.dim() == 3 and lg.shape[1] == 1:
             lg = lg[:, :0] + lg.sum() * 0   # a parked rank's placeholder (shard_inputs), kept in the graph
         if lg.dim() != 3 or lg.shape[:2] != mine.shape:
-            raise InvalidArgumentError(f"logits must be [batch, tokens, vocab] = [{mine.shape[0]}, {mine.shape[1]}, "
-                                       f"vocab] on rank {rank}, got {list(lg.shape)}")
+            raise InvalidArgumentError(f"{what} must be [batch, tokens, {width}] = [{mine.shape[0]}, {mine.shape[1]}, "
+                                       f"{width}] on rank {rank}, got {list(lg.shape)}")
         return lg, shifted, mine
 
     # the ranks agree on the plan, the batch and ignore_index, and learn of any rank's refusal, before the
     # all_reduce below (a rank that raised alone would leave the others waiting in it)
     batch = labels_full.shape[0] if isinstance(labels_full, torch.Tensor) and labels_full.dim() == 2 else -1
-    logits, shifted, mine = _agreed(group, ("plan", "batch", "ignore_index"),
-                                    (plan_code(plan), batch, int(ignore_index)), check)
-    acc = torch.promote_types(logits.dtype, torch.float32)
-    local = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(acc), mine.reshape(-1),
-                            ignore_index=ignore_index, reduction="sum")
+    x, shifted, mine = _agreed(group, ("plan", "batch", "ignore_index"),
+                               (plan_code(plan), batch, int(ignore_index)), check)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    if head_weight is None:
+        local = F.cross_entropy(x.reshape(-1, x.shape[-1]).to(acc), mine.reshape(-1), ignore_index=ignore_index,
+                                reduction="sum")
+    else:
+        n = tiles if tiles is not None else plan.memory_features(rank)["loss_tiles"]
+        local = tiled_cross_entropy(x[0], head_weight, mine[0], max(1, min(n, x.shape[1])),
+                                    ignore_index=ignore_index).to(acc)
     count = (shifted != ignore_index).sum().to(acc)   # same on every rank: no communication
     total = local.detach().clone()
     dist.all_reduce(total, group=group)

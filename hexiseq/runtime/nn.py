@@ -29,7 +29,7 @@ from ..errors import InvalidArgumentError, UnsupportedError
 from .topology import Topology
 
 __all__ = ["HexiSeqAttention", "HexiSeqContext", "hexiseq_attn_func", "gather_sequence", "BatchContext", "BatchStep",
-           "Pass", "BatchAttention", "TiledMLP", "tiled_cross_entropy"]
+           "Pass", "BatchAttention", "TiledMLP", "tiled_cross_entropy", "OffloadCheckpoints", "offloaded_checkpoint"]
 
 _live_contexts = weakref.WeakSet()
 
@@ -290,12 +290,14 @@ def gather_sequence(x, plan, dim: int = 1, group=None):
 
 
 _LAZY = {"BatchAttention": "batch", "BatchContext": "batch", "BatchStep": "batch", "Pass": "batch",
-         "TiledMLP": "tiled", "tiled_cross_entropy": "tiled"}
+         "TiledMLP": "tiled", "tiled_cross_entropy": "tiled", "OffloadCheckpoints": "offload",
+         "offloaded_checkpoint": "offload"}
 
 
 def __getattr__(name):
-    """The public names of the batch runtime (hexiseq.runtime.batch, which builds on this module) and of the tiled
-    token-local work (hexiseq.runtime.tiled), loaded on first use so that any of the modules may be imported first."""
+    """The public names of the batch runtime (hexiseq.runtime.batch, which builds on this module), of the tiled
+    token-local work (hexiseq.runtime.tiled) and of the offloaded checkpoints (hexiseq.runtime.offload), loaded on
+    first use so that any of the modules may be imported first."""
     if name in _LAZY:
         import importlib
 
