@@ -185,6 +185,21 @@ def _gemm_curve(model: Model, rows_list, device, dtype, iters, warmup, barrier, 
     return curve
 
 
+def _host_link_rate(device, nbytes, iters, warmup, barrier):
+    """GB/s per direction of the device's host link as offloaded checkpoints use it: asynchronous copies between a
+    pinned host buffer and the device, the slower of the two directions, every rank at once (the devices of a node
+    offload together and may share a switch). None off CUDA (a CPU rank has no host link)."""
+    torch, _ = _torch()
+    barrier()
+    if device.type != "cuda":
+        return None
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    out = _seconds(lambda: host.copy_(dev, non_blocking=True), device, iters, warmup)
+    back = _seconds(lambda: dev.copy_(host, non_blocking=True), device, iters, warmup)
+    return nbytes / max(out, back) / 1e9
+
+
 def _mem_bound_rate(model: Model, rows, device, dtype, iters, warmup, barrier, progress):
     """GB/s of the bytes the cost model counts for a layer's memory-bound work (csrc/model/cost_terms.h:
     layer_mem_elems_per_token elements of the dtype per token, 3 passes for forward + backward), timed on `rows`
@@ -591,6 +606,8 @@ def _build_cluster(rows, bw, lat, pairs_note, a2a, meta, tolerance) -> Cluster:
             entry["memory_gib"] = spec["memory_gib"] if same else round(rows[r]["memory_gib"], 3)
             mem_bound = statistics.median(rows[x]["mem_bound_gbps"] for x in rs) if same else rows[r]["mem_bound_gbps"]
             entry["mem_bound_gbps"] = float(f"{mem_bound:.6g}")
+            if rows[r].get("host_gbps"):  # CUDA ranks: pinned copies to and from the host
+                entry["host_gbps"] = float(f"{rows[r]['host_gbps']:.6g}")
             devices[r] = entry
     spec = {"nodes": node_specs, "devices": devices}
     inter = [bw[a][b] for a in range(world) for b in range(world) if a != b and node_of[a] != node_of[b]]
@@ -711,6 +728,7 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
                f"{', '.join(map(str, _runtime_sizes(blocks)))} tokens per rank")
     runtime, runtime_a2a, runtime_ring = _runtime_curves(model, _runtime_sizes(blocks), dt, group, world, rank,
                                                          global_of, iters, warmup, prog)
+    host_gbps = _host_link_rate(device, message_bytes, iters, warmup, barrier)
     local = sum(1 for h in hosts if h == host)
     memory = _free_memory_gib(device, local)
 
@@ -737,6 +755,7 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
     row = {"host": host, "gpu": device_name(device), "memory_gib": memory, "gemm": gemm, "attn": full,
            "attn_causal": diag, "attn_document": packed, "runtime": runtime, "runtime_a2a": runtime_a2a,
            "runtime_ring": runtime_ring, "block_backends": backends, "mem_bound_gbps": mem_bound,
+           "host_gbps": host_gbps,
            "links": {p: (l, b) for p, (l, b) in mine.items()},
            "a2a": [t for _, t in a2a]}
     rows = [None] * world
