@@ -308,14 +308,17 @@ def cmd_measure(args) -> int:
 
 
 def cmd_gpus(args) -> int:
-    print(f"{'model':<10} {'also':<18} {'TFLOP/s':>8} {'GiB':>6} {'HBM GB/s':>9} {'gemm eff':>9} {'attn eff':>9}  source")
+    print(f"{'model':<10} {'also':<18} {'TFLOP/s':>8} {'GiB':>6} {'HBM GB/s':>9} {'gemm eff':>9} {'attn eff':>9} "
+          f"{'host GB/s':>9}  source")
     for g in gpu_catalog():
         also = ", ".join(g["aliases"]) or "-"
         print(f"{g['name']:<10} {also:<18} {g['peak_tflops']:>8.1f} {g['memory_gib']:>6.1f} {g['hbm_gbps']:>9.0f} "
-              f"{g['gemm_eff']:>9.2f} {g['attn_eff']:>9.2f}  {g['source']}")
+              f"{g['gemm_eff']:>9.2f} {g['attn_eff']:>9.2f} {g['host_gbps']:>9.0f}  {g['source']}")
     print("\nThe attention kernel each attn eff stands for:")
     for g in gpu_catalog():
         print(f"  {g['name']:<12} {g['attn_kernel']}")
+    print("\nhost GB/s: the host link per direction (PCIe generation x16, datasheet); offloaded checkpoints are "
+          "priced at 0.8 of it unless calibrate measured the link.")
     print("\nNames are case-insensitive; 'also' lists the short names read as the model on their line (a Cluster "
           "stores the catalog name). A model not listed is accepted when described: memory_gib with peak_tflops, "
           "gemm_eff and attn_eff, or measured rates (hexiseq calibrate).")

@@ -23,7 +23,8 @@ MAX_CURVE_POINTS = 16  # the core's HEXISEQ_MAX_CURVE
 
 def gpu_catalog():
     """The built-in GPU catalog: a list of dicts (name, aliases, peak_tflops, memory_gib, hbm_gbps, gemm_eff,
-    attn_eff, source); `aliases` are the short names that also mean the model (e.g. "H100" for H100-SXM)."""
+    attn_eff, source, attn_kernel, host_gbps: the host link per direction); `aliases` are the short names that also
+    mean the model (e.g. "H100" for H100-SXM)."""
     return _core.gpu_catalog()
 
 
