@@ -1,6 +1,7 @@
 /* Cost term: memory per device (model states under each sharding, activations, attention tensors, ring
  * buffers), and the coefficients the scheduler's water-filling reads. */
 #include <math.h>
+#include <stddef.h>
 
 #include "cost_terms.h"
 
@@ -126,7 +127,12 @@ void hexiseq_memory_choose(const cost_ctx *x, int32_t r, int32_t kv_n, const hex
     hexiseq_device_cost best = *out, trial;
     double best_extra = INFINITY;
     int best_fits = 0;
-    for (int32_t f = 1; f <= HEXISEQ_MEMORY_FEATURES_ALL; ++f) { /* in order: ties keep the fewer features */
+    /* one feature, then two, then three: ties keep the fewer */
+    static const int32_t order[] = {HEXISEQ_OFFLOAD, HEXISEQ_TILE_MLP, HEXISEQ_TILE_LOSS,
+                                    HEXISEQ_OFFLOAD | HEXISEQ_TILE_MLP, HEXISEQ_OFFLOAD | HEXISEQ_TILE_LOSS,
+                                    HEXISEQ_TILE_MLP | HEXISEQ_TILE_LOSS, HEXISEQ_MEMORY_FEATURES_ALL};
+    for (size_t i = 0; i < sizeof order / sizeof order[0]; ++i) {
+        int32_t f = order[i];
         if (f & ~allowed)
             continue;
         trial = *out;
