@@ -108,8 +108,9 @@ def test_the_plan_says_what_each_device_uses():
     none = hexiseq.evaluate(plan.cluster, model=MODEL, seq_len=48, layout=LAYOUT,
                             training=dataclasses.replace(TRAINING, memory_features="none"))
     assert not none.fits and none.devices.features.tolist() == ["", ""]
-    with pytest.raises(InvalidArgumentError, match="device must be one of the plan's devices"):
-        plan.memory_features(2)
+    for bad in (2, -1, "1", True, 1.0):
+        with pytest.raises(InvalidArgumentError, match="device must be one of the plan's devices"):
+            plan.memory_features(bad)
     # written and read back; a plan file without the field (older ones) means none and keeps its fingerprint
     back = hexiseq.Plan.from_json(plan.to_json())
     assert back.fingerprint == plan.fingerprint and back.devices.features.tolist() == ["", "offload"]
@@ -165,6 +166,7 @@ def test_hf_model_runs_what_the_plan_chose(tmp_path):
     assert r0["tiled_mlp"] == ["TiledMLP"] * 4 and "saved" not in r0
     assert r0["checkpointing"] == [True] * 4  # every rank recomputes alike (the attention's collectives)
     assert r1["tiled_mlp"] == ["LlamaMLP"] * 4 and r1["checkpointing"] == [True] * 4
+    assert r1["reset"] == ["checkpoint"] * 4  # what keep_offloading then replaced (saved == 4 shows it did)
     assert r1["saved"] == 4 and r1["host_bytes"] == round(float(plan.devices.mem_host_gib[1]) * GIB)
     assert r1["host_bytes_after"] == 0
     assert r0["restored"] == r1["restored"] == ["LlamaMLP"] * 4 + [False] * 4

@@ -89,7 +89,7 @@ from ..errors import HexiseqError, InvalidArgumentError, UnsupportedError
 from ..runtime.documents import DOCUMENTS_KWARG
 
 __all__ = ["patch_model", "unpatch_model", "shard_inputs", "sharded_causal_lm_loss", "sharded_causal_lm_loss_from_hidden",
-           "documents_from_position_ids", "ATTN_IMPLEMENTATION", "DOCUMENTS_KWARG"]
+           "keep_offloading", "documents_from_position_ids", "ATTN_IMPLEMENTATION", "DOCUMENTS_KWARG"]
 
 ATTN_IMPLEMENTATION = "hexiseq"
 # DOCUMENTS_KWARG (imported above, with the runtime's documents, whose batch passes set it too): the model keyword
@@ -419,6 +419,22 @@ def _apply_memory_features(model, plan, rank):
             undo["checkpoint"].append((layer, layer.__dict__.get("_gradient_checkpointing_func")))
             layer._gradient_checkpointing_func = functools.partial(offloaded_checkpoint, offloader=offloader)
     return undo
+
+
+def keep_offloading(model):
+    """Put the offloading checkpoint back on every decoder layer of a model patch_model made offload, if something
+    set the layers' checkpoint function again since (transformers' Trainer enables checkpointing itself when
+    TrainingArguments(gradient_checkpointing=True), at the start of train()). Cheap; hexiseq.trainer calls it every
+    step. A no-op for a model that does not offload."""
+    from ..runtime.offload import offloaded_checkpoint
+
+    offloader = getattr(model, "_hexiseq_offloader", None)
+    if offloader is None:
+        return
+    for _, layer in _decoder_layers(model):
+        fn = layer.__dict__.get("_gradient_checkpointing_func")
+        if not (isinstance(fn, functools.partial) and fn.func is offloaded_checkpoint):
+            layer._gradient_checkpointing_func = functools.partial(offloaded_checkpoint, offloader=offloader)
 
 
 def _restore_memory_features(model, undo):

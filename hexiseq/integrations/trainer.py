@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from ..errors import InvalidArgumentError, UnsupportedError
-from .hf import patch_model, shard_inputs, sharded_causal_lm_loss
+from .hf import keep_offloading, patch_model, shard_inputs, sharded_causal_lm_loss
 
 try:
     import transformers
@@ -118,6 +118,7 @@ class HexiSeqTrainer(transformers.Trainer):
             # refused on every rank alike: every rank reads the same batch
             raise UnsupportedError("HexiSeqTrainer: an attention_mask with zeros (padding) is not supported; pad "
                                    "with tokens the labels ignore (-100) or pack the sequences instead")
+        keep_offloading(self.model)  # train() may have set the layers' checkpoint function again
         sharded = shard_inputs(input_ids, plan, group=group, position_ids=inputs.get("position_ids"))
         outputs = model(**sharded)
         loss = sharded_causal_lm_loss(outputs.logits, labels, plan, group=group)

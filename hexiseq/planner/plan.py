@@ -341,8 +341,9 @@ class Plan:
         (activation checkpoints to host memory), "mlp_tiles": int, "loss_tiles": int} (1: untiled; else tiles of
         about hexiseq's tile size, ceil(tokens / TILE_TOKENS)). hexiseq.hf.patch_model applies it."""
         t = self.devices
-        rows = np.flatnonzero(t.device == device)
-        if isinstance(device, bool) or not isinstance(device, (int, np.integer)) or len(rows) != 1:
+        ok = not isinstance(device, bool) and isinstance(device, (int, np.integer))
+        rows = np.flatnonzero(t.device == int(device)) if ok else []
+        if len(rows) != 1:
             raise InvalidArgumentError(f"device must be one of the plan's devices 0..{len(t) - 1}, got {device!r}")
         i = int(rows[0])
         names = t.features[i].split("+") if t.features[i] else []

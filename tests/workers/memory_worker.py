@@ -65,6 +65,10 @@ def run(rank, world, init, plan_json, forced, seed, results):
         report = {"chosen": chosen,
                   "tiled_mlp": [type(m.mlp).__name__ for m in layers],
                   "checkpointing": [bool(m.gradient_checkpointing) for m in layers]}
+        if chosen["offload"]:  # as transformers' Trainer does at train(): the plain checkpoint set again, then put back
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            report["reset"] = [m._gradient_checkpointing_func.func.__name__ for m in layers]
+            hf.keep_offloading(model)
         hidden = model.model(**hf.shard_inputs(ids, plan, rank)).last_hidden_state
         offloader = getattr(model, "_hexiseq_offloader", None)
         if offloader is not None:
