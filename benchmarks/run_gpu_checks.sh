@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU session checks of the CUDA attention kernels and the NCCL runtime, run from the repo root on a GPU machine:
-#   bash benchmarks/run_gpu_checks.sh [steps]      steps: any of build tests split sanitize accept bench variants gqa backends calibrate runtime profile
+#   bash benchmarks/run_gpu_checks.sh [steps]      steps: any of build tests split sanitize accept bench variants gqa backends calibrate runtime memory profile
 #                                                 (default: all, in that order)
 # Builds hexiseq in place with nvcc (no package index needed), runs the CUDA, CPU-op and block-path tests (the runtime on a
 # one-rank NCCL group among them), compute-sanitizer memcheck/racecheck/synccheck on forward, backward and merge at
@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 RESULTS=${OUT:-benchmarks/results/gpu}
 mkdir -p "$RESULTS"
 exec > >(tee "$RESULTS/gpu_checks.log") 2>&1
-STEPS=${*:-build tests split sanitize accept bench variants gqa backends calibrate runtime profile}
+STEPS=${*:-build tests split sanitize accept bench variants gqa backends calibrate runtime memory profile}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 status=0
@@ -143,6 +143,11 @@ fi
 if want runtime; then
     step "the runtime on a one-rank NCCL group, per block implementation, vs SDPA flash"
     timeout 200 python benchmarks/bench_runtime_gpu.py --out "$RESULTS/runtime_gpu.md" || note_fail $?
+fi
+
+if want memory; then
+    step "memory features: peak memory saved (measured vs the cost model) and their time, one GPU"
+    timeout 200 python benchmarks/gpu_memory_features.py --out "$RESULTS/memory_features.md" || note_fail $?
 fi
 
 if want profile; then
