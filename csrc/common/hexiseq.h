@@ -479,6 +479,13 @@ HEXISEQ_API hexiseq_status hexiseq_batch_assign(const hexiseq_batch_problem *p, 
 HEXISEQ_API hexiseq_status hexiseq_batch_assign_quick(const hexiseq_batch_problem *p, double time_limit_s,
                                                       int32_t *group_of, double *group_time_s,
                                                       hexiseq_batch_result *result);
+/* hexiseq_batch_assign_quick from its first start only (the greedy placement costliest first) with at most
+ * max_rounds (>= 1) rounds of local search instead of a time limit: the same result on every machine and every run,
+ * whatever its load (a time limit stops after however many rounds the clock allowed). For ranking candidate
+ * groupings where every rank of a job must choose alike. */
+HEXISEQ_API hexiseq_status hexiseq_batch_assign_rounds(const hexiseq_batch_problem *p, int64_t max_rounds,
+                                                       int32_t *group_of, double *group_time_s,
+                                                       hexiseq_batch_result *result);
 
 #ifdef __cplusplus
 }

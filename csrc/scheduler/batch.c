@@ -80,6 +80,7 @@ typedef struct {
     int32_t *order;            /* [N] sequences in placement order */
     double *cheapest_s;        /* [N] min over the groups that can hold it of its cost, seconds */
     double deadline_s;         /* monotonic clock; INFINITY: no limit */
+    int64_t max_rounds;        /* rounds of one local search at most, beside its own cap; 0: its own cap only */
     int64_t swap_budget;       /* swap candidates the local search may still scan (SWAP_WORK in all) */
 } batch_state;
 
@@ -393,7 +394,9 @@ static int64_t local_search(batch_state *s) {
     const int32_t G = s->G, N = s->N;
     const double *cost = s->cost_s;
     const int64_t *tok = s->tokens;
-    const int64_t cap_rounds = 50 * (int64_t)N + 1000;
+    int64_t cap_rounds = 50 * (int64_t)N + 1000;
+    if (s->max_rounds > 0 && s->max_rounds < cap_rounds)
+        cap_rounds = s->max_rounds;
     int64_t rounds = 0, pair_budget = PAIR_BUDGET;
     while (rounds < cap_rounds) {
         if (isfinite(s->deadline_s) && rounds % POLL_ROUNDS == 0 && rounds > 0 && hexiseq_now_s() >= s->deadline_s)
@@ -484,7 +487,7 @@ static hexiseq_status heuristic(batch_state *s, double lower_bound_s, int32_t *k
                                 double *group_time_s, int64_t *rounds) {
     double best_s = INFINITY;
     *rounds = 0;
-    for (int start = 0; start < 2; ++start) {
+    for (int start = 0; start < (s->max_rounds > 0 ? 1 : 2); ++start) { /* a count of rounds: the first start only */
         if (best_s <= lower_bound_s * (1.0 + IMPROVE_REL) ||
             (start > 0 && isfinite(best_s) && isfinite(s->deadline_s) && hexiseq_now_s() >= s->deadline_s))
             break;
@@ -656,14 +659,16 @@ static double lower_bound(const batch_state *s, int32_t max_steps, double *weigh
 
 /* quick: neither the exhaustive search nor the weight search of the lower bound (one weighted evaluation only). */
 static hexiseq_status batch_assign(const hexiseq_batch_problem *p, double time_limit_s, int allow_exhaustive,
-                                   int quick, int32_t *group_of, double *group_time_s, hexiseq_batch_result *result) {
+                                   int quick, int64_t max_rounds, int32_t *group_of, double *group_time_s,
+                                   hexiseq_batch_result *result) {
     hexiseq_clear_error();
     HEXISEQ_CHECK(batch_check(p, time_limit_s, group_of, group_time_s, result));
     const int32_t G = p->n_groups, N = p->n_seqs;
     memset(result, 0, sizeof *result);
     batch_state s = {.G = G, .N = N, .cost_s = p->cost_s, .fixed_s = p->fixed_s, .tokens = p->tokens,
                      .capacity = p->capacity, .group_of = group_of,
-                     .swap_budget = SWAP_WORK, .deadline_s = time_limit_s > 0 ? hexiseq_now_s() + time_limit_s : INFINITY};
+                     .swap_budget = SWAP_WORK, .max_rounds = max_rounds,
+                     .deadline_s = time_limit_s > 0 ? hexiseq_now_s() + time_limit_s : INFINITY};
     size_t nG = (size_t)G, nN = (size_t)N + 1;
     s.load_s = malloc(nG * sizeof *s.load_s);
     s.used = malloc(nG * sizeof *s.used);
@@ -739,15 +744,24 @@ done:
 
 hexiseq_status hexiseq_batch_assign(const hexiseq_batch_problem *p, double time_limit_s, int32_t *group_of,
                                     double *group_time_s, hexiseq_batch_result *result) {
-    return batch_assign(p, time_limit_s, 1, 0, group_of, group_time_s, result);
+    return batch_assign(p, time_limit_s, 1, 0, 0, group_of, group_time_s, result);
 }
 
 hexiseq_status hexiseq_batch_assign_quick(const hexiseq_batch_problem *p, double time_limit_s, int32_t *group_of,
                                           double *group_time_s, hexiseq_batch_result *result) {
-    return batch_assign(p, time_limit_s, 0, 1, group_of, group_time_s, result);
+    return batch_assign(p, time_limit_s, 0, 1, 0, group_of, group_time_s, result);
 }
 
 hexiseq_status hexiseq_batch_assign_heuristic(const hexiseq_batch_problem *p, double time_limit_s,
                                               int32_t *group_of, double *group_time_s, hexiseq_batch_result *result) {
-    return batch_assign(p, time_limit_s, 0, 0, group_of, group_time_s, result);
+    return batch_assign(p, time_limit_s, 0, 0, 0, group_of, group_time_s, result);
+}
+
+hexiseq_status hexiseq_batch_assign_rounds(const hexiseq_batch_problem *p, int64_t max_rounds, int32_t *group_of,
+                                           double *group_time_s, hexiseq_batch_result *result) {
+    if (max_rounds < 1) {
+        hexiseq_clear_error();
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "max_rounds must be >= 1, got %lld", (long long)max_rounds);
+    }
+    return batch_assign(p, 0.0, 0, 1, max_rounds, group_of, group_time_s, result);
 }

@@ -738,16 +738,18 @@ done:
     return result;
 }
 
-/* batch_assign(cost [G, N] float64, fixed [G] or None, tokens [N] int64, capacity [G] or None, time_limit_s[, quick])
- *   -> (group_of int32 [N], group_time_s [G], {makespan_s, lower_bound_s, exact, iterations}): hexiseq_batch_assign,
- *   or hexiseq_batch_assign_quick when quick is true.
+/* batch_assign(cost [G, N] float64, fixed [G] or None, tokens [N] int64, capacity [G] or None, time_limit_s[, quick
+ *   [, rounds]]) -> (group_of int32 [N], group_time_s [G], {makespan_s, lower_bound_s, exact, iterations}):
+ *   hexiseq_batch_assign, or hexiseq_batch_assign_quick when quick is true, or hexiseq_batch_assign_rounds when
+ *   rounds > 0 (no time limit then).
  * The cost matrix may hold inf where a group cannot run a sequence. */
 static PyObject *core_batch_assign(PyObject *module, PyObject *args) {
     PyObject *cost_obj, *fixed_obj, *tokens_obj, *cap_obj;
     double time_limit_s;
     int quick = 0;
-    if (!PyArg_ParseTuple(args, "OOOOd|p:batch_assign", &cost_obj, &fixed_obj, &tokens_obj, &cap_obj, &time_limit_s,
-                          &quick))
+    long long rounds = 0;
+    if (!PyArg_ParseTuple(args, "OOOOd|pL:batch_assign", &cost_obj, &fixed_obj, &tokens_obj, &cap_obj, &time_limit_s,
+                          &quick, &rounds))
         return NULL;
     PyObject *result = NULL;
     PyArrayObject *cost = NULL, *fixed = NULL, *tokens = NULL, *cap = NULL, *group_of = NULL, *group_time = NULL;
@@ -779,8 +781,13 @@ static PyObject *core_batch_assign(PyObject *module, PyObject *args) {
     hexiseq_batch_result r;
     hexiseq_status s;
     Py_BEGIN_ALLOW_THREADS
-    s = (quick ? hexiseq_batch_assign_quick : hexiseq_batch_assign)(&p, time_limit_s, (int32_t *)PyArray_DATA(group_of),
-                                                                    (double *)PyArray_DATA(group_time), &r);
+    if (rounds > 0)
+        s = hexiseq_batch_assign_rounds(&p, (int64_t)rounds, (int32_t *)PyArray_DATA(group_of),
+                                        (double *)PyArray_DATA(group_time), &r);
+    else
+        s = (quick ? hexiseq_batch_assign_quick : hexiseq_batch_assign)(&p, time_limit_s,
+                                                                        (int32_t *)PyArray_DATA(group_of),
+                                                                        (double *)PyArray_DATA(group_time), &r);
     Py_END_ALLOW_THREADS
     if (s != HEXISEQ_OK) {
         raise_status(module, s);

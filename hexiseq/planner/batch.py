@@ -535,7 +535,10 @@ class BatchPlanner:
         for k, kind in enumerate(self._kinds_list):
             share = float(total.sum()) * self._kind_size[k] / n  # its devices' share of the batch
             row, f, b = kind.price(flat, owner, len(total), (expect or {}).get(id(kind), share))
-            rows[k], f_k[k], cap_k[k], base_k[k] = row * kind.correction, f * kind.correction, max(kind.longest, 1), b
+            # one pass holds what fits without memory features, unless the batch has a sequence only they let the
+            # kind hold (their cost is priced as if absent: the linear pricing is made without them)
+            hold = kind.longest if int(total.max(initial=0)) > kind.anchor else kind.anchor
+            rows[k], f_k[k], cap_k[k], base_k[k] = row * kind.correction, f * kind.correction, max(hold, 1), b
             rows[k][total > kind.longest] = math.inf
         return _Rows(rows, self._kind_of), f_k[self._kind_of], cap_k[self._kind_of], \
             [base_k[k] for k in self._kind_of]
@@ -658,7 +661,7 @@ class BatchPlanner:
                 kind.correction, moved = new, True
         return moved
 
-    def _assign(self, total, cost, fixed, cap, rows, limit, quick=True):
+    def _assign(self, total, cost, fixed, cap, rows, limit, quick=True, rounds=0):
         """(group_of, times, info, passes) of the cut `rows`: every group runs what it holds as one packed pass of
         at most its capacity, or, when the batch does not fit so, in `passes` such passes each; None when no
         assignment is found."""
@@ -666,7 +669,7 @@ class BatchPlanner:
         passes = max(1, -(-int(total.sum()) // int(cap[rows].sum())))
         while passes <= 1024:
             try:
-                out = _core.batch_assign(c, fixed[rows] * passes, total, cap[rows] * passes, limit, quick)
+                out = _core.batch_assign(c, fixed[rows] * passes, total, cap[rows] * passes, limit, quick, rounds)
                 return out + (passes,)
             except MemoryFitError:
                 passes *= 2
@@ -679,9 +682,13 @@ class BatchPlanner:
         C = len(self.groups)
         scored = {}
 
-        def score(cut, limit=1e-4):  # the greedy placement and a moment of local search: enough to rank cuts
+        # the greedy placement and a few rounds of local search: enough to rank cuts. A count of rounds, not a time
+        # limit: every rank of a job plans its steps itself and must choose the same cut whatever its load
+        rank_rounds = max(1, min(4, 1000 // max(len(total), 1)))
+
+        def score(cut):
             rows = list(cut)
-            res = self._assign(total, cost, fixed, cap, rows, limit)
+            res = self._assign(total, cost, fixed, cap, rows, 0.0, rounds=rank_rounds)
             if res is None:
                 return math.inf, None
             step = float(res[1].max()) + self.sync_s([self.groups[r] for r in rows])

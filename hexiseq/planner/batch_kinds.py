@@ -3,6 +3,7 @@ documents leave P query-key pairs visible takes on it, priced f + a S + b P from
 for the group, and the exact score of a pass. Groups of equal description (hexiseq.planner.batch's candidate tree
 has many of them) share one _Kind, made on first use."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -43,15 +44,20 @@ class _Kind:
 
     def __init__(self, cluster, model, training, causal):
         self.cluster, self.model, self.training, self.causal = cluster, model, training, causal
-        self.longest = None
+        # the same training without memory features: where the bases are planned and priced (what the features add,
+        # tiles and copies, is not linear in the tokens; and with them a kind holds far longer sequences than a
+        # batch's passes, bases planned there would be priced far from the passes they price)
+        self.plain = dataclasses.replace(training, memory_features="none")
+        self.longest = None  # the longest sequence the kind holds (with the features): its capacity
+        self.anchor = None   # the same without them: where the bases are planned
         self._bases = {}  # scale -> [(Plan, f, a, b), ...]
         self.correction = 1.0  # exact / linear, learnt from exactly scored plans (BatchPlanner._learn)
 
-    def _fits(self, L):
+    def _fits(self, L, training):
         # the scheduler alone: plan() would also work out, for the error it raises, the longest sequence that fits
         # (a search of its own per probe, which made pricing 8,192 devices take minutes)
         try:
-            _plan_one(self.cluster, self.model, self.training, int(L), self.causal, _strategy("hexiseq"), None, None)
+            _plan_one(self.cluster, self.model, training, int(L), self.causal, _strategy("hexiseq"), None, None)
             return True
         except (MemoryFitError, UnsupportedError):
             return False
@@ -62,30 +68,40 @@ class _Kind:
     def _ensure(self):
         if self.longest is not None:
             return
-        lo = self._floor()
-        if not self._fits(lo):
-            self.longest = 0
-            return
+        self.anchor = self._longest(self.plain, self._floor())
+        if self.training.memory_features == "none":
+            self.longest = self.anchor
+        else:  # from where the plain search ended: the features only lengthen it
+            self.longest = max(self.anchor, self._longest(self.training, max(self.anchor, self._floor())))
+        if not self.anchor:
+            self.anchor = self.longest
+
+    def _longest(self, training, lo):
+        """The longest sequence (to 1/256) that fits `training`, searched up from `lo`; 0 when lo does not fit."""
+        if not self._fits(lo, training):
+            return 0
         hi = lo
-        while hi < (1 << 30) and self._fits(hi):
+        while hi < (1 << 30) and self._fits(hi, training):
             lo, hi = hi, hi * 4
         while hi - lo > max(1, lo // 256):
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self._fits(mid) else (lo, mid)
-        self.longest = lo
+            lo, hi = (mid, hi) if self._fits(mid, training) else (lo, mid)
+        return lo
 
     def bases(self, scale):
-        """The base layouts made for passes of longest / scale tokens, with their (f, a, b)."""
+        """The base layouts made for passes of anchor / scale tokens, with their (f, a, b)."""
         if scale not in self._bases:
-            S = max(self.longest // scale, self._floor())
+            S = max(self.anchor // scale, self._floor())
             out = []
             for docs in (None, _short_docs(S, self.TYPICAL)):
-                try:
-                    base = plan(self.cluster, model=self.model, seq_len=S, training=self.training,
-                                causal=self.causal, strategy="hexiseq", documents=docs)
-                    out.append((base,) + self._fit(base))
-                except (MemoryFitError, UnsupportedError):
-                    continue
+                for training in (self.plain, self.training):  # the features only where nothing fits without
+                    try:
+                        base = plan(self.cluster, model=self.model, seq_len=S, training=training,
+                                    causal=self.causal, strategy="hexiseq", documents=docs)
+                        out.append((base,) + self._fit(base))
+                        break
+                    except (MemoryFitError, UnsupportedError):
+                        continue
             self._bases[scale] = out
         return self._bases[scale]
 
@@ -105,9 +121,6 @@ class _Kind:
                 rows.append((1.0, float(n), pairs))
                 ys.append(t)
         A, y = np.array(rows), np.array(ys)
-        # relative errors: every row divided by its time, so that the short passes' fixed part is not lost in the
-        # long passes' absolute residuals (bases of groups that hold far longer sequences than a batch's)
-        A, y = A / y[:, None], np.ones_like(y)
         scale = np.abs(A).max(axis=0)
         scale[scale == 0] = 1.0
         free = [0, 1, 2]
@@ -130,7 +143,7 @@ class _Kind:
         self._ensure()
         if not self.longest:
             return np.full(n_items, math.inf), 0.0, None
-        want = self.longest / max(min(expect, self.longest), 1)
+        want = self.anchor / max(min(expect, self.anchor), 1)
         scale = min(self.SCALES, key=lambda k: abs(math.log(k) - math.log(want)))
         pairs = _pairs(flat, self.causal)
         share = min(expect / max(float(flat.sum()), 1.0), 1.0)  # of the batch, what a group of this kind can expect
