@@ -12,7 +12,7 @@ on the current stream), so the copy overlaps the next layer's forward; the devic
 is done (the caching allocator is told the side stream uses it). In the backward, unpacking a checkpoint also starts
 bringing back the one saved before it (the previous layer's), which then arrives while this layer's recompute and
 backward run. Tensors elsewhere (CPU) already live in host memory and are kept as they are. Either way the values are
-the saved ones bit for bit: the gradients are those of the plain checkpoint (tests/test_offload.py, float64).
+the saved ones bit for bit: the gradients are those of the plain checkpoint (tests/test_memory_features.py, float64).
 
 Used by hexiseq.hf.patch_model where the plan chooses offloading for the rank's device, or by hand:
 
@@ -54,7 +54,7 @@ class OffloadCheckpoints(torch.autograd.graph.saved_tensors_hooks):
             raise InvalidArgumentError(f"min_bytes must be an integer >= 0, got {min_bytes!r}")
         self.min_bytes = min_bytes
         self.host_bytes = self.peak_host_bytes = 0
-        self.saved = 0  # tensors packed so far
+        self.saved = 0  # tensors of at least one element packed so far
         self._last = None  # weak reference to the last _Saved, the previous of the next one
         self._streams = {}
         super().__init__(self._pack, self._unpack)
@@ -75,8 +75,10 @@ class OffloadCheckpoints(torch.autograd.graph.saved_tensors_hooks):
         return self._streams[device]
 
     def _pack(self, t):
-        self.saved += 1
         nbytes = t.numel() * t.element_size()
+        if nbytes == 0:  # nothing to move (some torch versions save an empty placeholder beside the inputs)
+            return t
+        self.saved += 1
         if t.device.type == "cuda" and nbytes < self.min_bytes:
             return t
         if t.device.type != "cuda":  # already in host memory: kept as it is, counted while saved
