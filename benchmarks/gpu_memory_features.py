@@ -1,17 +1,21 @@
-"""The memory features on one GPU: what each saves of the peak memory, measured, against what the cost model says it
-saves, and what it costs in time, measured against the plain checkpointed stack.
+"""The memory features on one GPU: what each saves of the peak memory, measured per phase of the step, against what
+the cost model says it saves, and what it costs in time, measured against the plain checkpointed stack.
 
 Usage (a CUDA device):  python benchmarks/gpu_memory_features.py [--tokens 32768] [--out FILE.md]
         (no GPU):       python benchmarks/gpu_memory_features.py --dry-run    (tiny sizes on the CPU: the code paths)
 
 A stack of Llama-shaped layers (RMS norm, q/k/v/o projections, SDPA causal attention, a SwiGLU MLP; bf16; hidden 2048,
 16 heads of 128, ffn 5632, 8 layers, vocab 32000) runs one forward and backward over `tokens` tokens with activation
-checkpointing per layer, four ways: plain; checkpoints offloaded (hexiseq.nn.offloaded_checkpoint); the MLP tiled
-(hexiseq.nn.TiledMLP, ceil(tokens / 4096) tiles); the loss tiled (hexiseq.nn.tiled_cross_entropy). For each:
-torch.cuda.max_memory_allocated over the step less the parameters' and gradients' bytes (measured), the cost
-model's per-token terms for the same shapes (docs/cost_model.md: offloading saves (layers - 2) H b per token, the
-tiled MLP 3 F b per token less one tile's, the tiled loss V (b + 4) per token less one tile's), and the step's wall
-time (median of 3 after a warm-up). The gradients of each way are checked against the plain one."""
+checkpointing per layer, six ways: plain; plain again (the gradients' run-to-run spread); checkpoints offloaded
+(hexiseq.nn.offloaded_checkpoint); the MLP tiled (hexiseq.nn.TiledMLP, ceil(tokens / 4096) tiles); the loss tiled
+(hexiseq.nn.tiled_cross_entropy); all three. For
+each, torch.cuda.max_memory_allocated less the parameters' and gradients' bytes in three phases: the layers' forward,
+the loss (the head and the loss, forward and backward, up to the gradient of the last layer's output), and the
+layers' backward; the step's peak is the largest. A feature saves memory only in the phase where its tensors live
+(offloading and the tiled MLP in the layers' backward, the tiled loss in the loss), so each is read there. Beside
+them, the cost model's per-token terms for the same shapes (docs/cost_model.md: offloading saves (layers - 2) H b
+per token, the tiled MLP 3 F b per token less one tile's, the tiled loss V (b + 4) per token less one tile's), the
+step's wall time (median of 3 after a warm-up), and the gradients of each way against the plain one."""
 
 import argparse
 import math
@@ -41,7 +45,10 @@ class Layer(torch.nn.Module):
     def forward(self, x):
         t, h = x.shape[-2:]
         q, k, v = self.qkv(self.n1(x)).view(t, 3, self.heads, h // self.heads).unbind(1)
-        a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+        # [1, heads, tokens, head_dim]: SDPA takes its flash path on 4-D inputs (3-D ones fell to the math path,
+        # which holds the whole score matrix)
+        q, k, v = (z.transpose(0, 1)[None] for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)[0]
         x = x + self.o(a.transpose(0, 1).reshape(t, h))
         return x + self.mlp(self.n2(x))
 
@@ -56,18 +63,28 @@ class SwiGLU(torch.nn.Module):
         return self.down(F.silu(g) * u)
 
 
-def step(layers, head, x, labels, way, offloader, tile):
+WAYS = {"plain": (), "plain again": (), "offload": ("offload",), "tile_mlp": ("tile_mlp",), "tile_loss": ("tile_loss",),
+        "all": ("offload", "tile_mlp", "tile_loss")}
+PHASES = ("forward", "loss", "backward")
+
+
+def step(layers, head, x, labels, features, offloader, tile, mark):
+    """One forward and backward; mark(phase) is called as each phase ends (after the layers' forward, when the
+    gradient of the last layer's output is known, after the layers' backward)."""
     h = x
     for layer in layers:
-        if way == "offload":
+        if "offload" in features:
             h = hexiseq.nn.offloaded_checkpoint(layer, h, offloader=offloader)
         else:
             h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)
-    if way == "tile_loss":
+    mark("forward")
+    h.register_hook(lambda g: mark("loss"))
+    if "tile_loss" in features:
         loss = hexiseq.nn.tiled_cross_entropy(h, head.weight, labels, math.ceil(h.shape[0] / tile))
     else:
         loss = F.cross_entropy(head(h).float(), labels, reduction="sum")
     loss.backward()
+    mark("backward")
     return loss.detach()
 
 
@@ -91,15 +108,24 @@ def main():
     params = [*layers.parameters(), *head.parameters()]
     b = torch.finfo(dt).bits // 8
     fixed = sum(p.numel() for p in params) * b * 2  # parameters and their gradients
-    predicted = {"plain": 0, "offload": (L - 2) * H * b * n, "tile_mlp": 3 * ffn * b * (n - min(n, tile)),
+    predicted = {"offload": (L - 2) * H * b * n, "tile_mlp": 3 * ffn * b * (n - min(n, tile)),
                  "tile_loss": V * (b + 4) * (n - min(n, tile))}
+    where = {"offload": "backward", "tile_mlp": "backward", "tile_loss": "loss"}
     rows, ref = [], None
-    for way in ("plain", "offload", "tile_mlp", "tile_loss"):
+    for way, features in WAYS.items():
         for layer in layers:
-            layer.mlp = torch.nn.Sequential(layer.mlp[0]) if way != "tile_mlp" else torch.nn.Sequential(
+            layer.mlp = torch.nn.Sequential(layer.mlp[0]) if "tile_mlp" not in features else torch.nn.Sequential(
                 hexiseq.nn.TiledMLP(layer.mlp[0], math.ceil(n / tile)))
         offloader = hexiseq.nn.OffloadCheckpoints()
-        times = []
+        times, peaks = [], {}
+
+        def mark(phase):
+            if cuda:
+                peaks[phase] = (torch.cuda.max_memory_allocated() - fixed) / 2**30
+                torch.cuda.reset_peak_memory_stats()
+            else:
+                peaks[phase] = float("nan")
+
         for rep in range(4):
             for p in params + [x]:
                 p.grad = None
@@ -107,20 +133,20 @@ def main():
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            loss = step(layers, head, x, labels, way, offloader, tile)
+            step(layers, head, x, labels, features, offloader, tile, mark)
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-        peak = torch.cuda.max_memory_allocated() - fixed if cuda else float("nan")
-        grads = [p.grad.float() for p in params + [x]]
+        # on the host: held on the device, they counted in the next ways' peaks (2 GiB each)
+        grads = [p.grad.float().cpu() for p in params + [x]]
         if ref is None:
-            ref = (peak, grads, loss)
+            ref = (dict(peaks), grads)
             err = 0.0
         else:
             err = max(((a - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for a, r in zip(grads, ref[1]))
-        saved = ref[0] - peak
-        rows.append(f"| {way} | {peak / 2**30:.3f} | {saved / 2**30:.3f} | {predicted[way] / 2**30:.3f} | "
-                    f"{saved / predicted[way] if predicted[way] else float('nan'):.3f} | "
+        read = [f"{f}: {ref[0][where[f]] - peaks[where[f]]:.3f} / {predicted[f] / 2**30:.3f}" for f in features]
+        rows.append(f"| {way} | " + " | ".join(f"{peaks[ph]:.3f}" for ph in PHASES) +
+                    f" | {max(peaks.values()):.3f} | {'; '.join(read) or '-'} | "
                     f"{statistics.median(times[1:]) * 1e3:.1f} | {err:.2e} | {offloader.peak_host_bytes / 2**30:.3f} |")
         print(rows[-1], flush=True)
     text = "\n".join([
@@ -128,9 +154,11 @@ def main():
         f"`python benchmarks/gpu_memory_features.py --tokens {n}`, "
         f"{torch.cuda.get_device_name() if cuda else 'CPU dry run: ' + machine()}, torch {torch.__version__}.", "",
         __doc__.split("\n\n")[2], "",
-        "| way | peak beyond states, GiB (measured) | saved vs plain, GiB (measured) | saved, GiB (cost model) | "
-        "measured / model | step, ms (measured) | max grad diff vs plain (relative) | host memory, GiB |",
-        "|---|---|---|---|---|---|---|---|", *rows, ""])
+        "Peaks in GiB beyond the parameters and gradients, measured. Saved: the plain way's peak less this way's in "
+        "the phase where the feature acts, measured / the cost model's figure.", "",
+        "| way | forward | loss | backward | step peak | saved, GiB (measured / model) | step, ms | "
+        "max grad diff vs plain (relative) | host memory, GiB |",
+        "|---|---|---|---|---|---|---|---|---|", *rows, ""])
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
