@@ -45,14 +45,14 @@ static double attn_diag_rate_flops(const hexiseq_device_info *d, double n) {
 }
 
 /* The runtime's work around the kernels on slot r over the whole step (0 without measured runtime curves), in
- * nanoseconds per element from three curves: the group's side, the group's tokens for the slot's heads and kv heads
- * (S_g * (h + 2 kv) * d elements: the ring's tensors, accumulators, bookkeeping; `runtime`, timed on one-device
- * layers, where it is tokens * (heads + 2 kv_heads) * d), and in a group of more than one the all-to-all's side,
- * the slot's own tokens for every head (s_r * (heads + 2 kv_heads) * d: packing, unpacking and the collective's
- * copies; `runtime_a2a`, timed on the calibrated ranks in all-to-all groups), and in a ring of several groups the
- * ring's side, the K, V blocks of the other groups for the slot's kv heads ((S - S_g) * 2 kv * d: assembling the
- * received blocks, their gradients' accumulators; `runtime_ring`, timed on the calibrated ranks in a ring).
- * Forward + backward per layer, plus the recomputed forward's share as for attention. */
+ * nanoseconds (hexiseq_runtime_curve_ns) from three curves of ns per element: the group's side, the group's tokens
+ * for the slot's heads and kv heads (S_g * (h + 2 kv) * d elements: the ring's tensors, accumulators, bookkeeping;
+ * `runtime`, timed on one-device layers, where it is tokens * (heads + 2 kv_heads) * d), and in a group of more than
+ * one the all-to-all's side, the slot's own tokens for every head (s_r * (heads + 2 kv_heads) * d: packing,
+ * unpacking and the collective's copies; `runtime_a2a`, timed on the calibrated ranks in all-to-all groups), and in
+ * a ring of several groups the ring's side, the K, V blocks of the other groups for the slot's kv heads
+ * ((S - S_g) * 2 kv * d: assembling the received blocks, their gradients' accumulators; `runtime_ring`, timed on the
+ * calibrated ranks in a ring). Forward + backward per layer, plus the recomputed forward's share as for attention. */
 double hexiseq_runtime_time_s(const cost_ctx *x, const hexiseq_device_info *d, int32_t r) {
     const hexiseq_layout *l = x->l;
     const hexiseq_model *m = x->m;
@@ -60,13 +60,13 @@ double hexiseq_runtime_time_s(const cost_ctx *x, const hexiseq_device_info *d, i
     double ns = 0.0;
     double group = (double)l->group_seq[g] * (l->head_count[r] + 2.0 * x->kv_n[r]) * m->head_dim;
     if (d->runtime_curve.n > 0 && group > 0)
-        ns += group * hexiseq_curve_tflops(&d->runtime_curve, group);
+        ns += hexiseq_runtime_curve_ns(&d->runtime_curve, group);
     double own = (double)l->tokens[r] * (m->heads + 2.0 * m->kv_heads) * m->head_dim;
     if (d->runtime_a2a_curve.n > 0 && l->group_size[g] > 1 && own > 0)
-        ns += own * hexiseq_curve_tflops(&d->runtime_a2a_curve, own);
+        ns += hexiseq_runtime_curve_ns(&d->runtime_a2a_curve, own);
     double ring = (double)(x->seq_len - l->group_seq[g]) * 2.0 * x->kv_n[r] * m->head_dim;
     if (d->runtime_ring_curve.n > 0 && l->n_groups > 1 && ring > 0)
-        ns += ring * hexiseq_curve_tflops(&d->runtime_ring_curve, ring);
+        ns += hexiseq_runtime_curve_ns(&d->runtime_ring_curve, ring);
     return x->t->sequences * m->layers * ns * 1e-9 * attn_passes(x->t) / (1.0 + ATTN_BWD_FACTOR);
 }
 

@@ -77,6 +77,12 @@ static inline double hexiseq_lat_s(const hexiseq_cluster *c, int32_t a, int32_t 
 /* A measured curve read at `size` (TFLOP/s): linear in log(size) between points, clamped at the ends.
  * The curve must have n >= 1. */
 double hexiseq_curve_tflops(const hexiseq_rate_curve *curve, double size);
+/* Nanoseconds of the runtime's work at x elements from a curve of (elements, ns per element): between two measured
+ * sizes the time is linear in the elements (a cost per call plus one per element is what that work is; read as a
+ * per-element figure linear in log(size), like the rates, it overstated the time between points far apart: 1.79 ms
+ * where 1.06 ms was measured at 8K tokens between points at 4K and 32K on an H100); outside them, the nearest
+ * point's ns per element. */
+double hexiseq_runtime_curve_ns(const hexiseq_rate_curve *curve, double x);
 /* Plateau rates (FLOP/s) of a device: the largest its matmuls / attention reach under the cost model
  * (with a curve, the curve's largest rate; else peak * eff). For causal attention a causal curve counts. */
 double hexiseq_gemm_plateau(const hexiseq_device_info *d);

@@ -17,6 +17,19 @@ double hexiseq_curve_tflops(const hexiseq_rate_curve *cv, double size) {
     return cv->tflops[i - 1] + t * (cv->tflops[i] - cv->tflops[i - 1]);
 }
 
+double hexiseq_runtime_curve_ns(const hexiseq_rate_curve *cv, double x) {
+    int32_t n = cv->n;
+    if (!(x > cv->size[0]))
+        return x * cv->tflops[0];
+    if (x >= cv->size[n - 1])
+        return x * cv->tflops[n - 1];
+    int32_t i = 1;
+    while (cv->size[i] < x) /* size[i - 1] < x <= size[i] */
+        ++i;
+    double t0 = cv->size[i - 1] * cv->tflops[i - 1], t1 = cv->size[i] * cv->tflops[i];
+    return t0 + (x - cv->size[i - 1]) * (t1 - t0) / (cv->size[i] - cv->size[i - 1]);
+}
+
 static double curve_max_tflops(const hexiseq_rate_curve *cv) {
     double m = 0.0;
     for (int32_t i = 0; i < cv->n; ++i)

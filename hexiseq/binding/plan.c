@@ -513,15 +513,16 @@ static PyObject *core_layout_spans(PyObject *module, PyObject *args) {
     return out;
 }
 
-/* model_params(model) -> parameter count (float). */
-/* curve_at(curve, size): a measured curve read at `size` exactly as the cost model reads it (linear in
- * log(size), clamped to its end points), so that the calibration's own arithmetic on curves cannot drift from
- * the model's. */
+/* curve_at(curve, size, runtime=False): a measured curve read at `size` exactly as the cost model reads it (a
+ * rate: linear in log(size), clamped to its end points; runtime=True: a runtime curve's total nanoseconds at `size`
+ * elements, hexiseq_runtime_curve_ns), so that the calibration's own arithmetic on curves cannot drift from the
+ * model's. */
 static PyObject *core_curve_at(PyObject *module, PyObject *args) {
     PyObject *obj;
     double size;
+    int runtime = 0;
     hexiseq_rate_curve cv;
-    if (!PyArg_ParseTuple(args, "Od", &obj, &size))
+    if (!PyArg_ParseTuple(args, "Od|p", &obj, &size, &runtime))
         return NULL;
     if (parse_curve(module, obj, 0, "curve", &cv) < 0)
         return NULL;
@@ -529,9 +530,10 @@ static PyObject *core_curve_at(PyObject *module, PyObject *args) {
         invalid(module, "curve must have at least one [size, value] point");
         return NULL;
     }
-    return PyFloat_FromDouble(hexiseq_curve_tflops(&cv, size));
+    return PyFloat_FromDouble(runtime ? hexiseq_runtime_curve_ns(&cv, size) : hexiseq_curve_tflops(&cv, size));
 }
 
+/* model_params(model) -> parameter count (float). */
 static PyObject *core_model_params(PyObject *module, PyObject *arg) {
     hexiseq_model m;
     if (!parse_model(module, arg, &m))

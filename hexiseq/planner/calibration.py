@@ -348,10 +348,10 @@ def _runtime_sizes(blocks):
     return sorted({blocks[0], blocks[len(blocks) // 2], blocks[-1]})
 
 
-def _curve_at(curve, x):
-    """A curve read as the cost model reads it (the core's own reading: linear in log(size), clamped to its end
-    points)."""
-    return _core.curve_at([tuple(p) for p in curve], x)
+def _runtime_ns(curve, x):
+    """A runtime curve's nanoseconds at x elements, as the cost model reads it (the core's own reading: linear in
+    the elements between points, the nearest point's ns per element outside them)."""
+    return _core.curve_at([tuple(p) for p in curve], x, True)
 
 
 def _non_increasing(curve):
@@ -447,14 +447,14 @@ def _runtime_curves(model: Model, sizes, dtype, group, world, rank, global_of, i
                 mine = int(p.layout.group_seq[g]) * (int(dev.head_count[slot]) + 2 * int(dev.kv_count[slot]))
                 mine *= model.head_dim
                 a2a = int(dev.tokens[slot]) * per
-                left = t - mine * _curve_at(own_side, mine) * 1e-9
+                left = t - _runtime_ns(own_side, mine) * 1e-9
                 a2a_side.append([a2a, max(left, 1e-12) / a2a * 1e9])
             progress.tick()
         for n in sizes:
             t = rest(evaluate(alike, model=small, seq_len=n * world, layout=ring_of_ranks(n),
                               training=no_checkpointing), group)
             mine, ring = n * per, (world - 1) * n * 2 * model.kv_heads * model.head_dim
-            ring_side.append([ring, max(t - mine * _curve_at(own_side, mine) * 1e-9, 1e-12) / ring * 1e9])
+            ring_side.append([ring, max(t - _runtime_ns(own_side, mine) * 1e-9, 1e-12) / ring * 1e9])
             progress.tick()
     return own_side, _non_increasing(a2a_side), _non_increasing(ring_side)
 

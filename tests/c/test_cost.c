@@ -1326,6 +1326,15 @@ static hexiseq_rate_curve curve3(double s0, double t0, double s1, double t1, dou
 static double lerp_log(double x, double x0, double y0, double x1, double y1) {
     return y0 + (y1 - y0) * log(x / x0) / log(x1 / x0);
 }
+/* A runtime curve of two points (elements, ns per element) read as total ns at x: x y0 up to x0, x y1 from x1, and
+ * between them the time linear in the elements, from x0 y0 to x1 y1. */
+static double runtime_total(double x, double x0, double y0, double x1, double y1) {
+    if (x <= x0)
+        return x * y0;
+    if (x >= x1)
+        return x * y1;
+    return x0 * y0 + (x - x0) * (x1 * y1 - x0 * y0) / (x1 - x0);
+}
 /* A one-group, one-device layout of S tokens and all 4 heads. */
 static void one_device_layout(hexiseq_layout *l, int64_t S) {
     l->group_size[0] = 1, l->group_seq[0] = S, l->device[0] = 0, l->tokens[0] = S, l->head_lo[0] = 0,
@@ -1478,7 +1487,7 @@ static void test_runtime_curve(void) {
     memset(dd, 0, sizeof dd);
     for (int i = 0; i < 2; ++i) {
         dd[i].attn = curve3(1, 0.25, 4, 0.5, 16, 1.5);
-        dd[i].runtime = curve2(10, 4.0, 1000, 2.0); /* interpolated in log(elements) like the rates */
+        dd[i].runtime = curve2(10, 4.0, 1000, 2.0); /* time linear in the elements between points */
         dd[i].runtime_a2a = curve2(10, 9.0, 1000, 3.0);
         dd[i].runtime_ring = curve2(10, 5.0, 1000, 1.0);
     }
@@ -1513,9 +1522,9 @@ static void test_runtime_curve(void) {
                 const double heads = ring ? 4 : cnt1[r], kv = ring ? 2 : (r == 0 ? 2 : 1);
                 const double group = (ring ? (double)gq2[r] : 10.0) * (heads + 2 * kv) * d;
                 const double recv = ring ? (10.0 - (double)gq2[r]) * 2 * kv * d : 0.0; /* the other group's K, V */
-                const double side = ring ? recv * lerp_log(recv, 10, 5.0, 1000, 1.0)
-                                         : own * lerp_log(own, 10, 9.0, 1000, 3.0);
-                const double ns = group * lerp_log(group, 10, 4.0, 1000, 2.0) + side;
+                const double side = ring ? runtime_total(recv, 10, 5.0, 1000, 1.0)
+                                         : runtime_total(own, 10, 9.0, 1000, 3.0);
+                const double ns = runtime_total(group, 10, 4.0, 1000, 2.0) + side;
                 const double want = 3 * L * ns * 1e-9 * (3.5 + ckpt) / 3.5;
                 NEAR(a[r].runtime_s, want, "runtime_s of a member");
                 EXPECT(b2[r].runtime_s == 0.0, "no curve, no charge");
