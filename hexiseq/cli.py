@@ -14,7 +14,8 @@ from .planner.cluster import Cluster, gpu_catalog
 from .errors import HexiseqError, InvalidArgumentError, MemoryFitError
 from .planner.model import MODEL_PRESETS, Model, Training
 from ._validate import number, parse_tokens, read_text
-from .planner.plan import Plan, Strategy, _compare_within, _documents, compare, no_fit_error, plan
+from .planner.plan import (Plan, Strategy, _compare_within, _documents, batch_alternative, compare, no_fit_error,
+                           plan)
 from .planner.text import TABLE_LEGEND
 
 DESCRIPTION = "Plan asymmetric sequence and head parallelism for a heterogeneous GPU cluster."
@@ -100,27 +101,6 @@ def cmd_plan_batch(args, cluster, model, training, causal) -> int:
     return 0
 
 
-# Above this many devices the batch planner's first pricing of its candidate groups takes minutes (224 s for
-# 8,192), too long to run unasked beside a plan that takes milliseconds; --batch runs it when asked.
-_BATCH_ALTERNATIVE_UP_TO = 1024
-
-
-def _batch_alternative(cluster, model, training, seq_len, causal, chosen):
-    """For several sequences per step, the batch plan of those sequences (groups of devices, each running some of
-    them) when the batch planner predicts it faster than `chosen`, one layout over every device run once per
-    sequence; else None (one sequence, a cluster too large to price quickly, no faster grouping, or none fits)."""
-    from .planner.batch import plan_batch
-
-    if training.sequences < 2 or cluster.num_devices > _BATCH_ALTERNATIVE_UP_TO:
-        return None
-    one = dataclasses.replace(training, sequences=1)
-    try:
-        bp = plan_batch(cluster, model=model, lengths=[seq_len] * training.sequences, training=one, causal=causal)
-    except MemoryFitError:
-        return None
-    return bp if bp.step_time_s < chosen.step_time_s else None
-
-
 def _measure_line(cluster) -> str:
     """The command that times a plan on its cluster: torchrun with one process per device (one node:
     --nproc_per_node; several nodes of one size: --nnodes too, started on every node with a rendezvous)."""
@@ -175,7 +155,7 @@ def cmd_plan(args) -> int:
                   "found by then", file=sys.stderr)
         print(chosen.to_json(indent=2))
         return 0
-    batch = _batch_alternative(cluster, model, training, seq_len, causal, chosen) if (
+    batch = batch_alternative(cluster, model, training, seq_len, causal, chosen) if (
         strategy is Strategy.AUTO and documents is None) else None
     if batch is not None:
         print(batch.explain())

@@ -238,3 +238,36 @@ def test_a_per_step_plan_scores_each_pass_once():
     g = bp.assignment[0]
     assert bp.plan_for(g) is bp.plan_for(g)
     assert bp.fingerprint == bp.fingerprint
+
+
+def test_plan_runs_a_step_of_several_sequences_as_groups_when_faster():
+    """plan() asked for several sequences a step returns the batch plan of them (a BatchPlan: devices in groups, data
+    parallel across them) when it is predicted faster than one layout over every device run once per sequence, the
+    same plan plan_batch makes; batch=False keeps the one layout, batch=True the groups; one sequence is one Plan."""
+    from hexiseq.planner.batch import BatchPlan
+
+    cluster = mixed(("H100-SXM", 4, 450.0), ("A100-80G", 4, 300.0))
+    several = hexiseq.Training(sequences=8)
+    got = hexiseq.plan(cluster, model=TINY, seq_len=4096, training=several)
+    one = hexiseq.plan(cluster, model=TINY, seq_len=4096, training=several, batch=False)
+    assert isinstance(one, hexiseq.Plan) and isinstance(got, BatchPlan)
+    assert len(got.groups) > 1 and got.step_time_s < one.step_time_s
+    same = hexiseq.plan_batch(cluster, model=TINY, lengths=[4096] * 8)
+    assert (got.groups, got.assignment, got.step_time_s) == (same.groups, same.assignment, same.step_time_s)
+    assert isinstance(hexiseq.plan(cluster, model=TINY, seq_len=4096, training=several, batch=True), BatchPlan)
+    assert isinstance(hexiseq.plan(cluster, model=TINY, seq_len=4096, batch=True), hexiseq.Plan)  # one sequence
+    # a layout's runtime refuses a batch plan by name, with how to run one
+    with pytest.raises(InvalidArgumentError, match="HexiSeqContext takes one layout.*BatchContext"):
+        hexiseq.nn.HexiSeqContext(got)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"batch": "yes"}, "batch must be 'auto', True or False, got 'yes'"),
+    ({"batch": 1}, "batch must be 'auto', True or False, got 1"),
+    ({"batch": True, "strategy": "ring"}, "batch=True plans groups with the 'auto' strategy"),
+    ({"batch": True, "documents": [2048, 2048]}, "and documents"),
+])
+def test_plan_batch_argument_is_checked(kwargs, words):
+    with pytest.raises(InvalidArgumentError, match=words):
+        hexiseq.plan(mixed(("H100-SXM", 2, 450.0)), model=TINY, seq_len=4096,
+                     training=hexiseq.Training(sequences=2), **kwargs)

@@ -85,7 +85,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..errors import HexiseqError, InvalidArgumentError, UnsupportedError
+from ..errors import HexiseqError, InvalidArgumentError, UnsupportedError, refuse_batch_plan
 from ..runtime.documents import DOCUMENTS_KWARG
 
 __all__ = ["patch_model", "unpatch_model", "shard_inputs", "sharded_causal_lm_loss", "sharded_causal_lm_loss_from_hidden",
@@ -330,6 +330,8 @@ def patch_model(model, plan, group=None):
     batch_context = plan if isinstance(plan, BatchContext) else None
     if batch_context is not None:
         plan = batch_context.planner  # its model: the heads every pass's plan has
+    else:
+        refuse_batch_plan(plan, "patch_model")
     cfg = _text_config(model)
     heads = getattr(cfg, "num_attention_heads", None)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads

@@ -26,7 +26,7 @@ from typing import List, Optional
 
 from .._validate import document_lengths
 from ._harness import _agree_arguments, _barrier, _dtype, _group, _torch, rms_norm, rotary, rotary_tables
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, refuse_batch_plan
 from .model import Training
 from .plan import Plan, evaluate
 
@@ -221,6 +221,7 @@ def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=No
 
     error, dt = None, None
     try:  # every local check first: a rank whose arguments fail still meets the others in the agreement below
+        refuse_batch_plan(plan, "measure")
         if not isinstance(plan, Plan):
             raise InvalidArgumentError(f"plan must be a hexiseq.Plan, got {type(plan).__name__}")
         if layer not in ("attention", "llama"):

@@ -25,7 +25,7 @@ from . import blocks, compiled, fused, ring
 from . import documents as documents_mod
 from .variants import PLAIN, variant as make_variant
 from .comm import Comm, describe_call
-from ..errors import InvalidArgumentError, UnsupportedError
+from ..errors import InvalidArgumentError, UnsupportedError, refuse_batch_plan
 from .topology import Topology
 
 __all__ = ["HexiSeqAttention", "HexiSeqContext", "hexiseq_attn_func", "gather_sequence", "BatchContext", "BatchStep",
@@ -54,6 +54,7 @@ class HexiSeqContext:
 
     def __init__(self, plan, group=None, causal: bool = True, softmax_scale: Optional[float] = None, timeout=None,
                  a2a_slices: Optional[int] = None, subgroups=None):
+        refuse_batch_plan(plan, "HexiSeqContext")
         self.plan = plan
         self.causal = bool(causal)
         self.scale = softmax_scale
