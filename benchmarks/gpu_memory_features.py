@@ -14,7 +14,7 @@ the loss (the head and the loss, forward and backward, up to the gradient of the
 layers' backward; the step's peak is the largest. A feature saves memory only in the phase where its tensors live
 (offloading and the tiled MLP in the layers' backward, the tiled loss in the loss), so each is read there. Beside
 them, the cost model's per-token terms for the same shapes (docs/cost_model.md: offloading saves (layers - 2) H b
-per token, the tiled MLP 3 F b per token less one tile's, the tiled loss V (b + 4) per token less one tile's), the
+per token, the tiled MLP 3 F b per token less one tile's, the tiled loss V (b + 8) per token less one tile's), the
 step's wall time (median of 3 after a warm-up), and the gradients of each way against the plain one."""
 
 import argparse
@@ -109,7 +109,7 @@ def main():
     b = torch.finfo(dt).bits // 8
     fixed = sum(p.numel() for p in params) * b * 2  # parameters and their gradients
     predicted = {"offload": (L - 2) * H * b * n, "tile_mlp": 3 * ffn * b * (n - min(n, tile)),
-                 "tile_loss": V * (b + 4) * (n - min(n, tile))}
+                 "tile_loss": V * (b + 8) * (n - min(n, tile))}
     where = {"offload": "backward", "tile_mlp": "backward", "tile_loss": "loss"}
     rows, ref = [], None
     for way, features in WAYS.items():

@@ -63,12 +63,14 @@ def main():
              f"`python benchmarks/longest_sequence.py`, {machine()}.", "", __doc__.split("\n\n", 2)[2], "",
              "| cluster | model | features | longest | vs none | step at that length, s | of which the features "
              "add (slowest device), s | search, s |", "|---|---|---|---|---|---|---|---|"]
+    found = {}
     for cname, spec in CLUSTERS.items():
         cluster = hexiseq.Cluster.from_dict(spec)
         for model in MODELS:
             base = None
             for features in SETTINGS:
                 n, step, added, searched = longest(cluster, model, features)
+                found[cname, model, features] = n
                 base = n if features == "none" else base
                 ratio = f"{n / base:.1f}x" if base else "-"
                 row = (f"| {cname} | {model} | {features} | {tokens(n) if n else 'none'} | {ratio} | "
@@ -82,7 +84,11 @@ def main():
               "| model | tokens | step, none, s | step, auto, s | speedup | devices using them | plan, none / auto, s |",
               "|---|---|---|---|---|---|---|"]
     cluster = hexiseq.Cluster.from_dict(CLUSTERS["README's mixed: 8 H100, 8 A100-80G, 4 L40S"])
-    for model, n in (("llama3-70b", 65536), ("llama3-70b", 102400), ("llama3-8b", 524288), ("llama3-8b", 1048576)):
+    # half the longest length that fits without the features, and that length rounded down to 32K
+    mixed = "README's mixed: 8 H100, 8 A100-80G, 4 L40S"
+    cases = [(m, n) for m in MODELS for cap in [found[mixed, m, "none"]]
+             for n in (cap // 2 // 1024 * 1024, cap // 32768 * 32768) if n]
+    for model, n in cases:
         got = {}
         for features in ("none", "auto"):
             t0 = time.perf_counter()
@@ -101,7 +107,8 @@ def main():
               "two layers' checkpoints, one layer's other activations and the attention working set. For comparison "
               "only (a published figure, not run here): Arctic Long Sequence Training reports Llama-3.1-8B trained "
               "at 3.7M tokens on one node of 8 H100 with offloaded checkpoints and tiled MLP and loss; this model "
-              "predicts 4.69M fits there, counting no fragmentation beyond the 2 GiB reserved. 70B does not fit 8 "
+              f"predicts {tokens(found['8x H100 (one node)', 'llama3-8b', 'auto'])} fits there, counting no "
+              "fragmentation beyond the 2 GiB reserved. 70B does not fit 8 "
               "H100 or the small cluster at any length: its model states alone take more than the devices hold "
               "(offloading optimizer states is not modelled)."]
     text = "\n".join(lines) + "\n"

@@ -70,21 +70,22 @@ def test_the_70b_sentences_are_what_the_planner_says(tmp_path):
     assert even.returncode == 1 and "L40S, 45.0 GiB" in even.stderr, even.stderr
     out = _hexiseq(["plan", "cluster.yaml", "--model", "70b", "--seq-len", "1m", "--checkpointing"], tmp_path)
     assert out.returncode == 1
-    assert "device 0 (H100-SXM, 79.6 GiB) is short by 0.58 GiB" in out.stderr, out.stderr
-    assert "the longest sequence that fits is 884k tokens with the memory features" in out.stderr, out.stderr
-    assert "an H100 is short by 0.58 GiB" in words and "longest sequence that fits is 884k tokens" in words
+    assert "device 8 (A100-80G, 80.0 GiB) is short by 2.22 GiB" in out.stderr, out.stderr
+    assert "the longest sequence that fits is 676k tokens with the memory features" in out.stderr, out.stderr
+    assert "an A100 is short by 2.22 GiB" in words and "longest sequence that fits is 676k tokens" in words
     none = _hexiseq(["plan", "cluster.yaml", "--model", "70b", "--seq-len", "1m", "--checkpointing",
                      "--memory-features", "none"], tmp_path)
-    assert none.returncode == 1 and "the longest sequence that fits is 106k tokens;" in none.stderr, none.stderr
-    assert "without them the longest sequence is 106k" in words
+    assert none.returncode == 1 and "the longest sequence that fits is 84k tokens;" in none.stderr, none.stderr
+    assert "without them the longest sequence is 84k" in words
     out = _hexiseq(["plan", "cluster.yaml", "--model", "70b", "--seq-len", "512k", "--checkpointing"], tmp_path)
     assert out.returncode == 0, out.stderr
     assert "20 device(s) fit their memory with them" in out.stdout
     step = float(re.search(r"step time\s+([0-9.]+) s", out.stdout).group(1))
     tiling = dict(re.findall(r"\((H100-SXM|L40S)\): checkpoints offloaded to host memory, tiled MLP, tiled loss "
                              r"\(adds up to ([0-9.]+) s", out.stdout))
-    assert round(step) == 457 and {k: round(float(x), 1) for k, x in tiling.items()} == {"H100-SXM": 8.9, "L40S": 12.4}
-    assert "tiling adding up to 8.9 s on an H100 and 12.4 s on an L40S to a 457 s step" in words
+    assert "(A100-80G): checkpoints offloaded to host memory, tiled loss (adds up to" in out.stdout
+    assert round(step) == 498 and {k: round(float(x), 1) for k, x in tiling.items()} == {"H100-SXM": 9.8, "L40S": 5.1}
+    assert "adding up to 9.8 s on an H100 and 5.1 s on an L40S to a 498 s step" in words
 
 
 def test_python_block_runs():

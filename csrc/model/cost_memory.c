@@ -61,7 +61,7 @@ void hexiseq_memory_coeffs(const hexiseq_cluster *c, const hexiseq_model *m, con
     double H = m->hidden;
     /* saved per token and layer: 2 norm inputs, 2 norm outputs, attention output, MLP intermediates */
     double act_layer = b * (4.0 * H + (double)m->heads * m->head_dim + (m->gated_mlp ? 3.0 : 2.0) * m->ffn);
-    double mlp = b * (m->gated_mlp ? 3.0 : 2.0) * m->ffn, logits = m->vocab * (b + 4.0);
+    double mlp = b * (m->gated_mlp ? 3.0 : 2.0) * m->ffn, logits = m->vocab * loss_memory_per_logit(m);
     double act = t->checkpointing ? m->layers * H * b + act_layer : m->layers * act_layer;
     double host = 0.0, tile = 0.0;
     if ((features & HEXISEQ_OFFLOAD) && t->checkpointing) { /* the checkpoints go to the host; the one being
@@ -74,9 +74,9 @@ void hexiseq_memory_coeffs(const hexiseq_cluster *c, const hexiseq_model *m, con
         tile += mlp;
     }
     if (features & HEXISEQ_TILE_LOSS)
-        tile += logits; /* one tile's logits and their fp32 softmax */
+        tile += logits; /* one tile's logits, their fp32 softmax and its gradient */
     else
-        act += logits; /* logits and their fp32 softmax */
+        act += logits; /* the logits, their fp32 softmax and its gradient */
     /* Q, K, V, O of the group's tokens for the device's heads, and the fp32 LSE; saved for every layer
      * (one with checkpointing) plus the gradients of one layer */
     double qkvo = (2.0 * heads + 2.0 * kv_n) * m->head_dim * b + heads * 4.0;

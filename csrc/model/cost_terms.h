@@ -88,6 +88,12 @@ static inline double layer_mem_elems_per_token(const hexiseq_model *m) {
  * written in the training dtype, and the fp32 softmax written and read once (a fused cross-entropy). */
 static inline double loss_bytes_per_logit(const hexiseq_model *m) { return 2.0 * m->dtype_bytes + 8.0; }
 
+/* Bytes the untiled loss holds per token and vocabulary entry at its peak, in the backward: the logits in the
+ * training dtype, their fp32 log-softmax (kept for the backward) and its fp32 gradient beside it. Tiling the loss
+ * on an H100 saved 9.27 GiB at 32K tokens and a 32000 vocabulary (benchmarks/gpu_memory_features.py), 9.5 bytes per
+ * logit beyond one tile's: the b + 4 counted before (no gradient) was 1.8x low. */
+static inline double loss_memory_per_logit(const hexiseq_model *m) { return m->dtype_bytes + 8.0; }
+
 /* Bytes the optimizer step moves per parameter it updates (Adam): the fp32 master weight, first and second
  * moments read and written (24), the gradient read (in fp32, 4), and below fp32 the working copy written. */
 static inline double optimizer_bytes_per_param(const hexiseq_model *m) {

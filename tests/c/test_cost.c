@@ -204,7 +204,7 @@ static void test_one_device(void) {
     const double states = (2.0 * b + 12.0) * P / 1.0 + 3.0 * gathered;
     /* activations per token and layer: 4 norm in/out of H, attention output A*d, 2 MLP intermediates of F */
     const double act_layer = b * (4.0 * H + A * d + 2.0 * F);
-    const double act = s0 * L * act_layer + s0 * V * (b + 4.0); /* + bf16 logits and their fp32 softmax */
+    const double act = s0 * L * act_layer + s0 * V * (b + 8.0); /* + bf16 logits, their fp32 softmax and its gradient */
     /* attention working set: Q, O (4 heads) and K, V (2 kv heads) of 10 tokens, plus fp32 LSE; L layers + 1 */
     const double qkvo = S * (2.0 * 4 + 2.0 * 2) * d * b + S * 4 * 4.0;
     const double attn_mem = qkvo * (L + 1.0);
@@ -372,7 +372,7 @@ static void test_two_devices(void) {
             b_fwd = fmax(b_fwd, gf + af + mf);
             b_bwd = fmax(b_bwd, 2.0 * gf + 2.5 * af + 2.0 * mf);
             NEAR(per[r].layer_gemm_s, 3.0 * gf, "1 group layer_gemm_s");
-            mem_act[r] = s[r] * L * act_layer + s[r] * V * (b + 4.0);
+            mem_act[r] = s[r] * L * act_layer + s[r] * V * (b + 8.0);
             mem_attn[r] = (S * (2.0 * h[r] + 2.0 * kv[r]) * d * b + S * h[r] * 4.0) * (L + 1.0);
             NEAR(per[r].gemm_s + per[r].mem_bound_s, gemm[r], "1 group gemm_s + mem_bound_s");
             NEAR(per[r].attn_s, attn[r], "1 group attn_s");
@@ -454,7 +454,7 @@ static void test_two_devices(void) {
             b_bwd = fmax(b_bwd, 2.0 * gf + bwd0 + bwd1 + 2.0 * mf);
             double mem_attn = (Sg[g] * (2.0 * 4 + 2.0 * 2) * d * b + Sg[g] * 4 * 4.0) * (L + 1.0);
             double mem_ring = 2.0 * 6 /* largest block */ * 2.0 * 2 /* kv heads */ * d * (b + 4.0);
-            double mem_act = Sg[g] * L * act_layer + Sg[g] * V * (b + 4.0);
+            double mem_act = Sg[g] * L * act_layer + Sg[g] * V * (b + 8.0);
             NEAR(per[g].gemm_s, Sg[g] * fpt / gemm_rate(pk[g], ge[g], Sg[g]), "ring gemm_s");
             NEAR(per[g].attn_s, attn[g], "ring attn_s");
             NEAR(per[g].ring_exposed_s, exposed[g], "ring ring_exposed_s");
@@ -605,7 +605,7 @@ static void test_three_devices(void) {
     const double act_layer = b * (4.0 * H + A * d + 2.0 * F);
     for (int r = 0; r < 3; ++r) {
         /* checkpointing: every layer's input (H) + one layer's full activations; logits as always */
-        double act = s[r] * (L * H * b + act_layer) + s[r] * V * (b + 4.0);
+        double act = s[r] * (L * H * b + act_layer) + s[r] * V * (b + 8.0);
         /* one layer's Q, K, V, O, LSE saved + its gradients */
         double mem_attn = (Sg[r] * (2.0 * h[r] + 2.0 * kv[r]) * d * b + Sg[r] * h[r] * 4.0) * 2.0;
         double mem_ring = 2.0 * 7 /* largest block */ * 2.0 * kv[r] * d * (b + 4.0);
