@@ -271,3 +271,34 @@ def test_plan_batch_argument_is_checked(kwargs, words):
     with pytest.raises(InvalidArgumentError, match=words):
         hexiseq.plan(mixed(("H100-SXM", 2, 450.0)), model=TINY, seq_len=4096,
                      training=hexiseq.Training(sequences=2), **kwargs)
+
+
+@pytest.mark.parametrize("nodes,model,features", [
+    ((("H100-SXM", 8, 450.0),), "llama3-8b", "none"),
+    ((("H100-SXM", 8, 450.0), ("A100-80G", 8, 300.0)), "llama3-70b", "auto"),
+    ((("A100-40G", 4, 300.0), ("L40S", 4, 32.0), ("H800", 8, 400.0)), "llama3-8b", "none"),
+])
+def test_a_kinds_fit_probes_answer_as_the_full_search(nodes, model, features):
+    """A kind's capacity is searched with probes that stop at the scheduler's first plan that fits; at lengths around
+    the capacity found they answer what the full search (no time limit) does. (Whether a length fits is not
+    monotone in the length: a layout family that fits one length can miss a slightly longer one.)"""
+    from hexiseq.planner.batch_kinds import _Kind
+    from hexiseq.planner.plan import _plan_one, _strategy
+
+    cluster, m = mixed(*nodes), hexiseq.Model.from_name_or_path(model)
+    training = hexiseq.Training(checkpointing=True, memory_features=features)
+    kind = _Kind(cluster, m, training, True)
+    kind._ensure()
+    assert kind.longest > 0
+
+    def full(L):
+        try:
+            _plan_one(cluster, m, training, L, True, _strategy("hexiseq"), None, None)
+            return True
+        except MemoryFitError:
+            return False
+
+    lengths = [int(kind.longest * f) for f in (0.5, 0.95, 0.99, 1.0, 1.003, 1.01, 1.05, 2.0)]
+    answers = [kind._fits(L, training) for L in lengths]
+    assert answers == [full(L) for L in lengths]
+    assert answers[3] and not answers[-1]

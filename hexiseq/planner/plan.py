@@ -688,7 +688,7 @@ def _memory_advice(cluster, model, training, seq_len, causal, strategies, error)
     def fits(length, tr):
         for s in strategies:
             try:
-                _plan_one(cluster, model, tr, length, causal, s)
+                _plan_one(cluster, model, tr, length, causal, s, FIT_PROBE_S)
                 return True
             except (UnsupportedError, MemoryFitError):
                 pass
@@ -739,7 +739,12 @@ def _memory_advice(cluster, model, training, seq_len, causal, strategies, error)
                           longest_seq_len_checkpointing=with_ckpt)
 
 
-# Above this many devices the batch planner's first pricing of its candidate groups takes minutes (224 s for 8,192
+# A time limit that stops a search at its first plan that fits memory, for asking whether a length fits: the
+# scheduler's clock (csrc/scheduler/budget.c) stops a search only once it holds a plan that fits, so whether one
+# is found is the full search's answer; only the search for the fastest is cut.
+FIT_PROBE_S = 1e-6
+
+# Above this many devices the batch planner's first pricing of its candidate groups takes minutes (274 s for 8,192
 # on a 2-core machine), too long to run unasked beside a plan that takes milliseconds: batch=True runs it.
 BATCH_AUTO_UP_TO = 1024
 _BATCH_CHOICES = ("auto", True, False)
