@@ -168,6 +168,7 @@ def main():
     # pair whose measured steps differ by more than 5%?
     results = {r["id"]: (r, p_m) for r, p_m in zip(usable, preds)}
     pairs = kept = 0
+    own_pairs = own_kept = 0  # pairs of layouts hexiseq runs itself (no tensor parallelism, which it prices as Ulysses)
     flips = []
     ids = sorted(results)
     for i, a in enumerate(ids):
@@ -179,11 +180,15 @@ def main():
             if abs(ma / mb - 1.0) <= 0.05:
                 continue
             pairs += 1
+            own = all((r.get("parallel") or {}).get("tp", 1) in (None, 1) for r in (ra, rb))
+            own_pairs += own
             if (pa < pb) == (ma < mb) and pa != pb:
                 kept += 1
+                own_kept += own
             else:
                 flips.append(f"{a} vs {b}: measured {ma:.3f} / {mb:.3f} s, predicted {pa:.3f} / {pb:.3f} s")
-    lines += ["", f"Ranking of the layouts of one table (pairs measured more than 5% apart): {kept} of {pairs} kept."]
+    lines += ["", f"Ranking of the layouts of one table (pairs measured more than 5% apart): {kept} of {pairs} kept; "
+              f"of the pairs of layouts hexiseq runs itself (no tensor parallelism): {own_kept} of {own_pairs}."]
     lines += [f"- not kept: {f}" for f in flips]
     lines += ["", "Rows not predicted:", ""]
     for r in rows:
