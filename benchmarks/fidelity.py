@@ -112,8 +112,11 @@ def predict(r):
         n = r["gpus"] // dp  # one replica; the others run beside it (their gradient all-reduce is not priced)
         c = cluster_of(gpu, n)
         layout = uniform_layout(list(range(n)), ring, u * tp, S, m.heads)
+        # as published: none of the memory features (USP's runs fit without them; its TP splits the logits over
+        # the vocabulary, which this mapping to Ulysses does not, so "auto" would tile a loss USP did not)
         plan = hexiseq.evaluate(c, model=m, seq_len=S, layout=layout, causal=True,
-                                training=hexiseq.Training(checkpointing=False, sharding="opt"))
+                                training=hexiseq.Training(checkpointing=False, sharding="opt",
+                                                          memory_features="none"))
         measured = megatron_causal_flops(m, S, r["global_batch"]) / (float(r["value"]) * 1e12 * r["gpus"])
         pred = plan.step_time_s * r["global_batch"] / dp
         return pred, measured, f"{ring} x {u * tp} on {n} {gpu}" + (f", x{dp} replicas" if dp > 1 else "")
@@ -121,15 +124,16 @@ def predict(r):
         n = r["gpus"]
         c = cluster_of(gpu, n)
         layout = uniform_layout(list(range(n)), 1, n, S, m.heads)
+        # ALST offloads checkpoints and tiles the MLP and the loss: the features where a device needs them
         plan = hexiseq.evaluate(c, model=m, seq_len=S, layout=layout, causal=True,
-                                training=hexiseq.Training(checkpointing=True, sharding="full"))
+                                training=hexiseq.Training(checkpointing=True, sharding="full", memory_features="auto"))
         return plan.step_time_s, float(r["step_time_s"]), f"1 x {n} on {n} {gpu}, ZeRO-3"
     # MosaicML: plain FSDP, each device its own sequences
     n = r["gpus"]
     c = cluster_of(gpu, n)
     groups = [tuple(range(n))] + [(i,) for i in range(n)]
     bp = hexiseq.plan_batch(c, model=m, lengths=[S] * int(r["global_batch"]), groups=groups,
-                            training=hexiseq.Training(checkpointing=True, sharding="full"))
+                            training=hexiseq.Training(checkpointing=True, sharding="full", memory_features="none"))
     return bp.step_time_s, float(r["step_time_s"]), f"{n} x 1 (FSDP) on {n} {gpu}"
 
 
