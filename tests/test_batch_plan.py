@@ -302,3 +302,17 @@ def test_a_kinds_fit_probes_answer_as_the_full_search(nodes, model, features):
     answers = [kind._fits(L, training) for L in lengths]
     assert answers == [full(L) for L in lengths]
     assert answers[3] and not answers[-1]
+
+
+def test_passes_are_priced_as_whole_sequences_pack():
+    """Three sequences of 128 tokens, two groups holding 250 a pass, 10 s a pass, a sequence 1 s on group 0 and 5 s
+    on group 1. Seen in aggregate (2 passes x 250), group 0 takes all three for 2 x 10 + 3 = 23 s; but whole
+    sequences pack into 3 passes there (33 s). Priced as they pack, two on group 0 (2 passes, 22 s) and one on
+    group 1 (15 s) is the step: 22 s."""
+    planner = BatchPlanner(mixed(("H100-SXM", 2, 450.0)), model=TINY)
+    total = np.array([128, 128, 128], dtype=np.int64)
+    cost = np.array([[1.0, 1.0, 1.0], [5.0, 5.0, 5.0]])
+    fixed, cap = np.array([10.0, 10.0]), np.array([250, 250], dtype=np.int64)
+    group_of, times, _, passes = planner._assign(total, cost, fixed, cap, [0, 1], 0.0, quick=False)
+    assert sorted(np.bincount(group_of, minlength=2).tolist()) == [1, 2] and np.bincount(group_of)[0] == 2
+    assert times.tolist() == [22.0, 15.0]

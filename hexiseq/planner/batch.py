@@ -664,16 +664,55 @@ class BatchPlanner:
     def _assign(self, total, cost, fixed, cap, rows, limit, quick=True, rounds=0):
         """(group_of, times, info, passes) of the cut `rows`: every group runs what it holds as one packed pass of
         at most its capacity, or, when the batch does not fit so, in `passes` such passes each; None when no
-        assignment is found."""
+        assignment is found. With several passes the search sees each group's capacity times the passes in
+        aggregate, which whole sequences may not reach (three sequences of 128K in passes of 250K make three passes,
+        not two): the times returned are those of the passes first-fit packing makes (as _build packs them), and
+        the assignment is also searched with each capacity rounded down to whole longest sequences, the better of
+        the two kept."""
         c = np.ascontiguousarray(cost[rows])
-        passes = max(1, -(-int(total.sum()) // int(cap[rows].sum())))
-        while passes <= 1024:
-            try:
-                out = _core.batch_assign(c, fixed[rows] * passes, total, cap[rows] * passes, limit, quick, rounds)
-                return out + (passes,)
-            except MemoryFitError:
-                passes *= 2
-        return None
+        f, cp = fixed[rows], cap[rows]
+
+        def search(capacity):
+            passes = max(1, -(-int(total.sum()) // int(capacity.sum())))
+            while passes <= 1024:
+                try:
+                    out = _core.batch_assign(c, f * passes, total, capacity * passes, limit, quick, rounds)
+                    return out + (passes,)
+                except MemoryFitError:
+                    passes *= 2
+            return None
+
+        found = search(cp)
+        if found is None or found[3] == 1:
+            return found
+        found = self._packed(found, total, c, f, cp)
+        longest = int(total.max())
+        whole = cp // longest * longest
+        if (whole > 0).all() and (whole < cp).any():
+            other = search(whole)
+            if other is not None:
+                other = self._packed(other, total, c, f, cp)
+                if other[1].max() < found[1].max():
+                    found = other
+        return found
+
+    @staticmethod
+    def _packed(found, total, c, f, cap):
+        """`found` with each group's time that of the passes its sequences make packed first fit by decreasing
+        length into its capacity (_build packs them so): passes x f plus what the group holds."""
+        group_of, times, info, passes = found
+        times = np.array(times, dtype=np.float64)
+        for k in range(len(times)):
+            held = np.flatnonzero(group_of == k)
+            room = []
+            for L in sorted(total[held].tolist(), reverse=True):
+                j = next((j for j, r in enumerate(room) if r >= L), None)
+                if j is None:
+                    room.append(int(cap[k]))
+                    j = len(room) - 1
+                room[j] -= L
+            times[k] = len(room) * float(f[k]) + float(c[k, held].sum()) if len(held) else 0.0
+        return group_of, times, info, passes
 
     def _search(self, total, cost, fixed, cap, deadline, pricing=0, rounds=None):
         """{cut (sorted group indices): (step under this pricing, the assignment found, which pricing)} of the cuts
