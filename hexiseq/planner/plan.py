@@ -747,7 +747,6 @@ FIT_PROBE_S = 1e-6
 # Above this many devices the batch planner's first pricing of its candidate groups takes minutes (274 s for 8,192
 # on a 2-core machine), too long to run unasked beside a plan that takes milliseconds: batch=True runs it.
 BATCH_AUTO_UP_TO = 1024
-_BATCH_CHOICES = ("auto", True, False)
 
 
 def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=None, causal=True,
@@ -774,9 +773,11 @@ def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=N
         of one layout over every device run once per sequence: the devices in groups, each running some of the
         sequences whole with its own layout, data parallel across groups, gradients synchronised once per step
         (hexiseq.plan_batch; a BatchPlan, run with hexiseq.nn.BatchContext). "auto" (default) returns the batch
-        plan when it is predicted faster, on clusters of up to BATCH_AUTO_UP_TO devices (beyond, its first pricing
-        takes minutes); True returns the batch plan on any cluster; False the one layout. Only with strategy "auto"
-        and without documents (a batch of unequal sequences: hexiseq.plan_batch).
+        plan when it is predicted faster, on clusters of up to BATCH_AUTO_UP_TO devices; True returns the batch
+        plan on any cluster; False the one layout. Only with strategy "auto" and without documents (a batch of
+        unequal sequences: hexiseq.plan_batch). Pricing the candidate groups takes seconds to minutes on 2 cores
+        (13 s at 128 devices, 72 s at 1,024, 274 s at 8,192): a job that plans steps should keep a
+        hexiseq.BatchPlanner, which prices once and then plans a step in milliseconds.
 
     Ctrl-C (SIGINT) stops a long search within a fraction of a second with KeyboardInterrupt.
 
@@ -789,7 +790,7 @@ def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=N
     cluster, model, training, seq_len = _inputs(cluster, model, training, seq_len)
     causal = boolean(causal, "causal")
     documents = _documents(documents, seq_len, causal)
-    if not any(batch is c for c in _BATCH_CHOICES) and batch != "auto":
+    if not (batch is True or batch is False or (isinstance(batch, str) and batch == "auto")):
         raise InvalidArgumentError(f"batch must be 'auto', True or False, got {batch!r}")
     if batch is True and (strategy is not Strategy.AUTO or documents is not None):
         raise InvalidArgumentError(f"batch=True plans groups with the 'auto' strategy and no documents, got strategy "
