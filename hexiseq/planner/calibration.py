@@ -86,8 +86,8 @@ class _Progress:
         self.done += n
 
 
-def _seconds(fn, device, iters: int, warmup: int) -> float:
-    """Median wall seconds of fn() over iters runs after warmup runs, the device synchronised around each."""
+def _warmed(fn, device, warmup: int):
+    """fn() run `warmup` times and the device synchronised; returns the synchronisation for the timing after."""
     torch, _ = _torch()
 
     def sync():
@@ -97,6 +97,12 @@ def _seconds(fn, device, iters: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
     sync()
+    return sync
+
+
+def _seconds(fn, device, iters: int, warmup: int) -> float:
+    """Median wall seconds of fn() over iters runs after warmup runs, the device synchronised around each."""
+    sync = _warmed(fn, device, warmup)
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -112,15 +118,7 @@ def _seconds_queued(fn, device, iters: int, warmup: int) -> float:
     synchronisation after each call adds the device's idle gap while the host issues the next one, which made
     calibrate's rates read 10-25% below what a layer runs at (one H100: matmuls 558-666 TFLOP/s synchronised
     against 678-763 back to back)."""
-    torch, _ = _torch()
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    for _ in range(warmup):
-        fn()
-    sync()
+    sync = _warmed(fn, device, warmup)
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
@@ -305,7 +303,7 @@ def _attention_curves(model: Model, sizes, device, dtype, heads, iters, warmup, 
             def bwd():
                 kern.backward_into(q, k, v, o, lse, do, True, q_pos0, 0, scale, dq, dk, dv)
 
-            t = _seconds_queued(lambda: (fwd(), bwd()), device, iters, warmup)
+            t = _seconds_queued(lambda f=fwd, b=bwd: (f(), b()), device, iters, warmup)
             pairs = n * n if q_pos0 else n * (n + 1) / 2
             target.append([n, 4.0 * pairs * d * h * _ATTN_PASSES / t / 1e12])
             progress.tick()
@@ -336,7 +334,7 @@ def _attention_curves(model: Model, sizes, device, dtype, heads, iters, warmup, 
         def bwd():
             kern.backward_into(q, k, v, o, lse, do, True, 0, 0, scale, dq, dk, dv, q_doc)
 
-        t = _seconds_queued(lambda: (fwd(), bwd()), device, iters, warmup)
+        t = _seconds_queued(lambda f=fwd, b=bwd: (f(), b()), device, iters, warmup)
         pairs = sum(m * (m + 1) / 2 for m in lengths)
         docs.append([n, 4.0 * pairs * d * h * _ATTN_PASSES / t / 1e12])
         progress.tick()

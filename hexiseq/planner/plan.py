@@ -776,7 +776,7 @@ def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=N
         plan when it is predicted faster, on clusters of up to BATCH_AUTO_UP_TO devices; True returns the batch
         plan on any cluster; False the one layout. Only with strategy "auto" and without documents (a batch of
         unequal sequences: hexiseq.plan_batch). Pricing the candidate groups takes seconds to minutes on 2 cores
-        (13 s at 128 devices, 72 s at 1,024, 274 s at 8,192): a job that plans steps should keep a
+        (9 s at 128 devices, 39 s at 1,024, 274 s at 8,192): a job that plans steps should keep a
         hexiseq.BatchPlanner, which prices once and then plans a step in milliseconds.
 
     Ctrl-C (SIGINT) stops a long search within a fraction of a second with KeyboardInterrupt.
