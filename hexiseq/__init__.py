@@ -8,8 +8,8 @@ from .planner.cluster import Cluster, DeviceRates, Node, gpu_catalog
 from .errors import (CudaError, HexiseqError, InternalError, InvalidArgumentError, LayoutError, MemoryFitError,
                      RankMismatchError, UnknownGPUError, UnsupportedError)
 from .planner.model import MODEL_PRESETS, Model, Sharding, Training
-from .planner.plan import DeviceTable, Layout, Plan, Strategy, compare, evaluate, plan
-from .planner.batch import BatchPlan, BatchPlanner, plan_batch
+from .planner.plan import DeviceTable, Layout, Plan, Strategy, compare, evaluate
+from .planner.batch import BatchPlan, BatchPlanner, plan, plan_batch
 from .planner.calibration import calibrate  # PyTorch is imported on the first call, not here
 from .planner.measurement import Measurement, measure
 from ._aliases import install_module_aliases

@@ -14,8 +14,8 @@ from .planner.cluster import Cluster, gpu_catalog
 from .errors import HexiseqError, InvalidArgumentError, MemoryFitError
 from .planner.model import MODEL_PRESETS, Model, Training
 from ._validate import number, parse_tokens, read_text
-from .planner.plan import (Plan, Strategy, _compare_within, _documents, batch_alternative, compare, no_fit_error,
-                           plan)
+from .planner.batch import batch_alternative
+from .planner.plan import Plan, Strategy, _compare_within, _documents, compare, no_fit_error, plan
 from .planner.text import TABLE_LEGEND
 
 DESCRIPTION = "Plan asymmetric sequence and head parallelism for a heterogeneous GPU cluster."

@@ -46,7 +46,7 @@ import hashlib
 import json
 import math
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -55,8 +55,9 @@ from .._validate import number
 from ..errors import InvalidArgumentError, MemoryFitError, UnsupportedError
 from .cluster import Cluster, device_set
 from .model import Training
-from .batch_kinds import _Kind
-from .plan import Plan, _inputs, plan
+from .batch_kinds import _Kind, _first_fit
+from .plan import Plan, Strategy, _inputs, _strategy
+from .plan import plan as plan_layout
 
 
 
@@ -332,28 +333,6 @@ class BatchPlan:
     def __repr__(self):
         return (f"BatchPlan(groups={len(self.groups)}, sequences={len(self.lengths)}, "
                 f"step_time_s={self.step_time_s:.4g}, lower_bound_s={self.lower_bound_s:.4g})")
-
-
-def _first_fit(items, total, cap):
-    """`items` (indices into `total`) packed first fit by decreasing length into passes of `cap` tokens: the list of
-    passes, each a list of items (one pass when they fit together)."""
-    if not items:
-        return []
-    if sum(int(total[i]) for i in items) <= cap:
-        return [sorted(items, key=lambda i: -int(total[i]))]
-    bins, room = [], []
-    for i in sorted(items, key=lambda i: -int(total[i])):
-        L = int(total[i])
-        for j, r in enumerate(room):
-            if r >= L:
-                break
-        else:
-            j = len(bins)
-            bins.append([])
-            room.append(cap)
-        bins[j].append(i)
-        room[j] -= L
-    return bins
 
 
 class _Rows:
@@ -830,8 +809,8 @@ class BatchPlanner:
         best = None
         S = sum(pass_docs)
         try:
-            best = plan(kind.cluster, model=kind.model, seq_len=S, training=kind.training, causal=kind.causal,
-                        strategy="hexiseq", documents=pass_docs if len(pass_docs) > 1 else None)
+            best = plan_layout(kind.cluster, model=kind.model, seq_len=S, training=kind.training, causal=kind.causal,
+                               strategy="hexiseq", documents=pass_docs if len(pass_docs) > 1 else None)
         except (MemoryFitError, UnsupportedError):
             pass
         for scale_bases in kind._bases.values():
@@ -859,3 +838,55 @@ def plan_batch(cluster, *, model="gpt-7b", lengths: Sequence, training=None, cau
     Raises MemoryFitError when a sequence fits no candidate group; InvalidArgumentError for bad lengths or groups."""
     return BatchPlanner(cluster, model=model, training=training, causal=causal, groups=groups).plan(
         lengths, time_limit_s=time_limit_s)
+
+
+# Above this many devices pricing the candidate groups takes minutes (274 s for 8,192 on 2 cores), too long to run
+# unasked beside a plan that takes milliseconds: plan(..., batch=True) runs it.
+BATCH_AUTO_UP_TO = 1024
+
+
+def batch_alternative(cluster, model, training, seq_len, causal, chosen, time_limit_s=None, force=False):
+    """For several sequences per step, the batch plan of those sequences when it is predicted faster than `chosen`
+    (one layout over every device, run once per sequence), or always with force; else None (one sequence, more than
+    BATCH_AUTO_UP_TO devices without force, no faster grouping, or no group holds a sequence)."""
+    if training.sequences < 2 or (cluster.num_devices > BATCH_AUTO_UP_TO and not force):
+        return None
+    one = dataclasses.replace(training, sequences=1)
+    try:
+        bp = plan_batch(cluster, model=model, lengths=[seq_len] * training.sequences, training=one, causal=causal,
+                        time_limit_s=time_limit_s)
+    except MemoryFitError:
+        return None
+    return bp if force or bp.step_time_s < chosen.step_time_s else None
+
+
+def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=None, causal=True,
+         time_limit_s=None, documents=None, batch="auto") -> Union[Plan, BatchPlan]:
+    if not (batch is True or batch is False or (isinstance(batch, str) and batch == "auto")):
+        raise InvalidArgumentError(f"batch must be 'auto', True or False, got {batch!r}")
+    if batch is True and (_strategy(strategy) is not Strategy.AUTO or documents is not None):
+        raise InvalidArgumentError(f"batch=True plans groups with the 'auto' strategy and no documents, got strategy "
+                                   f"{_strategy(strategy).value!r}" + (" and documents" if documents is not None
+                                                                       else ""))
+    cluster, model, training, seq_len = _inputs(cluster, model, training, seq_len)
+    chosen = plan_layout(cluster, model=model, seq_len=seq_len, strategy=strategy, training=training, causal=causal,
+                         time_limit_s=time_limit_s, documents=documents)
+    if batch is False or documents is not None or _strategy(strategy) is not Strategy.AUTO:
+        return chosen
+    grouped = batch_alternative(cluster, model, training, seq_len, bool(causal), chosen, time_limit_s,
+                                force=batch is True)
+    return chosen if grouped is None else grouped
+
+
+plan.__doc__ = plan_layout.__doc__.replace("\n    Ctrl-C (SIGINT)", '''
+    batch: for a step of several sequences (training.sequences > 1), whether it may run as a batch plan instead
+        of one layout over every device run once per sequence: the devices in groups, each running some of the
+        sequences whole with its own layout, data parallel across groups, gradients synchronised once per step
+        (hexiseq.plan_batch; a BatchPlan, run with hexiseq.nn.BatchContext). "auto" (default) returns the batch
+        plan when it is predicted faster, on clusters of up to BATCH_AUTO_UP_TO devices; True returns the batch
+        plan on any cluster; False the one layout. Only with strategy "auto" and without documents (a batch of
+        unequal sequences: hexiseq.plan_batch). Pricing the candidate groups takes seconds to minutes on 2 cores
+        (9 s at 128 devices, 39 s at 1,024, 274 s at 8,192): a job that plans steps should keep a
+        hexiseq.BatchPlanner, which prices once and then plans a step in milliseconds.
+
+    Ctrl-C (SIGINT)''', 1)

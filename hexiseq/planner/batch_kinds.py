@@ -22,6 +22,28 @@ def _short_docs(S, d):
     return [d] * (S // d) + ([S % d] if S % d else [])
 
 
+def _first_fit(items, total, cap):
+    """`items` (indices into `total`) packed first fit by decreasing length into passes of `cap` tokens: the list of
+    passes, each a list of items (one pass when they fit together)."""
+    if not items:
+        return []
+    if sum(int(total[i]) for i in items) <= cap:
+        return [sorted(items, key=lambda i: -int(total[i]))]
+    bins, room = [], []
+    for i in sorted(items, key=lambda i: -int(total[i])):
+        L = int(total[i])
+        for j, r in enumerate(room):
+            if r >= L:
+                break
+        else:
+            j = len(bins)
+            bins.append([])
+            room.append(cap)
+        bins[j].append(i)
+        room[j] -= L
+    return bins
+
+
 class _Kind:
     """One kind of group (groups of equal description share one): how long a packed pass takes on it.
 

@@ -7,7 +7,7 @@ import hashlib
 import json
 import os
 import time
-from typing import TYPE_CHECKING, Dict, List, Optional, Union
+from typing import Dict, List, Optional, Union
 
 import numpy as np
 
@@ -17,9 +17,6 @@ from .cluster import Cluster
 from ..errors import InternalError, InvalidArgumentError, LayoutError, MemoryFitError, UnsupportedError
 from .model import Model, Sharding, Training, memory_features_names
 from . import text
-
-if TYPE_CHECKING:
-    from .batch import BatchPlan
 
 __all__ = ["Strategy", "Layout", "Plan", "DeviceTable", "plan", "evaluate", "compare"]
 
@@ -744,13 +741,9 @@ def _memory_advice(cluster, model, training, seq_len, causal, strategies, error)
 # is found is the full search's answer; only the search for the fastest is cut.
 FIT_PROBE_S = 1e-6
 
-# Above this many devices the batch planner's first pricing of its candidate groups takes minutes (274 s for 8,192
-# on a 2-core machine), too long to run unasked beside a plan that takes milliseconds: batch=True runs it.
-BATCH_AUTO_UP_TO = 1024
-
 
 def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=None, causal=True,
-         time_limit_s=None, documents=None, batch="auto") -> Union[Plan, "BatchPlan"]:
+         time_limit_s=None, documents=None) -> Plan:
     """The best plan of `strategy` for training `model` on sequences of `seq_len` tokens.
 
     cluster: a Cluster, a dict (Cluster.from_dict) or a YAML/JSON file path.
@@ -769,16 +762,6 @@ def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=N
         found so far, marked `stopped_early` (a first valid plan is always completed, so a tiny limit on a huge
         cluster may take longer). "auto" shares the limit among the strategies.
 
-    batch: for a step of several sequences (training.sequences > 1), whether it may run as a batch plan instead
-        of one layout over every device run once per sequence: the devices in groups, each running some of the
-        sequences whole with its own layout, data parallel across groups, gradients synchronised once per step
-        (hexiseq.plan_batch; a BatchPlan, run with hexiseq.nn.BatchContext). "auto" (default) returns the batch
-        plan when it is predicted faster, on clusters of up to BATCH_AUTO_UP_TO devices; True returns the batch
-        plan on any cluster; False the one layout. Only with strategy "auto" and without documents (a batch of
-        unequal sequences: hexiseq.plan_batch). Pricing the candidate groups takes seconds to minutes on 2 cores
-        (9 s at 128 devices, 39 s at 1,024, 274 s at 8,192): a job that plans steps should keep a
-        hexiseq.BatchPlanner, which prices once and then plans a step in milliseconds.
-
     Ctrl-C (SIGINT) stops a long search within a fraction of a second with KeyboardInterrupt.
 
     Raises MemoryFitError naming the device that is short when no layout fits, with what would fit (model
@@ -790,11 +773,6 @@ def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=N
     cluster, model, training, seq_len = _inputs(cluster, model, training, seq_len)
     causal = boolean(causal, "causal")
     documents = _documents(documents, seq_len, causal)
-    if not (batch is True or batch is False or (isinstance(batch, str) and batch == "auto")):
-        raise InvalidArgumentError(f"batch must be 'auto', True or False, got {batch!r}")
-    if batch is True and (strategy is not Strategy.AUTO or documents is not None):
-        raise InvalidArgumentError(f"batch=True plans groups with the 'auto' strategy and no documents, got strategy "
-                                   f"{strategy.value!r}" + (" and documents" if documents is not None else ""))
     if strategy is not Strategy.AUTO:
         try:
             return _plan_one(cluster, model, training, seq_len, causal, strategy, time_limit_s, documents)
@@ -809,30 +787,8 @@ def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=N
     if plans:
         best = min(plans, key=lambda p: p.step_time_s)  # ties keep the earlier: the scheduler's plan
         best.stopped_early = any(p.stopped_early for p in plans)  # the comparison itself was cut short
-        if documents is None and batch is not False:
-            grouped = batch_alternative(cluster, model, training, seq_len, causal, best, time_limit_s,
-                                        force=batch is True)
-            if grouped is not None:
-                return grouped
         return best
     raise no_fit_error(cluster, model, training, seq_len, causal, results)
-
-
-def batch_alternative(cluster, model, training, seq_len, causal, chosen, time_limit_s=None, force=False):
-    """For several sequences per step, the batch plan of those sequences when it is predicted faster than `chosen`
-    (one layout over every device, run once per sequence), or always with force; else None (one sequence, more than
-    BATCH_AUTO_UP_TO devices without force, no faster grouping, or no group holds a sequence)."""
-    from .batch import plan_batch
-
-    if training.sequences < 2 or (cluster.num_devices > BATCH_AUTO_UP_TO and not force):
-        return None
-    one = dataclasses.replace(training, sequences=1)
-    try:
-        bp = plan_batch(cluster, model=model, lengths=[seq_len] * training.sequences, training=one, causal=causal,
-                        time_limit_s=time_limit_s)
-    except MemoryFitError:
-        return None
-    return bp if force or bp.step_time_s < chosen.step_time_s else None
 
 
 def no_fit_error(cluster, model, training, seq_len, causal, results, strategies=None) -> Exception:
