@@ -840,8 +840,8 @@ def plan_batch(cluster, *, model="gpt-7b", lengths: Sequence, training=None, cau
         lengths, time_limit_s=time_limit_s)
 
 
-# Above this many devices pricing the candidate groups takes minutes (274 s for 8,192 on 2 cores), too long to run
-# unasked beside a plan that takes milliseconds: plan(..., batch=True) runs it.
+# Above this many devices pricing the candidate groups takes minutes (about 5 for 8,192 on 2 cores), too long to
+# run unasked beside a plan that takes milliseconds: plan(..., batch=True) runs it.
 BATCH_AUTO_UP_TO = 1024
 
 
@@ -886,7 +886,7 @@ plan.__doc__ = plan_layout.__doc__.replace("\n    Ctrl-C (SIGINT)", '''
         plan when it is predicted faster, on clusters of up to BATCH_AUTO_UP_TO devices; True returns the batch
         plan on any cluster; False the one layout. Only with strategy "auto" and without documents (a batch of
         unequal sequences: hexiseq.plan_batch). Pricing the candidate groups takes seconds to minutes on 2 cores
-        (9 s at 128 devices, 39 s at 1,024, 274 s at 8,192): a job that plans steps should keep a
+        (9 s at 128 devices, 39 s at 1,024, about 5 minutes at 8,192): a job planning steps should keep a
         hexiseq.BatchPlanner, which prices once and then plans a step in milliseconds.
 
     Ctrl-C (SIGINT)''', 1)
