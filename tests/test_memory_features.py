@@ -60,6 +60,16 @@ def test_offloaded_checkpoint_is_the_plain_checkpoint():
     assert off.host_bytes == 0
     assert out.item() == ref.item() == ck.item()
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(grads, ref_grads, ck_grads))
+    # the peak is kept until reset, and a step after the reset reaches it again (two layers: half of it)
+    assert off.peak_host_bytes == 4 * 37 * 16 * 8
+    off.reset_peak()
+    assert off.peak_host_bytes == off.host_bytes == 0
+    x = x0
+    for layer in list(layers)[:2]:
+        x = hexiseq.nn.offloaded_checkpoint(layer, x, offloader=off)
+    assert off.peak_host_bytes == 2 * 37 * 16 * 8 and off.saved == 6
+    torch.autograd.grad(x.sum(), [x0])
+    assert off.host_bytes == 0 and off.peak_host_bytes == 2 * 37 * 16 * 8
 
 
 def test_offload_refusals():
