@@ -55,7 +55,7 @@ from .._validate import number
 from ..errors import InvalidArgumentError, MemoryFitError, UnsupportedError
 from .cluster import Cluster, device_set
 from .model import Training
-from .batch_kinds import _Kind, _first_fit
+from .batch_kinds import _Kind, _first_fit, _held
 from .plan import Plan, Strategy, _inputs, _strategy
 from .plan import plan as plan_layout
 
@@ -707,10 +707,9 @@ class BatchPlanner:
         length into its capacity (_build packs them so): passes x f plus what the group holds."""
         group_of, times, info, passes = found
         times = np.array(times, dtype=np.float64)
-        for k in range(len(times)):
-            held = np.flatnonzero(group_of == k)
-            bins = _first_fit(held.tolist(), total, int(cap[k]))
-            times[k] = len(bins) * float(f[k]) + float(c[k, held].sum()) if len(held) else 0.0
+        for k, held in enumerate(_held(group_of, len(times))):
+            times[k] = len(_first_fit(held, total, int(cap[k]))) * float(f[k]) + float(c[k, held].sum()) if held \
+                else 0.0
         return group_of, times, info, passes
 
     def _search(self, total, cost, fixed, cap, deadline, pricing=0, rounds=None):
@@ -779,9 +778,7 @@ class BatchPlanner:
         groups = tuple(self.groups[cut[k]] for k in order)
         assignment = tuple(rank[int(g)] for g in group_of)
         packs, model_time, exact_time, pass_plans = [], [], [], []
-        held = [[] for _ in order]
-        for i, a in enumerate(assignment):
-            held[a].append(i)
+        held = _held(assignment, len(order))
         for r, k in enumerate(order):
             seqs = held[r]
             bins = _first_fit(seqs, total, int(cap[cut[k]]))
@@ -864,14 +861,15 @@ def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=N
          time_limit_s=None, documents=None, batch="auto") -> Union[Plan, BatchPlan]:
     if not (batch is True or batch is False or (isinstance(batch, str) and batch == "auto")):
         raise InvalidArgumentError(f"batch must be 'auto', True or False, got {batch!r}")
-    if batch is True and (_strategy(strategy) is not Strategy.AUTO or documents is not None):
+    strategy = _strategy(strategy)
+    groups_allowed = strategy is Strategy.AUTO and documents is None
+    if batch is True and not groups_allowed:
         raise InvalidArgumentError(f"batch=True plans groups with the 'auto' strategy and no documents, got strategy "
-                                   f"{_strategy(strategy).value!r}" + (" and documents" if documents is not None
-                                                                       else ""))
+                                   f"{strategy.value!r}" + (" and documents" if documents is not None else ""))
     cluster, model, training, seq_len = _inputs(cluster, model, training, seq_len)
     chosen = plan_layout(cluster, model=model, seq_len=seq_len, strategy=strategy, training=training, causal=causal,
                          time_limit_s=time_limit_s, documents=documents)
-    if batch is False or documents is not None or _strategy(strategy) is not Strategy.AUTO:
+    if batch is False or not groups_allowed:
         return chosen
     grouped = batch_alternative(cluster, model, training, seq_len, bool(causal), chosen, time_limit_s,
                                 force=batch is True)

@@ -22,6 +22,14 @@ def _short_docs(S, d):
     return [d] * (S // d) + ([S % d] if S % d else [])
 
 
+def _held(group_of, n_groups):
+    """The items of each group, in item order, from the group of each item (one pass over them)."""
+    held = [[] for _ in range(n_groups)]
+    for i, g in enumerate(group_of):
+        held[g].append(i)
+    return held
+
+
 def _first_fit(items, total, cap):
     """`items` (indices into `total`) packed first fit by decreasing length into passes of `cap` tokens: the list of
     passes, each a list of items (one pass when they fit together)."""
@@ -119,7 +127,8 @@ class _Kind:
             S = max(self.anchor // scale, self._floor())
             out = []
             for docs in (None, _short_docs(S, self.TYPICAL)):
-                for training in (self.plain, self.training):  # the features only where nothing fits without
+                # the features only where nothing fits without (once: without features allowed the two are one)
+                for training in (self.plain,) if self.plain == self.training else (self.plain, self.training):
                     try:
                         base = plan(self.cluster, model=self.model, seq_len=S, training=training,
                                     causal=self.causal, strategy="hexiseq", documents=docs)

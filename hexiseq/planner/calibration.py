@@ -220,26 +220,40 @@ def _mem_bound_rate(model: Model, rows, device, dtype, iters, warmup, barrier, p
     about 770 GB/s at 16K tokens), so a rate taken that way priced a Llama layer 20% slow. The difference is held
     to at least 2% of the layer's time, so a rate stays finite where the matmuls are nearly all of it."""
     torch, _ = _torch()
-    from .measurement import _llama_layer
-
-    H, q, kv, F = model.hidden, model.heads * model.head_dim, model.kv_heads * model.head_dim, model.ffn
     g = torch.Generator(device=device).manual_seed(99)
-    layer = _llama_layer(model, lambda q_, k_, v_: q_, device, dtype, 99)
-    x = torch.randn(1, rows, H, generator=g, device=device, dtype=dtype).requires_grad_()
-    dy = torch.randn(1, rows, H, generator=g, device=device, dtype=dtype)
-    params = [x] + list(layer.parameters())
-
-    def whole():
-        torch.autograd.grad(layer(x), params, dy)
-
+    whole = _token_parallel_step(model, rows, device, dtype, g)
     matmuls, _ = _matmuls(model, rows, device, dtype, g)
     barrier()
     t_layer = _seconds_queued(whole, device, iters, max(1, warmup))
     t_matmuls = _seconds_queued(matmuls, device, iters, max(1, warmup))
     t = max(t_layer - t_matmuls, 0.02 * t_layer)
-    elems = 4.0 * H + 6.0 * H + 2.0 * (q + kv) + (3.0 if model.gated_mlp else 2.0) * F
     progress.tick()
-    return rows * elems * torch.empty(0, dtype=dtype).element_size() * 3.0 / t / 1e9
+    return _mem_bound_bytes(model, rows, dtype) / t / 1e9
+
+
+def _token_parallel_step(model: Model, rows, device, dtype, g):
+    """One forward + backward of measure's Llama layer (planner/measurement.py) on `rows` tokens with its attention
+    call replaced by the identity on q: a layer's token-parallel work, matmuls and memory-bound work together."""
+    torch, _ = _torch()
+    from .measurement import _llama_layer
+
+    layer = _llama_layer(model, lambda q, k, v: q, device, dtype, 99)
+    x = torch.randn(1, rows, model.hidden, generator=g, device=device, dtype=dtype).requires_grad_()
+    dy = torch.randn(1, rows, model.hidden, generator=g, device=device, dtype=dtype)
+    params = [x] + list(layer.parameters())
+
+    def step():
+        torch.autograd.grad(layer(x), params, dy)
+
+    return step
+
+
+def _mem_bound_bytes(model: Model, rows, dtype) -> float:
+    """The bytes the cost model counts for a layer's memory-bound work on `rows` tokens, forward + backward
+    (csrc/model/cost_terms.h: layer_mem_elems_per_token elements of the dtype per token, 3 passes)."""
+    H, q, kv, F = model.hidden, model.heads * model.head_dim, model.kv_heads * model.head_dim, model.ffn
+    elems = 4.0 * H + 6.0 * H + 2.0 * (q + kv) + (3.0 if model.gated_mlp else 2.0) * F
+    return rows * elems * dtype.itemsize * 3.0
 
 
 def _attention_heads(model: Model, device, heads):
