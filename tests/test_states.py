@@ -115,7 +115,7 @@ def test_a_plan_gives_its_state_shares(reports):
 
 # ------------------------------------------------------------------------------------------------ exactness
 
-TRAINING = ["uneven", "zero_share", "checkpoint", "checkpoint_reentrant", "reduce_sum", "fallback"]
+TRAINING = ["uneven", "zero_share", "checkpoint", "checkpoint_reentrant", "reduce_sum", "unused", "fallback"]
 
 
 @pytest.mark.parametrize("name", TRAINING)

@@ -205,19 +205,25 @@ def _should_push_hooks():
 
 
 class _Gather(torch.autograd.Function):
-    """shard -> the unit's full flat vector; the backward reduces the full gradient to the shard owners."""
+    """shard -> the unit's parameters, as views of its gathered flat vector; the backward writes their gradients
+    into one flat gradient and reduces it to the shard owners.
+
+    One output per parameter, not the flat vector: autograd would take each view's gradient back to the flat
+    vector through its own slice backward, a zeroed vector of the unit's full size per parameter, summed; one
+    copy per gradient into a flat buffer is all the reduction needs (a backward of 1.3x FSDP2's became 1.0x)."""
 
     @staticmethod
     def forward(ctx, shard, unit):
         ctx.unit = unit
-        return unit.gather()
+        unit.flat = flat = unit.gather()
+        return tuple(unit.views(flat))
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         unit = ctx.unit
         # every node that used this call's views has run: what the backward gathered for them can go
         unit.backward_flat = None
-        return unit.reduce(grad), None
+        return unit.reduce(unit.flat_grad(grads)), None
 
 
 class _Unit:
@@ -283,14 +289,26 @@ class _Unit:
                 owner._parameters.pop(attr, None)
         self._set_views(None)
 
-    def _set_views(self, flat):
-        for entry in self.layout:
-            if flat is None:
-                t = torch.empty(entry.shape, dtype=self.dtype, device="meta")
-            else:
-                t = flat[entry.offset:entry.offset + entry.numel].view(entry.shape)
+    def views(self, flat):
+        """The unit's parameters as views of its flat vector, one per layout entry."""
+        return [flat[e.offset:e.offset + e.numel].view(e.shape) for e in self.layout]
+
+    def _set_views(self, views):
+        for i, entry in enumerate(self.layout):
+            t = torch.empty(entry.shape, dtype=self.dtype, device="meta") if views is None else views[i]
             for owner, attr in entry.places:
                 owner.__dict__[attr] = t  # a plain attribute, as nn.Module keeps non-parameter values
+
+    def flat_grad(self, grads):
+        """The parameters' gradients as one flat vector (zeros for a parameter the step did not use)."""
+        if len(grads) == 1 and grads[0] is not None:
+            return grads[0].reshape(-1)
+        unused = any(g is None for g in grads)
+        out = (torch.zeros if unused else torch.empty)(self.total, dtype=self.dtype, device=self.device)
+        for entry, g in zip(self.layout, grads):
+            if g is not None:
+                out[entry.offset:entry.offset + entry.numel].view(entry.shape).copy_(g)
+        return out
 
     # -------------------------------------------------------------------------------------- collectives
 
@@ -319,20 +337,20 @@ class _Unit:
             return grad.new_empty(0)
         out = self.comm.reduce_scatter(grad.contiguous(), self.sizes, self.offsets, self.width, self.rank)
         if self.comm.reduce == "mean":
-            out = out / len(self.sizes)
+            out.div_(len(self.sizes))  # in place: the slice is this call's own buffer
         return out
 
     # -------------------------------------------------------------------------------------- hooks
 
     def before(self, module, args):
         if torch.is_grad_enabled() and self.shard.requires_grad:
-            flat = _Gather.apply(self.shard, self)
+            views = _Gather.apply(self.shard, self)  # sets self.flat
         else:
-            flat = self.gather()
-        self.flat = flat
-        if flat.numel():
-            _active[_storage_key(flat)] = self
-        self._set_views(flat)
+            self.flat = self.gather()
+            views = self.views(self.flat)
+        if self.flat.numel():
+            _active[_storage_key(self.flat)] = self
+        self._set_views(views)
         push = _should_push_hooks()
         if push:
             torch._C._autograd._push_saved_tensors_default_hooks(_pack, _unpack)

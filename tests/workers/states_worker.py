@@ -28,12 +28,16 @@ class Block(nn.Module):
 
 class Net(nn.Module):
     """Embedding, a ModuleList of blocks, a norm and a head; `ckpt`: None, "plain" (non-reentrant) or
-    "reentrant" checkpointing around each block; `tied`: the head shares the embedding's weight."""
+    "reentrant" checkpointing around each block; `tied`: the head shares the embedding's weight; `spare`: every
+    block holds a layer its forward never uses (no gradient reaches it)."""
 
-    def __init__(self, dim=DIM, tied=False, ckpt=None):
+    def __init__(self, dim=DIM, tied=False, ckpt=None, spare=False):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
         self.blocks = nn.ModuleList(Block(dim, HIDDEN) for _ in range(LAYERS))
+        if spare:
+            for b in self.blocks:
+                b.spare = nn.Linear(dim, 3)
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, VOCAB, bias=False)
         if tied:
@@ -75,13 +79,13 @@ def max_diff(a, b):
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-def train_scenario(rank, world, shares, reduce="mean", ckpt=None, tied=False, fallback=False, steps=3):
+def train_scenario(rank, world, shares, reduce="mean", ckpt=None, tied=False, fallback=False, steps=3, spare=False):
     """`steps` Adam steps sharded, each rank on its own batch, against the reference on all the batches; the
     largest difference of the full parameters over the steps, and the state dicts' keys and shapes agreement."""
     import hexiseq
 
-    ref = make_net(tied=tied)
-    net = hexiseq.shard_states(make_net(tied=tied, ckpt=ckpt), shares, reduce=reduce)
+    ref = make_net(tied=tied, spare=spare)
+    net = hexiseq.shard_states(make_net(tied=tied, ckpt=ckpt, spare=spare), shares, reduce=reduce)
     if fallback:  # the all-gather-list and all-reduce paths of backends without the single-tensor collectives
         rec = net._hexiseq_states
         rec.comm.single_gather = rec.comm.single_reduce = False
@@ -97,7 +101,8 @@ def train_scenario(rank, world, shares, reduce="mean", ckpt=None, tied=False, fa
             loss_of(ref, *batch(step, r)).backward()
         if reduce == "mean":
             for p in ref.parameters():
-                p.grad /= world
+                if p.grad is not None:
+                    p.grad /= world
         ref_opt.step()
         worst = max(worst, max_diff(hexiseq.full_state_dict(net), ref.state_dict()))
     return worst
@@ -240,6 +245,7 @@ def run_all(rank, world, init, results):
         scenario("checkpoint", lambda: train_scenario(rank, world, good, ckpt="plain"))
         scenario("checkpoint_reentrant", lambda: train_scenario(rank, world, [0.2, 0.3, 0.5], ckpt="reentrant"))
         scenario("reduce_sum", lambda: train_scenario(rank, world, good, reduce="sum"))
+        scenario("unused", lambda: train_scenario(rank, world, good, spare=True))
         scenario("fallback", lambda: train_scenario(rank, world, [0.7, 0.3, 0.0], fallback=True))
         scenario("inplace_activation", lambda: misuse_scenario(rank, world, "activation"))
         scenario("inplace_shard", lambda: misuse_scenario(rank, world, "shard"))
