@@ -87,6 +87,13 @@ CONTRACT = [
     ("load_seeds", "RankMismatchError", ["ranks disagree about state_dict['embed.weight']", "rank 1: digest", "rank 0: digest",
                                          "they also disagree about state_dict["]),
     ("load_missing", "InvalidArgumentError", ["1 of 3 ranks", "rank 0: state_dict lacks the parameter blocks.1."]),
+    ("load_missing_fsdp2", "InvalidArgumentError", ["1 of 3 ranks",
+                                                    "rank 0: state_dict lacks the parameter blocks.1."]),
+    ("fsdp2_uneven", "InvalidArgumentError", ["3 of 3 ranks", "engine 'fsdp2' needs even shares",
+                                              "[0.5, 0.3, 0.2]"]),
+    ("engine", "InvalidArgumentError",
+     ["1 of 3 ranks", "rank 1: engine must be one of ['auto', 'hexiseq', 'fsdp2'], got 'zero3'"]),
+    ("engine_mismatch", "RankMismatchError", ["engine", "rank 0: fsdp2", "rank 2: hexiseq"]),
 ]
 
 
@@ -115,7 +122,8 @@ def test_a_plan_gives_its_state_shares(reports):
 
 # ------------------------------------------------------------------------------------------------ exactness
 
-TRAINING = ["uneven", "zero_share", "checkpoint", "checkpoint_reentrant", "reduce_sum", "unused", "fallback"]
+TRAINING = ["uneven", "zero_share", "checkpoint", "checkpoint_reentrant", "reduce_sum", "unused", "fallback",
+            "even_fsdp2", "even_fsdp2_sum", "even_own"]
 
 
 @pytest.mark.parametrize("name", TRAINING)
@@ -133,7 +141,7 @@ def test_training_matches_the_single_process_reference(reports, name):
 
 def test_gathered_parameters_do_not_outlive_the_forward(reports):
     """Between the forward and the backward no gathered flat vector is alive; the backward gathers each unit
-    once. Without the saved-tensor hooks every unit's vector would still be alive (what the first check would
+    once; from the second step on, each gather but the first of a pass was posted ahead. Without the saved-tensor hooks every unit's vector would still be alive (what the first check would
     catch)."""
     for rank, report in sorted(reports[0].items()):
         kind, got, _ = report["memory"]
@@ -143,6 +151,9 @@ def test_gathered_parameters_do_not_outlive_the_forward(reports):
         assert got["alive_after_forward"] == 0, (rank, got)
         assert got["forward_gathers"] == units and got["backward_gathers"] == units, (rank, got)
         assert got["alive_after_backward"] == 0, (rank, got)
+        # every gather but each pass's first was posted while the unit before it computed, none in vain
+        assert got["forward_ahead"] == units - 1 and got["backward_ahead"] == units - 1, (rank, got)
+        assert got["dropped"] == 0, (rank, got)
         kind, without, _ = report["memory_without_hooks"]
         assert kind == "ok", (rank, without)
         assert without["alive_after_forward"] == units and without["backward_gathers"] == 0, (rank, without)
@@ -178,10 +189,12 @@ def test_optimizer_state_only_for_the_local_shards(reports, name, shares):
         assert abs(g["shard"] - shares[rank] * sum(totals)) < len(totals), (rank, g)
 
 
-def test_ranks_loading_the_same_weights_agree(reports):
-    """After the refusals, every rank loads the same full state dict: it is the one gathered back."""
+@pytest.mark.parametrize("name", ["load_good", "load_good_fsdp2"])
+def test_ranks_loading_the_same_weights_agree(reports, name):
+    """After the refusals, every rank loads the same full state dict: it is the one gathered back (at uneven
+    shares, and at even ones under FSDP2)."""
     for rank, report in sorted(reports[0].items()):
-        assert report["load_good"][:2] == ("ok", 0.0), (rank, report["load_good"])
+        assert report[name][:2] == ("ok", 0.0), (rank, report[name])
 
 
 def test_full_state_dict_round_trip(reports):
@@ -192,6 +205,12 @@ def test_full_state_dict_round_trip(reports):
         assert worst == 0.0 and same_shapes, (rank, value)
         # the module holds only the shards: one flat parameter per unit
         assert names == ["hexiseq_shard"] + [f"blocks.{i}.hexiseq_shard" for i in range(3)], names
+        kind, value, _ = report["roundtrip_fsdp2"]
+        assert kind == "ok", (rank, value)
+        worst, same_shapes, names = value
+        assert worst == 0.0 and same_shapes, (rank, value)
+        # FSDP2 at even shares: the parameters keep their names (DTensors), the tied head once
+        assert names == [n for n, _ in states_worker.make_net(tied=True).named_parameters()], names
 
 
 def test_checkpoint_reshards_across_world_sizes_and_shares(tmp_path):
@@ -235,6 +254,30 @@ def test_checkpoint_reshards_across_world_sizes_and_shares(tmp_path):
     dcp.load(state, checkpoint_id=path, no_dist=True)
     plain.load_state_dict(state)
     assert _diff(states_worker._numpy(plain.state_dict()), at_save) == 0.0
+
+
+def test_checkpoint_moves_between_fsdp2_and_uneven_shares(tmp_path):
+    """Even shares go to FSDP2, uneven ones to hexiseq's own engine; their checkpoints are one format. Saved by
+    FSDP2 at 3 even ranks, loaded at 2 ranks with shares [0.25, 0.75] (the elastic case: the survivors' shares are
+    seldom even), and saved at 3 uneven ranks, loaded by FSDP2 at 2 even ones: the weights as saved bit for bit,
+    the next step as the saving job took it (1e-12, float64); and both saving jobs trained alike (1e-12)."""
+    runs = {}
+    for name, save_shares, load_shares in (("from_fsdp2", [1 / 3] * 3, [0.25, 0.75]),
+                                           ("to_fsdp2", [0.5, 0.3, 0.2], [0.5, 0.5])):
+        path = str(tmp_path / name)
+        saved = dist_worker.spawn(states_worker.checkpoint_phase, 3, ("save", save_shares, path), tmp_path, 120)
+        loaded = dist_worker.spawn(states_worker.checkpoint_phase, 2, ("load", load_shares, path), tmp_path, 120)
+        for rank, (status, report) in sorted(saved.items()) + sorted(loaded.items()):
+            assert status == "ok", f"{name}, rank {rank}: {report}"
+        engines = ({r["engine"] for _, r in saved.values()}, {r["engine"] for _, r in loaded.values()})
+        assert engines == (({"fsdp2"}, {"hexiseq"}) if name == "from_fsdp2" else ({"hexiseq"}, {"fsdp2"})), engines
+        at_save, after = saved[0][1]["at_save"], saved[0][1]["after"]
+        for rank, (_, report) in loaded.items():
+            assert report["lr"] == 0.05
+            assert _diff(report["loaded"], at_save) == 0.0, (name, "the weights as saved, bit for bit")
+            assert _diff(report["after"], after) <= 1e-12, (name, "the next step as the saving job took it")
+        runs[name] = at_save
+    assert _diff(runs["from_fsdp2"], runs["to_fsdp2"]) <= 1e-12
 
 
 def _diff(a, b):

@@ -15,8 +15,12 @@ Loading builds the same description for the module as it is sharded now (any wor
 of this rank's shard as the chunks to fill, and lets DCP copy from whatever chunks overlap them. A plain model loads
 the weights with `torch.distributed.checkpoint.load(model.state_dict(), checkpoint_id=path, no_dist=True)`.
 
-Why not DTensor: its shards are those of `torch.chunk` over a mesh, even up to the last; hexiseq's shares are
-arbitrary, which DCP's sharded tensors (chunks of any offsets and sizes) express directly.
+Why not DTensor for hexiseq's own engine: its shards are those of `torch.chunk` over a mesh, even up to the last;
+hexiseq's shares are arbitrary, which DCP's sharded tensors (chunks of any offsets and sizes) express directly. At
+even shares, where shard_states hands the module to FSDP2, the parameters and the optimizer's moments are FSDP2's
+DTensors and go to DCP as they are, under the same names (a unit's scalar states once, under its first
+parameter's, as the own engine writes them): one format, so a checkpoint saved by either engine loads into the
+other at any world size.
 """
 
 import math
@@ -93,53 +97,60 @@ def _placement(t):
 
 
 def _describe(module, optimizer, api, loading, ckpt_keys=None):
-    """The state dict DCP writes or fills: (dict, what to do after a load)."""
+    """The state dict DCP writes or fills: (dict, what to copy after a load)."""
     rec = _record(module)
-    group = rec.comm.group
-    rank = dist.get_rank(group)
+    rank = dist.get_rank(rec.comm.group)
     out, after = {}, []
     for u in rec.units:
-        device = _placement(u.shard)
-        flat = u.shard.detach()
         for entry in u.layout:
             if not entry.shape:  # a 0-d parameter: one element, written plainly by whoever holds it
                 raise InvalidArgumentError(f"{entry.names[0]} is a 0-d parameter: checkpoints of sharded 0-d "
                                            "parameters are not supported; give it shape [1]")
-            out[entry.names[0]] = _sharded(u, entry, flat, rank, device, api)
+            if rec.engine == "fsdp2":  # a DTensor, whose chunks DCP knows
+                out[entry.names[0]] = rec.parameter(module, entry).detach()
+            else:
+                out[entry.names[0]] = _sharded(u, entry, u.shard.detach(), rank, _placement(u.shard), api)
     shard_keys = {k for k in module.state_dict(keep_vars=True) if k.rpartition(".")[2] == SHARD_NAME}
     for k, v in module.state_dict().items():
         if k not in shard_keys and k not in out:
             out[k] = v
     if optimizer is None:
         return out, after
-    by_param = {u.shard: u for u in rec.units}
+    # the optimizer's parameters: one flat shard per unit (hexiseq's engine) or one DTensor per entry (FSDP2)
+    if rec.engine == "fsdp2":
+        owners = {rec.parameter(module, e): (u, [e]) for u in rec.units for e in u.layout}
+    else:
+        owners = {u.shard: (u, u.layout) for u in rec.units}
     for p in (p for g in optimizer.param_groups for p in g["params"]):
-        if p not in by_param:
+        if p not in owners:
             raise InvalidArgumentError("the optimizer holds a parameter that is not a shard of this module: build "
                                        "it from module.parameters() after shard_states")
-    for p, u in by_param.items():
+    scalars = {}  # a unit's scalar states (a step count) go once, under its first parameter's name
+    for p, (u, entries) in owners.items():
         state = optimizer.state.get(p, {})
-        name = u.layout[0].names[0]
-        if loading:  # the states the checkpoint holds for this unit, made here when the optimizer has none yet
-            prefix = f"{_OPT}{name}."
-            for key in {k[len(prefix):] for k in ckpt_keys if k.startswith(prefix)}:
-                if key in state:
-                    continue
-                if ckpt_keys[prefix + key] == "tensor" and u.layout[0].shape:
-                    state[key] = torch.zeros_like(p.detach())
-                else:
-                    state[key] = torch.zeros((), dtype=torch.float32)
+        unit_name = u.layout[0].names[0]
+        if loading:  # the states the checkpoint holds for this parameter, made here when the optimizer has none
+            for prefix, want in ((f"{_OPT}{entries[0].names[0]}.", "tensor"), (f"{_OPT}{unit_name}.", "other")):
+                for key in {k[len(prefix):] for k in ckpt_keys if k.startswith(prefix)}:
+                    if key not in state and ckpt_keys[prefix + key] == want:
+                        state[key] = (torch.zeros_like(p.detach()) if want == "tensor" else
+                                      torch.zeros((), dtype=torch.float32))
             if state:
                 optimizer.state[p] = state
         for key, val in state.items():
-            if isinstance(val, torch.Tensor) and val.shape == p.shape and val.dim() == 1:
-                for entry in u.layout:
-                    out[f"{_OPT}{entry.names[0]}.{key}"] = _sharded(u, entry, val.detach(), rank, _placement(val),
-                                                                     api)
-            else:  # a scalar state (a step count): the same on every rank
-                out[f"{_OPT}{name}.{key}"] = val if isinstance(val, torch.Tensor) else torch.tensor(val)
-                if not isinstance(val, torch.Tensor):
-                    after.append((state, key, out[f"{_OPT}{name}.{key}"]))
+            if isinstance(val, torch.Tensor) and val.shape == p.shape and val.dim() >= 1:
+                for entry in entries:
+                    out[f"{_OPT}{entry.names[0]}.{key}"] = (
+                        val.detach() if rec.engine == "fsdp2" else
+                        _sharded(u, entry, val.detach(), rank, _placement(val), api))
+                continue
+            name = f"{_OPT}{unit_name}.{key}"  # a scalar state: the same on every rank
+            if name in scalars:  # another parameter of the unit (FSDP2): a copy of the one written
+                after.append((state, key, scalars[name], isinstance(val, torch.Tensor)))
+                continue
+            scalars[name] = out[name] = val if isinstance(val, torch.Tensor) else torch.tensor(val)
+            if not isinstance(val, torch.Tensor):
+                after.append((state, key, out[name], False))
     for i, g in enumerate(optimizer.param_groups):  # flat keys: DCP's own flattening of lists does not load back
         for k, v in g.items():
             if k != "params":
@@ -175,8 +186,8 @@ def load_states(module, path, optimizer=None):
                                        f"{len(optimizer.param_groups)}")
     state, after = _describe(module, optimizer, api, loading=True, ckpt_keys=kinds)
     dcp.load(state, checkpoint_id=str(path), process_group=_record(module).comm.group)
-    for holder, key, t in after:
-        holder[key] = t.item()
+    for holder, key, t, tensor in after:
+        holder[key] = t.clone() if tensor else t.item()
     if optimizer is not None:
         for i, g in enumerate(optimizer.param_groups):
             for k in g:

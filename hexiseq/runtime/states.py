@@ -1,8 +1,10 @@
-"""Uneven sharding of the model states (ZeRO-3 with unequal shards), for plans whose devices differ in memory.
+"""Uneven sharding of the model states (ZeRO-3 with unequal shares), for plans whose devices differ in memory.
 
 FSDP and DeepSpeed give every rank 1/N of the parameters, gradients and optimizer states; a plan from
 `hexiseq.plan` may instead give each device a share proportional to its free memory (`plan.state_shares`).
-`shard_states(model, plan)` realises such a plan over torch.distributed:
+`shard_states(model, plan)` realises such a plan over torch.distributed. At even shares it hands the model to
+torch's FSDP2 (hexiseq.runtime.fsdp2 says why); what follows is hexiseq's own engine, for unequal shares (or any,
+with engine="hexiseq"):
 
 - The parameters are grouped in units (by default the elements of the model's outermost `nn.ModuleList`s, e.g.
   the decoder layers, plus one root unit of every other parameter). A unit's parameters are flattened into one
@@ -16,6 +18,9 @@ FSDP and DeepSpeed give every rank 1/N of the parameters, gradients and optimize
   parameters live only while its forward or its backward runs, never in between.
 - The backward of the gather reduces the unit's full gradient to its owners (a padded reduce-scatter), divided
   by the group size for reduce="mean" (FSDP's semantics: the mean of the ranks' gradients), not for "sum".
+- Overlap (_Comm): from the second step on, each unit's gather posts the next unit's (in the order the last step
+  gathered them) before waiting for its own, and the reductions are posted in the backward and waited for at its
+  end, where the shards' gradients are set. At most two units are gathered at once, as in FSDP2.
 
 Cost: every collective is padded to the largest shard, so a rank sends and receives (N - 1) * max_r n_r elements
 per gather and per reduce; with uneven shares that is N * max share times an even collective's volume (1 for
@@ -31,7 +36,9 @@ compute wrong gradients):
   call `unit.forward(...)` directly (the gather runs in the module's forward hooks, i.e. through `unit(...)`);
 - change the shards between a forward and its backward (raises, as autograd does for in-place changes);
 - move the model to another device or dtype after sharding, or build the optimizer before sharding;
-- read saved tensors by hand (`grad_fn._saved_*`): each read is a gather.
+- read saved tensors by hand (`grad_fn._saved_*`): each read is a gather;
+- ask for the shards' gradients with torch.autograd.grad, or hook their gradient accumulation: the shards'
+  gradients are set when a backward ends (.backward(), as FSDP sets them), not passed through autograd.
 Ranks must shard (and load with `load_full_state_dict`) the same weights: both compare a digest of sampled
 elements of every parameter (_digests) and refuse, on every rank alike, weights that differ between ranks.
 Activation checkpointing (torch.utils.checkpoint, reentrant or not) around units works: the recomputation
@@ -48,14 +55,17 @@ import torch.distributed as dist
 from torch import nn
 
 from .._validate import number
+from . import fsdp2
 from .comm import (_DTYPES, _bits_float, _code, _float_bits, _show, agree, collective_device, resolve_group,
                    text_code)
 from ..errors import InvalidArgumentError
+from .fsdp2 import sum_fsdp2_gradients
 
 __all__ = ["shard_states", "full_state_dict", "load_full_state_dict", "shard_sizes", "sum_fsdp2_gradients"]
 
 SHARD_NAME = "hexiseq_shard"
 REDUCES = ("mean", "sum")
+ENGINES = ("auto", "hexiseq", "fsdp2")  # "auto": FSDP2 at even shares where torch has it, else hexiseq's own
 SHARE_TOLERANCE = 1e-9
 
 # Gathered flat vectors whose unit's forward is running, by storage address: what the pack hook turns into
@@ -64,33 +74,6 @@ _active = {}
 _gathered = weakref.WeakSet()
 # Tests switch this off to show that without the saved-tensor hooks the gathered parameters outlive the forward.
 _free_after_forward = True
-
-
-def sum_fsdp2_gradients(module) -> int:
-    """Make torch's FSDP2 (`fully_shard`) sum the ranks' gradients instead of averaging them, on every FSDP module
-    of `module` (the root and its units); returns how many it set.
-
-    Under sequence parallelism every rank's loss covers only its own tokens: with each rank's loss written as its
-    tokens' summed loss over the WHOLE sequence's token count (hexiseq.hf.sharded_causal_lm_loss, or sum / count by
-    hand), the gradient of the mean loss is the SUM of the ranks' gradients. FSDP2 divides the reduce-scatter by the
-    world size (the mean, right for data parallelism), which leaves the gradients at 1/world of the full-sequence
-    gradient. The recipe, exact against one process (tests/test_fsdp2.py)::
-
-        for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
-        hexiseq.states.sum_fsdp2_gradients(model)      # after fully_shard, before the first backward
-
-    Data-parallel replicas of a sequence-parallel group (a mesh of replicas x the plan's ranks) want the mean over
-    the replicas of these sums: divide the loss by the number of replicas."""
-    count = 0
-    for m in module.modules():
-        if hasattr(m, "set_gradient_divide_factor") and hasattr(m, "reshard"):  # an FSDPModule
-            m.set_gradient_divide_factor(1.0)
-            count += 1
-    if not count:
-        raise InvalidArgumentError(f"{type(module).__name__} holds no FSDP2 module: call fully_shard on it first")
-    return count
 
 
 def shard_sizes(shares, total):
@@ -215,7 +198,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, unit):
         ctx.unit = unit
-        unit.flat = flat = unit.gather()
+        unit.flat = flat = unit.gather(ahead=True)
         return tuple(unit.views(flat))
 
     @staticmethod
@@ -223,7 +206,9 @@ class _Gather(torch.autograd.Function):
         unit = ctx.unit
         # every node that used this call's views has run: what the backward gathered for them can go
         unit.backward_flat = None
-        return unit.reduce(unit.flat_grad(grads)), None
+        # the reduction is posted, not waited for: the shard's gradient is set when the backward ends
+        unit.comm.reduce_later(unit, unit.flat_grad(grads))
+        return None, None
 
 
 class _Unit:
@@ -259,25 +244,30 @@ class _Unit:
         names = ";".join(f"{names[0]}{list(p.shape)}" for names, p in self.params)
         return [self.total, _code(_DTYPES, self.dtype), int(self.requires_grad), len(self.params), text_code(names)]
 
+    def lay_out(self):
+        """Where each parameter sits in the unit's flat vector (the names and shapes the state dicts and
+        checkpoints of either engine go by)."""
+        self.layout, offset = [], 0
+        for names, p in self.params:
+            self.layout.append(_Param(names, tuple(p.shape), offset))
+            offset += self.layout[-1].numel
+
     def build(self, sizes, rank):
         """Cut this rank's shard out of the parameters and take the originals off their modules."""
         self.sizes = sizes
         self.offsets = [sum(sizes[:r]) for r in range(len(sizes))]
         self.width = max(sizes)
         self.rank = rank
+        self.lay_out()
         lo, n = self.offsets[rank], sizes[rank]
-        layout, offset, pieces = [], 0, []
-        for names, p in self.params:
-            entry = _Param(names, tuple(p.shape), offset)
-            a, b = max(lo, offset), min(lo + n, offset + entry.numel)
+        pieces = []
+        for entry, (_, p) in zip(self.layout, self.params):
+            a, b = max(lo, entry.offset), min(lo + n, entry.offset + entry.numel)
             if a < b:
-                pieces.append(p.detach().reshape(-1)[a - offset:b - offset])
-            offset += entry.numel
-            layout.append(entry)
+                pieces.append(p.detach().reshape(-1)[a - entry.offset:b - entry.offset])
         with torch.no_grad():
             data = torch.cat(pieces) if pieces else torch.empty(0, dtype=self.dtype, device=self.device)
             self.shard = nn.Parameter(data.clone(), requires_grad=self.requires_grad)
-        self.layout = layout
         self.module.register_parameter(SHARD_NAME, self.shard)
 
     def place(self, places):
@@ -312,33 +302,29 @@ class _Unit:
 
     # -------------------------------------------------------------------------------------- collectives
 
-    def gather(self):
+    def gather(self, ahead=False):
         """The unit's full flat vector: every rank sends its shard padded to the widest, one all-gather of
-        N x width, then the real elements are copied out in rank order (no copy when the shards are even)."""
+        N x width, then the real elements are copied out in rank order (no copy when the shards are even).
+        ahead: also post the gather of the unit expected next (see _Comm.gathered)."""
         with torch.no_grad():
-            shard = self.shard.detach()
-            if self.width == 0:
-                flat = shard.new_empty(0)
-            else:
-                send = shard if shard.numel() == self.width else torch.cat(
-                    [shard, shard.new_zeros(self.width - shard.numel())])
-                recv = shard.new_empty(len(self.sizes) * self.width)
-                self.comm.all_gather(recv, send)
-                if all(n == self.width for n in self.sizes):
-                    flat = recv
-                else:
-                    flat = torch.cat([recv[r * self.width:r * self.width + n] for r, n in enumerate(self.sizes)])
+            flat = self.comm.gathered(self, ahead)
         _gathered.add(flat)
         return flat
 
-    def reduce(self, grad):
-        """This rank's part of the sum (or mean) over ranks of the unit's full flat gradient."""
+    def post_gather(self):
+        """Post this unit's all-gather: (unit, work to wait for or None, receive buffer, the shard's version)."""
+        shard = self.shard.detach()
         if self.width == 0:
-            return grad.new_empty(0)
-        out = self.comm.reduce_scatter(grad.contiguous(), self.sizes, self.offsets, self.width, self.rank)
-        if self.comm.reduce == "mean":
-            out.div_(len(self.sizes))  # in place: the slice is this call's own buffer
-        return out
+            return self, None, shard.new_empty(0), self.shard._version
+        send = shard if shard.numel() == self.width else torch.cat([shard, shard.new_zeros(self.width -
+                                                                                            shard.numel())])
+        recv = shard.new_empty(len(self.sizes) * self.width)
+        return self, self.comm.all_gather(recv, send), recv, self.shard._version
+
+    def unpad(self, recv):
+        if all(n == self.width for n in self.sizes):
+            return recv
+        return torch.cat([recv[r * self.width:r * self.width + n] for r, n in enumerate(self.sizes)])
 
     # -------------------------------------------------------------------------------------- hooks
 
@@ -346,7 +332,7 @@ class _Unit:
         if torch.is_grad_enabled() and self.shard.requires_grad:
             views = _Gather.apply(self.shard, self)  # sets self.flat
         else:
-            self.flat = self.gather()
+            self.flat = self.gather(ahead=True)
             views = self.views(self.flat)
         if self.flat.numel():
             _active[_storage_key(self.flat)] = self
@@ -374,7 +360,7 @@ class _Unit:
                                "computed with other parameters than the forward's")
         flat = self.backward_flat
         if flat is None:
-            flat = self.gather()
+            flat = self.gather(ahead=True)
             if _in_backward():
                 self.backward_flat = flat
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -385,8 +371,17 @@ class _Unit:
 
 
 class _Comm:
-    """The collectives of a sharded module: padded all-gather and reduce-scatter over `group`, with fallbacks
-    for backends that lack the single-tensor forms (Gloo in older torch)."""
+    """The collectives of a sharded module over `group`, and what they overlap with.
+
+    Gathers: the order in which the units first gather, in the forward and in the backward, is learnt from the
+    last step (a step ends at the first forward gather after a backward; the backward's order is not simply the
+    forward's reversed when a unit encloses others, as the root unit does). A unit's gather posts the gather of
+    the unit expected next before waiting for its own, so that one overlaps this unit's compute; at most one is
+    posted ahead, and one that does not come next (the order changed) is waited for and dropped. Reductions: each unit's gradient reduce-scatter is posted in the backward and waited for when the
+    backward ends, where the shards' gradients are set (added to any already there). Every rank learns the same
+    order and posts the same collectives, as the contract of use requires of the units' calls.
+    Backends without the single-tensor collectives (Gloo in older torch) fall back to the list all-gather and an
+    all-reduce of the whole gradient, both waited for at once."""
 
     def __init__(self, group, reduce):
         self.group, self.reduce = group, reduce
@@ -394,6 +389,13 @@ class _Comm:
         self._gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._rs_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self.single_gather = self.single_reduce = True
+        self.orders = ([], [])  # the units in the order they first gathered: forward, backward (last step's)
+        self.positions = ({}, {})
+        self.seen = ({}, {})  # this step's, unit -> position
+        self.ahead = None  # a gather posted ahead (see _Unit.post_gather)
+        self.taken = self.dropped = 0  # gathers posted ahead that a unit took, and that none took
+        self.pending = []  # posted reductions: (unit, work or None, this rank's slice, buffers kept until done)
+        self.flush_queued = False
 
     def probe(self, device, dtype):
         """Whether the backend has the single-tensor collectives: a backend without one refuses it on every
@@ -403,30 +405,93 @@ class _Comm:
         self.single_reduce = _supported(lambda: self._rs_single(x[:1].clone(), x, group=self.group))
 
     def all_gather(self, recv, send):
+        """Post the all-gather of `send` into `recv`: its work, or None when it is done already."""
         if self.single_gather:
-            self._gather_single(recv, send, group=self.group)
-        else:  # the list form: the same bytes on the wire, one more copy out of the list
-            parts = list(recv.chunk(self.world))
-            dist.all_gather(parts, send, group=self.group)
+            return self._gather_single(recv, send, group=self.group, async_op=True)
+        parts = list(recv.chunk(self.world))  # the list form: the same bytes on the wire, one more copy
+        dist.all_gather(parts, send, group=self.group)
+        return None
 
-    def reduce_scatter(self, grad, sizes, offsets, width, rank):
-        """This rank's slice of the gradient summed over ranks: a padded reduce-scatter, which moves (N - 1) x
-        width elements per rank; or, without one, an all-reduce of the whole gradient (T elements), which moves
-        about 2 (N - 1) / N x T per rank and holds the whole sum on every rank before the slice is cut."""
+    def gathered(self, unit, ahead):
+        """`unit`'s flat vector: the gather posted ahead for it (when its shard has not changed since), else one
+        posted now; with `ahead`, the next unit's gather is posted before this one is waited for."""
+        posted, self.ahead = self.ahead, None
+        if posted is not None and (posted[0] is not unit or posted[3] != unit.shard._version):
+            _wait(posted[1])  # not the one expected, or stale: every rank drops it alike
+            posted = None
+            self.dropped += 1
+        elif posted is not None:
+            self.taken += 1
+        if posted is None:
+            posted = unit.post_gather()
+        if ahead:
+            following = self._following(unit, _in_backward())
+            if following is not None:
+                self.ahead = following.post_gather()
+        _wait(posted[1])
+        return unit.unpad(posted[2])
+
+    def _following(self, unit, backward):
+        """Record `unit` in this step's order and return the unit that followed it in the last step's."""
+        if not backward and self.seen[1]:  # a new step: what the last one did is the order to expect
+            self.orders = tuple(sorted(d, key=d.get) for d in self.seen)
+            self.positions = tuple({u: i for i, u in enumerate(o)} for o in self.orders)
+            self.seen = ({}, {})
+        self.seen[backward].setdefault(unit, len(self.seen[backward]))
+        at = self.positions[backward].get(unit)
+        order = self.orders[backward]
+        return order[at + 1] if at is not None and at + 1 < len(order) else None
+
+    def reduce_later(self, unit, grad):
+        """Post this rank's slice of the sum over ranks of `unit`'s flat gradient: a padded reduce-scatter, which
+        moves (N - 1) x width elements per rank; or, without one, an all-reduce of the whole gradient (T
+        elements), which moves about 2 (N - 1) / N x T per rank and holds the whole sum on every rank."""
+        if unit.width == 0:
+            return
+        lo, n = unit.offsets[unit.rank], unit.sizes[unit.rank]
         if not self.single_reduce:
             summed = grad.clone()
             dist.all_reduce(summed, group=self.group)
-            return summed[offsets[rank]:offsets[rank] + sizes[rank]]
-        if all(n == width for n in sizes):
-            padded = grad
+            self.pending.append((unit, None, summed[lo:lo + n], None))
         else:
-            padded = grad.new_zeros(len(sizes), width)
-            for r, (lo, n) in enumerate(zip(offsets, sizes)):
-                padded[r, :n] = grad[lo:lo + n]
-            padded = padded.reshape(-1)
-        out = grad.new_empty(width)
-        self._rs_single(out, padded, group=self.group)
-        return out[:sizes[rank]]
+            if all(k == unit.width for k in unit.sizes):
+                padded = grad.contiguous()
+            else:
+                padded = grad.new_zeros(len(unit.sizes), unit.width)
+                for r, (a, k) in enumerate(zip(unit.offsets, unit.sizes)):
+                    padded[r, :k] = grad[a:a + k]
+                padded = padded.reshape(-1)
+            out = grad.new_empty(unit.width)
+            work = self._rs_single(out, padded, group=self.group, async_op=True)
+            self.pending.append((unit, work, out[:n], padded))
+        if not self.flush_queued:
+            self.flush_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+
+    def flush(self):
+        """At a backward's end: wait for its reductions and add them to the shards' gradients; drop a gather
+        posted ahead that no unit took."""
+        self.flush_queued = False
+        pending, self.pending = self.pending, []
+        for unit, work, piece, _ in pending:
+            _wait(work)
+            if self.reduce == "mean":
+                piece.div_(self.world)
+            shard = unit.shard
+            if shard.grad is None:
+                whole = piece.numel() * piece.element_size() == piece.untyped_storage().nbytes()
+                shard.grad = piece if whole else piece.clone()  # not a view holding a padded or whole buffer
+            else:
+                shard.grad.add_(piece)
+        if self.ahead is not None:
+            _wait(self.ahead[1])
+            self.ahead = None
+            self.dropped += 1
+
+
+def _wait(work):
+    if work is not None:
+        work.wait()
 
 
 def _supported(call):
@@ -440,10 +505,15 @@ def _supported(call):
 
 
 class _Record:
-    """What shard_states left on a module: its units and the original state dict's keys, in order."""
+    """What shard_states left on a module: its units, the original state dict's keys in order, and the engine
+    that shards it ("hexiseq", or "fsdp2": the units' layouts then only name the parameters)."""
 
-    def __init__(self, units, comm, keys, hooks):
-        self.units, self.comm, self.keys, self.hooks = units, comm, keys, hooks
+    def __init__(self, units, comm, keys, hooks, engine="hexiseq"):
+        self.units, self.comm, self.keys, self.hooks, self.engine = units, comm, keys, hooks, engine
+
+    def parameter(self, module, entry):
+        """The FSDP2 parameter (a DTensor) of a layout entry."""
+        return module.get_parameter(entry.names[0])
 
 
 # ------------------------------------------------------------------------------------------------ the API
@@ -507,7 +577,7 @@ def _find_units(module, units):
     return found, None
 
 
-def shard_states(module, shares, *, group=None, units=None, reduce="mean"):
+def shard_states(module, shares, *, group=None, units=None, reduce="mean", engine="auto"):
     """Shard `module`'s parameters over the ranks of `group` (default: the world) in unequal parts; returns the
     module. Collective: every rank calls it with the same shares and an identical module.
 
@@ -518,19 +588,24 @@ def shard_states(module, shares, *, group=None, units=None, reduce="mean"):
     tied across units is refused; tied inside one unit it is stored once. reduce: "mean" (default) divides the
     summed gradient by the group size, "sum" does not.
 
-    Build the optimizer after sharding: `module.parameters()` then yields this rank's shards (one flat
-    parameter per unit, named `hexiseq_shard` on the unit's module). See the module docstring for how it works,
-    what it costs and what a user must not do. `full_state_dict` gathers the full parameters back.
+    engine: "auto" (default) hands even shares to torch's FSDP2 (`fully_shard` on each unit, then on the module;
+    see hexiseq.runtime.fsdp2 for why) and shards uneven ones itself; "hexiseq" shards itself at any shares;
+    "fsdp2" requires even shares. Under FSDP2, `module.parameters()` are DTensors under their original names.
 
-    Raises InvalidArgumentError (bad shares, units or reduce on any rank) or RankMismatchError (ranks disagree
-    about the shares, reduce, the units' sizes, dtypes, parameter names and shapes, or the parameters' values:
-    a digest of sampled elements, see _digests) with the same message on every rank."""
+    Build the optimizer after sharding: `module.parameters()` then yields this rank's shards (hexiseq's own
+    engine: one flat parameter per unit, named `hexiseq_shard` on the unit's module). See the module docstring
+    for how it works, what it costs and what a user must not do. `full_state_dict` gathers the full parameters
+    back, `load_full_state_dict` loads them, and hexiseq.checkpoint saves and loads, alike for both engines.
+
+    Raises InvalidArgumentError (bad shares, units, reduce or engine on any rank) or RankMismatchError (ranks
+    disagree about the shares, reduce, the engine, the units' sizes, dtypes, parameter names and shapes, or the
+    parameters' values: a digest of sampled elements, see _digests) with the same message on every rank."""
     group = resolve_group(group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if rank < 0:
         raise InvalidArgumentError("this process is not a member of the group it shards over")
     shares = getattr(shares, "state_shares", shares)
-    error, found, checked = None, [], None
+    error, found, checked, use_fsdp2 = None, [], None, False
     try:  # every local check first: a rank that fails still meets the others in the agreement below
         if not isinstance(module, nn.Module):
             raise InvalidArgumentError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -538,7 +613,10 @@ def shard_states(module, shares, *, group=None, units=None, reduce="mean"):
             raise InvalidArgumentError("module is already sharded by shard_states")
         if reduce not in REDUCES:
             raise InvalidArgumentError(f"reduce must be one of {list(REDUCES)}, got {reduce!r}")
+        if engine not in ENGINES:
+            raise InvalidArgumentError(f"engine must be one of {list(ENGINES)}, got {engine!r}")
         checked = _check_shares(shares, world)
+        use_fsdp2 = _fsdp2_engine(engine, checked)
         found, message = _find_units(module, units)
         if message is not None:
             raise InvalidArgumentError(message)
@@ -551,8 +629,9 @@ def shard_states(module, shares, *, group=None, units=None, reduce="mean"):
         if message is not None and error is None:
             error = InvalidArgumentError(message)
     device = collective_device(group)
-    header = [_code(REDUCES, reduce), len(made)] + [_float_bits(s) for s in (checked or [0.0] * world)]
-    agree(group, header, ("reduce", "units", ("shares", world)), error, _show_field, device)
+    header = [_code(REDUCES, reduce), int(use_fsdp2), len(made)] + [_float_bits(s) for s in (checked or
+                                                                                        [0.0] * world)]
+    agree(group, header, ("reduce", "engine", "units", ("shares", world)), error, _show_field, device)
     fields = [f"units[{i}].{f}" for i in range(len(made))
               for f in ("numel", "dtype", "requires_grad", "parameters", "names and shapes")]
     agree(group, [v for u in made for v in u.describe()], fields, None, _show_field, device)
@@ -561,9 +640,16 @@ def shard_states(module, shares, *, group=None, units=None, reduce="mean"):
     params = [(names[0], p) for u in made for names, p in u.params]
     _agree_values(group, [f"the values of {n}" for n, _ in params], [p for _, p in params], None, device)
 
+    keys = list(module.state_dict(keep_vars=True).keys())
+    if use_fsdp2:
+        for u in made:
+            u.lay_out()
+            u.params = None  # the originals become FSDP2's DTensors: hold no reference to them
+        fsdp2.shard(module, [u.module for u in made], group, made[0].device.type if made else "cpu", reduce)
+        module.__dict__["_hexiseq_states"] = _Record(made, comm, keys, [], engine="fsdp2")
+        return module
     if made:
         comm.probe(made[0].device, made[0].dtype)
-    keys = list(module.state_dict(keep_vars=True).keys())
     hooks = []
     for u, (_, _, _, places) in zip(made, found):
         u.build(shard_sizes(checked, u.total), rank)
@@ -572,6 +658,19 @@ def shard_states(module, shares, *, group=None, units=None, reduce="mean"):
         hooks.append(u.module.register_forward_hook(u.after, always_call=True))
     module.__dict__["_hexiseq_states"] = _Record(made, comm, keys, hooks)
     return module
+
+
+def _fsdp2_engine(engine, shares):
+    """Whether FSDP2 shards (see shard_states' engine); InvalidArgumentError for "fsdp2" where it cannot."""
+    even = max(shares) - min(shares) <= SHARE_TOLERANCE
+    if engine == "fsdp2":
+        if not even:
+            raise InvalidArgumentError(f"engine 'fsdp2' needs even shares (FSDP2 shards evenly), got {shares!r}: "
+                                       "use engine 'auto' or 'hexiseq' for shares by memory")
+        if not fsdp2.available():
+            raise InvalidArgumentError(f"engine 'fsdp2' needs torch's FSDP2 (torch >= 2.6), this is torch "
+                                       f"{torch.__version__}")
+    return engine == "fsdp2" or (engine == "auto" and even and fsdp2.available())
 
 
 SAMPLES = 16  # elements of each tensor read for its digest
@@ -616,6 +715,8 @@ def _show_field(field, value):
         return repr([_bits_float(b) for b in value])
     if field == "reduce":
         return REDUCES[value] if value < len(REDUCES) else "other"
+    if field == "engine":
+        return "fsdp2" if value else "hexiseq"
     if field.endswith(".dtype"):
         return _show("dtype", value)
     if field.endswith(".requires_grad"):
@@ -640,10 +741,14 @@ def full_state_dict(module, device=None):
     rec = _record(module)
     full = {}
     for u in rec.units:
-        flat = u.gather()
+        flat = u.gather() if rec.engine == "hexiseq" else None
         for entry in u.layout:
-            t = flat[entry.offset:entry.offset + entry.numel].view(entry.shape)
-            t = t.to(device, copy=True) if device is not None else t.clone()
+            if flat is None:  # FSDP2: one all-gather per parameter, in the same order on every rank
+                t = fsdp2.full_tensor(rec.parameter(module, entry)).detach()
+                t = t.to(device) if device is not None else t
+            else:
+                t = flat[entry.offset:entry.offset + entry.numel].view(entry.shape)
+                t = t.to(device, copy=True) if device is not None else t.clone()
             for name in entry.names:
                 full[name] = t
         del flat
@@ -689,8 +794,9 @@ def load_full_state_dict(module, state_dict, strict=True):
                 picks.append((u, entry, t))
         rest = {k: state_dict[k] for k in state_dict.keys() if k not in taken}
         now = module.state_dict(keep_vars=True)
+        sharded = {n for u in rec.units for entry in u.layout for n in entry.names}
         unexpected = [k for k in rest if k not in now]
-        missing = [k for k in now if k.rpartition(".")[2] != SHARD_NAME and k not in rest]
+        missing = [k for k in now if k.rpartition(".")[2] != SHARD_NAME and k not in sharded and k not in rest]
         if strict and (unexpected or missing):
             raise InvalidArgumentError(f"state_dict does not match the module: unexpected keys {unexpected}, "
                                        f"missing keys {missing}")
@@ -703,7 +809,11 @@ def load_full_state_dict(module, state_dict, strict=True):
     names = [entry.names[0] for u in rec.units for entry in u.layout]
     _agree_values(group, [f"state_dict[{n!r}]" for n in names], [t for _, _, t in picks] if error is None else
                   [None] * len(names), error, collective_device(group))
-    for u in rec.units:
+    if rec.engine == "fsdp2":
+        for _, entry, t in picks:
+            if t is not None:
+                fsdp2.copy_full(rec.parameter(module, entry), t)
+    for u in rec.units if rec.engine == "hexiseq" else ():
         lo, n = u.offsets[u.rank], u.sizes[u.rank]
         pieces = []
         for pu, entry, t in picks:

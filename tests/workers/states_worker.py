@@ -79,13 +79,16 @@ def max_diff(a, b):
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-def train_scenario(rank, world, shares, reduce="mean", ckpt=None, tied=False, fallback=False, steps=3, spare=False):
+def train_scenario(rank, world, shares, reduce="mean", ckpt=None, tied=False, fallback=False, steps=3, spare=False,
+                   engine="auto", expect="hexiseq"):
     """`steps` Adam steps sharded, each rank on its own batch, against the reference on all the batches; the
     largest difference of the full parameters over the steps, and the state dicts' keys and shapes agreement."""
     import hexiseq
 
     ref = make_net(tied=tied, spare=spare)
-    net = hexiseq.shard_states(make_net(tied=tied, ckpt=ckpt, spare=spare), shares, reduce=reduce)
+    net = hexiseq.shard_states(make_net(tied=tied, ckpt=ckpt, spare=spare), shares, reduce=reduce, engine=engine)
+    if net._hexiseq_states.engine != expect:
+        raise AssertionError(f"sharded by {net._hexiseq_states.engine}, expected {expect}")
     if fallback:  # the all-gather-list and all-reduce paths of backends without the single-tensor collectives
         rec = net._hexiseq_states
         rec.comm.single_gather = rec.comm.single_reduce = False
@@ -110,17 +113,22 @@ def train_scenario(rank, world, shares, reduce="mean", ckpt=None, tied=False, fa
 
 def memory_scenario(rank, world, free_after_forward=True):
     """Gathered flat vectors alive after the forward (before the backward), gathers made by the forward and by
-    the backward, with the saved-tensor hooks on or off."""
+    the backward, with the saved-tensor hooks on or off, in a second step (the first teaches the order of the
+    units, so in the second every gather but the first of each pass was posted ahead: counted too)."""
     import hexiseq
     from hexiseq import states
 
     net = hexiseq.shard_states(make_net(), [0.5, 0.3, 0.2])
+    comm = net._hexiseq_states.comm
+    states._free_after_forward = free_after_forward
+    loss_of(net, *batch(1, rank)).backward()
+    taken, dropped = comm.taken, comm.dropped
     calls = []
     original = states._Unit.gather
 
-    def counting(unit):
+    def counting(unit, **kw):
         calls.append(unit.index)
-        return original(unit)
+        return original(unit, **kw)
 
     states._Unit.gather = counting
     states._free_after_forward = free_after_forward
@@ -128,6 +136,7 @@ def memory_scenario(rank, world, free_after_forward=True):
         loss = loss_of(net, *batch(0, rank))
         alive = len(states._gathered)
         forward = len(calls)
+        forward_ahead = comm.taken - taken
         loss.backward()
         backward = len(calls) - forward
         del loss
@@ -136,7 +145,9 @@ def memory_scenario(rank, world, free_after_forward=True):
         states._Unit.gather = original
         states._free_after_forward = True
     return {"alive_after_forward": alive, "forward_gathers": forward, "backward_gathers": backward,
-            "alive_after_backward": after, "units": len(net._hexiseq_states.units)}
+            "alive_after_backward": after, "units": len(net._hexiseq_states.units),
+            "forward_ahead": forward_ahead, "backward_ahead": comm.taken - taken - forward_ahead,
+            "dropped": comm.dropped - dropped}
 
 
 def optimizer_scenario(rank, world, shares):
@@ -154,12 +165,12 @@ def optimizer_scenario(rank, world, shares):
     return {"state": state, "shard": mine, "totals": totals}
 
 
-def roundtrip_scenario(rank, world):
+def roundtrip_scenario(rank, world, shares=(0.6, 0.0, 0.4)):
     """Load a full state dict into a sharded model and read it back; names and shapes as the plain model's."""
     import hexiseq
 
     plain = make_net(seed=7, tied=True)
-    net = hexiseq.shard_states(make_net(seed=0, tied=True), [0.6, 0.0, 0.4])
+    net = hexiseq.shard_states(make_net(seed=0, tied=True), list(shares))
     hexiseq.load_full_state_dict(net, plain.state_dict())
     back = hexiseq.full_state_dict(net, device="cpu")
     same_shapes = all(back[k].shape == v.shape for k, v in plain.state_dict().items())
@@ -229,8 +240,8 @@ def run_all(rank, world, init, results):
         # checkpoint (each rank would keep its slice of its own weights: a silent mix)
         scenario("seeds", lambda: hexiseq.shard_states(make_net(seed=rank), good))
 
-        def load(full, strict=True):
-            net = hexiseq.shard_states(make_net(), good)
+        def load(full, strict=True, shares=good):
+            net = hexiseq.shard_states(make_net(), shares)
             hexiseq.load_full_state_dict(net, full, strict=strict)
             return max_diff(hexiseq.full_state_dict(net), make_net(seed=5).state_dict())
 
@@ -239,6 +250,19 @@ def run_all(rank, world, init, results):
                                                if rank != 0 or not k.startswith("blocks.1.")}))
         scenario("load_good", lambda: load(make_net(seed=5).state_dict()))
         scenario("plan_object", lambda: plan_scenario())
+        even = [1 / 3] * 3  # handed to FSDP2 unless told otherwise
+        scenario("fsdp2_uneven", lambda: hexiseq.shard_states(make_net(), good, engine="fsdp2"))
+        scenario("engine", lambda: hexiseq.shard_states(make_net(), even, engine="zero3" if rank == 1 else "auto"))
+        scenario("engine_mismatch", lambda: hexiseq.shard_states(make_net(), even,
+                                                                 engine="hexiseq" if rank == 2 else "auto"))
+        scenario("load_good_fsdp2", lambda: load(make_net(seed=5).state_dict(), shares=even))
+        scenario("load_missing_fsdp2", lambda: load({k: v for k, v in make_net(seed=5).state_dict().items()
+                                                     if rank != 0 or not k.startswith("blocks.1.")}, shares=even))
+        scenario("even_fsdp2", lambda: train_scenario(rank, world, even, expect="fsdp2"))
+        scenario("even_fsdp2_sum", lambda: train_scenario(rank, world, even, reduce="sum", ckpt="plain", tied=True,
+                                                          spare=True, expect="fsdp2"))
+        scenario("even_own", lambda: train_scenario(rank, world, even, engine="hexiseq"))
+        scenario("roundtrip_fsdp2", lambda: roundtrip_scenario(rank, world, even))
 
         scenario("uneven", lambda: train_scenario(rank, world, good))
         scenario("zero_share", lambda: train_scenario(rank, world, [0.7, 0.3, 0.0], tied=True))
@@ -305,7 +329,7 @@ def checkpoint_phase(rank, world, init, phase, shares, path, results):
             loss.backward()
             opt.step()
 
-        report = {}
+        report = {"engine": net._hexiseq_states.engine}
         if phase == "save":
             for s in range(2):
                 step(s)
