@@ -377,9 +377,10 @@ class _Comm:
     last step (a step ends at the first forward gather after a backward; the backward's order is not simply the
     forward's reversed when a unit encloses others, as the root unit does). A unit's gather posts the gather of
     the unit expected next before waiting for its own, so that one overlaps this unit's compute; at most one is
-    posted ahead, and one that does not come next (the order changed) is waited for and dropped. Reductions: each unit's gradient reduce-scatter is posted in the backward and waited for when the
-    backward ends, where the shards' gradients are set (added to any already there). Every rank learns the same
-    order and posts the same collectives, as the contract of use requires of the units' calls.
+    posted ahead, and one that does not come next (the order changed) is waited for and dropped.
+    Reductions: each unit's gradient reduce-scatter is posted in the backward and waited for when the backward
+    ends, where the shards' gradients are set (added to any already there). Every rank learns the same order and
+    posts the same collectives, as the contract of use requires of the units' calls.
     Backends without the single-tensor collectives (Gloo in older torch) fall back to the list all-gather and an
     all-reduce of the whole gradient, both waited for at once."""
 
