@@ -30,6 +30,7 @@ def plot_plan(plan, path=None, baselines=None):
     gpu_names = sorted(set(t.gpu.tolist()))
     gpu_colour = {g: colours[i % 10] for i, g in enumerate(gpu_names)}
     bar_colours = [gpu_colour[g] for g in t.gpu.tolist()]
+    parked = (np.asarray(t.tokens) == 0) & (np.asarray(t.head_count) == 0)
 
     def shade(ax):
         edges = np.cumsum(plan.layout.group_size.tolist())[:-1]
@@ -37,7 +38,10 @@ def plot_plan(plan, path=None, baselines=None):
             ax.axvline(e - 0.5, color="0.4", lw=0.8, ls="--")
         ax.set_xlim(-0.6, n - 0.4)
         ax.set_xticks(x)
-        ax.set_xticklabels([str(d) for d in t.device.tolist()], fontsize=7)
+        labels = ax.set_xticklabels([str(d) for d in t.device.tolist()], fontsize=7)
+        for label, off in zip(labels, parked):
+            if off:
+                label.set_color("0.55")
 
     ax = axes[0]
     ax.bar(x, t.tokens, color=bar_colours)
@@ -46,6 +50,9 @@ def plot_plan(plan, path=None, baselines=None):
                  f"(groups in ring order, dashed)", fontsize=9)
     for g in gpu_names:
         ax.bar([0], [0], color=gpu_colour[g], label=g)
+    if parked.any():  # devices the scheduler left out: marked, and their numbers greyed on every panel
+        ax.plot(x[parked], np.zeros(int(parked.sum())), ls="", marker="x", color="0.3", clip_on=False,
+                label=f"parked ({int(parked.sum())}: no tokens, no heads)")
     # legends sit outside the axes, to the right: inside, they covered the last devices' bars and the step line
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0), borderaxespad=0.0)
     shade(ax)
@@ -61,7 +68,10 @@ def plot_plan(plan, path=None, baselines=None):
                         ("ring_exposed_s", "exposed ring")):
         ax.bar(x, t[name], bottom=bottom, label=label)
         bottom += t[name]
-    ax.axhline(plan.step_time_s, color="k", lw=1, label=f"step {plan.step_time_s:.3g} s")
+    exposed = plan.phases["grad_exposed_s"]  # a term of the step, not of one device: said, not stacked
+    ax.axhline(plan.step_time_s, color="k", lw=1, label=f"step {plan.step_time_s:.3g} s" + (
+        f" ({exposed:.3g} s of it exposed\ngradient sync, not per device)" if exposed > 0.005 * plan.step_time_s
+        else ""))
     ax.axhline(plan.lower_bound_s, color="k", lw=1, ls=":", label=f"lower bound {plan.lower_bound_s:.3g} s")
     ax.set_ylabel("seconds per step\n(predicted)")
     ax.set_xlabel("device (layout order)")
