@@ -24,10 +24,12 @@ optimistic, too fast).
 """
 
 import argparse
+import math
 import os
 import statistics
 import sys
 
+import numpy as np
 import yaml
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -54,11 +56,12 @@ def model_of(r):
                          name=r["id"])
 
 
-def cluster_of(gpu, gpus):
+def cluster_of(gpu, gpus, rates=None):
+    """8 per node; rates: {"gemm_eff": ..., "attn_eff": ...} in place of the catalog's (None: the catalog's)."""
     nodes = max(1, gpus // 8)
     per = gpus // nodes
-    return hexiseq.Cluster.from_dict({"nodes": [{"gpu": gpu, "count": per, "intra_gbps": INTRA_GBPS[gpu]}] * nodes,
-                                      "inter_node_gbps": INTER_GBPS})
+    node = {"gpu": gpu, "count": per, "intra_gbps": INTRA_GBPS[gpu], **(rates or {})}
+    return hexiseq.Cluster.from_dict({"nodes": [node] * nodes, "inter_node_gbps": INTER_GBPS})
 
 
 def megatron_causal_flops(m, seq_len, batch):
@@ -101,8 +104,8 @@ def why_not(r):
     return "no mapping written for this source"
 
 
-def predict(r):
-    """(predicted step s, measured step s, what was set up)."""
+def predict(r, rates=None):
+    """(predicted step s, measured step s, what was set up); rates: the GPU's two efficiencies (see cluster_of)."""
     p = r["parallel"]
     m = model_of(r)
     gpu = catalog_gpu(r["gpu"])
@@ -110,7 +113,7 @@ def predict(r):
     if r["id"].startswith("usp"):
         tp, u, ring, dp = p.get("tp") or 1, p.get("ulysses") or 1, p.get("ring") or 1, p.get("dp") or 1
         n = r["gpus"] // dp  # one replica; the others run beside it (their gradient all-reduce is not priced)
-        c = cluster_of(gpu, n)
+        c = cluster_of(gpu, n, rates)
         layout = uniform_layout(list(range(n)), ring, u * tp, S, m.heads)
         # as published: none of the memory features (USP's runs fit without them; its TP splits the logits over
         # the vocabulary, which this mapping to Ulysses does not, so "auto" would tile a loss USP did not)
@@ -122,7 +125,7 @@ def predict(r):
         return pred, measured, f"{ring} x {u * tp} on {n} {gpu}" + (f", x{dp} replicas" if dp > 1 else "")
     if r["id"].startswith("alst"):
         n = r["gpus"]
-        c = cluster_of(gpu, n)
+        c = cluster_of(gpu, n, rates)
         layout = uniform_layout(list(range(n)), 1, n, S, m.heads)
         # ALST offloads checkpoints and tiles the MLP and the loss: the features where a device needs them
         plan = hexiseq.evaluate(c, model=m, seq_len=S, layout=layout, causal=True,
@@ -130,11 +133,88 @@ def predict(r):
         return plan.step_time_s, float(r["step_time_s"]), f"1 x {n} on {n} {gpu}, ZeRO-3"
     # MosaicML: plain FSDP, each device its own sequences
     n = r["gpus"]
-    c = cluster_of(gpu, n)
+    c = cluster_of(gpu, n, rates)
     groups = [tuple(range(n))] + [(i,) for i in range(n)]
     bp = hexiseq.plan_batch(c, model=m, lengths=[S] * int(r["global_batch"]), groups=groups,
                             training=hexiseq.Training(checkpointing=True, sharding="full", memory_features="none"))
     return bp.step_time_s, float(r["step_time_s"]), f"{n} x 1 (FSDP) on {n} {gpu}"
+
+
+COND_LIMIT = 100.0  # past this condition number of the fit's Jacobian, two rows fit one factor, not two
+STACK_OF = {"usp": "USP (Megatron-LM)", "alst": "ALST (DeepSpeed)", "mosaic": "MosaicML (llm-foundry)"}
+
+
+def stack(r):
+    """The software stack and GPU model of a row: what two measured numbers would be taken on."""
+    return r["id"].split("_")[0], catalog_gpu(r["gpu"])
+
+
+def fit_rates(rows, factors=2):
+    """The GPU's matmul and attention efficiencies (gemm_eff, attn_eff) that make the model's steps of `rows` (rows
+    of one stack on one GPU model) equal their measured steps: with two rows and two factors, Newton's method on the
+    logarithms (the Jacobian by finite differences); with one row, or two that cannot tell the matmuls from
+    attention apart, one factor on both efficiencies, zeroing the mean log error. Returns (rates, factors fitted,
+    each row's error after the fit)."""
+    entry = next(e for e in hexiseq.gpu_catalog() if e["name"] == catalog_gpu(rows[0]["gpu"]))
+    one = factors == 1 or len(rows) == 1
+
+    def rates(v):
+        return {"gemm_eff": min(1.0, entry["gemm_eff"] * math.exp(v[0])),
+                "attn_eff": min(1.0, entry["attn_eff"] * math.exp(v[0] if one else v[1]))}
+
+    def residual(v):
+        out = []
+        for r in rows:
+            pred, meas, _ = predict(r, rates(v))
+            out.append(math.log(pred / meas))
+        return out
+
+    x, h = [0.0, 0.0], 1e-3
+    for _ in range(16):
+        f = residual(x)
+        if one:
+            m = sum(f) / len(f)
+            if abs(m) < 1e-7:
+                break
+            d = (sum(residual([x[0] + h, 0.0])) / len(f) - m) / h
+            x = [x[0] - m / d, 0.0]
+            continue
+        if max(abs(e) for e in f) < 1e-7:
+            break
+        j = [[(residual([x[0] + h, x[1]])[i] - f[i]) / h, (residual([x[0], x[1] + h])[i] - f[i]) / h]
+             for i in range(2)]
+        det = j[0][0] * j[1][1] - j[0][1] * j[1][0]
+        sv = np.linalg.svd(np.array(j), compute_uv=False)
+        if sv[-1] <= 0 or sv[0] / sv[-1] > COND_LIMIT:  # the rows cannot tell the matmuls from attention apart
+            return fit_rates(rows, factors=1)
+        x = [x[0] - (j[1][1] * f[0] - j[0][1] * f[1]) / det, x[1] - (-j[1][0] * f[0] + j[0][0] * f[1]) / det]
+    return rates(x), 1 if one else 2, [math.expm1(e) for e in residual(x)]
+
+
+def calibrated(usable, held):
+    """Every row predicted after two measured numbers per stack and GPU model: gemm_eff and attn_eff fitted to two
+    of the stack's rows that are not held aside (its shortest and its longest sequence, where matmuls and
+    attention weigh most differently; rows without tensor parallelism where there are two), standing in for the minute a user spends timing their own stack's matmuls
+    and attention on that GPU. Returns ({stack: (rates, factors fitted, calibration row ids)}, {row id: error})
+    for the rows that were not fitted."""
+    by = {}
+    for r in usable:
+        by.setdefault(stack(r), []).append(r)
+    fits, errors = {}, {}
+    for key, rows in sorted(by.items()):
+        free = sorted((r for r in rows if r["id"] not in held), key=lambda r: (r["seq_len"], r["id"]))
+        # rows with tensor parallelism are priced as Ulysses (see the module's docstring): a user times their
+        # own stack's matmuls and attention, not TP's collectives, so those rows stand in for them badly
+        own = [r for r in free if (r.get("parallel") or {}).get("tp") in (None, 1)]
+        free = own if len(own) >= 2 else free
+        chosen = [free[0], free[-1]] if len(free) >= 2 and free[0]["seq_len"] != free[-1]["seq_len"] else free[:1]
+        rates, factors, _ = fit_rates(chosen)
+        fits[key] = (rates, factors, [r["id"] for r in chosen])
+        for r in rows:
+            if r not in chosen:
+                pred, meas, _ = predict(r, rates)
+                errors[r["id"]] = pred / meas - 1.0
+    return fits, errors
 
 
 def stats(errors):
@@ -194,6 +274,19 @@ def main():
     lines += ["", f"Ranking of the layouts of one table (pairs measured more than 5% apart): {kept} of {pairs} kept; "
               f"of the pairs of layouts hexiseq runs itself (no tensor parallelism): {own_kept} of {own_pairs}."]
     lines += [f"- not kept: {f}" for f in flips]
+    fits, after = calibrated(usable, held)
+    lines += ["", "After two numbers per stack and GPU model (gemm_eff, attn_eff fitted to two of its rows that are "
+              "not held aside; see calibrated()):", "",
+              "| stack, GPU | gemm_eff | attn_eff | factors | fitted to |", "|---|---|---|---|---|"]
+    for (src, gpu), (rates, factors, ids) in fits.items():
+        lines.append(f"| {STACK_OF.get(src, src)}, {gpu} | {rates['gemm_eff']:.3f} | {rates['attn_eff']:.3f} | "
+                     f"{factors} | {', '.join(ids)} |")
+    lines += ["", "| rows predicted after the fit | n | median abs error | worst abs error | median signed error |",
+              "|---|---|---|---|---|"]
+    for name, es in (("used", [e for k, e in after.items() if k not in held]),
+                     ("held aside", [e for k, e in after.items() if k in held]), ("all", list(after.values()))):
+        med, worst, signed = stats(es)
+        lines.append(f"| {name} | {len(es)} | {med:.1%} | {worst:.1%} | {signed:+.1%} |")
     lines += ["", "Rows not predicted:", ""]
     for r in rows:
         why = why_not(r)
