@@ -18,7 +18,9 @@ its step time is predicted and set against the measured one:
 Rows it cannot express are listed with the reason (pipeline parallelism, FP8, a GPU outside the catalog, a step
 time the source does not give). Every third expressible row (by id) is held aside: it was not looked at while
 choosing any default, and is reported apart. Errors are predicted / measured - 1 (negative: the model is
-optimistic, too fast).
+optimistic, too fast). A second table predicts the rows again after two numbers per stack and GPU model, the
+matmul and attention efficiencies a user would time on their own stack, here fitted to two of the stack's rows
+that are not held aside (calibrated()).
 
     python benchmarks/fidelity.py [--out benchmarks/results/fidelity.md]
 """
