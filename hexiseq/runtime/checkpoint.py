@@ -29,6 +29,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from . import fsdp2
 from .states import SHARD_NAME, _record
 from ..errors import InvalidArgumentError
 
@@ -99,6 +100,8 @@ def _placement(t):
 def _describe(module, optimizer, api, loading, ckpt_keys=None):
     """The state dict DCP writes or fills: (dict, what to copy after a load)."""
     rec = _record(module)
+    if rec.engine == "fsdp2":
+        fsdp2.reshard(module)  # a forward without a backward leaves the root unsharded: its DTensors back
     rank = dist.get_rank(rec.comm.group)
     out, after = {}, []
     for u in rec.units:
@@ -125,37 +128,70 @@ def _describe(module, optimizer, api, loading, ckpt_keys=None):
         if p not in owners:
             raise InvalidArgumentError("the optimizer holds a parameter that is not a shard of this module: build "
                                        "it from module.parameters() after shard_states")
-    scalars = {}  # a unit's scalar states (a step count) go once, under its first parameter's name
+    loaded = {}  # checkpoint key -> the tensor DCP fills for it (one per key; other holders copy it after)
     for p, (u, entries) in owners.items():
         state = optimizer.state.get(p, {})
-        unit_name = u.layout[0].names[0]
         if loading:  # the states the checkpoint holds for this parameter, made here when the optimizer has none
-            for prefix, want in ((f"{_OPT}{entries[0].names[0]}.", "tensor"), (f"{_OPT}{unit_name}.", "other")):
-                for key in {k[len(prefix):] for k in ckpt_keys if k.startswith(prefix)}:
-                    if key not in state and ckpt_keys[prefix + key] == want:
-                        state[key] = (torch.zeros_like(p.detach()) if want == "tensor" else
-                                      torch.zeros((), dtype=torch.float32))
+            _make_states(state, p, u, entries, ckpt_keys)
             if state:
                 optimizer.state[p] = state
         for key, val in state.items():
-            if isinstance(val, torch.Tensor) and val.shape == p.shape and val.dim() >= 1:
+            if isinstance(val, torch.Tensor) and val.shape == p.shape and val.dim() >= 1:  # moments, cut like p
                 for entry in entries:
-                    out[f"{_OPT}{entry.names[0]}.{key}"] = (
-                        val.detach() if rec.engine == "fsdp2" else
-                        _sharded(u, entry, val.detach(), rank, _placement(val), api))
+                    name = f"{_OPT}{entry.names[0]}.{key}"
+                    if loading and name not in ckpt_keys:
+                        continue  # saved for a parameter that had no states yet (FSDP2): it keeps zeros
+                    out[name] = (val.detach() if rec.engine == "fsdp2" else
+                                 _sharded(u, entry, val.detach(), rank, _placement(val), api))
                 continue
-            name = f"{_OPT}{unit_name}.{key}"  # a scalar state: the same on every rank
-            if name in scalars:  # another parameter of the unit (FSDP2): a copy of the one written
-                after.append((state, key, scalars[name], isinstance(val, torch.Tensor)))
+            # a scalar state (a step count), the same on every rank: FSDP2 keeps one per parameter, the own engine
+            # one per unit (under its first parameter's name); a load reads the parameter's own, else its unit's
+            name = _scalar_key(u, entries, key, ckpt_keys if loading else None)
+            if name is None:
                 continue
-            scalars[name] = out[name] = val if isinstance(val, torch.Tensor) else torch.tensor(val)
-            if not isinstance(val, torch.Tensor):
+            tensor = isinstance(val, torch.Tensor)
+            if name in loaded:  # another parameter reading the same key: a copy of it after the load
+                after.append((state, key, loaded[name], tensor))
+                continue
+            loaded[name] = out[name] = val if tensor else torch.tensor(val)
+            if not tensor:
                 after.append((state, key, out[name], False))
     for i, g in enumerate(optimizer.param_groups):  # flat keys: DCP's own flattening of lists does not load back
         for k, v in g.items():
             if k != "params":
                 out[f"{_OPT}param_groups.{i}.{k}"] = v
     return out, after
+
+
+def _make_states(state, p, u, entries, ckpt_keys):
+    """Zeros for the states the checkpoint holds for a parameter (of the optimizer's own shapes), for DCP to fill:
+    its moments under any of its entries' names, and its scalars only where it has moments (a parameter saved
+    without states, by FSDP2 before its first gradient, gets none: an optimizer step with a count and no moments
+    fails)."""
+    names = [f"{_OPT}{e.names[0]}." for e in entries]
+    moments = {k[len(pre):] for pre in names for k in ckpt_keys
+               if k.startswith(pre) and ckpt_keys[k] == "tensor" and "." not in k[len(pre):]}
+    for key in moments:
+        state.setdefault(key, torch.zeros_like(p.detach()))
+    if not moments and not state:
+        return
+    for pre in names + [f"{_OPT}{e.names[0]}." for e in u.layout]:
+        for k in ckpt_keys:
+            if k.startswith(pre) and ckpt_keys[k] == "other" and "." not in k[len(pre):]:
+                state.setdefault(k[len(pre):], torch.zeros((), dtype=torch.float32))
+
+
+def _scalar_key(u, entries, key, ckpt_keys):
+    """The checkpoint key of a parameter's scalar state: saving, its own (FSDP2: one entry) or its unit's (the own
+    engine: every entry, under the first); loading, the first of those the checkpoint holds, then any other of
+    the unit's (a checkpoint of the other engine), or None."""
+    names = [f"{_OPT}{e.names[0]}.{key}" for e in entries]
+    if ckpt_keys is None:
+        return names[0]
+    for name in names + [f"{_OPT}{e.names[0]}.{key}" for e in u.layout]:
+        if name in ckpt_keys:
+            return name
+    return None
 
 
 def save_states(module, path, optimizer=None):

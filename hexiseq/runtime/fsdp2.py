@@ -2,11 +2,16 @@
 user who shards with it directly.
 
 Why `shard_states` defers to FSDP2 when every rank's share is the same: FSDP2 is what a practitioner already runs
-and trusts, it overlaps its collectives with compute on its own CUDA streams (hexiseq's own engine runs them on
-the current stream), it carries mixed-precision policies, and its DTensor parameters work with torch's state-dict
-and compile tooling. hexiseq's own engine (states.py) remains for what FSDP2 cannot express: shards of unequal
-size, a rank holding nothing. At even shares both give the same gradients; on 2 Gloo ranks their step times are
-within a few percent (benchmarks/results/states.md).
+and trusts, it runs its collectives on CUDA streams of its own, it carries mixed-precision policies, it keeps a
+parameter that gets no gradient out of the optimizer's step, and its DTensor parameters work with torch's
+state-dict and compile tooling. hexiseq's own engine (states.py) remains for what FSDP2 cannot express: shards of
+unequal size, a rank holding nothing. At even shares both give the same gradients; on 2 Gloo ranks of a CPU the
+own engine's step measured 0.85-0.88x FSDP2's (benchmarks/results/states.md); on a GPU the two have not been
+timed against each other.
+
+FSDP2's limits then apply too. One measured here: a unit run twice in one forward under reentrant activation
+checkpointing trains wrongly under FSDP2 (the own engine is exact there): use non-reentrant checkpointing, or
+engine="hexiseq".
 
 What changes for the caller at even shares: `module.parameters()` are FSDP2's DTensors under their original names
 (no `hexiseq_shard`), and FSDP2's rules of use apply. `full_state_dict`, `load_full_state_dict` and
@@ -77,9 +82,18 @@ def shard(module, unit_modules, group, device_type, reduce):
     depth = {id(m): name.count(".") + 1 if name else 0 for name, m in module.named_modules(remove_duplicate=False)}
     for m in sorted((m for m in unit_modules if m is not module), key=lambda m: -depth[id(m)]):
         fully_shard(m, mesh=mesh)
-    fully_shard(module, mesh=mesh)
+    fully_shard(module, mesh=mesh, reshard_after_forward=True)  # not the root heuristic: a forward without
+    # a backward (no_grad) would leave the root unsharded, its plain tensors in place of the DTensors
     if reduce == "sum":
         sum_fsdp2_gradients(module)
+
+
+def reshard(module):
+    """Put every FSDP2 module of `module` back in its sharded state: a forward without a backward (under no_grad,
+    say) leaves the root's parameters unsharded, plain tensors in place of the DTensors the state dicts read."""
+    for m in module.modules():
+        if is_fsdp_module(m):
+            m.reshard()
 
 
 def full_tensor(p):

@@ -20,7 +20,13 @@ with engine="hexiseq"):
   by the group size for reduce="mean" (FSDP's semantics: the mean of the ranks' gradients), not for "sum".
 - Overlap (_Comm): from the second step on, each unit's gather posts the next unit's (in the order the last step
   gathered them) before waiting for its own, and the reductions are posted in the backward and waited for at its
-  end, where the shards' gradients are set. At most two units are gathered at once, as in FSDP2.
+  end, where the shards' gradients are set. Besides the units whose forward encloses others' (the root), at
+  most two are gathered at once, as in FSDP2.
+- A parameter that gets no gradient in a step is part of its unit's flat shard, which gets a gradient: its part
+  is zero, and the optimizer updates it as it updates a parameter with a zero gradient (momentum and weight decay
+  move it), as FSDP's flat parameters of old did; torch (a plain module, FSDP2) skips such a parameter.
+- Gradient clipping must see the whole gradient: `clip_grad_norm_(module, max_norm)` here (torch's function on
+  the shards would clip every rank by its own shard's norm).
 
 Cost: every collective is padded to the largest shard, so a rank sends and receives (N - 1) * max_r n_r elements
 per gather and per reduce; with uneven shares that is N * max share times an even collective's volume (1 for
@@ -41,8 +47,9 @@ compute wrong gradients):
   gradients are set when a backward ends (.backward(), as FSDP sets them), not passed through autograd.
 Ranks must shard (and load with `load_full_state_dict`) the same weights: both compare a digest of sampled
 elements of every parameter (_digests) and refuse, on every rank alike, weights that differ between ranks.
-Activation checkpointing (torch.utils.checkpoint, reentrant or not) around units works: the recomputation
-gathers again by itself. Other saved-tensor hooks active around a unit (e.g. save_on_cpu) take precedence.
+Activation checkpointing (torch.utils.checkpoint, reentrant or not) around units works on this engine: the
+recomputation gathers again by itself (under FSDP2, at even shares, FSDP2's limits: see hexiseq.runtime.fsdp2).
+Other saved-tensor hooks active around a unit (e.g. save_on_cpu) take precedence.
 """
 
 import math
@@ -61,7 +68,8 @@ from .comm import (_DTYPES, _bits_float, _code, _float_bits, _show, agree, colle
 from ..errors import InvalidArgumentError
 from .fsdp2 import sum_fsdp2_gradients
 
-__all__ = ["shard_states", "full_state_dict", "load_full_state_dict", "shard_sizes", "sum_fsdp2_gradients"]
+__all__ = ["shard_states", "full_state_dict", "load_full_state_dict", "shard_sizes", "sum_fsdp2_gradients",
+           "clip_grad_norm_"]
 
 SHARD_NAME = "hexiseq_shard"
 REDUCES = ("mean", "sum")
@@ -397,6 +405,7 @@ class _Comm:
         self.taken = self.dropped = 0  # gathers posted ahead that a unit took, and that none took
         self.pending = []  # posted reductions: (unit, work or None, this rank's slice, buffers kept until done)
         self.flush_queued = False
+        self.units = []
 
     def probe(self, device, dtype):
         """Whether the backend has the single-tensor collectives: a backend without one refuses it on every
@@ -416,6 +425,8 @@ class _Comm:
     def gathered(self, unit, ahead):
         """`unit`'s flat vector: the gather posted ahead for it (when its shard has not changed since), else one
         posted now; with `ahead`, the next unit's gather is posted before this one is waited for."""
+        if (self.pending or self.flush_queued) and not _in_backward():
+            self.abandon()
         posted, self.ahead = self.ahead, None
         if posted is not None and (posted[0] is not unit or posted[3] != unit.shard._version):
             _wait(posted[1])  # not the one expected, or stale: every rank drops it alike
@@ -431,6 +442,16 @@ class _Comm:
                 self.ahead = following.post_gather()
         _wait(posted[1])
         return unit.unpad(posted[2])
+
+    def abandon(self):
+        """Forget what a backward that raised left behind: its posted reductions (waited for, dropped: that
+        backward's gradients are partial), its flush (queued on a graph task that never ended) and the flat
+        vectors it gathered for its saved tensors (their parameters may have changed since)."""
+        for _, work, _, _ in self.pending:
+            _wait(work)
+        self.pending, self.flush_queued = [], False
+        for u in self.units:
+            u.backward_flat = None
 
     def _following(self, unit, backward):
         """Record `unit` in this step's order and return the unit that followed it in the last step's."""
@@ -625,6 +646,7 @@ def shard_states(module, shares, *, group=None, units=None, reduce="mean", engin
         error, found = e, []
     comm = _Comm(group, reduce if reduce in REDUCES else REDUCES[0])
     made = [_Unit(i, m, name, params, comm) for i, (m, name, params, _) in enumerate(found)]
+    comm.units = made
     for u in made:
         message = u.check()
         if message is not None and error is None:
@@ -734,12 +756,47 @@ def _record(module):
     return rec
 
 
+def clip_grad_norm_(module, max_norm, norm_type=2.0, error_if_nonfinite=False):
+    """torch.nn.utils.clip_grad_norm_ for a module sharded by shard_states: the norm of the whole gradient, every
+    rank's shard together, and the same scale applied on every rank; returns that norm (a 0-d tensor, the same on
+    every rank). Collective over the module's group. torch's own function on the own engine's shards would clip
+    each rank by the norm of its shard alone, a different scale on every rank; under FSDP2 (even shares) torch's
+    function reduces over the DTensors itself and is called."""
+    rec = _record(module)
+    max_norm = number(max_norm, "max_norm", positive=True)
+    norm_type = math.inf if norm_type in (math.inf, "inf") else number(norm_type, "norm_type", positive=True)
+    if rec.engine == "fsdp2":
+        total = torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm, norm_type, error_if_nonfinite)
+        return total.full_tensor() if fsdp2.is_dtensor(total) else total
+    grads = [u.shard.grad for u in rec.units if u.shard.grad is not None]
+    device = grads[0].device if grads else collective_device(rec.comm.group)
+    if norm_type == math.inf:
+        local = max((g.detach().abs().max() for g in grads if g.numel()), default=torch.zeros((), device=device))
+        local = local.to(device, torch.float64).reshape(1)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=rec.comm.group)
+        total = local[0]
+    else:
+        local = sum((g.detach().to(torch.float64).abs().pow(norm_type).sum() for g in grads),
+                    torch.zeros((), dtype=torch.float64, device=device)).reshape(1)
+        dist.all_reduce(local, group=rec.comm.group)
+        total = local[0].pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({float(total)}), "
+                           "so it cannot be clipped")
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(scale.to(g.dtype))
+    return total.to(grads[0].dtype if grads else torch.float32)
+
+
 def full_state_dict(module, device=None):
     """The module's state dict with the full parameters under their original names and shapes, as before
     sharding (buffers as they are now). Collective: every rank calls it, and every rank gets the whole dict,
     gathered one unit at a time. device: where the full tensors go (e.g. "cpu", so the full model need not fit
     beside the shards on the accelerator); default: the parameters' device."""
     rec = _record(module)
+    if rec.engine == "fsdp2":
+        fsdp2.reshard(module)
     full = {}
     for u in rec.units:
         flat = u.gather() if rec.engine == "hexiseq" else None
@@ -811,6 +868,7 @@ def load_full_state_dict(module, state_dict, strict=True):
     _agree_values(group, [f"state_dict[{n!r}]" for n in names], [t for _, _, t in picks] if error is None else
                   [None] * len(names), error, collective_device(group))
     if rec.engine == "fsdp2":
+        fsdp2.reshard(module)
         for _, entry, t in picks:
             if t is not None:
                 fsdp2.copy_full(rec.parameter(module, entry), t)

@@ -23,7 +23,10 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(h, d)
 
     def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+        x = x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+        if getattr(self, "use_spare", False):  # the spare layer of Net(spare=True), in the steps that use it
+            x = x + self.spare(x).sum(-1, keepdim=True)
+        return x
 
 
 class Net(nn.Module):
@@ -43,14 +46,17 @@ class Net(nn.Module):
         if tied:
             self.head.weight = self.embed.weight
         self.ckpt = ckpt
+        self.mid = None  # called on the activation after the second block (a test's hook), when set
 
     def forward(self, idx):
         x = self.embed(idx)
-        for b in self.blocks:
+        for i, b in enumerate(self.blocks):
             if self.ckpt is None:
                 x = b(x)
             else:
                 x = checkpoint(b, x, use_reentrant=self.ckpt == "reentrant")
+            if i == 1 and self.mid is not None:
+                self.mid(x)
         return self.head(self.norm(x))
 
 
@@ -80,7 +86,7 @@ def max_diff(a, b):
 
 
 def train_scenario(rank, world, shares, reduce="mean", ckpt=None, tied=False, fallback=False, steps=3, spare=False,
-                   engine="auto", expect="hexiseq"):
+                   engine="auto", expect="hexiseq", clip=None):
     """`steps` Adam steps sharded, each rank on its own batch, against the reference on all the batches; the
     largest difference of the full parameters over the steps, and the state dicts' keys and shapes agreement."""
     import hexiseq
@@ -98,6 +104,8 @@ def train_scenario(rank, world, shares, reduce="mean", ckpt=None, tied=False, fa
     for step in range(steps):
         opt.zero_grad()
         loss_of(net, *batch(step, rank)).backward()
+        if clip is not None:  # the whole gradient's norm, alike on every rank and in the reference
+            norm = hexiseq.states.clip_grad_norm_(net, clip[0], norm_type=clip[1])
         opt.step()
         ref_opt.zero_grad()
         for r in range(world):
@@ -106,9 +114,60 @@ def train_scenario(rank, world, shares, reduce="mean", ckpt=None, tied=False, fa
             for p in ref.parameters():
                 if p.grad is not None:
                     p.grad /= world
+        if clip is not None:
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip[0], norm_type=clip[1])
+            worst = max(worst, abs(float(norm) - float(ref_norm)))
+            if float(ref_norm) <= clip[0]:
+                raise AssertionError(f"the norm {float(ref_norm)} is not clipped at {clip[0]}: a test of nothing")
         ref_opt.step()
         worst = max(worst, max_diff(hexiseq.full_state_dict(net), ref.state_dict()))
     return worst
+
+
+class Boom(Exception):
+    pass
+
+
+def recover_scenario(rank, world):
+    """A backward that raises halfway (a hook on the second block's output, on every rank: a NaN check, say),
+    caught; then two steps as usual: the parameters as the reference's that took only those two."""
+    import hexiseq
+
+    ref = make_net()
+    net = hexiseq.shard_states(make_net(), [0.5, 0.3, 0.2])
+    opt = torch.optim.Adam(net.parameters(), lr=0.05)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.05)
+    net.mid = lambda x: x.register_hook(lambda g: (_ for _ in ()).throw(Boom("a check in the backward")))
+    loss = loss_of(net, *batch(0, rank))
+    net.mid = None
+    try:
+        loss.backward()
+        raise AssertionError("the hook did not raise")
+    except Boom:
+        pass
+    worst = 0.0
+    for step in (1, 2):
+        opt.zero_grad()
+        loss_of(net, *batch(step, rank)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        for r in range(world):
+            (loss_of(ref, *batch(step, r)) / world).backward()
+        ref_opt.step()
+        worst = max(worst, max_diff(hexiseq.full_state_dict(net), ref.state_dict()))
+    return worst
+
+
+def eval_first_scenario(rank, world):
+    """FSDP2 (even shares): a forward under no_grad before anything else, then the optimizer: every parameter it
+    gets is a DTensor, and the full state dict is the model's."""
+    import hexiseq
+
+    net = hexiseq.shard_states(make_net(), [1 / 3] * 3)
+    with torch.no_grad():
+        net(batch(0, rank)[0])
+    kinds = sorted({type(p).__name__ for p in net.parameters()})
+    return max_diff(hexiseq.full_state_dict(net), make_net().state_dict()), kinds
 
 
 def memory_scenario(rank, world, free_after_forward=True):
@@ -261,6 +320,11 @@ def run_all(rank, world, init, results):
         scenario("even_fsdp2", lambda: train_scenario(rank, world, even, expect="fsdp2"))
         scenario("even_fsdp2_sum", lambda: train_scenario(rank, world, even, reduce="sum", ckpt="plain", tied=True,
                                                           spare=True, expect="fsdp2"))
+        scenario("clip_uneven", lambda: train_scenario(rank, world, good, clip=(0.05, 2.0)))
+        scenario("clip_uneven_inf", lambda: train_scenario(rank, world, [0.7, 0.3, 0.0], clip=(0.01, "inf")))
+        scenario("clip_even", lambda: train_scenario(rank, world, even, clip=(0.05, 2.0), expect="fsdp2"))
+        scenario("recover", lambda: recover_scenario(rank, world))
+        scenario("eval_first_fsdp2", lambda: eval_first_scenario(rank, world))
         scenario("even_own", lambda: train_scenario(rank, world, even, engine="hexiseq"))
         scenario("roundtrip_fsdp2", lambda: roundtrip_scenario(rank, world, even))
 
@@ -303,12 +367,15 @@ def _numpy(state):
     return {k: v.detach().cpu().numpy().copy() for k, v in state.items()}
 
 
-def checkpoint_phase(rank, world, init, phase, shares, path, results):
+def checkpoint_phase(rank, world, init, phase, shares, path, *rest):
     """DCP checkpoints of sharded states. phase "save": 2 Adam steps (reduce="sum"; rank r on batch(step, r) of
     three ranks' batches), save, then a third step. phase "load": a model of other weights, sharded over this world
     with other shares, loads the checkpoint and takes the same third step, the three batches split over its ranks.
     Reports (rank, "ok", {"at_save": full state at the save, "after": full state after the third step}) from each
-    rank, or (rank, "error", traceback)."""
+    rank, or (rank, "error", traceback). spare: None; "never" (each block holds a layer no step uses: FSDP2 saves
+    no optimizer state for it); "late" (used from the second step on: FSDP2 counts its Adam steps apart), before
+    the results queue spawn appends."""
+    spare, results = rest if len(rest) == 2 else (None, rest[0])
     try:
         import hexiseq
         from hexiseq.checkpoint import load_states, save_states
@@ -316,12 +383,15 @@ def checkpoint_phase(rank, world, init, phase, shares, path, results):
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=30))
-        net = hexiseq.shard_states(make_net(seed=0 if phase == "save" else 5), shares, reduce="sum")
+        net = hexiseq.shard_states(make_net(seed=0 if phase == "save" else 5, spare=spare is not None), shares,
+                                   reduce="sum")
         opt = torch.optim.Adam(net.parameters(), lr=0.05)
         # every phase's ranks cover the three batches of a step between them
         mine = [r for r in range(3) if r % world == rank]
 
         def step(s):  # one forward per rank (every rank must run the units equally often), its batches stacked
+            for b in net.blocks:
+                b.use_spare = spare == "late" and s >= 1
             opt.zero_grad()
             idx, target = (torch.cat(t) for t in zip(*(batch(s, r) for r in mine)))
             logits = net(idx).reshape(len(mine), -1, VOCAB)
