@@ -123,7 +123,8 @@ def test_a_plan_gives_its_state_shares(reports):
 # ------------------------------------------------------------------------------------------------ exactness
 
 TRAINING = ["uneven", "zero_share", "checkpoint", "checkpoint_reentrant", "reduce_sum", "unused", "fallback",
-            "even_fsdp2", "even_fsdp2_sum", "even_own", "clip_uneven", "clip_uneven_inf", "clip_even", "recover"]
+            "even_fsdp2", "even_fsdp2_sum", "even_own", "clip_uneven", "clip_uneven_inf", "clip_even", "recover",
+            "twice", "twice_checkpoint"]
 
 
 @pytest.mark.parametrize("name", TRAINING)

@@ -73,7 +73,8 @@ __all__ = ["shard_states", "full_state_dict", "load_full_state_dict", "shard_siz
 
 SHARD_NAME = "hexiseq_shard"
 REDUCES = ("mean", "sum")
-ENGINES = ("auto", "hexiseq", "fsdp2")  # "auto": FSDP2 at even shares where torch has it, else hexiseq's own
+ENGINES = ("auto", "hexiseq", "fsdp2")
+SEQUENCE_LIMIT = 1 << 14  # gathers a step's sequence keeps per phase (a loop of forwards without a backward)  # "auto": FSDP2 at even shares where torch has it, else hexiseq's own
 SHARE_TOLERANCE = 1e-9
 
 # Gathered flat vectors whose unit's forward is running, by storage address: what the pack hook turns into
@@ -381,7 +382,7 @@ class _Unit:
 class _Comm:
     """The collectives of a sharded module over `group`, and what they overlap with.
 
-    Gathers: the order in which the units first gather, in the forward and in the backward, is learnt from the
+    Gathers: the sequence in which the units gather, in the forward and in the backward, is learnt from the
     last step (a step ends at the first forward gather after a backward; the backward's order is not simply the
     forward's reversed when a unit encloses others, as the root unit does). A unit's gather posts the gather of
     the unit expected next before waiting for its own, so that one overlaps this unit's compute; at most one is
@@ -398,9 +399,9 @@ class _Comm:
         self._gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._rs_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self.single_gather = self.single_reduce = True
-        self.orders = ([], [])  # the units in the order they first gathered: forward, backward (last step's)
-        self.positions = ({}, {})
-        self.seen = ({}, {})  # this step's, unit -> position
+        self.orders = ([], [])  # the units in the order they gathered, forward and backward: the last step's
+        self.seen = ([], [])  # this step's
+        self.cursor = [0, 0]  # where this step stands in the last one's, per phase
         self.ahead = None  # a gather posted ahead (see _Unit.post_gather)
         self.taken = self.dropped = 0  # gathers posted ahead that a unit took, and that none took
         self.pending = []  # posted reductions: (unit, work or None, this rank's slice, buffers kept until done)
@@ -454,15 +455,21 @@ class _Comm:
             u.backward_flat = None
 
     def _following(self, unit, backward):
-        """Record `unit` in this step's order and return the unit that followed it in the last step's."""
-        if not backward and self.seen[1]:  # a new step: what the last one did is the order to expect
-            self.orders = tuple(sorted(d, key=d.get) for d in self.seen)
-            self.positions = tuple({u: i for i, u in enumerate(o)} for o in self.orders)
-            self.seen = ({}, {})
-        self.seen[backward].setdefault(unit, len(self.seen[backward]))
-        at = self.positions[backward].get(unit)
-        order = self.orders[backward]
-        return order[at + 1] if at is not None and at + 1 < len(order) else None
+        """Record `unit`'s gather in this step's sequence and return the unit gathered after it in the last step's:
+        the next one at the same place when this step so far went as the last one did, else after the unit's next
+        call there (a unit called twice, a branch taken in one step and not in the next)."""
+        if not backward and self.seen[1]:  # a new step: what the last one did is the sequence to expect
+            self.orders, self.seen, self.cursor = self.seen, ([], []), [0, 0]
+        seq, order, at = self.seen[backward], self.orders[backward], self.cursor[backward]
+        if len(seq) < SEQUENCE_LIMIT:
+            seq.append(unit)
+        if not (at < len(order) and order[at] is unit):
+            at = next((i for i in range(at, len(order)) if order[i] is unit),
+                      next((i for i in range(min(at, len(order))) if order[i] is unit), None))
+            if at is None:
+                return None
+        self.cursor[backward] = at + 1
+        return order[at + 1] if at + 1 < len(order) else None
 
     def reduce_later(self, unit, grad):
         """Post this rank's slice of the sum over ranks of `unit`'s flat gradient: a padded reduce-scatter, which

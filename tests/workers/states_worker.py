@@ -31,10 +31,11 @@ class Block(nn.Module):
 
 class Net(nn.Module):
     """Embedding, a ModuleList of blocks, a norm and a head; `ckpt`: None, "plain" (non-reentrant) or
-    "reentrant" checkpointing around each block; `tied`: the head shares the embedding's weight; `spare`: every
+    "reentrant" checkpointing around each block; `tied`: the head shares the embedding's weight; `twice`: the
+    first block runs twice in every forward; `spare`: every
     block holds a layer its forward never uses (no gradient reaches it)."""
 
-    def __init__(self, dim=DIM, tied=False, ckpt=None, spare=False):
+    def __init__(self, dim=DIM, tied=False, ckpt=None, spare=False, twice=False):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
         self.blocks = nn.ModuleList(Block(dim, HIDDEN) for _ in range(LAYERS))
@@ -45,7 +46,7 @@ class Net(nn.Module):
         self.head = nn.Linear(dim, VOCAB, bias=False)
         if tied:
             self.head.weight = self.embed.weight
-        self.ckpt = ckpt
+        self.ckpt, self.twice = ckpt, twice  # twice: the first block runs twice (weights shared across depth)
         self.mid = None  # called on the activation after the second block (a test's hook), when set
 
     def forward(self, idx):
@@ -55,6 +56,8 @@ class Net(nn.Module):
                 x = b(x)
             else:
                 x = checkpoint(b, x, use_reentrant=self.ckpt == "reentrant")
+            if i == 0 and self.twice:
+                x = b(x)
             if i == 1 and self.mid is not None:
                 self.mid(x)
         return self.head(self.norm(x))
@@ -86,13 +89,14 @@ def max_diff(a, b):
 
 
 def train_scenario(rank, world, shares, reduce="mean", ckpt=None, tied=False, fallback=False, steps=3, spare=False,
-                   engine="auto", expect="hexiseq", clip=None):
+                   engine="auto", expect="hexiseq", clip=None, twice=False):
     """`steps` Adam steps sharded, each rank on its own batch, against the reference on all the batches; the
     largest difference of the full parameters over the steps, and the state dicts' keys and shapes agreement."""
     import hexiseq
 
-    ref = make_net(tied=tied, spare=spare)
-    net = hexiseq.shard_states(make_net(tied=tied, ckpt=ckpt, spare=spare), shares, reduce=reduce, engine=engine)
+    ref = make_net(tied=tied, spare=spare, twice=twice)
+    net = hexiseq.shard_states(make_net(tied=tied, ckpt=ckpt, spare=spare, twice=twice), shares, reduce=reduce,
+                               engine=engine)
     if net._hexiseq_states.engine != expect:
         raise AssertionError(f"sharded by {net._hexiseq_states.engine}, expected {expect}")
     if fallback:  # the all-gather-list and all-reduce paths of backends without the single-tensor collectives
@@ -323,6 +327,8 @@ def run_all(rank, world, init, results):
         scenario("clip_uneven", lambda: train_scenario(rank, world, good, clip=(0.05, 2.0)))
         scenario("clip_uneven_inf", lambda: train_scenario(rank, world, [0.7, 0.3, 0.0], clip=(0.01, "inf")))
         scenario("clip_even", lambda: train_scenario(rank, world, even, clip=(0.05, 2.0), expect="fsdp2"))
+        scenario("twice", lambda: train_scenario(rank, world, good, twice=True))
+        scenario("twice_checkpoint", lambda: train_scenario(rank, world, good, twice=True, ckpt="plain"))
         scenario("recover", lambda: recover_scenario(rank, world))
         scenario("eval_first_fsdp2", lambda: eval_first_scenario(rank, world))
         scenario("even_own", lambda: train_scenario(rank, world, even, engine="hexiseq"))
