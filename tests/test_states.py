@@ -93,7 +93,8 @@ CONTRACT = [
                                               "[0.5, 0.3, 0.2]"]),
     ("engine", "InvalidArgumentError",
      ["1 of 3 ranks", "rank 1: engine must be one of ['auto', 'hexiseq', 'fsdp2'], got 'zero3'"]),
-    ("engine_mismatch", "RankMismatchError", ["engine", "rank 0: fsdp2", "rank 2: hexiseq"]),
+    ("engine_mismatch", "RankMismatchError", ["engine", "rank 0: 'auto', sharding with FSDP2",
+                                              "rank 2: 'hexiseq', sharding with its own engine"]),
 ]
 
 

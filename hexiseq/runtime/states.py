@@ -659,8 +659,9 @@ def shard_states(module, shares, *, group=None, units=None, reduce="mean", engin
         if message is not None and error is None:
             error = InvalidArgumentError(message)
     device = collective_device(group)
-    header = [_code(REDUCES, reduce), int(use_fsdp2), len(made)] + [_float_bits(s) for s in (checked or
-                                                                                        [0.0] * world)]
+    # the engine asked for and the one it comes to: ranks that ask alike but differ (FSDP2 missing on some) too
+    header = [_code(REDUCES, reduce), 2 * _code(ENGINES, engine) + int(use_fsdp2), len(made)]
+    header += [_float_bits(s) for s in (checked or [0.0] * world)]
     agree(group, header, ("reduce", "engine", "units", ("shares", world)), error, _show_field, device)
     fields = [f"units[{i}].{f}" for i in range(len(made))
               for f in ("numel", "dtype", "requires_grad", "parameters", "names and shapes")]
@@ -746,7 +747,8 @@ def _show_field(field, value):
     if field == "reduce":
         return REDUCES[value] if value < len(REDUCES) else "other"
     if field == "engine":
-        return "fsdp2" if value else "hexiseq"
+        asked = repr(ENGINES[value // 2]) if value // 2 < len(ENGINES) else "other"
+        return f"{asked}, sharding with {'FSDP2' if value % 2 else 'its own engine'}"
     if field.endswith(".dtype"):
         return _show("dtype", value)
     if field.endswith(".requires_grad"):
