@@ -6,7 +6,7 @@ and trusts, it runs its collectives on CUDA streams of its own, it carries mixed
 parameter that gets no gradient out of the optimizer's step, and its DTensor parameters work with torch's
 state-dict and compile tooling. hexiseq's own engine (states.py) remains for what FSDP2 cannot express: shards of
 unequal size, a rank holding nothing. At even shares both give the same gradients; on 2 Gloo ranks of a CPU the
-own engine's step measured 0.85-0.88x FSDP2's (benchmarks/results/states.md); on a GPU the two have not been
+own engine's step measured 0.85-0.91x FSDP2's (benchmarks/results/states.md); on a GPU the two have not been
 timed against each other.
 
 FSDP2's limits then apply too. One measured here: a unit run twice in one forward under reentrant activation
