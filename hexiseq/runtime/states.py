@@ -28,10 +28,8 @@ with engine="hexiseq"):
 - Gradient clipping must see the whole gradient: `clip_grad_norm_(module, max_norm)` here (torch's function on
   the shards would clip every rank by its own shard's norm).
 
-Cost: every collective is padded to the largest shard, so a rank sends and receives (N - 1) * max_r n_r elements
-per gather and per reduce; with uneven shares that is N * max share times an even collective's volume (1 for
-even shares; 1.5 for shares [0.5, 0.3, 0.2]). Each unit is gathered twice per step (forward, backward) and its
-gradient reduced once, as in ZeRO-3.
+Cost: collectives padded to the largest shard, N x max share times an even collective's bytes (1.5x for shares
+[0.5, 0.3, 0.2]); two gathers and one reduction per unit and step, as in ZeRO-3 (docs/runtime.md).
 
 What a user must not do (the ranks would meet in different collectives and hang until the group's timeout, or
 compute wrong gradients):
