@@ -71,8 +71,8 @@ __all__ = ["shard_states", "full_state_dict", "load_full_state_dict", "shard_siz
 
 SHARD_NAME = "hexiseq_shard"
 REDUCES = ("mean", "sum")
-ENGINES = ("auto", "hexiseq", "fsdp2")
-SEQUENCE_LIMIT = 1 << 14  # gathers a step's sequence keeps per phase (a loop of forwards without a backward)  # "auto": FSDP2 at even shares where torch has it, else hexiseq's own
+ENGINES = ("auto", "hexiseq", "fsdp2")  # "auto": FSDP2 at even shares where torch has it, else hexiseq's own
+SEQUENCE_LIMIT = 1 << 14  # gathers a step's sequence keeps per phase (a loop of forwards without a backward)
 SHARE_TOLERANCE = 1e-9
 
 # Gathered flat vectors whose unit's forward is running, by storage address: what the pack hook turns into
