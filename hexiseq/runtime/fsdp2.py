@@ -20,11 +20,10 @@ at uneven ones and back (the elastic restart's case: the survivors' shares are s
 """
 
 import torch
-import torch.distributed as dist
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["available", "shard", "sum_fsdp2_gradients", "full_tensor", "copy_full"]
+__all__ = ["available", "shard", "reshard", "sum_fsdp2_gradients", "full_tensor", "copy_full", "is_dtensor"]
 
 
 def _api():
@@ -115,10 +114,3 @@ def is_dtensor(t) -> bool:
     api = _api()
     return api is not None and isinstance(t, api[2])
 
-
-def group_of(module):
-    """The process group of an FSDP2-sharded module's parameters (their mesh's only dimension)."""
-    for p in module.parameters():
-        if is_dtensor(p):
-            return p.device_mesh.get_group()
-    return dist.group.WORLD
