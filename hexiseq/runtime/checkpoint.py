@@ -18,9 +18,10 @@ the weights with `torch.distributed.checkpoint.load(model.state_dict(), checkpoi
 Why not DTensor for hexiseq's own engine: its shards are those of `torch.chunk` over a mesh, even up to the last;
 hexiseq's shares are arbitrary, which DCP's sharded tensors (chunks of any offsets and sizes) express directly. At
 even shares, where shard_states hands the module to FSDP2, the parameters and the optimizer's moments are FSDP2's
-DTensors and go to DCP as they are, under the same names (a unit's scalar states once, under its first
-parameter's, as the own engine writes them): one format, so a checkpoint saved by either engine loads into the
-other at any world size.
+DTensors and go to DCP as they are, under the same names; scalar states (Adam's step) go once per parameter
+under FSDP2 and once per unit, under its first parameter's name, on the own engine, and a load takes the
+parameter's own or else its unit's: one format, so a checkpoint saved by either engine loads into the other at
+any world size.
 """
 
 import math
@@ -29,7 +30,6 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from . import fsdp2
 from .states import SHARD_NAME, _record
 from ..errors import InvalidArgumentError
 
@@ -100,8 +100,6 @@ def _placement(t):
 def _describe(module, optimizer, api, loading, ckpt_keys=None):
     """The state dict DCP writes or fills: (dict, what to copy after a load)."""
     rec = _record(module)
-    if rec.engine == "fsdp2":
-        fsdp2.reshard(module)  # a forward without a backward leaves the root unsharded: its DTensors back
     rank = dist.get_rank(rec.comm.group)
     out, after = {}, []
     for u in rec.units:

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["available", "shard", "reshard", "sum_fsdp2_gradients", "full_tensor", "copy_full", "is_dtensor"]
+__all__ = ["available", "shard", "sum_fsdp2_gradients", "copy_full", "is_dtensor"]
 
 
 def _api():
@@ -81,23 +81,11 @@ def shard(module, unit_modules, group, device_type, reduce):
     depth = {id(m): name.count(".") + 1 if name else 0 for name, m in module.named_modules(remove_duplicate=False)}
     for m in sorted((m for m in unit_modules if m is not module), key=lambda m: -depth[id(m)]):
         fully_shard(m, mesh=mesh)
-    fully_shard(module, mesh=mesh, reshard_after_forward=True)  # not the root heuristic: a forward without
-    # a backward (no_grad) would leave the root unsharded, its plain tensors in place of the DTensors
+    # not the root's default, which keeps it gathered after its forward for the backward: a forward without one
+    # (an evaluation under no_grad) then left plain tensors where the optimizer and the state dicts read DTensors
+    fully_shard(module, mesh=mesh, reshard_after_forward=True)
     if reduce == "sum":
         sum_fsdp2_gradients(module)
-
-
-def reshard(module):
-    """Put every FSDP2 module of `module` back in its sharded state: a forward without a backward (under no_grad,
-    say) leaves the root's parameters unsharded, plain tensors in place of the DTensors the state dicts read."""
-    for m in module.modules():
-        if is_fsdp_module(m):
-            m.reshard()
-
-
-def full_tensor(p):
-    """The whole value of an FSDP2 parameter (an all-gather over its mesh: collective)."""
-    return p.full_tensor()
 
 
 def copy_full(p, full):

@@ -802,14 +802,12 @@ def full_state_dict(module, device=None):
     gathered one unit at a time. device: where the full tensors go (e.g. "cpu", so the full model need not fit
     beside the shards on the accelerator); default: the parameters' device."""
     rec = _record(module)
-    if rec.engine == "fsdp2":
-        fsdp2.reshard(module)
     full = {}
     for u in rec.units:
         flat = u.gather() if rec.engine == "hexiseq" else None
         for entry in u.layout:
             if flat is None:  # FSDP2: one all-gather per parameter, in the same order on every rank
-                t = fsdp2.full_tensor(rec.parameter(module, entry)).detach()
+                t = rec.parameter(module, entry).full_tensor().detach()
                 t = t.to(device) if device is not None else t
             else:
                 t = flat[entry.offset:entry.offset + entry.numel].view(entry.shape)
@@ -875,7 +873,6 @@ def load_full_state_dict(module, state_dict, strict=True):
     _agree_values(group, [f"state_dict[{n!r}]" for n in names], [t for _, _, t in picks] if error is None else
                   [None] * len(names), error, collective_device(group))
     if rec.engine == "fsdp2":
-        fsdp2.reshard(module)
         for _, entry, t in picks:
             if t is not None:
                 fsdp2.copy_full(rec.parameter(module, entry), t)
