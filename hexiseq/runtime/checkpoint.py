@@ -127,24 +127,24 @@ def _describe(module, optimizer, api, loading, ckpt_keys=None):
             raise InvalidArgumentError("the optimizer holds a parameter that is not a shard of this module: build "
                                        "it from module.parameters() after shard_states")
     loaded = {}  # checkpoint key -> the tensor DCP fills for it (one per key; other holders copy it after)
+    saved = _saved_states(ckpt_keys) if loading else None
     for p, (u, entries) in owners.items():
         state = optimizer.state.get(p, {})
         if loading:  # the states the checkpoint holds for this parameter, made here when the optimizer has none
-            _make_states(state, p, u, entries, ckpt_keys)
+            _make_states(state, p, u, entries, saved)
             if state:
                 optimizer.state[p] = state
         for key, val in state.items():
             if isinstance(val, torch.Tensor) and val.shape == p.shape and val.dim() >= 1:  # moments, cut like p
                 for entry in entries:
-                    name = f"{_OPT}{entry.names[0]}.{key}"
-                    if loading and name not in ckpt_keys:
+                    if loading and key not in saved.get(entry.names[0], {}):
                         continue  # saved for a parameter that had no states yet (FSDP2): it keeps zeros
-                    out[name] = (val.detach() if rec.engine == "fsdp2" else
+                    out[f"{_OPT}{entry.names[0]}.{key}"] = (val.detach() if rec.engine == "fsdp2" else
                                  _sharded(u, entry, val.detach(), rank, _placement(val), api))
                 continue
             # a scalar state (a step count), the same on every rank: FSDP2 keeps one per parameter, the own engine
             # one per unit (under its first parameter's name); a load reads the parameter's own, else its unit's
-            name = _scalar_key(u, entries, key, ckpt_keys if loading else None)
+            name = _scalar_key(u, entries, key, saved)
             if name is None:
                 continue
             tensor = isinstance(val, torch.Tensor)
@@ -161,35 +161,42 @@ def _describe(module, optimizer, api, loading, ckpt_keys=None):
     return out, after
 
 
-def _make_states(state, p, u, entries, ckpt_keys):
+def _saved_states(ckpt_keys):
+    """{parameter name: {state: "tensor" or "other"}} of the optimizer states a checkpoint holds (its keys are
+    optimizer.<parameter name>.<state>; parameter names hold dots, state names do not)."""
+    saved = {}
+    for k, kind in ckpt_keys.items():
+        if k.startswith(_OPT) and not k.startswith(_OPT + "param_groups."):
+            name, _, key = k[len(_OPT):].rpartition(".")
+            saved.setdefault(name, {})[key] = kind
+    return saved
+
+
+def _make_states(state, p, u, entries, saved):
     """Zeros for the states the checkpoint holds for a parameter (of the optimizer's own shapes), for DCP to fill:
     its moments under any of its entries' names, and its scalars only where it has moments (a parameter saved
     without states, by FSDP2 before its first gradient, gets none: an optimizer step with a count and no moments
     fails)."""
-    names = [f"{_OPT}{e.names[0]}." for e in entries]
-    moments = {k[len(pre):] for pre in names for k in ckpt_keys
-               if k.startswith(pre) and ckpt_keys[k] == "tensor" and "." not in k[len(pre):]}
-    for key in moments:
-        state.setdefault(key, torch.zeros_like(p.detach()))
-    if not moments and not state:
+    for e in entries:
+        for key, kind in saved.get(e.names[0], {}).items():
+            if kind == "tensor":
+                state.setdefault(key, torch.zeros_like(p.detach()))
+    if not state:
         return
-    for pre in names + [f"{_OPT}{e.names[0]}." for e in u.layout]:
-        for k in ckpt_keys:
-            if k.startswith(pre) and ckpt_keys[k] == "other" and "." not in k[len(pre):]:
-                state.setdefault(k[len(pre):], torch.zeros((), dtype=torch.float32))
+    for e in entries + u.layout:
+        for key, kind in saved.get(e.names[0], {}).items():
+            if kind == "other":
+                state.setdefault(key, torch.zeros((), dtype=torch.float32))
 
 
-def _scalar_key(u, entries, key, ckpt_keys):
-    """The checkpoint key of a parameter's scalar state: saving, its own (FSDP2: one entry) or its unit's (the own
-    engine: every entry, under the first); loading, the first of those the checkpoint holds, then any other of
-    the unit's (a checkpoint of the other engine), or None."""
-    names = [f"{_OPT}{e.names[0]}.{key}" for e in entries]
-    if ckpt_keys is None:
-        return names[0]
-    for name in names + [f"{_OPT}{e.names[0]}.{key}" for e in u.layout]:
-        if name in ckpt_keys:
-            return name
-    return None
+def _scalar_key(u, entries, key, saved):
+    """The checkpoint key of a parameter's scalar state: saving (saved None), its own (FSDP2: one entry) or its
+    unit's (the own engine: every entry, under the first); loading, the first of those the checkpoint holds, then
+    any other of the unit's (a checkpoint of the other engine), or None."""
+    if saved is None:
+        return f"{_OPT}{entries[0].names[0]}.{key}"
+    name = next((e.names[0] for e in entries + u.layout if key in saved.get(e.names[0], {})), None)
+    return None if name is None else f"{_OPT}{name}.{key}"
 
 
 def save_states(module, path, optimizer=None):
