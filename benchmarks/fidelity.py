@@ -146,6 +146,11 @@ COND_LIMIT = 100.0  # past this condition number of the fit's Jacobian, two rows
 STACK_OF = {"usp": "USP (Megatron-LM)", "alst": "ALST (DeepSpeed)", "mosaic": "MosaicML (llm-foundry)"}
 
 
+def without_tp(r):
+    """Whether a row's layout has no tensor parallelism (hexiseq prices TP as Ulysses heads)."""
+    return (r.get("parallel") or {}).get("tp") in (None, 1)
+
+
 def stack(r):
     """The software stack and GPU model of a row: what two measured numbers would be taken on."""
     return r["id"].split("_")[0], catalog_gpu(r["gpu"])
@@ -183,22 +188,19 @@ def fit_rates(rows, factors=2):
             continue
         if max(abs(e) for e in f) < 1e-7:
             break
-        j = [[(residual([x[0] + h, x[1]])[i] - f[i]) / h, (residual([x[0], x[1] + h])[i] - f[i]) / h]
-             for i in range(2)]
-        det = j[0][0] * j[1][1] - j[0][1] * j[1][0]
-        sv = np.linalg.svd(np.array(j), compute_uv=False)
-        if sv[-1] <= 0 or sv[0] / sv[-1] > COND_LIMIT:  # the rows cannot tell the matmuls from attention apart
+        j = (np.array([residual([x[0] + h, x[1]]), residual([x[0], x[1] + h])]).T - np.array(f)[:, None]) / h
+        if not np.linalg.cond(j) <= COND_LIMIT:  # the rows cannot tell the matmuls from attention apart
             return fit_rates(rows, factors=1)
-        x = [x[0] - (j[1][1] * f[0] - j[0][1] * f[1]) / det, x[1] - (-j[1][0] * f[0] + j[0][0] * f[1]) / det]
+        x = list(np.array(x) - np.linalg.solve(j, f))
     return rates(x), 1 if one else 2, [math.expm1(e) for e in residual(x)]
 
 
 def calibrated(usable, held):
     """Every row predicted after two measured numbers per stack and GPU model: gemm_eff and attn_eff fitted to two
     of the stack's rows that are not held aside (its shortest and its longest sequence, where matmuls and
-    attention weigh most differently; rows without tensor parallelism where there are two), standing in for the minute a user spends timing their own stack's matmuls
-    and attention on that GPU. Returns ({stack: (rates, factors fitted, calibration row ids)}, {row id: error})
-    for the rows that were not fitted."""
+    attention weigh most differently; rows without tensor parallelism where there are two), standing in for the
+    minute a user spends timing their own stack's matmuls and attention on that GPU. Returns ({stack: (rates,
+    factors fitted, calibration row ids)}, {row id: error}) for the rows that were not fitted."""
     by = {}
     for r in usable:
         by.setdefault(stack(r), []).append(r)
@@ -207,7 +209,7 @@ def calibrated(usable, held):
         free = sorted((r for r in rows if r["id"] not in held), key=lambda r: (r["seq_len"], r["id"]))
         # rows with tensor parallelism are priced as Ulysses (see the module's docstring): a user times their
         # own stack's matmuls and attention, not TP's collectives, so those rows stand in for them badly
-        own = [r for r in free if (r.get("parallel") or {}).get("tp") in (None, 1)]
+        own = [r for r in free if without_tp(r)]
         free = own if len(own) >= 2 else free
         chosen = [free[0], free[-1]] if len(free) >= 2 and free[0]["seq_len"] != free[-1]["seq_len"] else free[:1]
         rates, factors, _ = fit_rates(chosen)
@@ -266,7 +268,7 @@ def main():
             if abs(ma / mb - 1.0) <= 0.05:
                 continue
             pairs += 1
-            own = all((r.get("parallel") or {}).get("tp", 1) in (None, 1) for r in (ra, rb))
+            own = without_tp(ra) and without_tp(rb)
             own_pairs += own
             if (pa < pb) == (ma < mb) and pa != pb:
                 kept += 1
