@@ -316,3 +316,19 @@ def test_passes_are_priced_as_whole_sequences_pack():
     group_of, times, _, passes = planner._assign(total, cost, fixed, cap, [0, 1], 0.0, quick=False)
     assert sorted(np.bincount(group_of, minlength=2).tolist()) == [1, 2] and np.bincount(group_of)[0] == 2
     assert times.tolist() == [22.0, 15.0]
+
+
+def test_exact_plans_also_try_passes_as_long_as_the_memory_features_allow():
+    """Two sequences of 150K of Llama-3-8B on 16 A100-40G: without the memory features the whole cluster holds
+    275K a pass, so the linear pricing runs them in two passes there (or one on each node, with the features each
+    node needs for 150K). One pass of both with the features is scored faster than two passes of the same group,
+    and the exact plan finds it."""
+    cluster = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "A100-40G", "count": 8, "intra_gbps": 300.0}] * 2,
+                                         "inter_node_gbps": 25.0})
+    planner = BatchPlanner(cluster, model="llama3-8b", training=hexiseq.Training(checkpointing=True))
+    bp = planner.plan([150000, 150000])
+    root = planner._kind[planner._roots[0]]
+    assert root.anchor < 300000 <= root.longest
+    two = sum(BatchPlanner._exact_pass(root, [150000]).step_time_s for _ in range(2))
+    assert len(bp.groups) == 1 and bp.passes == (((0, 1),),)
+    assert bp.step_time_s < two
