@@ -83,7 +83,8 @@ def cmd_plan_batch(args, cluster, model, training, causal) -> int:
                                    "and --sequences")
     lengths = _batch_arg(args.batch)
     limit = None if args.time_limit is None else number(args.time_limit, "--time-limit", positive=True)
-    bp = plan_batch(cluster, model=model, lengths=lengths, training=training, causal=causal, time_limit_s=limit)
+    bp = plan_batch(cluster, model=model, lengths=lengths, training=training, causal=causal, time_limit_s=limit,
+                    split_documents=bool(args.split_documents))
     if args.json:
         print(json.dumps(bp.to_dict(), indent=2))
         return 0
@@ -121,6 +122,9 @@ def cmd_plan(args) -> int:
     training = Training(sequences=args.sequences, checkpointing=args.checkpointing, sharding=args.sharding,
                         state_shares=args.state_shares, memory_features=args.memory_features, **reserved)
     causal = not args.no_causal
+    if args.split_documents and args.batch is None:
+        raise InvalidArgumentError("--split-documents lets a packed sequence of --batch go to several groups: give "
+                                   "--batch too")
     if args.batch is not None:
         return cmd_plan_batch(args, cluster, model, dataclasses.replace(training, sequences=1), causal)
     strategy = Strategy(args.strategy)
@@ -348,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="plan a step of several sequences of unequal lengths on groups of devices: a file with one "
                          "sequence per line (several numbers on a line: one packed sequence's documents) or lengths "
                          "separated by commas")
+    pl.add_argument("--split-documents", action="store_true",
+                    help="with --batch: a packed sequence's documents may go to different groups, cut at their "
+                         "boundaries (default: each packed sequence stays whole, in one group)")
     pl.add_argument("--json", action="store_true", help="print the chosen plan as JSON")
     pl.add_argument("--time-limit", type=float, metavar="SECONDS",
                     help="stop the search after about this long with the best plan found so far (marked stopped early)")

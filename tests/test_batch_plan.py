@@ -332,3 +332,39 @@ def test_exact_plans_also_try_passes_as_long_as_the_memory_features_allow():
     two = sum(BatchPlanner._exact_pass(root, [150000]).step_time_s for _ in range(2))
     assert len(bp.groups) == 1 and bp.passes == (((0, 1),),)
     assert bp.step_time_s < two
+
+
+def test_split_documents_lets_a_packed_sequences_documents_go_to_different_groups():
+    """One packed sequence of twelve documents and two short sequences on 16 mixed devices: kept whole, the packed
+    sequence runs on one group; split at its documents, they spread over groups and the step is shorter. The split
+    plan is the plan of the documents as sequences of their own, `origin` maps each back, `split_batch` cuts a
+    batch's tensors at the boundaries and `per_caller_sequence` sums figures back per sequence of the batch."""
+    torch = pytest.importorskip("torch")
+    cluster = mixed(("H100-SXM", 8, 450.0), ("A100-80G", 8, 300.0))
+    docs = [8192, 4096, 12000, 6000, 2048, 9000, 7000, 3000, 16000, 5000, 4000, 10000]
+    lengths = [docs, 6000, 3000]
+    planner = BatchPlanner(cluster, model=TINY)  # a fresh planner each: exact plans teach the next ones
+    whole = BatchPlanner(cluster, model=TINY).plan(lengths)
+    split = planner.plan(lengths, split_documents=True)
+    assert whole.origin is None and len(whole.lengths) == 3
+    assert split.origin == tuple((0, j) for j in range(12)) + ((1, 0), (2, 0))
+    assert list(split.lengths) == docs + [6000, 3000] and all(d is None for d in split.documents)
+    assert len({split.assignment[k] for k in range(12)}) > 1
+    assert split.step_time_s < whole.step_time_s
+    flat = BatchPlanner(cluster, model=TINY).plan(docs + [6000, 3000])
+    assert (flat.groups, flat.assignment) == (split.groups, split.assignment)
+
+    batch = [torch.arange(sum(docs)), torch.arange(6000) + 10 ** 6, torch.arange(3000) + 2 * 10 ** 6]
+    pieces = split.split_batch(batch)
+    assert [len(p) for p in pieces] == list(split.lengths)
+    assert torch.equal(torch.cat(pieces[:12]), batch[0]) and pieces[12] is not None
+    assert torch.equal(pieces[2], batch[0][8192 + 4096:8192 + 4096 + 12000])
+    assert torch.equal(pieces[13], batch[2])
+    assert split.per_caller_sequence([float(L) for L in split.lengths]) == [float(sum(docs)), 6000.0, 3000.0]
+    assert whole.split_batch(batch) == batch and whole.per_caller_sequence([1, 2, 3]) == [1, 2, 3]
+    two_d = [x[None, :].repeat(2, 1) for x in batch]  # tokens along dim 1
+    assert torch.equal(split.split_batch(two_d, dim=1)[3], two_d[0][:, 24288:30288])
+    with pytest.raises(InvalidArgumentError, match="split_documents must be True or False, got 'yes'"):
+        planner.plan(lengths, split_documents="yes")
+    # nothing to split: the plain plan
+    assert planner.plan([4096, 2048], split_documents=True).origin is None

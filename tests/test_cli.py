@@ -219,6 +219,11 @@ def test_plan_batch_from_a_file_and_inline(tmp_path):
     assert_clean_error(run("plan", "--batch", "4096,x"), "--batch", "'x'")
     assert_clean_error(run("plan", "--batch", "4096", "--documents", "4096"), "--batch", "--documents")
     assert_clean_error(run("plan", "--batch", "0,5"), "lengths[0] must be between 1")
+    split = run("plan", "--batch", str(path), "--split-documents", "--json")
+    assert split.returncode == 0, split.stderr
+    got = json.loads(split.stdout)
+    assert got["lengths"] == [65536, 2048, 1024, 1024, 512, 8000, 300] and got["origin"][2:5] == [[2, 0], [2, 1], [2, 2]]
+    assert_clean_error(run("plan", "--split-documents"), "--split-documents", "--batch")
 
 
 def test_several_sequences_are_planned_on_groups_when_that_is_faster():

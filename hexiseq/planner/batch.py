@@ -42,20 +42,19 @@ back into their parent while that shortens the step; the three best cuts, and th
 """
 
 import dataclasses
-import hashlib
 import json
 import math
 import time
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Sequence, Tuple, Union
 
 import numpy as np
 
 from .. import _core
 from .._validate import number
-from ..errors import InvalidArgumentError, MemoryFitError, UnsupportedError
+from ..errors import InvalidArgumentError, MemoryFitError
 from .cluster import Cluster, device_set
-from .model import Training
-from .batch_kinds import _Kind, _first_fit, _held, _pairs
+from .batch_kinds import _first_fit, _held, _Kind, _pairs, exact_pass
+from .batch_plan import BatchPlan
 from .plan import Plan, Strategy, _inputs, _strategy
 from .plan import plan as plan_layout
 
@@ -181,162 +180,6 @@ def _one_length(x, where):
     if x < 1 or x > (1 << 40):
         raise InvalidArgumentError(f"{where} must be between 1 and 2^40 tokens, got {x}")
     return int(x)
-
-
-# ------------------------------------------------------------------------------------------ the plan
-
-@dataclasses.dataclass(frozen=True)
-class BatchPlan:
-    """A step's sequences assigned to groups of devices (see hexiseq.planner.batch). Every time is a prediction.
-
-    groups: the devices of each group (device indices of the cluster).
-    assignment: the group index of each sequence, in batch order.
-    lengths: each sequence's tokens (documents: their sum); documents: each sequence's document lengths or None.
-    group_time_s: each group's time, its passes scored exactly by the cost model (plan_for); model_group_time_s:
-    the same priced linearly, as the search ranked plans; searched_s: the best step the search found under that
-    pricing (before the finalists were scored exactly); passes: the
-    sequences of each group's packed passes (one pass unless they exceed what the group holds at once); capacity:
-    the tokens one pass of each group holds; sync_s: the gradient
-    synchronisation across groups; step_time_s: the slowest group plus sync_s; lower_bound_s: a bound on the step of
-    any cut of the candidate tree and any assignment under the linear pricing; solve_s: what choosing the groups and the assignment took
-    (seconds of this process, measured)."""
-
-    cluster: Cluster
-    model: object
-    training: Training
-    causal: bool
-    groups: Tuple[Tuple[int, ...], ...]
-    assignment: Tuple[int, ...]
-    lengths: Tuple[int, ...]
-    documents: Tuple[Optional[Tuple[int, ...]], ...]
-    group_time_s: Tuple[float, ...]
-    sync_s: float
-    step_time_s: float
-    lower_bound_s: float
-    candidates: int
-    solve_s: float
-    exact_assignment: bool
-    passes: Tuple[Tuple[Tuple[int, ...], ...], ...]
-    capacity: Tuple[int, ...]
-    model_group_time_s: Tuple[float, ...]
-    searched_s: float
-    pass_plans: Tuple[Tuple[Plan, ...], ...] = dataclasses.field(repr=False, compare=False)
-    # per number of groups, the best step found for a cut of that many groups, and whether it was scored exactly
-    # (else the search's linear pricing): why this many groups and not fewer or more
-    alternatives: Tuple[Tuple[int, float, bool], ...] = dataclasses.field(default=(), repr=False, compare=False)
-
-    @property
-    def gap_to_bound(self) -> float:
-        """model_step_time_s / lower_bound_s (1.0 is ideal): how far the plan is from the best any grouping could
-        reach, both under the search's linear pricing (the bound is one of that pricing, and step_time_s, scored
-        exactly, may be above or below it)."""
-        return self.model_step_time_s / self.lower_bound_s if self.lower_bound_s > 0 else math.inf
-
-    @property
-    def tokens_per_s(self) -> float:
-        return float(sum(self.lengths)) / self.step_time_s
-
-    def sequences_of(self, g) -> List[int]:
-        """The sequences group g runs, in batch order."""
-        return [i for i, a in enumerate(self.assignment) if a == g]
-
-    def passes_of(self, g) -> List[List[int]]:
-        """The sequences group g runs in each of its packed passes (one unless they exceed its capacity)."""
-        return [list(p) for p in self.passes[g]]
-
-    def plan_for(self, g, p=0) -> Plan:
-        """The plan group g runs its pass p with (devices renumbered 0.. in the order of `groups[g]`) over that pass's
-        packed sequence (each sequence a document, or its own documents): the scheduler's plan for it or one of the
-        base layouts of the group's kind re-balanced to it, whichever the cost model scores fastest; group_time_s
-        sums these."""
-        if not 0 <= p < len(self.passes[g]):
-            raise InvalidArgumentError(f"group {g} makes {len(self.passes[g])} pass(es), got pass {p}")
-        made = self.pass_plans[g]
-        if made and isinstance(made[0], _Kind):  # planned with exact=False: scored on first use, then kept (a step's
-            # runtime asks for every pass more than once: its fingerprint, its process groups, its contexts)
-            scored = self.__dict__.setdefault("_scored", {})
-            if (g, p) not in scored:
-                docs = [L for i in self.passes[g][p] for L in (self.documents[i] or (self.lengths[i],))]
-                scored[(g, p)] = BatchPlanner._exact_pass(made[0], docs)
-            return scored[(g, p)]
-        return made[p]
-
-    @property
-    def model_step_time_s(self) -> float:
-        """The step as the search priced it (f + a S + b P per pass, see hexiseq.planner.batch), beside step_time_s,
-        which scores every pass exactly: how far the search's linear pricing was from the cost model."""
-        return max(self.model_group_time_s) + self.sync_s
-
-    @property
-    def fingerprint(self) -> str:
-        """A hash of everything a step's execution depends on (the cluster, model and training, causal, the groups,
-        the assignment, the passes, the batch, and every pass's plan); ranks compare it before running a step."""
-        plans = [[self.plan_for(g, p).fingerprint for p in range(len(self.passes[g]))] for g in range(len(self.groups))]
-        canon = json.dumps({"cluster": self.cluster.to_dict(), "model": self.model.to_dict(),
-                            "training": self.training.to_dict(), "causal": self.causal,
-                            "groups": [list(g) for g in self.groups], "assignment": list(self.assignment),
-                            "passes": [[list(p) for p in ps] for ps in self.passes], "lengths": list(self.lengths),
-                            "documents": [None if d is None else list(d) for d in self.documents], "plans": plans},
-                           sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canon.encode()).hexdigest()[:16]
-
-    def to_dict(self) -> dict:
-        """The plan as plain data: groups, assignment, each group's passes (sequence indices), the batch, and the
-        predicted figures (step, per group, linear pricing, sync, bound)."""
-        return {"groups": [list(g) for g in self.groups], "assignment": list(self.assignment),
-                "passes": [[list(p) for p in ps] for ps in self.passes],
-                "lengths": list(self.lengths), "documents": [None if d is None else list(d) for d in self.documents],
-                "predicted": {"step_time_s": self.step_time_s, "group_time_s": list(self.group_time_s),
-                              "model_step_time_s": self.model_step_time_s, "sync_s": self.sync_s,
-                              "lower_bound_s": self.lower_bound_s, "tokens_per_s": self.tokens_per_s},
-                "candidates": self.candidates, "solve_s": self.solve_s,
-                "alternatives": [{"groups": k, "step_time_s": t, "scored": e} for k, t, e in self.alternatives]}
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict())
-
-    def explain(self) -> str:
-        gpus = self.cluster.device_gpus
-        lines = [f"batch plan: {len(self.lengths)} sequences ({sum(self.lengths):,} tokens, the longest "
-                 f"{max(self.lengths):,}) on {self.cluster.describe()}",
-                 f"  {len(self.groups)} group{'s' if len(self.groups) != 1 else ''} chosen from {self.candidates} candidates in "
-                 f"{self.solve_s * 1e3:.0f} ms",
-                 f"  step (predicted) {self.step_time_s:.4g} s = slowest group {max(self.group_time_s):.4g} s + "
-                 f"gradient sync across groups {self.sync_s:.3g} s",
-                 f"  under the search's linear pricing: {self.model_step_time_s:.4g} s, and at least "
-                 f"{self.lower_bound_s:.4g} s for any grouping (gap {self.gap_to_bound:.2f}x)"]
-        why = self._why()
-        if why:
-            lines.append(why)
-        lines.append("  group  devices                          sequences  tokens       time (s)")
-        for g, devs in enumerate(self.groups):
-            seqs = self.sequences_of(g)
-            kinds = {}
-            for d in devs:
-                kinds[gpus[d]] = kinds.get(gpus[d], 0) + 1
-            what = ", ".join(f"{c}x {k}" for k, c in kinds.items())
-            span = f"{devs[0]}" if len(devs) == 1 else f"{devs[0]}-{devs[-1]}"
-            lines.append(f"  {g:>5}  {span:>9} ({what})".ljust(43) + f"{len(seqs):>9}  "
-                         f"{sum(self.lengths[i] for i in seqs):>11,}  {self.group_time_s[g]:>9.4g}")
-        return "\n".join(lines)
-
-    def _why(self) -> str:
-        """One line on why this many groups: the best step the search priced with the nearest fewer and more groups
-        (empty when the search priced no other count)."""
-        n = len(self.groups)
-        fewer = [a for a in self.alternatives if a[0] < n and math.isfinite(a[1])]
-        more = [a for a in self.alternatives if a[0] > n and math.isfinite(a[1])]
-        parts = [f"with {k} group{'s' if k != 1 else ''} {t:.4g} s ({'scored' if e else 'priced'})"
-                 for k, t, e in (fewer[-1:] + more[:1])]
-        if not parts:
-            return ""
-        return (f"  why {n} group{'s' if n != 1 else ''}: the best step found {' and '.join(parts)}, against "
-                f"{self.step_time_s:.4g} s scored (fewer groups spread each sequence over more devices; more groups "
-                "pay more gradient sync and hold fewer devices each)")
-
-    def __repr__(self):
-        return (f"BatchPlan(groups={len(self.groups)}, sequences={len(self.lengths)}, "
-                f"step_time_s={self.step_time_s:.4g}, lower_bound_s={self.lower_bound_s:.4g})")
 
 
 class _Rows:
@@ -557,8 +400,14 @@ class BatchPlanner:
         """(parent index or -1, children indices) of each candidate group."""
         return list(self._parent), [list(c) for c in self._children]
 
-    def plan(self, lengths, *, time_limit_s=None, exact=True, reprice=None) -> BatchPlan:
+    def plan(self, lengths, *, time_limit_s=None, exact=True, reprice=None, split_documents=False) -> BatchPlan:
         """Choose this step's groups (a cut of the candidate tree) and give each sequence to one of them.
+
+        split_documents: the documents of a packed sequence (an entry of `lengths` that lists them) may go to
+        different groups, cut at their boundaries (each is then a sequence of the plan; `origin` says where it came
+        from, `split_batch` cuts a batch's tensors so, `per_caller_sequence` sums figures back). False keeps a packed
+        sequence whole, in one group. Documents never see each other either way (the runtime masks them apart), so
+        a split changes where they run, not what is computed.
 
         exact: score the best few cuts exactly (each pass re-balanced from its kind's base layouts) and keep the best
         so scored; False keeps the search's best under the linear pricing and skips those re-balances (the per-step
@@ -567,6 +416,16 @@ class BatchPlanner:
         exact scores how far each kind's pricing is off and search again (the planner keeps what it learnt for the
         next steps); False: one search under the pricing as it stands (with what earlier exact plans taught it).
         Default: as `exact` (a job plans exactly now and then, and quickly every step in between)."""
+        if not isinstance(split_documents, bool):
+            raise InvalidArgumentError(f"split_documents must be True or False, got {split_documents!r}")
+        if split_documents:
+            total, docs = _lengths(lengths)
+            origin = [(i, j) for i, d in enumerate(docs) for j in range(len(d) if d is not None else 1)]
+            if len(origin) == len(total):  # nothing to split
+                return self.plan([int(t) for t in total], time_limit_s=time_limit_s, exact=exact, reprice=reprice)
+            flat = [int(L) for t, d in zip(total, docs) for L in (d if d is not None else (int(t),))]
+            bp = self.plan(flat, time_limit_s=time_limit_s, exact=exact, reprice=reprice)
+            return dataclasses.replace(bp, origin=tuple(origin))
         reprice = exact if reprice is None else bool(reprice)
         t0 = time.perf_counter()
         time_limit_s = number(time_limit_s, "time_limit_s", positive=True, optional=True)
@@ -737,7 +596,6 @@ class BatchPlanner:
         """{cut (sorted group indices): (step under this pricing, the assignment found, which pricing)} of the cuts
         the search scored: every uniform cut, then splits of loaded groups and merges of light families while that
         shortens the step."""
-        C = len(self.groups)
         scored = {}
 
         # the greedy placement and a few rounds of local search: enough to rank cuts. A count of rounds, not a time
@@ -825,33 +683,13 @@ class BatchPlanner:
                          bound, len(self.groups), time.perf_counter() - t0, bool(info["exact"]), tuple(packs),
                          tuple(int(cap[cut[k]]) for k in order), tuple(model_time), math.nan, tuple(pass_plans))
 
-    @staticmethod
-    def _exact_pass(kind, pass_docs):
-        """The best plan for one pass's documents on a kind of group (None when none fits): the scheduler's own plan
-        for that packed sequence, or one of the kind's base layouts re-balanced to it, whichever the cost model
-        scores faster."""
-        best = None
-        S = sum(pass_docs)
-        try:
-            best = plan_layout(kind.cluster, model=kind.model, seq_len=S, training=kind.training, causal=kind.causal,
-                               strategy="hexiseq", documents=pass_docs if len(pass_docs) > 1 else None)
-        except (MemoryFitError, UnsupportedError):
-            pass
-        for scale_bases in kind._bases.values():
-            for base, *_ in scale_bases:
-                try:
-                    p = base.rebalanced(seq_len=S, documents=pass_docs if len(pass_docs) > 1 else None)
-                except (MemoryFitError, InvalidArgumentError):
-                    continue
-                if best is None or p.step_time_s < best.step_time_s:
-                    best = p
-        return best
-
+    _exact_pass = staticmethod(exact_pass)
 
 def plan_batch(cluster, *, model="gpt-7b", lengths: Sequence, training=None, causal=True, groups=None,
-               time_limit_s=None) -> BatchPlan:
+               time_limit_s=None, split_documents=False) -> BatchPlan:
     """The batch plan of one training step: `lengths` holds one entry per sequence of the global batch, a token
-    count or the list of the document lengths packed in it (its documents stay together, in one group). The devices
+    count or the list of the document lengths packed in it (its documents stay together, in one group, unless
+    split_documents allows them to go to different groups, cut at their boundaries: see BatchPlanner.plan). The devices
     are split into groups drawn from a tree of candidates (`groups=`: the caller's own, a list of device lists that
     nest; default: `candidate_groups(cluster)`), each sequence goes to one group, each group runs what it holds as
     one packed sequence with the scheduler's layout for that group, and the step's predicted time is the slowest
@@ -861,7 +699,7 @@ def plan_batch(cluster, *, model="gpt-7b", lengths: Sequence, training=None, cau
 
     Raises MemoryFitError when a sequence fits no candidate group; InvalidArgumentError for bad lengths or groups."""
     return BatchPlanner(cluster, model=model, training=training, causal=causal, groups=groups).plan(
-        lengths, time_limit_s=time_limit_s)
+        lengths, time_limit_s=time_limit_s, split_documents=split_documents)
 
 
 # Above this many devices pricing the candidate groups takes minutes (about 5 for 8,192 on 2 cores), too long to

@@ -195,3 +195,26 @@ class _Kind:
         row = np.zeros(n_items)
         np.add.at(row, owner, per_doc)
         return row, best[3], best[4]
+
+
+def exact_pass(kind, pass_docs):
+    """The best plan for one pass's documents on a kind of group (None when none fits): the scheduler's own plan
+    for that packed sequence, or one of the kind's base layouts re-balanced to it, whichever the cost model
+    scores faster."""
+    best = None
+    S = sum(pass_docs)
+    try:
+        best = plan(kind.cluster, model=kind.model, seq_len=S, training=kind.training, causal=kind.causal,
+                           strategy="hexiseq", documents=pass_docs if len(pass_docs) > 1 else None)
+    except (MemoryFitError, UnsupportedError):
+        pass
+    for scale_bases in kind._bases.values():
+        for base, *_ in scale_bases:
+            try:
+                p = base.rebalanced(seq_len=S, documents=pass_docs if len(pass_docs) > 1 else None)
+            except (MemoryFitError, InvalidArgumentError):
+                continue
+            if best is None or p.step_time_s < best.step_time_s:
+                best = p
+    return best
+

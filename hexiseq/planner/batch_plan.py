@@ -1,0 +1,214 @@
+"""The plan of one training step's batch (hexiseq.planner.batch): its groups, the assignment of its sequences, each
+group's passes and their plans, and the predicted figures. Made by hexiseq.planner.batch.BatchPlanner."""
+
+import dataclasses
+import hashlib
+import json
+import math
+from typing import List, Optional, Sequence, Tuple
+
+from ..errors import InvalidArgumentError
+from .batch_kinds import _Kind, exact_pass
+from .cluster import Cluster
+from .model import Training
+from .plan import Plan
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """A step's sequences assigned to groups of devices (see hexiseq.planner.batch). Every time is a prediction.
+
+    groups: the devices of each group (device indices of the cluster).
+    assignment: the group index of each sequence, in batch order.
+    lengths: each sequence's tokens (documents: their sum); documents: each sequence's document lengths or None.
+    group_time_s: each group's time, its passes scored exactly by the cost model (plan_for); model_group_time_s:
+    the same priced linearly, as the search ranked plans; searched_s: the best step the search found under that
+    pricing (before the finalists were scored exactly); passes: the
+    sequences of each group's packed passes (one pass unless they exceed what the group holds at once); capacity:
+    the tokens one pass of each group holds; sync_s: the gradient
+    synchronisation across groups; step_time_s: the slowest group plus sync_s; lower_bound_s: a bound on the step of
+    any cut of the candidate tree and any assignment under the linear pricing; solve_s: what choosing the groups and the assignment took
+    (seconds of this process, measured)."""
+
+    cluster: Cluster
+    model: object
+    training: Training
+    causal: bool
+    groups: Tuple[Tuple[int, ...], ...]
+    assignment: Tuple[int, ...]
+    lengths: Tuple[int, ...]
+    documents: Tuple[Optional[Tuple[int, ...]], ...]
+    group_time_s: Tuple[float, ...]
+    sync_s: float
+    step_time_s: float
+    lower_bound_s: float
+    candidates: int
+    solve_s: float
+    exact_assignment: bool
+    passes: Tuple[Tuple[Tuple[int, ...], ...], ...]
+    capacity: Tuple[int, ...]
+    model_group_time_s: Tuple[float, ...]
+    searched_s: float
+    pass_plans: Tuple[Tuple[Plan, ...], ...] = dataclasses.field(repr=False, compare=False)
+    # per number of groups, the best step found for a cut of that many groups, and whether it was scored exactly
+    # (else the search's linear pricing): why this many groups and not fewer or more
+    alternatives: Tuple[Tuple[int, float, bool], ...] = dataclasses.field(default=(), repr=False, compare=False)
+    # split_documents: (sequence of the caller's batch, document index in it) of each planned sequence; None when
+    # the plan's sequences are the caller's own
+    origin: Optional[Tuple[Tuple[int, int], ...]] = None
+
+    @property
+    def gap_to_bound(self) -> float:
+        """model_step_time_s / lower_bound_s (1.0 is ideal): how far the plan is from the best any grouping could
+        reach, both under the search's linear pricing (the bound is one of that pricing, and step_time_s, scored
+        exactly, may be above or below it)."""
+        return self.model_step_time_s / self.lower_bound_s if self.lower_bound_s > 0 else math.inf
+
+    @property
+    def tokens_per_s(self) -> float:
+        return float(sum(self.lengths)) / self.step_time_s
+
+    def split_batch(self, batch: Sequence, dim: int = 0) -> list:
+        """The caller's batch (one token tensor per sequence, its tokens along `dim`) as the plan's sequences: with
+        split_documents each document of a packed sequence is a sequence of the plan, cut out of its own at its
+        boundaries; else the batch as it is. What BatchContext's passes take."""
+        if self.origin is None:
+            return list(batch)
+        out = []
+        for k, (i, j) in enumerate(self.origin):
+            start = self._offsets[i][j]
+            out.append(batch[i].narrow(dim, start, self.lengths[k]) if hasattr(batch[i], "narrow") else
+                       batch[i][(slice(None),) * dim + (slice(start, start + self.lengths[k]),)])
+        return out
+
+    def per_caller_sequence(self, values: Sequence) -> list:
+        """Figures of the plan's sequences (losses, token counts: one per planned sequence, in plan order) summed
+        per sequence of the caller's batch (the identity without split_documents)."""
+        if self.origin is None:
+            return list(values)
+        out = [None] * (max(i for i, _ in self.origin) + 1)
+        for (i, _), v in zip(self.origin, values):
+            out[i] = v if out[i] is None else out[i] + v
+        return out
+
+    @property
+    def _offsets(self):
+        """Per caller sequence, the first token of each of its documents."""
+        if "_offsets_" not in self.__dict__:
+            by = {}
+            for k, (i, j) in enumerate(self.origin):
+                by.setdefault(i, {})[j] = self.lengths[k]
+            offsets = {}
+            for i, docs in by.items():
+                at, offsets[i] = 0, {}
+                for j in sorted(docs):
+                    offsets[i][j], at = at, at + docs[j]
+            self.__dict__["_offsets_"] = offsets
+        return self.__dict__["_offsets_"]
+
+    def sequences_of(self, g) -> List[int]:
+        """The sequences group g runs, in batch order."""
+        return [i for i, a in enumerate(self.assignment) if a == g]
+
+    def passes_of(self, g) -> List[List[int]]:
+        """The sequences group g runs in each of its packed passes (one unless they exceed its capacity)."""
+        return [list(p) for p in self.passes[g]]
+
+    def plan_for(self, g, p=0) -> Plan:
+        """The plan group g runs its pass p with (devices renumbered 0.. in the order of `groups[g]`) over that pass's
+        packed sequence (each sequence a document, or its own documents): the scheduler's plan for it or one of the
+        base layouts of the group's kind re-balanced to it, whichever the cost model scores fastest; group_time_s
+        sums these."""
+        if not 0 <= p < len(self.passes[g]):
+            raise InvalidArgumentError(f"group {g} makes {len(self.passes[g])} pass(es), got pass {p}")
+        made = self.pass_plans[g]
+        if made and isinstance(made[0], _Kind):  # planned with exact=False: scored on first use, then kept (a step's
+            # runtime asks for every pass more than once: its fingerprint, its process groups, its contexts)
+            scored = self.__dict__.setdefault("_scored", {})
+            if (g, p) not in scored:
+                docs = [L for i in self.passes[g][p] for L in (self.documents[i] or (self.lengths[i],))]
+                scored[(g, p)] = exact_pass(made[0], docs)
+            return scored[(g, p)]
+        return made[p]
+
+    @property
+    def model_step_time_s(self) -> float:
+        """The step as the search priced it (f + a S + b P per pass, see hexiseq.planner.batch), beside step_time_s,
+        which scores every pass exactly: how far the search's linear pricing was from the cost model."""
+        return max(self.model_group_time_s) + self.sync_s
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of everything a step's execution depends on (the cluster, model and training, causal, the groups,
+        the assignment, the passes, the batch, and every pass's plan); ranks compare it before running a step."""
+        plans = [[self.plan_for(g, p).fingerprint for p in range(len(self.passes[g]))] for g in range(len(self.groups))]
+        canon = json.dumps({"cluster": self.cluster.to_dict(), "model": self.model.to_dict(),
+                            "training": self.training.to_dict(), "causal": self.causal,
+                            "groups": [list(g) for g in self.groups], "assignment": list(self.assignment),
+                            "passes": [[list(p) for p in ps] for ps in self.passes], "lengths": list(self.lengths),
+                            "documents": [None if d is None else list(d) for d in self.documents], "plans": plans},
+                           sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict:
+        """The plan as plain data: groups, assignment, each group's passes (sequence indices), the batch, and the
+        predicted figures (step, per group, linear pricing, sync, bound)."""
+        return {"groups": [list(g) for g in self.groups], "assignment": list(self.assignment),
+                "passes": [[list(p) for p in ps] for ps in self.passes],
+                "lengths": list(self.lengths), "documents": [None if d is None else list(d) for d in self.documents],
+                "predicted": {"step_time_s": self.step_time_s, "group_time_s": list(self.group_time_s),
+                              "model_step_time_s": self.model_step_time_s, "sync_s": self.sync_s,
+                              "lower_bound_s": self.lower_bound_s, "tokens_per_s": self.tokens_per_s},
+                "origin": None if self.origin is None else [list(o) for o in self.origin],
+                "candidates": self.candidates, "solve_s": self.solve_s,
+                "alternatives": [{"groups": k, "step_time_s": t, "scored": e} for k, t, e in self.alternatives]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def explain(self) -> str:
+        gpus = self.cluster.device_gpus
+        what = f"{len(self.lengths)} sequences"
+        if self.origin is not None:
+            what = (f"{len({i for i, _ in self.origin})} sequences, split at their documents into "
+                    f"{len(self.lengths)}")
+        lines = [f"batch plan: {what} ({sum(self.lengths):,} tokens, the longest "
+                 f"{max(self.lengths):,}) on {self.cluster.describe()}",
+                 f"  {len(self.groups)} group{'s' if len(self.groups) != 1 else ''} chosen from {self.candidates} candidates in "
+                 f"{self.solve_s * 1e3:.0f} ms",
+                 f"  step (predicted) {self.step_time_s:.4g} s = slowest group {max(self.group_time_s):.4g} s + "
+                 f"gradient sync across groups {self.sync_s:.3g} s",
+                 f"  under the search's linear pricing: {self.model_step_time_s:.4g} s, and at least "
+                 f"{self.lower_bound_s:.4g} s for any grouping (gap {self.gap_to_bound:.2f}x)"]
+        why = self._why()
+        if why:
+            lines.append(why)
+        lines.append("  group  devices                          sequences  tokens       time (s)")
+        for g, devs in enumerate(self.groups):
+            seqs = self.sequences_of(g)
+            kinds = {}
+            for d in devs:
+                kinds[gpus[d]] = kinds.get(gpus[d], 0) + 1
+            what = ", ".join(f"{c}x {k}" for k, c in kinds.items())
+            span = f"{devs[0]}" if len(devs) == 1 else f"{devs[0]}-{devs[-1]}"
+            lines.append(f"  {g:>5}  {span:>9} ({what})".ljust(43) + f"{len(seqs):>9}  "
+                         f"{sum(self.lengths[i] for i in seqs):>11,}  {self.group_time_s[g]:>9.4g}")
+        return "\n".join(lines)
+
+    def _why(self) -> str:
+        """One line on why this many groups: the best step the search priced with the nearest fewer and more groups
+        (empty when the search priced no other count)."""
+        n = len(self.groups)
+        fewer = [a for a in self.alternatives if a[0] < n and math.isfinite(a[1])]
+        more = [a for a in self.alternatives if a[0] > n and math.isfinite(a[1])]
+        parts = [f"with {k} group{'s' if k != 1 else ''} {t:.4g} s ({'scored' if e else 'priced'})"
+                 for k, t, e in (fewer[-1:] + more[:1])]
+        if not parts:
+            return ""
+        return (f"  why {n} group{'s' if n != 1 else ''}: the best step found {' and '.join(parts)}, against "
+                f"{self.step_time_s:.4g} s scored (fewer groups spread each sequence over more devices; more groups "
+                "pay more gradient sync and hold fewer devices each)")
+
+    def __repr__(self):
+        return (f"BatchPlan(groups={len(self.groups)}, sequences={len(self.lengths)}, "
+                f"step_time_s={self.step_time_s:.4g}, lower_bound_s={self.lower_bound_s:.4g})")
