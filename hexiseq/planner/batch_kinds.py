@@ -170,32 +170,22 @@ class _Kind:
                 break
         return float(x[0]), float(x[1]), float(x[2])
 
-    def price(self, flat, owner, n_items, expect, pairs=None):
-        """(cost per item [n_items], f, base Plan): the documents `flat` (their item in `owner`, None when each is
-        its own item; `pairs`: their visible pairs, when already known) priced under the base made for passes nearest
-        `expect` tokens that prices a pass of that share of the batch lowest; inf when the kind holds nothing."""
+    def coefficients(self, tokens, visible, expect):
+        """(a, b, f, base Plan) of a pass, f + a tokens + b visible pairs, under the base made for passes nearest
+        `expect` tokens that prices a pass of that share of the batch (`tokens` in all, `visible` pairs) lowest;
+        None when the kind holds nothing."""
         self._ensure()
         if not self.longest:
-            return np.full(n_items, math.inf), 0.0, None
+            return None
         want = self.anchor / max(min(expect, self.anchor), 1)
         scale = min(self.SCALES, key=lambda k: abs(math.log(k) - math.log(want)))
-        pairs = _pairs(flat, self.causal) if pairs is None else pairs
-        tokens, visible = float(flat.sum()), float(pairs.sum())
         share = min(expect / max(tokens, 1.0), 1.0)  # of the batch, what a group of this kind can expect
         best = None
         for base, f, a, b in self.bases(scale):
             total = (a * tokens + b * visible) * share + f
             if best is None or total < best[0]:
                 best = (total, a, b, f, base)
-        if best is None:
-            return np.full(n_items, math.inf), 0.0, None
-        per_doc = best[1] * flat + best[2] * pairs
-        if owner is None:
-            return per_doc, best[3], best[4]
-        row = np.zeros(n_items)
-        np.add.at(row, owner, per_doc)
-        return row, best[3], best[4]
-
+        return None if best is None else best[1:]
 
 def exact_pass(kind, pass_docs):
     """The best plan for one pass's documents on a kind of group (None when none fits): the scheduler's own plan
