@@ -104,6 +104,89 @@ def lp_bound(planner, lengths, most=3_000_000):
     return float(res.fun) if res.status == 0 else None
 
 
+def milp_bound(planner, lengths, time_limit_s=300.0, most=400_000, one_cut=True, priced=None):
+    """A lower bound on the slowest group of ANY plan of the planner's candidate tree under its linear pricing that
+    runs one cut a step, from the mixed-integer programme of that problem (scipy's HiGHS): choose a cut (y_g, each
+    device in exactly one chosen group), give each sequence to one chosen group that can hold it (x[g, i] binary),
+    and a count of passes per group (m_g integer, its tokens <= m_g x capacity), minimising T >= every device's
+    f_g m_g + sum_i c[g, i] x[g, i]. Packing whole sequences into passes needs at least the aggregate count, so the
+    programme relaxes what the planner does. one_cut=False drops the cut: any candidate group may hold sequences
+    and a device's load sums over every group it is in, which is what a step could reach by running groups one
+    after another (a group's own passes, then its children's side by side: on a tree of groups the step is then
+    the most loaded device's load). Returns (bound, best found, proved optimal): the solver's dual bound when the
+    time limit stops it (still a valid bound), else its optimum; None without scipy or past `most` variables.
+    priced: the planner's (cost, fixed, capacity) for `lengths` taken earlier (a job's pricing moves as its exact
+    plans teach it), else taken now."""
+    try:
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_matrix
+    except ImportError:
+        return None
+    cost, fixed, cap = planner.cost_matrix(lengths) if priced is None else priced
+    total = np.array([sum(x) if isinstance(x, (list, tuple)) else x for x in lengths], dtype=np.float64)
+    g_idx, i_idx = np.nonzero(np.isfinite(cost))
+    G, N, D, K = cost.shape[0], cost.shape[1], planner.cluster.num_devices, len(g_idx)
+    if K + 2 * G + 1 > most:
+        return None
+    xm, ym, tcol = K, K + G, K + 2 * G  # columns: x (K), m (G), y (G), T
+    rows, cols, vals, lo, hi = [], [], [], [], []
+
+    def put(r, c, v):
+        rows.append(r)
+        cols.append(c)
+        vals.append(v)
+    for col, (g, i) in enumerate(zip(g_idx, i_idx)):
+        put(i, col, 1.0)                                  # each sequence in one group
+        for d in planner.groups[g]:
+            put(N + d, col, cost[g, i])                   # device loads
+        put(N + D + g, col, total[i])                     # tokens <= m_g x capacity
+    lo += [1.0] * N
+    hi += [1.0] * N
+    for g in range(G):
+        for d in planner.groups[g]:
+            put(N + d, xm + g, fixed[g])
+            put(N + D + G + d, ym + g, 1.0)               # each device in exactly one chosen group
+        put(N + D + g, xm + g, -float(cap[g]))
+        put(N + D + G + D + g, xm + g, 1.0)               # m_g <= N y_g: only a chosen group holds anything
+        put(N + D + G + D + g, ym + g, -float(N))
+    for d in range(D):
+        put(N + d, tcol, -1.0)
+    lo += [-np.inf] * D + [-np.inf] * G + ([1.0] if one_cut else [0.0]) * D + [-np.inf] * G
+    hi += [0.0] * D + [0.0] * G + ([1.0] if one_cut else [np.inf]) * D + [0.0] * G
+    a = coo_matrix((vals, (rows, cols)), shape=(len(lo), tcol + 1)).tocsr()
+    obj = np.zeros(tcol + 1)
+    obj[tcol] = 1.0
+    integrality = np.ones(tcol + 1)
+    integrality[tcol] = 0
+    upper = np.full(tcol + 1, np.inf)
+    upper[:K] = 1.0
+    upper[ym:tcol] = 1.0
+    res = milp(obj, constraints=LinearConstraint(a, lo, hi), integrality=integrality, bounds=Bounds(0, upper),
+               options={"time_limit": time_limit_s})
+    if res.x is None:
+        return None
+    bound = getattr(res, "mip_dual_bound", None)
+    bound = float(res.fun) if bound is None or res.status == 0 else float(bound)
+    return bound, float(res.fun), res.status == 0
+
+
+SOLVE_AT = {128: 512, 1024: 4096}  # devices: sequences of a step, where the per-step solve time is timed
+
+
+def solve_times(planner, size, n, seed, draws=5):
+    """Per-step solve time of `n` sequences of the pretraining long tail on the planner's cluster, warm (the
+    pricing made by a first plan): median and slowest of `draws` batches."""
+    rng = np.random.default_rng(seed + 100)
+    batches = [[distribution("pretraining long tail", 1, rng)[0] for _ in range(n)] for _ in range(draws)]
+    planner.plan(batches[0], exact=False)
+    times = []
+    for b in batches:
+        t = time.perf_counter()
+        planner.plan(b, exact=False)
+        times.append(time.perf_counter() - t)
+    return dict(size=size, sequences=n, median_ms=float(np.median(times)) * 1e3, max_ms=max(times) * 1e3)
+
+
 def homogeneous(c):
     """The cluster with every node an H100 (same counts and links): what a planner for identical GPUs sees."""
     d = c.to_dict()
@@ -180,9 +263,13 @@ def main():
     ap.add_argument("--sizes", default="64,128,1024")
     ap.add_argument("--out", default="benchmarks/results/batch_planning.md")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--time-shared", action="store_true",
+                    help="also bound plans that run groups one after another (64 GPUs; milp_bound(one_cut=False))")
+    ap.add_argument("--milp-s", type=float, default=300.0,
+                    help="time limit of each mixed-integer bound (64 and 128 GPUs; 0: none)")
     a = ap.parse_args()
     dists = ["pretraining long tail", "long-context mix", "short fine-tuning samples"]
-    rows = []
+    rows, solves, bounds = [], [], []
     for size in (int(x) for x in a.sizes.split(",")):
         c = cluster(size)
         t0 = time.perf_counter()
@@ -202,11 +289,17 @@ def main():
             planner.plan(lengths2, exact=False)
             step_solve_s = time.perf_counter() - t
             e = eq.plan(lengths, exact=False)
+            # the per-step plan and the mixed-integer bound under one pricing (the job's, as it stands now)
+            quick = planner.plan(lengths, exact=False)
+            if size <= 128 and a.milp_s > 0:  # solved once every plan is timed (the solver's threads linger)
+                bounds.append((len(rows), planner, lengths, planner.cost_matrix(lengths), a.time_shared and size <= 64))
             row = dict(size=size, cluster=c.describe(), distribution=name, sequences=len(lengths),
                        tokens=sum(lengths), longest=max(lengths), groups=len(bp.groups),
                        group_sizes=sorted({len(g) for g in bp.groups}), step_s=bp.step_time_s,
                        model_step_s=bp.model_step_time_s, bound_s=bp.lower_bound_s, gap=bp.gap_to_bound,
-                       lp_bound_s=lp_bound(planner, lengths),
+                       lp_bound_s=lp_bound(planner, lengths), step_group_s=max(quick.model_group_time_s),
+                       step_sync_s=quick.sync_s,
+                       milp_bound_s=None, milp_found_s=None, milp_optimal=None, shared_bound_s=None,
                        solve_first_s=first_s, solve_step_s=step_solve_s,
                        equal_devices_s=score_groups(planner, e.groups, e.assignment, list(bp.lengths)))
             row["packed_s"], row["packed_passes"] = packed(c, lengths)
@@ -214,7 +307,19 @@ def main():
                 row[f"{s}_s"] = equal_groups(planner, c, lengths, s)
             print(json.dumps(row), flush=True)
             rows.append(row)
+        if size in SOLVE_AT:
+            solves.append(solve_times(planner, size, SOLVE_AT[size], a.seed))
+            print(json.dumps(solves[-1]), flush=True)
         print(f"# {size} GPUs done in {time.perf_counter() - t0:.0f} s", flush=True)
+    for k, planner, lengths, priced, shared in bounds:
+        got = milp_bound(planner, lengths, a.milp_s, priced=priced)
+        if got:
+            rows[k].update(milp_bound_s=got[0], milp_found_s=got[1], milp_optimal=got[2])
+        got = milp_bound(planner, lengths, a.milp_s, one_cut=False, priced=priced) if shared else None
+        if got:
+            rows[k]["shared_bound_s"] = got[0]
+        print(json.dumps({key: rows[k][key] for key in ("size", "distribution", "step_group_s", "milp_bound_s",
+                                                           "milp_found_s", "milp_optimal", "shared_bound_s")}), flush=True)
     lines = ["# Batch plans at scale (predicted)", "",
              f"Model {MODEL} with activation checkpointing; 8 GPUs per node, 25 GB/s between nodes; about 16K tokens "
              "per GPU per step. Every step time is a prediction of hexiseq's cost model (no GPU ran here); solve "
@@ -241,6 +346,34 @@ def main():
             lines.append(f"- {r['size']} GPUs, {r['distribution']}: packed / LP bound = "
                          f"{r['packed_s'] / r['lp_bound_s']:.2f}x at most; the batch plan reaches "
                          f"{r['packed_s'] / r['step_s']:.2f}x")
+    lines += ["", "One cut per step, under the same linear pricing: the per-step plan (`plan(lengths, exact=False)`: its "
+              "slowest group plus the gradient sync) against milp_bound() in this script, the mixed-integer "
+              "programme of choosing a cut, an assignment and passes to minimise the slowest group (HiGHS, at most "
+              f"{a.milp_s:.0f} s; a bound the solver proved optimal is marked exact, else its dual bound). "
+              "Every plan of the candidate tree that runs one cut a step has a slowest group, and so a step, at "
+              "least this bound; the gap (step over bound) says how far the planner's plan can be from the best such "
+              "plan, and overstates it by up to the sync, which the programme leaves out.", "",
+              "| GPUs | lengths | per-step plan: slowest group + sync, s | one-cut bound s | gap | "
+              "the solver's best cut, slowest group s |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("milp_bound_s"):
+            step = r["step_group_s"] + r["step_sync_s"]
+            lines.append(f"| {r['size']} | {r['distribution']} | {r['step_group_s']:.3f} + {r['step_sync_s']:.3f} | "
+                         f"{r['milp_bound_s']:.3f}{' (exact)' if r['milp_optimal'] else ''} | "
+                         f"{step / r['milp_bound_s']:.3f}x | {r['milp_found_s']:.3f} |")
+    shared = [r for r in rows if r.get("shared_bound_s")]
+    if shared:
+        lines += ["", "Groups one after another (a group's passes, then its children's side by side), bounded by "
+                  "milp_bound(one_cut=False): what no plan of the candidate tree, one cut a step or not, can beat:",
+                  ""]
+        lines += [f"- {r['size']} GPUs, {r['distribution']}: at least {r['shared_bound_s']:.3f} s, the per-step plan "
+                  f"{r['step_group_s'] + r['step_sync_s']:.3f} s "
+                  f"({(r['step_group_s'] + r['step_sync_s']) / r['shared_bound_s']:.3f}x)" for r in shared]
+    if solves:
+        lines += ["", "Per-step solve time at fixed batch sizes (measured, warm `plan(lengths, exact=False)`, five batches "
+                  "of the pretraining long tail with exactly that many sequences, each planned once):", "",
+                  "| GPUs | sequences | median | slowest |", "|---|---|---|---|"]
+        lines += [f"| {r['size']} | {r['sequences']} | {r['median_ms']:.1f} ms | {r['max_ms']:.1f} ms |" for r in solves]
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:
