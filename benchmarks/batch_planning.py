@@ -318,8 +318,9 @@ def main():
         got = milp_bound(planner, lengths, a.milp_s, one_cut=False, priced=priced) if shared else None
         if got:
             rows[k]["shared_bound_s"] = got[0]
-        print(json.dumps({key: rows[k][key] for key in ("size", "distribution", "step_group_s", "milp_bound_s",
-                                                           "milp_found_s", "milp_optimal", "shared_bound_s")}), flush=True)
+        keys = ("size", "distribution", "step_group_s", "milp_bound_s", "milp_found_s", "milp_optimal",
+                "shared_bound_s")
+        print(json.dumps({key: rows[k][key] for key in keys}), flush=True)
     lines = ["# Batch plans at scale (predicted)", "",
              f"Model {MODEL} with activation checkpointing; 8 GPUs per node, 25 GB/s between nodes; about 16K tokens "
              "per GPU per step. Every step time is a prediction of hexiseq's cost model (no GPU ran here); solve "
@@ -346,9 +347,10 @@ def main():
             lines.append(f"- {r['size']} GPUs, {r['distribution']}: packed / LP bound = "
                          f"{r['packed_s'] / r['lp_bound_s']:.2f}x at most; the batch plan reaches "
                          f"{r['packed_s'] / r['step_s']:.2f}x")
-    lines += ["", "One cut per step, under the same linear pricing: the per-step plan (`plan(lengths, exact=False)`: its "
-              "slowest group plus the gradient sync) against milp_bound() in this script, the mixed-integer "
-              "programme of choosing a cut, an assignment and passes to minimise the slowest group (HiGHS, at most "
+    lines += ["", "One cut per step, under the same linear pricing: the per-step plan "
+              "(`plan(lengths, exact=False)`: its slowest group plus the gradient sync) against milp_bound() in "
+              "this script, the mixed-integer programme of choosing a cut, an assignment and passes to minimise "
+              "the slowest group (HiGHS, at most "
               f"{a.milp_s:.0f} s; a bound the solver proved optimal is marked exact, else its dual bound). "
               "Every plan of the candidate tree that runs one cut a step has a slowest group, and so a step, at "
               "least this bound; the gap (step over bound) says how far the planner's plan can be from the best such "
@@ -370,10 +372,11 @@ def main():
                   f"{r['step_group_s'] + r['step_sync_s']:.3f} s "
                   f"({(r['step_group_s'] + r['step_sync_s']) / r['shared_bound_s']:.3f}x)" for r in shared]
     if solves:
-        lines += ["", "Per-step solve time at fixed batch sizes (measured, warm `plan(lengths, exact=False)`, five batches "
-                  "of the pretraining long tail with exactly that many sequences, each planned once):", "",
+        lines += ["", "Per-step solve time at fixed batch sizes (measured, warm `plan(lengths, exact=False)`, "
+                  "five batches of the pretraining long tail with exactly that many sequences, each planned once):", "",
                   "| GPUs | sequences | median | slowest |", "|---|---|---|---|"]
-        lines += [f"| {r['size']} | {r['sequences']} | {r['median_ms']:.1f} ms | {r['max_ms']:.1f} ms |" for r in solves]
+        lines += [f"| {r['size']} | {r['sequences']} | {r['median_ms']:.1f} ms | {r['max_ms']:.1f} ms |"
+                  for r in solves]
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:

@@ -222,7 +222,8 @@ def test_plan_batch_from_a_file_and_inline(tmp_path):
     split = run("plan", "--batch", str(path), "--split-documents", "--json")
     assert split.returncode == 0, split.stderr
     got = json.loads(split.stdout)
-    assert got["lengths"] == [65536, 2048, 1024, 1024, 512, 8000, 300] and got["origin"][2:5] == [[2, 0], [2, 1], [2, 2]]
+    assert got["lengths"] == [65536, 2048, 1024, 1024, 512, 8000, 300]
+    assert got["origin"][2:5] == [[2, 0], [2, 1], [2, 2]]
     assert_clean_error(run("plan", "--split-documents"), "--split-documents", "--batch")
 
 

@@ -468,7 +468,8 @@ class BatchPlanner:
         # per-step plans rank cuts with bundles of the short sequences (milliseconds); exact plans with every one
         members = _bundles(cost, self.RANKED_ITEMS if not exact else len(total))
         # per-step plans refine the best uniform cut for a few rounds (each round a handful of assignment searches)
-        scored = self._search(*_bundled(members, total, cost), fixed, cap, deadline, 0, None if exact else self.REFINE_ROUNDS)
+        scored = self._search(*_bundled(members, total, cost), fixed, cap, deadline, 0,
+                              None if exact else self.REFINE_ROUNDS)
         first = min(scored, key=lambda c: scored[c][0])
         round_one = sorted(scored, key=lambda c: scored[c][0])[:3]  # always finalists: re-pricing never loses them
         if reprice and not math.isinf(scored[first][0]) and (deadline is None or time.perf_counter() < deadline):
