@@ -151,10 +151,8 @@ def _lengths(lengths):
     lengths = list(lengths)
     if not lengths:
         raise InvalidArgumentError("lengths must hold at least one sequence, got an empty list")
-    if all(type(x) is int for x in lengths):  # the common case, checked at once (a step's plan is milliseconds)
-        total = np.array(lengths, dtype=np.int64) if max(lengths) <= 1 << 40 else None
-        if total is not None and total.min() >= 1:
-            return total, [None] * len(lengths)
+    if all(type(x) is int for x in lengths) and 1 <= min(lengths) and max(lengths) <= 1 << 40:
+        return np.array(lengths, dtype=np.int64), [None] * len(lengths)  # the common case, checked at once
     total, docs = [], []
     for i, x in enumerate(lengths):
         if isinstance(x, (list, tuple, np.ndarray)):
@@ -287,8 +285,7 @@ class BatchPlanner:
         W = [np.array([w[list(g)].sum() for g in self.groups]) for w in self._weights]
         self._least_weight = [np.array([Wg[self._kind_of == k].min() for k in range(len(self._kinds_list))])
                               for Wg in W]
-        self._links = {}
-        self._sync_of_cut = {}  # sorted candidate indices -> sync_s of their devices
+        self._sync_of_cut = {}  # sorted candidate indices -> sync_s of their devices (_cut_sync)
         self._bw = self._link_matrices()
 
     def _bound_weights(self):
@@ -336,35 +333,38 @@ class BatchPlanner:
         G = len(groups)
         if G <= 1:
             return 0.0
-        key = tuple(sorted(tuple(g) for g in groups))
-        if key not in self._links:
-            bw, lat = self._bw
-            owner = np.full(self.cluster.num_devices, -1, dtype=np.int64)
-            for g, devs in enumerate(groups):
-                owner[list(devs)] = g
-            node = self.cluster.device_nodes
-            if self.cluster.bandwidth_gbps is None and self.cluster.latency_us is None and \
-                    len({int(node[g[0]]) for g in groups}) > 1:
-                # groups on different nodes, node-derived links: the slowest link between two groups is the inter-node
-                # link or the intra-node link of a node that holds devices of two groups; the default inter-node
-                # latency
-                held = owner >= 0
-                first = np.full(len(self.cluster.nodes), len(groups))
-                last = np.full(len(self.cluster.nodes), -1)
-                np.minimum.at(first, node[held], owner[held])
-                np.maximum.at(last, node[held], owner[held])
-                shared = np.nonzero((last >= 0) & (first != last))[0]
-                slow = min([self.cluster.inter_node_gbps] + [float(self.cluster.nodes[k].intra_gbps) for k in shared])
-                worst = 20e-6
-            else:
-                across = owner[:, None] != owner[None, :]
-                slow, worst = float(bw[across].min()), float(lat[across].max())
-            if len(self._links) > 4096:
-                self._links.clear()
-            self._links[key] = (slow * 1e9, worst)
-        slow, worst_lat = self._links[key]
+        bw, lat = self._bw
+        owner = np.full(self.cluster.num_devices, -1, dtype=np.int64)
+        for g, devs in enumerate(groups):
+            owner[list(devs)] = g
+        node = self.cluster.device_nodes
+        if self.cluster.bandwidth_gbps is None and self.cluster.latency_us is None and \
+                len({int(node[g[0]]) for g in groups}) > 1:
+            # groups on different nodes, node-derived links: the slowest link between two groups is the inter-node
+            # link or the intra-node link of a node that holds devices of two groups; the default inter-node
+            # latency
+            held = owner >= 0
+            first = np.full(len(self.cluster.nodes), len(groups))
+            last = np.full(len(self.cluster.nodes), -1)
+            np.minimum.at(first, node[held], owner[held])
+            np.maximum.at(last, node[held], owner[held])
+            shared = np.nonzero((last >= 0) & (first != last))[0]
+            slow = min([self.cluster.inter_node_gbps] + [float(self.cluster.nodes[k].intra_gbps) for k in shared])
+            worst = 20e-6
+        else:
+            across = owner[:, None] != owner[None, :]
+            slow, worst = float(bw[across].min()), float(lat[across].max())
         smallest = min(len(g) for g in groups)
-        return 2.0 * (G - 1) / G * self._params_bytes / smallest / slow + 2.0 * (G - 1) * worst_lat
+        return 2.0 * (G - 1) / G * self._params_bytes / smallest / (slow * 1e9) + 2.0 * (G - 1) * worst
+
+    def _cut_sync(self, cut):
+        """sync_s of a cut given as sorted candidate indices, kept per cut (a step's search scores the same cuts
+        again and again, and so do the job's later steps)."""
+        if cut not in self._sync_of_cut:
+            if len(self._sync_of_cut) > 4096:
+                self._sync_of_cut.clear()
+            self._sync_of_cut[cut] = self.sync_s([self.groups[g] for g in cut])
+        return self._sync_of_cut[cut]
 
     def cost_matrix(self, lengths):
         """(c [candidates, sequences], f [candidates], capacity [candidates]) of the module docstring for a batch
@@ -437,11 +437,10 @@ class BatchPlanner:
         if split_documents:
             total, docs = _lengths(lengths)
             origin = [(i, j) for i, d in enumerate(docs) for j in range(len(d) if d is not None else 1)]
-            if len(origin) == len(total):  # nothing to split
-                return self.plan([int(t) for t in total], time_limit_s=time_limit_s, exact=exact, reprice=reprice)
-            flat = [int(L) for t, d in zip(total, docs) for L in (d if d is not None else (int(t),))]
-            bp = self.plan(flat, time_limit_s=time_limit_s, exact=exact, reprice=reprice)
-            return dataclasses.replace(bp, origin=tuple(origin))
+            if len(origin) > len(total):  # else nothing to split: the plain plan below
+                flat = [int(L) for t, d in zip(total, docs) for L in (d if d is not None else (int(t),))]
+                bp = self.plan(flat, time_limit_s=time_limit_s, exact=exact, reprice=reprice)
+                return dataclasses.replace(bp, origin=tuple(origin))
         reprice = exact if reprice is None else bool(reprice)
         t0 = time.perf_counter()
         time_limit_s = number(time_limit_s, "time_limit_s", positive=True, optional=True)
@@ -630,11 +629,7 @@ class BatchPlanner:
             if res is None:
                 seen[cut] = (math.inf, None)
                 return seen[cut]
-            if cut not in self._sync_of_cut:
-                if len(self._sync_of_cut) > 4096:
-                    self._sync_of_cut.clear()
-                self._sync_of_cut[cut] = self.sync_s([self.groups[r] for r in cut])
-            step = float(res[1].max()) + self._sync_of_cut[cut]
+            step = float(res[1].max()) + self._cut_sync(cut)
             scored[cut] = (step, (res[0], res[1]), pricing)
             seen[cut] = (step, res)
             return seen[cut]
@@ -687,20 +682,19 @@ class BatchPlanner:
             packs.append(tuple(tuple(sorted(b)) for b in bins))
             model_time.append(len(bins) * float(fixed[cut[k]]) + float(cost[cut[k], seqs].sum()))
             if exact:
-                plans = [self._exact_pass(self._kind[cut[k]], [L for i in b for L in (docs[i] or (int(total[i]),))])
+                plans = [exact_pass(self._kind[cut[k]], [L for i in b for L in (docs[i] or (int(total[i]),))])
                          for b in packs[-1]]
                 pass_plans.append(tuple(plans))
                 exact_time.append(sum(math.inf if p is None else p.step_time_s for p in plans))
             else:
                 pass_plans.append((self._kind[cut[k]],))  # plan_for scores a pass on request
                 exact_time.append(model_time[-1])
-        sync = self.sync_s(groups)
+        sync = self._cut_sync(tuple(sorted(cut)))
         return BatchPlan(self.cluster, self.model, self.training, self.causal, groups, assignment,
                          tuple(int(x) for x in total), tuple(docs), tuple(exact_time), sync, max(exact_time) + sync,
                          bound, len(self.groups), time.perf_counter() - t0, bool(info["exact"]), tuple(packs),
                          tuple(int(cap[cut[k]]) for k in order), tuple(model_time), math.nan, tuple(pass_plans))
 
-    _exact_pass = staticmethod(exact_pass)
 
 def plan_batch(cluster, *, model="gpt-7b", lengths: Sequence, training=None, causal=True, groups=None,
                time_limit_s=None, split_documents=False) -> BatchPlan:

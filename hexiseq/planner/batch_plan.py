@@ -74,11 +74,13 @@ class BatchPlan:
         boundaries; else the batch as it is. What BatchContext's passes take."""
         if self.origin is None:
             return list(batch)
-        out = []
-        for k, (i, j) in enumerate(self.origin):
-            start = self._offsets[i][j]
-            out.append(batch[i].narrow(dim, start, self.lengths[k]) if hasattr(batch[i], "narrow") else
-                       batch[i][(slice(None),) * dim + (slice(start, start + self.lengths[k]),)])
+        out, start = [], 0
+        for k, (i, j) in enumerate(self.origin):  # a sequence's documents are planned in order, one after another
+            start = 0 if j == 0 else start
+            x = batch[i]
+            out.append(x.narrow(dim, start, self.lengths[k]) if hasattr(x, "narrow") else
+                       x[(slice(None),) * dim + (slice(start, start + self.lengths[k]),)])
+            start += self.lengths[k]
         return out
 
     def per_caller_sequence(self, values: Sequence) -> list:
@@ -90,21 +92,6 @@ class BatchPlan:
         for (i, _), v in zip(self.origin, values):
             out[i] = v if out[i] is None else out[i] + v
         return out
-
-    @property
-    def _offsets(self):
-        """Per caller sequence, the first token of each of its documents."""
-        if "_offsets_" not in self.__dict__:
-            by = {}
-            for k, (i, j) in enumerate(self.origin):
-                by.setdefault(i, {})[j] = self.lengths[k]
-            offsets = {}
-            for i, docs in by.items():
-                at, offsets[i] = 0, {}
-                for j in sorted(docs):
-                    offsets[i][j], at = at, at + docs[j]
-            self.__dict__["_offsets_"] = offsets
-        return self.__dict__["_offsets_"]
 
     def sequences_of(self, g) -> List[int]:
         """The sequences group g runs, in batch order."""
