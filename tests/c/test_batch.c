@@ -23,6 +23,19 @@ static double urand(void) {
 }
 static int irand(int lo, int hi) { return lo + (int)(urand() * (hi - lo + 1)); }
 
+/* The time budget is a property of the optimised build: under AddressSanitizer the same search runs several times
+ * slower, so the sanitized binary checks everything else and leaves the clock alone. */
+#if defined(__SANITIZE_ADDRESS__)
+#define TIME_BUDGET_CHECKED 0
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define TIME_BUDGET_CHECKED 0
+#endif
+#endif
+#ifndef TIME_BUDGET_CHECKED
+#define TIME_BUDGET_CHECKED 1
+#endif
+
 static double now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -447,7 +460,8 @@ static void test_large(int32_t G, int32_t N, int pareto, double limit_ms, int re
                pareto ? "pareto   " : "lognormal", (int)N, (int)G, ms, r.makespan_s, r.lower_bound_s, 100.0 * (r.makespan_s / r.lower_bound_s - 1.0),
                (long long)r.iterations);
     }
-    EXPECT(best_ms < limit_ms, "%d x %d: %.2f ms, want < %g ms", (int)N, (int)G, best_ms, limit_ms);
+    EXPECT(!TIME_BUDGET_CHECKED || best_ms < limit_ms, "%d x %d: %.2f ms, want < %g ms", (int)N, (int)G, best_ms,
+           limit_ms);
     printf("%s %d seqs x %d groups: fastest %.2f ms, worst gap to the bound %.3f%%, most rounds %lld\n",
            pareto ? "pareto" : "lognormal", (int)N, (int)G, best_ms, 100.0 * worst_gap, (long long)iters);
     free(cost);
