@@ -14,7 +14,10 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None or shutil.which("gc
 
 
 def _run(target):
-    proc = subprocess.run(["make", "-C", "tests/c", target], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    # -j: the objects compile, and the binaries run, side by side; -O: each run's output comes out whole
+    jobs = str(max(2, os.cpu_count() or 1))
+    proc = subprocess.run(["make", "-C", "tests/c", "-j", jobs, "-O", target], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"make {target} failed (rc {proc.returncode}):\n{out[-6000:]}"
     summaries = re.findall(r"^(\d+) passed, (\d+) failed$", out, flags=re.M)

@@ -436,25 +436,24 @@ void set_last_error(cudaError_t e) {
 }
 
 int launch(const void *kernel, const char *name, const char *where, dim3 grid, dim3 block, size_t smem,
-           const std::function<void()> &body) {
+           unsigned char *shared, const std::function<void()> &body) {
     const uint64_t nthreads = (uint64_t)block.x * block.y * block.z;
     if (nthreads == 0 || nthreads > 1024 || block.z > 64 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
         grid.x > 2147483647u || grid.y > 65535u || grid.z > 65535u)
         return cudaErrorInvalidConfiguration;
     if (smem > (size_t)max_dynamic_smem(kernel))
         return cudaErrorInvalidValue; // the hardware refuses the launch
-    size_t cap = 0;
-    shared_memory(&cap);
-    if (smem > cap) {
+    if (smem > kSharedMemoryBytes) {
         fprintf(stderr, "hexiseq_emu: %s asks %zu bytes of shared memory; the test gave the emulator %zu\n", name,
-                smem, cap);
+                smem, kSharedMemoryBytes);
         abort();
     }
     static std::string label; // "kernel (launched by function [with T = ...])", for the messages
     label = std::string(name) + " (launched by " + where + ")";
     g.kernel = label.c_str();
     g.body = &body;
-    g.smem = shared_memory(&g.smem_cap);
+    g.smem = shared;
+    g.smem_cap = kSharedMemoryBytes;
     g.smem_launch = smem;
     block_dim = block;
     grid_dim = grid;

@@ -97,9 +97,12 @@ namespace hexiseq_emu {
 enum Schedule { SCHEDULE_ROUND_ROBIN = 0, SCHEDULE_LOWEST_FIRST = 1, SCHEDULE_HIGHEST_FIRST = 2, SCHEDULE_RANDOM = 3 };
 void set_schedule(Schedule s, uint64_t seed);
 
-// The dynamic shared memory every launch uses: defined next to the kernels (kernels_emu.cpp), where their
-// `extern __shared__` array can see it; *bytes receives its size.
-unsigned char *shared_memory(size_t *bytes);
+// The dynamic shared memory of a launch: each file that compiles kernels (kernels_forward.cpp,
+// kernels_backward.cpp: two, so that the two slowest compiles run side by side) defines its own array with
+// HEXISEQ_EMU_SHARED_MEMORY before including them, where their `extern __shared__ smem[]` sees it, and the
+// launches made in that file pass it. 227 KiB: sm_90's opt-in maximum; launches above sm_80's 163 KiB are
+// refused by the emulator anyway.
+constexpr size_t kSharedMemoryBytes = 227 * 1024;
 
 // Per-thread state the emulated built-ins read.
 struct ThreadState {
@@ -118,8 +121,9 @@ void *warp_exchange_buffer(size_t bytes);          // this warp's exchange buffe
 
 // Runs body once per thread of every block of the grid (after the launch checks in emu.cpp).
 // name: the launch expression's kernel; where: the launching function (names the template instance).
+// shared: the launching file's dynamic shared memory (kSharedMemoryBytes).
 int launch(const void *kernel, const char *name, const char *where, dim3 grid, dim3 block, size_t smem,
-           const std::function<void()> &body);
+           unsigned char *shared, const std::function<void()> &body);
 int set_max_dynamic_smem(const void *kernel, int bytes);
 
 } // namespace hexiseq_emu
@@ -314,12 +318,22 @@ template <typename... P> cudaError_t cudaFuncSetAttribute(void (*kernel)(P...), 
 // HEXISEQ_LAUNCH so that they compile as plain C++ here).
 template <typename... P, typename... A>
 void hexiseq_emu_launch(void (*kernel)(P...), const char *name, const char *where, dim3 grid, dim3 block, size_t smem,
-                        cudaStream_t, A &&...args) {
-    const int e = hexiseq_emu::launch((const void *)kernel, name, where, grid, block, smem, [&] { kernel(args...); });
+                        unsigned char *shared, cudaStream_t, A &&...args) {
+    const int e = hexiseq_emu::launch((const void *)kernel, name, where, grid, block, smem, shared,
+                                      [&] { kernel(args...); });
     if (e != 0)
         hexiseq_emu::set_last_error((cudaError_t)e);
 }
 #define HEXISEQ_LAUNCH(kernel, grid, block, smem, stream, ...) \
-    hexiseq_emu_launch(kernel, #kernel, __PRETTY_FUNCTION__, grid, block, smem, stream, __VA_ARGS__)
+    hexiseq_emu_launch(kernel, #kernel, __PRETTY_FUNCTION__, grid, block, smem, emu_shared_memory(), stream, \
+                       __VA_ARGS__)
+
+// A file's dynamic shared memory (see kSharedMemoryBytes): the kernels' `extern __shared__ smem[]`, in the same
+// unnamed namespace, refers to this array, and the file's launches (HEXISEQ_LAUNCH) pass it.
+#define HEXISEQ_EMU_SHARED_MEMORY                                                                                     \
+    namespace {                                                                                                        \
+    alignas(128) unsigned char smem[hexiseq_emu::kSharedMemoryBytes];                                                  \
+    [[maybe_unused]] unsigned char *emu_shared_memory() { return smem; }                                               \
+    }
 
 #endif // HEXISEQ_CUDA_EMU_H
