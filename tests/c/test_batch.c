@@ -460,8 +460,8 @@ static void test_large(int32_t G, int32_t N, int pareto, double limit_ms, int re
                pareto ? "pareto   " : "lognormal", (int)N, (int)G, ms, r.makespan_s, r.lower_bound_s, 100.0 * (r.makespan_s / r.lower_bound_s - 1.0),
                (long long)r.iterations);
     }
-    EXPECT(!TIME_BUDGET_CHECKED || best_ms < limit_ms, "%d x %d: %.2f ms, want < %g ms", (int)N, (int)G, best_ms,
-           limit_ms);
+    if (TIME_BUDGET_CHECKED) /* not counted as a check where it cannot fail */
+        EXPECT(best_ms < limit_ms, "%d x %d: %.2f ms, want < %g ms", (int)N, (int)G, best_ms, limit_ms);
     printf("%s %d seqs x %d groups: fastest %.2f ms, worst gap to the bound %.3f%%, most rounds %lld\n",
            pareto ? "pareto" : "lognormal", (int)N, (int)G, best_ms, 100.0 * worst_gap, (long long)iters);
     free(cost);
