@@ -3,6 +3,7 @@ choice of groups (a cut of the candidate tree) and of the assignment is held aga
 every cut with the exact assignment of each (the C core's branch and bound), on instances small enough for it;
 the lower bound against that optimum; bad input against named errors."""
 
+import dataclasses
 import itertools
 import math
 
@@ -303,6 +304,35 @@ def test_a_kinds_fit_probes_answer_as_the_full_search(nodes, model, features):
     answers = [kind._fits(L, training) for L in lengths]
     assert answers == [full(L) for L in lengths]
     assert answers[3] and not answers[-1]
+
+
+@pytest.mark.parametrize("nodes,model,features", [
+    ((("H100-SXM", 8, 450.0),), "llama3-8b", "none"),
+    ((("H100-SXM", 8, 450.0), ("A100-80G", 8, 300.0)), "llama3-70b", "auto"),
+    ((("A100-40G", 4, 300.0), ("L40S", 4, 32.0), ("H800", 8, 400.0)), "llama3-8b", "none"),
+])
+def test_the_memory_bound_lies_above_every_plan_that_fits(nodes, model, features):
+    """The memory bound a kind's search starts from (no length past it fits any layout) lies above the longest the
+    scheduler fits, and past it every strategy's plan is refused for memory; on one node of one GPU model it is
+    within 0.5% of that longest, so the search ends after one probe there. Under state shares "auto" it is the
+    larger of the two settings' bounds."""
+    from hexiseq.planner.batch_kinds import _Kind
+    from hexiseq.planner.plan import memory_tokens_bound
+
+    cluster, m = mixed(*nodes), hexiseq.Model.from_name_or_path(model)
+    training = hexiseq.Training(checkpointing=True, memory_features=features)
+    bound = memory_tokens_bound(cluster, m, training)
+    kind = _Kind(cluster, m, training, True)
+    kind._ensure()
+    assert 0 < kind.longest <= bound
+    if len(nodes) == 1 and features == "none":
+        assert kind.longest >= bound * 0.995
+    for strategy in ("hexiseq", "ring", "ulysses"):
+        with pytest.raises(MemoryFitError):
+            hexiseq.plan(cluster, model=m, seq_len=bound + 1, training=training, strategy=strategy)
+    auto = dataclasses.replace(training, state_shares="auto")
+    assert memory_tokens_bound(cluster, m, auto) == max(
+        memory_tokens_bound(cluster, m, dataclasses.replace(training, state_shares=x)) for x in ("even", "memory"))
 
 
 def test_passes_are_priced_as_whole_sequences_pack():

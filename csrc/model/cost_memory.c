@@ -2,6 +2,7 @@
  * buffers), and the coefficients the scheduler's water-filling reads. */
 #include <math.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "cost_terms.h"
 
@@ -93,6 +94,42 @@ void hexiseq_memory_coeffs(const hexiseq_cluster *c, const hexiseq_model *m, con
     out->tile_per_token_gib = tile / GIB;
     out->host_per_token_gib = host / GIB;
     out->host_cap_gib = c->dev[device].host_memory_gib;
+}
+
+int64_t hexiseq_memory_tokens_bound(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t) {
+    /* Every term of a device's memory is >= 0, so for any layout that fits, summing each device's budget over the
+     * devices gives  sum_r (per_token_r tokens_r + attention_r) <= R = sum_r max(0, cap_r - states_r - reserved).
+     * In a group the devices' head ranges cover every head once, so their attention tensors add up to at least A
+     * per token (those of all heads and kv heads), and the groups' tokens add up to S. Each token lies on one
+     * device and costs it at least the least per-token figure of any device: `cheap` with every memory feature
+     * the training allows there (each only lowers it; the tile they add is >= 0), `dear` without offloading,
+     * which holds no more tokens than the device's host memory takes (and its room at the cheap figure). So at
+     * most `most_cheap` tokens cost `cheap` and the rest at least `dear`: S is at most what R buys, the cheap ones
+     * first. Ring buffers, tiles and the one feature set per device only add constraints. */
+    double room = 0.0, cheap = INFINITY, dear = INFINITY, attention = 0.0, most_cheap = 0.0;
+    for (int32_t r = 0; r < c->n_devices; ++r) {
+        int32_t allowed = hexiseq_memory_features_allowed(t, &c->dev[r]);
+        hexiseq_memory_coeffs_t mc, no_offload;
+        hexiseq_memory_coeffs(c, m, t, r, m->heads, m->kv_heads, 0.0, allowed, &mc);
+        hexiseq_memory_coeffs(c, m, t, r, m->heads, m->kv_heads, 0.0, allowed & ~HEXISEQ_OFFLOAD, &no_offload);
+        double free_gib = fmax(0.0, mc.cap_gib - mc.states_gib - mc.reserved_gib);
+        room += free_gib;
+        attention = mc.per_group_token_gib; /* the same on every device */
+        dear = fmin(dear, no_offload.per_token_gib);
+        if (mc.host_per_token_gib > 0.0) {
+            cheap = fmin(cheap, mc.per_token_gib);
+            double held = mc.per_token_gib > 0.0 ? free_gib / mc.per_token_gib : INFINITY;
+            most_cheap += fmin(mc.host_cap_gib / mc.host_per_token_gib, held);
+        }
+    }
+    cheap = fmin(cheap, dear);
+    if (!(cheap + attention > 0.0))
+        return INT64_MAX;
+    double n_cheap = fmin(most_cheap, room / (cheap + attention));
+    double tokens = n_cheap + (room - n_cheap * (cheap + attention)) / (dear + attention);
+    if (!(tokens < 9.0e18))
+        return INT64_MAX;
+    return (int64_t)floor(tokens);
 }
 
 /* Memory of slot r with `features`, filled into the GiB fields of `out`. */

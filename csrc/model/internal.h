@@ -136,6 +136,11 @@ void hexiseq_memory_coeffs(const hexiseq_cluster *c, const hexiseq_model *m, con
  * no checkpointing (the runtime offloads the layers' checkpoints) or the device has no host link rate. */
 int32_t hexiseq_memory_features_allowed(const hexiseq_training *t, const hexiseq_device_info *d);
 
+/* The longest sequence that any layout over the whole cluster could fit in memory: a necessary condition (a longer
+ * one fits no layout), not a sufficient one. Lets a search for the longest sequence that fits skip the scheduler's
+ * full search on lengths past it. INT64_MAX when nothing grows with the tokens. */
+int64_t hexiseq_memory_tokens_bound(const hexiseq_cluster *c, const hexiseq_model *m, const hexiseq_training *t);
+
 /* kv heads needed by query heads [lo, lo + count): first and how many (0 when count is 0). */
 void hexiseq_kv_range(const hexiseq_model *m, int32_t lo, int32_t count, int32_t *kv_lo, int32_t *kv_count);
 

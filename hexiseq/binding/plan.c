@@ -696,6 +696,31 @@ static PyObject *core_plan_strategy(PyObject *module, PyObject *args) {
                          "evaluations", (long long)info.evaluations, "elapsed_s", info.elapsed_s);
 }
 
+/* memory_tokens_bound(nodes, inter_gbps, bandwidth, latency, devices, model, training) -> int: the longest sequence
+ * any layout could fit in memory (hexiseq_memory_tokens_bound; a necessary condition only), or None when nothing
+ * grows with the tokens. */
+static PyObject *core_memory_tokens_bound(PyObject *module, PyObject *args) {
+    PyObject *nodes, *bw, *lat, *dev, *model_obj, *train_obj;
+    double inter;
+    if (!PyArg_ParseTuple(args, "OdOOOOO:memory_tokens_bound", &nodes, &inter, &bw, &lat, &dev, &model_obj,
+                          &train_obj))
+        return NULL;
+    hexiseq_model m;
+    hexiseq_training t;
+    hexiseq_documents docs;
+    if (!parse_inputs(module, model_obj, train_obj, Py_None, &m, &t, &docs))
+        return NULL;
+    hexiseq_documents_free(&docs);
+    hexiseq_cluster *c = make_cluster(module, nodes, inter, bw, lat, dev);
+    if (!c)
+        return NULL;
+    int64_t bound = hexiseq_memory_tokens_bound(c, &m, &t);
+    hexiseq_cluster_destroy(c);
+    if (bound == INT64_MAX)
+        Py_RETURN_NONE;
+    return PyLong_FromLongLong((long long)bound);
+}
+
 /* rebalance(nodes, inter_gbps, bandwidth, latency, devices, model, training, seq_len, causal, layout_dict,
  *           documents[, heads]) -> layout dict: hexiseq_rebalance, or hexiseq_rebalance_heads when heads. */
 static PyObject *core_rebalance(PyObject *module, PyObject *args) {
@@ -825,6 +850,8 @@ PyMethodDef core_plan_methods[] = {
     {"model_params", core_model_params, METH_O, "Parameter count of a model tuple."},
     {"curve_at", core_curve_at, METH_VARARGS, "A measured curve at a size, read as the cost model reads it."},
     {"evaluate", core_evaluate, METH_VARARGS, "Score a layout: (per-device dict, plan dict)."},
+    {"memory_tokens_bound", core_memory_tokens_bound, METH_VARARGS,
+     "The longest sequence any layout could fit in memory (a necessary condition), or None."},
     {"plan_strategy", core_plan_strategy, METH_VARARGS, "Best layout of a strategy, as a dict of arrays, and what the search did."},
     {"batch_assign", core_batch_assign, METH_VARARGS, "Sequences of a batch to groups, minimising the makespan."},
     {NULL, NULL, 0, NULL},

@@ -664,6 +664,17 @@ def _compare_within(cluster, model, training, seq_len, causal, time_limit_s,
     return results
 
 
+def memory_tokens_bound(cluster, model, training):
+    """The longest sequence any layout over `cluster` could hold in memory under `training` (None: no limit): a
+    necessary condition, not a sufficient one (csrc's hexiseq_memory_tokens_bound). A length past it fits no plan,
+    so a search for the longest that fits needs no planning there. Under state shares "auto", the larger of its
+    two settings' bounds (planning tries both)."""
+    settings = (("even", "memory") if training.state_shares == "auto" else (training.state_shares,))
+    bounds = [_core.memory_tokens_bound(*cluster._core_args(), model._as_core(),
+                                        dataclasses.replace(training, state_shares=x)._as_core()) for x in settings]
+    return None if None in bounds else max(bounds)
+
+
 def _tokens_text(n: int) -> str:
     return f"{n // 1048576}m" if n % 1048576 == 0 else f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
@@ -697,6 +708,9 @@ def _memory_advice(cluster, model, training, seq_len, causal, strategies, error)
         if tr is not training and fits(seq_len, tr):  # checkpointing may fit the length asked for
             return seq_len
         lo, hi = 0, seq_len // 1024  # in units of 1024 tokens: lo fits (0 trivially), hi does not
+        bound = memory_tokens_bound(cluster, model, tr)  # no length past it fits: no planning there
+        if bound is not None:
+            hi = min(hi, bound // 1024 + 1)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid * 1024, tr) else (lo, mid)

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "internal.h" /* hexiseq_memory_tokens_bound */
 
 #define REL_TOL 1e-12
 #define NEAR(got, want, what)                                                                                    \
@@ -38,6 +39,8 @@ static const double HOST_RATE = 32.0 * 1e9 * 0.8;   /* its PCIe 4.0 x16 link at 
 /* Model states of one device holding everything (ZeRO-3 over one device): three gathered layers (the largest of a
  * layer's 464 parameters and the 256 of the embedding) and 16 bytes per parameter of P = 6 * 464 + 2 * 256 + 8. */
 static double states_bytes(void) { return 3.0 * 464.0 * b + 16.0 * (6.0 * 464.0 + 2.0 * 256.0 + 8.0); }
+/* The same with even shares over two devices: each holds half of the sharded 16 bytes per parameter. */
+static double states_bytes_of_two(void) { return 3.0 * 464.0 * b + 8.0 * (6.0 * 464.0 + 2.0 * 256.0 + 8.0); }
 
 /* Bytes on the device for n tokens (one group of n) with features f. */
 static double device_bytes(double n, int f) {
@@ -204,6 +207,70 @@ static void test_scheduler(void) {
     hexiseq_cluster_destroy(c);
 }
 
+/* Longest S with plan_strategy fitting (1 fits; bisection, so exact only where fitting is monotone in S). */
+static int64_t longest_planned(const hexiseq_cluster *c, const hexiseq_training *t, int64_t hi) {
+    int64_t lo = 1;
+    while (hi - lo > 1) {
+        int64_t mid = lo + (hi - lo) / 2;
+        hexiseq_layout l;
+        hexiseq_plan_cost pc;
+        hexiseq_status st = hexiseq_plan_strategy(c, &M6, t, mid, 1, HEXISEQ_STRATEGY_HEXISEQ, &l, &pc);
+        if (st == HEXISEQ_OK)
+            hexiseq_layout_free(&l);
+        if (st == HEXISEQ_OK && pc.fits)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* The memory bound on the longest sequence, by hand from the bytes per token above: without features each token
+ * takes 560 of activations and 128 of attention; with all three 112 + 128 = 240 while the host holds its 96 bytes of
+ * checkpoints, and 176 + 128 = 304 without offloading. */
+static void test_tokens_bound(void) {
+    hexiseq_training off = {1, 1, HEXISEQ_SHARD_FULL, 0.0, HEXISEQ_STATES_EVEN, NULL, 0};
+    hexiseq_training on = off;
+    on.memory_features = HEXISEQ_MEMORY_FEATURES_ALL;
+    /* one device with room for 100,000 tokens and half a token more: exact, the scheduler's longest */
+    hexiseq_node_desc nd = {"A100-80G", 1, 100.0, (states_bytes() + 688.0 * 100000 + 344.0) / GIB, PEAK, EFF, EFF,
+                            96.0 * 50000 / GIB};
+    hexiseq_cluster *c = NULL;
+    EXPECT_OK(hexiseq_cluster_create(1, &nd, 10.0, NULL, &c));
+    EXPECT(hexiseq_memory_tokens_bound(c, &M6, &off) == 100000, "one device, no features: %lld",
+           (long long)hexiseq_memory_tokens_bound(c, &M6, &off));
+    EXPECT(longest_planned(c, &off, 200000) == 100000, "the scheduler's longest is the bound on one device");
+    /* with the features: 50,000 tokens' checkpoints on the host (240 bytes each), the rest at 304 */
+    double room = 688.0 * 100000 + 344.0;
+    int64_t want = 50000 + (int64_t)floor((room - 240.0 * 50000) / 304.0);
+    EXPECT(hexiseq_memory_tokens_bound(c, &M6, &on) == want, "one device, features: %lld, want %lld",
+           (long long)hexiseq_memory_tokens_bound(c, &M6, &on), (long long)want);
+    int64_t got = longest_planned(c, &on, 2 * want);
+    EXPECT(got <= want && got > 100000, "the scheduler's longest with features, %lld, within (100000, %lld]",
+           (long long)got, (long long)want);
+    hexiseq_cluster_destroy(c);
+    /* two devices of unequal memory (each holding half the sharded states): the sum of their rooms, never below
+     * what the scheduler fits */
+    hexiseq_node_desc two[2] = {nd, nd};
+    two[1].memory_gib = (states_bytes() + 688.0 * 30000) / GIB;
+    EXPECT_OK(hexiseq_cluster_create(2, two, 10.0, NULL, &c));
+    int64_t bound = hexiseq_memory_tokens_bound(c, &M6, &off);
+    double rooms = two[0].memory_gib * GIB + two[1].memory_gib * GIB - 2.0 * states_bytes_of_two();
+    EXPECT(bound == (int64_t)floor(rooms / 688.0), "two devices, no features: %lld, want %lld", (long long)bound,
+           (long long)floor(rooms / 688.0));
+    got = longest_planned(c, &off, 2 * bound);
+    EXPECT(got <= bound && got >= 0.95 * bound, "the scheduler's longest on two, %lld, within 5%% under %lld",
+           (long long)got, (long long)bound);
+    /* a device without room for its states adds nothing */
+    two[1].memory_gib = 0.5 * states_bytes() / GIB;
+    hexiseq_cluster_destroy(c);
+    EXPECT_OK(hexiseq_cluster_create(2, two, 10.0, NULL, &c));
+    rooms = two[0].memory_gib * GIB - states_bytes_of_two();
+    EXPECT(hexiseq_memory_tokens_bound(c, &M6, &off) == (int64_t)floor(rooms / 688.0),
+           "a device short of its states adds nothing: %lld", (long long)hexiseq_memory_tokens_bound(c, &M6, &off));
+    hexiseq_cluster_destroy(c);
+}
+
 static void test_garbage(void) {
     hexiseq_node_desc nd = {"A100-80G", 1, 100.0, 0, 0, 0, 0, NAN};
     hexiseq_cluster *c = NULL;
@@ -246,6 +313,7 @@ int main(void) {
     test_choice();
     test_exposed_copies();
     test_scheduler();
+    test_tokens_bound();
     test_garbage();
     printf("%d passed, %d failed\n", n_passed, n_failed);
     return n_failed ? 1 : 0;
