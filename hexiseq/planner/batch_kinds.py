@@ -126,15 +126,17 @@ class _Kind:
 
         A probe that fits is cheap (the scheduler stops at its first plan that fits), one that does not runs the
         full search (twice with memory features), so the search spends its probes where they fit. The memory
-        bound (_bound) is a length known not to fit without a probe; where it is tight (groups of one node: within
-        0.3% of the longest), the length just under it settles the search in one probe. Above `lo` it climbs 4x
+        bound (_bound) is a length known not to fit without a probe. Without memory features it is tight on a node
+        of one GPU model (within 0.3% of the longest), and the length just under it settles the search in one
+        probe; with them it is looser (4-10% there: the tiles and the host's limit are counted loosely), and that
+        probe is not tried. Above `lo` it climbs 4x
         at a time and bisects geometrically (halving the ratio hi / lo, not the difference: a fourfold interval
         whose answer lies near its bottom costs 2 failing probes, not 5)."""
         if not self._fits(lo, training):
             return 0
         bound = self._bound(training)
         hi = None if bound is None else bound + 1  # does not fit
-        if hi is not None and hi - lo > max(1, lo // 256):
+        if hi is not None and hi - lo > max(1, lo // 256) and training.memory_features == "none":
             x = max(lo + 1, hi - max(1, hi // 257))
             if x < hi and self._fits(x, training):
                 lo = x

@@ -682,7 +682,8 @@ def _tokens_text(n: int) -> str:
 def _memory_advice(cluster, model, training, seq_len, causal, strategies, error) -> MemoryFitError:
     """`error` (a MemoryFitError, or the text of several) with what would fit: the model states per device, and
     the longest sequence that fits with these training settings and with checkpointing, searched by planning
-    (multiples of 1024 tokens, about 2 x log2(seq_len / 1024) planner calls)."""
+    (multiples of 1024 tokens, bisected under the smaller of seq_len and the memory bound: about
+    log2(min(seq_len, bound) / 1024) planner calls per setting)."""
     n = cluster.num_devices
     # the states under auto: those of its fallback, shares by memory, which fit wherever even shares do
     states_training = (dataclasses.replace(training, state_shares="memory") if training.state_shares == "auto"
