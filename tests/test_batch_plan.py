@@ -395,6 +395,9 @@ def test_split_documents_lets_a_packed_sequences_documents_go_to_different_group
     assert whole.split_batch(batch) == batch and whole.per_caller_sequence([1, 2, 3]) == [1, 2, 3]
     two_d = [x[None, :].repeat(2, 1) for x in batch]  # tokens along dim 1
     assert torch.equal(split.split_batch(two_d, dim=1)[3], two_d[0][:, 24288:30288])
+    # a plan that lists the documents in another order (as a plan file may) cuts each at its own place
+    listed = dataclasses.replace(split, origin=split.origin[::-1], lengths=tuple(split.lengths)[::-1])
+    assert all(torch.equal(a, b) for a, b in zip(listed.split_batch(batch), pieces[::-1]))
     with pytest.raises(InvalidArgumentError, match="split_documents must be True or False, got 'yes'"):
         planner.plan(lengths, split_documents="yes")
     # nothing to split: the plain plan

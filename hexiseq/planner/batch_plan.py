@@ -74,13 +74,20 @@ class BatchPlan:
         boundaries; else the batch as it is. What BatchContext's passes take."""
         if self.origin is None:
             return list(batch)
-        out, start = [], 0
-        for k, (i, j) in enumerate(self.origin):  # a sequence's documents are planned in order, one after another
-            start = 0 if j == 0 else start
-            x = batch[i]
-            out.append(x.narrow(dim, start, self.lengths[k]) if hasattr(x, "narrow") else
-                       x[(slice(None),) * dim + (slice(start, start + self.lengths[k]),)])
-            start += self.lengths[k]
+        # where document j of caller sequence i starts: after its documents 0 .. j - 1, wherever the plan lists them
+        start, docs = {}, {}
+        for k, (i, j) in enumerate(self.origin):
+            docs.setdefault(i, []).append((j, k))
+        for i, listed in docs.items():
+            at = 0
+            for j, k in sorted(listed):
+                start[k] = at
+                at += self.lengths[k]
+        out = []
+        for k, (i, _) in enumerate(self.origin):
+            x, a = batch[i], start[k]
+            out.append(x.narrow(dim, a, self.lengths[k]) if hasattr(x, "narrow") else
+                       x[(slice(None),) * dim + (slice(a, a + self.lengths[k]),)])
         return out
 
     def per_caller_sequence(self, values: Sequence) -> list:
