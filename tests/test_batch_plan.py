@@ -335,6 +335,40 @@ def test_the_memory_bound_lies_above_every_plan_that_fits(nodes, model, features
         memory_tokens_bound(cluster, m, dataclasses.replace(training, state_shares=x)) for x in ("even", "memory"))
 
 
+def test_the_memory_bound_is_not_rounded_below_a_length_that_fits():
+    """Memory an exact number of tokens' worth (to the last bits): the bound and the evaluation each round their
+    sums their own way, and the bound errs upward (it once came out 293,463 where 293,464 fit)."""
+    from hexiseq.planner.plan import memory_tokens_bound
+
+    cluster = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 8, "intra_gbps": 450,
+                                                    "memory_gib": 76.51194939613342}], "inter_node_gbps": 50})
+    m = hexiseq.Model.from_name_or_path("llama3-8b")
+    training = hexiseq.Training(checkpointing=True, memory_features="none", reserved_gib=0.1)
+    bound = memory_tokens_bound(cluster, m, training)
+    assert hexiseq.plan(cluster, model=m, seq_len=293464, training=training, strategy="ulysses").fits
+    assert bound >= 293464
+    with pytest.raises(MemoryFitError):
+        hexiseq.plan(cluster, model=m, seq_len=bound + 1, training=training, strategy="ulysses")
+
+
+def test_kinds_priced_side_by_side_give_the_same_plans():
+    """The kinds of group are priced on several threads (the core plans without the GIL); every answer is the
+    kind's own and clock-free, so the plans, exact and per step, are those of one thread."""
+    cluster = mixed(("H100-SXM", 4, 450.0), ("A100-40G", 4, 300.0), ("L40S", 4, 32.0), ("H800", 4, 400.0))
+    lengths = [65536, 32768, 16384, 9000, 4096, 4096, 2048, 1500, 1024, 700]
+    plans = []
+    for threads in (1, 3):
+        planner = BatchPlanner(cluster, model="llama3-8b", threads=threads)
+        assert planner.threads == threads
+        plans.append((planner.plan(lengths), planner.plan(lengths[::-1], exact=False)))
+    for one, many in zip(*plans):
+        assert (one.groups, one.assignment, one.passes) == (many.groups, many.assignment, many.passes)
+        assert one.step_time_s == many.step_time_s
+    assert BatchPlanner(cluster, model="llama3-8b").threads >= 1
+    with pytest.raises(InvalidArgumentError, match=r"threads must be in \[1, 1024\], got 0"):
+        BatchPlanner(cluster, model="llama3-8b", threads=0)
+
+
 def test_passes_are_priced_as_whole_sequences_pack():
     """Three sequences of 128 tokens, two groups holding 250 a pass, 10 s a pass, a sequence 1 s on group 0 and 5 s
     on group 1. Seen in aggregate (2 passes x 250), group 0 takes all three for 2 x 10 + 3 = 23 s; but whole

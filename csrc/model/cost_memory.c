@@ -127,6 +127,9 @@ int64_t hexiseq_memory_tokens_bound(const hexiseq_cluster *c, const hexiseq_mode
         return INT64_MAX;
     double n_cheap = fmin(most_cheap, room / (cheap + attention));
     double tokens = n_cheap + (room - n_cheap * (cheap + attention)) / (dear + attention);
+    /* rounded up by a part in 1e9: a device's memory an exact number of tokens' worth gives that number here and
+     * in the evaluation's sums, each rounded its own way, and the bound must not come out one token short */
+    tokens = tokens * (1.0 + 1e-9) + 1e-6;
     if (!(tokens < 9.0e18))
         return INT64_MAX;
     return (int64_t)floor(tokens);

@@ -50,10 +50,10 @@ from typing import List, Sequence, Tuple, Union
 import numpy as np
 
 from .. import _core
-from .._validate import number
+from .._validate import integer, number
 from ..errors import InvalidArgumentError, MemoryFitError
 from .cluster import Cluster, device_set
-from .batch_kinds import _first_fit, _held, _Kind, _pairs, exact_pass
+from .batch_kinds import _first_fit, _held, _Kind, _pairs, available_cores, exact_pass, run_in_threads
 from .batch_plan import BatchPlan
 from .plan import Plan, Strategy, _inputs, _strategy
 from .plan import plan as plan_layout
@@ -228,7 +228,11 @@ def _bundled(members, total, cost):
 class BatchPlanner:
     """The job-level half of batch planning: the candidate groups (fixed for the job) and each kind of group's cost
     per length (computed once, on demand); `plan(lengths)` then chooses the groups and the assignment of one step.
-    hexiseq.plan_batch is BatchPlanner(...).plan(lengths) for a single step."""
+    hexiseq.plan_batch is BatchPlanner(...).plan(lengths) for a single step.
+
+    threads: how many kinds of group are priced side by side (default: the cores this process may use). The
+    pricing is the first plan's cost (seconds at 128 devices, minutes at 8,192); the plans are the same for any
+    count."""
 
     FINAL_ROUNDS = 16  # local-search rounds of a per-step plan's final assignment (exact=False)
     # rounds of splits and merges refining a per-step plan's best uniform cut: 4, not 6, found the same steps on 16
@@ -239,8 +243,12 @@ class BatchPlanner:
     # 116 ms, and 51 ms so; the steps of five batches moved by -1.2% to +1.5% (the cut ranked first can change)
     RANKED_ITEMS = 256
 
-    def __init__(self, cluster, *, model="gpt-7b", training=None, causal=True, groups=None):
+    def __init__(self, cluster, *, model="gpt-7b", training=None, causal=True, groups=None, threads=None):
         cluster, model, training, _ = _inputs(cluster, model, training, 1024)
+        # kinds of group priced side by side (the one-time pricing: seconds to minutes on large clusters); the
+        # plans are the same for any count
+        self.threads = available_cores() if threads is None else integer(threads, "threads", minimum=1,
+                                                                          maximum=1024)
         if training.sequences != 1:
             raise InvalidArgumentError(f"training.sequences must be 1 for a batch plan (the batch says how many "
                                        f"sequences a step holds), got {training.sequences}")
@@ -392,9 +400,15 @@ class BatchPlanner:
         coef = np.zeros((K, 2))  # a, b of each kind: every kind's row made at once below
         f_k, cap_k, base_k, cut_off = np.zeros(K), np.ones(K, dtype=np.int64), [None] * K, np.zeros(K)
         n = self.cluster.num_devices
+        # the pass size each kind is priced for: by default its devices' share of the batch
+        sizes = [(expect or {}).get(id(kind), float(total.sum()) * self._kind_size[k] / n)
+                 for k, kind in enumerate(self._kinds_list)]
+        # kinds not priced yet for it are priced side by side first, the largest groups (the longest searches) first
+        todo = sorted((k for k, kind in enumerate(self._kinds_list) if not kind.priced(sizes[k])),
+                      key=lambda k: -self._kind_size[k])
+        run_in_threads(lambda k: self._kinds_list[k].coefficients(tokens, visible, sizes[k]), todo, self.threads)
         for k, kind in enumerate(self._kinds_list):
-            share = float(total.sum()) * self._kind_size[k] / n  # its devices' share of the batch
-            got = kind.coefficients(tokens, visible, (expect or {}).get(id(kind), share))
+            got = kind.coefficients(tokens, visible, sizes[k])
             if got is None:
                 continue  # holds nothing: its row stays inf (cut_off 0)
             coef[k] = got[0] * kind.correction, got[1] * kind.correction

@@ -5,6 +5,8 @@ has many of them) share one _Kind, made on first use."""
 
 import dataclasses
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -124,33 +126,25 @@ class _Kind:
     def _longest(self, training, lo):
         """The longest sequence (to 1/256) that fits `training`, searched up from `lo`; 0 when lo does not fit.
 
-        A probe that fits is cheap (the scheduler stops at its first plan that fits), one that does not runs the
-        full search (twice with memory features), so the search spends its probes where they fit. The memory
-        bound (_bound) is a length known not to fit without a probe. Without memory features it is tight on a node
-        of one GPU model (within 0.3% of the longest), and the length just under it settles the search in one
-        probe; with them it is looser (4-10% there: the tiles and the host's limit are counted loosely), and that
-        probe is not tried. Above `lo` it climbs 4x
-        at a time and bisects geometrically (halving the ratio hi / lo, not the difference: a fourfold interval
-        whose answer lies near its bottom costs 2 failing probes, not 5)."""
+        Climbs 4x at a time from `lo` until a length does not fit, then bisects. A probe that fits is cheap (the
+        scheduler stops at its first plan that fits); one that does not runs the full search (twice with memory
+        features), except past the memory bound (_bound), where _fits answers without planning. Without memory
+        features the bound is tight on a node of one GPU model (within 0.3% of the longest), so the length just
+        under it is tried first and, when it fits, ends the search. Whether a length fits is not monotone in the
+        length, so the climb and the bisection keep the probe points they always had: other points (a bisection of
+        the ratio, say) find other lengths that fit, up to 15% shorter on some mixed groups of 64-256 devices."""
         if not self._fits(lo, training):
             return 0
         bound = self._bound(training)
-        hi = None if bound is None else bound + 1  # does not fit
-        if hi is not None and hi - lo > max(1, lo // 256) and training.memory_features == "none":
-            x = max(lo + 1, hi - max(1, hi // 257))
-            if x < hi and self._fits(x, training):
-                lo = x
-            else:
-                hi = x
-        while (hi is None or hi > 4 * lo) and 4 * lo < (1 << 30):
-            if not self._fits(4 * lo, training):
-                hi = 4 * lo
-                break
-            lo *= 4
-        if hi is None:
-            return lo
+        if bound is not None and training.memory_features == "none" and bound - lo > max(1, lo // 256):
+            x = bound - max(1, bound // 257)
+            if self._fits(x, training):
+                return x  # within 1/256 of the bound, which no longer length passes
+        hi = lo
+        while hi < (1 << 30) and self._fits(hi, training):
+            lo, hi = hi, hi * 4
         while hi - lo > max(1, lo // 256):
-            mid = min(max(math.isqrt(lo * hi), lo + 1), hi - 1)
+            mid = (lo + hi) // 2
             lo, hi = (mid, hi) if self._fits(mid, training) else (lo, mid)
         return lo
 
@@ -203,6 +197,15 @@ class _Kind:
                 break
         return float(x[0]), float(x[1]), float(x[2])
 
+    def _scale(self, expect):
+        """Which bases price passes of about `expect` tokens (after _ensure)."""
+        want = self.anchor / max(min(expect, self.anchor), 1)
+        return min(self.SCALES, key=lambda k: abs(math.log(k) - math.log(want)))
+
+    def priced(self, expect):
+        """Whether coefficients(..., expect) plans nothing (its capacity and those bases are made)."""
+        return self.longest is not None and (not self.longest or self._scale(expect) in self._bases)
+
     def coefficients(self, tokens, visible, expect):
         """(a, b, f, base Plan) of a pass, f + a tokens + b visible pairs, under the base made for passes nearest
         `expect` tokens that prices a pass of that share of the batch (`tokens` in all, `visible` pairs) lowest;
@@ -210,8 +213,7 @@ class _Kind:
         self._ensure()
         if not self.longest:
             return None
-        want = self.anchor / max(min(expect, self.anchor), 1)
-        scale = min(self.SCALES, key=lambda k: abs(math.log(k) - math.log(want)))
+        scale = self._scale(expect)
         share = min(expect / max(tokens, 1.0), 1.0)  # of the batch, what a group of this kind can expect
         best = None
         for base, f, a, b in self.bases(scale):
@@ -219,6 +221,36 @@ class _Kind:
             if best is None or total < best[0]:
                 best = (total, a, b, f, base)
         return None if best is None else best[1:]
+
+
+def available_cores():
+    """The cores this process may run on (its affinity where the platform says, else the machine's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def run_in_threads(fn, items, threads):
+    """fn(item) for every item, on up to `threads` threads, items in the order given (biggest work first is the
+    caller's to arrange). For pricing kinds: the core plans without holding the GIL, a kind's searches touch
+    nothing but the kind, and each answer is the same whatever runs beside it (no clock decides one), so the kinds
+    priced side by side give the plan they give one after another. The first error is raised once every started
+    item has ended; the items not started are dropped."""
+    if threads <= 1 or len(items) <= 1:
+        for x in items:
+            fn(x)
+        return
+    with ThreadPoolExecutor(max_workers=min(threads, len(items))) as pool:
+        futures = [pool.submit(fn, x) for x in items]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+
 
 def exact_pass(kind, pass_docs):
     """The best plan for one pass's documents on a kind of group (None when none fits): the scheduler's own plan
