@@ -695,14 +695,23 @@ class BatchPlanner:
             bins = _first_fit(seqs, total, int(cap[cut[k]]))
             packs.append(tuple(tuple(sorted(b)) for b in bins))
             model_time.append(len(bins) * float(fixed[cut[k]]) + float(cost[cut[k], seqs].sum()))
-            if exact:
-                plans = [exact_pass(self._kind[cut[k]], [L for i in b for L in (docs[i] or (int(total[i]),))])
-                         for b in packs[-1]]
+        if exact:  # every pass of every group planned, side by side (each plan is the pass's own, clock-free)
+            jobs = [(r, j) for r in range(len(order)) for j in range(len(packs[r]))]
+            scored = {}
+
+            def score(job):
+                r, j = job
+                scored[job] = exact_pass(self._kind[cut[order[r]]],
+                                         [L for i in packs[r][j] for L in (docs[i] or (int(total[i]),))])
+
+            run_in_threads(score, sorted(jobs, key=lambda job: -len(groups[job[0]])), self.threads)
+            for r in range(len(order)):
+                plans = [scored[(r, j)] for j in range(len(packs[r]))]
                 pass_plans.append(tuple(plans))
                 exact_time.append(sum(math.inf if p is None else p.step_time_s for p in plans))
-            else:
-                pass_plans.append((self._kind[cut[k]],))  # plan_for scores a pass on request
-                exact_time.append(model_time[-1])
+        else:
+            pass_plans = [(self._kind[cut[k]],) for k in order]  # plan_for scores a pass on request
+            exact_time = list(model_time)
         sync = self._cut_sync(tuple(sorted(cut)))
         return BatchPlan(self.cluster, self.model, self.training, self.causal, groups, assignment,
                          tuple(int(x) for x in total), tuple(docs), tuple(exact_time), sync, max(exact_time) + sync,
@@ -727,8 +736,8 @@ def plan_batch(cluster, *, model="gpt-7b", lengths: Sequence, training=None, cau
         lengths, time_limit_s=time_limit_s, split_documents=split_documents)
 
 
-# Above this many devices pricing the candidate groups takes minutes (about 5 for 8,192 on 2 cores), too long to
-# run unasked beside a plan that takes milliseconds: plan(..., batch=True) runs it.
+# Above this many devices pricing the candidate groups takes minutes (about 5 for 8,192 on 2 cores, the kinds
+# priced side by side), too long to run unasked beside a plan that takes milliseconds: plan(..., batch=True) runs it.
 BATCH_AUTO_UP_TO = 1024
 
 
