@@ -682,8 +682,8 @@ def _tokens_text(n: int) -> str:
 def _memory_advice(cluster, model, training, seq_len, causal, strategies, error) -> MemoryFitError:
     """`error` (a MemoryFitError, or the text of several) with what would fit: the model states per device, and
     the longest sequence that fits with these training settings and with checkpointing, searched by planning
-    (multiples of 1024 tokens, bisected under the smaller of seq_len and the memory bound: about
-    log2(min(seq_len, bound) / 1024) planner calls per setting)."""
+    (multiples of 1024 tokens, about 2 x log2(seq_len / 1024) planner calls, none for lengths past the memory bound,
+    which no layout holds)."""
     n = cluster.num_devices
     # the states under auto: those of its fallback, shares by memory, which fit wherever even shares do
     states_training = (dataclasses.replace(training, state_shares="memory") if training.state_shares == "auto"
@@ -695,6 +695,8 @@ def _memory_advice(cluster, model, training, seq_len, causal, strategies, error)
     states_fit = bool(np.all(np.asarray(states) + training.reserved_gib <= caps))
 
     def fits(length, tr):
+        if bound[tr] is not None and length > bound[tr]:
+            return False  # no layout holds it: no planning (the bisection's points stay those it always had)
         for s in strategies:
             try:
                 _plan_one(cluster, model, tr, length, causal, s, FIT_PROBE_S)
@@ -709,16 +711,15 @@ def _memory_advice(cluster, model, training, seq_len, causal, strategies, error)
         if tr is not training and fits(seq_len, tr):  # checkpointing may fit the length asked for
             return seq_len
         lo, hi = 0, seq_len // 1024  # in units of 1024 tokens: lo fits (0 trivially), hi does not
-        bound = memory_tokens_bound(cluster, model, tr)  # no length past it fits: no planning there
-        if bound is not None:
-            hi = min(hi, bound // 1024 + 1)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid * 1024, tr) else (lo, mid)
         return lo * 1024
 
+    with_checkpointing = dataclasses.replace(training, checkpointing=True)
+    bound = {tr: memory_tokens_bound(cluster, model, tr) for tr in (training, with_checkpointing)}
     best = longest(training)
-    with_ckpt = best if training.checkpointing else longest(dataclasses.replace(training, checkpointing=True))
+    with_ckpt = best if training.checkpointing else longest(with_checkpointing)
     if not states_fit:
         short = int(np.argmax(np.asarray(states) + training.reserved_gib - caps))
         where = f"device {short} ({probe.devices['gpu'][short]}, {caps[short]:.1f} GiB)"
