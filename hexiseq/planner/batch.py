@@ -282,7 +282,7 @@ class BatchPlanner:
                 node.pop("host", None)
             key = json.dumps(spec, sort_keys=True)
             if key not in self._kinds:
-                self._kinds[key] = _Kind(sub, model, training, self.causal)
+                self._kinds[key] = _Kind(sub, model, training, self.causal, self.threads)
             self._kind.append(self._kinds[key])
         self._kinds_list = list({id(k): k for k in self._kind}.values())
         index = {id(k): i for i, k in enumerate(self._kinds_list)}

@@ -74,7 +74,7 @@ class _Kind:
     TYPICAL = 2048   # tokens per document of the all-to-all base
     SCALES = (1, 4, 16, 64)
 
-    def __init__(self, cluster, model, training, causal):
+    def __init__(self, cluster, model, training, causal, threads=1):
         self.cluster, self.model, self.training, self.causal = cluster, model, training, causal
         # the same training without memory features: where the bases are planned and priced (what the features add,
         # tiles and copies, is not linear in the tokens; and with them a kind holds far longer sequences than a
@@ -85,6 +85,7 @@ class _Kind:
         self._bases = {}  # scale -> [(Plan, f, a, b), ...]
         self.correction = 1.0  # exact / linear, learnt from exactly scored plans (BatchPlanner._learn)
         self._bounds = {}  # (memory_features, state_shares) -> memory_tokens_bound
+        self.threads = threads  # how many of the kind's own plans may run side by side
 
     def _fits(self, L, training):
         # the scheduler alone: plan() would also work out, for the error it raises, the longest sequence that fits
@@ -152,17 +153,22 @@ class _Kind:
         """The base layouts made for passes of anchor / scale tokens, with their (f, a, b)."""
         if scale not in self._bases:
             S = max(self.anchor // scale, self._floor())
-            out = []
-            for docs in (None, _short_docs(S, self.TYPICAL)):
+            made = {}
+
+            def one(docs):
                 # the features only where nothing fits without (once: without features allowed the two are one)
                 for training in (self.plain,) if self.plain == self.training else (self.plain, self.training):
                     try:
                         base = plan(self.cluster, model=self.model, seq_len=S, training=training,
                                     causal=self.causal, strategy="hexiseq", documents=docs)
-                        out.append((base,) + self._fit(base))
-                        break
+                        made[docs is None] = (base,) + self._fit(base)
+                        return
                     except (MemoryFitError, UnsupportedError):
                         continue
+
+            # the two bases planned side by side: on thousands of devices each is a long search
+            run_in_threads(one, [None, _short_docs(S, self.TYPICAL)], self.threads)
+            out = [made[k] for k in (True, False) if k in made]
             self._bases[scale] = out
         return self._bases[scale]
 
