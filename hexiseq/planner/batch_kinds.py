@@ -84,7 +84,7 @@ class _Kind:
         self.anchor = None   # the same without them: where the bases are planned
         self._bases = {}  # scale -> [(Plan, f, a, b), ...]
         self.correction = 1.0  # exact / linear, learnt from exactly scored plans (BatchPlanner._learn)
-        self._bounds = {}  # (memory_features, state_shares) -> memory_tokens_bound
+        self._bounds = {}  # Training -> memory_tokens_bound
         self.threads = threads  # how many of the kind's own plans may run side by side
 
     def _fits(self, L, training):
@@ -105,10 +105,9 @@ class _Kind:
     def _bound(self, training):
         """The longest sequence any layout of the kind could hold in memory (None: no limit); see
         memory_tokens_bound."""
-        key = (training.memory_features, training.state_shares)
-        if key not in self._bounds:
-            self._bounds[key] = memory_tokens_bound(self.cluster, self.model, training)
-        return self._bounds[key]
+        if training not in self._bounds:
+            self._bounds[training] = memory_tokens_bound(self.cluster, self.model, training)
+        return self._bounds[training]
 
     def _floor(self):
         return max(4 * self.SHORT, 16 * self.cluster.num_devices)
