@@ -4,8 +4,8 @@
  *
  *   module.c     the module: state, build_info, init; assembles the methods below
  *   errors.c     status codes to the exception classes of hexiseq.errors (raise_status)
- *   plan.c       the planner: catalog, clusters, models, evaluate, plan_strategy (NumPy arrays in and out), and
- *                the core's enums by name
+ *   plan.c       the planner: catalog, clusters, models, evaluate, plan_strategy (NumPy arrays in and out)
+ *   enums.c      the core's enums and constants by name
  *   attention.c  attention over DLPack tensors, CPU and CUDA
  *   cuda.c       the loader of the CUDA kernels library (libhexiseq_cuda.so) and cuda_device_count */
 #ifndef HEXISEQ_CORE_BINDING_H
@@ -38,6 +38,10 @@ extern PyMethodDef core_cuda_methods[];
 /* The planner's part of the module's init: imports the NumPy C API, which only plan.c uses, and adds the core's
  * enums by name (STRATEGIES, SHARDINGS, STATE_SHARES, CHUNKINGS). 0 or -1. */
 int core_plan_exec(PyObject *module);
+
+/* Adds the core's enums by name and its constants (TILE_TOKENS, HOST_LINK_EFF, ...) to the module. 0 or -1.
+ * (enums.c) */
+int core_enums_exec(PyObject *module);
 
 /* The CUDA kernels' entry table, the library opened on first use (with the GIL held). NULL with an exception set
  * when it cannot be had: UnsupportedError on a build without CUDA kernels, or for a library that does not load or
