@@ -215,8 +215,7 @@ static int64_t longest_planned(const hexiseq_cluster *c, const hexiseq_training 
         hexiseq_layout l;
         hexiseq_plan_cost pc;
         hexiseq_status st = hexiseq_plan_strategy(c, &M6, t, mid, 1, HEXISEQ_STRATEGY_HEXISEQ, &l, &pc);
-        if (st == HEXISEQ_OK)
-            hexiseq_layout_free(&l);
+        hexiseq_layout_free(&l); /* also set when the status says it does not fit (the closest plan) */
         if (st == HEXISEQ_OK && pc.fits)
             lo = mid;
         else
