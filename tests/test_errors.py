@@ -293,6 +293,26 @@ def test_memory_error_gives_the_longest_sequence_that_fits(features):
                 hexiseq.plan(cluster, model="8b", seq_len=length + 1024, strategy=strategy, training=training)
 
 
+def test_a_shorter_sequence_fits_where_a_longer_one_does():
+    """Whether a length fits is monotone in the length. Llama-3-70B without memory features on 64 GPUs of six
+    models, where the A100-40G and the devices holding the attention heads are short of memory: 127,744 tokens fit,
+    and so does every shorter length tried, planned afresh and as that plan re-balanced. The token shares were
+    rounded to granules of 64 tokens without looking at memory, and a granule rounded onto a device whose memory
+    binds left the layout short by 0.1-0.4 GiB: 108,582 tokens were refused while 127,744 fitted."""
+    gpus = ["H100-SXM", "A100-80G", "A800", "L40S", "H800", "A100-40G"]
+    cluster = Cluster.from_dict({"nodes": [{"gpu": gpus[i % 6], "count": 8, "intra_gbps": 300} for i in range(8)],
+                                 "inter_node_gbps": 25})
+    training = Training(memory_features="none")
+    longest = hexiseq.plan(cluster, model="llama3-70b", seq_len=127744, training=training)
+    assert longest.fits
+    for length in (108582, 121356, 114969, 100000, 64000):
+        p = hexiseq.plan(cluster, model="llama3-70b", seq_len=length, training=training)
+        q = longest.rebalanced(seq_len=length)
+        for plan in (p, q):
+            assert plan.fits and plan.seq_len == length
+            assert (plan.devices.mem_total_gib <= plan.devices.mem_cap_gib).all()
+
+
 def test_rebalanced_to_a_length_that_does_not_fit():
     """Plan.rebalanced to a sequence too long for memory raises what plan() raises for it, MemoryFitError naming
     the short device with what would fit, instead of returning a plan that does not fit; a custom layout too."""

@@ -15,7 +15,8 @@
  *     the refit captures what is not linear (kernel efficiency on short blocks, exposed ring transfers).
  *  3. inside a group: integer head counts by greedy min-max of heads / attention rate (exact for that
  *     objective), also tried in whole kv-head units; token shares proportional to matmul rate, water-filled
- *     under each device's memory; both rounded to multiples of 64 tokens where the sizes allow.
+ *     under each device's memory; both rounded to multiples of 64 tokens where the sizes allow, and again
+ *     within the memory caps when that rounding leaves a device short (so a length that fits, fits shorter).
  *  4. ring order: exhaustive for up to 6 groups, node order beyond (groups of one node stay adjacent, so
  *     the ring crosses each slow link once). Clusters of up to 6 devices also try every partition into
  *     groups, not only the node-aligned ones.

@@ -19,12 +19,21 @@ static int cmp_remainder(const void *a, const void *b) {
     return (i > j) - (i < j);
 }
 
+/* Whether entry i, holding `units` granules, has room under its cap for one more (no cap: always). */
+static int has_room(const double *cap, int32_t i, int64_t units, int64_t granule) {
+    return !cap || (double)((units + 1) * granule) <= floor(cap[i]);
+}
+
 /* Round non-negative reals w[0..k) (summing to about `total`) to integers summing exactly to `total`, in
  * multiples of `granule` except for the remainder, which goes to the entry with the largest weight.
  * `min_one` forces every entry >= 1 (group sequence lengths). Largest-remainder method, ties by index.
+ * `cap` (k entries, or NULL for none): the most each entry may take (its memory). Then leftover granules go, by
+ * largest remainder, only to entries with room for a whole granule, what no granule fits goes out in single tokens
+ * to the entries with the most room, and only when no entry has room left (nothing fits) does it go where it would
+ * without caps. Where no cap binds the result is the one without caps.
  * `scratch` has k doubles; `order` (k ints, or NULL) lets many leftover units go out in one sort. */
-static void round_shares(const double *w, int32_t k, int64_t total, int64_t granule, int min_one, int64_t *out,
-                         double *scratch, int32_t *order) {
+static void round_shares(const double *w, int32_t k, int64_t total, int64_t granule, int min_one, const double *cap,
+                         int64_t *out, double *scratch, int32_t *order) {
     double sum = 0;
     for (int32_t i = 0; i < k; ++i)
         sum += w[i] > 0 ? w[i] : 0;
@@ -43,16 +52,21 @@ static void round_shares(const double *w, int32_t k, int64_t total, int64_t gran
             order[i] = i;
         rem_keys = scratch;
         qsort(order, (size_t)k, sizeof *order, cmp_remainder);
-        for (int32_t i = 0; used < units && i < k; ++i, ++used) {
+        for (int32_t i = 0; used < units && i < k; ++i) {
+            if (!has_room(cap, order[i], out[order[i]], granule))
+                continue;
             out[order[i]]++;
             scratch[order[i]] = -1.0;
+            used++;
         }
     }
     while (used < units) { /* hand out the leftover units by largest remainder */
-        int32_t best = 0;
-        for (int32_t i = 1; i < k; ++i)
-            if (scratch[i] > scratch[best])
+        int32_t best = -1;
+        for (int32_t i = 0; i < k; ++i)
+            if (has_room(cap, i, out[i], granule) && (best < 0 || scratch[i] > scratch[best]))
                 best = i;
+        if (best < 0)
+            break; /* no entry has room for a whole granule: the rest goes out in tokens below */
         out[best]++;
         scratch[best] = -1.0;
         used++;
@@ -62,6 +76,20 @@ static void round_shares(const double *w, int32_t k, int64_t total, int64_t gran
         out[i] *= granule;
         if (w[i] > w[heavy])
             heavy = i;
+    }
+    rem += (units - used) * granule;
+    while (cap && rem > 0 && (double)(out[heavy] + rem) > floor(cap[heavy])) {
+        /* the heaviest entry cannot take the rest: single tokens to the entry with the most room */
+        int32_t most = 0;
+        for (int32_t i = 1; i < k; ++i)
+            if (floor(cap[i]) - (double)out[i] > floor(cap[most]) - (double)out[most])
+                most = i;
+        double room = floor(cap[most]) - (double)out[most];
+        if (room < 1.0)
+            break; /* no room anywhere: nothing fits; the rest goes where it would without caps */
+        int64_t give = room < (double)rem ? (int64_t)room : rem;
+        out[most] += give;
+        rem -= give;
     }
     out[heavy] += rem;
     if (min_one) { /* steal single tokens from the largest entries for any empty one */
@@ -103,8 +131,10 @@ static void assign_heads(const double *rate, int32_t k, int32_t heads, int32_t u
 /* ------------------------------------------------------------------ shares for one structure */
 
 
-/* Tokens of group g: water-fill s_r = min(cap_r, lambda * fgemm_r) with sum = S_g; caps from memory. */
-static void fill_tokens(sched *s, hexiseq_layout *l, const shares_ws *w, int32_t g, const double *capacity) {
+/* Tokens of group g: water-fill s_r = min(cap_r, lambda * fgemm_r) with sum = S_g; caps from memory. `capped`:
+ * the rounding to granules keeps to the caps too (round_shares). */
+static void fill_tokens(sched *s, hexiseq_layout *l, const shares_ws *w, int32_t g, const double *capacity,
+                        int capped) {
     int32_t lo = w->offset[g], k = l->group_size[g];
     double Sg = (double)l->group_seq[g], want[4096], *wv = k <= 4096 ? want : w->tmpd;
     double hi_lambda = 1.0;
@@ -162,7 +192,8 @@ static void fill_tokens(sched *s, hexiseq_layout *l, const shares_ws *w, int32_t
         l->tokens[lo] += l->group_seq[g] - used;
         return;
     }
-    round_shares(wv, k, l->group_seq[g], TOKEN_GRANULE, 0, &l->tokens[lo], sc, w->order);
+    round_shares(wv, k, l->group_seq[g], TOKEN_GRANULE, 0, capped ? &capacity[lo] : NULL, &l->tokens[lo], sc,
+                 w->order);
 }
 
 /* Heads of every group: greedy on attention rate, in units of `unit` heads. */
@@ -451,9 +482,30 @@ static void refit(sched *s, const hexiseq_layout *l, shares_ws *w) {
     }
 }
 
-/* Integer S_g from w->gseq. */
-static void round_groups(sched *s, hexiseq_layout *l, shares_ws *w) {
-    round_shares(w->gseq, l->n_groups, s->S, TOKEN_GRANULE, 1, l->group_seq, w->tmpd, w->order);
+/* Integer S_g from w->gseq, then each group's token shares water-filled under its members' memory caps. `capped`:
+ * both roundings keep to the memory caps (round_shares), for a split whose plain rounding did not fit. */
+static void split(sched *s, hexiseq_layout *l, shares_ws *w, double *capacity, int capped) {
+    round_shares(w->gseq, l->n_groups, s->S, TOKEN_GRANULE, 1, capped ? w->ug : NULL, l->group_seq, w->tmpd,
+                 w->order);
+    double ring_block = 0;
+    for (int32_t g = 0; g < l->n_groups; ++g)
+        ring_block = fmax(ring_block, (double)l->group_seq[g]);
+    memory_caps(s, l, w, ring_block, capacity);
+    for (int32_t g = 0; g < l->n_groups; ++g)
+        fill_tokens(s, l, w, g, capacity, capped);
+}
+
+/* Scores a split, offers it to the search and keeps it in `keep` when it is this structure's best so far. */
+static hexiseq_status score_split(sched *s, hexiseq_layout *l, hexiseq_plan_cost *cost, hexiseq_plan_cost *best,
+                                  int *have, hexiseq_layout *keep) {
+    HEXISEQ_CHECK(hexiseq_sched_eval(s, l, cost));
+    HEXISEQ_CHECK(hexiseq_sched_offer(s, l, cost));
+    if (!*have || hexiseq_cost_better(cost, best)) {
+        *best = *cost;
+        *have = 1;
+        hexiseq_layout_copy(keep, l);
+    }
+    return HEXISEQ_OK;
 }
 
 /* Complete and optimise the shares of a structure under its chunking (l->chunking). */
@@ -503,24 +555,20 @@ static hexiseq_status optimise_chunking(sched *s, hexiseq_layout *l, shares_ws *
             for (int32_t g = 0; g < G; ++g)
                 w->gseq[g] = fmax(w->ug[g], 1.0);
         }
-        round_groups(s, l, w);
+        /* rounded as the kernels like it (granules of 64 tokens); where that puts a granule past a device whose
+         * memory binds, the layout is short by a few tokens' worth, and a length was refused where a longer one
+         * fitted: then the same split again, rounded within the memory caps */
+        split(s, l, w, capacity, 0);
+        st = score_split(s, l, &cost, &best_local, &have_local, &keep);
+        if (st == HEXISEQ_OK && !cost.fits) {
+            split(s, l, w, capacity, 1);
+            st = score_split(s, l, &cost, &best_local, &have_local, &keep);
+        }
+        if (st != HEXISEQ_OK)
+            break;
         ring_block = 0;
         for (int32_t g = 0; g < G; ++g)
             ring_block = fmax(ring_block, (double)l->group_seq[g]);
-        memory_caps(s, l, w, ring_block, capacity);
-        for (int32_t g = 0; g < G; ++g)
-            fill_tokens(s, l, w, g, capacity);
-        st = hexiseq_sched_eval(s, l, &cost);
-        if (st != HEXISEQ_OK)
-            break;
-        st = hexiseq_sched_offer(s, l, &cost);
-        if (st != HEXISEQ_OK)
-            break;
-        if (!have_local || hexiseq_cost_better(&cost, &best_local)) {
-            best_local = cost;
-            have_local = 1;
-            hexiseq_layout_copy(&keep, l);
-        }
         refit(s, l, w);
     }
     if (have_local)
