@@ -53,7 +53,7 @@ from .. import _core
 from .._validate import integer, number
 from ..errors import InvalidArgumentError, MemoryFitError
 from .cluster import Cluster, device_set
-from .batch_kinds import _first_fit, _held, _Kind, _pairs, available_cores, exact_pass, run_in_threads
+from .batch_kinds import _first_fit, _held, _Kind, _pairs, _two_passes, available_cores, exact_pass, run_in_threads
 from .batch_plan import BatchPlan
 from .plan import Plan, Strategy, _inputs, _strategy
 from .plan import plan as plan_layout
@@ -701,12 +701,31 @@ class BatchPlanner:
 
             def score(job):
                 r, j = job
-                scored[job] = exact_pass(self._kind[cut[order[r]]],
-                                         [L for i in packs[r][j] for L in (docs[i] or (int(total[i]),))])
+                kind, items = self._kind[cut[order[r]]], packs[r][j]
+                whole = exact_pass(kind, [L for i in items for L in (docs[i] or (int(total[i]),))])
+                scored[job] = [(items, whole)]
+                # A pass packed past half the group's capacity can be memory-bound: its layout then gives devices
+                # the tokens their memory holds, not their speed's share, and a token costs up to 1.75x what it
+                # costs in a pass of half the length (gpt-7b on two nodes of H100 and A100-80G, 0.75-1.0 of the
+                # capacity against 0.25-0.5), which the linear pricing, fitted below the capacity, does not see.
+                # Such a pass, and one scored more than 10% above its linear price, is also scored as two passes,
+                # kept when faster (each pays the pass's fixed cost).
+                k = cut[order[r]]
+                linear = float(fixed[k]) + float(cost[k, list(items)].sum())
+                if len(items) < 2 or (2 * sum(int(total[i]) for i in items) <= int(cap[k]) and whole is not None
+                                      and whole.step_time_s <= 1.1 * linear):
+                    return
+                halves = _two_passes(items, total)
+                plans = [exact_pass(kind, [L for i in h for L in (docs[i] or (int(total[i]),))]) for h in halves]
+                if all(p is not None for p in plans) and (whole is None or sum(p.step_time_s for p in plans) <
+                                                          whole.step_time_s):
+                    scored[job] = list(zip(halves, plans))
 
             run_in_threads(score, sorted(jobs, key=lambda job: -len(groups[job[0]])), self.threads)
             for r in range(len(order)):
-                plans = [scored[(r, j)] for j in range(len(packs[r]))]
+                made = [x for j in range(len(packs[r])) for x in scored[(r, j)]]
+                packs[r] = tuple(tuple(sorted(items)) for items, _ in made)
+                plans = [p for _, p in made]
                 pass_plans.append(tuple(plans))
                 exact_time.append(sum(math.inf if p is None else p.step_time_s for p in plans))
         else:

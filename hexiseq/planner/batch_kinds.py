@@ -54,6 +54,16 @@ def _first_fit(items, total, cap):
     return bins
 
 
+def _two_passes(items, total):
+    """`items` (indices into `total`) in two passes of about equal tokens: longest first, each to the lighter pass."""
+    out, load = ([], []), [0, 0]
+    for i in sorted(items, key=lambda i: -int(total[i])):
+        k = 0 if load[0] <= load[1] else 1
+        out[k].append(i)
+        load[k] += int(total[i])
+    return [sorted(b) for b in out if b]
+
+
 class _Kind:
     """One kind of group (groups of equal description share one): how long a packed pass takes on it.
 
