@@ -21,7 +21,8 @@ typedef struct {
     double *gseq;     /* [G] continuous S_g */
     double *cg, *cr;  /* [G] seconds per token: gemm phase, rest (all-to-all + attention + ring) */
     double *ug;       /* [G] memory cap on S_g, tokens */
-    int64_t *tmp64;   /* [n] */
+    double *spare;    /* [n] rounding scratch of one group's token shares */
+    unsigned char *flags; /* [n] members capped by memory in one group's water-fill */
     double *tmpd;     /* [max(n, G)] */
     int32_t *offset;  /* [G + 1] */
     int32_t *order;   /* [max(n, G)] sort scratch */

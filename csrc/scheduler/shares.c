@@ -136,7 +136,7 @@ static void assign_heads(const double *rate, int32_t k, int32_t heads, int32_t u
 static void fill_tokens(sched *s, hexiseq_layout *l, const shares_ws *w, int32_t g, const double *capacity,
                         int capped) {
     int32_t lo = w->offset[g], k = l->group_size[g];
-    double Sg = (double)l->group_seq[g], want[4096], *wv = k <= 4096 ? want : w->tmpd;
+    double Sg = (double)l->group_seq[g], *wv = w->tmpd;
     double hi_lambda = 1.0;
     /* find lambda with sum_r min(cap_r, lambda f_r) = S_g, or saturate at the caps */
     double total_cap = 0;
@@ -156,12 +156,12 @@ static void fill_tokens(sched *s, hexiseq_layout *l, const shares_ws *w, int32_t
         }
         /* the members whose cap binds at lambda are capped; lambda spreads the rest over the others' rates.
          * Capping only grows as lambda grows, so this settles in at most k passes (one or two in practice). */
-        unsigned char capped_now[4096], *capped = k <= 4096 ? capped_now : (unsigned char *)w->tmp64;
-        memset(capped, 0, (size_t)k);
+        unsigned char *at_cap = w->flags;
+        memset(at_cap, 0, (size_t)k);
         for (int pass = 0; pass <= k; ++pass) {
             double rest = Sg, rate = 0;
             for (int32_t i = 0; i < k; ++i) {
-                if (capped[i])
+                if (at_cap[i])
                     rest -= capacity[lo + i];
                 else
                     rate += s->fgemm[l->device[lo + i]];
@@ -169,8 +169,8 @@ static void fill_tokens(sched *s, hexiseq_layout *l, const shares_ws *w, int32_t
             hi_lambda = rate > 0 ? rest / rate : 0.0;
             int grew = 0;
             for (int32_t i = 0; i < k; ++i)
-                if (!capped[i] && hi_lambda * s->fgemm[l->device[lo + i]] > capacity[lo + i]) {
-                    capped[i] = 1;
+                if (!at_cap[i] && hi_lambda * s->fgemm[l->device[lo + i]] > capacity[lo + i]) {
+                    at_cap[i] = 1;
                     grew = 1;
                 }
             if (!grew)
@@ -179,20 +179,7 @@ static void fill_tokens(sched *s, hexiseq_layout *l, const shares_ws *w, int32_t
         for (int32_t i = 0; i < k; ++i)
             wv[i] = fmin(capacity[lo + i], hi_lambda * s->fgemm[l->device[lo + i]]);
     }
-    double scratch[4096], *sc = k <= 4096 ? scratch : NULL;
-    if (!sc) { /* very large groups: plain proportional rounding without remainder bookkeeping */
-        int64_t used = 0;
-        double sum = 0;
-        for (int32_t i = 0; i < k; ++i)
-            sum += wv[i];
-        for (int32_t i = 0; i < k; ++i) {
-            l->tokens[lo + i] = sum > 0 ? (int64_t)floor(wv[i] / sum * Sg) : 0;
-            used += l->tokens[lo + i];
-        }
-        l->tokens[lo] += l->group_seq[g] - used;
-        return;
-    }
-    round_shares(wv, k, l->group_seq[g], TOKEN_GRANULE, 0, capped ? &capacity[lo] : NULL, &l->tokens[lo], sc,
+    round_shares(wv, k, l->group_seq[g], TOKEN_GRANULE, 0, capped ? &capacity[lo] : NULL, &l->tokens[lo], w->spare,
                  w->order);
 }
 
@@ -621,15 +608,16 @@ hexiseq_status hexiseq_sched_ws_alloc(shares_ws *w, int32_t G, int32_t n) {
     w->cg = calloc((size_t)G, sizeof(double));
     w->cr = calloc((size_t)G, sizeof(double));
     w->ug = calloc((size_t)G, sizeof(double));
-    w->tmp64 = calloc((size_t)n, sizeof(int64_t));
+    w->spare = calloc((size_t)n, sizeof(double));
+    w->flags = calloc((size_t)n, 1);
     w->tmpd = calloc((size_t)(n > G ? n : G), sizeof(double));
     w->offset = calloc((size_t)G + 1, sizeof(int32_t));
     w->order = calloc((size_t)(n > G ? n : G), sizeof(int32_t));
     w->free0 = calloc((size_t)n, sizeof(double));
     w->per_tok = calloc((size_t)n, sizeof(double));
     w->per_gtok = calloc((size_t)n, sizeof(double));
-    if (!w->gseq || !w->cg || !w->cr || !w->ug || !w->tmp64 || !w->tmpd || !w->offset || !w->order || !w->free0 || !w->per_tok ||
-        !w->per_gtok)
+    if (!w->gseq || !w->cg || !w->cr || !w->ug || !w->spare || !w->flags || !w->tmpd || !w->offset || !w->order ||
+        !w->free0 || !w->per_tok || !w->per_gtok)
         return hexiseq_fail(HEXISEQ_ERR_NOMEM, "scheduler scratch for %d groups", G);
     return HEXISEQ_OK;
 }
@@ -639,7 +627,8 @@ void hexiseq_sched_ws_free(shares_ws *w) {
     free(w->cg);
     free(w->cr);
     free(w->ug);
-    free(w->tmp64);
+    free(w->spare);
+    free(w->flags);
     free(w->tmpd);
     free(w->offset);
     free(w->order);
