@@ -27,7 +27,12 @@ typedef struct {
     int32_t *offset;  /* [G + 1] */
     int32_t *order;   /* [max(n, G)] sort scratch */
     double *free0, *per_tok, *per_gtok; /* [n] memory model per slot: GiB free before tokens, per token */
+    double *room0;    /* [n] GiB free before tokens and tiles */
+    double *sets;     /* [n * FEATURE_SETS * 3] per feature set a slot may use: GiB per token, per tile token, most
+                         tokens its host memory takes */
+    int32_t *n_sets;  /* [n] feature sets of each slot */
 } shares_ws;
+#define FEATURE_SETS (HEXISEQ_MEMORY_FEATURES_ALL + 1)
 
 hexiseq_status hexiseq_sched_ws_alloc(shares_ws *w, int32_t G, int32_t n);
 void hexiseq_sched_ws_free(shares_ws *w);

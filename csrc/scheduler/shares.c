@@ -199,6 +199,71 @@ static void fill_heads(sched *s, hexiseq_layout *l, const shares_ws *w, int32_t 
     }
 }
 
+/* Most tokens member r can hold with free_gib left for them (the group's attention tensors already taken out): the
+ * best of the memory-feature sets it may use, each charging its GiB per token, a tile's worth per token up to
+ * HEXISEQ_TILE_TOKENS tokens, and offloading no more tokens than host memory takes. These are the sets the cost
+ * model chooses from (hexiseq_memory_choose), so a device given no more than this fits with one of them. A member
+ * holding fewer tokens than a tile may fit best with fewer features: one with less memory beside its attention
+ * tensors (GQA heads held by few devices) is then not given nothing. */
+static double member_capacity(const shares_ws *w, int32_t r, double free_gib) {
+    double best = 0.0;
+    for (int32_t j = 0; j < w->n_sets[r]; ++j) {
+        const double *set = &w->sets[((size_t)r * FEATURE_SETS + (size_t)j) * 3];
+        double per_tok = set[0], tile = set[1], t = free_gib / (per_tok + tile);
+        if (t > HEXISEQ_TILE_TOKENS)
+            t = (free_gib - tile * HEXISEQ_TILE_TOKENS) / per_tok;
+        best = fmax(best, fmin(t, set[2]));
+    }
+    return best * (1.0 - 1e-12); /* below every inequality after rounding */
+}
+
+/* Member r's memory coefficients (with its neighbour r - 1's when `alike`): per_gtok, free0 and per_tok with
+ * every feature it may use (the linear model of U_g, a whole tile charged), room0, and each feature set's. */
+static void member_coeffs(sched *s, hexiseq_layout *l, shares_ws *w, int32_t r, int32_t kv_n, double ring_block,
+                          int alike) {
+    if (alike) {
+        w->free0[r] = w->free0[r - 1];
+        w->room0[r] = w->room0[r - 1];
+        w->per_tok[r] = w->per_tok[r - 1];
+        w->per_gtok[r] = w->per_gtok[r - 1];
+        w->n_sets[r] = w->n_sets[r - 1];
+        memcpy(&w->sets[(size_t)r * FEATURE_SETS * 3], &w->sets[(size_t)(r - 1) * FEATURE_SETS * 3],
+               sizeof(double) * 3 * FEATURE_SETS);
+        return;
+    }
+    int32_t allowed = s->relax & hexiseq_memory_features_allowed(s->t, &s->c->dev[l->device[r]]);
+    w->n_sets[r] = 0;
+    for (int32_t f = 0; f <= HEXISEQ_MEMORY_FEATURES_ALL; ++f) {
+        if (f & ~allowed)
+            continue;
+        hexiseq_memory_coeffs_t mc;
+        hexiseq_memory_coeffs(s->c, s->m, s->t, l->device[r], l->head_count[r], kv_n, ring_block, f, &mc);
+        double *set = &w->sets[((size_t)r * FEATURE_SETS + (size_t)w->n_sets[r]++) * 3];
+        set[0] = mc.per_token_gib;
+        set[1] = mc.tile_per_token_gib;
+        set[2] = mc.host_per_token_gib > 0 ? mc.host_cap_gib / mc.host_per_token_gib : INFINITY;
+        if (f == allowed) {
+            w->room0[r] = mc.cap_gib - mc.states_gib - mc.ring_gib - mc.reserved_gib;
+            w->free0[r] = w->room0[r] - mc.tile_per_token_gib * HEXISEQ_TILE_TOKENS;
+            w->per_tok[r] = mc.per_token_gib;
+            w->per_gtok[r] = mc.per_group_token_gib;
+        }
+    }
+}
+
+/* Whole tokens the active members of the group at slots lo .. lo + k can hold when it holds S tokens (each
+ * member's rounded down, as its share will be). */
+static double group_room(const sched *s, const hexiseq_layout *l, const shares_ws *w, int32_t lo, int32_t k,
+                         double S) {
+    double sum = 0.0;
+    for (int32_t r = lo; r < lo + k; ++r) {
+        double free_gib = w->room0[r] - w->per_gtok[r] * S;
+        if (s->fgemm[l->device[r]] > 0 && free_gib > 0)
+            sum += floor(member_capacity(w, r, free_gib));
+    }
+    return sum;
+}
+
 /* Memory-derived caps: per device the most tokens it can take given its group's S_g, and per group the
  * largest S_g its members can hold (tokens water-filled onto them). */
 static void memory_caps(sched *s, hexiseq_layout *l, shares_ws *w, double ring_block, double *capacity) {
@@ -208,47 +273,51 @@ static void memory_caps(sched *s, hexiseq_layout *l, shares_ws *w, double ring_b
         for (int32_t i = 0, prev_kv = -1; i < k; ++i) {
             int32_t r = lo + i, kv_lo, kv_n;
             hexiseq_kv_range(s->m, l->head_lo[r], l->head_count[r], &kv_lo, &kv_n);
-            if (i > 0 && s->c->dev_class[l->device[r]] == s->c->dev_class[l->device[r - 1]] &&
-                l->head_count[r] == l->head_count[r - 1] && kv_n == prev_kv) { /* alike its neighbour */
-                w->free0[r] = w->free0[r - 1];
-                w->per_tok[r] = w->per_tok[r - 1];
-                w->per_gtok[r] = w->per_gtok[r - 1];
-                continue;
-            }
+            int alike = i > 0 && s->c->dev_class[l->device[r]] == s->c->dev_class[l->device[r - 1]] &&
+                        l->head_count[r] == l->head_count[r - 1] && kv_n == prev_kv;
             prev_kv = kv_n;
-            hexiseq_memory_coeffs_t mc;
-            int32_t features = s->relax & hexiseq_memory_features_allowed(s->t, &s->c->dev[l->device[r]]);
-            hexiseq_memory_coeffs(s->c, s->m, s->t, l->device[r], l->head_count[r], kv_n,
-                                  l->n_groups > 1 ? ring_block : 0.0, features, &mc);
-            /* a whole tile's memory (the cost model charges fewer tokens' when the device holds fewer) */
-            w->free0[r] = mc.cap_gib - mc.states_gib - mc.ring_gib - mc.reserved_gib -
-                          mc.tile_per_token_gib * HEXISEQ_TILE_TOKENS;
-            w->per_tok[r] = mc.per_token_gib;
-            w->per_gtok[r] = mc.per_group_token_gib;
+            member_coeffs(s, l, w, r, kv_n, l->n_groups > 1 ? ring_block : 0.0, alike);
         }
-        /* U_g: largest S in [0, seq_len] with beta_r S <= free_r for every member and room for S tokens on
-         * the active ones, sum_r (free_r - beta_r S) / alpha_r >= S: linear while every member has room,
-         * so U_g = min(seq_len, min_r free_r / beta_r, A / (1 + B)) with A = sum free_r / alpha_r and
-         * B = sum beta_r / alpha_r over active members; shrunk by 1e-12 so it keeps every inequality after
-         * rounding. */
+        /* U_g: largest S in [0, seq_len] with beta_r S <= room_r for every member and room for S tokens on
+         * the active ones. Where each member has one linear memory figure (no feature sets to choose from, no
+         * host limit), sum_r (free_r - beta_r S) / alpha_r >= S is linear while every member has room,
+         * so U_g = min(seq_len, min_r room_r / beta_r, A / (1 + B)) with A = sum free_r / alpha_r and
+         * B = sum beta_r / alpha_r over active members. Otherwise the sum of the members' capacities at S
+         * (member_capacity) falls as S grows, and U_g is found by bisection. Shrunk by 1e-12 so it keeps every
+         * inequality after rounding. */
         double u = (double)s->S, A = 0, B = 0;
+        int linear = 1;
         for (int32_t i = 0; i < k; ++i) {
             int32_t r = lo + i;
-            if (w->free0[r] < 0)
+            if (w->room0[r] < 0)
                 u = -1.0; /* short even without tokens */
             else if (w->per_gtok[r] > 0)
-                u = fmin(u, w->free0[r] / w->per_gtok[r]);
+                u = fmin(u, w->room0[r] / w->per_gtok[r]); /* a member holding no tokens holds no tile */
             if (s->fgemm[l->device[r]] > 0) { /* parked members hold no tokens */
                 A += w->free0[r] / w->per_tok[r];
                 B += w->per_gtok[r] / w->per_tok[r];
+                linear &= w->n_sets[r] == 1 && w->sets[(size_t)r * FEATURE_SETS * 3 + 1] == 0.0 &&
+                          isinf(w->sets[(size_t)r * FEATURE_SETS * 3 + 2]);
             }
         }
-        u = fmin(u, A / (1.0 + B));
+        if (linear)
+            u = fmin(u, A / (1.0 + B));
+        else if (u > 0 && group_room(s, l, w, lo, k, u) < u) {
+            double below = 0.0, above = u;
+            for (int it = 0; it < 48 && above - below > 0.25; ++it) {
+                double mid = 0.5 * (below + above);
+                if (group_room(s, l, w, lo, k, mid) >= mid)
+                    below = mid;
+                else
+                    above = mid;
+            }
+            u = below;
+        }
         w->ug[g] = u > 0 ? u * (1.0 - 1e-12) : 0.0;
         for (int32_t i = 0; i < k; ++i) {
             int32_t r = lo + i;
-            double free_gib = w->free0[r] - w->per_gtok[r] * (double)l->group_seq[g];
-            capacity[r] = free_gib > 0 ? free_gib / w->per_tok[r] : 0.0;
+            double free_gib = w->room0[r] - w->per_gtok[r] * (double)l->group_seq[g];
+            capacity[r] = free_gib > 0 ? member_capacity(w, r, free_gib) : 0.0;
         }
     }
 }
@@ -614,10 +683,13 @@ hexiseq_status hexiseq_sched_ws_alloc(shares_ws *w, int32_t G, int32_t n) {
     w->offset = calloc((size_t)G + 1, sizeof(int32_t));
     w->order = calloc((size_t)(n > G ? n : G), sizeof(int32_t));
     w->free0 = calloc((size_t)n, sizeof(double));
+    w->room0 = calloc((size_t)n, sizeof(double));
+    w->sets = calloc((size_t)n * FEATURE_SETS * 3, sizeof(double));
+    w->n_sets = calloc((size_t)n, sizeof(int32_t));
     w->per_tok = calloc((size_t)n, sizeof(double));
     w->per_gtok = calloc((size_t)n, sizeof(double));
     if (!w->gseq || !w->cg || !w->cr || !w->ug || !w->spare || !w->flags || !w->tmpd || !w->offset || !w->order ||
-        !w->free0 || !w->per_tok || !w->per_gtok)
+        !w->free0 || !w->room0 || !w->sets || !w->n_sets || !w->per_tok || !w->per_gtok)
         return hexiseq_fail(HEXISEQ_ERR_NOMEM, "scheduler scratch for %d groups", G);
     return HEXISEQ_OK;
 }
@@ -633,6 +705,9 @@ void hexiseq_sched_ws_free(shares_ws *w) {
     free(w->offset);
     free(w->order);
     free(w->free0);
+    free(w->room0);
+    free(w->sets);
+    free(w->n_sets);
     free(w->per_tok);
     free(w->per_gtok);
 }

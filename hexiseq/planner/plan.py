@@ -710,7 +710,8 @@ def _memory_advice(cluster, model, training, seq_len, causal, strategies, error)
             return 0
         if tr is not training and fits(seq_len, tr):  # checkpointing may fit the length asked for
             return seq_len
-        lo, hi = 0, seq_len // 1024  # in units of 1024 tokens: lo fits (0 trivially), hi does not
+        # in units of 1024 tokens: lo fits (0 trivially), hi does not (seq_len does not, nor anything longer)
+        lo, hi = 0, -(-seq_len // 1024)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid * 1024, tr) else (lo, mid)

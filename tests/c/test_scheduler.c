@@ -513,11 +513,60 @@ static void test_shorter_lengths_fit(void) {
     hexiseq_cluster_destroy(c);
 }
 
+/* With memory features, a member holding fewer tokens than a tile may fit best with fewer features, and a group's
+ * cap is what its members' best sets hold in whole tokens: lengths up to the longest that fits all fit, and a plan
+ * re-balanced to a shorter length still fits (32 mixed devices, llama3-70b, states shared evenly and by memory:
+ * 94,500 was refused while 94,750 fitted, and plans re-balanced 1,500 tokens shorter did not fit). */
+static void test_shorter_lengths_fit_with_features(void) {
+    static const char *four[] = {"H100-SXM", "A100-80G", "A800", "L40S"};
+    hexiseq_node_desc nodes[4];
+    for (int32_t k = 0; k < 4; ++k) {
+        memset(&nodes[k], 0, sizeof nodes[k]);
+        nodes[k].gpu = four[k];
+        nodes[k].count = 8;
+        nodes[k].intra_gbps = 300.0;
+    }
+    hexiseq_cluster *c = NULL;
+    CHECK(hexiseq_cluster_create(4, nodes, 25.0, NULL, &c) == HEXISEQ_OK, "32-device cluster: %s", hexiseq_last_error());
+    hexiseq_model m = {80, 8192, 64, 8, 128, 28672, 128256, 2, 1, 0, 0}; /* llama3-70b */
+    const int64_t lengths[2][4] = {{97500, 94750, 94500, 93250}, {96000, 94750, 94500, 93250}};
+    for (int shares = 0; c && shares < 2; ++shares) {
+        hexiseq_training t;
+        hexiseq_training_default(&t);
+        t.memory_features = HEXISEQ_MEMORY_FEATURES_ALL;
+        t.state_shares = shares ? HEXISEQ_STATES_BY_MEMORY : HEXISEQ_STATES_EVEN;
+        for (int i = 0; i < 4; ++i) {
+            int64_t S = lengths[shares][i];
+            hexiseq_layout l;
+            hexiseq_plan_cost pc;
+            hexiseq_status st = hexiseq_plan_strategy(c, &m, &t, S, 1, HEXISEQ_STRATEGY_HEXISEQ, &l, &pc);
+            CHECK(st == HEXISEQ_OK && pc.fits, "shares %d, %lld tokens with features: status %d, fits %d (%s)", shares,
+                  (long long)S, st, st == HEXISEQ_OK ? pc.fits : -1, hexiseq_last_error());
+            if (st != HEXISEQ_OK)
+                continue;
+            CHECK(layout_valid(&l, &m, S, 32), "%lld tokens: valid layout", (long long)S);
+            for (int64_t shorter = S - 250; shorter >= S - 4000; shorter -= 1250) { /* re-balanced shorter */
+                hexiseq_layout re;
+                hexiseq_plan_cost rc;
+                st = hexiseq_rebalance(c, &m, &t, shorter, 1, &l, &re, &rc);
+                CHECK(st == HEXISEQ_OK && rc.fits, "shares %d, %lld-token plan re-balanced to %lld: status %d, fits %d "
+                      "(%s)", shares, (long long)S, (long long)shorter, st, st == HEXISEQ_OK ? rc.fits : -1,
+                      hexiseq_last_error());
+                if (st == HEXISEQ_OK)
+                    hexiseq_layout_free(&re);
+            }
+            hexiseq_layout_free(&l);
+        }
+    }
+    hexiseq_cluster_destroy(c);
+}
+
 int main(int argc, char **argv) {
     int instances = argc > 1 ? atoi(argv[1]) : 20;
     test_awkward_sizes();
     test_never_worse_than_baselines();
     test_shorter_lengths_fit();
+    test_shorter_lengths_fit_with_features();
     test_against_exhaustive(instances);
     test_measured_against_exhaustive(instances / 2 > 0 ? instances / 2 : 1);
     printf("%d passed, %d failed\n", passed, failed);
