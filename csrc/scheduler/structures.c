@@ -27,6 +27,10 @@ static int same_devices(const hexiseq_cluster *c, int32_t a, int32_t b, int32_t 
     return 1;
 }
 
+/* Clusters whose node classes' split options multiply to at most this many structures try them all; larger ones
+ * descend coordinate-wise from the best uniform split. */
+#define TOPOLOGY_PRODUCT 64
+
 /* Parts of a node of `count` devices under option o: min(2^o, count). */
 static int32_t parts_of(int32_t count, int32_t o) {
     int64_t p = (int64_t)1 << (o < 30 ? o : 30);
@@ -195,9 +199,26 @@ hexiseq_status hexiseq_sched_run_topology(sched *s) {
         tp.node_class[k] = cls;
     }
     int32_t max_options = 0;
-    for (int32_t cl = 0; cl < tp.n_classes; ++cl)
+    int64_t product = 1;
+    for (int32_t cl = 0; cl < tp.n_classes; ++cl) {
         if (tp.class_options[cl] > max_options)
             max_options = tp.class_options[cl];
+        product = product > TOPOLOGY_PRODUCT ? product : product * tp.class_options[cl];
+    }
+    if (product <= TOPOLOGY_PRODUCT) {
+        /* few classes and options: every combination of the classes' splits (a descent from one start can stop
+         * where one class's move alone does not fit memory but a move of two would) */
+        memset(tp.choice, 0, (size_t)tp.n_classes * sizeof *tp.choice);
+        for (;;) {
+            double score;
+            st = score_choice(s, &tp, &score);
+            int32_t cl = 0;
+            while (st == HEXISEQ_OK && cl < tp.n_classes && ++tp.choice[cl] == tp.class_options[cl])
+                tp.choice[cl++] = 0;
+            if (st != HEXISEQ_OK || cl == tp.n_classes)
+                goto out;
+        }
+    }
     /* uniform starts: every class split the same way; keep the best as the descent's start */
     double best_score = INFINITY;
     int32_t best_uniform = 0;
