@@ -399,23 +399,25 @@ def test_exact_plans_also_try_passes_as_long_as_the_memory_features_allow():
     assert bp.step_time_s < two
 
 
-def test_a_memory_bound_pass_is_scored_split_in_two():
-    """560 sequences of 2,048 tokens of gpt-7b on one group of 8 H100 and 8 A100-80G: together they are 89% of
-    what one pass of the group holds, and packed so the layout gives devices the tokens their memory holds rather
-    than their speed's share: the cost model scores that pass 26.9 s, the same sequences in two passes 16.8 s. The
-    exact plan scores the two passes too and keeps them: each pass's plan is the group's own, the passes hold every
-    sequence once, and the step is below the one pass's."""
+def test_a_pass_near_capacity_costs_in_proportion_to_its_sequences():
+    """Sequences of 2,048 tokens of gpt-7b packed into one pass of a group of 8 H100 and 8 A100-80G, up to 99% of
+    what a pass holds: each costs the same time to 1%. The scheduler's first search water-fills the devices' token
+    shares under their memory without features; a layout that fitted only because a device used one (a tiled loss,
+    an offload) was taken for one with room to spare, the search with the features' memory skipped, and the
+    devices held back by the featureless caps left short (560 sequences: 28.5 s where 16.8 s fits, 51 ms a
+    sequence instead of 30)."""
     cluster = mixed(("H100-SXM", 8, 450.0), ("A100-80G", 8, 300.0))
     planner = BatchPlanner(cluster, model="gpt-7b", training=hexiseq.Training(checkpointing=True),
                            groups=[tuple(range(16))])
     bp = planner.plan([2048] * 560)
-    one = exact_pass(planner._kind[0], [2048] * 560)
     assert 0.75 * bp.capacity[0] < 560 * 2048 <= bp.capacity[0]
-    assert len(bp.passes[0]) == 2 and sorted(i for p in bp.passes[0] for i in p) == list(range(560))
-    times = [bp.plan_for(0, p).step_time_s for p in range(2)]
-    assert all(bp.plan_for(0, p).seq_len == 2048 * len(bp.passes[0][p]) for p in range(2))
+    per = {n: exact_pass(planner._kind[0], [2048] * n).step_time_s / n for n in (300, 450, 560, 620)}
+    assert max(per.values()) < 1.01 * min(per.values()), per
+    # the exact plan keeps one pass or two, whichever is faster; each pass's plan is the group's own
+    assert sorted(i for p in bp.passes[0] for i in p) == list(range(560))
+    times = [bp.plan_for(0, p).step_time_s for p in range(len(bp.passes[0]))]
     assert bp.group_time_s[0] == pytest.approx(sum(times), rel=1e-12)
-    assert bp.step_time_s < 0.8 * one.step_time_s
+    assert bp.step_time_s <= 560 * per[560] * (1 + 1e-9) + bp.sync_s
 
 
 def test_split_documents_lets_a_packed_sequences_documents_go_to_different_groups():

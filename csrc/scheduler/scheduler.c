@@ -114,8 +114,10 @@ static hexiseq_status search(sched *s) {
     return st;
 }
 
-/* Whether the best plan so far is short of memory or close to it on some device (MEMORY_TIGHT of its memory): then
- * shares that need memory features may fit or be faster. Re-scores the best (fills s->per). */
+/* Whether the best plan so far is short of memory or close to it on some device (MEMORY_TIGHT of its memory), or
+ * fits only because some device uses memory features (its shares were water-filled under caps without them, so
+ * the devices the caps held back are left short of tokens): then shares that need memory features may fit or be
+ * faster. Re-scores the best (fills s->per). */
 #define MEMORY_TIGHT 0.95
 static hexiseq_status memory_tight(sched *s, int *tight) {
     *tight = 0;
@@ -125,7 +127,8 @@ static hexiseq_status memory_tight(sched *s, int *tight) {
     HEXISEQ_CHECK(hexiseq_sched_eval(s, &s->best, &cost));
     *tight = !cost.fits;
     for (int32_t r = 0; r < s->n && !*tight; ++r)
-        *tight = s->best.tokens[r] > 0 && s->per[r].mem_total_gib > MEMORY_TIGHT * s->per[r].mem_cap_gib;
+        *tight = s->best.tokens[r] > 0 &&
+                 (s->per[r].mem_total_gib > MEMORY_TIGHT * s->per[r].mem_cap_gib || s->per[r].features != 0);
     return HEXISEQ_OK;
 }
 

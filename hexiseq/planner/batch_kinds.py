@@ -142,9 +142,9 @@ class _Kind:
         features the bound is tight on a node of one GPU model (within 0.3% of the longest), so the length just
         under it is tried first and, when it fits, ends the search. The climb and the bisection keep the probe points
         they always had: whether a length fits was not monotone in the length (the scheduler rounded token shares
-        onto devices whose memory binds; fixed), and other points then found lengths up to 15% shorter on mixed
-        groups of 64-256 devices; with memory features a narrow edge remains (a 32-device mixed group fits 94,750
-        tokens of Llama-3-70B and not 94,500), so a capacity is a length that fits, not always the longest."""
+        onto devices whose memory binds, and with memory features capped devices as if each used every feature;
+        both fixed), and other points then found lengths up to 15% shorter on mixed groups of 64-256 devices. The
+        scheduler is a heuristic, so a capacity is a length that fits, not always the longest."""
         if not self._fits(lo, training):
             return 0
         bound = self._bound(training)
