@@ -527,7 +527,8 @@ static void test_shorter_lengths_fit_with_features(void) {
         nodes[k].intra_gbps = 300.0;
     }
     hexiseq_cluster *c = NULL;
-    CHECK(hexiseq_cluster_create(4, nodes, 25.0, NULL, &c) == HEXISEQ_OK, "32-device cluster: %s", hexiseq_last_error());
+    CHECK(hexiseq_cluster_create(4, nodes, 25.0, NULL, &c) == HEXISEQ_OK, "32-device cluster: %s",
+          hexiseq_last_error());
     hexiseq_model m = {80, 8192, 64, 8, 128, 28672, 128256, 2, 1, 0, 0}; /* llama3-70b */
     const int64_t lengths[2][4] = {{97500, 94750, 94500, 93250}, {96000, 94750, 94500, 93250}};
     for (int shares = 0; c && shares < 2; ++shares) {
