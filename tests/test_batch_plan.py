@@ -416,6 +416,7 @@ def test_a_pass_near_capacity_costs_in_proportion_to_its_sequences():
     # the exact plan keeps one pass or two, whichever is faster; each pass's plan is the group's own
     assert sorted(i for p in bp.passes[0] for i in p) == list(range(560))
     times = [bp.plan_for(0, p).step_time_s for p in range(len(bp.passes[0]))]
+    assert all(bp.plan_for(0, p).seq_len == 2048 * len(bp.passes[0][p]) for p in range(len(bp.passes[0])))
     assert bp.group_time_s[0] == pytest.approx(sum(times), rel=1e-12)
     assert bp.step_time_s <= 560 * per[560] * (1 + 1e-9) + bp.sync_s
 
