@@ -26,8 +26,9 @@ typedef struct {
     double *tmpd;     /* [max(n, G)] */
     int32_t *offset;  /* [G + 1] */
     int32_t *order;   /* [max(n, G)] sort scratch */
-    double *free0, *per_tok, *per_gtok; /* [n] memory model per slot: GiB free before tokens, per token */
+    double *per_gtok; /* [n] memory model per slot: GiB per token of its group */
     double *room0;    /* [n] GiB free before tokens and tiles */
+    unsigned char *alike; /* [n] slot r's memory model is slot r - 1's (same GPU class, heads and kv heads) */
     double *sets;     /* [n * FEATURE_SETS * 3] per feature set a slot may use: GiB per token, per tile token, most
                          tokens its host memory takes */
     int32_t *n_sets;  /* [n] feature sets of each slot */

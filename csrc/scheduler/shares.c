@@ -206,25 +206,25 @@ static void fill_heads(sched *s, hexiseq_layout *l, const shares_ws *w, int32_t 
  * holding fewer tokens than a tile may fit best with fewer features: one with less memory beside its attention
  * tensors (GQA heads held by few devices) is then not given nothing. */
 static double member_capacity(const shares_ws *w, int32_t r, double free_gib) {
-    double best = 0.0;
+    double best = 0.0; /* comparisons, not fmin/fmax: no NaN reaches here, and this runs in the bisection's loop */
     for (int32_t j = 0; j < w->n_sets[r]; ++j) {
         const double *set = &w->sets[((size_t)r * FEATURE_SETS + (size_t)j) * 3];
         double per_tok = set[0], tile = set[1], t = free_gib / (per_tok + tile);
         if (t > HEXISEQ_TILE_TOKENS)
             t = (free_gib - tile * HEXISEQ_TILE_TOKENS) / per_tok;
-        best = fmax(best, fmin(t, set[2]));
+        t = t < set[2] ? t : set[2];
+        best = t > best ? t : best;
     }
     return best * (1.0 - 1e-12); /* below every inequality after rounding */
 }
 
-/* Member r's memory coefficients (with its neighbour r - 1's when `alike`): per_gtok, free0 and per_tok with
- * every feature it may use (the linear model of U_g, a whole tile charged), room0, and each feature set's. */
+/* Member r's memory coefficients (with its neighbour r - 1's when `alike`): per_gtok and room0 with every
+ * feature it may use, and each feature set's. */
 static void member_coeffs(sched *s, hexiseq_layout *l, shares_ws *w, int32_t r, int32_t kv_n, double ring_block,
                           int alike) {
+    w->alike[r] = (unsigned char)alike;
     if (alike) {
-        w->free0[r] = w->free0[r - 1];
         w->room0[r] = w->room0[r - 1];
-        w->per_tok[r] = w->per_tok[r - 1];
         w->per_gtok[r] = w->per_gtok[r - 1];
         w->n_sets[r] = w->n_sets[r - 1];
         memcpy(&w->sets[(size_t)r * FEATURE_SETS * 3], &w->sets[(size_t)(r - 1) * FEATURE_SETS * 3],
@@ -244,22 +244,25 @@ static void member_coeffs(sched *s, hexiseq_layout *l, shares_ws *w, int32_t r, 
         set[2] = mc.host_per_token_gib > 0 ? mc.host_cap_gib / mc.host_per_token_gib : INFINITY;
         if (f == allowed) {
             w->room0[r] = mc.cap_gib - mc.states_gib - mc.ring_gib - mc.reserved_gib;
-            w->free0[r] = w->room0[r] - mc.tile_per_token_gib * HEXISEQ_TILE_TOKENS;
-            w->per_tok[r] = mc.per_token_gib;
             w->per_gtok[r] = mc.per_group_token_gib;
         }
     }
 }
 
 /* Whole tokens the active members of the group at slots lo .. lo + k can hold when it holds S tokens (each
- * member's rounded down, as its share will be). */
+ * member's rounded down, as its share will be). A member alike its active neighbour holds what it holds: the
+ * bisection below calls this some 20 times a group, and groups are mostly runs of one GPU class. */
 static double group_room(const sched *s, const hexiseq_layout *l, const shares_ws *w, int32_t lo, int32_t k,
                          double S) {
-    double sum = 0.0;
+    double sum = 0.0, last = 0.0;
     for (int32_t r = lo; r < lo + k; ++r) {
-        double free_gib = w->room0[r] - w->per_gtok[r] * S;
-        if (s->fgemm[l->device[r]] > 0 && free_gib > 0)
-            sum += floor(member_capacity(w, r, free_gib));
+        if (!(s->fgemm[l->device[r]] > 0))
+            continue; /* parked: holds no tokens */
+        if (r == lo || !w->alike[r] || !(s->fgemm[l->device[r - 1]] > 0)) {
+            double free_gib = w->room0[r] - w->per_gtok[r] * S;
+            last = free_gib > 0 ? floor(member_capacity(w, r, free_gib)) : 0.0;
+        }
+        sum += last;
     }
     return sum;
 }
@@ -279,9 +282,9 @@ static void memory_caps(sched *s, hexiseq_layout *l, shares_ws *w, double ring_b
             member_coeffs(s, l, w, r, kv_n, l->n_groups > 1 ? ring_block : 0.0, alike);
         }
         /* U_g: largest S in [0, seq_len] with beta_r S <= room_r for every member and room for S tokens on
-         * the active ones. Where each member has one linear memory figure (no feature sets to choose from, no
-         * host limit), sum_r (free_r - beta_r S) / alpha_r >= S is linear while every member has room,
-         * so U_g = min(seq_len, min_r room_r / beta_r, A / (1 + B)) with A = sum free_r / alpha_r and
+         * the active ones. Where each member has one linear memory figure alpha_r (one feature set, no tile, no
+         * host limit), sum_r (room_r - beta_r S) / alpha_r >= S is linear while every member has room,
+         * so U_g = min(seq_len, min_r room_r / beta_r, A / (1 + B)) with A = sum room_r / alpha_r and
          * B = sum beta_r / alpha_r over active members. Otherwise the sum of the members' capacities at S
          * (member_capacity) falls as S grows, and U_g is found by bisection. Shrunk by 1e-12 so it keeps every
          * inequality after rounding. */
@@ -294,10 +297,10 @@ static void memory_caps(sched *s, hexiseq_layout *l, shares_ws *w, double ring_b
             else if (w->per_gtok[r] > 0)
                 u = fmin(u, w->room0[r] / w->per_gtok[r]); /* a member holding no tokens holds no tile */
             if (s->fgemm[l->device[r]] > 0) { /* parked members hold no tokens */
-                A += w->free0[r] / w->per_tok[r];
-                B += w->per_gtok[r] / w->per_tok[r];
-                linear &= w->n_sets[r] == 1 && w->sets[(size_t)r * FEATURE_SETS * 3 + 1] == 0.0 &&
-                          isinf(w->sets[(size_t)r * FEATURE_SETS * 3 + 2]);
+                const double *set = &w->sets[(size_t)r * FEATURE_SETS * 3];
+                A += w->room0[r] / set[0];
+                B += w->per_gtok[r] / set[0];
+                linear &= w->n_sets[r] == 1 && set[1] == 0.0 && isinf(set[2]);
             }
         }
         if (linear)
@@ -317,7 +320,7 @@ static void memory_caps(sched *s, hexiseq_layout *l, shares_ws *w, double ring_b
         for (int32_t i = 0; i < k; ++i) {
             int32_t r = lo + i;
             double free_gib = w->room0[r] - w->per_gtok[r] * (double)l->group_seq[g];
-            capacity[r] = free_gib > 0 ? member_capacity(w, r, free_gib) : 0.0;
+            capacity[r] = i > 0 && w->alike[r] ? capacity[r - 1] : free_gib > 0 ? member_capacity(w, r, free_gib) : 0.0;
         }
     }
 }
@@ -682,14 +685,13 @@ hexiseq_status hexiseq_sched_ws_alloc(shares_ws *w, int32_t G, int32_t n) {
     w->tmpd = calloc((size_t)(n > G ? n : G), sizeof(double));
     w->offset = calloc((size_t)G + 1, sizeof(int32_t));
     w->order = calloc((size_t)(n > G ? n : G), sizeof(int32_t));
-    w->free0 = calloc((size_t)n, sizeof(double));
+    w->alike = calloc((size_t)n, 1);
     w->room0 = calloc((size_t)n, sizeof(double));
     w->sets = calloc((size_t)n * FEATURE_SETS * 3, sizeof(double));
     w->n_sets = calloc((size_t)n, sizeof(int32_t));
-    w->per_tok = calloc((size_t)n, sizeof(double));
     w->per_gtok = calloc((size_t)n, sizeof(double));
     if (!w->gseq || !w->cg || !w->cr || !w->ug || !w->spare || !w->flags || !w->tmpd || !w->offset || !w->order ||
-        !w->free0 || !w->room0 || !w->sets || !w->n_sets || !w->per_tok || !w->per_gtok)
+        !w->alike || !w->room0 || !w->sets || !w->n_sets || !w->per_gtok)
         return hexiseq_fail(HEXISEQ_ERR_NOMEM, "scheduler scratch for %d groups", G);
     return HEXISEQ_OK;
 }
@@ -704,11 +706,10 @@ void hexiseq_sched_ws_free(shares_ws *w) {
     free(w->tmpd);
     free(w->offset);
     free(w->order);
-    free(w->free0);
+    free(w->alike);
     free(w->room0);
     free(w->sets);
     free(w->n_sets);
-    free(w->per_tok);
     free(w->per_gtok);
 }
 
