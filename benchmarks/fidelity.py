@@ -20,9 +20,10 @@ time the source does not give). Every third expressible row (by id) is held asid
 choosing any default, and is reported apart. Errors are predicted / measured - 1 (negative: the model is
 optimistic, too fast). A second table predicts the rows again after two numbers per stack and GPU model, the
 matmul and attention efficiencies a user would time on their own stack, here fitted to two of the stack's rows
-that are not held aside (calibrated()).
+that are not held aside (calibrated()). --tp-traffic adds what TP's own collectives move on the rows with TP
+(tp_traffic_s; an experiment, see the notes of the results: it does not become the default).
 
-    python benchmarks/fidelity.py [--out benchmarks/results/fidelity.md]
+    python benchmarks/fidelity.py [--tp-traffic] [--out benchmarks/results/fidelity.md]
 """
 
 import argparse
@@ -86,6 +87,24 @@ def uniform_layout(devices, ring, group, seq_len, heads):
     return {"groups": groups}
 
 
+TP_TRAFFIC = False  # --tp-traffic: add tp_traffic_s() to the rows with tensor parallelism (an experiment, off)
+
+
+def tp_traffic_s(r):
+    """What Megatron's tensor parallelism with sequence parallelism moves that the mapping to Ulysses heads does
+    not price, at the node's NVLink bandwidth, not overlapped: per layer and sample, two all-gathers and two
+    reduce-scatters forward (before and after attention and the MLP) and as many backward, each of which sends a
+    device (t - 1) / t of the TP group's tokens x hidden x 2 bytes; the group holds S / (ring x ulysses) tokens.
+    Llama-3-8B at 64K, TP 8 x ring 2: 32 x 8 x 7/8 x 32,768 x 4,096 x 2 B = 60 GB, 0.30 s at 200 GB/s."""
+    p = r.get("parallel") or {}
+    t = p.get("tp") or 1
+    if t == 1:
+        return 0.0
+    tokens = int(r["seq_len"]) / ((p.get("ring") or 1) * (p.get("ulysses") or 1))
+    sent = r["arch"]["layers"] * 8 * (t - 1) / t * tokens * r["arch"]["hidden"] * 2
+    return sent / (INTRA_GBPS[catalog_gpu(r["gpu"])] * 1e9)
+
+
 def why_not(r):
     """Why a row cannot be predicted here, or None."""
     p = r.get("parallel") or {}
@@ -123,7 +142,7 @@ def predict(r, rates=None):
                                 training=hexiseq.Training(checkpointing=False, sharding="opt",
                                                           memory_features="none"))
         measured = megatron_causal_flops(m, S, r["global_batch"]) / (float(r["value"]) * 1e12 * r["gpus"])
-        pred = plan.step_time_s * r["global_batch"] / dp
+        pred = (plan.step_time_s + (tp_traffic_s(r) if TP_TRAFFIC else 0.0)) * r["global_batch"] / dp
         return pred, measured, f"{ring} x {u * tp} on {n} {gpu}" + (f", x{dp} replicas" if dp > 1 else "")
     if r["id"].startswith("alst"):
         n = r["gpus"]
@@ -229,7 +248,11 @@ def stats(errors):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--tp-traffic", action="store_true",
+                    help="price Megatron's TP collectives on the rows with TP (tp_traffic_s; not the default)")
     args = ap.parse_args()
+    global TP_TRAFFIC
+    TP_TRAFFIC = args.tp_traffic
     rows = yaml.safe_load(open(DATA))
     usable = sorted((r for r in rows if why_not(r) is None), key=lambda r: r["id"])
     held = {r["id"] for i, r in enumerate(usable) if i % 3 == 2}
@@ -305,7 +328,8 @@ def main():
             notes = old[old.index("\n## Notes"):] if "\n## Notes" in old else ""
         with open(args.out, "w") as f:
             f.write("# The cost model against published measured runs (catalog defaults, no calibration)\n\n"
-                    "Predicted by `python benchmarks/fidelity.py` from `benchmarks/data/published_runs.yaml`; "
+                    + ("With --tp-traffic (TP's collectives priced on the rows with TP).\n\n" if TP_TRAFFIC else "")
+                    + "Predicted by `python benchmarks/fidelity.py` from `benchmarks/data/published_runs.yaml`; "
                     "measured figures as published (see the data file for each row's source and cells).\n\n"
                     + table + "\n" + notes)
 

@@ -57,3 +57,17 @@ def test_two_measured_numbers_per_stack():
         assert set(rates) == {"gemm_eff", "attn_eff"} and all(0 < v <= 1 for v in rates.values()), rates
     assert not set(after) & {i for _, _, ids in fits.values() for i in ids}  # fitted rows are not scored
     assert statistics.median(abs(e) for k, e in after.items() if k in held) <= 0.10
+
+
+def test_tp_traffic_by_hand():
+    """The --tp-traffic experiment's term: Llama-3-8B at 64K on TP 8 x ring 2 sends 32 layers x 8 collectives x 7/8
+    of 32,768 tokens x 4,096 x 2 bytes per device (60.1 GB), 0.3006 s at the A800's 200 GB/s; none without TP; off
+    unless asked."""
+    rows = {r["id"]: r for r in yaml.safe_load(open(fidelity.DATA))}
+    tp8 = rows["usp_llama3_8b_a800x16_64k_tp8_u1_r2_bs1"]
+    assert fidelity.tp_traffic_s(tp8) == pytest.approx(32 * 8 * 7 / 8 * 32768 * 4096 * 2 / 200e9, rel=1e-12)
+    assert fidelity.tp_traffic_s(tp8) == pytest.approx(0.3006, abs=1e-4)
+    tp2 = rows["usp_llama3_8b_a800x16_64k_tp2_u4_r2_bs1"]  # 8,192 tokens a TP group, half of them sent
+    assert fidelity.tp_traffic_s(tp2) == pytest.approx(32 * 8 * 0.5 * 8192 * 4096 * 2 / 200e9, rel=1e-12)
+    assert fidelity.tp_traffic_s(rows["usp_llama3_8b_a800x16_64k_tp1_u8_r2_bs1"]) == 0.0
+    assert fidelity.TP_TRAFFIC is False
