@@ -59,15 +59,21 @@ def _documents_arg(text):
 def _batch_arg(text):
     """--batch: the sequences of one step, a file with one sequence per line (a line of several lengths is one packed
     sequence's documents) or inline lengths separated by commas (one sequence each)."""
-    lines = read_text(text, "batch file").splitlines() if os.path.isfile(text) else [t for t in text.split(",")]
+    inline = not os.path.isfile(text)
+    if inline and (os.path.exists(text) or re.search(r"[/\\]|\.(txt|csv|lst)$", text)):
+        raise InvalidArgumentError(f"--batch {text!r}: no such file" if not os.path.exists(text) else
+                                   f"--batch {text!r} is not a file")
+    lines = [t for t in text.split(",")] if inline else read_text(text, "batch file").splitlines()
+    where = "sequence" if inline else "line"
     out = []
     for n, line in enumerate(lines, 1):
         parts = [t for t in re.split(r"[\s,]+", line.split("#", 1)[0].strip()) if t]
         if not parts:
             continue
-        bad = next((t for t in parts if not t.isdigit()), None)
+        # ASCII digits only: str.isdigit() also takes superscripts and other scripts' digits, which int() refuses
+        bad = next((t for t in parts if not (t.isascii() and t.isdigit()) or int(t) == 0), None)
         if bad is not None:
-            raise InvalidArgumentError(f"--batch: line {n} must hold token counts (positive integers), got {bad!r}")
+            raise InvalidArgumentError(f"--batch: {where} {n} must hold token counts (positive integers), got {bad!r}")
         vals = [int(t) for t in parts]
         out.append(vals[0] if len(vals) == 1 else vals)
     if not out:
@@ -81,6 +87,11 @@ def cmd_plan_batch(args, cluster, model, training, causal) -> int:
     if args.documents is not None or args.sequences != 1:
         raise InvalidArgumentError("--batch gives the step's sequences and their documents: leave out --documents "
                                    "and --sequences")
+    given = [f for f, v in (("--seq-len", args.seq_len), ("--strategy", args.strategy), ("--plot", args.plot))
+             if v is not None]
+    if given:  # each would be silently ignored: the batch planner picks every group's layout for its sequences
+        raise InvalidArgumentError(f"--batch plans each group's layout for the lengths it gives: leave out "
+                                   f"{' and '.join(given)}")
     lengths = _batch_arg(args.batch)
     limit = None if args.time_limit is None else number(args.time_limit, "--time-limit", positive=True)
     bp = plan_batch(cluster, model=model, lengths=lengths, training=training, causal=causal, time_limit_s=limit,
@@ -127,8 +138,8 @@ def cmd_plan(args) -> int:
                                    "--batch too")
     if args.batch is not None:
         return cmd_plan_batch(args, cluster, model, dataclasses.replace(training, sequences=1), causal)
-    strategy = Strategy(args.strategy)
-    seq_len = parse_tokens(args.seq_len)
+    strategy = Strategy(args.strategy or "auto")
+    seq_len = parse_tokens(args.seq_len or "128k")
     documents = _documents_arg(args.documents)
     if args.time_limit is None:
         results = compare(cluster, model=model, seq_len=seq_len, training=training, causal=causal,
@@ -328,8 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", default="7b",
                     help=f"preset ({', '.join(sorted(MODEL_PRESETS))}; short 3b/7b/13b/30b/8b/70b) "
                          "or a Hugging Face config.json (default: 7b)")
-    pl.add_argument("--seq-len", default="128k", help="tokens per sequence, e.g. 131072, 128k, 1m (default 128k)")
-    pl.add_argument("--strategy", default="auto", choices=[s.value for s in Strategy])
+    pl.add_argument("--seq-len", default=None, help="tokens per sequence, e.g. 131072, 128k, 1m (default 128k)")
+    pl.add_argument("--strategy", default=None, choices=[s.value for s in Strategy], help="(default auto)")
     pl.add_argument("--sequences", type=int, default=1, help="sequences per step (default 1)")
     pl.add_argument("--checkpointing", action="store_true", help="full activation checkpointing")
     pl.add_argument("--sharding", default="full", choices=["full", "grad_opt", "opt", "none"],

@@ -218,7 +218,17 @@ def test_plan_batch_from_a_file_and_inline(tmp_path):
     assert inline.returncode == 0 and json.loads(inline.stdout)["lengths"] == [4096, 2048, 1024], inline.stderr
     assert_clean_error(run("plan", "--batch", "4096,x"), "--batch", "'x'")
     assert_clean_error(run("plan", "--batch", "4096", "--documents", "4096"), "--batch", "--documents")
-    assert_clean_error(run("plan", "--batch", "0,5"), "lengths[0] must be between 1")
+    assert_clean_error(run("plan", "--batch", "0,5"), "sequence 1 must hold token counts", "'0'")
+    bad = tmp_path / "bad.txt"
+    bad.write_text("4096\n\u00b2\n")  # a superscript digit: str.isdigit() takes it, int() does not
+    assert_clean_error(run("plan", "--batch", str(bad)), "line 2 must hold token counts", "'\u00b2'")
+    bad.write_text("4096\n2048 0\n")
+    assert_clean_error(run("plan", "--batch", str(bad)), "line 2", "'0'")
+    assert_clean_error(run("plan", "--batch", str(tmp_path / "missing.txt")), "missing.txt", "no such file")
+    assert_clean_error(run("plan", "--batch", str(tmp_path)), "is not a file")
+    for flag, value in (("--seq-len", "1m"), ("--strategy", "ring"), ("--plot", str(tmp_path / "x.png"))):
+        assert_clean_error(run("plan", "--batch", str(path), flag, value), "--batch", "leave out " + flag)
+    assert not (tmp_path / "x.png").exists()
     split = run("plan", "--batch", str(path), "--split-documents", "--json")
     assert split.returncode == 0, split.stderr
     got = json.loads(split.stdout)
