@@ -137,6 +137,16 @@ def test_plan_for_a_sequence_is_its_groups_layout():
     text = p.explain()
     assert "3 sequences" in text and "at least" in text and "for any grouping" in text
     assert p.to_dict()["assignment"] == list(p.assignment)
+    # the bound is the linear pricing's: an exact score below it says so, and a per-step plan is "priced"
+    assert ("the exact score above is below" in text) == (p.step_time_s < p.lower_bound_s), text
+    planner = BatchPlanner(cluster, model=TINY)
+    assert repr(planner).startswith("BatchPlanner(4 devices (2x H100-SXM, 2x A100-80G), model=") and \
+        "candidate groups" in repr(planner)
+    quick = planner.plan([5000], exact=False).explain()
+    assert quick.startswith("batch plan: 1 sequence (5,000 tokens") and "s scored" not in quick, quick
+    for name in ("exact", "reprice", "split_documents"):
+        with pytest.raises(InvalidArgumentError, match=f"{name} must be True or False, got 'no'"):
+            planner.plan([5000], **{name: "no"})
 
 
 def test_user_groups_must_nest_and_cover():
@@ -458,3 +468,18 @@ def test_split_documents_lets_a_packed_sequences_documents_go_to_different_group
         planner.plan(lengths, split_documents="yes")
     # nothing to split: the plain plan
     assert planner.plan([4096, 2048], split_documents=True).origin is None
+
+
+def test_an_exact_plan_stops_at_its_time_limit_with_the_best_cut_scored():
+    """time_limit_s bounds the exact scoring: past it no further finalist cut is scored, and the plan says it
+    stopped early (in explain() and to_dict()); without a limit it does not."""
+    cluster = mixed(("H100-SXM", 2, 450.0), ("A100-80G", 2, 300.0))
+    planner = BatchPlanner(cluster, model=TINY)
+    lengths = [3000, 2500, 2000, 1500, 1000, 800, 600, 400, 300, 200]
+    full = planner.plan(lengths)
+    assert not full.stopped_early and "STOPPED EARLY" not in full.explain()
+    assert "stopped_early" not in full.to_dict()
+    quick = planner.plan(lengths, time_limit_s=1e-6)
+    assert quick.stopped_early and "STOPPED EARLY at the time limit" in quick.explain()
+    assert quick.to_dict()["stopped_early"] is True
+    assert sorted(quick.assignment) and len(quick.assignment) == len(lengths)

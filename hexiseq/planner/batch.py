@@ -296,6 +296,10 @@ class BatchPlanner:
         self._sync_of_cut = {}  # sorted candidate indices -> sync_s of their devices (_cut_sync)
         self._bw = self._link_matrices()
 
+    def __repr__(self):
+        return (f"BatchPlanner({self.cluster.describe()}, model={getattr(self.model, 'name', None) or 'custom'}, "
+                f"{len(self.groups)} candidate groups of {len(self._kinds_list)} kinds, threads={self.threads})")
+
     def _bound_weights(self):
         """Device weights for the lower bound. In any cut, device d is busy for the time of its group, so for any
         weights w >= 0: sum_d w_d busy_d <= T sum_d w_d, and sum_d w_d busy_d = sum_i W_g(i) c[g(i), i] >=
@@ -446,8 +450,9 @@ class BatchPlanner:
         exact scores how far each kind's pricing is off and search again (the planner keeps what it learnt for the
         next steps); False: one search under the pricing as it stands (with what earlier exact plans taught it).
         Default: as `exact` (a job plans exactly now and then, and quickly every step in between)."""
-        if not isinstance(split_documents, bool):
-            raise InvalidArgumentError(f"split_documents must be True or False, got {split_documents!r}")
+        for name, flag in (("split_documents", split_documents), ("exact", exact), ("reprice", reprice)):
+            if not isinstance(flag, (bool, np.bool_)) and not (name == "reprice" and flag is None):
+                raise InvalidArgumentError(f"{name} must be True or False, got {flag!r}")
         if split_documents:
             total, docs = _lengths(lengths)
             origin = [(i, j) for i, d in enumerate(docs) for j in range(len(d) if d is not None else 1)]
@@ -501,7 +506,7 @@ class BatchPlanner:
                 if c not in scored or v[0] < scored[c][0]:
                     scored[c] = v
         limit = 0.0 if time_limit_s is None else max(1e-3, time_limit_s / 4)
-        plans, tried = [], set()
+        plans, tried, stopped = [], set(), False
         searched = min(v[0] for v in scored.values())
         for correction_round in range(3 if exact else 1):
             finalists = [c for c in sorted(scored, key=lambda c: scored[c][0]) if c not in tried][:3 if exact else 1]
@@ -512,6 +517,9 @@ class BatchPlanner:
                         (r,) not in tried and len(self._roots) == 1:
                     finalists.append((r,))
             for cut in finalists:
+                if plans and deadline is not None and time.perf_counter() >= deadline:
+                    stopped = True  # the best of the cuts scored so far (scoring one takes what it takes)
+                    break
                 tried.add(cut)
                 c, f, cp, _ = prices[scored[cut][2]]
                 # per-step plans: a count of local-search rounds (the full search took 52 of a 108 ms step at 1,024
@@ -532,7 +540,9 @@ class BatchPlanner:
                                      len(prices) - 1).items():
                 if k not in tried:
                     scored[k] = v
-        if exact and reprice and any(k.longest and k.longest > k.anchor for k in self._kinds_list):
+        late = deadline is not None and time.perf_counter() >= deadline and bool(plans)
+        stopped |= late and exact and reprice and any(k.longest and k.longest > k.anchor for k in self._kinds_list)
+        if not late and exact and reprice and any(k.longest and k.longest > k.anchor for k in self._kinds_list):
             # Passes as long as the memory features allow. The linear pricing takes the features as free, so it
             # packs passes at the capacity without them; where that is a little short of two sequences a group
             # pays its per-pass cost (the parameter gathers) twice, when one pass with the features would often be
@@ -557,6 +567,7 @@ class BatchPlanner:
             exact_best[len(p.groups)] = min(exact_best.get(len(p.groups), math.inf), p.step_time_s)
         by_count.update({k: (t, True) for k, t in exact_best.items()})
         return dataclasses.replace(best_plan, solve_s=time.perf_counter() - t0, searched_s=searched,
+                                   stopped_early=stopped,
                                    alternatives=tuple((k, t, e) for k, (t, e) in sorted(by_count.items())))
 
     def _learn(self, plans):

@@ -56,6 +56,8 @@ class BatchPlan:
     # split_documents: (sequence of the caller's batch, document index in it) of each planned sequence; None when
     # the plan's sequences are the caller's own
     origin: Optional[Tuple[Tuple[int, int], ...]] = None
+    # plan(..., time_limit_s=...) ran out of time before every finalist cut was scored: the best of those scored
+    stopped_early: bool = False
 
     @property
     def gap_to_bound(self) -> float:
@@ -155,6 +157,7 @@ class BatchPlan:
                               "lower_bound_s": self.lower_bound_s, "tokens_per_s": self.tokens_per_s},
                 "origin": None if self.origin is None else [list(o) for o in self.origin],
                 "candidates": self.candidates, "solve_s": self.solve_s,
+                **({"stopped_early": True} if self.stopped_early else {}),
                 "alternatives": [{"groups": k, "step_time_s": t, "scored": e} for k, t, e in self.alternatives]}
 
     def to_json(self) -> str:
@@ -162,32 +165,43 @@ class BatchPlan:
 
     def explain(self) -> str:
         gpus = self.cluster.device_gpus
-        what = f"{len(self.lengths)} sequences"
+        what = f"{len(self.lengths)} sequence{'s' if len(self.lengths) != 1 else ''}"
         if self.origin is not None:
             what = (f"{len({i for i, _ in self.origin})} sequences, split at their documents into "
                     f"{len(self.lengths)}")
         lines = [f"batch plan: {what} ({sum(self.lengths):,} tokens, the longest "
                  f"{max(self.lengths):,}) on {self.cluster.describe()}",
                  f"  {len(self.groups)} group{'s' if len(self.groups) != 1 else ''} chosen from {self.candidates} candidates in "
-                 f"{self.solve_s * 1e3:.0f} ms",
+                 f"{self.solve_s * 1e3:.0f} ms" + (" (STOPPED EARLY at the time limit: the best cut scored by then)"
+                                                  if self.stopped_early else ""),
                  f"  step (predicted) {self.step_time_s:.4g} s = slowest group {max(self.group_time_s):.4g} s + "
                  f"gradient sync across groups {self.sync_s:.3g} s",
                  f"  under the search's linear pricing: {self.model_step_time_s:.4g} s, and at least "
-                 f"{self.lower_bound_s:.4g} s for any grouping (gap {self.gap_to_bound:.2f}x)"]
+                 f"{self.lower_bound_s:.4g} s for any grouping priced so (gap {self.gap_to_bound:.2f}x)"
+                 + ("; the exact score above is below that pricing's bound" if self._scored() and
+                    self.step_time_s < self.lower_bound_s else "")]
         why = self._why()
         if why:
             lines.append(why)
-        lines.append("  group  devices                          sequences  tokens       time (s)")
+        heads = []
         for g, devs in enumerate(self.groups):
-            seqs = self.sequences_of(g)
             kinds = {}
             for d in devs:
                 kinds[gpus[d]] = kinds.get(gpus[d], 0) + 1
             what = ", ".join(f"{c}x {k}" for k, c in kinds.items())
             span = f"{devs[0]}" if len(devs) == 1 else f"{devs[0]}-{devs[-1]}"
-            lines.append(f"  {g:>5}  {span:>9} ({what})".ljust(43) + f"{len(seqs):>9}  "
+            heads.append(f"  {g:>5}  {span:>9} ({what})")
+        width = max([43] + [len(h) + 1 for h in heads])  # the devices column as wide as its longest entry
+        lines.append("  group  devices".ljust(width) + "sequences  tokens       time (s)")
+        for g, head in enumerate(heads):
+            seqs = self.sequences_of(g)
+            lines.append(head.ljust(width) + f"{len(seqs):>9}  "
                          f"{sum(self.lengths[i] for i in seqs):>11,}  {self.group_time_s[g]:>9.4g}")
         return "\n".join(lines)
+
+    def _scored(self) -> bool:
+        """Whether group_time_s is scored exactly (pass plans made), not a per-step plan's linear pricing."""
+        return not any(isinstance(p, _Kind) for ps in self.pass_plans for p in ps)
 
     def _why(self) -> str:
         """One line on why this many groups: the best step the search priced with the nearest fewer and more groups
@@ -200,8 +214,8 @@ class BatchPlan:
         if not parts:
             return ""
         return (f"  why {n} group{'s' if n != 1 else ''}: the best step found {' and '.join(parts)}, against "
-                f"{self.step_time_s:.4g} s scored (fewer groups spread each sequence over more devices; more groups "
-                "pay more gradient sync and hold fewer devices each)")
+                f"{self.step_time_s:.4g} s {'scored' if self._scored() else 'priced'} (fewer groups spread each "
+                "sequence over more devices; more groups pay more gradient sync and hold fewer devices each)")
 
     def __repr__(self):
         return (f"BatchPlan(groups={len(self.groups)}, sequences={len(self.lengths)}, "
