@@ -95,7 +95,7 @@ def cmd_plan_batch(args, cluster, model, training, causal) -> int:
     lengths = _batch_arg(args.batch)
     limit = None if args.time_limit is None else number(args.time_limit, "--time-limit", positive=True)
     bp = plan_batch(cluster, model=model, lengths=lengths, training=training, causal=causal, time_limit_s=limit,
-                    split_documents=bool(args.split_documents))
+                    split_documents=bool(args.split_documents), exact=not args.per_step)
     if args.json:
         print(json.dumps(bp.to_dict(), indent=2))
         return 0
@@ -136,6 +136,8 @@ def cmd_plan(args) -> int:
     if args.split_documents and args.batch is None:
         raise InvalidArgumentError("--split-documents lets a packed sequence of --batch go to several groups: give "
                                    "--batch too")
+    if args.per_step and args.batch is None:
+        raise InvalidArgumentError("--per-step plans a --batch without scoring it exactly: give --batch too")
     if args.batch is not None:
         return cmd_plan_batch(args, cluster, model, dataclasses.replace(training, sequences=1), causal)
     strategy = Strategy(args.strategy or "auto")
@@ -366,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--split-documents", action="store_true",
                     help="with --batch: a packed sequence's documents may go to different groups, cut at their "
                          "boundaries (default: each packed sequence stays whole, in one group)")
+    pl.add_argument("--per-step", action="store_true",
+                    help="with --batch: the per-step mode, groups and passes priced linearly in milliseconds, not "
+                         "scored exactly (an exact plan takes seconds to minutes for thousands of sequences)")
     pl.add_argument("--json", action="store_true", help="print the chosen plan as JSON")
     pl.add_argument("--time-limit", type=float, metavar="SECONDS",
                     help="stop the search after about this long with the best plan found so far (marked stopped early)")

@@ -229,6 +229,12 @@ def test_plan_batch_from_a_file_and_inline(tmp_path):
     for flag, value in (("--seq-len", "1m"), ("--strategy", "ring"), ("--plot", str(tmp_path / "x.png"))):
         assert_clean_error(run("plan", "--batch", str(path), flag, value), "--batch", "leave out " + flag)
     assert not (tmp_path / "x.png").exists()
+    quick = run("plan", "--batch", str(path), "--per-step", "--json")  # the linear pricing: as plan(exact=False)
+    assert quick.returncode == 0, quick.stderr
+    want = hexiseq.plan_batch(hexiseq.Cluster.example(), model="7b", exact=False,
+                              lengths=[65536, 2048, [1024, 1024, 512], 8000, 300])
+    assert json.loads(quick.stdout)["predicted"]["step_time_s"] == pytest.approx(want.step_time_s, rel=1e-9)
+    assert_clean_error(run("plan", "--per-step"), "--per-step", "--batch")
     split = run("plan", "--batch", str(path), "--split-documents", "--json")
     assert split.returncode == 0, split.stderr
     got = json.loads(split.stdout)

@@ -768,7 +768,7 @@ class BatchPlanner:
 
 
 def plan_batch(cluster, *, model="gpt-7b", lengths: Sequence, training=None, causal=True, groups=None,
-               time_limit_s=None, split_documents=False) -> BatchPlan:
+               time_limit_s=None, split_documents=False, exact=True) -> BatchPlan:
     """The batch plan of one training step: `lengths` holds one entry per sequence of the global batch, a token
     count or the list of the document lengths packed in it (its documents stay together, in one group, unless
     split_documents allows them to go to different groups, cut at their boundaries: see BatchPlanner.plan). The devices
@@ -777,11 +777,11 @@ def plan_batch(cluster, *, model="gpt-7b", lengths: Sequence, training=None, cau
     one packed sequence with the scheduler's layout for that group, and the step's predicted time is the slowest
     group plus the gradient synchronisation across groups. See hexiseq.planner.batch for the model.
     For many steps of one job, build a BatchPlanner once and call its plan(lengths) per step: the groups' costs
-    are computed once.
+    are computed once. exact: as for BatchPlanner.plan (False: the per-step mode, priced linearly, milliseconds).
 
     Raises MemoryFitError when a sequence fits no candidate group; InvalidArgumentError for bad lengths or groups."""
     return BatchPlanner(cluster, model=model, training=training, causal=causal, groups=groups).plan(
-        lengths, time_limit_s=time_limit_s, split_documents=split_documents)
+        lengths, time_limit_s=time_limit_s, split_documents=split_documents, exact=exact)
 
 
 # Above this many devices pricing the candidate groups takes minutes (about 5 for 8,192 on 2 cores, the kinds
