@@ -624,10 +624,6 @@ class BatchPlanner:
         # 100-4,000 tokens on 4 H100 and two groups of 2 A100: the H100 group ended a third of a pass short while
         # the A100 groups set the step). Also searched: each group with the passes its share of the batch at equal
         # time needs (its tokens a second against the others'), 5% over so the search can still move sequences.
-        # Per-step plans only: exact plans score a handful of finalist cuts, and on the batches of
-        # benchmarks/batch_planning.py this candidate moved their exact steps by -7% to +7%.
-        if not quick:
-            return found
         fits = np.isfinite(c)
         per_token = np.array([c[k, fits[k]].sum() / max(float(total[fits[k]].sum()), 1.0) for k in range(len(c))])
         if (per_token > 0).all():
