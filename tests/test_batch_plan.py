@@ -144,6 +144,7 @@ def test_plan_for_a_sequence_is_its_groups_layout():
         "candidate groups" in repr(planner)
     quick = planner.plan([5000], exact=False).explain()
     assert quick.startswith("batch plan: 1 sequence (5,000 tokens") and "s scored" not in quick, quick
+    assert "s priced (fewer groups" in quick, quick  # the why-line names the per-step step as priced
     for name in ("exact", "reprice", "split_documents"):
         with pytest.raises(InvalidArgumentError, match=f"{name} must be True or False, got 'no'"):
             planner.plan([5000], **{name: "no"})
@@ -482,7 +483,8 @@ def test_an_exact_plan_stops_at_its_time_limit_with_the_best_cut_scored():
     quick = planner.plan(lengths, time_limit_s=1e-6)
     assert quick.stopped_early and "STOPPED EARLY at the time limit" in quick.explain()
     assert quick.to_dict()["stopped_early"] is True
-    assert sorted(quick.assignment) and len(quick.assignment) == len(lengths)
+    assert len(quick.assignment) == len(lengths) and set(quick.assignment) <= set(range(len(quick.groups)))
+    assert sorted(i for ps in quick.passes for p in ps for i in p) == list(range(len(lengths)))
 
 
 def test_a_fast_group_takes_more_passes_than_slow_ones():

@@ -540,9 +540,10 @@ class BatchPlanner:
                                      len(prices) - 1).items():
                 if k not in tried:
                     scored[k] = v
+        longer = exact and reprice and any(k.longest and k.longest > k.anchor for k in self._kinds_list)
         late = deadline is not None and time.perf_counter() >= deadline and bool(plans)
-        stopped |= late and exact and reprice and any(k.longest and k.longest > k.anchor for k in self._kinds_list)
-        if not late and exact and reprice and any(k.longest and k.longest > k.anchor for k in self._kinds_list):
+        stopped |= longer and late
+        if longer and not late:
             # Passes as long as the memory features allow. The linear pricing takes the features as free, so it
             # packs passes at the capacity without them; where that is a little short of two sequences a group
             # pays its per-pass cost (the parameter gathers) twice, when one pass with the features would often be
@@ -608,6 +609,13 @@ class BatchPlanner:
                     passes *= 2
             return None
 
+        def faster(found, other):
+            """`other`, its times those of its packed passes, where its slowest group beats found's."""
+            if other is None:
+                return found
+            other = self._packed(other, total, c, f, cp)
+            return other if other[1].max() < found[1].max() else found
+
         found = search(cp)
         if found is None or found[3] == 1:
             return found
@@ -615,11 +623,7 @@ class BatchPlanner:
         longest = int(total.max())
         whole = cp // longest * longest
         if (whole > 0).all() and (whole < cp).any():
-            other = search(whole)
-            if other is not None:
-                other = self._packed(other, total, c, f, cp)
-                if other[1].max() < found[1].max():
-                    found = other
+            found = faster(found, search(whole))
         # One pass count for every group holds a fast group to the passes the slow ones need (5,000 sequences of
         # 100-4,000 tokens on 4 H100 and two groups of 2 A100: the H100 group ended a third of a pass short while
         # the A100 groups set the step). Also searched: each group with the passes its share of the batch at equal
@@ -634,10 +638,7 @@ class BatchPlanner:
                     other = _core.batch_assign(c, f * own, total, cp * own, limit, quick, rounds) + (int(own.max()),)
                 except MemoryFitError:
                     other = None
-                if other is not None:
-                    other = self._packed(other, total, c, f, cp)
-                    if other[1].max() < found[1].max():
-                        found = other
+                found = faster(found, other)
         return found
 
     @staticmethod
