@@ -105,11 +105,19 @@ def cmd_plan_batch(args, cluster, model, training, causal) -> int:
         one = plan(cluster, model=model, seq_len=sum(docs), training=training, causal=causal,
                    documents=docs if len(docs) > 1 else None)
         print(f"\nthe whole batch packed as documents into one sequence over all {cluster.num_devices} devices "
-              f"(one layout): {one.step_time_s:.4g} s; this plan is {one.step_time_s / bp.step_time_s:.2f}x that speed")
+              f"(one layout, cost model): {one.step_time_s:.4g} s; this plan is "
+              f"{one.step_time_s / bp.step_time_s:.2f}x that speed" + (" (its step priced linearly)" if args.per_step
+                                                                       else ""))
     except MemoryFitError:
         print(f"\nthe whole batch does not fit as one packed sequence over all {cluster.num_devices} devices")
-    print("(every time is a prediction of the cost model; a group runs its sequences as the documents of one packed\n"
-          " sequence with its own layout, states sharded inside the group; see docs/batch.md)")
+    if args.per_step:
+        print("(every time is a prediction; this plan's are its linear pricing (--per-step), the cost model scores\n"
+              " no pass: leave out --per-step to score each; a group runs its sequences as the documents of one\n"
+              " packed sequence with its own layout, states sharded inside the group; see docs/batch.md)")
+    else:
+        print("(every time is a prediction of the cost model, this plan's scored pass by pass; a group runs its\n"
+              " sequences as the documents of one packed sequence with its own layout, states sharded inside the\n"
+              " group; see docs/batch.md)")
     return 0
 
 

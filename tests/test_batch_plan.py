@@ -135,16 +135,23 @@ def test_plan_for_a_sequence_is_its_groups_layout():
         assert sub.step_time_s == p.group_time_s[g]
     assert p.lengths[2] == 3000 and p.documents[2] == (1000, 2000)
     text = p.explain()
-    assert "3 sequences" in text and "at least" in text and "for any grouping" in text
-    assert p.to_dict()["assignment"] == list(p.assignment)
-    # the bound is the linear pricing's: an exact score below it says so, and a per-step plan is "priced"
-    assert ("the exact score above is below" in text) == (p.step_time_s < p.lower_bound_s), text
+    assert "3 sequences" in text and "bound of the linear pricing: at least" in text and "for any grouping" in text
+    assert p.to_dict()["assignment"] == list(p.assignment) and p.to_dict()["scored"] is True
+    # each figure named by what it is: the exact step the cost model's score, the search's the linear pricing, and
+    # the bound that pricing's (a scored step below it says so); a per-step plan is "priced" throughout
+    assert f"step (cost model, each pass scored) {p.step_time_s:.4g} s" in text, text
+    assert f"step (priced, linear) {p.model_step_time_s:.4g} s, as the search" in text, text
+    assert "step (predicted)" not in text and "time (s, scored)" in text, text
+    assert ("the scored step is below it" in text) == (p.step_time_s < p.lower_bound_s), text
     planner = BatchPlanner(cluster, model=TINY)
     assert repr(planner).startswith("BatchPlanner(4 devices (2x H100-SXM, 2x A100-80G), model=") and \
         "candidate groups" in repr(planner)
     quick = planner.plan([5000], exact=False).explain()
     assert quick.startswith("batch plan: 1 sequence (5,000 tokens") and "s scored" not in quick, quick
     assert "s priced (fewer groups" in quick, quick  # the why-line names the per-step step as priced
+    assert "step (priced, linear)" in quick and "cost model, each pass scored" not in quick, quick
+    assert "time (s, priced)" in quick and "bound of the linear pricing" in quick, quick
+    assert planner.plan([5000], exact=False).to_dict()["scored"] is False
     for name in ("exact", "reprice", "split_documents"):
         with pytest.raises(InvalidArgumentError, match=f"{name} must be True or False, got 'no'"):
             planner.plan([5000], **{name: "no"})

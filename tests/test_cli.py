@@ -207,6 +207,7 @@ def test_plan_batch_from_a_file_and_inline(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "batch plan: 5 sequences (78,444 tokens, the longest 65,536)" in out.stdout
     assert "one packed sequence" in out.stdout or "packed as documents into one sequence" in out.stdout
+    assert "step (cost model, each pass scored)" in out.stdout and "this plan's scored pass by pass" in out.stdout
     js = run("plan", "--batch", str(path), "--json")
     assert js.returncode == 0, js.stderr
     got = json.loads(js.stdout)
@@ -235,6 +236,10 @@ def test_plan_batch_from_a_file_and_inline(tmp_path):
                               lengths=[65536, 2048, [1024, 1024, 512], 8000, 300])
     assert json.loads(quick.stdout)["predicted"]["step_time_s"] == pytest.approx(want.step_time_s, rel=1e-9)
     assert_clean_error(run("plan", "--per-step"), "--per-step", "--batch")
+    text = run("plan", "--batch", str(path), "--per-step")  # its figures named as the linear pricing throughout
+    assert text.returncode == 0, text.stderr
+    assert "step (priced, linear)" in text.stdout and "each pass scored" not in text.stdout, text.stdout
+    assert "(its step priced linearly)" in text.stdout and "linear pricing (--per-step)" in text.stdout, text.stdout
     split = run("plan", "--batch", str(path), "--split-documents", "--json")
     assert split.returncode == 0, split.stderr
     got = json.loads(split.stdout)
@@ -254,7 +259,7 @@ def test_several_sequences_are_planned_on_groups_when_that_is_faster():
     assert "why 2 groups" in head and "--sequences 4: the batch planner's groups above are predicted" in head
     ratio = float(head.split("are predicted ")[1].split("x as fast")[0])
     single = float(out.stdout.split("HexiSeq plan 'hexiseq'")[1].split("step time")[1].split("s")[0])
-    batch = float(head.split("step (predicted) ")[1].split(" s")[0])
+    batch = float(head.split("step (cost model, each pass scored) ")[1].split(" s")[0])
     assert ratio > 1 and abs(single / batch - ratio) < 0.01 * ratio, (ratio, single, batch)
     one = run("plan", "--checkpointing", "--model", "8b", "--seq-len", "32k")
     assert one.returncode == 0 and "batch plan" not in one.stdout, one.stderr

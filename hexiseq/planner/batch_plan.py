@@ -21,13 +21,16 @@ class BatchPlan:
     groups: the devices of each group (device indices of the cluster).
     assignment: the group index of each sequence, in batch order.
     lengths: each sequence's tokens (documents: their sum); documents: each sequence's document lengths or None.
-    group_time_s: each group's time, its passes scored exactly by the cost model (plan_for); model_group_time_s:
-    the same priced linearly, as the search ranked plans; searched_s: the best step the search found under that
+    group_time_s: each group's time, its passes scored exactly by the cost model (plan_for) in an exact plan; in a
+    per-step plan (plan(..., exact=False)) the linear pricing, no pass scored; model_group_time_s: the same priced
+    linearly, as the search ranked plans; searched_s: the best step the search found under that
     pricing (before the finalists were scored exactly); passes: the
     sequences of each group's packed passes (one pass unless they exceed what the group holds at once); capacity:
     the tokens one pass of each group holds; sync_s: the gradient
-    synchronisation across groups; step_time_s: the slowest group plus sync_s; lower_bound_s: a bound on the step of
-    any cut of the candidate tree and any assignment under the linear pricing; solve_s: what choosing the groups and the assignment took
+    synchronisation across groups; step_time_s: the slowest group plus sync_s (so scored by the cost model in an
+    exact plan, priced linearly in a per-step one); lower_bound_s: a bound on the step of any cut of the candidate
+    tree and any assignment under the linear pricing (a bound of model_step_time_s: an exact plan's step_time_s may
+    be below it); solve_s: what choosing the groups and the assignment took
     (seconds of this process, measured)."""
 
     cluster: Cluster
@@ -148,13 +151,16 @@ class BatchPlan:
 
     def to_dict(self) -> dict:
         """The plan as plain data: groups, assignment, each group's passes (sequence indices), the batch, and the
-        predicted figures (step, per group, linear pricing, sync, bound)."""
+        predicted figures: step_time_s and group_time_s (the cost model's score of every pass when "scored" is true,
+        an exact plan; else, a per-step plan, the linear pricing), model_step_time_s (the linear pricing), sync_s,
+        lower_bound_s (the linear pricing's bound: model_step_time_s is at or above it, a scored step may be below)."""
         return {"groups": [list(g) for g in self.groups], "assignment": list(self.assignment),
                 "passes": [[list(p) for p in ps] for ps in self.passes],
                 "lengths": list(self.lengths), "documents": [None if d is None else list(d) for d in self.documents],
                 "predicted": {"step_time_s": self.step_time_s, "group_time_s": list(self.group_time_s),
                               "model_step_time_s": self.model_step_time_s, "sync_s": self.sync_s,
                               "lower_bound_s": self.lower_bound_s, "tokens_per_s": self.tokens_per_s},
+                "scored": self._scored(),
                 "origin": None if self.origin is None else [list(o) for o in self.origin],
                 "candidates": self.candidates, "solve_s": self.solve_s,
                 **({"stopped_early": True} if self.stopped_early else {}),
@@ -173,13 +179,7 @@ class BatchPlan:
                  f"{max(self.lengths):,}) on {self.cluster.describe()}",
                  f"  {len(self.groups)} group{'s' if len(self.groups) != 1 else ''} chosen from {self.candidates} candidates in "
                  f"{self.solve_s * 1e3:.0f} ms" + (" (STOPPED EARLY at the time limit: the best cut scored by then)"
-                                                  if self.stopped_early else ""),
-                 f"  step (predicted) {self.step_time_s:.4g} s = slowest group {max(self.group_time_s):.4g} s + "
-                 f"gradient sync across groups {self.sync_s:.3g} s",
-                 f"  under the search's linear pricing: {self.model_step_time_s:.4g} s, and at least "
-                 f"{self.lower_bound_s:.4g} s for any grouping priced so (gap {self.gap_to_bound:.2f}x)"
-                 + ("; the exact score above is below that pricing's bound" if self._scored() and
-                    self.step_time_s < self.lower_bound_s else "")]
+                                                  if self.stopped_early else "")] + self._step_lines()
         why = self._why()
         if why:
             lines.append(why)
@@ -192,12 +192,28 @@ class BatchPlan:
             span = f"{devs[0]}" if len(devs) == 1 else f"{devs[0]}-{devs[-1]}"
             heads.append(f"  {g:>5}  {span:>9} ({what})")
         width = max([43] + [len(h) + 1 for h in heads])  # the devices column as wide as its longest entry
-        lines.append("  group  devices".ljust(width) + "sequences  tokens       time (s)")
+        lines.append("  group  devices".ljust(width) + "sequences  tokens       time (s, "
+                     + ("scored)" if self._scored() else "priced)"))
         for g, head in enumerate(heads):
             seqs = self.sequences_of(g)
             lines.append(head.ljust(width) + f"{len(seqs):>9}  "
                          f"{sum(self.lengths[i] for i in seqs):>11,}  {self.group_time_s[g]:>9.4g}")
         return "\n".join(lines)
+
+    def _step_lines(self) -> List[str]:
+        """The step's figures, each labelled by what it is: the cost model's score of every pass (exact plans), the
+        search's linear pricing, and that pricing's lower bound (which bounds the pricing, not the scored step)."""
+        parts = (f"= slowest group {max(self.group_time_s):.4g} s + gradient sync across groups {self.sync_s:.3g} s")
+        bound = (f"bound of the linear pricing: at least {self.lower_bound_s:.4g} s for any grouping priced so "
+                 f"(gap {self.gap_to_bound:.2f}x)")
+        if not self._scored():
+            return [f"  step (priced, linear) {self.step_time_s:.4g} s {parts}; the per-step mode: the cost model "
+                    "scores no pass", f"  {bound}"]
+        below = self.step_time_s < self.lower_bound_s
+        return [f"  step (cost model, each pass scored) {self.step_time_s:.4g} s {parts}",
+                f"  step (priced, linear) {self.model_step_time_s:.4g} s, as the search ranked the groupings",
+                f"  {bound}" + ("; the scored step is below it: the bound holds for the linear pricing only"
+                                if below else "")]
 
     def _scored(self) -> bool:
         """Whether group_time_s is scored exactly (pass plans made), not a per-step plan's linear pricing."""
