@@ -322,8 +322,9 @@ def cmd_gpus(args) -> int:
     print("\nThe attention kernel each attn eff stands for:")
     for g in gpu_catalog():
         print(f"  {g['name']:<12} {g['attn_kernel']}")
-    print("\nhost GB/s: the host link per direction (PCIe generation x16, datasheet); offloaded checkpoints are "
-          "priced at 0.8 of it unless calibrate measured the link.")
+    print("\nhost GB/s: the host link per direction (PCIe generation x16, datasheet; GB200: its share of the "
+          "superchip's NVLink-C2C to Grace, an estimate); offloaded checkpoints are priced at 0.8 of it unless "
+          "calibrate measured the link.")
     print("\nNames are case-insensitive; 'also' lists the short names read as the model on their line (a Cluster "
           "stores the catalog name). A model not listed is accepted when described: memory_gib with peak_tflops, "
           "gemm_eff and attn_eff, or measured rates (hexiseq calibrate).")

@@ -22,8 +22,14 @@ EXPECTED_ALL = [
     "load_full_state_dict",
 ]
 
-GPUS = ["H100-SXM", "H100-PCIe", "H200", "H800", "A100-40G", "A100-80G", "A800", "L40S", "L40", "A6000", "RTX4090",
-        "RTX3090", "V100"]
+GPUS = ["H100-SXM", "H100-PCIe", "H200", "H800", "H20", "B200", "GB200", "A100-40G", "A100-80G", "A800", "L40S", "L40",
+        "L20", "A6000", "RTX4090", "RTX3090", "V100"]
+
+# Parts of mixed fleets: name, its short name (None: none), dense bf16 TFLOP/s, GiB, memory GB/s, host link GB/s
+# per direction, from the vendors' datasheets (csrc/model/catalog.c gives the sources).
+FLEET_GPUS = [("H20", "H20-96G", 148.0, 95.6, 4000.0, 64.0), ("L20", None, 119.5, 45.0, 864.0, 32.0),
+              ("B200", "B200-180G", 2250.0, 179.1, 8000.0, 64.0), ("GB200", None, 2500.0, 185.1, 8000.0, 225.0),
+              ("MI325X", None, 1307.4, 255.7, 6000.0, 64.0)]
 
 BASELINES = ("ring", "ulysses", "usp")
 
@@ -117,6 +123,31 @@ def test_gpu_catalog():
     for g in cat.values():  # every model names the attention kernel its attn_eff stands for
         assert isinstance(g["attn_kernel"], str) and len(g["attn_kernel"]) > 10, g["name"]
     assert "FlashAttention-2" in cat["A100-80G"]["attn_kernel"] and "Hopper" in cat["H100-SXM"]["attn_kernel"]
+
+
+@pytest.mark.parametrize("name,alias,peak,memory,hbm,host", FLEET_GPUS)
+def test_mixed_fleet_gpus_are_known_and_plan(name, alias, peak, memory, hbm, host):
+    """Each part is in the catalog with its datasheet figures (dense, not sparse, peaks), is read by its name in
+    any case and by its short name, and a cluster of it plans Llama 3 8B at 64K in the time its rates give: against
+    eight H100-SXM, the step takes about the ratio of their GEMM or attention rates (a sparse peak, twice the dense
+    one, or a missing entry fails here)."""
+    cat = {g["name"]: g for g in hexiseq.gpu_catalog()}
+    g = cat[name]
+    assert (g["peak_tflops"], g["memory_gib"], g["hbm_gbps"], g["host_gbps"]) == (peak, memory, hbm, host)
+    assert g["aliases"] == ([alias] if alias else [])
+    assert 0 < g["gemm_eff"] <= 1 and 0 < g["attn_eff"] <= 1 and "estimated" in g["source"]
+    for spelled in [name, name.lower()] + ([alias, alias.lower()] if alias else []):
+        assert Cluster.from_dict({"nodes": [{"gpu": spelled, "count": 8, "intra_gbps": 450}]}).nodes[0].gpu == name
+
+    def step(gpu):
+        cluster = Cluster.from_dict({"nodes": [{"gpu": gpu, "count": 8, "intra_gbps": 450}]})
+        p = hexiseq.plan(cluster, model="llama3-8b", seq_len="64k")
+        assert list(p.cluster.device_gpus) == [gpu] * 8 and p.fits
+        return p.step_time_s
+
+    h100 = cat["H100-SXM"]
+    ratios = [h100["peak_tflops"] * h100[k] / (peak * g[k]) for k in ("gemm_eff", "attn_eff")]
+    assert 0.85 * min(ratios) <= step(name) / step("H100-SXM") <= 1.15 * max(ratios), ratios
 
 
 def test_example_cluster(example):

@@ -25,14 +25,24 @@
  *   from; hexiseq's own CUDA kernels and torch's fused ops are chosen per device at run time (hexiseq.runtime.fused),
  *   which calibrate measures.
  * host_gbps is the host link per direction, from the PCIe generation each part's datasheet gives: 5.0 x16 = 64 GB/s
- *   (Hopper, MI300X, Gaudi 3), 4.0 x16 = 32 (Ampere, Ada, Gaudi 2; MI250X's GCDs an estimate, the module's link
- *   shared by two), 3.0 x16 = 16 (V100); Ascend 910B3 32, low confidence. Offloading prices copies at
- *   HEXISEQ_HOST_LINK_EFF of it unless calibrate measured the link.
+ *   (Hopper, H20 included; B200, which its x86 HGX hosts run at Gen5; MI300X, MI325X, Gaudi 3), 4.0 x16 = 32
+ *   (Ampere, Ada, Gaudi 2; MI250X's GCDs an estimate, the module's link shared by two), 3.0 x16 = 16 (V100);
+ *   Ascend 910B3 32, low confidence. A GB200 GPU reaches host memory over NVLink-C2C instead: the superchip's
+ *   900 GB/s (both directions) shared by its two GPUs, 225 per GPU and direction, an estimate. Offloading prices
+ *   copies at HEXISEQ_HOST_LINK_EFF of it unless calibrate measured the link.
+ * memory_gib of the parts added later (H20, L20, B200, GB200, MI325X): H20 and B200 as nvidia-smi reports them,
+ *   L20 as its GDDR6 siblings L40 and L40S report; GB200 and MI325X estimated from the datasheet size less the
+ *   reserve their siblings show (B200: 180 GB, 179.1 GiB; MI300X: 192 GB, 191.7 GiB).
+ * Blackwell (B200, GB200) and H20 take the fitted Hopper efficiencies, L20 the L40's (both Ada with half-rate fp32
+ *   accumulation), MI325X the MI300X's (the same CDNA 3 compute): estimates, none with a published run.
  * Measured rates override every default through the cluster's per-node fields. */
 /* The attention kernels of the entries below (attn_kernel). */
 #define KERNEL_HOPPER "FlashAttention-2 (Dao 2023), which the published H100 runs attn_eff is fitted on ran (ALST " \
                       "states it; MosaicML's configurations use flash or triton); FlashAttention-3 (Shah et al. " \
                       "2024) and cuDNN SDPA run faster on Hopper (calibrate prices them)"
+#define KERNEL_BLACKWELL "cuDNN SDPA (torch SDPA's cuDNN backend, Transformer Engine's fused attention); " \
+                         "FlashAttention-2 runs on Blackwell without its tensor-core instructions and FlashAttention-3 " \
+                         "needs Hopper (calibrate prices the kernel a device runs)"
 #define KERNEL_AMPERE "FlashAttention-2 (Dao 2023, sm80 and later; torch SDPA's flash backend)"
 #define KERNEL_ADA "FlashAttention-2 (Dao 2023; FlashAttention-3 needs Hopper)"
 #define KERNEL_ROCM "FlashAttention-2 for ROCm (ROCm/flash-attention on composable_kernel; torch SDPA on ROCm)"
@@ -51,6 +61,19 @@ static const hexiseq_gpu_spec catalog[] = {
     {"H800", 989.4, 79.6, 3350.0, 0.55, 0.30,
      "NVIDIA H800 SXM5 product brief (same compute as H100 SXM5, 80 GB, 3.35 TB/s)",
      KERNEL_HOPPER, 64.0},
+    {"H20", 148.0, 95.6, 4000.0, 0.55, 0.30,
+     "NVIDIA HGX H20 specification (148 TFLOP/s bf16 dense, 96 GB HBM3, 4.0 TB/s); nvidia-smi reports 97,871 MiB "
+     "= 95.6 GiB; efficiencies estimated (Hopper's)",
+     KERNEL_HOPPER, 64.0},
+    {"B200", 2250.0, 179.1, 8000.0, 0.55, 0.30,
+     "NVIDIA HGX B200 and DGX B200 datasheets (per GPU: 2.25 PFLOP/s bf16 dense, 4.5 with sparsity; 180 GB "
+     "HBM3e, 8 TB/s); nvidia-smi reports 183,359 MiB = 179.1 GiB; efficiencies estimated (Hopper's)",
+     KERNEL_BLACKWELL, 64.0},
+    {"GB200", 2500.0, 185.1, 8000.0, 0.55, 0.30,
+     "NVIDIA GB200 NVL72 datasheet (per Blackwell GPU, half a superchip: 2.5 PFLOP/s bf16 dense, 5 with "
+     "sparsity; 186 GB HBM3e, 8 TB/s); memory_gib and the NVLink-C2C host link estimated; efficiencies estimated "
+     "(Hopper's)",
+     KERNEL_BLACKWELL, 225.0},
     {"A100-40G", 312.0, 40.0, 1555.0, 0.55, 0.55,
      "NVIDIA A100 datasheet (312 TFLOP/s bf16 dense, 40 GB HBM2, 1.56 TB/s)",
      KERNEL_AMPERE, 32.0},
@@ -65,6 +88,10 @@ static const hexiseq_gpu_spec catalog[] = {
      KERNEL_ADA, 32.0},
     {"L40", 181.0, 45.0, 864.0, 0.55, 0.46,
      "NVIDIA L40 datasheet (181 TFLOP/s bf16 dense, 48 GB GDDR6, 864 GB/s); attn_eff estimated",
+     KERNEL_ADA, 32.0},
+    {"L20", 119.5, 45.0, 864.0, 0.55, 0.46,
+     "NVIDIA L20 datasheet (119.5 TFLOP/s bf16 dense, 239 with sparsity, 48 GB GDDR6, 864 GB/s); memory_gib as "
+     "L40 reports it; efficiencies estimated (L40's)",
      KERNEL_ADA, 32.0},
     {"A6000", 154.8, 48.0, 768.0, 0.55, 0.46,
      "NVIDIA RTX A6000 datasheet (309.7 sparse = 154.8 dense TFLOP/s, 48 GB, 768 GB/s); attn_eff estimated",
@@ -84,6 +111,10 @@ static const hexiseq_gpu_spec catalog[] = {
     {"MI300X", 1307.4, 191.7, 5300.0, 0.50, 0.30,
      "AMD CDNA 3 white paper (MI300X: 1307.4 TFLOP/s bf16 dense, 192 GB HBM3, 5.3 TB/s); rocm-smi reports "
      "191.7 GiB; efficiencies estimated",
+     KERNEL_ROCM, 64.0},
+    {"MI325X", 1307.4, 255.7, 6000.0, 0.50, 0.30,
+     "AMD Instinct MI325X datasheet (1307.4 TFLOP/s bf16 dense, 256 GB HBM3E, 6 TB/s); memory_gib estimated "
+     "from MI300X's reserve; efficiencies estimated (MI300X's)",
      KERNEL_ROCM, 64.0},
     {"MI250X-GCD", 191.5, 64.0, 1638.4, 0.50, 0.30,
      "AMD CDNA 2 white paper (MI250X: 383 TFLOP/s bf16 dense, 128 GB HBM2e, 3.2768 TB/s per module of two "
@@ -112,6 +143,7 @@ static const struct {
     {"H100", "H100-SXM"}, {"H100-80G", "H100-SXM"}, {"A100", "A100-80G"}, {"A800-80G", "A800"},
     {"RTX-4090", "RTX4090"}, {"RTX-3090", "RTX3090"}, {"RTX-A6000", "A6000"}, {"V100-32G", "V100"},
     {"MI250X", "MI250X-GCD"}, {"Gaudi-2", "Gaudi2"}, {"Gaudi-3", "Gaudi3"}, {"Ascend-910B3", "Ascend910B3"},
+    {"H20-96G", "H20"}, {"B200-180G", "B200"},
 };
 
 int hexiseq_gpu_catalog_size(void) { return CATALOG_SIZE; }

@@ -929,7 +929,7 @@ static void test_strategies_odd_sizes(void) {
 
 static void test_garbage_catalog_and_cluster(void) {
     hexiseq_gpu_spec spec;
-    EXPECT(hexiseq_gpu_catalog_size() >= 13, "catalog size %d", hexiseq_gpu_catalog_size());
+    EXPECT(hexiseq_gpu_catalog_size() >= 23, "catalog size %d", hexiseq_gpu_catalog_size());
     EXPECT_ERR(hexiseq_gpu_catalog_get(0, NULL), HEXISEQ_ERR_NULL, "out");
     EXPECT_ERR(hexiseq_gpu_catalog_get(-1, &spec), HEXISEQ_ERR_INVALID, "index");
     EXPECT_ERR(hexiseq_gpu_catalog_get(hexiseq_gpu_catalog_size(), &spec), HEXISEQ_ERR_INVALID, "index");
@@ -950,6 +950,20 @@ static void test_garbage_catalog_and_cluster(void) {
         EXPECT(spec.name && spec.source && spec.source[0] && spec.peak_tflops > 0 && spec.memory_gib > 0 &&
                    spec.hbm_gbps > 0 && spec.gemm_eff > 0 && spec.gemm_eff <= 1 && spec.attn_eff > 0 && spec.attn_eff <= 1,
                "catalog entry %d", i);
+    }
+    /* the parts of mixed fleets added later, by name and short name, with their dense bf16 peaks and memory */
+    static const struct {
+        const char *name, *canonical;
+        double peak, memory_gib;
+    } later[] = {{"H20", "H20", 148.0, 95.6},          {"h20-96g", "H20", 148.0, 95.6},
+                 {"L20", "L20", 119.5, 45.0},          {"B200", "B200", 2250.0, 179.1},
+                 {"B200-180G", "B200", 2250.0, 179.1}, {"gb200", "GB200", 2500.0, 185.1},
+                 {"MI325X", "MI325X", 1307.4, 255.7}};
+    for (size_t i = 0; i < sizeof later / sizeof later[0]; ++i) {
+        EXPECT_OK(hexiseq_gpu_find(later[i].name, &spec));
+        EXPECT(strcmp(spec.name, later[i].canonical) == 0 && spec.peak_tflops == later[i].peak &&
+                   spec.memory_gib == later[i].memory_gib,
+               "%s: %s, %g TFLOP/s, %g GiB", later[i].name, spec.name, spec.peak_tflops, spec.memory_gib);
     }
 
     hexiseq_cluster *c = (hexiseq_cluster *)(uintptr_t)1; /* must be overwritten with NULL on failure */
