@@ -389,7 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
                                           "torchrun, one process per device) and write a cluster YAML")
     ca.add_argument("--model", default="llama3-8b", help="model whose shapes are measured (preset or config.json)")
     ca.add_argument("--out", default="cluster.yaml", help="cluster YAML to write (default cluster.yaml)")
-    ca.add_argument("--dtype", default=None, help="training dtype: bf16, fp16, fp32 (default bf16 on CUDA, fp32 on CPU)")
+    ca.add_argument("--dtype", default=None, help="training dtype: bf16, fp16, fp32 (default: the model's, "
+                                                    "bf16 for a preset)")
     ca.add_argument("--gemm-rows", help="row counts of the matmul rate curve, e.g. 512,2048,8192")
     ca.add_argument("--attn-blocks", help="block lengths of the attention rate curves, e.g. 256,1024,4096")
     ca.add_argument("--attn-heads", type=int, help="query heads to time attention with (default: the model's; "
@@ -407,7 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     me.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
     me.add_argument("--layer", default="attention", choices=["attention", "llama"],
                     help="the attention layer alone, or a whole Llama-style layer around it")
-    me.add_argument("--dtype", default=None, help="input dtype (default: the one of the plan's model dtype_bytes)")
+    me.add_argument("--dtype", default=None, help="input dtype (default: the one the plan's cluster was "
+                    "calibrated in, else the one of the plan's model dtype_bytes, as calibrate)")
     me.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     me.add_argument("--json", action="store_true", help="print the measurement as JSON")
     me.set_defaults(func=cmd_measure)

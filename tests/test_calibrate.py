@@ -224,6 +224,31 @@ def test_bad_arguments_name_the_field():
             measure(plan)
 
 
+def test_measure_defaults_to_the_dtype_the_cluster_was_calibrated_in():
+    """measure's dtype, when not given: the calibration record's when it has the model's dtype_bytes (fp16 stays
+    fp16), else the model's own, which is calibrate's default."""
+    from hexiseq.planner._harness import _model_dtype
+    from hexiseq.planner.measurement import _dtype_for
+
+    cpu = torch.device("cpu")
+    assert _model_dtype(hexiseq.Model.from_name_or_path("llama3-8b"), cpu) == torch.bfloat16
+    assert _model_dtype(hexiseq.Model(**cw.TINY), cpu) == torch.float32  # dtype_bytes=4
+    node = {"gpu": "CPU-test", "count": 1, "memory_gib": 4.0, "peak_tflops": 0.05, "gemm_eff": 0.8, "attn_eff": 0.5}
+
+    def plan_on(calibration, dtype_bytes):
+        c = hexiseq.Cluster.from_dict({"nodes": [node], **({"calibration": calibration} if calibration else {})})
+        return hexiseq.plan(c, model=hexiseq.Model(**dict(cw.TINY, dtype_bytes=dtype_bytes)), seq_len=256,
+                            training=hexiseq.Training(checkpointing=False))
+
+    assert _dtype_for(plan_on({"dtype": "float16"}, 2), None) == torch.float16
+    assert _dtype_for(plan_on({"dtype": "bfloat16"}, 2), None) == torch.bfloat16
+    assert _dtype_for(plan_on(None, 2), None) == torch.bfloat16
+    assert _dtype_for(plan_on({"dtype": "float32"}, 4), None) == torch.float32
+    # a record in another width than the plan's model: the model's dtype (measure then warns of the difference)
+    assert _dtype_for(plan_on({"dtype": "float32"}, 2), None) == torch.bfloat16
+    assert _dtype_for(plan_on({"dtype": "float16"}, 2), "bf16") == torch.bfloat16  # a given dtype wins
+
+
 def test_cli_calibrate_then_plan_then_measure(tmp_path):
     """One process, no torchrun: the commands make a world of one."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -237,6 +262,8 @@ def test_cli_calibrate_then_plan_then_measure(tmp_path):
     assert "calibrated 1 devices" in r.stdout or "calibrated 1 device" in r.stdout, r.stdout
     c = hexiseq.Cluster.from_file(out)
     assert c.num_devices == 1 and c.calibration["world"] == 1
+    # the config names no dtype: the model's 2 bytes, so bf16 on CPU too, the dtype measure then runs in
+    assert c.calibration["dtype"] == "bfloat16"
     r = subprocess.run([sys.executable, "-m", "hexiseq", "plan", str(out), "--model", str(cfg), "--seq-len", "512",
                         "--json"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
@@ -247,6 +274,7 @@ def test_cli_calibrate_then_plan_then_measure(tmp_path):
     assert r.returncode == 0, r.stderr
     m = json.loads(r.stdout)
     assert m["step_s"] > 0 and m["predicted_step_s"] > 0 and len(m["ranks"]) == 1
+    assert m["dtype"] == "bfloat16" and "calibrated in" not in r.stderr, r.stderr  # the loop's defaults agree
     r = subprocess.run([sys.executable, "-m", "hexiseq", "measure", str(tmp_path / "missing.json")],
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 1 and "missing.json" in r.stderr

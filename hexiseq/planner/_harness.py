@@ -31,6 +31,15 @@ def _dtype(dtype, device):
     raise InvalidArgumentError(f"dtype must be a torch floating dtype or a name like 'bf16', got {dtype!r}")
 
 
+def _model_dtype(model, device):
+    """The dtype a model trains in by default, which calibrate and measure both default to: the one of its
+    dtype_bytes (2: bf16, 4: fp32, 8: fp64), so that the rates are measured in the dtype the plan's bytes are priced
+    in; for another width, bf16 on CUDA and fp32 elsewhere."""
+    torch, _ = _torch()
+    by_bytes = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+    return by_bytes.get(model.dtype_bytes) or _dtype(None, device)
+
+
 def _barrier(group, device):
     """A barrier of `group`; on NCCL bound to this rank's device (else NCCL guesses one)."""
     _, dist = _torch()

@@ -35,7 +35,7 @@ from .. import _core
 from .cluster import Cluster, gpu_catalog
 from ..errors import InvalidArgumentError
 from .model import Model
-from ._harness import _agree_arguments, _barrier, _broadcast, _dtype, _group, _torch
+from ._harness import _agree_arguments, _barrier, _broadcast, _dtype, _group, _model_dtype, _torch
 
 __all__ = ["calibrate"]
 
@@ -650,7 +650,8 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
     value, on every rank alike (`progress` may differ). Rank r becomes cluster device r, so ranks of one host must be consecutive to share a node.
 
     model: a Model, preset name or Hugging Face config path: its matmul shapes, head_dim and GQA ratio are measured.
-    dtype: the training dtype (default bf16 on CUDA, fp32 on CPU).
+    dtype: the training dtype (default: the model's, by its dtype_bytes: 2 bf16, 4 fp32, 8 fp64; what
+        hexiseq.measure then defaults to as well, reading it from the cluster's calibration record).
     gemm_rows, attn_blocks: the sizes of the rate curves (defaults suit the device type).
     attn_heads: query heads to time attention with (default: the model's; fewer is quicker, less exact).
     message_bytes: bytes per link measurement (default 64 MiB on CUDA, 4 MiB on CPU).
@@ -684,7 +685,7 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
     cuda = device.type == "cuda"
     if error is None:
         try:
-            dt = _dtype(dtype, device)
+            dt = _model_dtype(model, device) if dtype is None else _dtype(dtype, device)
             rows_list = gemm_rows or [512, 2048, 8192] if cuda else gemm_rows or [64, 256, 1024]
             blocks = attn_blocks or ([256, 1024, 2048, 4096, 8192, 16384, 32768] if cuda else [64, 128, 256, 512, 1024])
             message_bytes = message_bytes or (64 << 20 if cuda else 4 << 20)

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from .._validate import document_lengths
-from ._harness import _agree_arguments, _barrier, _dtype, _group, _torch, rms_norm, rotary, rotary_tables
+from ._harness import (_agree_arguments, _barrier, _dtype, _group, _model_dtype, _torch, rms_norm, rotary,
+                       rotary_tables)
 from ..errors import InvalidArgumentError, refuse_batch_plan
 from .model import Training
 from .plan import Plan, evaluate
@@ -145,14 +146,24 @@ def _unlike_calibration(plan: Plan, dt) -> str:
 
 
 def _dtype_for(plan: Plan, dtype):
+    """The dtype to measure in: the one given, else the one the plan's cluster was calibrated in when it has the
+    model's dtype_bytes, else the model's own (calibrate's default)."""
     torch, _ = _torch()
 
-    by_bytes = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+    cpu = torch.device("cpu")
     if dtype is None:
-        if plan.model.dtype_bytes not in by_bytes:
+        if plan.model.dtype_bytes not in (2, 4, 8):
             raise InvalidArgumentError(f"the plan's model has dtype_bytes={plan.model.dtype_bytes}: pass dtype=")
-        return by_bytes[plan.model.dtype_bytes]
-    dt = _dtype(dtype, torch.device("cpu"))
+        name, calibrated = (plan.cluster.calibration or {}).get("dtype"), None
+        if isinstance(name, str):
+            try:
+                calibrated = _dtype(name, cpu)
+            except InvalidArgumentError:  # a dtype this version does not name
+                pass
+        if calibrated is not None and calibrated.itemsize == plan.model.dtype_bytes:
+            return calibrated
+        return _model_dtype(plan.model, cpu)
+    dt = _dtype(dtype, cpu)
     if dt.itemsize != plan.model.dtype_bytes:
         raise InvalidArgumentError(
             f"dtype {str(dt).replace('torch.', '')} has {dt.itemsize} bytes per element but the plan's model has "
@@ -211,8 +222,9 @@ def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=No
     rank alike.
 
     layer: "attention" (HexiSeqAttention alone) or "llama" (a whole Llama-style layer around it).
-    dtype: the inputs' dtype; default the one of the plan's model.dtype_bytes (2: bf16, 4: fp32, 8: fp64). It
-    must have model.dtype_bytes bytes, so that the prediction moves the bytes the run moves.
+    dtype: the inputs' dtype; default the one the plan's cluster was calibrated in (its calibration record) when
+    it has model.dtype_bytes bytes, else the one of model.dtype_bytes (2: bf16, 4: fp32, 8: fp64), as calibrate
+    defaults to. It must have model.dtype_bytes bytes, so that the prediction moves the bytes the run moves.
     documents: the packed documents every call runs with and the prediction is priced under: "plan" (default:
     the ones the plan was made for, `plan.documents`, None for one causal document), None, or a list of lengths
     adding up to plan.seq_len (to run a plan on a batch it was not made for)."""
