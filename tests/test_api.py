@@ -2,9 +2,11 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -283,6 +285,79 @@ def test_from_hf_config_object():
     assert (m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim, m.ffn, m.vocab, m.dtype_bytes) == (
         4, 512, 8, 2, 64, 1376, 1000, 4)
     assert m.gated_mlp
+
+
+LLAMA_1B = dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=32, num_key_value_heads=8,
+                intermediate_size=8192, vocab_size=128256, hidden_act="silu", tie_word_embeddings=True)
+
+
+def test_from_hf_config_reads_dtype_before_torch_dtype(monkeypatch):
+    """transformers 5 names the weights' type `dtype` and keeps `torch_dtype` as a deprecated alias: a config that
+    has `dtype` is read by it (it wins over a stale `torch_dtype`, and an object with it is never asked for
+    `torch_dtype`, whose read logs the deprecation); an older config's `torch_dtype` still counts."""
+    shape = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
+    assert Model.from_hf_config({**shape, "dtype": "float32"}).dtype_bytes == 4
+    assert Model.from_hf_config({**shape, "dtype": "float32", "torch_dtype": "bfloat16"}).dtype_bytes == 4
+    assert Model.from_hf_config({**shape, "torch_dtype": "float32"}).dtype_bytes == 4
+    assert Model.from_hf_config({**shape, "dtype": None, "torch_dtype": "float32"}).dtype_bytes == 4
+    assert Model.from_hf_config({**shape, "dtype": "auto"}).dtype_bytes == 2
+    assert Model.from_hf_config(shape).dtype_bytes == 2
+
+    class Config:
+        """An object config whose deprecated alias must not be read."""
+        num_hidden_layers, hidden_size, num_attention_heads, dtype = 2, 64, 4, "float32"
+
+        @property
+        def torch_dtype(self):
+            raise AssertionError("torch_dtype read")
+
+    assert Model.from_hf_config(Config()).dtype_bytes == 4
+    Config.dtype = None  # unset: the default, still without asking torch_dtype
+    assert Model.from_hf_config(Config()).dtype_bytes == 2
+
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+
+    def deprecated(self):
+        raise AssertionError("torch_dtype read")
+
+    monkeypatch.setattr(transformers.PretrainedConfig, "torch_dtype", property(deprecated))
+    for dtype, size in ((torch.float32, 4), ("float32", 4), ("bfloat16", 2), (None, 2)):
+        cfg = transformers.LlamaConfig(**LLAMA_1B, dtype=dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert Model.from_hf_config(cfg).dtype_bytes == size, dtype
+
+
+@pytest.mark.parametrize("key,value,needle", [("dtype", "int8", "'int8'"), ("torch_dtype", 4, "got 4"),
+                                              ("dtype", {"text_config": "bfloat16"}, "text_config"),
+                                              ("_name_or_path", 7, "got 7"), ("model_type", ["llama"], "['llama']"),
+                                              ("tie_word_embeddings", "yes", "'yes'")])
+def test_from_hf_config_bad_dtype_and_name_fields(key, value, needle):
+    shape = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
+    with pytest.raises(hexiseq.InvalidArgumentError, match=re.escape(key) + ".*" + re.escape(needle)):
+        Model.from_hf_config({**shape, key: value})
+
+
+def test_from_hf_config_name():
+    """A config is named by the name or path it was loaded under, else by its model_type and its size as the
+    checkpoint counts it (the output head once when tied), never a bare "hf-config"."""
+    llama8b = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256, "hidden_act": "silu"}
+    assert Model.from_hf_config(llama8b).name == "llama-8b"
+    assert Model.from_hf_config({**llama8b, "num_hidden_layers": 80, "hidden_size": 8192, "num_attention_heads": 64,
+                                 "intermediate_size": 28672}).name == "llama-70b"  # 70.55e9: cut, not rounded
+    assert Model.from_hf_config({**llama8b, "_name_or_path": "meta-llama/Llama-3.1-8B"}).name == "meta-llama/Llama-3.1-8B"
+    assert Model.from_hf_config({**llama8b, "_name_or_path": "", "name_or_path": "./ckpt"}).name == "./ckpt"
+    assert Model.from_hf_config({k: v for k, v in llama8b.items() if k != "model_type"}).name == "hf-8b"
+    gpt2 = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257}
+    assert Model.from_hf_config({**gpt2, "tie_word_embeddings": True}).name == "gpt2-123m"  # no position table
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(**LLAMA_1B)
+    assert cfg.name_or_path == ""  # what a config built in code holds
+    assert Model.from_hf_config(cfg).name == "llama-1.2b"  # Llama 3.2 1B: 1.24e9 with its tied head
+    cfg.name_or_path = "meta-llama/Llama-3.2-1B"
+    assert Model.from_hf_config(cfg).name == "meta-llama/Llama-3.2-1B"
 
 
 def _check_plan(p, cluster, seq_len, heads):

@@ -2,7 +2,7 @@
 
 import enum
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import List, Optional
 
 from .. import _core
@@ -146,7 +146,9 @@ class Model:
     @classmethod
     def from_hf_config(cls, config) -> "Model":
         """From a Hugging Face config: an object, a dict, or the path of its config.json (or of the folder holding
-        it). Llama/Mistral/Qwen-style or GPT-2/NeoX-style keys."""
+        it). Llama/Mistral/Qwen-style or GPT-2/NeoX-style keys. The element size comes from `dtype` (transformers
+        5), else `torch_dtype` (older configs), bfloat16 when neither is set; the name is the config's
+        `_name_or_path` when set, else its model_type and size ("llama-1.2b")."""
         if isinstance(config, (str, os.PathLike)):
             config = _read_hf_config(config)
         elif isinstance(config, (bytes, list, tuple, int, float)) or config is None:
@@ -188,15 +190,20 @@ class Model:
         gated = act in ("silu", "swiglu", "swish") or first("model_type")[1] in ("llama", "mistral", "qwen2", "qwen3",
                                                                                   "gemma", "mixtral")
         ffn = count("ffn", "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)
-        dtype = str(first("torch_dtype")[1] or "bfloat16")
-        dtype_bytes = 4 if "float32" in dtype else 2
+        if isinstance(config, dict) or not hasattr(config, "dtype"):
+            dtype_key, dtype = first("dtype", "torch_dtype")
+        else:
+            # transformers 5 holds `dtype` (None when unset) and keeps `torch_dtype` as an alias of it that logs a
+            # deprecation when read: an object with `dtype` is never asked for `torch_dtype`
+            dtype_key, dtype = "dtype", config.dtype
         window = hf_sliding_window(config)
         sliding = None if window is None else hf_sliding_layers(config, layers)
-        return cls(layers=layers, hidden=hidden, heads=heads, kv_heads=kv, head_dim=head_dim, ffn=ffn,
-                   vocab=count("vocab", "vocab_size", default=32000), dtype_bytes=dtype_bytes, gated_mlp=gated,
-                   name=str(first("_name_or_path", "model_type")[1] or "hf-config"),
-                   sliding_window=None if window is None else integer(window, "sliding_window", minimum=1),
-                   sliding_layers=sliding)
+        model = cls(layers=layers, hidden=hidden, heads=heads, kv_heads=kv, head_dim=head_dim, ffn=ffn,
+                    vocab=count("vocab", "vocab_size", default=32000), dtype_bytes=_hf_dtype_bytes(dtype_key, dtype),
+                    gated_mlp=gated, name="hf-config",
+                    sliding_window=None if window is None else integer(window, "sliding_window", minimum=1),
+                    sliding_layers=sliding)
+        return replace(model, name=_hf_name(get, model))
 
 
 # GPT-style models follow the GPT-3 paper's shapes (Brown et al. 2020, Table 2.1, 2.7B/6.7B/13B) with
@@ -336,6 +343,60 @@ class Training:
         if unknown:
             raise InvalidArgumentError(f"unknown training field(s) {sorted(unknown)}; expected {sorted(known)}")
         return cls(**d)
+
+
+# A Hugging Face dtype (a name, "torch.<name>", or a torch.dtype) -> bytes per element. "auto" (take the
+# checkpoint's) and an unset dtype count as bfloat16, what the planner assumes of a model.
+_HF_DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "float32": 4, "fp32": 4,
+                   "float": 4, "float64": 8, "double": 8, "auto": 2}
+
+
+def _hf_dtype_bytes(key, value) -> int:
+    """Bytes per element of a Hugging Face config's `dtype` (or `torch_dtype`, its name before transformers 5)."""
+    if value is None:
+        return 2
+    # a name, or a torch.dtype (what transformers 5 turns the name into), told by its type without importing torch
+    named = isinstance(value, str) or (type(value).__name__ == "dtype" and str(value).startswith("torch."))
+    text = str(value).strip().lower().removeprefix("torch.") if named else None
+    if text not in _HF_DTYPE_BYTES:
+        raise InvalidArgumentError(f"config's {key} must be a floating-point dtype ({', '.join(_HF_DTYPE_BYTES)}), "
+                                   f"got {value!r}")
+    return _HF_DTYPE_BYTES[text]
+
+
+def _size_label(params: float) -> str:
+    """A parameter count as model names give it, cut (not rounded) to at most one decimal below 10 and to whole
+    units from 10 on: 8.03e9 -> "8b", 1.24e9 -> "1.2b", 70.55e9 -> "70b", 124.4e6 -> "124m"."""
+    for unit, suffix in ((1e12, "t"), (1e9, "b"), (1e6, "m"), (1e3, "k")):
+        if params >= unit:
+            x = params / unit
+            x += 1e-6  # a count just under a boundary by the division's rounding stays on it
+            text = str(int(x)) if x >= 10 else f"{int(x * 10) / 10:.1f}".removesuffix(".0")
+            return text + suffix
+    return f"{int(params)}"
+
+
+def _hf_name(get, model) -> str:
+    """The name of a model read from a Hugging Face config: the name or path it was loaded under
+    (`_name_or_path`, or `name_or_path`) when set, else its `model_type` (or "hf") and its size, e.g. "llama-1.2b":
+    short, and what the checkpoint would be called. The size counts the parameters the checkpoint holds (the output
+    head once when `tie_word_embeddings` says it is the embedding), not the untied head the planner prices."""
+    for key in ("_name_or_path", "name_or_path"):
+        value = get(key)
+        if value is None:
+            continue
+        if not isinstance(value, (str, os.PathLike)):
+            raise InvalidArgumentError(f"config's {key} must be a string, got {value!r}")
+        value = os.fspath(value).strip()
+        if value:
+            return value
+    kind = get("model_type")
+    if kind is not None and not isinstance(kind, str):
+        raise InvalidArgumentError(f"config's model_type must be a string, got {kind!r}")
+    tied = get("tie_word_embeddings")
+    params = model.params - (model.vocab * model.hidden if tied is not None and
+                             boolean(tied, "config's tie_word_embeddings") else 0)
+    return f"{(kind or '').strip() or 'hf'}-{_size_label(params)}"
 
 
 def _read_hf_config(path) -> dict:
