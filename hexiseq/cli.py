@@ -334,9 +334,13 @@ def cmd_gpus(args) -> int:
 def cmd_info(args) -> int:
     info = build_info()
     # build_info()'s "cuda" means the CUDA kernels were compiled in, not that a GPU is here: say both plainly
-    out = {k: v for k, v in info.items() if k != "cuda"}
+    out = {k: v for k, v in info.items() if k not in ("cuda", "cuda_skipped")}
     out["cuda_kernels_built"] = info["cuda"]
     out["cuda_devices"] = cuda_device_count() if info["cuda"] else 0
+    if not info["cuda"]:
+        out["cuda_kernels"] = (f"not built ({info.get('cuda_skipped') or 'unknown reason'}); to build them, reinstall "
+                               "from the source tree on a machine with nvcc: HEXISEQ_CUDA=1 pip install . "
+                               "(HEXISEQ_CUDA_ARCHS=90 for Hopper only)")
     print(json.dumps(out, indent=2))
     return 0
 

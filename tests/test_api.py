@@ -94,12 +94,15 @@ def test_core_enums_match_the_python_names():
 
 def test_build_info():
     info = hexiseq.build_info()
-    types_ = {"version": str, "cuda": bool, "cuda_runtime": int, "compiler": str, "openmp": bool}
+    types_ = {"version": str, "cuda": bool, "cuda_runtime": int, "cuda_archs": str, "cuda_skipped": str,
+              "compiler": str, "openmp": bool}
     assert set(types_) <= set(info)
     for key, typ in types_.items():
         assert isinstance(info[key], typ), (key, info[key])
     assert info["version"] == hexiseq.__version__
     assert (info["cuda_runtime"] > 0) == info["cuda"]
+    # a build with the kernels names their targets; one without says why it has none
+    assert bool(info["cuda_archs"]) == info["cuda"] and bool(info["cuda_skipped"]) != info["cuda"], info
 
 
 def test_cuda_device_count_in_a_fresh_process():

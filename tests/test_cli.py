@@ -103,6 +103,8 @@ def test_info():
     assert info["cuda_devices"] == (hexiseq.cuda_device_count() if built["cuda"] else 0)
     assert {k: v for k, v in info.items() if not k.startswith("cuda_")} == {k: v for k, v in built.items()
                                                                             if not k.startswith("cuda")}
+    if not built["cuda"]:  # says why the kernels are missing and how to get them
+        assert built["cuda_skipped"] in info["cuda_kernels"] and "HEXISEQ_CUDA=1 pip install ." in info["cuda_kernels"]
 
 
 def test_version():

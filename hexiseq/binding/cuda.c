@@ -112,10 +112,14 @@ static PyObject *core_cuda_device_count(PyObject *module, PyObject *Py_UNUSED(ig
     return PyLong_FromLong(devices);
 }
 #else
+#ifndef HEXISEQ_CUDA_SKIPPED
+#define HEXISEQ_CUDA_SKIPPED "built without setup.py's CUDA decision"
+#endif
 const hexiseq_cuda_entries *core_cuda_entries(PyObject *module) {
     PyErr_SetString(get_state(module)->errors[HEXISEQ_ERR_UNSUPPORTED],
-                    "this hexiseq was built without CUDA kernels (nvcc not found or HEXISEQ_CUDA=0 at build time); "
-                    "reinstall with nvcc on PATH or move the tensors to the CPU");
+                    "this hexiseq was built without its CUDA kernels (" HEXISEQ_CUDA_SKIPPED "); to build them, "
+                    "reinstall from the source tree on a machine with nvcc: HEXISEQ_CUDA=1 pip install . "
+                    "(HEXISEQ_CUDA_ARCHS=90 for Hopper only); or move the tensors to the CPU");
     return NULL;
 }
 

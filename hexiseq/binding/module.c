@@ -17,9 +17,16 @@ static PyObject *core_build_info(PyObject *module, PyObject *Py_UNUSED(ignored))
 #ifdef HEXISEQ_WITH_CUDA
     PyObject *cuda = Py_True;
     int runtime = HEXISEQ_CUDA_RUNTIME;
+    const char *archs = HEXISEQ_CUDA_ARCHS, *skipped = "";
 #else
     PyObject *cuda = Py_False;
     int runtime = 0;
+    const char *archs = "";
+#ifdef HEXISEQ_CUDA_SKIPPED
+    const char *skipped = HEXISEQ_CUDA_SKIPPED; /* why setup.py built no CUDA kernels */
+#else
+    const char *skipped = "built without setup.py's CUDA decision";
+#endif
 #endif
 #if defined(__clang__)
     const char *compiler = "clang " __clang_version__;
@@ -28,8 +35,8 @@ static PyObject *core_build_info(PyObject *module, PyObject *Py_UNUSED(ignored))
 #else
     const char *compiler = "unknown";
 #endif
-    return Py_BuildValue("{s:s,s:O,s:i,s:s,s:O}", "version", HEXISEQ_VERSION, "cuda", cuda, "cuda_runtime", runtime,
-                         "compiler", compiler, "openmp", openmp);
+    return Py_BuildValue("{s:s,s:O,s:i,s:s,s:s,s:s,s:O}", "version", HEXISEQ_VERSION, "cuda", cuda, "cuda_runtime",
+                         runtime, "cuda_archs", archs, "cuda_skipped", skipped, "compiler", compiler, "openmp", openmp);
 }
 
 /* ------------------------------------------------------------------ module */

@@ -10,7 +10,8 @@ torch is optional: NumPy arrays alone work without it installed.
 Devices: CPU tensors (and NumPy arrays) run the CPU kernels. torch CUDA tensors run the CUDA kernels of
 kernels/forward.cu and kernels/backward.cu (float16 and bfloat16; float32/float64 raise UnsupportedError) on torch's
 current stream of their device, asynchronously like any torch op; all tensors of a call must be on that one device.
-A build without CUDA (no nvcc at install time, or HEXISEQ_CUDA=0) raises UnsupportedError for CUDA tensors.
+A build without CUDA kernels (the default where no GPU was visible at build time; HEXISEQ_CUDA=1 builds them)
+raises UnsupportedError for CUDA tensors, saying why they were not built and how to build them.
 """
 
 import math
@@ -62,9 +63,11 @@ def _device_of(tensors):
             raise InvalidArgumentError(f"{name} is on device '{device}' but {n} is on {where}: all tensors of a call "
                                        "must be on one device")
     if not _cuda_built():
-        raise UnsupportedError(f"{name} is on device '{device}': this hexiseq was built without CUDA kernels (nvcc "
-                               "not found or HEXISEQ_CUDA=0 at install time); reinstall with nvcc on PATH or move "
-                               "the tensors to the CPU")
+        why = _core.build_info().get("cuda_skipped") or "unknown reason"
+        raise UnsupportedError(f"{name} is on device '{device}': this hexiseq was built without its CUDA kernels "
+                               f"({why}); to build them, reinstall from the source tree on a machine with nvcc: "
+                               "HEXISEQ_CUDA=1 pip install . (HEXISEQ_CUDA_ARCHS=90 for Hopper only); or move the "
+                               "tensors to the CPU")
     return device
 
 
