@@ -148,6 +148,10 @@ def cmd_plan(args) -> int:
         raise InvalidArgumentError("--per-step plans a --batch without scoring it exactly: give --batch too")
     if args.batch is not None:
         return cmd_plan_batch(args, cluster, model, dataclasses.replace(training, sequences=1), causal)
+    if args.plot:  # before planning, which can take minutes: a missing matplotlib is said at once
+        from .planner.plotting import _pyplot
+
+        _pyplot()
     strategy = Strategy(args.strategy or "auto")
     seq_len = parse_tokens(args.seq_len or "128k")
     documents = _documents_arg(args.documents)
@@ -387,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print the chosen plan as JSON")
     pl.add_argument("--time-limit", type=float, metavar="SECONDS",
                     help="stop the search after about this long with the best plan found so far (marked stopped early)")
-    pl.add_argument("--plot", metavar="FILE.png", help="draw per-device shares and time breakdown (needs matplotlib)")
+    pl.add_argument("--plot", metavar="FILE.png",
+                    help='draw per-device shares and time breakdown (needs matplotlib: pip install "hexiseq[plot]")')
     pl.set_defaults(func=cmd_plan)
     ca = sub.add_parser("calibrate", help="measure this cluster's devices and links (a collective: run under "
                                           "torchrun, one process per device) and write a cluster YAML")

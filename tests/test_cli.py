@@ -144,6 +144,69 @@ def test_plot_writes_a_png(tmp_path):
     assert out.stat().st_size > 10_000  # a real figure, not an empty canvas
 
 
+def test_plot_without_matplotlib_names_the_extra(monkeypatch, tmp_path, capsys):
+    """Without matplotlib, --plot fails at once (before planning) with one line naming what to install."""
+    from hexiseq.cli import main
+    from hexiseq.planner.plotting import plot_plan
+
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib...` now raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    out = tmp_path / "plan.png"
+    assert main(["plan", "--plot", str(out)]) == 1
+    got = capsys.readouterr()
+    assert got.out == "" and not out.exists()
+    assert got.err.startswith("hexiseq: error: plotting needs matplotlib"), got.err
+    assert 'pip install "hexiseq[plot]"' in got.err and "pip install matplotlib" in got.err, got.err
+    with pytest.raises(hexiseq.HexiseqError, match=r'hexiseq\[plot\]'):
+        plot_plan(hexiseq.plan(hexiseq.Cluster.example(), model="7b", seq_len=8192))
+
+
+def test_plot_draws_parked_devices_apart_from_their_groups():
+    """A parked device (no tokens, no heads) is drawn after every group, on its own band, not as a member of the
+    group it sits in; each group is named with its working devices; every busy term is stacked; the title wraps."""
+    pytest.importorskip("matplotlib")
+    from hexiseq.planner.plotting import plot_plan
+
+    c = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 4, "intra_gbps": 450}]})
+    m = {"layers": 2, "hidden": 64, "heads": 8, "kv_heads": 2, "head_dim": 8, "ffn": 128, "vocab": 97}
+    layout = {"groups": [{"devices": [0, 2], "seq": 600, "tokens": [600, 0], "heads": [8, 0]},
+                         {"devices": [1, 3], "seq": 424, "tokens": [212, 212], "heads": [4, 4]}]}
+    p = hexiseq.evaluate(c, model=m, seq_len=1024, layout=layout)
+    assert p.devices.device.tolist() == [0, 2, 1, 3] and p.devices.tokens.tolist()[1] == 0
+    assert "g0: 1 device(s) 0 [H100-SXM], seq 600 (and parked 2)" in p.explain()
+    fig = plot_plan(p)
+    try:
+        top, heads, times = fig.axes[:3]
+        for ax in (top, heads, times):  # the parked device last, its number greyed
+            labels = ax.get_xticklabels()
+            assert [t.get_text() for t in labels] == ["0", "1", "3", "2"]
+            assert labels[-1].get_color() != labels[0].get_color()
+        assert [t.get_text() for t in top.texts] == ["g0: 1", "g1: 2", "parked: 1"]
+        assert [b.get_height() for b in top.patches[:4]] == [600, 212, 212, 0]
+        assert "1 parked" in fig._suptitle.get_text()
+        names = [t.get_text() for t in times.get_legend().get_texts()]
+        assert "matmuls" in names and "attention" in names and "runtime work" not in names  # terms no device has
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    # a long cluster description is wrapped to the figure, not clipped at its edges
+    wide = hexiseq.Cluster.from_dict({"nodes": [{"gpu": g, "count": 1} for g in (
+        "H100-SXM", "A100-80G", "L40S", "A800", "H800", "A100-40G", "RTX4090", "A6000", "V100", "L40")],
+                                    "inter_node_gbps": 25})
+    fig = plot_plan(hexiseq.evaluate(wide, model=m, seq_len=1000, layout={"groups": [
+        {"devices": list(range(10)), "seq": 1000, "tokens": [100] * 10, "heads": [1] * 8 + [0, 0]}]}))
+    try:
+        fig.canvas.draw()
+        title = fig._suptitle
+        box = title.get_window_extent()
+        assert "\n" in title.get_text() and box.x0 >= 0 and box.x1 <= fig.bbox.width, (box, fig.bbox)
+    finally:
+        plt.close(fig)
+
+
 def test_scheduler_is_the_default_and_beats_the_baselines(default_run):
     text = default_run.stdout
     assert "HexiSeq plan 'hexiseq'" in text

@@ -60,10 +60,13 @@ def explain(plan, one_document=None) -> str:
     ]
     r = 0
     for g, size in enumerate(plan.layout.group_size.tolist()):
-        members = t.device[r:r + size]
-        gpus = sorted(set(t.gpu[r:r + size].tolist()))
-        lines.append(f"    g{g}: {size} device(s) {_ranges(members.tolist())} [{', '.join(gpus)}], "
-                     f"seq {int(plan.layout.group_seq[g]):,}")
+        # a parked device (no tokens, no heads) is not counted as one of its group's members, only named beside it
+        off = [(n == 0 and h == 0) for n, h in zip(t.tokens[r:r + size], t.head_count[r:r + size])]
+        members = [int(d) for d, o in zip(t.device[r:r + size], off) if not o]
+        gpus = sorted(set(x for x, o in zip(t.gpu[r:r + size].tolist(), off) if not o))
+        left = [int(d) for d, o in zip(t.device[r:r + size], off) if o]
+        lines.append(f"    g{g}: {len(members)} device(s) {_ranges(members) if members else '-'} [{', '.join(gpus)}], "
+                     f"seq {int(plan.layout.group_seq[g]):,}" + (f" (and parked {_ranges(left)})" if left else ""))
         r += size
     parked = sorted(int(d) for d, n, h in zip(t.device, t.tokens, t.head_count) if n == 0 and h == 0)
     if parked:
