@@ -1,4 +1,5 @@
-"""Runs the C unit tests (tests/c/Makefile): the optimised build and the ASan + UBSan build."""
+"""Runs the C unit tests (tests/c/Makefile): the optimised build, and in the slow tier the ASan + UBSan build (which
+also runs the emulated CUDA kernels' whole case matrix)."""
 
 import os
 import re
@@ -34,5 +35,6 @@ def test_c_units_optimised():
     assert "test_cost" in _run("test")
 
 
+@pytest.mark.slow
 def test_c_units_sanitized():
     assert "test_cost" in _run("sanitize")
