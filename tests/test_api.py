@@ -647,3 +647,31 @@ def test_parked_devices_are_said_in_the_explanation():
     assert "parked           2 device(s) 1-2 hold no tokens and no heads" in small.explain()
     assert 'Strategy "usp" or "ring" (--strategy) uses every device' in small.explain()
     assert "parked" not in hexiseq.plan(c, model=m, seq_len=512, strategy="usp").explain()
+
+
+def test_device_row_is_a_ranks_row_of_the_device_table():
+    """plan.device_row(r): device r's row of plan.devices (which is in layout order, not rank order), plain values,
+    its tokens the length of its shard; a parked rank's tokens are 0; a rank out of range is refused."""
+    c = Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 2, "intra_gbps": 450},
+                                     {"gpu": "A100-80G", "count": 2, "intra_gbps": 300}], "inter_node_gbps": 25})
+    m = {"layers": 2, "hidden": 64, "heads": 8, "kv_heads": 2, "head_dim": 8, "ffn": 128, "vocab": 97}
+    # the ring order puts device 3 first, so slot and rank differ
+    p = hexiseq.evaluate(c, model=m, seq_len=100, layout={"groups": [
+        {"devices": [3], "seq": 20, "tokens": [20], "heads": [8]},
+        {"devices": [1, 0], "seq": 50, "tokens": [30, 20], "heads": [3, 5]},
+        {"devices": [2], "seq": 30, "tokens": [30], "heads": [8]}]})
+    rows = [p.device_row(r) for r in range(4)]
+    assert [r["device"] for r in rows] == [0, 1, 2, 3]
+    assert [r["tokens"] for r in rows] == [20, 30, 30, 20] == [len(p.positions(r)) for r in range(4)]
+    assert [r["head_count"] for r in rows] == [5, 3, 8, 8] and [r["group"] for r in rows] == [1, 1, 2, 0]
+    assert rows[0]["rank"] == 1 and rows[0]["gpu"] == "H100-SXM" and rows[3]["gpu"] == "A100-80G"
+    assert set(rows[0]) == set(p.devices.columns)
+    assert all(type(v) in (int, float, str, bool) for r in rows for v in r.values())
+    slot = list(p.devices.device).index(2)
+    assert rows[2] == p.devices.rows()[slot]
+    small = hexiseq.plan(Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 3, "intra_gbps": 450}]}),
+                         model=m, seq_len=512)
+    assert sorted(small.device_row(r)["tokens"] for r in range(3))[:2] == [0, 0]
+    for bad in (4, -1, True, 1.0):
+        with pytest.raises(hexiseq.InvalidArgumentError, match="rank must be a device id"):
+            p.device_row(bad)

@@ -445,6 +445,15 @@ class Plan:
         """The HP group (index in ring order) of a rank."""
         return int(self.devices.group[self._slot(rank)])
 
+    def device_row(self, rank: int) -> dict:
+        """A rank's row of `devices` (rank r is cluster device r) as a dict of plain values, every column of
+        DeviceTable: its tokens, its query heads (head_lo, head_count), its group and its place in it ("rank": the
+        member index inside the group, not r), its predicted times and memory. `plan.device_row(r)["tokens"]` is
+        the length of its shard (`len(plan.positions(r))`); 0 for a rank the plan parks."""
+        slot = self._slot(rank)
+        return {name: (col[slot].item() if hasattr(col[slot], "item") else col[slot])
+                for name, col in ((name, self.devices[name]) for name in self.devices.columns)}
+
     def positions(self, rank: int) -> np.ndarray:
         """Absolute positions of the tokens a rank holds for token-parallel work (e.g. for rotary
         embeddings), in the order of its shard. Rank r is cluster device r."""
