@@ -25,10 +25,10 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import InvalidArgumentError
+from ..errors import HexiseqError, InvalidArgumentError
 from .comm import agree, collective_device, group_timeout, resolve_group, text_code
 from .documents import DOCUMENTS_KWARG
-from .nn import HexiSeqContext, hexiseq_attn_func
+from .nn import HexiSeqContext, _live_contexts, hexiseq_attn_func
 
 __all__ = ["BatchContext", "BatchStep", "Pass", "EmptyPass", "BatchAttention"]
 
@@ -45,7 +45,7 @@ class BatchContext:
     Collective to build: every rank of the world calls it with the same planner."""
 
     def __init__(self, planner, causal: Optional[bool] = None, softmax_scale: Optional[float] = None, timeout=None):
-        self.group = resolve_group(None)
+        self._group = resolve_group(None)
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.planner = planner
         self.causal = getattr(planner, "causal", True) if causal is None else bool(causal)
@@ -73,6 +73,15 @@ class BatchContext:
         self._groups: Dict[tuple, object] = {}
         self._contexts: "collections.OrderedDict[tuple, HexiSeqContext]" = collections.OrderedDict()
         self.steps = 0
+        _live_contexts.add(self)  # closed by the exit hook of hexiseq.runtime.nn unless closed before
+
+    @property
+    def group(self):
+        """The world process group the job runs over; after close() a HexiseqError."""
+        if self._group is None:
+            raise HexiseqError("this BatchContext is closed: close() released its process groups; make a new one to "
+                               "run more steps")
+        return self._group
 
     def _timeout_kw(self):
         return {"timeout": self.timeout} if self.timeout is not None else {}
@@ -120,6 +129,7 @@ class BatchContext:
         """This rank's part of `plan` (a hexiseq.BatchPlan of the planner's cluster). Collective: every rank calls
         it with the same plan, checked by fingerprint; a rank whose plan differs, or any invalid plan, makes every
         rank raise the same error."""
+        self.group  # raises on a closed context, before any collective
         error = self._plan_error(plan)
         code = text_code(plan.fingerprint) if error is None else 0
         agree(self._cpu, [code], ["batch plan"], error)
@@ -167,15 +177,19 @@ class BatchContext:
         return ctx
 
     def close(self):
-        """Release the contexts and the process groups this object made (before destroy_process_group)."""
+        """Release the contexts and the process groups this object made, and let go of the world group too (call it
+        before destroy_process_group; the exit hook of hexiseq.runtime.nn does it otherwise: see
+        HexiSeqContext.close). Idempotent; a closed BatchContext raises HexiseqError when asked for a step."""
+        if self._group is None:
+            return
         for ctx in self._contexts.values():
             ctx.close()
         self._contexts.clear()
-        made = {id(pg): pg for pg in self._groups.values() if pg is not self.group}
-        if self._cpu is not self.group:
+        made = {id(pg): pg for pg in self._groups.values() if pg is not self._group}
+        if self._cpu is not self._group:
             made[id(self._cpu)] = self._cpu
         self._groups.clear()
-        self._cpu = self.group
+        self._cpu = self._group = None
         for pg in made.values():
             if dist.is_initialized():
                 try:

@@ -28,6 +28,18 @@ import torch.distributed as dist
 from .. import errors as errors_module
 from ..errors import HexiseqError, InvalidArgumentError, RankMismatchError
 
+# torch.distributed.nn.functional writes `group=group.WORLD` as the default of its ten collectives, evaluated when
+# the module is first imported. torch imports it lazily (torch._dynamo does, on a job's first optimizer), and
+# imported after init_process_group it binds the world process group itself: destroy_process_group() then cannot
+# free it, and its Gloo worker threads run on into interpreter shutdown. A worker that is still letting go of the
+# last collective's work when the interpreter finalises needs the GIL to drop the tensor's Python object, is ended
+# by Python mid-unwind, and the process aborts ("terminate called without an active exception") after all work is
+# done. Imported here, before the job initialises (where scripts import hexiseq.nn), the defaults are None and
+# destroy_process_group() frees the world group and joins its threads. Imported after, it would pin the group: not
+# then.
+if dist.is_available() and not dist.is_initialized():
+    import torch.distributed.nn.functional  # noqa: F401,E402
+
 # Message kinds, as P2P tags: K/V blocks, dK/dV accumulators, shared-kv-head reductions. Between one pair of
 # ranks a K/V block and an accumulator can have the same shape; posting order alone keeps them apart, so the
 # tags make a future reordering on one side fail to match (Gloo matches by tag) instead of swapping them.
@@ -131,7 +143,7 @@ class Comm:
         """subgroups: where the subgroups come from instead of being made here, a function (global ranks, backend
         or None) -> process group, whose groups this object then neither makes nor destroys (the batch runtime's:
         it makes every group a step needs on every rank at once, see hexiseq.runtime.batch)."""
-        self.group = resolve_group(group)
+        self._group = resolve_group(group)
         self._subgroups = subgroups
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -180,6 +192,14 @@ class Comm:
                 pos = [dist.get_group_rank(pg, r) for r in ranks]
                 self.hp_order = sorted(range(len(ranks)), key=lambda i: pos[i])
 
+    @property
+    def group(self):
+        """The process group the plan runs over; after close() a HexiseqError (a closed context holds no group)."""
+        if self._group is None:
+            raise HexiseqError("this HexiSeq context is closed: close() released its process groups; make a new "
+                               "context to run the plan again")
+        return self._group
+
     def _new_group(self, ranks, backend, local):
         kw = {"timeout": self.timeout} if self.timeout is not None else {}
         return dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=local, **kw)
@@ -213,10 +233,11 @@ class Comm:
         """Compare this call's descriptor (describe_call) with every rank's, and learn whether any rank's inputs
         failed validation (`error`, the exception this rank would raise, or None). Raises the same error on
         every rank when they do not all agree and pass."""
+        group = self.group  # raises on a closed context, before any collective
         t0 = time.perf_counter()
         try:
             # messages name global ranks: a plan over a subgroup (a batch plan's pass) numbers its devices from 0
-            agree(self._cpu_group, call, CALL_FIELDS, error, ranks=None if self.group is dist.group.WORLD else
+            agree(self._cpu_group, call, CALL_FIELDS, error, ranks=None if group is dist.group.WORLD else
                   self._global)
         finally:
             self.phase_s["sync"] += time.perf_counter() - t0
@@ -315,12 +336,15 @@ class Comm:
         return reqs, out, keep
 
     def close(self):
-        """Release the subgroups this object created."""
-        groups = [self.hp_group] + ([self._cpu_group] if self._cpu_group is not self.group else [])
+        """Release the subgroups this object created, and let go of every process group it holds, the parent group
+        too: a group still referenced when destroy_process_group() runs outlives it, and so do its Gloo threads,
+        into interpreter shutdown (see the import of torch.distributed.nn.functional above). Idempotent."""
+        if self._group is None:
+            return
+        groups = [self.hp_group] + ([self._cpu_group] if self._cpu_group is not self._group else [])
         if self._subgroups is not None:
             groups = []  # made, and destroyed, by whoever gave them
-        self.hp_group = None
-        self._cpu_group = self.group
+        self.hp_group = self._cpu_group = self._group = self._subgroups = None
         for pg in groups:
             if pg is not None and dist.is_initialized():
                 try:

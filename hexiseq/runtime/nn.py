@@ -62,7 +62,7 @@ class HexiSeqContext:
         self.comm = Comm(plan, self.topology, group, self.causal, softmax_scale, timeout, subgroups)
         self.slices = self.topology.slices(ring.slice_count(self.topology, a2a_slices))
         _live_contexts.add(self)
-        self.group, self.world, self.rank = self.comm.group, self.comm.world, self.comm.rank
+        self.world, self.rank = self.comm.world, self.comm.rank
         self.me = self.topology.member(self.rank)
         self._kernels = {}  # one BlockKernels per (device, dtype), decided at first use
         self._documents = {}  # (document lengths, device) -> the rank's document mask (chunk_starts), recent ones
@@ -81,10 +81,15 @@ class HexiSeqContext:
         for key in self.comm.phase_s:
             self.comm.phase_s[key] = 0.0
 
+    group = property(lambda self: self.comm.group, doc="The process group the plan runs over (the world by default); "
+                     "after close() a HexiseqError.")
+
     def close(self):
-        """Release this context's subgroups. Call it before torch.distributed.destroy_process_group(); an exit
-        hook does it otherwise. A Gloo process group that is still referenced when the interpreter finalises is
-        torn down by the garbage collector with its threads running, which can abort the process."""
+        """Release this context's subgroups and its references to every process group, the parent group too. Call it
+        before torch.distributed.destroy_process_group(); an exit hook does it otherwise, before the interpreter
+        finalises. A Gloo process group still referenced when destroy_process_group() runs outlives it with its
+        worker threads, and a worker still letting go of the last collective's tensor when the interpreter finalises
+        aborts the process. Idempotent; a closed context raises HexiseqError when called."""
         self.comm.close()
 
     def _scale(self, d):
