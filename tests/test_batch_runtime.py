@@ -82,9 +82,10 @@ def test_ranks_that_disagree_about_a_batch_plan_fail_together(tmp_path):
 
 
 def test_hugging_face_model_trains_on_batch_plans(tmp_path):
-    """A transformers Llama patched with a BatchContext: each rank feeds pass_.hf_inputs(ids) inside `with pass_:`;
-    losses and parameters after three AdamW steps equal the model trained in one process on every document alone
-    (float64; 1e-10 relative for the loss, 1e-9 absolute for parameters of size ~0.1 after AdamW's normalised steps)."""
+    """A transformers Llama patched with a BatchContext: each rank feeds pass_.hf_inputs(ids) inside `with pass_:`
+    (in the last step a pass parks a rank, which feeds its empty shard); losses and parameters after four AdamW steps
+    equal the model trained in one process on every document alone (float64; 1e-10 relative for the loss, 1e-9
+    absolute for parameters of size ~0.1 after AdamW's normalised steps)."""
     pytest.importorskip("transformers")
     out = dist_worker.spawn(batch_worker.hf_batch_training, 4, (3,), tmp_path, timeout_s=240)
     for rank, (status, report, _) in sorted(out.items()):
@@ -92,6 +93,7 @@ def test_hugging_face_model_trains_on_batch_plans(tmp_path):
         for i, s in enumerate(report["steps"]):
             assert s["loss"] <= 1e-10, f"rank {rank} step {i}: loss relative error {s['loss']:.3g}: {s}"
         assert report["params"] <= 1e-9, f"rank {rank}: parameters differ by {report['params']:.3g}"
+    assert any(report["steps"][-1]["parked"] for _, report, _ in out.values()), out   # the short step parks a rank
 
 
 @pytest.mark.parametrize("name", ["three-and-one", "tree"])

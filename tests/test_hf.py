@@ -64,9 +64,8 @@ def asymmetric_run(tmp_path_factory):
     return spawn(hf_worker.check_models, world, (plan.to_json(), FAMILIES, 2, True), tmp_path_factory.mktemp("a"))
 
 
-@pytest.fixture(scope="module")
-def parked_run(tmp_path_factory):
-    """Every family through a plan that parks a device (no tokens, no heads), batch 1: one spawn."""
+def parked_plan():
+    """2 ranks, the second parked (no tokens, no heads), 61 tokens."""
     cluster = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 1, "intra_gbps": 300.0},
                                                    {"gpu": "A100-80G", "count": 1, "intra_gbps": 300.0}],
                                          "inter_node_gbps": 25.0})
@@ -74,7 +73,14 @@ def parked_run(tmp_path_factory):
     plan = hexiseq.evaluate(cluster, model=model, seq_len=61, layout={"groups": [
         {"devices": [0, 1], "seq": 61, "tokens": [61, 0], "heads": [8, 0]}]})
     assert len(plan.positions(1)) == 0
-    return spawn(hf_worker.check_models, 2, (plan.to_json(), FAMILIES, 1, False), tmp_path_factory.mktemp("p"))
+    return plan
+
+
+@pytest.fixture(scope="module")
+def parked_run(tmp_path_factory):
+    """Every family through a plan that parks a device (no tokens, no heads), batch 1: one spawn."""
+    return spawn(hf_worker.check_models, 2, (parked_plan().to_json(), FAMILIES, 1, False),
+                 tmp_path_factory.mktemp("p"))
 
 
 def test_patched_models_match_full_sequence(asymmetric_run):
@@ -133,8 +139,9 @@ def test_windowed_softcapped_and_sink_models_match_full_sequence(tmp_path):
 
 def test_parked_rank_runs_every_model(parked_run):
     """A plan that parks a device (no tokens, no heads: what the scheduler does with a slow device on a short
-    sequence) runs every supported model: the parked rank runs the model on an empty shard and takes part in the
-    collectives, and the result equals the full-sequence reference."""
+    sequence) runs every supported model: the parked rank runs the model on its empty shard (shard_inputs gives it
+    0 tokens, as plan.shard does, and it gets logits of 0 tokens) and takes part in the collectives, and the result
+    equals the full-sequence reference."""
     out = parked_run
     for rank, (status, per_family) in sorted(out.items()):
         assert status == "ok", f"rank {rank}: {per_family}"
@@ -144,8 +151,32 @@ def test_parked_rank_runs_every_model(parked_run):
             assert m["loss_vs_ref64"] <= 1e-10, f"{where}: loss {m['loss_vs_ref64']:.3g}"
             assert not m["grad_missing"], f"{where}: no gradient for {m['grad_missing']}"
             assert m["grad"] <= 1e-8, f"{where}: gradient of {m['grad_worst_param']} off by {m['grad']:.3g}"
-            if rank == 0:
-                assert m["logits"] <= 1e-10, f"{where}: logits {m['logits']:.3g}"
+            assert m["logits"] <= 1e-10, f"{where}: logits {m['logits']:.3g}"   # inf: not the plan's shape
+
+
+def test_every_sharding_call_gives_a_parked_rank_its_empty_shard():
+    """plan.shard and plan.positions, shard_inputs (with and without packed position_ids) and a batch pass's shard,
+    labels and hf_inputs agree on a parked rank: 0 tokens each (one process, no torch.distributed: shard_inputs
+    then checks alone)."""
+    from types import SimpleNamespace
+
+    from hexiseq.hf import shard_inputs
+    from hexiseq.nn import Pass
+
+    plan = parked_plan()
+    ids = torch.arange(61)[None]
+    pos = torch.cat([torch.arange(n) for n in hf_worker.PACKED[0]])[None]
+    for rank, tokens in ((0, 61), (1, 0)):
+        assert len(plan.positions(rank)) == tokens and plan.shard(ids, 1, rank).shape == (1, tokens)
+        for got in (shard_inputs(ids, plan, rank), shard_inputs(ids, plan, rank, position_ids=pos)):
+            assert {k: tuple(got[k].shape) for k in ("input_ids", "position_ids", "attention_mask")} == \
+                {"input_ids": (1, tokens), "position_ids": (1, tokens), "attention_mask": (1, tokens)}
+            assert torch.equal(got["input_ids"], plan.shard(ids, 1, rank))
+        pass_ = Pass(None, plan, None, [0], SimpleNamespace(documents=[None], lengths=[61]), rank)
+        assert pass_.tokens == tokens and pass_.shard(ids, 1).shape == (1, tokens)
+        assert pass_.labels([ids[0]]).shape == (1, tokens)
+        assert {k: tuple(v.shape) for k, v in pass_.hf_inputs([ids[0]]).items()} == \
+            {"input_ids": (1, tokens), "position_ids": (1, tokens), "attention_mask": (1, tokens)}
 
 
 def test_importable_without_distributed_setup():
@@ -171,8 +202,7 @@ def test_packed_documents_match_each_document_alone(run, request):
             assert m["packed_documents"] in (tuple(hf_worker.PACKED[0]), tuple(map(tuple, hf_worker.PACKED)))
             assert m["packed_hf_loss_vs_ref"] <= 1e-6, f"{where}: {m['packed_hf_loss_vs_ref']:.3g}"
             assert m["packed_loss"] <= 1e-10, f"{where}: loss {m['packed_loss']:.3g}"
-            if m["packed_logits"] is not None:
-                assert m["packed_logits"] <= 1e-10, f"{where}: logits {m['packed_logits']:.3g}"
+            assert m["packed_logits"] <= 1e-10, f"{where}: logits {m['packed_logits']:.3g}"
             assert not m["packed_grad_missing"], f"{where}: no gradient for {m['packed_grad_missing']}"
             assert m["packed_grad"] <= 1e-8, f"{where}: gradient off by {m['packed_grad']:.3g}"
 

@@ -59,9 +59,12 @@ BatchContext instead of a plan, and feed each pass of a step inside `with pass_:
             loss.backward()
     # then every rank's gradients summed, as for one plan
 
-A rank the plan parks (no tokens: the scheduler leaves a slow device out of a short sequence) runs the same loop:
-shard_inputs gives it one placeholder token whose attention output is 0 and whose logits the loss ignores, so its
-attention layers take part in every collective, forward and backward.
+A rank the plan parks (no tokens: the scheduler leaves a slow device out of a short sequence) runs the same loop on
+its empty shard: plan.shard, plan.positions and shard_inputs give it 0 tokens, the patched model returns logits
+[batch, 0, vocab] for them, and the loss helpers take those. transformers' modules cannot run an empty sequence (an
+attention module reshapes with -1, which 0 elements leave ambiguous), so the patched model runs an empty shard as one
+placeholder token, whose attention output is 0 and whose outputs it drops: the rank's attention layers take part in
+every collective, forward and backward.
 
 Tested with transformers 5.23.0 on LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM (float64, CPU, Gloo),
 with and without a parked rank, with and without packed documents.
@@ -97,6 +100,7 @@ ATTN_IMPLEMENTATION = "hexiseq"
 
 _CTX = "_hexiseq_context"
 _CHECK_POS = "_hexiseq_check_positions"
+_RUN = "_hexiseq_run"   # {"placeholder": bool}, shared by the decoder stack's hooks and the attention modules
 
 
 def _transformers():
@@ -161,14 +165,15 @@ def _input_error(module, context, query, key, attention_mask, scaling, dropout, 
                                 f"by {scale}; every layer must use the same softmax scale")
     tokens = context.me.tokens
     if tokens == 0 and query.shape[2] == 1 and key.shape[2] == 1:
-        return None  # a parked rank's placeholder token (see shard_inputs)
+        return None  # a parked rank's empty shard, run as one placeholder token (_placeholder_in)
     if query.shape[2] != tokens or key.shape[2] != tokens:
         if key.shape[2] != query.shape[2]:
             return UnsupportedError("hexiseq: KV caches / generation are not supported (keys cover "
                                     f"{key.shape[2]} tokens, queries {query.shape[2]}); call the model with "
                                     "use_cache=False")
+        got = 0 if getattr(module, _RUN, {}).get("placeholder") else query.shape[2]
         return InvalidArgumentError(
-            f"hexiseq: rank {context.rank} holds {tokens} tokens under the plan but the model got {query.shape[2]}; "
+            f"hexiseq: rank {context.rank} holds {tokens} tokens under the plan but the model got {got}; "
             "feed this rank's shard: hexiseq.hf.shard_inputs(input_ids, plan, rank)")
     return None
 
@@ -215,8 +220,9 @@ def hexiseq_attention_forward(module, query, key, value, attention_mask, scaling
     if error is not None:
         context.refuse(error)
     if parked:
-        # a parked rank's placeholder token (see shard_inputs): attention runs its collectives with no tokens, and
-        # the placeholder's output, 0, is tied to that empty output so that the backward's collectives run too
+        # a parked rank's empty shard, run as one placeholder token (_placeholder_in): attention runs its collectives
+        # with no tokens, and the placeholder's output, 0, is tied to that empty output so that the backward's
+        # collectives run too
         out = hexiseq_attn_func(*(x.transpose(1, 2)[:, :0] for x in (query, key, value)), context, documents,
                                 **_variant(kwargs))
         return out.new_zeros(out.shape[0], 1, out.shape[2], out.shape[3]) + out.sum(), None
@@ -293,6 +299,45 @@ def _attention_modules(model):
     return out
 
 
+def _placeholder_in(run, module, args, kwargs):
+    """Forward pre-hook of the patched model's decoder stack (model.base_model): an empty shard (a rank the plan
+    parks holds no tokens) runs as one placeholder token, since transformers' modules cannot run an empty sequence.
+    Every per-token input ([batch, 0, ...]: input_ids, inputs_embeds, position_ids, attention_mask) becomes
+    [batch, 1, ...] of ones: an attention mask that masks nothing, a position and a token id whatever the
+    vocabulary. The placeholder's attention output is 0 (hexiseq_attention_forward) and _placeholder_out drops it."""
+    x = kwargs.get("input_ids", args[0] if args else None)
+    if x is None:
+        x = kwargs.get("inputs_embeds")
+    run["placeholder"] = empty = torch.is_tensor(x) and x.dim() >= 2 and x.shape[1] == 0
+    if not empty:
+        return None
+
+    def one(t):
+        if torch.is_tensor(t) and t.dim() >= 2 and t.shape[1] == 0:
+            return t.new_ones((t.shape[0], 1) + tuple(t.shape[2:]))
+        return t
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+
+def _placeholder_out(run, module, args, output):
+    """Forward hook of the decoder stack: after a placeholder run (_placeholder_in) the hidden states are cut back
+    to the shard's 0 tokens, still tied to the graph, so that the model's outputs (logits [batch, 0, vocab]) hold
+    as many tokens as the plan gives the rank and the backward runs the attention layers' collectives."""
+    if not run["placeholder"]:
+        return None
+    run["placeholder"] = False
+
+    def cut(t):
+        return t[:, :0] if torch.is_tensor(t) and t.dim() >= 2 and t.shape[1] == 1 else t
+    if isinstance(output, tuple):  # return_dict=False: the last hidden state first
+        return (cut(output[0]),) + tuple(output[1:])
+    for key in ("last_hidden_state", "hidden_states"):
+        value = output.get(key) if hasattr(output, "get") else None
+        if value is not None:
+            output[key] = tuple(cut(h) for h in value) if isinstance(value, tuple) else cut(value)
+    return output
+
+
 def patch_model(model, plan, group=None):
     """Make `model` (a Llama-family transformers model) run its attention with HexiSeq on this rank's shard.
 
@@ -309,6 +354,10 @@ def patch_model(model, plan, group=None):
     anything else raises). Packed documents: `shard_inputs(input_ids, plan, rank, position_ids=full_position_ids)`
     (see the module's docstring). The logits are those of the rank's tokens; `sharded_causal_lm_loss` turns them
     into the global loss. `config.use_cache` is set to False (no KV caches / generation while patched).
+
+    A rank the plan parks feeds its empty shard like any other (plan.shard and shard_inputs give it 0 tokens) and
+    gets logits [batch, 0, vocab]: the model runs it as one placeholder token whose attention output is 0, so that
+    its attention layers take part in the collectives (transformers' modules cannot run an empty sequence).
 
     Memory features: where the plan chose them for this rank's device (`plan.memory_features(rank)`), each decoder
     layer's MLP is wrapped in hexiseq.nn.TiledMLP, and its checkpoint keeps its input in host memory
@@ -375,9 +424,14 @@ def patch_model(model, plan, group=None):
 
     state = {"attn_implementation": model.config._attn_implementation,
              "use_cache": getattr(model.config, "use_cache", None)}
+    run = {"placeholder": False}
+    stack = getattr(model, "base_model", model)
+    state["hooks"] = [stack.register_forward_pre_hook(functools.partial(_placeholder_in, run), with_kwargs=True),
+                      stack.register_forward_hook(functools.partial(_placeholder_out, run))]
     for i, (_, m) in enumerate(modules):
         setattr(m, _CTX, context)
         setattr(m, _CHECK_POS, positions if i == 0 else None)   # check position_ids once per forward, in layer 0
+        setattr(m, _RUN, run)
     _set_attn_implementation(model, ATTN_IMPLEMENTATION)
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
@@ -479,8 +533,10 @@ def unpatch_model(model):
         return model
     if "memory" in state:
         _restore_memory_features(model, state["memory"])
+    for handle in state.get("hooks", ()):
+        handle.remove()
     for _, m in _attention_modules(model):
-        for attr in (_CTX, _CHECK_POS):
+        for attr in (_CTX, _CHECK_POS, _RUN):
             if hasattr(m, attr):
                 delattr(m, attr)
     _set_attn_implementation(model, state["attn_implementation"] or "eager")
@@ -530,9 +586,9 @@ def shard_inputs(input_ids, plan, rank=None, group=None, position_ids=None):
     its own document) and "position_ids" becomes this rank's shard of the given ones (RoPE rotates each token by
     its place in its document).
 
-    A rank the plan parks (no tokens) must still run the model, so that its attention layers take part in the
-    collectives; transformers' attention modules cannot reshape an empty sequence, so such a rank gets one
-    placeholder token (s_r = 1): its attention output is 0 and sharded_causal_lm_loss ignores its logits.
+    A rank the plan parks (no tokens) gets its empty shard, as from plan.shard (s_r = 0): it must still run the
+    model, so that its attention layers take part in the collectives, and the patched model takes the empty shard
+    (see patch_model) and returns logits [batch, 0, vocab], which sharded_causal_lm_loss takes.
     The all-ones mask masks nothing (HexiSeq masks causally by absolute position); without a mask transformers
     inspects position_ids for packed sequences, which only finds the shard's chunk boundary (HexiSeq ignores it).
 
@@ -554,8 +610,6 @@ def shard_inputs(input_ids, plan, rank=None, group=None, position_ids=None):
             documents = documents_from_position_ids(position_ids, plan.seq_len)
             pos = plan.shard(torch.as_tensor(position_ids).reshape(-1, plan.seq_len), 1, rank)
         ids = plan.shard(input_ids, 1, rank)
-        if ids.shape[1] == 0:
-            ids, pos = input_ids[:, :1], torch.zeros(1, 1, dtype=torch.long, device=input_ids.device)
         out = {"input_ids": ids, "position_ids": pos, "attention_mask": torch.ones_like(ids, dtype=torch.long)}
         if documents is not None:
             out[DOCUMENTS_KWARG] = documents
@@ -602,7 +656,8 @@ def sharded_causal_lm_loss(logits, labels_full, plan, rank=None, group=None, ign
     `model(input_ids, labels=labels_full).loss`: the mean, over every position p of the full sequence whose next
     label labels_full[:, p + 1] is not ignore_index, of cross_entropy(logits[p], labels_full[:, p + 1]).
 
-    logits: [batch, s_r, vocab], this rank's tokens in shard order (a patched model's output).
+    logits: [batch, s_r, vocab], this rank's tokens in shard order (a patched model's output; s_r = 0 on a rank
+    the plan parks, whose loss term is then 0, tied to the logits so that the backward runs its model).
     labels_full: [batch, seq_len] the labels of the FULL sequence (every rank needs them: the label of a rank's
     last token of a chunk is the first token of another rank's chunk); usually the input ids.
     Collective (an agreement on the plan, the batch, ignore_index and every rank's input checks, then one
@@ -656,13 +711,11 @@ def _sharded_loss(x, head_weight, labels_full, plan, rank, group, ignore_index, 
             raise InvalidArgumentError(f"tiles must be a positive integer or None, got {tiles!r}")
         shifted = F.pad(labels_full.to(x.device), (0, 1), value=ignore_index)[:, 1:]
         mine = plan.shard(shifted, 1, rank)
-        lg = x
-        if mine.shape[1] == 0 and lg.dim() == 3 and lg.shape[1] == 1:
-            lg = lg[:, :0] + lg.sum() * 0   # a parked rank's placeholder (shard_inputs), kept in the graph
-        if lg.dim() != 3 or lg.shape[:2] != mine.shape:
+        if x.dim() != 3 or x.shape[:2] != mine.shape:
             raise InvalidArgumentError(f"{what} must be [batch, tokens, {width}] = [{mine.shape[0]}, {mine.shape[1]}, "
-                                       f"{width}] on rank {rank}, got {list(lg.shape)}")
-        return lg, shifted, mine
+                                       f"{width}] on rank {rank} (its tokens under the plan, as plan.shard and "
+                                       f"shard_inputs give them), got {list(x.shape)}")
+        return x, shifted, mine
 
     # the ranks agree on the plan, the batch and ignore_index, and learn of any rank's refusal, before the
     # all_reduce below (a rank that raised alone would leave the others waiting in it)

@@ -456,7 +456,8 @@ class Plan:
 
     def positions(self, rank: int) -> np.ndarray:
         """Absolute positions of the tokens a rank holds for token-parallel work (e.g. for rotary
-        embeddings), in the order of its shard. Rank r is cluster device r."""
+        embeddings), in the order of its shard. Rank r is cluster device r. A rank the plan parks (no tokens)
+        gets an empty array."""
         slot = self._slot(rank)
         g = int(self.devices.group[slot])
         first = int(np.concatenate([[0], np.cumsum(self.layout.group_size)])[g])
@@ -464,7 +465,12 @@ class Plan:
         return self.group_positions(g)[start:start + int(self.layout.tokens[slot])]
 
     def shard(self, x, dim: int, rank: int):
-        """The rank's shard of a full-sequence tensor or array `x` along `dim` (its tokens, in order)."""
+        """The rank's shard of a full-sequence tensor or array `x` along `dim` (its tokens, in order).
+
+        A rank the plan parks (no tokens) gets an empty shard (0 along `dim`), and so it does from every sharding
+        call (hexiseq.hf.shard_inputs, a batch pass's shard and inputs); it still runs its layers on it, since they
+        take part in the collectives: hexiseq.nn's attention takes an empty shard, and a model patched by
+        hexiseq.hf.patch_model runs it as one placeholder token and returns outputs of 0 tokens."""
         idx = self.positions(rank)
         if not hasattr(getattr(x, "shape", None), "__len__"):
             raise InvalidArgumentError(f"x must be an array or a tensor, got {type(x).__name__}")

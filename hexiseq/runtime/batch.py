@@ -278,23 +278,19 @@ class Pass:
                 "labels": labels[pos][None]}
 
     def labels(self, batch: Sequence[torch.Tensor], ignore_index: int = -100) -> torch.Tensor:
-        """[1, tokens] labels of this rank's tokens (inputs(batch)["labels"]), or [[ignore_index]] for the
-        placeholder token hf_inputs gives a rank that holds none."""
-        labels = self.inputs(batch, ignore_index)["labels"]
-        return labels if labels.shape[1] else torch.full((1, 1), ignore_index, dtype=labels.dtype,
-                                                          device=labels.device)
+        """[1, tokens] labels of this rank's tokens (inputs(batch)["labels"]; [1, 0] on a rank that holds none)."""
+        return self.inputs(batch, ignore_index)["labels"]
 
     def hf_inputs(self, batch: Sequence[torch.Tensor]) -> dict:
         """The keyword arguments of a Hugging Face model patched with the BatchContext (hexiseq.hf.patch_model(model,
         context)) for this rank's tokens of the pass: input_ids and position_ids [1, tokens] (positions restarting at
         each document), an all-ones attention_mask and, for a pass of several documents, their lengths. Take the
-        labels from labels(batch) (not through the model, which would shift them again). A rank that holds no token of the pass gets one placeholder token (its attention
-        output is 0; give it the label -100), so that its attention layers still take part in the collectives."""
+        labels from labels(batch) (not through the model, which would shift them again). A rank that holds no token
+        of the pass gets its empty shard, as from shard(), and the patched model takes it (it runs it as one
+        placeholder token whose attention output is 0, so that its attention layers take part in the collectives,
+        and returns logits of 0 tokens, which labels(batch) matches)."""
         got = self.inputs(batch)
         ids, pos = got["input_ids"], got["position_ids"]
-        if ids.shape[1] == 0:
-            ids = self.pack(batch, 0)[None, :1]
-            pos = torch.zeros(1, 1, dtype=torch.long, device=ids.device)
         out = {"input_ids": ids, "position_ids": pos, "attention_mask": torch.ones_like(ids, dtype=torch.long)}
         if self.documents is not None:
             out[DOCUMENTS_KWARG] = self.documents

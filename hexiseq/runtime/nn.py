@@ -224,7 +224,8 @@ def hexiseq_attn_func(q, k, v, context: HexiSeqContext, documents=None, window=N
     """Attention of this rank's token shard under a plan, with autograd.
 
     q: [batch, s_r, heads, head_dim]; k, v: [batch, s_r, kv_heads, head_dim], where s_r is this rank's token
-    count in the plan (`plan.devices.tokens` of its slot; shard with `plan.shard(x, 1, rank)`).
+    count in the plan (`plan.devices.tokens` of its slot; shard with `plan.shard(x, 1, rank)`). A rank the plan
+    parks calls it too, with its empty shard (s_r = 0), since its collectives are part of every rank's.
     documents: packed sequences, per call: the documents' lengths in sequence order over the FULL sequence (ints
     > 0 summing to plan.seq_len), one list for every batch row or one list per batch row; a query then sees only
     the keys of its own document, up to itself (document-causal; needs a causal context). Every rank passes the

@@ -211,8 +211,10 @@ def batch_refusals(rank, world, init, results):
 
 def hf_batch_training(rank, world, init, steps, results):
     """A transformers Llama patched with a BatchContext (hexiseq.hf.patch_model(model, context)) trained for `steps`
-    AdamW steps on long-tail batches, against the same model trained in one process on every document on its own
-    (sdpa, float64). Reports per step the relative loss error and, at the end, the largest parameter difference."""
+    AdamW steps on long-tail batches and one of two short sequences (packed into one pass that parks a rank of its
+    group: that rank feeds its empty shard), against the same model trained in one process on every document on its
+    own (sdpa, float64). Reports per step the relative loss error and whether a pass parked this rank, and, at the
+    end, the largest parameter difference."""
     try:
         torch.set_num_threads(1)
         import copy
@@ -231,7 +233,9 @@ def hf_batch_training(rank, world, init, steps, results):
         opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-3)
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
         report = []
-        for lengths, ids in batches(23, steps, 7):
+        g = torch.Generator().manual_seed(5)
+        short = ([9, [2, 2]], [torch.randint(97, (9,), generator=g), torch.randint(97, (4,), generator=g)])
+        for lengths, ids in batches(23, steps, 7) + [short]:
             ids = [x % 97 for x in ids]
             plan = planner.plan(lengths)
             step = context.step(plan)
@@ -252,7 +256,8 @@ def hf_batch_training(rank, world, init, steps, results):
             ref_loss.backward()
             opt_ref.step()
             report.append({"groups": [list(g) for g in plan.groups],
-                           "loss": abs(float(total) - float(ref_loss.detach())) / abs(float(ref_loss.detach()))})
+                           "loss": abs(float(total) - float(ref_loss.detach())) / abs(float(ref_loss.detach())),
+                           "parked": any(p.tokens == 0 for p in step.passes)})
         params = max(float((a - b).abs().max()) for a, b in zip(ours.parameters(), ref.parameters()))
         context.close()
         results.put((rank, "ok", {"steps": report, "params": params}, None))
