@@ -154,6 +154,32 @@ def test_parked_rank_runs_every_model(parked_run):
             assert m["logits"] <= 1e-10, f"{where}: logits {m['logits']:.3g}"   # inf: not the plan's shape
 
 
+def test_patch_leaves_the_config_alone_and_takes_the_plans_shards(tmp_path):
+    """patch_model gives the model its own config: a model built afterwards from the caller's config object (the
+    reference, an AutoModelForCausalLM) runs plainly, with the caller's attention implementation and use_cache. The
+    patched model, fed plan.shard and plan.positions as patch_model's docstring writes it, runs a plan that parks a
+    rank (its shard and its logits hold 0 tokens, as shard_inputs gives them): loss from the logits and from the
+    hidden states and summed gradients equal the reference's; unpatched, it is the reference again."""
+    plan = parked_plan()
+    out = spawn(hf_worker.check_own_config, 2, (plan.to_json(),), tmp_path)
+    for rank, (status, m) in sorted(out.items()):
+        assert status == "ok", f"rank {rank}: {m}"
+        assert m["cfg"] == ("sdpa", True), m
+        assert m["patched"] == ("hexiseq", False) and m["modules_share_copy"], m
+        assert m["fresh"] == ("sdpa", "sdpa"), m
+        tokens = len(plan.positions(rank))
+        assert m["tokens"] == tokens and m["hidden_shape"] == [1, tokens, 64], m
+        assert m["shard_inputs"] == [[1, tokens]] * 3, m
+        assert m["logits"] <= 1e-10, f"rank {rank}: logits {m['logits']:.3g}"
+        for key in ("loss", "hidden_loss"):
+            assert m[key] <= 1e-10, f"rank {rank}: {key} {m[key]:.3g}"
+        for key in ("grad", "hidden_grad"):
+            assert not m[f"{key}_missing"], f"rank {rank}: no {key} for {m[f'{key}_missing']}"
+            assert m[key] <= 1e-8, f"rank {rank}: {key} off by {m[key]:.3g}"
+        assert m["unpatched"] == ("sdpa", True, "sdpa", True), m
+        assert m["unpatched_logits"] <= 1e-12, m
+
+
 def test_every_sharding_call_gives_a_parked_rank_its_empty_shard():
     """plan.shard and plan.positions, shard_inputs (with and without packed position_ids) and a batch pass's shard,
     labels and hf_inputs agree on a parked rank: 0 tokens each (one process, no torch.distributed: shard_inputs

@@ -75,13 +75,15 @@ Not supported (each raises a HexiseqError rather than computing something else; 
 it, every rank raises the same error together, through the attention call's agreement): padding masks that are not all
 ones and custom 4-D masks (HexiSeq applies the causal mask by absolute position itself, document-causal for packed
 documents; pack or trim instead),
-KV caches / generation (`patch_model` sets `config.use_cache = False`), attention dropout, and `output_attentions`
-(the weights are returned as None). Sliding windows (per layer: Mistral, Gemma 2 and 3, gpt-oss), logit soft-capping
-(Gemma 2) and sink logits (gpt-oss) run as the model asks, each call with the variant transformers passes it.
+KV caches / generation (`patch_model` sets `use_cache = False` in the model's own copy of its config), attention
+dropout, and `output_attentions` (the weights are returned as None). Sliding windows (per layer: Mistral, Gemma 2 and
+3, gpt-oss), logit soft-capping (Gemma 2) and sink logits (gpt-oss) run as the model asks, each call with the variant
+transformers passes it.
 
 transformers is imported lazily: this module imports without it.
 """
 
+import copy
 import functools
 import math
 
@@ -299,6 +301,29 @@ def _attention_modules(model):
     return out
 
 
+def _own_config(model):
+    """Give `model` its own copy of its config, so that what patch_model sets there (the attention implementation,
+    use_cache) reaches neither the config object the caller holds nor another model built from it. transformers'
+    modules keep the config they were built with (an attention module reads self.config._attn_implementation at
+    every call): every module's reference to the config, or to a config nested in it (a composite model's
+    text_config), is pointed at its counterpart in the copy."""
+    from transformers import PretrainedConfig
+
+    twins, todo = {}, [(model.config, copy.deepcopy(model.config))]
+    while todo:
+        old, new = todo.pop()
+        if id(old) in twins:
+            continue
+        twins[id(old)] = new
+        for key, value in vars(old).items():
+            if isinstance(value, PretrainedConfig) and isinstance(getattr(new, key, None), PretrainedConfig):
+                todo.append((value, getattr(new, key)))
+    for module in model.modules():
+        for key, value in list(vars(module).items()):
+            if isinstance(value, PretrainedConfig) and id(value) in twins:
+                module.__dict__[key] = twins[id(value)]
+
+
 def _placeholder_in(run, module, args, kwargs):
     """Forward pre-hook of the patched model's decoder stack (model.base_model): an empty shard (a rank the plan
     parks holds no tokens) runs as one placeholder token, since transformers' modules cannot run an empty sequence.
@@ -342,7 +367,9 @@ def patch_model(model, plan, group=None):
     """Make `model` (a Llama-family transformers model) run its attention with HexiSeq on this rank's shard.
 
     Collective: every rank of `group` (default: the world; rank r = cluster device r of the plan) calls it with
-    the same plan. Returns the model (patched in place).
+    the same plan. Returns the model (patched in place). The model gets its own copy of its config, which the
+    patch changes: the config object it was built from stays as it was, and models built from it later run
+    unpatched.
 
     Call the patched model with this rank's shard and the absolute positions of its tokens::
 
@@ -353,7 +380,7 @@ def patch_model(model, plan, group=None):
     and no attention mask (HexiSeq masks causally by absolute position; an all-ones padding mask is accepted,
     anything else raises). Packed documents: `shard_inputs(input_ids, plan, rank, position_ids=full_position_ids)`
     (see the module's docstring). The logits are those of the rank's tokens; `sharded_causal_lm_loss` turns them
-    into the global loss. `config.use_cache` is set to False (no KV caches / generation while patched).
+    into the global loss. `model.config.use_cache` is set to False (no KV caches / generation while patched).
 
     A rank the plan parks feeds its empty shard like any other (plan.shard and shard_inputs give it 0 tokens) and
     gets logits [batch, 0, vocab]: the model runs it as one placeholder token whose attention output is 0, so that
@@ -424,6 +451,7 @@ def patch_model(model, plan, group=None):
 
     state = {"attn_implementation": model.config._attn_implementation,
              "use_cache": getattr(model.config, "use_cache", None)}
+    _own_config(model)
     run = {"placeholder": False}
     stack = getattr(model, "base_model", model)
     state["hooks"] = [stack.register_forward_pre_hook(functools.partial(_placeholder_in, run), with_kwargs=True),
@@ -526,8 +554,8 @@ def _set_attn_implementation(model, impl):
 
 
 def unpatch_model(model):
-    """Undo `patch_model`: the previous attention implementation and use_cache come back. The HexiSeq context's
-    process groups are left alone. Returns the model."""
+    """Undo `patch_model`: the previous attention implementation and use_cache come back (in the model's own copy
+    of the config, which it keeps). The HexiSeq context's process groups are left alone. Returns the model."""
     state = getattr(model, "_hexiseq_saved", None)
     if state is None:
         return model

@@ -234,6 +234,77 @@ def check_packed(rank, plan, model, ref_model, batch):
     return m
 
 
+def check_own_config(rank, world, init, plan_json, results):
+    """patch_model on a model built from a config object the caller keeps, then, from that same object, a reference
+    model and an AutoModelForCausalLM: they must run plainly (sdpa, the caller's use_cache). The patched model is fed
+    the plan's own shards (plan.shard and plan.positions, as patch_model's docstring writes it: 0 tokens on a parked
+    rank) and its loss, from the logits and from the decoder's hidden states, and its gradients summed over the
+    ranks are compared with the reference on the full sequence. Reports (rank, "ok", {metric: value})."""
+    try:
+        torch.set_num_threads(1)
+        import torch.nn.functional as F
+        import transformers
+
+        import hexiseq
+        from hexiseq.hf import (patch_model, shard_inputs, sharded_causal_lm_loss,
+                                sharded_causal_lm_loss_from_hidden, unpatch_model)
+
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        plan = hexiseq.Plan.from_json(plan_json)
+        cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                                       num_key_value_heads=2, intermediate_size=128, vocab_size=97,
+                                       max_position_embeddings=128, initializer_range=0.1, rope_theta=1000.0,
+                                       attn_implementation="sdpa", use_cache=True)
+        torch.manual_seed(21)
+        model = transformers.LlamaForCausalLM(cfg).double()
+        patch_model(model, plan)
+        m = {"cfg": (cfg._attn_implementation, cfg.use_cache),
+             "patched": (model.config._attn_implementation, model.config.use_cache),
+             "modules_share_copy": all(getattr(mod, "config", model.config) is model.config
+                                       for mod in model.modules())}
+        torch.manual_seed(21)
+        ref = transformers.LlamaForCausalLM(cfg).double()   # the same weights, built after the patch
+        auto = transformers.AutoModelForCausalLM.from_config(cfg).double()
+        ids = torch.randint(0, cfg.vocab_size, (1, plan.seq_len), generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            auto(input_ids=ids)
+        m["fresh"] = (ref.config._attn_implementation, auto.config._attn_implementation)
+        out = ref(input_ids=ids)
+        ref_loss = F.cross_entropy(out.logits[0, :-1], ids[0, 1:])
+        ref_loss.backward()
+        ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+
+        pos = torch.as_tensor(plan.positions(rank)).unsqueeze(0)
+        mine = plan.shard(ids, 1, rank)
+        m["tokens"] = mine.shape[1]
+        m["shard_inputs"] = [list(t.shape) for t in shard_inputs(ids, plan, rank).values()]
+        logits = model(input_ids=mine, position_ids=pos).logits
+        loss = sharded_causal_lm_loss(logits, ids, plan, rank)
+        loss.backward()
+        m["logits"] = _rel(logits.detach(), plan.shard(out.logits.detach(), 1, rank))
+        m["loss"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+        m["grad"], m["grad_worst_param"], m["grad_missing"] = _grad_errors(model, ref_grads)
+
+        model.zero_grad(set_to_none=True)
+        hidden = model.model(input_ids=mine, position_ids=pos).last_hidden_state
+        m["hidden_shape"] = list(hidden.shape)
+        loss = sharded_causal_lm_loss_from_hidden(hidden, model.lm_head.weight, ids, plan, rank)
+        loss.backward()
+        m["hidden_loss"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+        m["hidden_grad"], _, m["hidden_grad_missing"] = _grad_errors(model, ref_grads)
+
+        unpatch_model(model)
+        m["unpatched"] = (model.config._attn_implementation, model.config.use_cache, cfg._attn_implementation,
+                          cfg.use_cache)
+        with torch.no_grad():
+            m["unpatched_logits"] = _rel(model(input_ids=ids).logits, out.logits.detach())
+        results.put((rank, "ok", m))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc()))
+
+
 def check_refusals(rank, world, init, plan_json, results):
     """Inputs the patched model refuses on ONE rank only (a padding mask, position_ids, the token count), one
     scenario after another in the same process group (timeout 5 s), then a good call: reports {scenario: (the
