@@ -33,11 +33,14 @@ def test_group_attention_matches_one_process_and_refuses_together(tmp_path):
 def test_hugging_face_model_runs_unpatched_under_sequence_parallel(tmp_path):
     """A transformers Llama with attn_implementation="sdpa", not patched, inside hexiseq.group.sequence_parallel:
     its SDPA calls go through the runtime; loss and summed gradients equal one process on the whole sequence
-    (float64, 1e-10), zigzag and contiguous shards; SDPA is restored after the block."""
+    (float64, 1e-10), zigzag and contiguous shards; SDPA is restored after the block. A sequence shorter than the
+    group is refused when sharded: no rank gets an empty shard."""
     pytest.importorskip("transformers")
     out = dist_worker.spawn(group_worker.hf_under_sequence_parallel, 3, (), tmp_path, timeout_s=180)
     for rank, (status, report, _) in sorted(out.items()):
         assert status == "ok", f"rank {rank}: {report}"
+        assert report.pop("short") == ("sequence_parallel gives each of the 3 ranks at least one token: seq_len must "
+                                       "be at least 3, got 2"), report
         for chunking, r in report.items():
             assert r["loss"] <= 1e-10 and r["grads"] <= 1e-10, (chunking, rank, r)
             assert r["restored"], (chunking, rank, r)

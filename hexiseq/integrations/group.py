@@ -186,8 +186,13 @@ class sequence_parallel:
         return dist.get_rank(group), dist.get_world_size(group)
 
     def positions(self, seq_len: int) -> torch.Tensor:
-        """The absolute positions of this rank's shard of a sequence of seq_len tokens."""
+        """The absolute positions of this rank's shard of a sequence of seq_len tokens. Every rank holds at least
+        one token: group_attention parks no rank (it refuses an empty shard), so a sequence shorter than the group
+        is refused here, on every rank alike (each computes the same from the same seq_len)."""
         rank, world = self._rank_world()
+        if seq_len < world:
+            raise InvalidArgumentError(f"sequence_parallel gives each of the {world} ranks at least one token: "
+                                       f"seq_len must be at least {world}, got {seq_len}")
         if self.chunking == "contiguous":
             bounds = [seq_len * r // world for r in range(world + 1)]
             return torch.arange(bounds[rank], bounds[rank + 1])

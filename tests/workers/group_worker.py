@@ -82,12 +82,14 @@ def group_attention_cases(rank, world, init, results):
 def hf_under_sequence_parallel(rank, world, init, results):
     """A transformers Llama (sdpa) run inside hexiseq.group.sequence_parallel, unpatched: each rank its shard, the
     global loss and the summed gradients against the same model on the whole sequence in one process (float64),
-    for zigzag and contiguous shards."""
+    for zigzag and contiguous shards; and a sequence shorter than the group, which would leave a rank an empty
+    shard (no transformers model runs one), refused when sharded (report["short"]: the error's message)."""
     try:
         torch.set_num_threads(1)
         import torch.nn.functional as F
 
         import hf_worker
+        from hexiseq import InvalidArgumentError
         from hexiseq.group import sequence_parallel
 
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
@@ -115,6 +117,11 @@ def hf_under_sequence_parallel(rank, world, init, results):
                         for a, b in zip(ours.parameters(), ref.parameters()))
             report[chunking] = {"loss": abs(float(total - want)) / abs(float(want)), "grads": grads,
                                 "restored": F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention}
+        try:
+            sequence_parallel().shard(ids[:, :world - 1])
+            report["short"] = "not refused"
+        except InvalidArgumentError as e:
+            report["short"] = str(e)
         results.put((rank, "ok", report, None))
         dist.destroy_process_group()
     except Exception:
