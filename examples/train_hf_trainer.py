@@ -138,6 +138,10 @@ def main():
             print("\n".join(plan.explain().splitlines()[-3:]))
         trainer.train()
         evaluated = trainer.evaluate()["eval_loss"]
+    # Every rank, before it returns: without this the world group (which accelerate made) would live until the
+    # interpreter shuts down, with Gloo threads that must not outlive it (the model's HexiSeq context lets go of its
+    # groups in hexiseq's exit hook).
+    torch.distributed.destroy_process_group()
     if rank != 0:
         return
     with tempfile.TemporaryDirectory() as d:

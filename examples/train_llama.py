@@ -19,7 +19,6 @@ the losses step by step; the script exits with status 1 if they differ by more t
 
 import argparse
 import math
-import os
 import sys
 
 import torch
@@ -308,13 +307,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    code = main()
-    # Leave without interpreter finalisation. After the last collective returns, a Gloo worker thread may still
-    # drop its reference to that collective's Python-owned tensor; that needs the GIL, and if the interpreter is
-    # finalising by then Python ends the thread mid-unwind and the process aborts ("terminate called without an
-    # active exception", backtrace: ProcessGroupGloo::runLoop -> TensorImpl::decref_pyobject ->
-    # PyEval_AcquireThread -> pthread_exit). Seen in about 1 run of 3 with 4 ranks on 2 cores, after all work was
-    # done. Output is flushed and the process groups destroyed at this point, so nothing is lost.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(main())
