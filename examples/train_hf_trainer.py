@@ -128,6 +128,9 @@ def main():
     plan = hexiseq.evaluate(cluster, model=hexiseq.Model.from_hf_config(model.config), seq_len=S, layout={"groups": [
         {"devices": [0, 1], "seq": g0, "tokens": [g0 - g0 // 2 + 2, g0 // 2 - 2], "heads": [3, 5]},
         {"devices": [2], "seq": S - g0, "tokens": [S - g0], "heads": [8]}]})
+    rows = [plan.device_row(r) for r in range(world)]
+    if any(row["tokens"] == 0 for row in rows):
+        sys.exit(f"--seq-len {S} leaves a rank without tokens in this example's layout: give 9 or more")
     with tempfile.TemporaryDirectory() as d:
         trainer = Trainer(model=model, args=arguments(args, d), plan=plan,
                           train_dataset=build_dataset(64, args.seq_len, args.seed),
@@ -136,6 +139,8 @@ def main():
         if rank == 0:
             print(plan.explain().splitlines()[0])
             print("\n".join(plan.explain().splitlines()[-3:]))
+            print(f"tokens per rank {[row['tokens'] for row in rows]}, query heads per rank "
+                  f"{[row['head_count'] for row in rows]}: every rank holds tokens")
         trainer.train()
         evaluated = trainer.evaluate()["eval_loss"]
     # Every rank, before it returns: without this the world group (which accelerate made) would live until the

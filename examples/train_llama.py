@@ -5,11 +5,16 @@ Run with 4 CPU processes:
 
     torchrun --nproc_per_node 4 examples/train_llama.py --steps 5
 
-With --batch, every step is a long-tail batch of sequences instead (the longest --seq-len tokens), planned over
-groups of the devices by hexiseq.BatchPlanner and run by hexiseq.nn.BatchContext: each rank runs its group's
-packed passes, and rank 0 checks against every document trained on its own:
+With --batch, every step is a long-tail batch of sequences instead (the longest --seq-len tokens, 513 by default),
+planned over groups of the devices by hexiseq.BatchPlanner and run by hexiseq.nn.BatchContext: each rank runs its
+group's packed passes, and rank 0 checks against every document trained on its own:
 
     torchrun --nproc_per_node 4 examples/train_llama.py --steps 5 --batch
+
+Rank 0 prints how many tokens each rank holds (every step, with --batch), and says which ranks hold none and why.
+With --batch at 257 tokens, say, the planner leaves both A100s idle: this model is so small that one pass on an
+A100 costs more before its first token (the cost model's fixed per-pass time) than the H100s take for the whole
+batch. At 513 every rank gets sequences in every step.
 
 Each rank holds its token shard of one long sequence (the plan decides how many tokens and which heads);
 parameters are replicated and their gradients summed across ranks, like data parallelism over the sequence.
@@ -217,6 +222,31 @@ def train_batch_reference(data, dtype, lr, seed):
     return losses, model
 
 
+def step_tokens(plan):
+    """Tokens each rank runs in a step of a BatchPlan: over its group's passes, its share of each pass's plan (whose
+    devices are the group's, renumbered from 0)."""
+    tokens = [0] * plan.cluster.num_devices
+    for g, devices in enumerate(plan.groups):
+        for p in range(len(plan.passes[g])):
+            pass_plan = plan.plan_for(g, p)
+            for i, d in enumerate(devices):
+                tokens[d] += pass_plan.device_row(i)["tokens"]
+    return tokens
+
+
+def why_idle(plan, planner, lengths, idle):
+    """Why the planner leaves `idle` ranks out of a step, in its own pricing (BatchPlanner.cost_matrix: a pass on a
+    candidate group costs f, plus c for each sequence it holds)."""
+    cost, fixed, _ = planner.cost_matrix(lengths)
+    slowest = max(plan.group_time_s)
+    least = min(fixed[i] + cost[i].min() for i, g in enumerate(planner.groups) if set(g) & set(idle))
+    if least > slowest:
+        return (f"a pass on any group of them costs at least {least:.3g} s even for the shortest sequence, more than "
+                f"the step's slowest group ({slowest:.3g} s) takes: the model is too small for them to help")
+    return (f"the planner priced the step faster without them (slowest group {slowest:.3g} s, gradient sync "
+            f"{plan.sync_s:.3g} s)")
+
+
 def train_batch_hexiseq(data, planner, rank, dtype, lr, seed):
     """Each step's batch planned (hexiseq.BatchPlanner) and run (hexiseq.nn.BatchContext): this rank runs its
     group's passes; every rank's gradients are summed, as for one plan."""
@@ -231,8 +261,12 @@ def train_batch_hexiseq(data, planner, rank, dtype, lr, seed):
         plan = planner.plan(lengths, exact=False)  # the per-step mode: milliseconds
         step = context.step(plan)
         if rank == 0:
+            tokens = step_tokens(plan)
+            idle = [r for r, n in enumerate(tokens) if n == 0]
+            said = (f"ranks {idle} idle: {why_idle(plan, planner, lengths, idle)}" if idle else
+                    "every rank holds tokens")
             print(f"step of {len(lengths)} sequences: groups {[list(g) for g in plan.groups]}, sequences per group "
-                  f"{[plan.sequences_of(g) for g in range(len(plan.groups))]}")
+                  f"{[plan.sequences_of(g) for g in range(len(plan.groups))]}, tokens per rank {tokens}: {said}")
         n = labelled(lengths)
         opt.zero_grad()
         total = torch.zeros((), dtype=dtype)
@@ -256,7 +290,8 @@ def train_batch_hexiseq(data, planner, rank, dtype, lr, seed):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--seq-len", type=int, default=257)
+    ap.add_argument("--seq-len", type=int, default=None,
+                    help="tokens of the sequence (default 257); with --batch, of each step's longest (default 513)")
     ap.add_argument("--dtype", default="float64", choices=["float64", "float32"])
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--tolerance", type=float, default=1e-5)
@@ -265,6 +300,8 @@ def main(argv=None):
                     help="train on a long-tail batch of sequences per step (the longest --seq-len tokens), each step "
                          "planned over groups of the devices (hexiseq.BatchPlanner) and run by hexiseq.nn.BatchContext")
     args = ap.parse_args(argv)
+    if args.seq_len is None:
+        args.seq_len = 513 if args.batch else 257
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -272,6 +309,14 @@ def main(argv=None):
     if world != plan.cluster.num_devices:
         if rank == 0:
             print(f"this example's plan needs {plan.cluster.num_devices} processes, got {world}", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
+    rows = [plan.device_row(r) for r in range(world)]
+    idle = [r for r, row in enumerate(rows) if row["tokens"] == 0]
+    if idle and not args.batch:
+        if rank == 0:
+            print(f"--seq-len {args.seq_len} leaves ranks {idle} without tokens in this example's layout (the H100 "
+                  "group takes 3/5 of the sequence, device 1 a third of that): give 5 or more", file=sys.stderr)
         dist.destroy_process_group()
         return 2
     dtype = getattr(torch, args.dtype)
@@ -283,7 +328,8 @@ def main(argv=None):
         data = batches(args.steps, args.seq_len, 101, args.seed)
         if rank == 0:
             print(plan.explain().split("\n\n")[0])
-            print(f"rank tokens: {[int(plan.devices.tokens[plan._slot(r)]) for r in range(world)]}")
+            print(f"tokens per rank {[row['tokens'] for row in rows]}, query heads per rank "
+                  f"{[row['head_count'] for row in rows]}: every rank holds tokens")
         losses, model = train_hexiseq(data, plan, rank, dtype, args.lr, args.seed)
     status = 0
     if rank == 0:
