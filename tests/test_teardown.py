@@ -7,9 +7,10 @@ tensor's Python object and is ended by Python mid-unwind (backtrace: ProcessGrou
 TensorImpl::decref_pyobject -> gil_scoped_acquire -> PyThread_exit_thread -> std::terminate). It can only happen
 while the world group outlives destroy_process_group(): torch.distributed.nn.functional imported after
 init_process_group binds it as a default argument, and contexts held by a script's globals kept it. Left to the
-scheduler it is rare (reported as 1 run of 3 of the 4-rank training example on a loaded 2-core machine, none in 20
-runs on a quieter one); tests/workers/teardown_worker.py --squeeze makes it happen on every run of the code before
-the fix (3 of 3, 1 to 3 ranks aborting in each)."""
+scheduler it comes and goes with the machine's load (reported in 1 run of 3 of the 4-rank training example on a
+loaded 2-core machine, seen in none of 25 runs, 13 of one sequence and 12 of batches, on a quieter one);
+tests/workers/teardown_worker.py --squeeze makes it happen on every run of the code before the fix (3 of 3, 1 to 3
+ranks aborting in each)."""
 
 import os
 import pathlib
