@@ -261,11 +261,11 @@ def test_gradient_collectives_in_the_plan():
         assert doc["predicted"]["grad_sync_s"] == ph["grad_sync_s"]
 
 
-def test_readme_cluster_snippets_plan():
+def test_documented_cluster_snippets_plan():
     import os
 
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
-    section = readme.split("## Describing a cluster", 1)[1].split("\n## ", 1)[0]
+    doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "planning.md")).read()
+    section = doc.split("## Describing a cluster", 1)[1].split("\n## ", 1)[0]
     blocks = [b.split("```", 1)[0] for b in section.split("```yaml")[1:]]
     assert len(blocks) == 2
     for text in blocks:

@@ -1,5 +1,5 @@
-"""The README's commands run as written and its sample output is what `hexiseq plan` prints, so neither can go
-stale unnoticed."""
+"""The README's commands run as written and its sample outputs are what they print, and so do the commands, code and
+figures of the docs/ pages that the README sends a user to, so none can go stale unnoticed."""
 
 import importlib.util
 import os
@@ -12,10 +12,24 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md")).read()
+PLANNING = open(os.path.join(ROOT, "docs", "planning.md")).read()
+MEMORY = open(os.path.join(ROOT, "docs", "memory.md")).read()
 
 
-def _section(title):
-    return README.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+def _section(title, text=README):
+    return text.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+
+
+def _block_starting(text, first):
+    """The fenced block of `text` whose first line starts with `first`."""
+    blocks = [b.split("```", 1)[0] for b in text.split("```\n")[1:]]
+    found = [b for b in blocks if b.startswith(first)]
+    assert found, f"no block starting {first!r}"
+    return found[0]
+
+
+def _first_cluster():
+    return _section("Describing a cluster", PLANNING).split("```yaml", 1)[1].split("```", 1)[0]
 
 
 def _hexiseq(args, cwd):
@@ -24,7 +38,7 @@ def _hexiseq(args, cwd):
 
 
 def test_sample_output_is_what_plan_prints(tmp_path):
-    sample = _section("Run it").split("```\n", 2)[2].split("```", 1)[0]  # the block after the install command
+    sample = _block_starting(_section("Start here"), "strategy")
     lines = [line for line in sample.splitlines() if line.strip()]
     assert lines and lines[0].startswith("strategy"), sample
     out = _hexiseq(["plan"], tmp_path)
@@ -34,11 +48,10 @@ def test_sample_output_is_what_plan_prints(tmp_path):
         assert line.rstrip() in printed, f"README line not in `hexiseq plan` output:\n{line}\n---\n{out.stdout}"
 
 
-def test_other_things_to_try_run(tmp_path):
-    """Every command of the "Other things to try" block exits 0, cluster.yaml being the README's first cluster."""
-    first_cluster = _section("Describing a cluster").split("```yaml", 1)[1].split("```", 1)[0]
-    (tmp_path / "cluster.yaml").write_text(first_cluster)
-    block = _section("Run it").split("Other things to try:", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+def test_command_line_examples_run(tmp_path):
+    """Every command of planning.md's command-line block exits 0, cluster.yaml being its first cluster."""
+    (tmp_path / "cluster.yaml").write_text(_first_cluster())
+    block = _section("The command line", PLANNING).split("```bash", 1)[1].split("```", 1)[0]
     commands = [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip()]
     assert len(commands) >= 4, block
     for command in commands:
@@ -57,13 +70,13 @@ def test_other_things_to_try_run(tmp_path):
 
 
 def test_the_70b_sentences_are_what_the_planner_says(tmp_path):
-    first_cluster = _section("Describing a cluster").split("```yaml", 1)[1].split("```", 1)[0]
+    first_cluster = _first_cluster()
     (tmp_path / "cluster.yaml").write_text(first_cluster)
     assert yaml.safe_load(first_cluster)["nodes"][2]["gpu"] == "L40S"
     out = _hexiseq(["plan", "cluster.yaml", "--model", "70b", "--seq-len", "64k", "--checkpointing"], tmp_path)
     assert out.returncode == 0, out.stderr
     assert "shared by memory, 2.86-5.55% of the full-sharded states per device (even: 5.00%)" in out.stdout
-    words = " ".join(README.split())
+    words = " ".join((PLANNING + MEMORY).split())
     assert "2.86% on an L40S and 5.52-5.55% on the 80 GB devices" in words and "(5.00% each" in words
     even = _hexiseq(["plan", "cluster.yaml", "--model", "70b", "--seq-len", "64k", "--checkpointing",
                      "--state-shares", "even"], tmp_path)
@@ -89,10 +102,29 @@ def test_the_70b_sentences_are_what_the_planner_says(tmp_path):
 
 
 def test_python_block_runs():
-    block = _section("Python").split("```python", 1)[1].split("```", 1)[0]
+    block = _section("Python", PLANNING).split("```python", 1)[1].split("```", 1)[0]
     scope = {}
-    exec(compile(block, "README.md (Python)", "exec"), scope)
+    exec(compile(block, "docs/planning.md (Python)", "exec"), scope)
     assert scope["same"].fingerprint == scope["plan"].fingerprint and scope["mine"].fits
+
+
+def test_quickstart_prints_what_the_readme_shows(tmp_path):
+    """Step 3's command, as printed, runs to OK, and prints the README's plan and device table."""
+    start = _section("Start here")
+    command = start.split("**3. Run a plan under torchrun.**", 1)[1].split("```bash\n", 1)[1].split("\n", 1)[0]
+    assert command == "torchrun --nproc_per_node 4 examples/quickstart.py", command
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
+            str(29500 + os.getpid() % 1000), os.path.join(ROOT, "examples", "quickstart.py")]
+    out = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    shown = _block_starting(start.split("**3. Run a plan under torchrun.**", 1)[1], "HexiSeq plan")
+    printed = [line.rstrip() for line in out.stdout.splitlines()]
+    # the timing and the rounding of the differences belong to the machine; everything else is printed as shown
+    for line in shown.splitlines():
+        if line.strip() and not line.startswith(("forward + backward", "out:", "dq:", "dk:", "dv:")):
+            assert line.rstrip() in printed, f"README line not printed:\n{line}\n---\n{out.stdout}"
+    assert printed[-1] == "OK"
 
 
 def test_paths_the_docs_name_exist():
