@@ -1,6 +1,7 @@
 """Worker processes for the multi-process tests (imported by spawned children, so it lives in a module)."""
 
 import datetime
+import os
 import time
 import traceback
 
@@ -11,13 +12,29 @@ import torch.distributed as dist
 from reference import attention
 
 
-def spawn(fn, world, args, tmp_path, timeout_s=120):
-    """Run fn(rank, world, init, *args, results) in `world` spawned processes that rendezvous through a file
-    store; return {rank: what it put on the queue, less the rank}. Never hangs: after `timeout_s` the stragglers
-    are terminated and the caller's assertion names the ranks that did not report."""
+# The ranks start from a fork server that has imported torch, hexiseq and the workers once for the whole test run:
+# a rank forked from it starts in milliseconds, where a spawned one spends about 3 s of CPU importing torch, which
+# on 2 cores was most of the multi-process tests' time. Each rank is still a fresh process, forked from a server
+# that has run no torch op and made no process group. HEXISEQ_TEST_START_METHOD=spawn starts them from scratch.
+START_METHOD = os.environ.get("HEXISEQ_TEST_START_METHOD", "forkserver")
+PRELOAD = ["numpy", "torch", "torch.distributed", "torch.distributed.nn.functional", "hexiseq", "hexiseq.nn",
+           "reference", "dist_worker", "transformers"]
+
+
+def _context():
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)  # read when the server starts, on the first spawn of the run
+    return ctx
+
+
+def spawn(fn, world, args, tmp_path, timeout_s=120):
+    """Run fn(rank, world, init, *args, results) in `world` new processes that rendezvous through a file store;
+    return {rank: what it put on the queue, less the rank}. Never hangs: after `timeout_s` the stragglers are
+    terminated and the caller's assertion names the ranks that did not report."""
+    ctx = _context()
     results = ctx.SimpleQueue()
     init = f"file://{tmp_path}/store-{time.monotonic_ns()}"
     procs = [ctx.Process(target=fn, args=(r, world, init, *args, results)) for r in range(world)]
