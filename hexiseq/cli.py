@@ -149,9 +149,9 @@ def cmd_plan(args) -> int:
     if args.batch is not None:
         return cmd_plan_batch(args, cluster, model, dataclasses.replace(training, sequences=1), causal)
     if args.plot:  # before planning, which can take minutes: a missing matplotlib is said at once
-        from .planner.plotting import _pyplot
+        from .planner.plotting import require_pyplot
 
-        _pyplot()
+        require_pyplot()
     strategy = Strategy(args.strategy or "auto")
     seq_len = parse_tokens(args.seq_len or "128k")
     documents = _documents_arg(args.documents)

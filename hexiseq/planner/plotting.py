@@ -9,7 +9,8 @@ from ..errors import HexiseqError
 __all__ = ["plot_plan"]
 
 
-def _pyplot():
+def require_pyplot():
+    """matplotlib.pyplot, or a HexiseqError naming the extra that installs it."""
     try:
         import matplotlib.pyplot as plt  # headless machines fall back to Agg by themselves
     except ImportError:
@@ -24,7 +25,7 @@ def plot_plan(plan, path=None, baselines=None):
 
     plan: a hexiseq.Plan. path: write a PNG there (else return the figure). baselines: optional
     {name: Plan} drawn as tokens/s bars beside the plan's."""
-    plt = _pyplot()
+    plt = require_pyplot()
     from matplotlib.ticker import MaxNLocator
 
     t = plan.devices

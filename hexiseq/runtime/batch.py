@@ -25,10 +25,10 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import HexiseqError, InvalidArgumentError
-from .comm import agree, collective_device, group_timeout, resolve_group, text_code
+from ..errors import InvalidArgumentError
+from .comm import agree, collective_device, group_timeout, open_group, resolve_group, text_code
 from .documents import DOCUMENTS_KWARG
-from .nn import HexiSeqContext, _live_contexts, hexiseq_attn_func
+from .nn import HexiSeqContext, close_at_exit, hexiseq_attn_func
 
 __all__ = ["BatchContext", "BatchStep", "Pass", "EmptyPass", "BatchAttention"]
 
@@ -73,15 +73,12 @@ class BatchContext:
         self._groups: Dict[tuple, object] = {}
         self._contexts: "collections.OrderedDict[tuple, HexiSeqContext]" = collections.OrderedDict()
         self.steps = 0
-        _live_contexts.add(self)  # closed by the exit hook of hexiseq.runtime.nn unless closed before
+        close_at_exit(self)
 
     @property
     def group(self):
         """The world process group the job runs over; after close() a HexiseqError."""
-        if self._group is None:
-            raise HexiseqError("this BatchContext is closed: close() released its process groups; make a new one to "
-                               "run more steps")
-        return self._group
+        return open_group(self._group, "this BatchContext", "one to run more steps")
 
     def _timeout_kw(self):
         return {"timeout": self.timeout} if self.timeout is not None else {}

@@ -135,6 +135,13 @@ def group_timeout(group):
     return None
 
 
+def open_group(group, owner: str, remedy: str):
+    """`group`, or, once close() has released it (None), a HexiseqError saying that `owner` is closed."""
+    if group is None:
+        raise HexiseqError(f"{owner} is closed: close() released its process groups; make a new {remedy}")
+    return group
+
+
 class Comm:
     """One rank's communication for a plan over `group` (default: the world). Collective to build: every rank
     of the group calls it with the same plan. topology: the plan's hexiseq.runtime.topology.Topology."""
@@ -195,10 +202,7 @@ class Comm:
     @property
     def group(self):
         """The process group the plan runs over; after close() a HexiseqError (a closed context holds no group)."""
-        if self._group is None:
-            raise HexiseqError("this HexiSeq context is closed: close() released its process groups; make a new "
-                               "context to run the plan again")
-        return self._group
+        return open_group(self._group, "this HexiSeq context", "context to run the plan again")
 
     def _new_group(self, ranks, backend, local):
         kw = {"timeout": self.timeout} if self.timeout is not None else {}

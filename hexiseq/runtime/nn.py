@@ -34,6 +34,11 @@ __all__ = ["HexiSeqAttention", "HexiSeqContext", "hexiseq_attn_func", "gather_se
 _live_contexts = weakref.WeakSet()
 
 
+def close_at_exit(context):
+    """Have the exit hook close `context` (anything with close()) unless it is closed or gone by then."""
+    _live_contexts.add(context)
+
+
 @atexit.register
 def _close_contexts():
     for context in list(_live_contexts):
@@ -61,7 +66,7 @@ class HexiSeqContext:
         self.topology = Topology(plan, self.causal)
         self.comm = Comm(plan, self.topology, group, self.causal, softmax_scale, timeout, subgroups)
         self.slices = self.topology.slices(ring.slice_count(self.topology, a2a_slices))
-        _live_contexts.add(self)
+        close_at_exit(self)
         self.world, self.rank = self.comm.world, self.comm.rank
         self.me = self.topology.member(self.rank)
         self._kernels = {}  # one BlockKernels per (device, dtype), decided at first use
