@@ -17,6 +17,8 @@ from reference import attention
 # on 2 cores was most of the multi-process tests' time. Each rank is still a fresh process, forked from a server
 # that has run no torch op and made no process group. HEXISEQ_TEST_START_METHOD=spawn starts them from scratch.
 START_METHOD = os.environ.get("HEXISEQ_TEST_START_METHOD", "forkserver")
+if START_METHOD not in ("forkserver", "spawn"):
+    raise ValueError(f"HEXISEQ_TEST_START_METHOD must be forkserver or spawn, got {START_METHOD!r}")
 PRELOAD = ["numpy", "torch", "torch.distributed", "torch.distributed.nn.functional", "hexiseq", "hexiseq.nn",
            "reference", "dist_worker", "transformers"]
 
