@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from hexiseq.planner.calibration import _seconds
+from hexiseq.measure.harness import seconds
 from hexiseq.runtime import blocks
 
 H, KV, D = 24, 8, 128
@@ -58,7 +58,7 @@ def main():
 
             pairs = n * n if q_pos0 else n * (n + 1) / 2
             flops = 4.0 * pairs * D * H * 3.5  # forward + backward (2.5 forwards)
-            synced = _seconds(fwd, dev, 5, 2) + _seconds(bwd, dev, 5, 2)
+            synced = seconds(fwd, dev, 5, 2) + seconds(bwd, dev, 5, 2)
             b2b = back_to_back(fwd) + back_to_back(bwd)
             issue = host_issue(fwd) + host_issue(bwd)
             print(f"n {n:6d} {'full' if q_pos0 else 'diag'}: synced {flops / synced / 1e12:7.1f} TF/s "

@@ -6,7 +6,7 @@ Usage (a CUDA device):  python benchmarks/gpu_token_parallel.py [--out FILE.md]
 
 The cost model prices a layer's work outside attention as its matmuls (FLOPs at the calibrated matmul curve) plus
 its memory-bound work (the bytes docs/cost_model.md counts, at the calibrated memory-bound rate). For a model's
-shapes, this script takes both rates as calibrate measures them (hexiseq.planner.calibration: the matmul curve at
+shapes, this script takes both rates as calibrate measures them (hexiseq.measure.calibration: the matmul curve at
 the default CUDA rows 512, 2048 and 8192, held beyond its last point as the cost model holds it; the memory-bound
 rate at 8192 rows), and times, at several token counts, forward + backward back to back, measure's Llama layer with
 its attention call replaced by the identity on q (calibration._token_parallel_step): what those two terms together
@@ -21,7 +21,8 @@ import sys
 import torch
 
 import hexiseq
-from hexiseq.planner import calibration as cal
+from hexiseq.measure import calibration as cal
+from hexiseq.measure.harness import seconds_queued
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _machine import machine  # noqa: E402
@@ -59,7 +60,7 @@ def main():
         mb = cal._mem_bound_rate(m, top, device, dtype, iters, 1, lambda: None, _Quiet())
         g = torch.Generator(device=device).manual_seed(7)
         for rows in rows_list:
-            t_layer = cal._seconds_queued(cal._token_parallel_step(m, rows, device, dtype, g), device, iters, 2)
+            t_layer = seconds_queued(cal._token_parallel_step(m, rows, device, dtype, g), device, iters, 2)
             _, flops = cal._matmuls(m, rows, device, dtype, g)
             rate = hexiseq._core.curve_at([tuple(p) for p in curve], rows)  # read as the cost model reads it
             priced = flops / rate / 1e12 + cal._mem_bound_bytes(m, rows, dtype) / mb / 1e9

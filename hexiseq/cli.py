@@ -283,7 +283,7 @@ def _calibration_summary(cluster: Cluster) -> str:
 
 
 def cmd_calibrate(args) -> int:
-    from .planner.calibration import calibrate
+    from .measure.calibration import calibrate
 
     dist, rank, created = _init_distributed(args.backend)
     try:
@@ -302,7 +302,7 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_measure(args) -> int:
-    from .planner.measurement import measure
+    from .measure.measurement import measure
 
     plan = Plan.from_json(read_text(args.plan, "plan file"))
     dist, rank, created = _init_distributed(args.backend)

@@ -128,7 +128,7 @@ def test_calibrated_yaml_plans_like_the_cluster(calibrated, tmp_path):
         b = hexiseq.plan(back, model=model, seq_len=4097, strategy=strategy)
         assert a.fingerprint == b.fingerprint and a.step_time_s == b.step_time_s
     # the runtime's own work was timed, so the model charges it: every device of a plan, and measure's "rest"
-    from hexiseq.planner.measurement import predicted_layer
+    from hexiseq.measure.measurement import predicted_layer
 
     assert all(x > 0 for x in a.devices.runtime_s), a.devices.runtime_s
     rest = [v["rest"] for v in predicted_layer(a, "attention")[0].values()]
@@ -227,12 +227,12 @@ def test_bad_arguments_name_the_field():
 def test_measure_defaults_to_the_dtype_the_cluster_was_calibrated_in():
     """measure's dtype, when not given: the calibration record's when it has the model's dtype_bytes (fp16 stays
     fp16), else the model's own, which is calibrate's default."""
-    from hexiseq.planner._harness import _model_dtype
-    from hexiseq.planner.measurement import _dtype_for
+    from hexiseq.measure.harness import model_dtype
+    from hexiseq.measure.measurement import dtype_for
 
     cpu = torch.device("cpu")
-    assert _model_dtype(hexiseq.Model.from_name_or_path("llama3-8b"), cpu) == torch.bfloat16
-    assert _model_dtype(hexiseq.Model(**cw.TINY), cpu) == torch.float32  # dtype_bytes=4
+    assert model_dtype(hexiseq.Model.from_name_or_path("llama3-8b"), cpu) == torch.bfloat16
+    assert model_dtype(hexiseq.Model(**cw.TINY), cpu) == torch.float32  # dtype_bytes=4
     node = {"gpu": "CPU-test", "count": 1, "memory_gib": 4.0, "peak_tflops": 0.05, "gemm_eff": 0.8, "attn_eff": 0.5}
 
     def plan_on(calibration, dtype_bytes):
@@ -240,13 +240,13 @@ def test_measure_defaults_to_the_dtype_the_cluster_was_calibrated_in():
         return hexiseq.plan(c, model=hexiseq.Model(**dict(cw.TINY, dtype_bytes=dtype_bytes)), seq_len=256,
                             training=hexiseq.Training(checkpointing=False))
 
-    assert _dtype_for(plan_on({"dtype": "float16"}, 2), None) == torch.float16
-    assert _dtype_for(plan_on({"dtype": "bfloat16"}, 2), None) == torch.bfloat16
-    assert _dtype_for(plan_on(None, 2), None) == torch.bfloat16
-    assert _dtype_for(plan_on({"dtype": "float32"}, 4), None) == torch.float32
+    assert dtype_for(plan_on({"dtype": "float16"}, 2), None) == torch.float16
+    assert dtype_for(plan_on({"dtype": "bfloat16"}, 2), None) == torch.bfloat16
+    assert dtype_for(plan_on(None, 2), None) == torch.bfloat16
+    assert dtype_for(plan_on({"dtype": "float32"}, 4), None) == torch.float32
     # a record in another width than the plan's model: the model's dtype (measure then warns of the difference)
-    assert _dtype_for(plan_on({"dtype": "float32"}, 2), None) == torch.bfloat16
-    assert _dtype_for(plan_on({"dtype": "float16"}, 2), "bf16") == torch.bfloat16  # a given dtype wins
+    assert dtype_for(plan_on({"dtype": "float32"}, 2), None) == torch.bfloat16
+    assert dtype_for(plan_on({"dtype": "float16"}, 2), "bf16") == torch.bfloat16  # a given dtype wins
 
 
 def test_cli_calibrate_then_plan_then_measure(tmp_path):

@@ -277,20 +277,20 @@ def test_documented_cluster_snippets_plan():
 def test_measure_says_when_it_runs_unlike_the_calibration():
     """measure() warns when its dtype, head dim or heads are not those the cluster was calibrated with (a bf16 run
     on an fp32 calibration came out 1.33x its prediction): the words name each difference."""
-    from hexiseq.planner.measurement import _unlike_calibration
+    from hexiseq.measure.measurement import unlike_calibration
 
     cal = {"dtype": "float32", "head_dim": 64, "attn_heads": 12, "attn_kv_heads": 4}
     cluster = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 2, "intra_gbps": 300.0}],
                                          "calibration": cal})
     same = hexiseq.Model(layers=1, hidden=768, heads=12, kv_heads=4, head_dim=64, ffn=2048, vocab=8, dtype_bytes=4)
     plan = hexiseq.plan(cluster, model=same, seq_len=1024)
-    assert _unlike_calibration(plan, "torch.float32") == ""
+    assert unlike_calibration(plan, "torch.float32") == ""
     other = hexiseq.Model(layers=1, hidden=1024, heads=8, kv_heads=8, head_dim=128, ffn=2048, vocab=8)
-    words = _unlike_calibration(hexiseq.plan(cluster, model=other, seq_len=1024), "torch.bfloat16")
+    words = unlike_calibration(hexiseq.plan(cluster, model=other, seq_len=1024), "torch.bfloat16")
     assert "in bfloat16 on a cluster calibrated in float32" in words
     assert "head_dim 128 against the calibration's 64" in words and "8/8 heads against the calibration's 12/4" in words
     plain = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 2, "intra_gbps": 300.0}]})
-    assert _unlike_calibration(hexiseq.plan(plain, model=other, seq_len=1024), "torch.bfloat16") == ""
+    assert unlike_calibration(hexiseq.plan(plain, model=other, seq_len=1024), "torch.bfloat16") == ""
 
 
 def test_without_drops_devices_and_keeps_the_rest():

@@ -1,2 +1,3 @@
-"""The planner's front: the cluster and the model as the user describes them, the plan the C core chooses for them
-(and its text), and the calibration and measurement that tie the core's predictions to real hardware."""
+"""The planner's front: the cluster and the model as the user describes them, and the plan the C core chooses for
+them (and its text). The calibration and measurement that tie its predictions to real hardware live above it, in
+hexiseq/measure/."""

@@ -32,10 +32,11 @@ import warnings
 from typing import List, Optional, Sequence
 
 from .. import _core
-from .cluster import Cluster, gpu_catalog
 from ..errors import InvalidArgumentError
-from .model import Model
-from ._harness import _agree_arguments, _barrier, _broadcast, _dtype, _group, _model_dtype, _torch
+from ..planner.cluster import Cluster, gpu_catalog
+from ..planner.model import Model
+from .harness import (agree_arguments, broadcast_object, collective_group, device_barrier, llama_layer, load_torch,
+                      model_dtype, seconds, seconds_queued, torch_dtype)
 
 __all__ = ["calibrate"]
 
@@ -54,7 +55,7 @@ _CUDA_NAMES = (("h100 pcie", "H100-PCIe"), ("h100", "H100-SXM"), ("h200", "H200"
 def device_name(device) -> str:
     """The catalog name of a torch device when the catalog knows it, else the device's own name ("CPU" for a
     CPU): a measured device needs no catalog entry."""
-    torch, _ = _torch()
+    torch, _ = load_torch()
     if device.type != "cuda":
         return "CPU"
     name = torch.cuda.get_device_name(device)
@@ -86,46 +87,6 @@ class _Progress:
         self.done += n
 
 
-def _warmed(fn, device, warmup: int):
-    """fn() run `warmup` times and the device synchronised; returns the synchronisation for the timing after."""
-    torch, _ = _torch()
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    for _ in range(warmup):
-        fn()
-    sync()
-    return sync
-
-
-def _seconds(fn, device, iters: int, warmup: int) -> float:
-    """Median wall seconds of fn() over iters runs after warmup runs, the device synchronised around each."""
-    sync = _warmed(fn, device, warmup)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _seconds_queued(fn, device, iters: int, warmup: int) -> float:
-    """Mean wall seconds of fn() run `iters` times back to back, the device synchronised only before and after.
-    Compute a step queues (a layer's matmuls and elementwise kernels, a ring's blocks) is timed this way: a
-    synchronisation after each call adds the device's idle gap while the host issues the next one, which made
-    calibrate's rates read 10-25% below what a layer runs at (one H100: matmuls 558-666 TFLOP/s synchronised
-    against 678-763 back to back)."""
-    sync = _warmed(fn, device, warmup)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / iters
-
-
 def _sizes(value, name, default) -> List[int]:
     if value is None:
         return list(default)
@@ -141,7 +102,7 @@ def _sizes(value, name, default) -> List[int]:
 
 
 def _free_memory_gib(device, local_ranks: int) -> float:
-    torch, _ = _torch()
+    torch, _ = load_torch()
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return free / 2**30
@@ -161,7 +122,7 @@ def _free_memory_gib(device, local_ranks: int) -> float:
 def _matmuls(model: Model, rows, device, dtype, g):
     """(step, flops): one forward + backward of the model's four projection and MLP matmuls alone on `rows` tokens,
     and the FLOPs it does."""
-    torch, _ = _torch()
+    torch, _ = load_torch()
     H, A, K, d, F = model.hidden, model.heads, model.kv_heads, model.head_dim, model.ffn
     shapes = ((H, (A + 2 * K) * d), (A * d, H), (H, 2 * F if model.gated_mlp else F), (F, H))
     weights = [(torch.randn(a, b, generator=g, device=device, dtype=dtype) / math.sqrt(a)).requires_grad_()
@@ -180,7 +141,7 @@ def _gemm_curve(model: Model, rows_list, device, dtype, iters, warmup, barrier, 
     """(rows, TFLOP/s) of the model's four projection and MLP matmuls alone, forward + backward back to back. The
     MLP's activation is left out: the cost model prices it as memory-bound work, and timing it here too counted it
     twice (5% of a Llama layer's matmul time on an H100)."""
-    torch, _ = _torch()
+    torch, _ = load_torch()
     g = torch.Generator(device=device).manual_seed(1234)
     # a fresh process pays for lazy initialisation (allocator, thread pools, kernels) on its first calls
     first, _ = _matmuls(model, rows_list[0], device, dtype, g)
@@ -190,7 +151,7 @@ def _gemm_curve(model: Model, rows_list, device, dtype, iters, warmup, barrier, 
     for rows in rows_list:
         barrier()
         step, flops = _matmuls(model, rows, device, dtype, g)
-        curve.append([rows, flops / _seconds_queued(step, device, iters, warmup) / 1e12])
+        curve.append([rows, flops / seconds_queued(step, device, iters, warmup) / 1e12])
         progress.tick()
     return curve
 
@@ -199,14 +160,14 @@ def _host_link_rate(device, nbytes, iters, warmup, barrier):
     """GB/s per direction of the device's host link as offloaded checkpoints use it: asynchronous copies between a
     pinned host buffer and the device, the slower of the two directions, every rank at once (the devices of a node
     offload together and may share a switch). None off CUDA (a CPU rank has no host link)."""
-    torch, _ = _torch()
+    torch, _ = load_torch()
     barrier()
     if device.type != "cuda":
         return None
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    out = _seconds(lambda: host.copy_(dev, non_blocking=True), device, iters, warmup)
-    back = _seconds(lambda: dev.copy_(host, non_blocking=True), device, iters, warmup)
+    out = seconds(lambda: host.copy_(dev, non_blocking=True), device, iters, warmup)
+    back = seconds(lambda: dev.copy_(host, non_blocking=True), device, iters, warmup)
     return nbytes / max(out, back) / 1e9
 
 
@@ -219,25 +180,23 @@ def _mem_bound_rate(model: Model, rows, device, dtype, iters, warmup, barrier, p
     own, the same elementwise functions ran at 0.65x the rate they reach inside the layer (one H100: 524 against
     about 770 GB/s at 16K tokens), so a rate taken that way priced a Llama layer 20% slow. The difference is held
     to at least 2% of the layer's time, so a rate stays finite where the matmuls are nearly all of it."""
-    torch, _ = _torch()
+    torch, _ = load_torch()
     g = torch.Generator(device=device).manual_seed(99)
     whole = _token_parallel_step(model, rows, device, dtype, g)
     matmuls, _ = _matmuls(model, rows, device, dtype, g)
     barrier()
-    t_layer = _seconds_queued(whole, device, iters, max(1, warmup))
-    t_matmuls = _seconds_queued(matmuls, device, iters, max(1, warmup))
+    t_layer = seconds_queued(whole, device, iters, max(1, warmup))
+    t_matmuls = seconds_queued(matmuls, device, iters, max(1, warmup))
     t = max(t_layer - t_matmuls, 0.02 * t_layer)
     progress.tick()
     return _mem_bound_bytes(model, rows, dtype) / t / 1e9
 
 
 def _token_parallel_step(model: Model, rows, device, dtype, g):
-    """One forward + backward of measure's Llama layer (planner/measurement.py) on `rows` tokens with its attention
+    """One forward + backward of measure's Llama layer (harness.llama_layer) on `rows` tokens with its attention
     call replaced by the identity on q: a layer's token-parallel work, matmuls and memory-bound work together."""
-    torch, _ = _torch()
-    from .measurement import _llama_layer
-
-    layer = _llama_layer(model, lambda q, k, v: q, device, dtype, 99)
+    torch, _ = load_torch()
+    layer = llama_layer(model, lambda q, k, v: q, device, dtype, 99)
     x = torch.randn(1, rows, model.hidden, generator=g, device=device, dtype=dtype).requires_grad_()
     dy = torch.randn(1, rows, model.hidden, generator=g, device=device, dtype=dtype)
     params = [x] + list(layer.parameters())
@@ -283,7 +242,7 @@ def _attention_curves(model: Model, sizes, device, dtype, heads, iters, warmup, 
     own block kernels (hexiseq.runtime.blocks, chosen exactly as a ring pass chooses them), back to back as a
     layer queues them (synchronised after each call, an 8K causal block read 0.9x its back-to-back rate on an
     H100)."""
-    torch, _ = _torch()
+    torch, _ = load_torch()
     from ..runtime import blocks, ops
 
     h, kv = _attention_heads(model, device, heads)
@@ -317,7 +276,7 @@ def _attention_curves(model: Model, sizes, device, dtype, heads, iters, warmup, 
             def bwd():
                 kern.backward_into(q, k, v, o, lse, do, True, q_pos0, 0, scale, dq, dk, dv)
 
-            t = _seconds_queued(lambda f=fwd, b=bwd: (f(), b()), device, iters, warmup)
+            t = seconds_queued(lambda f=fwd, b=bwd: (f(), b()), device, iters, warmup)
             pairs = n * n if q_pos0 else n * (n + 1) / 2
             target.append([n, 4.0 * pairs * d * h * _ATTN_PASSES / t / 1e12])
             progress.tick()
@@ -348,7 +307,7 @@ def _attention_curves(model: Model, sizes, device, dtype, heads, iters, warmup, 
         def bwd():
             kern.backward_into(q, k, v, o, lse, do, True, 0, 0, scale, dq, dk, dv, q_doc)
 
-        t = _seconds_queued(lambda f=fwd, b=bwd: (f(), b()), device, iters, warmup)
+        t = seconds_queued(lambda f=fwd, b=bwd: (f(), b()), device, iters, warmup)
         pairs = sum(m * (m + 1) / 2 for m in lengths)
         docs.append([n, 4.0 * pairs * d * h * _ATTN_PASSES / t / 1e12])
         progress.tick()
@@ -403,11 +362,11 @@ def _runtime_curves(model: Model, sizes, dtype, group, world, rank, global_of, i
     Each curve is made non-increasing in size (see _non_increasing)."""
     import dataclasses
 
-    _, dist = _torch()
+    _, dist = load_torch()
     from .measurement import measure
-    from .model import Training
-    from .plan import evaluate
-    from .plan import plan as make_plan
+    from ..planner.model import Training
+    from ..planner.plan import evaluate
+    from ..planner.plan import plan as make_plan
 
     # only the layouts matter here: a one-layer model (no memory to fit) in the measured dtype's width
     small = dataclasses.replace(model, layers=1, dtype_bytes=dtype.itemsize)
@@ -512,7 +471,7 @@ def _link_pairs(world, node_of, all_pairs_up_to):
 
 def _measure_pair(rank, peer, device, message_bytes, lat_iters, bw_iters, global_of):
     """One-way latency (s) and receive bandwidth (bytes/s) with peer; both ranks call it at the same time."""
-    torch, dist = _torch()
+    torch, dist = load_torch()
     lower = rank < peer
     gpeer = global_of(peer)
     small = torch.zeros(1, dtype=torch.float32, device=device)
@@ -534,8 +493,8 @@ def _measure_pair(rank, peer, device, message_bytes, lat_iters, bw_iters, global
         for r in reqs:
             r.wait()
 
-    latency = _seconds(ping, device, lat_iters, 3) / 2
-    return latency, n * 4 / _seconds(exchange, device, bw_iters, 1)
+    latency = seconds(ping, device, lat_iters, 3) / 2
+    return latency, n * 4 / seconds(exchange, device, bw_iters, 1)
 
 
 def _a2a_sizes(world):
@@ -548,7 +507,7 @@ def _a2a_sizes(world):
 def _all_to_all_times(world, device, message_bytes, iters, group, global_of):
     """Seconds of an all-to-all of message_bytes per peer in the subgroup of the first k ranks, k in
     _a2a_sizes(world)."""
-    torch, dist = _torch()
+    torch, dist = load_torch()
     rank = dist.get_rank(group)
     out = []
     for k in _a2a_sizes(world):
@@ -558,7 +517,7 @@ def _all_to_all_times(world, device, message_bytes, iters, group, global_of):
             n = max(1, message_bytes // 4)
             send = torch.ones(n * k, dtype=torch.float32, device=device)
             recv = torch.empty_like(send)
-            t = _seconds(lambda: dist.all_to_all_single(recv, send, group=pg), device, iters, 1)
+            t = seconds(lambda: dist.all_to_all_single(recv, send, group=pg), device, iters, 1)
         else:
             t = None
         if k < world:
@@ -658,7 +617,7 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
     iters: timed repetitions per point (default 5 on CUDA, 3 on CPU), after `warmup`.
     out: a path to write the cluster YAML to (rank 0 writes; every rank returns the Cluster).
     progress: print what is being measured and about how long is left (rank 0, stderr)."""
-    torch, dist = _torch()
+    torch, dist = load_torch()
     error = None
     rows_list = blocks = dt = None
     try:  # every local check first: a rank whose arguments fail still meets the others in the agreement below
@@ -678,14 +637,14 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
             raise InvalidArgumentError(f"all_pairs_up_to must be an int >= 2, got {all_pairs_up_to!r}")
     except Exception as e:  # noqa: BLE001  (whatever it is, the other ranks must learn of it, not hang)
         error = e
-    group = _group(group, error, "calibrate ...")
+    group = collective_group(group, error, "calibrate ...")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     cuda = device.type == "cuda"
     if error is None:
         try:
-            dt = _model_dtype(model, device) if dtype is None else _dtype(dtype, device)
+            dt = model_dtype(model, device) if dtype is None else torch_dtype(dtype, device)
             rows_list = gemm_rows or [512, 2048, 8192] if cuda else gemm_rows or [64, 256, 1024]
             blocks = attn_blocks or ([256, 1024, 2048, 4096, 8192, 16384, 32768] if cuda else [64, 128, 256, 512, 1024])
             message_bytes = message_bytes or (64 << 20 if cuda else 4 << 20)
@@ -696,7 +655,7 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
     # Every argument that shapes what is measured, or which collectives run, must be equal on every rank (the
     # defaults resolved: they depend only on the backend, the same on every rank). `progress` is left out: only
     # rank 0 prints, so `progress=(rank == 0)` is a reasonable call; `group` is the group itself.
-    _agree_arguments(group, error, [
+    agree_arguments(group, error, [
         ("model", model), ("dtype", str(dt)), ("gemm_rows", rows_list), ("attn_blocks", blocks),
         ("attn_heads", attn_heads), ("message_bytes", message_bytes), ("iters", iters), ("warmup", warmup),
         ("all_pairs_up_to", all_pairs_up_to), ("tolerance", tolerance),
@@ -706,7 +665,7 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
         return r if group is dist.group.WORLD else dist.get_global_rank(group, r)
 
     def barrier():
-        _barrier(group, device)
+        device_barrier(group, device)
 
     t_start = time.perf_counter()
     host = socket.gethostname()
@@ -797,7 +756,7 @@ def calibrate(model="llama3-8b", group=None, dtype=None, *, gemm_rows: Optional[
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "seconds": round(time.perf_counter() - t_start, 1)}
     meta["block_backends"] = [rr["block_backends"] for rr in rows]  # per device, rank order (runtime.nn adopts)
-    meta = _broadcast(meta, group)
+    meta = broadcast_object(meta, group)
     cluster = _build_cluster(rows, bw, lat, pairs_note, a2a_max, meta, tolerance)
     if out is not None and rank == 0:
         cluster.to_yaml(out)
@@ -814,7 +773,7 @@ def _block_backends(device, dtype, heads, kv_heads, head_dim):
 
 
 def _runtime_uses_c(device, dtype):
-    torch, _ = _torch()
+    torch, _ = load_torch()
     from ..runtime import blocks
 
     return blocks.use_c_kernels(torch.empty(0, device=device, dtype=dtype))

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from .._validate import document_lengths
-from ._harness import (_agree_arguments, _barrier, _dtype, _group, _model_dtype, _torch, rms_norm, rotary,
-                       rotary_tables)
 from ..errors import InvalidArgumentError, refuse_batch_plan
-from .model import Training
-from .plan import Plan, evaluate
+from ..planner.model import Training
+from ..planner.plan import Plan, evaluate
+from .harness import (agree_arguments, collective_group, device_barrier, llama_layer, load_torch, model_dtype,
+                      torch_dtype)
 
 __all__ = ["measure", "Measurement"]
 
@@ -127,7 +127,7 @@ def predicted_layer(plan: Plan, layer: str = "attention", documents=None):
     return out, step
 
 
-def _unlike_calibration(plan: Plan, dt) -> str:
+def unlike_calibration(plan: Plan, dt) -> str:
     """Words for how this measurement differs from what the plan's cluster was calibrated with (dtype, head dim,
     attention heads), or "" (also without a calibration record)."""
     cal = plan.cluster.calibration or {}
@@ -145,10 +145,10 @@ def _unlike_calibration(plan: Plan, dt) -> str:
     return ", ".join(said)
 
 
-def _dtype_for(plan: Plan, dtype):
+def dtype_for(plan: Plan, dtype):
     """The dtype to measure in: the one given, else the one the plan's cluster was calibrated in when it has the
     model's dtype_bytes, else the model's own (calibrate's default)."""
-    torch, _ = _torch()
+    torch, _ = load_torch()
 
     cpu = torch.device("cpu")
     if dtype is None:
@@ -157,60 +157,19 @@ def _dtype_for(plan: Plan, dtype):
         name, calibrated = (plan.cluster.calibration or {}).get("dtype"), None
         if isinstance(name, str):
             try:
-                calibrated = _dtype(name, cpu)
+                calibrated = torch_dtype(name, cpu)
             except InvalidArgumentError:  # a dtype this version does not name
                 pass
         if calibrated is not None and calibrated.itemsize == plan.model.dtype_bytes:
             return calibrated
-        return _model_dtype(plan.model, cpu)
-    dt = _dtype(dtype, cpu)
+        return model_dtype(plan.model, cpu)
+    dt = torch_dtype(dtype, cpu)
     if dt.itemsize != plan.model.dtype_bytes:
         raise InvalidArgumentError(
             f"dtype {str(dt).replace('torch.', '')} has {dt.itemsize} bytes per element but the plan's model has "
             f"dtype_bytes={plan.model.dtype_bytes}: plan with a model of dtype_bytes={dt.itemsize} so the "
             "prediction moves the same bytes")
     return dt
-
-
-def _llama_layer(model, attention, device, dtype, seed):
-    """A Llama-style block around the distributed attention, its elementwise work (RMS norms, rotary embedding of q
-    and k, the MLP's activation, residual adds) written as the Hugging Face Llama code writes it, with the functions
-    the calibration times for the cost model's memory-bound rate (planner/_harness.py)."""
-    torch, _ = _torch()
-    nn = torch.nn
-    H, A, K, d, F = model.hidden, model.heads, model.kv_heads, model.head_dim, model.ffn
-
-    class Layer(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.norm1 = nn.Parameter(torch.ones(H))
-            self.norm2 = nn.Parameter(torch.ones(H))
-            self.wqkv = nn.Linear(H, (A + 2 * K) * d, bias=False)
-            self.wo = nn.Linear(A * d, H, bias=False)
-            self.up = nn.Linear(H, 2 * F if model.gated_mlp else F, bias=False)
-            self.down = nn.Linear(F, H, bias=False)
-            self._rotary = (None, None, None)  # (tokens, cos, sin) of the last call's length
-
-        def forward(self, x):
-            B, s, _ = x.shape
-            if self._rotary[0] != s:
-                cos, sin = rotary_tables(s, d, x.device, x.dtype)
-                self._rotary = (s, cos[:, None, :], sin[:, None, :])
-            _, cos, sin = self._rotary
-            q, k, v = self.wqkv(rms_norm(x, self.norm1)).split([A * d, K * d, K * d], dim=-1)
-            q, k = rotary(q.view(B, s, A, d), cos, sin), rotary(k.view(B, s, K, d), cos, sin)
-            o = attention(q, k, v.view(B, s, K, d))
-            x = x + self.wo(o.reshape(B, s, A * d))
-            h = self.up(rms_norm(x, self.norm2))
-            if model.gated_mlp:
-                a, b = h.chunk(2, dim=-1)
-                h = torch.nn.functional.silu(a) * b
-            else:
-                h = torch.nn.functional.gelu(h)
-            return x + self.down(h)
-
-    torch.manual_seed(seed)
-    return Layer().to(device=device, dtype=dtype)
 
 
 def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=None, layer: str = "attention",
@@ -228,7 +187,7 @@ def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=No
     documents: the packed documents every call runs with and the prediction is priced under: "plan" (default:
     the ones the plan was made for, `plan.documents`, None for one causal document), None, or a list of lengths
     adding up to plan.seq_len (to run a plan on a batch it was not made for)."""
-    torch, dist = _torch()
+    torch, dist = load_torch()
     from ..runtime.nn import HexiSeqAttention
 
     error, dt = None, None
@@ -243,22 +202,22 @@ def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=No
                                        f"warmup={warmup!r}")
         if not isinstance(seed, int):
             raise InvalidArgumentError(f"seed must be an int, got {seed!r}")
-        dt = _dtype_for(plan, dtype)
+        dt = dtype_for(plan, dtype)
         if isinstance(documents, str) and documents == "plan":
             documents = plan.documents
         documents = None if documents is None else document_lengths(documents, plan.seq_len).tolist()
     except Exception as e:  # noqa: BLE001  (whatever it is, the other ranks must learn of it, not hang)
         error = e
-    group = _group(group, error, "measure plan.json")
+    group = collective_group(group, error, "measure plan.json")
     # every argument, before the context (whose own check would name only the plan's fingerprint) and before any
     # run (ranks running different iterations, layers or documents would meet in different collectives)
-    _agree_arguments(group, error, [
+    agree_arguments(group, error, [
         ("plan", plan.fingerprint if error is None else None), ("iters", iters), ("warmup", warmup),
         ("dtype", str(dt)), ("layer", layer), ("seed", seed), ("documents", documents)])
     rank = dist.get_rank(group)
     cuda = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    unlike = _unlike_calibration(plan, dt)
+    unlike = unlike_calibration(plan, dt)
     if unlike and rank == 0:
         warnings.warn(f"hexiseq: measuring {unlike}: the prediction uses rates measured for the other, and can be "
                       "off by that difference (calibrate with the model and dtype you measure)", UserWarning,
@@ -270,7 +229,7 @@ def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=No
     s = int(plan.devices.tokens[plan._slot(rank)])
     g = torch.Generator(device=device).manual_seed(seed * 7919 + rank)
     if layer == "llama":
-        block = _llama_layer(m, lambda q, k, v: attn(q, k, v, documents=documents), device, dt, seed)
+        block = llama_layer(m, lambda q, k, v: attn(q, k, v, documents=documents), device, dt, seed)
         x = torch.randn(1, s, m.hidden, generator=g, device=device, dtype=dt).requires_grad_()
         dy = torch.randn(1, s, m.hidden, generator=g, device=device, dtype=dt)
 
@@ -286,7 +245,7 @@ def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=No
             attn(q, k, v, documents=documents).backward(do)
 
     def barrier():
-        _barrier(group, device)
+        device_barrier(group, device)
 
     samples = []
     try:
