@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import errors as errors_module
+from . import wire
 from ..errors import HexiseqError, InvalidArgumentError, RankMismatchError
 
 # torch.distributed.nn.functional writes `group=group.WORLD` as the default of its ten collectives, evaluated when
@@ -46,7 +47,6 @@ if dist.is_available() and not dist.is_initialized():
 # NCCL ignores tags and matches in posting order, which both sides keep.
 TAG_KV, TAG_ACC, TAG_REDUCE = 1, 2, 3
 
-_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 _DEVICES = ["cpu", "cuda"]
 # The fields of a call's descriptor, in order; each is an int64 on the wire.
 # "plan" tells two contexts apart (ranks calling different layers' contexts at once); "phase" a forward from a
@@ -56,19 +56,6 @@ _DEVICES = ["cpu", "cuda"]
 CALL_FIELDS = ("plan", "phase", "batch", "head_dim", "dtype", "device", "causal", "softmax_scale", "backward",
                "documents", "attention variant")
 _PHASES = ["forward", "backward"]
-
-
-def _code(table, value):
-    return table.index(value) if value in table else len(table)
-
-
-def _float_bits(x):
-    """An exact int64 image of a float (or of None, as a NaN pattern no scale has)."""
-    return struct.unpack("<q", struct.pack("<d", float("nan") if x is None else float(x)))[0]
-
-
-def _bits_float(b):
-    return struct.unpack("<d", struct.pack("<q", b))[0]
 
 
 def plan_code(plan):
@@ -83,8 +70,8 @@ def describe_call(code, phase, q, causal, scale, backward, documents=None, varia
     query (forward) or the output gradient (backward), [batch, tokens, heads, head_dim]. documents: the call's
     document lengths, one tuple of ints per batch row (None: none). variant: the layer's window, soft-capping and
     sinks as a text ("": none; see hexiseq.runtime.variants)."""
-    return (code, _PHASES.index(phase), q.shape[0], q.shape[3], _code(_DTYPES, q.dtype),
-            _code(_DEVICES, q.device.type), int(bool(causal)), _float_bits(scale), int(bool(backward)),
+    return (code, _PHASES.index(phase), q.shape[0], q.shape[3], wire.code(wire.DTYPES, q.dtype),
+            wire.code(_DEVICES, q.device.type), int(bool(causal)), wire.float_bits(scale), int(bool(backward)),
             documents_code(documents), text_code(variant) if variant else 0)
 
 
@@ -108,11 +95,11 @@ def text_code(text):
 
 def _show(field, value):
     if field == "dtype":
-        return str(_DTYPES[value]).replace("torch.", "") if value < len(_DTYPES) else "other"
+        return wire.dtype_name(value)
     if field == "device":
         return _DEVICES[value] if value < len(_DEVICES) else "other"
     if field == "softmax_scale":
-        s = _bits_float(value)
+        s = wire.bits_float(value)
         return "default" if math.isnan(s) else repr(s)
     if field == "documents":
         return "none" if value == 0 else f"lengths digest {value % (1 << 64):016x}"
@@ -217,8 +204,8 @@ class Comm:
 
     def _check_construction(self, plan, causal, softmax_scale):
         self.plan_code = plan_code(plan)
-        mine = torch.tensor([self.plan_code, plan.cluster.num_devices, int(bool(causal)), _float_bits(softmax_scale)],
-                            dtype=torch.int64, device=collective_device(self.group))
+        mine = torch.tensor([self.plan_code, plan.cluster.num_devices, int(bool(causal)),
+                             wire.float_bits(softmax_scale)], dtype=torch.int64, device=collective_device(self.group))
         every = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(every, mine, group=self.group)
         every = [t.tolist() for t in every]

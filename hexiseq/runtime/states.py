@@ -60,9 +60,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .._validate import number
-from . import fsdp2
-from .comm import (_DTYPES, _bits_float, _code, _float_bits, _show, agree, collective_device, resolve_group,
-                   text_code)
+from . import fsdp2, wire
+from .comm import agree, collective_device, resolve_group, text_code
 from ..errors import InvalidArgumentError
 from .fsdp2 import sum_fsdp2_gradients
 
@@ -249,7 +248,8 @@ class _Unit:
 
     def describe(self):
         names = ";".join(f"{names[0]}{list(p.shape)}" for names, p in self.params)
-        return [self.total, _code(_DTYPES, self.dtype), int(self.requires_grad), len(self.params), text_code(names)]
+        return [self.total, wire.code(wire.DTYPES, self.dtype), int(self.requires_grad), len(self.params),
+                text_code(names)]
 
     def lay_out(self):
         """Where each parameter sits in the unit's flat vector (the names and shapes the state dicts and
@@ -658,8 +658,8 @@ def shard_states(module, shares, *, group=None, units=None, reduce="mean", engin
             error = InvalidArgumentError(message)
     device = collective_device(group)
     # the engine asked for and the one it comes to: ranks that ask alike but differ (FSDP2 missing on some) too
-    header = [_code(REDUCES, reduce), 2 * _code(ENGINES, engine) + int(use_fsdp2), len(made)]
-    header += [_float_bits(s) for s in (checked or [0.0] * world)]
+    header = [wire.code(REDUCES, reduce), 2 * wire.code(ENGINES, engine) + int(use_fsdp2), len(made)]
+    header += [wire.float_bits(s) for s in (checked or [0.0] * world)]
     agree(group, header, ("reduce", "engine", "units", ("shares", world)), error, _show_field, device)
     fields = [f"units[{i}].{f}" for i in range(len(made))
               for f in ("numel", "dtype", "requires_grad", "parameters", "names and shapes")]
@@ -741,14 +741,14 @@ def _agree_values(group, fields, tensors, error, device):
 
 def _show_field(field, value):
     if field == "shares":
-        return repr([_bits_float(b) for b in value])
+        return repr([wire.bits_float(b) for b in value])
     if field == "reduce":
         return REDUCES[value] if value < len(REDUCES) else "other"
     if field == "engine":
         asked = repr(ENGINES[value // 2]) if value // 2 < len(ENGINES) else "other"
         return f"{asked}, sharding with {'FSDP2' if value % 2 else 'its own engine'}"
     if field.endswith(".dtype"):
-        return _show("dtype", value)
+        return wire.dtype_name(value)
     if field.endswith(".requires_grad"):
         return str(bool(value))
     if field.endswith(".names and shapes"):
