@@ -30,7 +30,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .states import SHARD_NAME, _record
+from .states import SHARD_NAME, sharding_of
 from ..errors import InvalidArgumentError
 
 __all__ = ["save_states", "load_states"]
@@ -99,7 +99,7 @@ def _placement(t):
 
 def _describe(module, optimizer, api, loading, ckpt_keys=None):
     """The state dict DCP writes or fills: (dict, what to copy after a load)."""
-    rec = _record(module)
+    rec = sharding_of(module)
     rank = dist.get_rank(rec.comm.group)
     out, after = {}, []
     for u in rec.units:
@@ -204,7 +204,7 @@ def save_states(module, path, optimizer=None):
     sharding) to the DCP checkpoint folder `path`. Collective over the module's group: every rank calls it."""
     api = _dcp()
     state, _ = _describe(module, optimizer, api, loading=False)
-    api[0].save(state, checkpoint_id=str(path), process_group=_record(module).comm.group)
+    api[0].save(state, checkpoint_id=str(path), process_group=sharding_of(module).comm.group)
 
 
 def load_states(module, path, optimizer=None):
@@ -226,7 +226,7 @@ def load_states(module, path, optimizer=None):
             raise InvalidArgumentError(f"{path} holds {len(saved)} optimizer parameter groups, the optimizer "
                                        f"{len(optimizer.param_groups)}")
     state, after = _describe(module, optimizer, api, loading=True, ckpt_keys=kinds)
-    dcp.load(state, checkpoint_id=str(path), process_group=_record(module).comm.group)
+    dcp.load(state, checkpoint_id=str(path), process_group=sharding_of(module).comm.group)
     for holder, key, t, tensor in after:
         holder[key] = t.clone() if tensor else t.item()
     if optimizer is not None:

@@ -756,7 +756,9 @@ def _show_field(field, value):
     return str(value)
 
 
-def _record(module):
+def sharding_of(module):
+    """What shard_states left on `module` (its units, group, keys and engine), for the modules that work on a
+    sharded module's states (checkpoint.py); InvalidArgumentError when it is not sharded."""
     rec = module.__dict__.get("_hexiseq_states")
     if rec is None:
         raise InvalidArgumentError("module is not sharded: call hexiseq.shard_states(module, shares) first")
@@ -769,7 +771,7 @@ def clip_grad_norm_(module, max_norm, norm_type=2.0, error_if_nonfinite=False):
     every rank). Collective over the module's group. torch's own function on the own engine's shards would clip
     each rank by the norm of its shard alone, a different scale on every rank; under FSDP2 (even shares) torch's
     function reduces over the DTensors itself and is called."""
-    rec = _record(module)
+    rec = sharding_of(module)
     max_norm = number(max_norm, "max_norm", positive=True)
     norm_type = math.inf if norm_type in (math.inf, "inf") else number(norm_type, "norm_type", positive=True)
     if rec.engine == "fsdp2":
@@ -801,7 +803,7 @@ def full_state_dict(module, device=None):
     sharding (buffers as they are now). Collective: every rank calls it, and every rank gets the whole dict,
     gathered one unit at a time. device: where the full tensors go (e.g. "cpu", so the full model need not fit
     beside the shards on the accelerator); default: the parameters' device."""
-    rec = _record(module)
+    rec = sharding_of(module)
     full = {}
     for u in rec.units:
         flat = u.gather() if rec.engine == "hexiseq" else None
@@ -833,7 +835,7 @@ def load_full_state_dict(module, state_dict, strict=True):
     of it beside the others' slices of theirs, a silent mix. Raises, on every rank alike, InvalidArgumentError
     when any rank's dict fails its checks, RankMismatchError naming the parameters that differ and each rank's
     digest of the first."""
-    rec = _record(module)
+    rec = sharding_of(module)
     group = rec.comm.group
     error, taken, picks, rest = None, set(), [], {}
     try:  # every local check first: a rank that fails still meets the others in the agreement below
