@@ -17,6 +17,12 @@ MAX_NESTING = 64  # deepest nesting of lists and mappings accepted in a descript
 MAX_ITEMS = 10_000_000  # entries of all its lists and mappings together (a 2048-device cluster's two matrices: 8.4M)
 
 
+def short(value):
+    """repr of a value for an error message, cut to 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def integer(value, field, minimum=None, maximum=INT32_MAX):
     """An int (not a bool, not a float with a fraction), optionally >= minimum, and <= maximum (by default the
     largest C int: counts and sizes the core holds in 32 bits)."""

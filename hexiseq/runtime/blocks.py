@@ -218,10 +218,10 @@ def use_c_kernels(t):
     if t.device.type == "cpu":
         return forced in ("", "hexiseq")
     if forced == "hexiseq":
-        if t.device.type == "cuda" and t.dtype in (torch.bfloat16, torch.float16) and ops._cuda_built():
+        if t.device.type == "cuda" and t.dtype in (torch.bfloat16, torch.float16) and ops.cuda_built():
             return True
         fused.warn_once(f"HEXISEQ_RUNTIME_KERNELS=hexiseq: hexiseq has no kernel for {t.dtype} on {t.device.type} "
-                   f"(CUDA kernels: bf16/fp16{'' if ops._cuda_built() else ', and this build has none'}); using the "
+                   f"(CUDA kernels: bf16/fp16{'' if ops.cuda_built() else ', and this build has none'}); using the "
                    "PyTorch block attention")
     return False
 
@@ -256,7 +256,7 @@ class BlockKernels:
         # (documents, windows, soft-capping, partly visible pairs) instead of the tiled matmuls
         self._own = self.name == "torch" and fused.hexiseq_allowed(probe.device, dtype)
         # the merge is one C/CUDA kernel where one is built for the device, instead of eight torch ops
-        self._merge_c = self.name == "hexiseq" or (probe.device.type == "cuda" and ops._cuda_built())
+        self._merge_c = self.name == "hexiseq" or (probe.device.type == "cuda" and ops.cuda_built())
         self._documents_c = None  # whether hexiseq.ops takes q_doc here: learnt at the first documents call
 
     def _route(self, q, k, causal, q_pos0, k_pos0, q_doc, variant):

@@ -6,9 +6,8 @@ import numpy as np
 import torch
 
 from . import ops
-from .._validate import document_lengths
+from .._validate import document_lengths, short
 from ..errors import InvalidArgumentError
-from .ops import _short
 
 # The keyword a Hugging Face model patched by hexiseq.hf takes the packed documents' lengths in (transformers hands
 # a model's extra keywords down to every attention call): hexiseq.hf.shard_inputs and the batch passes set it.
@@ -39,7 +38,7 @@ def check(documents, seq_len, causal, batch):
     if not isinstance(value, tuple) or not value:
         return InvalidArgumentError(f"documents must be a list of document lengths (ints > 0 adding up to the "
                                     f"plan's seq_len {seq_len}), or one such list per batch row, got "
-                                    f"{_short(documents)}"), None
+                                    f"{short(documents)}"), None
     per_row = all(isinstance(row, tuple) for row in value)
     if per_row and len(value) != batch:
         return InvalidArgumentError(f"documents has {len(value)} lists (one per batch row) but the batch has "

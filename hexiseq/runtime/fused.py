@@ -56,7 +56,7 @@ def _forced_documents():
 def hexiseq_allowed(device, dtype):
     """Whether the hexiseq CUDA kernels may run pairs of `dtype` on `device` on the PyTorch block path: bf16/fp16
     CUDA tensors, a build with CUDA kernels, and no HEXISEQ_RUNTIME_KERNELS that asks for torch's ops only."""
-    return (torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16) and ops._cuda_built()
+    return (torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16) and ops.cuda_built()
             and os.environ.get("HEXISEQ_RUNTIME_KERNELS", "") not in _TORCH_ONLY)
 
 

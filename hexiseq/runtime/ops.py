@@ -22,6 +22,7 @@ import sys
 import numpy as np
 
 from .. import _core
+from .._validate import short
 from ..errors import ArgumentTypeError, InvalidArgumentError, UnsupportedError
 
 __all__ = ["attention_forward", "attention_backward", "merge_", "document_starts", "fold_sinks_", "sinks_backward"]
@@ -46,7 +47,8 @@ def _is_torch(x):
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def _cuda_built():
+def cuda_built():
+    """Whether this build has the CUDA kernels."""
     return bool(_core.build_info()["cuda"])
 
 
@@ -62,7 +64,7 @@ def _device_of(tensors):
             where = f"device '{x.device}'" if _is_torch(x) else f"a {type(x).__name__} (host memory)"
             raise InvalidArgumentError(f"{name} is on device '{device}' but {n} is on {where}: all tensors of a call "
                                        "must be on one device")
-    if not _cuda_built():
+    if not cuda_built():
         why = _core.build_info().get("cuda_skipped") or "unknown reason"
         raise UnsupportedError(f"{name} is on device '{device}': this hexiseq was built without its CUDA kernels "
                                f"({why}); to build them, reinstall from the source tree on a machine with nvcc: "
@@ -74,12 +76,6 @@ def _device_of(tensors):
 def _stream_of(device):
     """torch's current CUDA stream on `device`, as the integer cudaStream_t the launchers take."""
     return int(_torch_module().cuda.current_stream(device).cuda_stream)
-
-
-def _short(value):
-    """repr of a value for an error message, cut to 80 characters."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _require_tensor(x, name):
@@ -119,7 +115,7 @@ def _as_operand(x, name, device=None, *, output=False):
             dev_type, dev_id = (operator.index(n) for n in got)
         except (TypeError, ValueError):
             raise InvalidArgumentError(f"{name}.__dlpack_device__() must return (device_type, device_id), two ints, "
-                                       f"got {_short(got)}") from None
+                                       f"got {short(got)}") from None
         if dev_type not in _DL_CPU_DEVICES:
             label = _DL_DEVICE_NAMES.get(dev_type, f"type {dev_type}")
             raise UnsupportedError(f"{name} is on DLPack device {label}:{dev_id} and is not a torch.Tensor: the "
@@ -134,7 +130,7 @@ def _shape4(x, name, layout):
     try:
         shape = tuple(operator.index(n) for n in shape)
     except TypeError:
-        raise ArgumentTypeError(f"{name}.shape must be a sequence of ints, got {_short(shape)}") from None
+        raise ArgumentTypeError(f"{name}.shape must be a sequence of ints, got {short(shape)}") from None
     if len(shape) != 4:
         raise InvalidArgumentError(f"{name} must be 4-D {layout}, got shape {list(shape)}")
     return shape
@@ -182,19 +178,19 @@ def _default_scale(scale, head_dim):
     if scale is None:
         return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-        raise ArgumentTypeError(f"scale must be a real number (or None), got {type(scale).__name__} {_short(scale)}")
+        raise ArgumentTypeError(f"scale must be a real number (or None), got {type(scale).__name__} {short(scale)}")
     try:
         value = float(scale)
     except OverflowError:
         value = math.inf
     if not (math.isfinite(value) and value > 0):
-        raise InvalidArgumentError(f"scale must be a finite number > 0, got {_short(scale)}")
+        raise InvalidArgumentError(f"scale must be a finite number > 0, got {short(scale)}")
     return value
 
 
 def _position(value, name):
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {_short(value)}")
+        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {short(value)}")
     value = int(value)
     if not 0 <= value <= _MAX_POS:
         raise InvalidArgumentError(f"{name} must be >= 0 and at most 2^62 (positions past it would overflow "
@@ -210,7 +206,7 @@ def _flag(value, name):
         if value in (0, 1):
             return bool(value)
         raise InvalidArgumentError(f"{name} must be a bool (or 0 / 1), got {int(value)}")
-    raise ArgumentTypeError(f"{name} must be a bool, got {type(value).__name__} {_short(value)}")
+    raise ArgumentTypeError(f"{name} must be a bool, got {type(value).__name__} {short(value)}")
 
 
 def _doc_operand(q_doc, causal):
@@ -225,17 +221,17 @@ def _doc_operand(q_doc, causal):
     return q_doc
 
 
-def _window(window, causal):
+def window_bounds(window, causal):
     """(left, right) for the binding, (-1, -1) for None: each bound -1 (none) or an int in [0, 2^62]."""
     if window is None:
         return -1, -1
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise ArgumentTypeError(f"window must be None or a pair (left, right) of ints (-1: no bound on that side), "
-                                f"got {_short(window)}")
+                                f"got {short(window)}")
     bounds = []
     for value, side in zip(window, ("left", "right")):
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-            raise ArgumentTypeError(f"window[{side}] must be an int, got {type(value).__name__} {_short(value)}")
+            raise ArgumentTypeError(f"window[{side}] must be an int, got {type(value).__name__} {short(value)}")
         if not -1 <= int(value) <= _MAX_POS:
             raise InvalidArgumentError(f"window {side} bound must be -1 (none) or in [0, 2^62], got {int(value)}")
         bounds.append(int(value))
@@ -245,11 +241,12 @@ def _window(window, causal):
     return bounds[0], bounds[1]
 
 
-def _softcap(softcap):
+def softcap_value(softcap):
+    """The soft-capping for the binding: a finite real >= 0, 0.0 for None (none)."""
     if softcap is None:
         return 0.0
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
-        raise ArgumentTypeError(f"softcap must be a real number, got {type(softcap).__name__} {_short(softcap)}")
+        raise ArgumentTypeError(f"softcap must be a real number, got {type(softcap).__name__} {short(softcap)}")
     value = float(softcap)
     if not math.isfinite(value) or value < 0:
         raise InvalidArgumentError(f"softcap must be finite and >= 0 (0 or None: no soft-capping), got {value}")
@@ -325,13 +322,13 @@ def document_starts(lengths, positions=None):
         positions = positions.detach().cpu().numpy()
     lens = np.asarray(lengths)
     if lens.ndim != 1 or not (np.issubdtype(lens.dtype, np.integer) or lens.size == 0):
-        raise ArgumentTypeError(f"lengths must be a 1-D sequence of ints, got {_short(lengths)}")
+        raise ArgumentTypeError(f"lengths must be a 1-D sequence of ints, got {short(lengths)}")
     if (lens < 0).any():
-        raise InvalidArgumentError(f"lengths must be >= 0, got {_short(lengths)}")
+        raise InvalidArgumentError(f"lengths must be >= 0, got {short(lengths)}")
     ends = np.cumsum(lens.astype(np.int64))
     total = int(ends[-1]) if ends.size else 0
     if total < 1:
-        raise InvalidArgumentError(f"lengths must sum to a sequence length >= 1, got {_short(lengths)}")
+        raise InvalidArgumentError(f"lengths must sum to a sequence length >= 1, got {short(lengths)}")
     pos = np.arange(total, dtype=np.int64) if positions is None else np.asarray(positions)
     if not np.issubdtype(pos.dtype, np.integer):
         raise ArgumentTypeError(f"positions must be ints, got dtype {pos.dtype}")
@@ -407,8 +404,8 @@ def attention_forward(q, k, v, *, causal=True, q_pos0=0, k_pos0=0, scale=None, o
     q_pos0 = _position(q_pos0, "q_pos0")
     k_pos0 = _position(k_pos0, "k_pos0")
     q_doc = _doc_operand(q_doc, causal)
-    window_left, window_right = _window(window, causal)
-    softcap = _softcap(softcap)
+    window_left, window_right = window_bounds(window, causal)
+    softcap = softcap_value(softcap)
     for x, n in ((out, "out"), (lse, "lse")):
         if x is not None:
             _require_tensor(x, n)
@@ -472,8 +469,8 @@ def attention_backward(q, k, v, out, lse, dout, *, causal=True, q_pos0=0, k_pos0
     k_pos0 = _position(k_pos0, "k_pos0")
     accumulate = _flag(accumulate, "accumulate")
     q_doc = _doc_operand(q_doc, causal)
-    window_left, window_right = _window(window, causal)
-    softcap = _softcap(softcap)
+    window_left, window_right = window_bounds(window, causal)
+    softcap = softcap_value(softcap)
     for x, n in ((dq, "dq"), (dk, "dk"), (dv, "dv")):
         if x is not None:
             _require_tensor(x, n)

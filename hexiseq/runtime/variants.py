@@ -45,6 +45,6 @@ PLAIN = Variant()
 
 def variant(window=None, softcap=None, causal=True):
     """A checked Variant (errors as hexiseq.ops raises them, naming the argument and the value)."""
-    left_right = ops._window(window, causal)
-    cap = ops._softcap(softcap)
+    left_right = ops.window_bounds(window, causal)
+    cap = ops.softcap_value(softcap)
     return Variant(None if left_right == (-1, -1) else left_right, cap if cap > 0 else None)
