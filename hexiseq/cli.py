@@ -15,7 +15,7 @@ from .errors import HexiseqError, InvalidArgumentError, MemoryFitError
 from .planner.model import MODEL_PRESETS, Model, Training
 from ._validate import number, parse_tokens, read_text
 from .planner.batch import batch_alternative
-from .planner.plan import Plan, Strategy, _compare_within, _documents, compare, no_fit_error, plan
+from .planner.plan import Plan, Strategy, compare, no_fit_error, plan
 from .planner.text import TABLE_LEGEND
 
 DESCRIPTION = "Plan asymmetric sequence and head parallelism for a heterogeneous GPU cluster."
@@ -155,13 +155,9 @@ def cmd_plan(args) -> int:
     strategy = Strategy(args.strategy or "auto")
     seq_len = parse_tokens(args.seq_len or "128k")
     documents = _documents_arg(args.documents)
-    if args.time_limit is None:
-        results = compare(cluster, model=model, seq_len=seq_len, training=training, causal=causal,
-                          documents=documents)
-    else:
-        limit = number(args.time_limit, "--time-limit", positive=True)
-        results = _compare_within(cluster, model, training, seq_len, causal, limit,
-                                  _documents(documents, seq_len, causal))
+    limit = None if args.time_limit is None else number(args.time_limit, "--time-limit", positive=True)
+    results = compare(cluster, model=model, seq_len=seq_len, training=training, causal=causal, documents=documents,
+                      time_limit_s=limit)
     if strategy is Strategy.AUTO:
         plans = [p for p in results.values() if isinstance(p, Plan)]
         if not plans:

@@ -262,6 +262,24 @@ def test_plan_documents_inline_and_from_a_file(tmp_path):
                        "documents must add up to seq_len=65536, they add up to 4096 (1 length)")
 
 
+
+def test_time_limit_compares_within_it_with_the_same_checks():
+    # --time-limit shares the limit among the strategies (compare's time_limit_s), documents checked as without it
+    lengths = [3000, 5000, 1384, 7000] * 4  # 65,536 tokens
+    proc = run("plan", "--seq-len", "64k", "--checkpointing", "--time-limit", "60", "--json",
+               "--documents", ",".join(map(str, lengths)))
+    assert proc.returncode == 0, proc.stderr
+    assert Plan.from_json(proc.stdout).documents.tolist() == lengths
+    assert_clean_error(run("plan", "--seq-len", "64k", "--time-limit", "60", "--documents", "4096"),
+                       "documents must add up to seq_len=65536")
+    assert_clean_error(run("plan", "--seq-len", "64k", "--time-limit", "60", "--no-causal", "--documents", "65536"),
+                       "documents need causal attention")
+    assert_clean_error(run("plan", "--time-limit", "0"), "--time-limit")
+    limited = hexiseq.compare(hexiseq.Cluster.example(), model="7b", seq_len="32k", time_limit_s=60)
+    assert list(limited) == list(hexiseq.compare(hexiseq.Cluster.example(), model="7b", seq_len="32k"))
+    with pytest.raises(hexiseq.InvalidArgumentError, match="time_limit_s must be positive"):
+        hexiseq.compare(hexiseq.Cluster.example(), time_limit_s=0)
+
 def test_plan_batch_from_a_file_and_inline(tmp_path):
     """`hexiseq plan --batch`: one sequence per line (a line of several lengths is one packed sequence's documents),
     or inline lengths; the groups, the assignment and the comparison with one packed sequence are printed, and

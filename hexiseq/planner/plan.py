@@ -650,13 +650,17 @@ def _plan_one(cluster, model, training, seq_len, causal, strategy: Strategy, tim
 
 
 def compare(cluster, *, model="gpt-7b", seq_len=131072, training=None, causal=True,
-            documents=None) -> Dict[str, Union[Plan, Exception]]:
+            documents=None, time_limit_s=None) -> Dict[str, Union[Plan, Exception]]:
     """Every strategy's best plan, or the error that says why it has none, keyed by strategy name
-    (the scheduler first, then the baselines). documents: as in plan()."""
+    (the scheduler first, then the baselines). documents: as in plan(). time_limit_s: None (every search to the
+    end) or seconds shared by the strategies, as plan()'s "auto" shares them."""
     cluster, model, training, seq_len = _inputs(cluster, model, training, seq_len)
     causal = boolean(causal, "causal")
     documents = _documents(documents, seq_len, causal)
     out = {}
+    time_limit_s = number(time_limit_s, "time_limit_s", positive=True, optional=True)
+    if time_limit_s is not None:
+        return _compare_within(cluster, model, training, seq_len, causal, time_limit_s, documents)
     for s in ALL_STRATEGIES:
         try:
             out[s.value] = _plan_one(cluster, model, training, seq_len, causal, s, documents=documents)
