@@ -155,6 +155,55 @@ def test_mixed_fleet_gpus_are_known_and_plan(name, alias, peak, memory, hbm, hos
     assert 0.85 * min(ratios) <= step(name) / step("H100-SXM") <= 1.15 * max(ratios), ratios
 
 
+# The CUDA device names calibrate read before the catalog held them (lower-case pieces, the first found in the name
+# winning), copied as they were: the catalog's device names must read every one of them the same way.
+OLD_CUDA_NAMES = (("h100 pcie", "H100-PCIe"), ("h100", "H100-SXM"), ("h200", "H200"), ("h800", "H800"),
+                  ("a100-sxm4-40", "A100-40G"), ("a100-pcie-40", "A100-40G"), ("a100", "A100-80G"), ("a800", "A800"),
+                  ("l40s", "L40S"), ("l40", "L40"), ("a6000", "A6000"), ("4090", "RTX4090"), ("3090", "RTX3090"),
+                  ("v100", "V100"))
+
+# Names as CUDA reports them (torch.cuda.get_device_name, nvidia-smi), and names no entry reads.
+CUDA_DEVICE_NAMES = ["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200",
+                     "NVIDIA H800", "NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB", "NVIDIA A100-SXM4-80GB",
+                     "NVIDIA A100 80GB PCIe", "NVIDIA A800-SXM4-80GB", "NVIDIA L40S", "NVIDIA L40", "NVIDIA RTX A6000",
+                     "NVIDIA GeForce RTX 4090", "NVIDIA GeForce RTX 3090", "Tesla V100-SXM2-32GB", "NVIDIA GH200 480GB",
+                     "NVIDIA B200", "NVIDIA H20", "NVIDIA GeForce GTX 1080 Ti", "AMD Instinct MI300X", "", "NVIDIA"]
+
+
+def _old_cuda_gpu_name(cuda_name):
+    low = cuda_name.lower()
+    for key, catalog_name in OLD_CUDA_NAMES:
+        if key in low:
+            return catalog_name
+    return cuda_name.replace("NVIDIA ", "").replace(" ", "-")
+
+
+@pytest.mark.parametrize("piece,gpu", OLD_CUDA_NAMES)
+def test_cuda_device_names_are_read_by_the_catalog(piece, gpu):
+    """Each device name the old table read, alone, in upper case and inside a name as CUDA writes it, gives the
+    catalog model it gave; the shorter pieces do not win over the longer ones they are part of."""
+    from hexiseq.measure.calibration import cuda_gpu_name
+
+    assert gpu in {g["name"] for g in hexiseq.gpu_catalog()}
+    for name in (piece, piece.upper(), f"NVIDIA {piece.upper()}-SXM5-80GB", f"Tesla {piece}"):
+        assert hexiseq._core.gpu_from_device_name(name) == gpu, name
+        assert cuda_gpu_name(name) == gpu == _old_cuda_gpu_name(name), name
+
+
+def test_cuda_device_names_read_as_before_and_unknown_ones_kept():
+    from hexiseq.measure.calibration import cuda_gpu_name
+
+    for name in CUDA_DEVICE_NAMES:
+        assert cuda_gpu_name(name) == _old_cuda_gpu_name(name), name
+    assert hexiseq._core.gpu_from_device_name("NVIDIA GeForce GTX 1080 Ti") is None
+    assert cuda_gpu_name("NVIDIA GeForce GTX 1080 Ti") == "GeForce-GTX-1080-Ti"
+    assert hexiseq._core.gpu_from_device_name("") is None and cuda_gpu_name("") == ""
+    assert [cuda_gpu_name(n) for n in ("NVIDIA H100 PCIe", "NVIDIA A100-SXM4-40GB", "NVIDIA L40S")] == \
+        ["H100-PCIe", "A100-40G", "L40S"]
+    with pytest.raises(TypeError):
+        hexiseq._core.gpu_from_device_name(None)
+
+
 def test_example_cluster(example):
     assert example.num_devices == 16
     assert list(example.device_gpus) == ["H100-SXM"] * 8 + ["A100-80G"] * 8

@@ -37,6 +37,10 @@ HEXISEQ_API int hexiseq_gpu_alias_count(void);
 HEXISEQ_API hexiseq_status hexiseq_gpu_alias_get(int index, const char **alias, const char **name);
 /* Case-insensitive lookup of a catalog name or an alias. */
 HEXISEQ_API hexiseq_status hexiseq_gpu_find(const char *name, hexiseq_gpu_spec *out);
+/* The catalog name (a static string) of a part as its driver names it (CUDA's device name: "NVIDIA H100 PCIe",
+ * "NVIDIA A100-SXM4-40GB"), or NULL when the catalog recognises no model in it (and for NULL): the catalog's pieces
+ * of device names, found case-insensitively, the first one found winning. */
+HEXISEQ_API const char *hexiseq_gpu_from_device_name(const char *device_name);
 
 /* ------------------------------------------------------------------ cluster */
 

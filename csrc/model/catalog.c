@@ -1,4 +1,5 @@
-/* The GPU catalog: the one place where datasheet peaks and default efficiencies live. */
+/* The GPU catalog: the one place where datasheet peaks and default efficiencies live, and the names a part goes by
+ * (aliases, and the device names its driver reports). */
 #include <ctype.h>
 #include <string.h>
 
@@ -146,6 +147,19 @@ static const struct {
     {"H20-96G", "H20"}, {"B200-180G", "B200"},
 };
 
+/* The parts as their driver names them (CUDA's device name, as torch.cuda.get_device_name and nvidia-smi give it:
+ * "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-40GB"): a lower-case piece of the name and the
+ * catalog model it stands for. The first piece found in the name wins, so a piece comes before any shorter one it
+ * contains ("h100 pcie" before "h100", "a100-sxm4-40" before "a100", "l40s" before "l40"). */
+static const struct {
+    const char *piece, *name;
+} device_names[] = {
+    {"h100 pcie", "H100-PCIe"},   {"h100", "H100-SXM"},         {"h200", "H200"},     {"h800", "H800"},
+    {"a100-sxm4-40", "A100-40G"}, {"a100-pcie-40", "A100-40G"}, {"a100", "A100-80G"}, {"a800", "A800"},
+    {"l40s", "L40S"},             {"l40", "L40"},               {"a6000", "A6000"},   {"4090", "RTX4090"},
+    {"3090", "RTX3090"},          {"v100", "V100"},
+};
+
 int hexiseq_gpu_catalog_size(void) { return CATALOG_SIZE; }
 
 int hexiseq_gpu_alias_count(void) { return (int)(sizeof aliases / sizeof aliases[0]); }
@@ -209,6 +223,32 @@ void hexiseq_gpu_known_list(char *buf, size_t cap) {
         used += n;
         buf[used] = '\0';
     }
+}
+
+/* Whether `piece` (lower case) occurs in `text`, letters compared without case. */
+static int contains_lower(const char *text, const char *piece) {
+    size_t n = strlen(piece);
+    for (; *text; ++text) {
+        size_t k = 0;
+        while (k < n && text[k] && tolower((unsigned char)text[k]) == (unsigned char)piece[k])
+            ++k;
+        if (k == n)
+            return 1;
+    }
+    return n == 0;
+}
+
+const char *hexiseq_gpu_from_device_name(const char *device_name) {
+    if (!device_name)
+        return NULL;
+    for (size_t d = 0; d < sizeof device_names / sizeof device_names[0]; ++d) {
+        if (!contains_lower(device_name, device_names[d].piece))
+            continue;
+        int i = hexiseq_gpu_index(device_names[d].name);
+        if (i >= 0)
+            return catalog[i].name;
+    }
+    return NULL;
 }
 
 hexiseq_status hexiseq_gpu_find(const char *name, hexiseq_gpu_spec *out) {

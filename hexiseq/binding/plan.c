@@ -440,6 +440,17 @@ static PyObject *core_gpu_find(PyObject *module, PyObject *arg) {
     return PyUnicode_FromString(g.name);
 }
 
+/* gpu_from_device_name(name) -> the catalog name of a device as its driver names it, or None. */
+static PyObject *core_gpu_from_device_name(PyObject *Py_UNUSED(module), PyObject *arg) {
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name)
+        return NULL;
+    const char *gpu = hexiseq_gpu_from_device_name(name);
+    if (!gpu)
+        Py_RETURN_NONE;
+    return PyUnicode_FromString(gpu);
+}
+
 /* check_cluster(nodes, inter_gbps, bandwidth, latency, devices) -> number of devices; validates through the core. */
 static PyObject *core_check_cluster(PyObject *module, PyObject *args) {
     PyObject *nodes, *bw, *lat, *dev;
@@ -843,6 +854,8 @@ done:
 PyMethodDef core_plan_methods[] = {
     {"gpu_catalog", core_gpu_catalog, METH_NOARGS, "The built-in GPU catalog, a list of dicts."},
     {"gpu_find", core_gpu_find, METH_O, "Canonical catalog name of a GPU model name or alias."},
+    {"gpu_from_device_name", core_gpu_from_device_name, METH_O,
+     "Catalog name of a device as its driver names it (CUDA's device name), or None."},
     {"check_cluster", core_check_cluster, METH_VARARGS, "Validate a cluster description; returns its device count."},
     {"int_range", core_int_range, METH_O, "(lo, hi) the core accepts for a named integer input."},
     {"rebalance", core_rebalance, METH_VARARGS, "A layout's sequence split re-optimised for new documents."},

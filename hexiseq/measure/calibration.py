@@ -33,7 +33,7 @@ from typing import List, Optional, Sequence
 
 from .. import _core
 from ..errors import InvalidArgumentError
-from ..planner.cluster import Cluster, gpu_catalog
+from ..planner.cluster import Cluster
 from ..planner.model import Model
 from .harness import (agree_arguments, broadcast_object, collective_group, device_barrier, llama_layer, load_torch,
                       model_dtype, seconds, seconds_queued, torch_dtype)
@@ -45,11 +45,11 @@ __all__ = ["calibrate"]
 _GEMM_PASSES = 3.0
 _ATTN_PASSES = 3.5
 
-# CUDA device names (lower case substrings, first match wins) -> catalog names
-_CUDA_NAMES = (("h100 pcie", "H100-PCIe"), ("h100", "H100-SXM"), ("h200", "H200"), ("h800", "H800"),
-               ("a100-sxm4-40", "A100-40G"), ("a100-pcie-40", "A100-40G"), ("a100", "A100-80G"), ("a800", "A800"),
-               ("l40s", "L40S"), ("l40", "L40"), ("a6000", "A6000"), ("4090", "RTX4090"), ("3090", "RTX3090"),
-               ("v100", "V100"))
+def cuda_gpu_name(cuda_name: str) -> str:
+    """The catalog name of a device as CUDA names it (torch.cuda.get_device_name: "NVIDIA H100 PCIe") when the
+    catalog recognises the part (its device names live with it, in csrc/model/catalog.c), else that name without
+    "NVIDIA " and with hyphens for spaces."""
+    return _core.gpu_from_device_name(cuda_name) or cuda_name.replace("NVIDIA ", "").replace(" ", "-")
 
 
 def device_name(device) -> str:
@@ -58,13 +58,7 @@ def device_name(device) -> str:
     torch, _ = load_torch()
     if device.type != "cuda":
         return "CPU"
-    name = torch.cuda.get_device_name(device)
-    low = name.lower()
-    known = {g["name"] for g in gpu_catalog()}
-    for key, catalog_name in _CUDA_NAMES:
-        if key in low and catalog_name in known:
-            return catalog_name
-    return name.replace("NVIDIA ", "").replace(" ", "-")
+    return cuda_gpu_name(torch.cuda.get_device_name(device))
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -924,6 +924,32 @@ static void test_strategies_odd_sizes(void) {
     hexiseq_cluster_destroy(c);
 }
 
+/* Device names as CUDA reports them read as catalog models: the longer piece before the shorter one it contains,
+ * any case; a name no piece is found in, or NULL, reads as no model. */
+static void test_device_names(void) {
+    static const struct {
+        const char *device, *gpu;
+    } cases[] = {{"NVIDIA H100 80GB HBM3", "H100-SXM"},   {"NVIDIA H100 PCIe", "H100-PCIe"},
+                 {"nvidia h100 pcie", "H100-PCIe"},       {"NVIDIA H200", "H200"},
+                 {"NVIDIA H800", "H800"},                 {"NVIDIA A100-SXM4-40GB", "A100-40G"},
+                 {"NVIDIA A100-PCIE-40GB", "A100-40G"},   {"NVIDIA A100-SXM4-80GB", "A100-80G"},
+                 {"NVIDIA A800-SXM4-80GB", "A800"},       {"NVIDIA L40S", "L40S"},
+                 {"NVIDIA L40", "L40"},                   {"NVIDIA RTX A6000", "A6000"},
+                 {"NVIDIA GeForce RTX 4090", "RTX4090"},  {"NVIDIA GeForce RTX 3090", "RTX3090"},
+                 {"Tesla V100-SXM2-32GB", "V100"},        {"NVIDIA GeForce GTX 1080 Ti", NULL},
+                 {"NVIDIA B200", NULL},                   {"", NULL},
+                 {"H10", NULL}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
+        const char *gpu = hexiseq_gpu_from_device_name(cases[i].device);
+        EXPECT(cases[i].gpu ? gpu && strcmp(gpu, cases[i].gpu) == 0 : gpu == NULL, "'%s' read as %s, expected %s",
+               cases[i].device, gpu ? gpu : "none", cases[i].gpu ? cases[i].gpu : "none");
+        hexiseq_gpu_spec spec;
+        if (gpu)
+            EXPECT_OK(hexiseq_gpu_find(gpu, &spec));
+    }
+    EXPECT(hexiseq_gpu_from_device_name(NULL) == NULL, "NULL reads as no model");
+}
+
 /* ------------------------------------------------------------------------------------------------ */
 /* Garbage input: every pointer NULL, every size out of range, every number NaN / inf / negative. */
 
@@ -2068,6 +2094,7 @@ int main(void) {
     test_causal_pairs();
     test_spans();
     test_strategies_odd_sizes();
+    test_device_names();
     test_garbage_catalog_and_cluster();
     test_garbage_model_layout();
     test_garbage_evaluate();
