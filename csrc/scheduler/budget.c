@@ -1,18 +1,10 @@
-/* Time limit and cancellation of a planning call: a clock, a deadline and a progress callback polled
- * between evaluations. */
-#define _POSIX_C_SOURCE 199309L
+/* Time limit and cancellation of a planning call: a deadline on the clock of clock.h and a progress callback
+ * polled between evaluations. */
 #include <math.h>
-#include <time.h>
 
 #include "planner.h"
 
 #define POLL_INTERVAL_S 0.05 /* the progress callback runs at most this often */
-
-double hexiseq_now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 void hexiseq_budget_init(hexiseq_budget *b, const hexiseq_plan_options *opt) {
     b->start_s = hexiseq_now_s();

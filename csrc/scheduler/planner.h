@@ -4,6 +4,7 @@
 #ifndef HEXISEQ_PLANNER_H
 #define HEXISEQ_PLANNER_H
 
+#include "clock.h"
 #include "internal.h"
 
 /* Candidate ordering, the one used by every planner: fitting beats not fitting; then faster by more than a
@@ -28,7 +29,6 @@ typedef struct {
 
 enum { HEXISEQ_BUDGET_RUNNING = 0, HEXISEQ_BUDGET_TIME = 1, HEXISEQ_BUDGET_CANCELLED = 2 };
 
-double hexiseq_now_s(void);
 void hexiseq_budget_init(hexiseq_budget *b, const hexiseq_plan_options *opt);
 /* Counts one evaluation and polls: HEXISEQ_OK to go on, HEXISEQ_ERR_CANCELLED to stop (b->stopped says
  * why: the time limit, or the callback). The time limit only stops a search that `have_plan` (holds a
