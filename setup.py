@@ -21,9 +21,9 @@ from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# The C core's folders (common/ at the bottom; model/ under scheduler/; attention/ beside them, over common/ only):
-# each is an include directory, so sources include headers by bare name.
-CORE_DIRS = ["csrc/common", "csrc/model", "csrc/scheduler", "csrc/attention"]
+# The C core's folders (common/ at the bottom; model/ under scheduler/; assign/ and attention/ beside them, over
+# common/ only): each is an include directory, so sources include headers by bare name.
+CORE_DIRS = ["csrc/common", "csrc/model", "csrc/scheduler", "csrc/assign", "csrc/attention"]
 
 
 def core_files(*patterns):

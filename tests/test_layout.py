@@ -15,6 +15,7 @@ C_FLOORS = {
     "model": {"model", "common"},
     "attention": {"attention", "common"},
     "scheduler": {"scheduler", "model", "common"},
+    "assign": {"assign", "common"},
 }
 
 # hexiseq sub-package (or top-level module) -> what it must never import

@@ -465,7 +465,7 @@ typedef struct {
 
 /* Assigns every sequence of `p` to one group that can run it (finite cost) within the group's token capacity,
  * minimising the makespan: exhaustively (branch and bound) when G^N <= 200,000, else by a greedy placement and
- * a local search (csrc/scheduler/batch.c). Writes group_of[i] (the group of sequence i), group_time_s[g] (fixed
+ * a local search (csrc/assign/batch.c). Writes group_of[i] (the group of sequence i), group_time_s[g] (fixed
  * plus the costs it holds, seconds) and `result`. time_limit_s > 0 stops the search after about that long with
  * the best assignment found; <= 0: no limit beyond the search's own caps.
  * HEXISEQ_ERR_NULL: p, group_time_s or result NULL, or cost_s, tokens or group_of NULL while N > 0.

@@ -1,6 +1,5 @@
 /* Shared by the planners above the cost model (not part of the public API): the candidate ordering, the time
- * limit of a planning call, the entry points the dispatcher (strategy.c) calls, and the batch assignment's
- * heuristic path alone (for its tests). */
+ * limit of a planning call, and the entry points the dispatcher (strategy.c) calls. */
 #ifndef HEXISEQ_PLANNER_H
 #define HEXISEQ_PLANNER_H
 
@@ -52,11 +51,5 @@ hexiseq_status hexiseq_schedule(const hexiseq_cluster *c, const hexiseq_model *m
                                 int64_t seq_len, int32_t causal, const hexiseq_layout *seed,
                                 const hexiseq_plan_cost *seed_cost, hexiseq_budget *b, hexiseq_layout *out,
                                 hexiseq_plan_cost *cost);
-
-/* hexiseq_batch_assign without its exhaustive search, whatever G^N: the greedy placement and the local search
- * only, with the same checks, outputs and errors (so tests can hold the heuristic against brute force). */
-hexiseq_status hexiseq_batch_assign_heuristic(const hexiseq_batch_problem *p, double time_limit_s,
-                                              int32_t *group_of /* [N] out */, double *group_time_s /* [G] out */,
-                                              hexiseq_batch_result *result);
 
 #endif /* HEXISEQ_PLANNER_H */

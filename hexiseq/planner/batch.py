@@ -36,7 +36,7 @@ all devices (weights that grow with a device's speed; see BatchPlanner._bound_we
 bounded by 0 (one group needs none).
 
 Solving: every uniform cut of the tree is scored (each sequence to a group by the C core's assignment search,
-csrc/scheduler/batch.c); the best is refined by splitting a loaded group into its children or merging children
+csrc/assign/batch.c); the best is refined by splitting a loaded group into its children or merging children
 back into their parent while that shortens the step; the three best cuts, and the whole cluster as one group
 (today's path), are scored exactly.
 """

@@ -9,7 +9,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "planner.h"
+#include "assign.h"
 
 #include "check.h"
 

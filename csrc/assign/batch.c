@@ -49,7 +49,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "planner.h"
+#include "assign.h"
+#include "clock.h"
 
 #define EXHAUSTIVE_LEAVES 200000  /* G^N at most this: branch and bound, exact */
 #define IMPROVE_REL 1e-12         /* a move must lower the makespan by more than this, relatively */
