@@ -5,7 +5,7 @@
  *   structures.c structures: node splits, consecutive groups, every partition of small clusters (calls the
  *                shares, ring order and local search levels)
  *   search.c     ring orders and the local search over single moves
- *   shares.c     shares of one structure: S_g by the LP, heads and tokens inside groups
+ *   shares.c     shares of one structure: S_g by the LP (lp.c, on plain arrays), heads and tokens inside groups
  *   evaluate.c   below them all: scores layouts through hexiseq_sched_eval (the cost model, polling the time
  *                limit and the cancel callback) and keeps the best so far through hexiseq_sched_offer
  * No level calls back up into the driver or into a level above it. */
