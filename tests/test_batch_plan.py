@@ -250,14 +250,36 @@ def test_the_plan_says_why_this_many_groups():
     assert bp.to_dict()["alternatives"][0]["groups"] == min(alt)
 
 
-def test_a_per_step_plan_scores_each_pass_once():
-    """A plan made with exact=False scores a pass when first asked; the runtime asks for each pass several times
-    in a step (fingerprint, process groups, contexts), and gets the same Plan object, not a new search."""
+def test_a_plan_is_resolved_when_made(monkeypatch):
+    """Every pass of a plan, exact or per-step, is resolved when the plan is made: asking for a pass's plan, the
+    fingerprint or the plan's data afterwards plans nothing (the core's planning entry points fail here if called),
+    and a per-step plan's passes are the fastest of their kind's bases re-balanced to them."""
+    from hexiseq import _core
+
     cluster = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 4, "intra_gbps": 300.0}]})
-    bp = BatchPlanner(cluster, model="gpt-7b").plan([8000, 300, 300, 4000], exact=False)
-    g = bp.assignment[0]
-    assert bp.plan_for(g) is bp.plan_for(g)
-    assert bp.fingerprint == bp.fingerprint
+    planner = BatchPlanner(cluster, model="gpt-7b")
+    plans = [planner.plan([8000, 300, 300, 4000], exact=False), planner.plan([8000, 300, 300, 4000]),
+             planner.plan([[6000, 2000], 300, [200, 100], 4000], exact=False, split_documents=True)]
+
+    def planning(*args, **kwargs):
+        raise AssertionError("planned after the plan was made")
+
+    for name in ("plan_strategy", "rebalance", "evaluate", "batch_assign", "memory_tokens_bound"):
+        monkeypatch.setattr(_core, name, planning)
+    for bp in plans:
+        for g in range(len(bp.groups)):
+            for p in range(len(bp.passes[g])):
+                sub = bp.plan_for(g, p)
+                assert sub is bp.plan_for(g, p) and isinstance(sub, hexiseq.Plan)
+                assert sub.seq_len == sum(bp.lengths[i] for i in bp.passes[g][p])
+                assert sub.cluster.num_devices == len(bp.groups[g])
+        assert bp.fingerprint == bp.fingerprint and len(bp.fingerprint) == 16
+        bp.to_dict(), bp.explain()
+    assert [bp.scored for bp in plans] == [False, True, False]
+    with pytest.raises(hexiseq.InvalidArgumentError, match="makes 1 pass"):
+        plans[0].plan_for(plans[0].assignment[0], 1)
+    with pytest.raises(hexiseq.InvalidArgumentError, match="g must be a group"):
+        plans[0].plan_for(-1)
 
 
 def test_plan_runs_a_step_of_several_sequences_as_groups_when_faster():

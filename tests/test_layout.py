@@ -102,7 +102,6 @@ PRIVATE_IMPORTS_PENDING = {
     ("hexiseq/planner/batch.py", "_two_passes"),
     ("hexiseq/planner/batch.py", "_inputs"),
     ("hexiseq/planner/batch.py", "_strategy"),
-    ("hexiseq/planner/batch_plan.py", "_Kind"),
     ("hexiseq/planner/batch_kinds.py", "_plan_one"),
     ("hexiseq/planner/batch_kinds.py", "_strategy"),
 }

@@ -53,7 +53,8 @@ from .. import _core
 from .._validate import integer, number
 from ..errors import InvalidArgumentError, MemoryFitError
 from .cluster import Cluster, device_set
-from .batch_kinds import _first_fit, _held, _Kind, _pairs, _two_passes, available_cores, exact_pass, run_in_threads
+from .batch_kinds import (_first_fit, _held, _Kind, _pairs, _two_passes, available_cores, exact_pass,
+                          rebalanced_pass, run_in_threads)
 from .batch_plan import BatchPlan
 from .plan import Plan, Strategy, _inputs, _strategy
 from .plan import plan as plan_layout
@@ -445,7 +446,8 @@ class BatchPlanner:
 
         exact: score the best few cuts exactly (each pass re-balanced from its kind's base layouts) and keep the best
         so scored; False keeps the search's best under the linear pricing and skips those re-balances (the per-step
-        mode: group_time_s is then the linear pricing, and plan_for makes a pass's plan when asked).
+        mode: group_time_s is then the linear pricing; each pass is still resolved, the fastest of its kind's
+        base layouts re-balanced to it, so that the runtime plans nothing).
         reprice: price the kinds again for the passes the first search gave them, and (with exact) learn from the
         exact scores how far each kind's pricing is off and search again (the planner keeps what it learnt for the
         next steps); False: one search under the pricing as it stands (with what earlier exact plans taught it).
@@ -459,7 +461,9 @@ class BatchPlanner:
             if len(origin) > len(total):  # else nothing to split: the plain plan below
                 flat = [int(L) for t, d in zip(total, docs) for L in (d if d is not None else (int(t),))]
                 bp = self.plan(flat, time_limit_s=time_limit_s, exact=exact, reprice=reprice)
-                return dataclasses.replace(bp, origin=tuple(origin))
+                out = dataclasses.replace(bp, origin=tuple(origin))
+                out.fingerprint  # as below: hashed in the planner's time
+                return out
         reprice = exact if reprice is None else bool(reprice)
         t0 = time.perf_counter()
         time_limit_s = number(time_limit_s, "time_limit_s", positive=True, optional=True)
@@ -567,9 +571,11 @@ class BatchPlanner:
         for p in plans:
             exact_best[len(p.groups)] = min(exact_best.get(len(p.groups), math.inf), p.step_time_s)
         by_count.update({k: (t, True) for k, t in exact_best.items()})
-        return dataclasses.replace(best_plan, solve_s=time.perf_counter() - t0, searched_s=searched,
-                                   stopped_early=stopped,
-                                   alternatives=tuple((k, t, e) for k, (t, e) in sorted(by_count.items())))
+        out = dataclasses.replace(best_plan, solve_s=time.perf_counter() - t0, searched_s=searched,
+                                  stopped_early=stopped,
+                                  alternatives=tuple((k, t, e) for k, (t, e) in sorted(by_count.items())))
+        out.fingerprint  # hashed here, in the planner's time: the runtime compares it at every step
+        return out
 
     def _learn(self, plans):
         """Set each kind's correction (the factor on its linear pricing) from exactly scored plans: the largest
@@ -708,8 +714,8 @@ class BatchPlanner:
         return scored
 
     def _build(self, cut, assigned, total, docs, cost, fixed, cap, bound, t0, exact=True):
-        """The BatchPlan of a cut and its assignment, every pass scored exactly (or, exact=False, left to plan_for
-        and priced linearly)."""
+        """The BatchPlan of a cut and its assignment, every pass scored exactly (or, exact=False, priced linearly and
+        resolved from its kind's bases)."""
         group_of, _, info, _ = assigned
         # groups in device order; sequences renumbered to them. Each group's passes: its sequences packed first fit
         # by decreasing length into passes of its capacity (the search priced passes x capacity in aggregate, which
@@ -758,14 +764,30 @@ class BatchPlanner:
                 plans = [p for _, p in made]
                 pass_plans.append(tuple(plans))
                 exact_time.append(sum(math.inf if p is None else p.step_time_s for p in plans))
-        else:
-            pass_plans = [(self._kind[cut[k]],) for k in order]  # plan_for scores a pass on request
+        else:  # every pass resolved now, side by side, from its kind's bases: the runtime only reads them
+            jobs = [(r, j) for r in range(len(order)) for j in range(len(packs[r]))]
+            resolved = {}
+
+            def resolve(job):
+                r, j = job
+                kind = self._kind[cut[order[r]]]
+                pass_docs = [L for i in packs[r][j] for L in (docs[i] or (int(total[i]),))]
+                resolved[job] = rebalanced_pass(kind, pass_docs) or exact_pass(kind, pass_docs)
+
+            run_in_threads(resolve, sorted(jobs, key=lambda job: -len(groups[job[0]])), self.threads)
+            missing = [job for job, p in resolved.items() if p is None]
+            if missing:
+                r, j = missing[0]
+                raise MemoryFitError(f"no layout of group {r} (devices {list(groups[r])}) holds its pass {j} "
+                                     f"({sum(int(total[i]) for i in packs[r][j]):,} tokens)")
+            pass_plans = [tuple(resolved[(r, j)] for j in range(len(packs[r]))) for r in range(len(order))]
             exact_time = list(model_time)
         sync = self._cut_sync(tuple(sorted(cut)))
         return BatchPlan(self.cluster, self.model, self.training, self.causal, groups, assignment,
                          tuple(int(x) for x in total), tuple(docs), tuple(exact_time), sync, max(exact_time) + sync,
                          bound, len(self.groups), time.perf_counter() - t0, bool(info["exact"]), tuple(packs),
-                         tuple(int(cap[cut[k]]) for k in order), tuple(model_time), math.nan, tuple(pass_plans))
+                         tuple(int(cap[cut[k]]) for k in order), tuple(model_time), math.nan, tuple(pass_plans),
+                         scored=bool(exact))
 
 
 def plan_batch(cluster, *, model="gpt-7b", lengths: Sequence, training=None, causal=True, groups=None,

@@ -2,13 +2,15 @@
 group's passes and their plans, and the predicted figures. Made by hexiseq.planner.batch.BatchPlanner."""
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from ..errors import InvalidArgumentError
-from .batch_kinds import _Kind, exact_pass
 from .cluster import Cluster
 from .model import Training
 from .plan import Plan
@@ -61,6 +63,9 @@ class BatchPlan:
     origin: Optional[Tuple[Tuple[int, int], ...]] = None
     # plan(..., time_limit_s=...) ran out of time before every finalist cut was scored: the best of those scored
     stopped_early: bool = False
+    # group_time_s scores every pass with the cost model (an exact plan); False: the linear pricing (a per-step
+    # plan, whose passes are resolved all the same, from the bases of their kind of group)
+    scored: bool = True
 
     @property
     def gap_to_bound(self) -> float:
@@ -115,20 +120,15 @@ class BatchPlan:
 
     def plan_for(self, g, p=0) -> Plan:
         """The plan group g runs its pass p with (devices renumbered 0.. in the order of `groups[g]`) over that pass's
-        packed sequence (each sequence a document, or its own documents): the scheduler's plan for it or one of the
-        base layouts of the group's kind re-balanced to it, whichever the cost model scores fastest; group_time_s
-        sums these."""
-        if not 0 <= p < len(self.passes[g]):
-            raise InvalidArgumentError(f"group {g} makes {len(self.passes[g])} pass(es), got pass {p}")
-        made = self.pass_plans[g]
-        if made and isinstance(made[0], _Kind):  # planned with exact=False: scored on first use, then kept (a step's
-            # runtime asks for every pass more than once: its fingerprint, its process groups, its contexts)
-            scored = self.__dict__.setdefault("_scored", {})
-            if (g, p) not in scored:
-                docs = [L for i in self.passes[g][p] for L in (self.documents[i] or (self.lengths[i],))]
-                scored[(g, p)] = exact_pass(made[0], docs)
-            return scored[(g, p)]
-        return made[p]
+        packed sequence (each sequence a document, or its own documents), made when this plan was: in an exact plan
+        the scheduler's plan for it or one of the base layouts of the group's kind re-balanced to it, whichever the
+        cost model scores fastest (group_time_s sums these); in a per-step plan the fastest of the bases re-balanced
+        to it."""
+        if not _index(g, len(self.groups)):
+            raise InvalidArgumentError(f"g must be a group of the plan, in [0, {len(self.groups)}), got {g!r}")
+        if not _index(p, len(self.passes[g])):
+            raise InvalidArgumentError(f"group {g} makes {len(self.passes[g])} pass(es), got pass {p!r}")
+        return self.pass_plans[g][p]
 
     @property
     def model_step_time_s(self) -> float:
@@ -136,10 +136,11 @@ class BatchPlan:
         which scores every pass exactly: how far the search's linear pricing was from the cost model."""
         return max(self.model_group_time_s) + self.sync_s
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
         """A hash of everything a step's execution depends on (the cluster, model and training, causal, the groups,
-        the assignment, the passes, the batch, and every pass's plan); ranks compare it before running a step."""
+        the assignment, the passes, the batch, and every pass's plan); ranks compare it before running a step.
+        Hashed once (the planner does it when it makes the plan)."""
         plans = [[self.plan_for(g, p).fingerprint for p in range(len(self.passes[g]))] for g in range(len(self.groups))]
         canon = json.dumps({"cluster": self.cluster.to_dict(), "model": self.model.to_dict(),
                             "training": self.training.to_dict(), "causal": self.causal,
@@ -160,7 +161,7 @@ class BatchPlan:
                 "predicted": {"step_time_s": self.step_time_s, "group_time_s": list(self.group_time_s),
                               "model_step_time_s": self.model_step_time_s, "sync_s": self.sync_s,
                               "lower_bound_s": self.lower_bound_s, "tokens_per_s": self.tokens_per_s},
-                "scored": self._scored(),
+                "scored": self.scored,
                 "origin": None if self.origin is None else [list(o) for o in self.origin],
                 "candidates": self.candidates, "solve_s": self.solve_s,
                 **({"stopped_early": True} if self.stopped_early else {}),
@@ -193,7 +194,7 @@ class BatchPlan:
             heads.append(f"  {g:>5}  {span:>9} ({what})")
         width = max([43] + [len(h) + 1 for h in heads])  # the devices column as wide as its longest entry
         lines.append("  group  devices".ljust(width) + "sequences  tokens       time (s, "
-                     + ("scored)" if self._scored() else "priced)"))
+                     + ("scored)" if self.scored else "priced)"))
         for g, head in enumerate(heads):
             seqs = self.sequences_of(g)
             lines.append(head.ljust(width) + f"{len(seqs):>9}  "
@@ -206,7 +207,7 @@ class BatchPlan:
         parts = (f"= slowest group {max(self.group_time_s):.4g} s + gradient sync across groups {self.sync_s:.3g} s")
         bound = (f"bound of the linear pricing: at least {self.lower_bound_s:.4g} s for any grouping priced so "
                  f"(gap {self.gap_to_bound:.2f}x)")
-        if not self._scored():
+        if not self.scored:
             return [f"  step (priced, linear) {self.step_time_s:.4g} s {parts}; the per-step mode: the cost model "
                     "scores no pass", f"  {bound}"]
         below = self.step_time_s < self.lower_bound_s
@@ -214,10 +215,6 @@ class BatchPlan:
                 f"  step (priced, linear) {self.model_step_time_s:.4g} s, as the search ranked the groupings",
                 f"  {bound}" + ("; the scored step is below it: the bound holds for the linear pricing only"
                                 if below else "")]
-
-    def _scored(self) -> bool:
-        """Whether group_time_s is scored exactly (pass plans made), not a per-step plan's linear pricing."""
-        return not any(isinstance(p, _Kind) for ps in self.pass_plans for p in ps)
 
     def _why(self) -> str:
         """One line on why this many groups: the best step the search priced with the nearest fewer and more groups
@@ -230,9 +227,14 @@ class BatchPlan:
         if not parts:
             return ""
         return (f"  why {n} group{'s' if n != 1 else ''}: the best step found {' and '.join(parts)}, against "
-                f"{self.step_time_s:.4g} s {'scored' if self._scored() else 'priced'} (fewer groups spread each "
+                f"{self.step_time_s:.4g} s {'scored' if self.scored else 'priced'} (fewer groups spread each "
                 "sequence over more devices; more groups pay more gradient sync and hold fewer devices each)")
 
     def __repr__(self):
         return (f"BatchPlan(groups={len(self.groups)}, sequences={len(self.lengths)}, "
                 f"step_time_s={self.step_time_s:.4g}, lower_bound_s={self.lower_bound_s:.4g})")
+
+
+def _index(i, count) -> bool:
+    """Whether i is an index in [0, count) (an int, not a bool: no negative indexing from the end)."""
+    return not isinstance(i, bool) and isinstance(i, (int, np.integer)) and 0 <= i < count

@@ -3,6 +3,7 @@ cost; the strategies that produce them; scoring a layout the caller writes down.
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 import os
@@ -365,9 +366,9 @@ class Plan:
     def num_groups(self) -> int:
         return len(self.layout.group_size)
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
-        """A hash of everything the plan's execution depends on; ranks compare it before running."""
+        """A hash of everything the plan's execution depends on; ranks compare it before running. Hashed once."""
         canon = json.dumps(self._identity(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
