@@ -64,7 +64,8 @@ class BatchContext:
                                            "ranks (rank r runs device r)")
             if self.causal != planner.causal:
                 raise InvalidArgumentError(f"causal={self.causal} but the planner plans causal={planner.causal}")
-            identity = text_code(_job_identity(planner))
+            self._identity = _job_identity(planner)
+            identity = text_code(self._identity)
         except Exception as e:  # noqa: BLE001 - whatever it is, the other ranks must learn of it, not hang
             error = e
         self._cpu = self.group if "gloo" in self.backend else dist.new_group(backend="gloo", **self._timeout_kw())
@@ -145,7 +146,8 @@ class BatchContext:
         # the runtime does not import the planner (a room below it): a BatchPlan is known by what it holds
         if not all(hasattr(plan, a) for a in ("groups", "passes", "assignment", "plan_for", "fingerprint", "cluster")):
             return InvalidArgumentError(f"plan must be a hexiseq.BatchPlan, got {type(plan).__name__}")
-        if _job_identity(plan) != _job_identity(self.planner):
+        same = all(getattr(plan, a) is getattr(self.planner, a) for a in ("cluster", "model", "training"))
+        if not same and _job_identity(plan) != self._identity:
             return InvalidArgumentError("plan was made for another cluster, model or training than this context's "
                                         "planner")
         covered = sorted(d for devices in plan.groups for d in devices)
@@ -166,8 +168,9 @@ class BatchContext:
         key = (devices, pass_plan.fingerprint)
         ctx = self._contexts.pop(key, None)
         if ctx is None:
+            # agreed: step() compared the batch plan's fingerprint, which covers every pass's plan, on every rank
             ctx = HexiSeqContext(pass_plan, group=self._subgroup(devices, None), causal=self.causal,
-                                 softmax_scale=self.scale, subgroups=self._subgroup)
+                                 softmax_scale=self.scale, subgroups=self._subgroup, agreed=True)
         self._contexts[key] = ctx
         while len(self._contexts) > _CONTEXTS_KEPT:
             self._contexts.popitem(last=False)[1].close()

@@ -133,10 +133,13 @@ class Comm:
     """One rank's communication for a plan over `group` (default: the world). Collective to build: every rank
     of the group calls it with the same plan. topology: the plan's hexiseq.runtime.topology.Topology."""
 
-    def __init__(self, plan, topology, group=None, causal=True, softmax_scale=None, timeout=None, subgroups=None):
+    def __init__(self, plan, topology, group=None, causal=True, softmax_scale=None, timeout=None, subgroups=None,
+                 agreed=False):
         """subgroups: where the subgroups come from instead of being made here, a function (global ranks, backend
         or None) -> process group, whose groups this object then neither makes nor destroys (the batch runtime's:
-        it makes every group a step needs on every rank at once, see hexiseq.runtime.batch)."""
+        it makes every group a step needs on every rank at once, see hexiseq.runtime.batch). agreed: every rank of
+        the group is known to hold this plan, causal and softmax_scale (the batch runtime's step compared a
+        fingerprint that covers every pass's plan), so the comparison at construction, a collective, is skipped."""
         self._group = resolve_group(group)
         self._subgroups = subgroups
         self.world = dist.get_world_size(self.group)
@@ -152,7 +155,7 @@ class Comm:
         self.p2p_bytes = 0  # bytes this rank has sent by P2P (ring steps, accumulators, co-holders' pieces)
         self.sync_timing = False
         self._global = [self._global_rank(r) for r in range(self.world)]
-        self._check_construction(plan, causal, softmax_scale)
+        self._check_construction(plan, causal, softmax_scale, agreed)
         backend = str(dist.get_backend(self.group))
         local = self.group is not dist.group.WORLD
         # The call descriptors travel on a CPU group: the group itself where it has Gloo, else a Gloo twin.
@@ -202,8 +205,13 @@ class Comm:
 
     # ------------------------------------------------------------------------------------------ the contract
 
-    def _check_construction(self, plan, causal, softmax_scale):
+    def _check_construction(self, plan, causal, softmax_scale, agreed=False):
         self.plan_code = plan_code(plan)
+        if agreed:
+            if plan.cluster.num_devices != self.world:  # the same on every rank: the plan is agreed
+                raise InvalidArgumentError(f"the plan places {plan.cluster.num_devices} devices but the process "
+                                           f"group has {self.world} ranks")
+            return
         mine = torch.tensor([self.plan_code, plan.cluster.num_devices, int(bool(causal)),
                              wire.float_bits(softmax_scale)], dtype=torch.int64, device=collective_device(self.group))
         every = [torch.empty_like(mine) for _ in range(self.world)]

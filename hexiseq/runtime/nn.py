@@ -55,16 +55,17 @@ class HexiSeqContext:
     on every rank instead of aborting or hanging. timeout: for the subgroups it creates (default: the group's own).
     a2a_slices: how many slices of kv heads a layer is pipelined in, so that all-to-alls travel while attention
     runs (default: HEXISEQ_A2A_SLICES, else 1; see hexiseq.runtime.ring.slice_count). subgroups: see
-    hexiseq.runtime.comm.Comm (the batch runtime passes the groups it made for the whole step)."""
+    hexiseq.runtime.comm.Comm (the batch runtime passes the groups it made for the whole step), and so does agreed
+    (the batch runtime has compared the step's plan, which covers this one, on every rank)."""
 
     def __init__(self, plan, group=None, causal: bool = True, softmax_scale: Optional[float] = None, timeout=None,
-                 a2a_slices: Optional[int] = None, subgroups=None):
+                 a2a_slices: Optional[int] = None, subgroups=None, agreed: bool = False):
         refuse_batch_plan(plan, "HexiSeqContext")
         self.plan = plan
         self.causal = bool(causal)
         self.scale = softmax_scale
         self.topology = Topology(plan, self.causal)
-        self.comm = Comm(plan, self.topology, group, self.causal, softmax_scale, timeout, subgroups)
+        self.comm = Comm(plan, self.topology, group, self.causal, softmax_scale, timeout, subgroups, agreed)
         self.slices = self.topology.slices(ring.slice_count(self.topology, a2a_slices))
         close_at_exit(self)
         self.world, self.rank = self.comm.world, self.comm.rank
