@@ -26,6 +26,7 @@ PY_NEVER = {
     "integrations": {"cli"},
     "_validate": {"planner", "runtime", "measure", "integrations", "cli"},
     "errors": {"planner", "runtime", "measure", "integrations", "cli", "_validate"},
+    "geometry": {"planner", "runtime", "measure", "integrations", "cli"},
 }
 
 

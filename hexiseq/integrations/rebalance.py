@@ -41,6 +41,7 @@ from typing import List, Optional
 
 import numpy as np
 
+from .. import geometry
 from ..errors import InvalidArgumentError, MemoryFitError, UnsupportedError
 from ..planner.cluster import Cluster, gpu_catalog
 from ..planner.plan import evaluate
@@ -123,7 +124,7 @@ class Rebalancer:
     def _predicted(self):
         """Each rank's planned attention seconds (its slot's attn_s), by rank."""
         p = self.plan
-        return np.array([float(p.devices.attn_s[p._slot(r)]) for r in range(self.context.world)])
+        return np.array([float(p.devices.attn_s[geometry.slot(p.layout, r, p.cluster.num_devices)]) for r in range(self.context.world)])
 
     def check(self, measured_s: Optional[float] = None) -> Optional[RebalanceEvent]:
         """Gather every rank's kernel seconds since the last check (measured_s: this rank's, instead of its timer: for
@@ -172,8 +173,8 @@ class Rebalancer:
                     new = fresh
             except (MemoryFitError, UnsupportedError):
                 pass
-        before = [int(old.devices.tokens[old._slot(r)]) for r in range(ctx.world)]
-        after = [int(new.devices.tokens[new._slot(r)]) for r in range(ctx.world)]
+        before = [geometry.tokens(old.layout, r, old.cluster.num_devices) for r in range(ctx.world)]
+        after = [geometry.tokens(new.layout, r, new.cluster.num_devices) for r in range(ctx.world)]
         slow = int(np.argmax(np.abs(now - 1.0)))
         seen = [float(x) for x in now]
         reason = (f"rank {slow} ran {now[slow]:.2f}x its planned share of the attention time (over the median rank, "

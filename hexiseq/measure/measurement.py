@@ -24,6 +24,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from .. import geometry
 from .._validate import document_lengths
 from ..errors import InvalidArgumentError, refuse_batch_plan
 from ..planner.model import Training
@@ -226,7 +227,7 @@ def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=No
     ctx = attn.context
     ctx.sync_timing = cuda
     m = plan.model
-    s = int(plan.devices.tokens[plan._slot(rank)])
+    s = geometry.tokens(plan.layout, rank, plan.cluster.num_devices)
     g = torch.Generator(device=device).manual_seed(seed * 7919 + rank)
     if layer == "llama":
         block = llama_layer(m, lambda q, k, v: attn(q, k, v, documents=documents), device, dt, seed)
@@ -268,7 +269,7 @@ def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=No
     steps = [max(every[r][i][0] for r in range(len(every))) for i in range(iters)]
     ranks = []
     for r, rs in enumerate(every):
-        slot = plan._slot(r)
+        slot = geometry.slot(plan.layout, r, plan.cluster.num_devices)
         meas = {"attn": statistics.median(x[1]["attn"] for x in rs),
                 "a2a": statistics.median(x[1]["a2a"] for x in rs),
                 "ring": statistics.median(x[1]["ring_wait"] for x in rs),

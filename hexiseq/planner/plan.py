@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Union
 
 import numpy as np
 
-from .. import _core
+from .. import _core, geometry
 from .._validate import boolean, document_lengths, integer, integers, load_json, number, parse_tokens
 from .cluster import Cluster
 from ..errors import InternalError, InvalidArgumentError, LayoutError, MemoryFitError, UnsupportedError
@@ -379,15 +379,12 @@ class Plan:
 
     def group_chunks(self, group: int):
         """The group's positions as contiguous chunks: [(first position, length), ...] in layout order, as the
-        core lays them out (hexiseq_layout_spans: the front chunk then, under zigzag chunking, the mirrored back
-        chunk)."""
+        core lays them out (hexiseq.geometry.chunks)."""
         group = self._group(group)
-        spans = self.__dict__.get("_spans")
-        if spans is None:
-            chunking = _core.CHUNKINGS[self.layout.chunking]
-            spans = self.__dict__["_spans"] = [a.tolist() for a in _core.layout_spans(self.layout.group_seq, chunking)]
-        f0, fn, b0, bn = (col[group] for col in spans)
-        return [(p0, n) for p0, n in ((f0, fn), (b0, bn)) if n > 0]
+        every = self.__dict__.get("_chunks")
+        if every is None:
+            every = self.__dict__["_chunks"] = geometry.chunks(self.layout)
+        return list(every[group])
 
     def _group(self, group) -> int:
         """A group index in [0, num_groups): no negative indexing from the end."""
@@ -428,19 +425,9 @@ class Plan:
                                {self.strategy: reason}, strategies)
         return out
 
-    def _dim(self, dim, ndim: int, what: str) -> int:
-        """An axis of a tensor of `ndim` dimensions, negative counting from the end as NumPy and torch do."""
-        if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)) or not -ndim <= dim < ndim:
-            raise InvalidArgumentError(f"dim must be an axis of {what} ({ndim} dimension(s): in [{-ndim}, {ndim})), "
-                                       f"got {dim!r}")
-        return int(dim) % ndim
-
     def _slot(self, rank: int) -> int:
         """Layout slot of a rank (rank = cluster device id)."""
-        n = self.cluster.num_devices
-        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < n:
-            raise InvalidArgumentError(f"rank must be a device id in [0, {n}), got {rank!r}")
-        return int(np.nonzero(self.layout.device == rank)[0][0])
+        return geometry.slot(self.layout, rank, self.cluster.num_devices)
 
     def group_of(self, rank: int) -> int:
         """The HP group (index in ring order) of a rank."""
@@ -459,11 +446,7 @@ class Plan:
         """Absolute positions of the tokens a rank holds for token-parallel work (e.g. for rotary
         embeddings), in the order of its shard. Rank r is cluster device r. A rank the plan parks (no tokens)
         gets an empty array."""
-        slot = self._slot(rank)
-        g = int(self.devices.group[slot])
-        first = int(np.concatenate([[0], np.cumsum(self.layout.group_size)])[g])
-        start = int(self.layout.tokens[first:slot].sum())
-        return self.group_positions(g)[start:start + int(self.layout.tokens[slot])]
+        return geometry.positions(self.layout, rank, self.cluster.num_devices)
 
     def shard(self, x, dim: int, rank: int):
         """The rank's shard of a full-sequence tensor or array `x` along `dim` (its tokens, in order).
@@ -472,47 +455,11 @@ class Plan:
         call (hexiseq.hf.shard_inputs, a batch pass's shard and inputs); it still runs its layers on it, since they
         take part in the collectives: hexiseq.nn's attention takes an empty shard, and a model patched by
         hexiseq.hf.patch_model runs it as one placeholder token and returns outputs of 0 tokens."""
-        idx = self.positions(rank)
-        if not hasattr(getattr(x, "shape", None), "__len__"):
-            raise InvalidArgumentError(f"x must be an array or a tensor, got {type(x).__name__}")
-        dim = self._dim(dim, len(x.shape), "x")
-        if x.shape[dim] != self.seq_len:
-            raise InvalidArgumentError(f"x has {x.shape[dim]} positions along dim {dim}, the plan {self.seq_len}")
-        if hasattr(x, "index_select"):  # torch
-            import torch
-
-            return x.index_select(dim, torch.as_tensor(idx, device=x.device))
-        return np.take(x, idx, axis=dim)
+        return geometry.take(x, self.positions(rank), dim, self.seq_len)
 
     def unshard(self, shards, dim: int):
         """Reassemble the full sequence from every rank's shard (a list indexed by rank)."""
-        n = self.cluster.num_devices
-        if isinstance(shards, (str, bytes, dict)) or not isinstance(shards, (list, tuple)):
-            raise InvalidArgumentError(f"shards must be a list with one shard per rank ({n}), got "
-                                       f"{type(shards).__name__}")
-        if len(shards) != n:
-            raise InvalidArgumentError(f"unshard needs one shard per rank ({n}), got {len(shards)}")
-        for r, x in enumerate(shards):
-            if not hasattr(getattr(x, "shape", None), "__len__"):
-                raise InvalidArgumentError(f"shards[{r}] must be an array or a tensor, got {type(x).__name__}")
-        ndim = len(shards[0].shape)
-        dim = self._dim(dim, ndim, "shards[0]")
-        for r, x in enumerate(shards):
-            want = int(self.layout.tokens[self._slot(r)])
-            if len(x.shape) != ndim or x.shape[dim] != want:
-                got = (f"{x.shape[dim]} along dim {dim}" if len(x.shape) == ndim
-                       else f"{len(x.shape)} dimension(s), shards[0] {ndim}")
-                raise InvalidArgumentError(f"shards[{r}] (rank {r}) must hold the rank's {want} tokens along dim "
-                                           f"{dim}, got {got}")
-        order = np.concatenate([self.positions(r) for r in range(n)])
-        inverse = np.empty_like(order)
-        inverse[order] = np.arange(len(order))
-        if hasattr(shards[0], "index_select"):
-            import torch
-
-            full = torch.cat(list(shards), dim=dim)
-            return full.index_select(dim, torch.as_tensor(inverse, device=full.device))
-        return np.take(np.concatenate(shards, axis=dim), inverse, axis=dim)
+        return geometry.unshard(self.layout, shards, dim, self.cluster.num_devices)
 
     # ------------------------------------------------------------------ text (planner/text.py)
 

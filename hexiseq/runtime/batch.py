@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import geometry
 from ..errors import InvalidArgumentError
 from .comm import agree, collective_device, group_timeout, open_group, resolve_group, text_code
 from .documents import DOCUMENTS_KWARG
@@ -221,7 +222,8 @@ class Pass:
         # one causal document needs no mask: the plain path
         self.documents = None if len(self.document_lengths) == 1 else self.document_lengths
         self.sequence_lengths = tuple(batch_plan.lengths[i] for i in sequences)
-        self.positions = torch.as_tensor(plan.positions(local_rank), dtype=torch.int64)  # in the packed sequence
+        self._positions = geometry.positions(plan.layout, local_rank, plan.cluster.num_devices)
+        self.positions = torch.as_tensor(self._positions, dtype=torch.int64)  # in the packed sequence
         self.tokens = int(self.positions.numel())
 
     def pack(self, batch: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
@@ -241,7 +243,7 @@ class Pass:
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's tokens of a tensor over the pass's packed sequence (plan.shard)."""
-        return self.plan.shard(x, dim, self.local_rank)
+        return geometry.take(x, self._positions, dim, self.plan.seq_len)
 
     def _document_index(self):
         """Per packed position, (its document's first position)."""

@@ -25,6 +25,7 @@ from . import blocks, compiled, fused, ring
 from . import documents as documents_mod
 from .variants import PLAIN, variant as make_variant
 from .comm import Comm, describe_call
+from .. import geometry
 from ..errors import InvalidArgumentError, UnsupportedError, refuse_batch_plan
 from .topology import Topology
 
@@ -291,7 +292,7 @@ def gather_sequence(x, plan, dim: int = 1, group=None):
     """All-gather every rank's shard of `x` along `dim` and return the full sequence in position order."""
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
-    sizes = [int(plan.devices.tokens[plan._slot(r)]) for r in range(world)]
+    sizes = [geometry.tokens(plan.layout, r, plan.cluster.num_devices) for r in range(world)]
     biggest = max(sizes)
     pad = list(x.shape)
     pad[dim] = biggest - x.shape[dim]
@@ -299,7 +300,7 @@ def gather_sequence(x, plan, dim: int = 1, group=None):
     bufs = [torch.empty_like(xp) for _ in range(world)]
     dist.all_gather(bufs, xp.contiguous(), group=group)
     shards = [b.narrow(dim, 0, s) for b, s in zip(bufs, sizes)]
-    return plan.unshard(shards, dim)
+    return geometry.unshard(plan.layout, shards, dim, plan.cluster.num_devices)
 
 
 _LAZY = {"BatchAttention": "batch", "BatchContext": "batch", "BatchStep": "batch", "Pass": "batch",

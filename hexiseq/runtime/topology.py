@@ -13,6 +13,7 @@ from typing import List, NamedTuple, Tuple
 
 import numpy as np
 
+from .. import geometry
 from ..errors import HexiseqError
 
 __all__ = ["Member", "Topology", "BlockPair", "Route", "HeadRun"]
@@ -87,7 +88,7 @@ class Topology:
         # one-group plan) are one chunk here: the same positions in the same order, attended in one block call
         # instead of three smaller ones and two merges. On one rank that is the block backend called once, as the
         # user would call it alone (the runtime's tax there was three 4K-token calls for one 8K-token sequence).
-        self.chunks = [_touching_joined(plan.group_chunks(g)) for g in range(self.n_groups)]
+        self.chunks = [_touching_joined(c) for c in geometry.chunks(lay)]
         self._where = {mb.rank: (g, mb) for g, members in enumerate(self.groups) for mb in members}
 
     def _members(self, lay, first_slot, end_slot) -> List[Member]:
