@@ -2,6 +2,7 @@
 BatchPlans, sequences of unequal length on groups of unequal devices, trained with a small attention language model
 in float64 and checked against one process that runs every sequence on its own."""
 
+import contextlib
 import datetime
 import traceback
 
@@ -12,6 +13,28 @@ import torch.nn.functional as F
 from reference import attention
 
 VOCAB, HEAD_DIM, MAX_POS = 31, 4, 512
+
+
+PLANNING = ("plan_strategy", "rebalance", "evaluate", "batch_assign", "memory_tokens_bound")
+
+
+@contextlib.contextmanager
+def planning_refused():
+    """The core's planning entry points raise inside: a plan is data, and running a step of it plans nothing."""
+    from hexiseq import _core
+
+    saved = {name: getattr(_core, name) for name in PLANNING}
+
+    def planning(*args, **kwargs):
+        raise AssertionError("the runtime planned during a step")
+
+    for name in PLANNING:
+        setattr(_core, name, planning)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(_core, name, fn)
 
 
 def planner_for(candidates):
@@ -104,8 +127,8 @@ def reference_step(params, lengths, ids, heads, kv_heads):
 
 
 def train_on_batch_plans(rank, world, init, candidates, steps, results):
-    """`steps` SGD steps on long-tail batches, each planned by the candidates' BatchPlanner and run by BatchContext;
-    beside it, every rank runs the same steps in one process as the reference. Reports, per step, the relative
+    """`steps` SGD steps on long-tail batches, each planned by the candidates' BatchPlanner (exact and per-step plans
+    in turn) and run by BatchContext with the core's planning refused (planning_refused); beside it, every rank runs the same steps in one process as the reference. Reports, per step, the relative
     errors of the loss, the per-sequence loss sums and the gradients, the groups the plan chose, and at the end the
     largest parameter difference."""
     try:
@@ -118,20 +141,21 @@ def train_on_batch_plans(rank, world, init, candidates, steps, results):
         ctx = BatchContext(planner)
         ours, ref = init_params(heads, kv_heads), init_params(heads, kv_heads)
         report = []
-        for lengths, ids in batches(11, steps, 9):
-            plan = planner.plan(lengths)
-            step = ctx.step(plan)
-            labelled = step.labelled_tokens()
-            per_pass = []
-            for p in step.passes:
-                with p:
-                    inp = p.inputs(ids)
-                    tl = token_losses(ours, inp["input_ids"], inp["position_ids"], inp["labels"], p.attention,
-                                      heads, kv_heads)
-                    (tl.sum() / labelled).backward()
-                    per_pass.append(tl.detach())
-            sum_gradients(ours.values())
-            seq_sums = step.per_sequence(per_pass)
+        for i, (lengths, ids) in enumerate(batches(11, steps, 9)):
+            plan = planner.plan(lengths, exact=i % 2 == 0)  # exact plans and per-step plans in turn
+            with planning_refused():
+                step = ctx.step(plan)
+                labelled = step.labelled_tokens()
+                per_pass = []
+                for p in step.passes:
+                    with p:
+                        inp = p.inputs(ids)
+                        tl = token_losses(ours, inp["input_ids"], inp["position_ids"], inp["labels"], p.attention,
+                                          heads, kv_heads)
+                        (tl.sum() / labelled).backward()
+                        per_pass.append(tl.detach())
+                sum_gradients(ours.values())
+                seq_sums = step.per_sequence(per_pass)
             loss = seq_sums.sum() / labelled
             ref_seq, ref_labelled = reference_step(ref, lengths, ids, heads, kv_heads)
             ref_loss = sum(ref_seq) / ref_labelled
