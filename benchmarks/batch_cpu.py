@@ -11,7 +11,7 @@ core 1, so rank 0 computes about twice as fast), Gloo, one thread each. Every ra
    then one all-reduce of the layer's gradients over all ranks; the step is the slowest rank from a common barrier
    (median of --iters after one warm-up);
 3. predicts the same step with the cost model on the calibrated cluster: per group, the sum over its passes of the
-   layer's forward and backward (hexiseq.measure.measurement.predicted_layer: attention, all-to-all, ring, matmuls), the
+   layer's forward and backward (hexiseq.hardware.measurement.predicted_layer: attention, all-to-all, ring, matmuls), the
    slowest group, plus the gradient all-reduce across groups (BatchPlanner.sync_s). The all-reduce inside one group
    is measured but not predicted (a 5 MB layer on Gloo: milliseconds against a step of seconds).
 The batch: one long sequence and a tail of short ones, each length half the one before it (4,096, 2,048, ... 64,
@@ -36,8 +36,8 @@ from _machine import machine  # noqa: E402
 from heterogeneous_cpu import MODEL, run_ranks, start_rank  # noqa: E402
 
 from hexiseq.nn import BatchContext, HexiSeqAttention  # noqa: E402
-from hexiseq.measure.harness import llama_layer  # noqa: E402
-from hexiseq.measure.measurement import predicted_layer  # noqa: E402
+from hexiseq.hardware.harness import llama_layer  # noqa: E402
+from hexiseq.hardware.measurement import predicted_layer  # noqa: E402
 
 LAYER = hexiseq.Model(layers=1, hidden=MODEL.hidden, heads=MODEL.heads, kv_heads=MODEL.kv_heads,
                       head_dim=MODEL.head_dim, ffn=MODEL.ffn, vocab=8, dtype_bytes=4, gated_mlp=True, name="one-layer")

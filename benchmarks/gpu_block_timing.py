@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from hexiseq.measure.harness import seconds
+from hexiseq.hardware.harness import seconds
 from hexiseq.runtime import blocks
 
 H, KV, D = 24, 8, 128

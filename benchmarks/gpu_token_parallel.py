@@ -6,7 +6,7 @@ Usage (a CUDA device):  python benchmarks/gpu_token_parallel.py [--out FILE.md]
 
 The cost model prices a layer's work outside attention as its matmuls (FLOPs at the calibrated matmul curve) plus
 its memory-bound work (the bytes docs/cost_model.md counts, at the calibrated memory-bound rate). For a model's
-shapes, this script takes both rates as calibrate measures them (hexiseq.measure.calibration: the matmul curve at
+shapes, this script takes both rates as calibrate measures them (hexiseq.hardware.calibration: the matmul curve at
 the default CUDA rows 512, 2048 and 8192, held beyond its last point as the cost model holds it; the memory-bound
 rate at 8192 rows), and times, at several token counts, forward + backward back to back, measure's Llama layer with
 its attention call replaced by the identity on q (calibration._token_parallel_step): what those two terms together
@@ -21,8 +21,8 @@ import sys
 import torch
 
 import hexiseq
-from hexiseq.measure import calibration as cal
-from hexiseq.measure.harness import seconds_queued
+from hexiseq.hardware import calibration as cal
+from hexiseq.hardware.harness import seconds_queued
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _machine import machine  # noqa: E402

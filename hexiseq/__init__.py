@@ -10,8 +10,8 @@ from .errors import (CudaError, HexiseqError, InternalError, InvalidArgumentErro
 from .planner.model import MODEL_PRESETS, Model, Sharding, Training
 from .planner.plan import DeviceTable, Layout, Plan, Strategy, compare, evaluate
 from .planner.batch import BatchPlan, BatchPlanner, plan, plan_batch
-from .measure.calibration import calibrate  # PyTorch is imported on the first call, not here
-from .measure.measurement import Measurement, measure
+from .hardware.calibration import calibrate  # PyTorch is imported on the first call, not here
+from .hardware.measurement import Measurement, measure
 from ._aliases import install_module_aliases
 
 __version__ = _core.VERSION

@@ -279,7 +279,7 @@ def _calibration_summary(cluster: Cluster) -> str:
 
 
 def cmd_calibrate(args) -> int:
-    from .measure.calibration import calibrate
+    from .hardware.calibration import calibrate
 
     dist, rank, created = _init_distributed(args.backend)
     try:
@@ -298,7 +298,7 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_measure(args) -> int:
-    from .measure.measurement import measure
+    from .hardware.measurement import measure
 
     plan = Plan.from_json(read_text(args.plan, "plan file"))
     dist, rank, created = _init_distributed(args.backend)

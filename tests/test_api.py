@@ -182,7 +182,7 @@ def _old_cuda_gpu_name(cuda_name):
 def test_cuda_device_names_are_read_by_the_catalog(piece, gpu):
     """Each device name the old table read, alone, in upper case and inside a name as CUDA writes it, gives the
     catalog model it gave; the shorter pieces do not win over the longer ones they are part of."""
-    from hexiseq.measure.calibration import cuda_gpu_name
+    from hexiseq.hardware.calibration import cuda_gpu_name
 
     assert gpu in {g["name"] for g in hexiseq.gpu_catalog()}
     for name in (piece, piece.upper(), f"NVIDIA {piece.upper()}-SXM5-80GB", f"Tesla {piece}"):
@@ -191,7 +191,7 @@ def test_cuda_device_names_are_read_by_the_catalog(piece, gpu):
 
 
 def test_cuda_device_names_read_as_before_and_unknown_ones_kept():
-    from hexiseq.measure.calibration import cuda_gpu_name
+    from hexiseq.hardware.calibration import cuda_gpu_name
 
     for name in CUDA_DEVICE_NAMES:
         assert cuda_gpu_name(name) == _old_cuda_gpu_name(name), name

@@ -128,7 +128,7 @@ def test_calibrated_yaml_plans_like_the_cluster(calibrated, tmp_path):
         b = hexiseq.plan(back, model=model, seq_len=4097, strategy=strategy)
         assert a.fingerprint == b.fingerprint and a.step_time_s == b.step_time_s
     # the runtime's own work was timed, so the model charges it: every device of a plan, and measure's "rest"
-    from hexiseq.measure.measurement import predicted_layer
+    from hexiseq.hardware.measurement import predicted_layer
 
     assert all(x > 0 for x in a.devices.runtime_s), a.devices.runtime_s
     rest = [v["rest"] for v in predicted_layer(a, "attention")[0].values()]
@@ -227,8 +227,8 @@ def test_bad_arguments_name_the_field():
 def test_measure_defaults_to_the_dtype_the_cluster_was_calibrated_in():
     """measure's dtype, when not given: the calibration record's when it has the model's dtype_bytes (fp16 stays
     fp16), else the model's own, which is calibrate's default."""
-    from hexiseq.measure.harness import model_dtype
-    from hexiseq.measure.measurement import dtype_for
+    from hexiseq.hardware.harness import model_dtype
+    from hexiseq.hardware.measurement import dtype_for
 
     cpu = torch.device("cpu")
     assert model_dtype(hexiseq.Model.from_name_or_path("llama3-8b"), cpu) == torch.bfloat16

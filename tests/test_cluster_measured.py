@@ -277,7 +277,7 @@ def test_documented_cluster_snippets_plan():
 def test_measure_says_when_it_runs_unlike_the_calibration():
     """measure() warns when its dtype, head dim or heads are not those the cluster was calibrated with (a bf16 run
     on an fp32 calibration came out 1.33x its prediction): the words name each difference."""
-    from hexiseq.measure.measurement import unlike_calibration
+    from hexiseq.hardware.measurement import unlike_calibration
 
     cal = {"dtype": "float32", "head_dim": 64, "attn_heads": 12, "attn_kv_heads": 4}
     cluster = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 2, "intra_gbps": 300.0}],

@@ -20,13 +20,13 @@ C_FLOORS = {
 
 # hexiseq sub-package (or top-level module) -> what it must never import
 PY_NEVER = {
-    "runtime": {"planner", "measure", "integrations", "cli"},
-    "planner": {"measure", "integrations", "cli"},
-    "measure": {"integrations", "cli"},
+    "runtime": {"planner", "hardware", "integrations", "cli"},
+    "planner": {"hardware", "integrations", "cli"},
+    "hardware": {"integrations", "cli"},
     "integrations": {"cli"},
-    "_validate": {"planner", "runtime", "measure", "integrations", "cli"},
-    "errors": {"planner", "runtime", "measure", "integrations", "cli", "_validate"},
-    "geometry": {"planner", "runtime", "measure", "integrations", "cli"},
+    "_validate": {"planner", "runtime", "hardware", "integrations", "cli"},
+    "errors": {"planner", "runtime", "hardware", "integrations", "cli", "_validate"},
+    "geometry": {"planner", "runtime", "hardware", "integrations", "cli"},
 }
 
 
@@ -83,8 +83,8 @@ def test_python_sub_packages_import_only_downwards():
 
 def test_the_checks_see_the_imports_they_guard():
     # the import reader finds what it must, so the test above cannot pass by reading nothing
-    assert "runtime.nn" in _imports(os.path.join(ROOT, "hexiseq", "measure", "measurement.py"))
-    assert "planner.plan" in _imports(os.path.join(ROOT, "hexiseq", "measure", "measurement.py"))
+    assert "runtime.nn" in _imports(os.path.join(ROOT, "hexiseq", "hardware", "measurement.py"))
+    assert "planner.plan" in _imports(os.path.join(ROOT, "hexiseq", "hardware", "measurement.py"))
     assert "planner.model" in _imports(os.path.join(ROOT, "hexiseq", "integrations", "group.py"))
     assert "errors" in _imports(os.path.join(ROOT, "hexiseq", "runtime", "comm.py"))
     assert _header_folder("internal.h") == ["model"]

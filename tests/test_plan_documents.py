@@ -106,7 +106,7 @@ def test_documents_need_causal(mixed):
 
 
 def test_measure_prices_and_checks_documents(mixed):
-    from hexiseq.measure.measurement import predicted_layer
+    from hexiseq.hardware.measurement import predicted_layer
 
     p = hexiseq.plan(mixed, model="llama3-8b", seq_len=S, training=TRAIN, strategy="ring")
     _, plain = predicted_layer(p)

@@ -3,8 +3,4 @@
 the cost model's prediction (`measurement.py`: `hexiseq.measure`), over what both run on the ranks (`harness.py`).
 
 Above the planner and the runtime: it plans with the one and times the other's kernels and layers, and neither
-imports it. PyTorch is imported on first use, so `import hexiseq` works without it.
-
-`hexiseq.measure` is the function; its modules are reached by `from hexiseq.measure import calibration` or
-`from hexiseq.measure.calibration import ...` (the form `import hexiseq.measure.calibration as c` looks the
-module up through that attribute, and fails)."""
+imports it. PyTorch is imported on first use, so `import hexiseq` works without it."""
