@@ -36,7 +36,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import hexiseq  # noqa: E402
 from hexiseq.errors import MemoryFitError, UnsupportedError  # noqa: E402
 from hexiseq.planner.batch import BatchPlanner  # noqa: E402
-from hexiseq.planner.batch_kinds import _first_fit, exact_pass  # noqa: E402
+from hexiseq.planner.batch_kinds import exact_pass  # noqa: E402
+from hexiseq.planner.packing import first_fit  # noqa: E402
 
 KINDS = [("H100-SXM", 450.0), ("A100-80G", 300.0), ("A800", 200.0), ("L40S", 32.0), ("H800", 200.0),
          ("A100-40G", 300.0)]
@@ -204,7 +205,7 @@ def score_groups(planner, groups, assignment, lengths):
         kind._ensure()
         seqs = [i for i, a in enumerate(assignment) if a == g]
         total = 0.0
-        for b in _first_fit(seqs, lengths, max(kind.longest, 1)):  # the planner's own packing
+        for b in first_fit(seqs, lengths, max(kind.longest, 1)):  # the planner's own packing
             p = exact_pass(kind, [lengths[i] for i in b]) if kind.longest else None
             total += math.inf if p is None else p.step_time_s
         times.append(total)

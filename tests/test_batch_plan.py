@@ -324,18 +324,18 @@ def test_a_kinds_fit_probes_answer_as_the_full_search(nodes, model, features):
     """A kind's capacity is searched with probes that stop at the scheduler's first plan that fits; at lengths around
     the capacity found they answer what the full search (no time limit) does. (Whether a length fits is not
     monotone in the length: a layout family that fits one length can miss a slightly longer one.)"""
-    from hexiseq.planner.batch_kinds import _Kind
-    from hexiseq.planner.plan import _plan_one, _strategy
+    from hexiseq.planner.batch_kinds import GroupKind
+    from hexiseq.planner.plan import plan_one, strategy_of
 
     cluster, m = mixed(*nodes), hexiseq.Model.from_name_or_path(model)
     training = hexiseq.Training(checkpointing=True, memory_features=features)
-    kind = _Kind(cluster, m, training, True)
+    kind = GroupKind(cluster, m, training, True)
     kind._ensure()
     assert kind.longest > 0
 
     def full(L):
         try:
-            _plan_one(cluster, m, training, L, True, _strategy("hexiseq"), None, None)
+            plan_one(cluster, m, training, L, True, strategy_of("hexiseq"), None, None)
             return True
         except MemoryFitError:
             return False
@@ -356,13 +356,13 @@ def test_the_memory_bound_lies_above_every_plan_that_fits(nodes, model, features
     scheduler fits, and past it every strategy's plan is refused for memory; on one node of one GPU model it is
     within 0.5% of that longest, so the search ends after one probe there. Under state shares "auto" it is the
     larger of the two settings' bounds."""
-    from hexiseq.planner.batch_kinds import _Kind
+    from hexiseq.planner.batch_kinds import GroupKind
     from hexiseq.planner.plan import memory_tokens_bound
 
     cluster, m = mixed(*nodes), hexiseq.Model.from_name_or_path(model)
     training = hexiseq.Training(checkpointing=True, memory_features=features)
     bound = memory_tokens_bound(cluster, m, training)
-    kind = _Kind(cluster, m, training, True)
+    kind = GroupKind(cluster, m, training, True)
     kind._ensure()
     assert 0 < kind.longest <= bound
     if len(nodes) == 1 and features == "none":

@@ -93,19 +93,6 @@ def test_the_checks_see_the_imports_they_guard():
 # A private name (a leading underscore) used from another module is a seam in the wrong place: what two modules share
 # gets a public name in the module that owns it. Allowed: the extension `_core` and its attributes, dunders, and
 # private *modules* (`from . import _aliases`); the rule is about names inside modules.
-# (importing file, name) pairs whose code is being moved right now; an entry that no longer occurs fails too, so the
-# list only shrinks.
-PRIVATE_IMPORTS_PENDING = {
-    ("hexiseq/planner/batch.py", "_first_fit"),
-    ("hexiseq/planner/batch.py", "_held"),
-    ("hexiseq/planner/batch.py", "_Kind"),
-    ("hexiseq/planner/batch.py", "_pairs"),
-    ("hexiseq/planner/batch.py", "_two_passes"),
-    ("hexiseq/planner/batch.py", "_inputs"),
-    ("hexiseq/planner/batch.py", "_strategy"),
-    ("hexiseq/planner/batch_kinds.py", "_plan_one"),
-    ("hexiseq/planner/batch_kinds.py", "_strategy"),
-}
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef, ast.ListComp, ast.SetComp, ast.DictComp,
            ast.GeneratorExp)
@@ -243,12 +230,9 @@ def private_names_across_modules(package_dir):
 
 def test_no_private_names_across_modules():
     found = private_names_across_modules(os.path.join(ROOT, "hexiseq"))
-    wrong = [f"{f}:{line}: {name} (from {module or 'hexiseq'})" for f, line, name, module in found
-             if (f, name) not in PRIVATE_IMPORTS_PENDING]
+    wrong = [f"{f}:{line}: {name} (from {module or 'hexiseq'})" for f, line, name, module in found]
     assert not wrong, "private names taken from another module; give them a public name where they belong:\n" + \
         "\n".join(wrong)
-    gone = sorted(PRIVATE_IMPORTS_PENDING - {(f, name) for f, _, name, _ in found})
-    assert not gone, f"no longer taken, remove from PRIVATE_IMPORTS_PENDING: {gone}"
 
 
 def test_the_private_name_check_finds_what_it_must(tmp_path):

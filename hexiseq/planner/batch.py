@@ -17,7 +17,7 @@ The model of a step (every figure a prediction of the cost model, never a measur
   holds one replica of the states, as HSDP does), and the group runs the sequences it holds as the documents of one
   packed sequence (one pass; the runtime's document mask keeps them apart), as FlexSP's groups do. A pass of S
   tokens whose documents leave P query-key pairs visible costs f + a S + b P on that kind of group, with f, a and
-  b read off the cost model for one of two base layouts of the group (see _Kind): the ring's and the all-to-alls'
+  b read off the cost model for one of two base layouts of the group (see GroupKind): the ring's and the all-to-alls'
   traffic grows with the pass's tokens whatever its documents, attention with its visible pairs. A sequence then
   costs c = a (its tokens) + b (its pairs), additive over what a group holds, and a group pays f per pass. A pass
   holds at most the longest sequence the group fits (found by bisection, to 0.4%); a group given more runs
@@ -53,10 +53,10 @@ from .. import _core
 from .._validate import integer, number
 from ..errors import InvalidArgumentError, MemoryFitError
 from .cluster import Cluster, device_set
-from .batch_kinds import (_first_fit, _held, _Kind, _pairs, _two_passes, available_cores, exact_pass,
-                          rebalanced_pass, run_in_threads)
+from .batch_kinds import GroupKind, available_cores, exact_pass, rebalanced_pass, run_in_threads
 from .batch_plan import BatchPlan
-from .plan import Plan, Strategy, _inputs, _strategy
+from .packing import first_fit, held_by_group, two_passes, visible_pairs
+from .plan import Plan, Strategy, resolve_inputs, strategy_of
 from .plan import plan as plan_layout
 
 
@@ -245,7 +245,7 @@ class BatchPlanner:
     RANKED_ITEMS = 256
 
     def __init__(self, cluster, *, model="gpt-7b", training=None, causal=True, groups=None, threads=None):
-        cluster, model, training, _ = _inputs(cluster, model, training, 1024)
+        cluster, model, training, _ = resolve_inputs(cluster, model, training, 1024)
         # kinds of group priced side by side (the one-time pricing: seconds to minutes on large clusters); the
         # plans are the same for any count
         self.threads = available_cores() if threads is None else integer(threads, "threads", minimum=1,
@@ -274,7 +274,7 @@ class BatchPlanner:
         self._uniform_cuts = [tuple(g for g in range(len(self.groups)) if self._depth[g] == d or
                                     (self._depth[g] < d and not self._children[g]))
                               for d in range(max(self._depth) + 1)]
-        self._kinds = {}   # group description -> _Kind
+        self._kinds = {}   # group description -> GroupKind
         self._kind = []     # candidate index -> its curve
         for g in self.groups:
             sub = cluster.subset(g)
@@ -283,7 +283,7 @@ class BatchPlanner:
                 node.pop("host", None)
             key = json.dumps(spec, sort_keys=True)
             if key not in self._kinds:
-                self._kinds[key] = _Kind(sub, model, training, self.causal, self.threads)
+                self._kinds[key] = GroupKind(sub, model, training, self.causal, self.threads)
             self._kind.append(self._kinds[key])
         self._kinds_list = list({id(k): k for k in self._kind}.values())
         index = {id(k): i for i, k in enumerate(self._kinds_list)}
@@ -399,7 +399,7 @@ class BatchPlanner:
             flat = np.array([L for t, d in zip(total, docs) for L in (d if d is not None else (int(t),))],
                             dtype=np.int64)
             owner = np.repeat(np.arange(len(total)), [len(d) if d is not None else 1 for d in docs])
-        pairs = _pairs(flat, self.causal)
+        pairs = visible_pairs(flat, self.causal)
         tokens, visible, longest = float(flat.sum()), float(pairs.sum()), int(total.max(initial=0))
         K = len(self._kinds_list)
         coef = np.zeros((K, 2))  # a, b of each kind: every kind's row made at once below
@@ -653,8 +653,8 @@ class BatchPlanner:
         length into its capacity (_build packs them so): passes x f plus what the group holds."""
         group_of, times, info, passes = found
         times = np.array(times, dtype=np.float64)
-        for k, held in enumerate(_held(group_of, len(times))):
-            times[k] = len(_first_fit(held, total, int(cap[k]))) * float(f[k]) + float(c[k, held].sum()) if held \
+        for k, held in enumerate(held_by_group(group_of, len(times))):
+            times[k] = len(first_fit(held, total, int(cap[k]))) * float(f[k]) + float(c[k, held].sum()) if held \
                 else 0.0
         return group_of, times, info, passes
 
@@ -725,10 +725,10 @@ class BatchPlanner:
         groups = tuple(self.groups[cut[k]] for k in order)
         assignment = tuple(rank[int(g)] for g in group_of)
         packs, model_time, exact_time, pass_plans = [], [], [], []
-        held = _held(assignment, len(order))
+        held = held_by_group(assignment, len(order))
         for r, k in enumerate(order):
             seqs = held[r]
-            bins = _first_fit(seqs, total, int(cap[cut[k]]))
+            bins = first_fit(seqs, total, int(cap[cut[k]]))
             packs.append(tuple(tuple(sorted(b)) for b in bins))
             model_time.append(len(bins) * float(fixed[cut[k]]) + float(cost[cut[k], seqs].sum()))
         if exact:  # every pass of every group planned, side by side (each plan is the pass's own, clock-free)
@@ -751,7 +751,7 @@ class BatchPlanner:
                 if len(items) < 2 or (2 * sum(int(total[i]) for i in items) <= int(cap[k]) and whole is not None
                                       and whole.step_time_s <= 1.1 * linear):
                     return
-                halves = _two_passes(items, total)
+                halves = two_passes(items, total)
                 plans = [exact_pass(kind, [L for i in h for L in (docs[i] or (int(total[i]),))]) for h in halves]
                 if all(p is not None for p in plans) and (whole is None or sum(p.step_time_s for p in plans) <
                                                           whole.step_time_s):
@@ -831,12 +831,12 @@ def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=N
          time_limit_s=None, documents=None, batch="auto") -> Union[Plan, BatchPlan]:
     if not (batch is True or batch is False or (isinstance(batch, str) and batch == "auto")):
         raise InvalidArgumentError(f"batch must be 'auto', True or False, got {batch!r}")
-    strategy = _strategy(strategy)
+    strategy = strategy_of(strategy)
     groups_allowed = strategy is Strategy.AUTO and documents is None
     if batch is True and not groups_allowed:
         raise InvalidArgumentError(f"batch=True plans groups with the 'auto' strategy and no documents, got strategy "
                                    f"{strategy.value!r}" + (" and documents" if documents is not None else ""))
-    cluster, model, training, seq_len = _inputs(cluster, model, training, seq_len)
+    cluster, model, training, seq_len = resolve_inputs(cluster, model, training, seq_len)
     chosen = plan_layout(cluster, model=model, seq_len=seq_len, strategy=strategy, training=training, causal=causal,
                          time_limit_s=time_limit_s, documents=documents)
     if batch is False or not groups_allowed:

@@ -1,7 +1,7 @@
 """The cost of one kind of group in a batch plan (hexiseq.planner.batch): how long a packed pass of S tokens whose
 documents leave P query-key pairs visible takes on it, priced f + a S + b P from base layouts the scheduler makes
 for the group, and the exact score of a pass. Groups of equal description (hexiseq.planner.batch's candidate tree
-has many of them) share one _Kind, made on first use."""
+has many of them) share one GroupKind, made on first use."""
 
 import dataclasses
 import math
@@ -11,60 +11,15 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..errors import InvalidArgumentError, MemoryFitError, UnsupportedError
-from .plan import FIT_PROBE_S, _plan_one, _strategy, memory_tokens_bound, plan
-
-
-def _pairs(L, causal):
-    """Query-key pairs a document of L tokens leaves visible."""
-    L = np.asarray(L, dtype=np.float64)
-    return L * (L + 1) / 2 if causal else L * L
+from .packing import visible_pairs
+from .plan import FIT_PROBE_S, memory_tokens_bound, plan, plan_one, strategy_of
 
 
 def _short_docs(S, d):
     return [d] * (S // d) + ([S % d] if S % d else [])
 
 
-def _held(group_of, n_groups):
-    """The items of each group, in item order, from the group of each item (one pass over them)."""
-    held = [[] for _ in range(n_groups)]
-    for i, g in enumerate(group_of):
-        held[g].append(i)
-    return held
-
-
-def _first_fit(items, total, cap):
-    """`items` (indices into `total`) packed first fit by decreasing length into passes of `cap` tokens: the list of
-    passes, each a list of items (one pass when they fit together)."""
-    if not items:
-        return []
-    if sum(int(total[i]) for i in items) <= cap:
-        return [sorted(items, key=lambda i: -int(total[i]))]
-    bins, room = [], []
-    for i in sorted(items, key=lambda i: -int(total[i])):
-        L = int(total[i])
-        for j, r in enumerate(room):
-            if r >= L:
-                break
-        else:
-            j = len(bins)
-            bins.append([])
-            room.append(cap)
-        bins[j].append(i)
-        room[j] -= L
-    return bins
-
-
-def _two_passes(items, total):
-    """`items` (indices into `total`) in two passes of about equal tokens: longest first, each to the lighter pass."""
-    out, load = ([], []), [0, 0]
-    for i in sorted(items, key=lambda i: -int(total[i])):
-        k = 0 if load[0] <= load[1] else 1
-        out[k].append(i)
-        load[k] += int(total[i])
-    return [sorted(b) for b in out if b]
-
-
-class _Kind:
+class GroupKind:
     """One kind of group (groups of equal description share one): how long a packed pass takes on it.
 
     `longest`: the most tokens one pass holds (the longest single sequence the scheduler fits, found by bisection to
@@ -106,7 +61,7 @@ class _Kind:
         if bound is not None and L > bound:
             return False  # past what any layout's memory holds: the full search that fails is skipped
         try:
-            _plan_one(self.cluster, self.model, training, int(L), self.causal, _strategy("hexiseq"), FIT_PROBE_S,
+            plan_one(self.cluster, self.model, training, int(L), self.causal, strategy_of("hexiseq"), FIT_PROBE_S,
                       None)
             return True
         except (MemoryFitError, UnsupportedError):
@@ -195,7 +150,7 @@ class _Kind:
                     t = base.rebalanced(seq_len=n, documents=docs).step_time_s
                 except (MemoryFitError, InvalidArgumentError):
                     continue
-                pairs = float(_pairs(docs if docs is not None else [n], self.causal).sum())
+                pairs = float(visible_pairs(docs if docs is not None else [n], self.causal).sum())
                 rows.append((1.0, float(n), pairs))
                 ys.append(t)
         A, y = np.array(rows), np.array(ys)

@@ -49,7 +49,7 @@ def _documents(documents, seq_len, causal):
     return documents
 
 
-def _strategy(value) -> Strategy:
+def strategy_of(value) -> Strategy:
     try:
         return Strategy(value.value if isinstance(value, Strategy) else str(value).lower())
     except ValueError:
@@ -539,7 +539,7 @@ class Plan:
         return p
 
 
-def _inputs(cluster, model, training, seq_len):
+def resolve_inputs(cluster, model, training, seq_len):
     if isinstance(cluster, dict):
         cluster = Cluster.from_dict(cluster)
     elif isinstance(cluster, (str, os.PathLike)):
@@ -570,7 +570,7 @@ def evaluate(cluster, *, model="gpt-7b", seq_len=131072, layout, training=None, 
 
     An invalid layout (shares that don't add up, overlapping or missing heads, a device twice or missing)
     raises LayoutError naming the field."""
-    cluster, model, training, seq_len = _inputs(cluster, model, training, seq_len)
+    cluster, model, training, seq_len = resolve_inputs(cluster, model, training, seq_len)
     if not isinstance(strategy, str):
         raise InvalidArgumentError(f"strategy must be a name (a string), got {strategy!r}")
     if not isinstance(layout, Layout):
@@ -578,16 +578,16 @@ def evaluate(cluster, *, model="gpt-7b", seq_len=131072, layout, training=None, 
     return Plan(cluster, model, training, seq_len, boolean(causal, "causal"), strategy, layout, documents=documents)
 
 
-def _plan_one(cluster, model, training, seq_len, causal, strategy: Strategy, time_limit_s=None,
+def plan_one(cluster, model, training, seq_len, causal, strategy: Strategy, time_limit_s=None,
               documents=None) -> Plan:
     if training.state_shares == "auto":
         # Even shares run under FSDP or ZeRO as they are; shares by memory need hexiseq.shard_states and pad
         # their collectives to the largest share, so they are the fallback when even shares do not fit.
         try:
-            return _plan_one(cluster, model, dataclasses.replace(training, state_shares="even"), seq_len, causal,
+            return plan_one(cluster, model, dataclasses.replace(training, state_shares="even"), seq_len, causal,
                              strategy, time_limit_s, documents)
         except MemoryFitError:
-            return _plan_one(cluster, model, dataclasses.replace(training, state_shares="memory"), seq_len, causal,
+            return plan_one(cluster, model, dataclasses.replace(training, state_shares="memory"), seq_len, causal,
                              strategy, time_limit_s, documents)
     arrays, info = _core.plan_strategy(*cluster._core_args(), model._as_core(), training._as_core(), seq_len, causal,
                                        _CORE_STRATEGY[strategy], time_limit_s or 0.0, documents)
@@ -602,7 +602,7 @@ def compare(cluster, *, model="gpt-7b", seq_len=131072, training=None, causal=Tr
     """Every strategy's best plan, or the error that says why it has none, keyed by strategy name
     (the scheduler first, then the baselines). documents: as in plan(). time_limit_s: None (every search to the
     end) or seconds shared by the strategies, as plan()'s "auto" shares them."""
-    cluster, model, training, seq_len = _inputs(cluster, model, training, seq_len)
+    cluster, model, training, seq_len = resolve_inputs(cluster, model, training, seq_len)
     causal = boolean(causal, "causal")
     documents = _documents(documents, seq_len, causal)
     out = {}
@@ -611,7 +611,7 @@ def compare(cluster, *, model="gpt-7b", seq_len=131072, training=None, causal=Tr
         return _compare_within(cluster, model, training, seq_len, causal, time_limit_s, documents)
     for s in ALL_STRATEGIES:
         try:
-            out[s.value] = _plan_one(cluster, model, training, seq_len, causal, s, documents=documents)
+            out[s.value] = plan_one(cluster, model, training, seq_len, causal, s, documents=documents)
         except (UnsupportedError, MemoryFitError) as e:
             out[s.value] = e
     return out
@@ -625,7 +625,7 @@ def _compare_within(cluster, model, training, seq_len, causal, time_limit_s,
     for s in ALL_STRATEGIES:
         left = max(deadline - time.monotonic(), 1e-6)
         try:
-            results[s.value] = _plan_one(cluster, model, training, seq_len, causal, s, left, documents)
+            results[s.value] = plan_one(cluster, model, training, seq_len, causal, s, left, documents)
         except (UnsupportedError, MemoryFitError) as e:
             results[s.value] = e
     return results
@@ -666,7 +666,7 @@ def _memory_advice(cluster, model, training, seq_len, causal, strategies, error)
             return False  # no layout holds it: no planning (the bisection's points stay those it always had)
         for s in strategies:
             try:
-                _plan_one(cluster, model, tr, length, causal, s, FIT_PROBE_S)
+                plan_one(cluster, model, tr, length, causal, s, FIT_PROBE_S)
                 return True
             except (UnsupportedError, MemoryFitError):
                 pass
@@ -752,14 +752,14 @@ def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=N
     states per device, the longest sequence that fits, with and without checkpointing: see MemoryFitError);
     UnsupportedError when the strategy has no valid layout (e.g. Ulysses with heads not divisible by the device
     count)."""
-    strategy = _strategy(strategy)
+    strategy = strategy_of(strategy)
     time_limit_s = number(time_limit_s, "time_limit_s", positive=True, optional=True)
-    cluster, model, training, seq_len = _inputs(cluster, model, training, seq_len)
+    cluster, model, training, seq_len = resolve_inputs(cluster, model, training, seq_len)
     causal = boolean(causal, "causal")
     documents = _documents(documents, seq_len, causal)
     if strategy is not Strategy.AUTO:
         try:
-            return _plan_one(cluster, model, training, seq_len, causal, strategy, time_limit_s, documents)
+            return plan_one(cluster, model, training, seq_len, causal, strategy, time_limit_s, documents)
         except MemoryFitError as e:
             raise no_fit_error(cluster, model, training, seq_len, causal, {strategy.value: e}) from None
     if time_limit_s is None:
