@@ -25,9 +25,17 @@ def slot(layout, rank, num_devices: int) -> int:
 def chunks(layout) -> list:
     """Every group's positions as contiguous chunks, in ring order: chunks(layout)[g] = [(first position, length),
     ...] in the order group g's members' shares are laid out, as the core lays them out (hexiseq_layout_spans: the
-    front chunk then, under zigzag chunking, the mirrored back chunk)."""
+    front chunk then, under zigzag chunking, the mirrored back chunk). Computed once per layout (its arrays are
+    read-only) and kept on it."""
+    key = (layout.chunking, layout.group_seq.tobytes())
+    kept = getattr(layout, "__dict__", {}).get("_geometry_chunks")
+    if kept is not None and kept[0] == key:
+        return kept[1]
     f0, fn, b0, bn = (a.tolist() for a in _core.layout_spans(layout.group_seq, _core.CHUNKINGS[layout.chunking]))
-    return [[(p, n) for p, n in ((f0[g], fn[g]), (b0[g], bn[g])) if n > 0] for g in range(len(f0))]
+    out = [[(p, n) for p, n in ((f0[g], fn[g]), (b0[g], bn[g])) if n > 0] for g in range(len(f0))]
+    if hasattr(layout, "__dict__"):
+        layout.__dict__["_geometry_chunks"] = (key, out)
+    return out
 
 
 def group_of_slot(layout, s: int) -> int:

@@ -116,12 +116,11 @@ class BatchContext:
                 out.append((tuple(devices), "gloo"))
             for p in range(len(plan.passes[g])):
                 lay = plan.plan_for(g, p).layout
-                at = 0
+                at, slots = 0, lay.device.tolist()
                 for size in lay.group_size.tolist():
-                    members = [devices[int(d)] for d in lay.device[at:at + size]]
-                    at += size
                     if size > 1:
-                        out.append((tuple(members), None))
+                        out.append((tuple(devices[d] for d in slots[at:at + size]), None))
+                    at += size
         return out
 
     def step(self, plan) -> "BatchStep":

@@ -97,13 +97,14 @@ class Topology:
         t = self.plan.devices
         ka, kb = self.kv_window
         rows, tok = [], 0
-        for slot in range(first_slot, end_slot):
-            tokens, head_lo, heads = int(lay.tokens[slot]), int(lay.head_lo[slot]), int(lay.head_count[slot])
+        cols = [a[first_slot:end_slot].tolist() for a in (lay.device, lay.tokens, lay.head_lo, lay.head_count,
+                                                          t.kv_lo, t.kv_count, t.first_lo, t.first_count)]
+        for device, tokens, head_lo, heads, kv_lo, kv_count, first_lo, first_count in zip(*cols):
             lo, hi = max(head_lo, ka * self.per_kv), min(head_lo + heads, kb * self.per_kv)
-            kv = _cut(int(t.kv_lo[slot]), int(t.kv_count[slot]), ka, kb)
-            first = _cut(int(t.first_lo[slot]), int(t.first_count[slot]), ka, kb)
+            kv = _cut(kv_lo, kv_count, ka, kb)
+            first = _cut(first_lo, first_count, ka, kb)
             head = (lo - ka * self.per_kv, hi - lo) if hi > lo else (0, 0)
-            rows.append(Member(int(lay.device[slot]), tokens, tok, *head, *kv, *first))
+            rows.append(Member(device, tokens, tok, *head, *kv, *first))
             tok += tokens
         return rows
 
