@@ -8,6 +8,7 @@ all-reduce), a few ulps times the number of terms. A token attending across a do
 label taken from the next sequence, a position not restarted, or a group's gradient missing shows up at 1e-2 or
 more."""
 
+import functools
 import time
 
 import pytest
@@ -51,6 +52,22 @@ def test_batch_plans_train_as_one_process(name, tmp_path):
     else:  # the point of a batch plan: more than one group in a step
         assert any(len(g) > 1 for g in groups), groups
     assert elapsed < 120, f"took {elapsed:.1f} s"
+
+
+def test_batch_plans_run_every_attention_variant(tmp_path):
+    """A sliding window, logit soft-capping and trained sink logits (Mistral, Gemma 2, gpt-oss layers) on batch
+    plans: the passes' attention takes the layer's variant as one layout's does, and three SGD steps equal one process
+    running every document alone with the same variant (float64, 1e-10 as above; passes that drop the window of 40
+    tokens give a loss 1.6e-5 off)."""
+    variant = {"window": (39, 0), "softcap": 20.0, "sinks": True}
+    out = dist_worker.spawn(functools.partial(batch_worker.train_on_batch_plans, variant=variant), 4,
+                            (CANDIDATES["tree"], 3), tmp_path, timeout_s=180)
+    for rank, (status, report, _) in sorted(out.items()):
+        assert status == "ok", f"rank {rank}: {report}"
+        for i, s in enumerate(report["steps"]):
+            for what in ("loss", "per_sequence", "grads"):
+                assert s[what] <= 1e-10, f"variants step {i} rank {rank}: {what} relative error {s[what]:.3g}: {s}"
+        assert report["params"] <= 1e-10, f"variants rank {rank}: parameters differ by {report['params']:.3g}"
 
 
 def test_ranks_that_disagree_about_a_batch_plan_fail_together(tmp_path):

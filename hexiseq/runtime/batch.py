@@ -297,10 +297,12 @@ class Pass:
             out[DOCUMENTS_KWARG] = self.documents
         return out
 
-    def attention(self, q, k, v):
+    def attention(self, q, k, v, window=None, softcap=None, sinks=None):
         """Attention of this rank's tokens of the pass (q [batch, tokens, heads, d], k/v with the kv heads), the
-        pass's documents masked: hexiseq.nn.hexiseq_attn_func under the pass's context."""
-        return hexiseq_attn_func(q, k, v, self.context, documents=self.documents)
+        pass's documents masked: hexiseq.nn.hexiseq_attn_func under the pass's context, with the layer's variant
+        (window, softcap, sinks: as hexiseq_attn_func takes them)."""
+        return hexiseq_attn_func(q, k, v, self.context, documents=self.documents, window=window, softcap=softcap,
+                                 sinks=sinks)
 
     def __enter__(self):
         """`with pass_:` makes it the pass BatchAttention modules attend in."""
@@ -353,8 +355,9 @@ class EmptyPass:
     def sequence_ids(self):
         return torch.zeros(0, dtype=torch.long)
 
-    def attention(self, q, k, v):
-        return q.new_zeros(q.shape) + 0.0 * (q.sum() + k.sum() + v.sum())
+    def attention(self, q, k, v, window=None, softcap=None, sinks=None):
+        tied = q.sum() + k.sum() + v.sum() + (sinks.sum() if sinks is not None else 0.0)
+        return q.new_zeros(q.shape) + 0.0 * tied
 
     __enter__ = Pass.__enter__
     __exit__ = Pass.__exit__
@@ -429,14 +432,16 @@ class BatchStep:
 class BatchAttention(torch.nn.Module):
     """Drop-in attention for a model trained on BatchPlans: attends in the pass made active by `with pass_:`
     (BatchStep.passes), so one model runs every pass of every step. The backward of a pass runs in that pass's
-    context whenever it runs (after the pass, or after all of them)."""
+    context whenever it runs (after the pass, or after all of them). window, softcap: this layer's sliding window
+    and logit soft-capping, as hexiseq.nn.HexiSeqAttention takes them; sinks per call."""
 
-    def __init__(self, batch_context: BatchContext):
+    def __init__(self, batch_context: BatchContext, window=None, softcap: Optional[float] = None):
         super().__init__()
         self.batch_context = batch_context
+        self.window, self.softcap = window, softcap
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, sinks=None):
         active = getattr(self.batch_context, "_active", None)
         if active is None:
             raise InvalidArgumentError("BatchAttention runs inside `with pass_:` for a pass of BatchContext.step(...)")
-        return active.attention(q, k, v)
+        return active.attention(q, k, v, window=self.window, softcap=self.softcap, sinks=sinks)

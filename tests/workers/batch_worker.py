@@ -4,6 +4,7 @@ in float64 and checked against one process that runs every sequence on its own."
 
 import contextlib
 import datetime
+import functools
 import traceback
 
 import torch
@@ -117,20 +118,27 @@ def sum_gradients(params):
         dist.all_reduce(t.grad)
 
 
-def reference_step(params, lengths, ids, heads, kv_heads):
-    """One process: every document of every sequence on its own. (loss sum per sequence, labelled tokens)."""
+def reference_step(params, lengths, ids, heads, kv_heads, variant=None):
+    """One process: every document of every sequence on its own. (loss sum per sequence, labelled tokens).
+    variant: the attention's window and softcap (and params["sinks"] its sinks), as train_on_batch_plans takes it."""
+    variant = variant or {}
+
     def logits_of(d):
         return lm_logits(params, d, torch.arange(d.shape[1])[None],
-                         lambda q, k, v: attention(q, k, v, causal=True)[0], heads, kv_heads)
+                         lambda q, k, v: attention(q, k, v, causal=True, window=variant.get("window"),
+                                                   softcap=variant.get("softcap"), sinks=params.get("sinks"))[0],
+                         heads, kv_heads)
     per_seq = [reference_loss(logits_of, L, x) for L, x in zip(lengths, ids)]
     return per_seq, sum(d.shape[1] - 1 for L, x in zip(lengths, ids) for d in documents(L, x))
 
 
-def train_on_batch_plans(rank, world, init, candidates, steps, results):
+def train_on_batch_plans(rank, world, init, candidates, steps, results, variant=None):
     """`steps` SGD steps on long-tail batches, each planned by the candidates' BatchPlanner (exact and per-step plans
     in turn) and run by BatchContext with the core's planning refused (planning_refused); beside it, every rank runs the same steps in one process as the reference. Reports, per step, the relative
     errors of the loss, the per-sequence loss sums and the gradients, the groups the plan chose, and at the end the
-    largest parameter difference."""
+    largest parameter difference. variant: {"window": (left, right), "softcap": c, "sinks": True} (any of them):
+    the attention's variant, sinks a parameter [heads] trained with the others."""
+    variant = variant or {}
     try:
         from hexiseq.nn import BatchContext
 
@@ -140,6 +148,9 @@ def train_on_batch_plans(rank, world, init, candidates, steps, results):
         heads, kv_heads = planner.model.heads, planner.model.kv_heads
         ctx = BatchContext(planner)
         ours, ref = init_params(heads, kv_heads), init_params(heads, kv_heads)
+        if variant.get("sinks"):
+            for params in (ours, ref):
+                params["sinks"] = torch.linspace(-1.0, 1.5, heads, dtype=torch.float64).requires_grad_()
         report = []
         for i, (lengths, ids) in enumerate(batches(11, steps, 9)):
             plan = planner.plan(lengths, exact=i % 2 == 0)  # exact plans and per-step plans in turn
@@ -150,14 +161,16 @@ def train_on_batch_plans(rank, world, init, candidates, steps, results):
                 for p in step.passes:
                     with p:
                         inp = p.inputs(ids)
-                        tl = token_losses(ours, inp["input_ids"], inp["position_ids"], inp["labels"], p.attention,
+                        attend = functools.partial(p.attention, window=variant.get("window"),
+                                                   softcap=variant.get("softcap"), sinks=ours.get("sinks"))
+                        tl = token_losses(ours, inp["input_ids"], inp["position_ids"], inp["labels"], attend,
                                           heads, kv_heads)
                         (tl.sum() / labelled).backward()
                         per_pass.append(tl.detach())
                 sum_gradients(ours.values())
                 seq_sums = step.per_sequence(per_pass)
             loss = seq_sums.sum() / labelled
-            ref_seq, ref_labelled = reference_step(ref, lengths, ids, heads, kv_heads)
+            ref_seq, ref_labelled = reference_step(ref, lengths, ids, heads, kv_heads, variant)
             ref_loss = sum(ref_seq) / ref_labelled
             ref_loss.backward()
             ref_seq = torch.stack([s.detach() for s in ref_seq])
