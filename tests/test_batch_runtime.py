@@ -80,7 +80,8 @@ def test_ranks_that_disagree_about_a_batch_plan_fail_together(tmp_path):
         kind, message, _ = report["different_plans"]
         assert kind == "RankMismatchError" and "batch plan" in message, (rank, kind, message)
         kind, message, _ = report["not_a_plan"]
-        assert kind == "InvalidArgumentError" and "plan must be a hexiseq.BatchPlan, got dict" in message, message
+        assert kind == "InvalidArgumentError" and "plan must be a hexiseq.BatchPlan" in message \
+            and "Schedule either runs as), got dict" in message, message
         kind, message, _ = report["other_model"]
         assert kind == "InvalidArgumentError" and "another cluster, model or training" in message, message
         assert report["good_after"][0] == "ok", report["good_after"]

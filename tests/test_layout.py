@@ -27,6 +27,7 @@ PY_NEVER = {
     "_validate": {"planner", "runtime", "hardware", "integrations", "cli"},
     "errors": {"planner", "runtime", "hardware", "integrations", "cli", "_validate"},
     "geometry": {"planner", "runtime", "hardware", "integrations", "cli"},
+    "schedule": {"planner", "runtime", "hardware", "integrations", "cli"},
 }
 
 

@@ -37,7 +37,7 @@ def test_members_partition_tokens_and_heads(topo):
             need = sorted({h // topo.per_kv for h in range(mb.head_lo, mb.head_lo + mb.heads)})
             assert list(range(mb.kv_lo, mb.kv_lo + mb.kv_n)) == need, mb
     ranks = sorted(mb.rank for members in topo.groups for mb in members)
-    assert ranks == list(range(topo.plan.cluster.num_devices))
+    assert ranks == list(range(topo.pass_layout.num_devices))
     for r in ranks:
         assert topo.member(r).rank == r and topo.member(r) in topo.groups[topo.group_of(r)]
 

@@ -462,7 +462,7 @@ class BatchPlanner:
                 flat = [int(L) for t, d in zip(total, docs) for L in (d if d is not None else (int(t),))]
                 bp = self.plan(flat, time_limit_s=time_limit_s, exact=exact, reprice=reprice)
                 out = dataclasses.replace(bp, origin=tuple(origin))
-                out.fingerprint  # as below: hashed in the planner's time
+                out.schedule  # as below: made in the planner's time
                 return out
         reprice = exact if reprice is None else bool(reprice)
         t0 = time.perf_counter()
@@ -574,7 +574,7 @@ class BatchPlanner:
         out = dataclasses.replace(best_plan, solve_s=time.perf_counter() - t0, searched_s=searched,
                                   stopped_early=stopped,
                                   alternatives=tuple((k, t, e) for k, (t, e) in sorted(by_count.items())))
-        out.fingerprint  # hashed here, in the planner's time: the runtime compares it at every step
+        out.schedule  # made here, in the planner's time, with the fingerprint the runtime compares at every step
         return out
 
     def _learn(self, plans):

@@ -11,6 +11,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from ..schedule import Schedule
 from .cluster import Cluster
 from .model import Training
 from .plan import Plan
@@ -149,6 +150,17 @@ class BatchPlan:
                             "documents": [None if d is None else list(d) for d in self.documents], "plans": plans},
                            sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+    @functools.cached_property
+    def schedule(self) -> Schedule:
+        """The plan as the runtime runs it (hexiseq.schedule.Schedule): the groups, the passes, the batch, and
+        every pass's resolved layout as plain data; its fingerprint is the plan's."""
+        return Schedule(self.cluster.num_devices, self.causal, tuple(tuple(g) for g in self.groups),
+                        tuple(tuple(tuple(p) for p in ps) for ps in self.passes), tuple(self.lengths),
+                        tuple(self.documents),
+                        tuple(tuple(p.pass_layout for p in plans) for plans in self.pass_plans),
+                        repr((self.cluster.to_dict(), self.model.to_dict(), self.training.to_dict())),
+                        self.fingerprint)
 
     def to_dict(self) -> dict:
         """The plan as plain data: groups, assignment, each group's passes (sequence indices), the batch, and the

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Union
 import numpy as np
 
 from .. import _core, geometry
+from ..schedule import PassLayout, Schedule
 from .._validate import boolean, document_lengths, integer, integers, load_json, number, parse_tokens
 from .cluster import Cluster
 from ..errors import InternalError, InvalidArgumentError, LayoutError, MemoryFitError, UnsupportedError
@@ -371,6 +372,24 @@ class Plan:
         """A hash of everything the plan's execution depends on; ranks compare it before running. Hashed once."""
         canon = json.dumps(self._identity(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+    @functools.cached_property
+    def pass_layout(self) -> PassLayout:
+        """The plan as the runtime runs it (hexiseq.schedule.PassLayout): its layout, the kv heads each device reads
+        and first-holds, the head counts, the sequence length and the fingerprint, as plain data."""
+        t = self.devices
+        return PassLayout(self.cluster.num_devices, self.seq_len, self.model.heads, self.model.kv_heads, self.layout,
+                          t.kv_lo, t.kv_count, t.first_lo, t.first_count, self.fingerprint, self.cluster.calibration)
+
+    @functools.cached_property
+    def schedule(self) -> Schedule:
+        """The plan as a step of the one schedule type (hexiseq.schedule.Schedule): one group of every device, one
+        pass of one sequence (its documents those the plan was balanced for)."""
+        n = self.cluster.num_devices
+        documents = None if self.documents is None else tuple(int(x) for x in self.documents)
+        job = repr((self.cluster.to_dict(), self.model.to_dict(), self.training.to_dict()))
+        return Schedule(n, self.causal, (tuple(range(n)),), (((0,),),), (self.seq_len,), (documents,),
+                        ((self.pass_layout,),), job, self.fingerprint)
 
     def group_positions(self, group: int) -> np.ndarray:
         """Absolute token positions owned by a group, in the order its members' shares are laid out:

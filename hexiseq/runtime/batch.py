@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import geometry
+from ..schedule import Schedule
 from ..errors import InvalidArgumentError
 from .comm import agree, collective_device, group_timeout, open_group, resolve_group, text_code
 from .documents import DOCUMENTS_KWARG
@@ -104,18 +105,18 @@ class BatchContext:
                 continue
             self._groups[key] = dist.new_group(ranks=list(key[0]), backend=backend, **self._timeout_kw())
 
-    def _needed(self, plan):
-        """The process groups every pass of every group of `plan` runs on, in one order on every rank."""
+    def _needed(self, schedule):
+        """The process groups every pass of every group of `schedule` runs on, in one order on every rank."""
         out = []
         gloo = "gloo" in self.backend
-        for g, devices in enumerate(plan.groups):
-            if not plan.passes[g]:
+        for g, devices in enumerate(schedule.groups):
+            if not schedule.passes[g]:
                 continue
             out.append((tuple(devices), None))
             if not gloo:
                 out.append((tuple(devices), "gloo"))
-            for p in range(len(plan.passes[g])):
-                lay = plan.plan_for(g, p).layout
+            for pass_layout in schedule.layouts[g]:
+                lay = pass_layout.layout
                 at, slots = 0, lay.device.tolist()
                 for size in lay.group_size.tolist():
                     if size > 1:
@@ -124,52 +125,55 @@ class BatchContext:
         return out
 
     def step(self, plan) -> "BatchStep":
-        """This rank's part of `plan` (a hexiseq.BatchPlan of the planner's cluster). Collective: every rank calls
-        it with the same plan, checked by fingerprint; a rank whose plan differs, or any invalid plan, makes every
-        rank raise the same error."""
+        """This rank's part of `plan`: a hexiseq.BatchPlan of the planner's cluster (or a hexiseq.Plan of it, one
+        group of every device), run as the hexiseq.schedule.Schedule it gives, which is all this reads of it.
+        Collective: every rank calls it with the same plan, checked by fingerprint; a rank whose plan differs, or
+        any invalid plan, makes every rank raise the same error."""
         self.group  # raises on a closed context, before any collective
-        error = self._plan_error(plan)
-        code = text_code(plan.fingerprint) if error is None else 0
+        schedule = plan if isinstance(plan, Schedule) else getattr(plan, "schedule", None)
+        error = self._plan_error(plan, schedule)
+        code = text_code(schedule.fingerprint) if error is None else 0
         agree(self._cpu, [code], ["batch plan"], error)
-        self._make_groups(self._needed(plan))
-        g = next(i for i, devices in enumerate(plan.groups) if self.rank in devices)
-        devices = tuple(plan.groups[g])
+        self._make_groups(self._needed(schedule))
+        g = next(i for i, devices in enumerate(schedule.groups) if self.rank in devices)
+        devices = tuple(schedule.groups[g])
         passes = []
-        for p, sequences in enumerate(plan.passes[g]):
-            pass_plan = plan.plan_for(g, p)
-            passes.append(Pass(self, pass_plan, self._context(devices, pass_plan), list(sequences), plan,
+        for sequences, pass_layout in zip(schedule.passes[g], schedule.layouts[g]):
+            passes.append(Pass(self, pass_layout, self._context(devices, pass_layout), list(sequences), schedule,
                                devices.index(self.rank)))
         self.steps += 1
-        return BatchStep(self, plan, g, devices, passes)
+        return BatchStep(self, plan, g, devices, passes, schedule)
 
-    def _plan_error(self, plan):
-        # the runtime does not import the planner (a room below it): a BatchPlan is known by what it holds
-        if not all(hasattr(plan, a) for a in ("groups", "passes", "assignment", "plan_for", "fingerprint", "cluster")):
-            return InvalidArgumentError(f"plan must be a hexiseq.BatchPlan, got {type(plan).__name__}")
-        same = all(getattr(plan, a) is getattr(self.planner, a) for a in ("cluster", "model", "training"))
-        if not same and _job_identity(plan) != self._identity:
+    def _plan_error(self, plan, schedule):
+        # the runtime does not import the planner (a room below it): a plan is run as the Schedule it gives
+        if not isinstance(schedule, Schedule):
+            return InvalidArgumentError(f"plan must be a hexiseq.BatchPlan (or a hexiseq.Plan, or the "
+                                        f"hexiseq.schedule.Schedule either runs as), got {type(plan).__name__}")
+        if schedule.job != self._identity:
             return InvalidArgumentError("plan was made for another cluster, model or training than this context's "
                                         "planner")
-        covered = sorted(d for devices in plan.groups for d in devices)
+        covered = sorted(d for devices in schedule.groups for d in devices)
         if covered != list(range(self.world)):
-            return InvalidArgumentError(f"plan's groups must hold every device once, got {[list(g) for g in plan.groups]}")
-        unsorted = [list(g) for g in plan.groups if list(g) != sorted(g)]
+            return InvalidArgumentError(f"plan's groups must hold every device once, got "
+                                        f"{[list(g) for g in schedule.groups]}")
+        unsorted = [list(g) for g in schedule.groups if list(g) != sorted(g)]
         if unsorted:
             return InvalidArgumentError(f"plan's groups must list their devices in increasing order (a process group "
                                         f"numbers its ranks so), got {unsorted[0]}")
-        if not self.causal and any(len(p) > 1 or plan.documents[p[0]] is not None
-                                   for ps in plan.passes for p in ps):
+        if not self.causal and any(len(p) > 1 or schedule.documents[p[0]] is not None
+                                   for ps in schedule.passes for p in ps):
             return InvalidArgumentError("a pass packs several sequences (or documents) into one, which needs a causal "
                                         "context: plan a non-causal batch one sequence per pass")
         return None
 
-    def _context(self, devices, pass_plan):
-        """The HexiSeqContext of a pass plan over the group of `devices`, reused while it is among the recent ones."""
-        key = (devices, pass_plan.fingerprint)
+    def _context(self, devices, pass_layout):
+        """The HexiSeqContext of a pass's layout over the group of `devices`, reused while it is among the recent
+        ones."""
+        key = (devices, pass_layout.fingerprint)
         ctx = self._contexts.pop(key, None)
         if ctx is None:
-            # agreed: step() compared the batch plan's fingerprint, which covers every pass's plan, on every rank
-            ctx = HexiSeqContext(pass_plan, group=self._subgroup(devices, None), causal=self.causal,
+            # agreed: step() compared the schedule's fingerprint, which covers every pass's layout, on every rank
+            ctx = HexiSeqContext(pass_layout, group=self._subgroup(devices, None), causal=self.causal,
                                  softmax_scale=self.scale, subgroups=self._subgroup, agreed=True)
         self._contexts[key] = ctx
         while len(self._contexts) > _CONTEXTS_KEPT:
@@ -205,23 +209,24 @@ def _job_identity(p):
 
 class Pass:
     """One packed pass of this rank's group: `sequences` (batch indices, in packed order) laid end to end as one
-    sequence of `plan.seq_len` tokens, each a document (or its own documents), attended under `plan` by `context`.
+    sequence of `plan.seq_len` tokens, each a document (or its own documents), attended under `plan` (the pass's
+    hexiseq.schedule.PassLayout) by `context`.
 
-    local_rank: this rank's device index in the group (its slot in `plan`). tokens: how many of the pass's tokens
+    local_rank: this rank's device index in the group (its rank in `plan`). tokens: how many of the pass's tokens
     this rank holds."""
 
-    def __init__(self, batch_context, plan, context, sequences, batch_plan, local_rank):
+    def __init__(self, batch_context, plan, context, sequences, schedule, local_rank):
         self.batch_context = batch_context
         self.plan = plan
         self.context = context
         self.sequences = sequences
         self.local_rank = local_rank
-        docs = [list(batch_plan.documents[i] or (batch_plan.lengths[i],)) for i in sequences]
+        docs = [list(schedule.documents[i] or (schedule.lengths[i],)) for i in sequences]
         self.document_lengths = tuple(L for d in docs for L in d)
         # one causal document needs no mask: the plain path
         self.documents = None if len(self.document_lengths) == 1 else self.document_lengths
-        self.sequence_lengths = tuple(batch_plan.lengths[i] for i in sequences)
-        self._positions = geometry.positions(plan.layout, local_rank, plan.cluster.num_devices)
+        self.sequence_lengths = tuple(schedule.lengths[i] for i in sequences)
+        self._positions = plan.positions(local_rank)
         self.positions = torch.as_tensor(self._positions, dtype=torch.int64)  # in the packed sequence
         self.tokens = int(self.positions.numel())
 
@@ -373,37 +378,38 @@ class BatchStep:
     group's count, the same number on every rank: iterate those when the model makes collectives of its own per
     call (parameters sharded by hexiseq.states.shard_states or FSDP over ranks of different groups)."""
 
-    def __init__(self, batch_context, plan, group, devices, passes: List[Pass]):
+    def __init__(self, batch_context, plan, group, devices, passes: List[Pass], schedule):
         self.batch_context = batch_context
         self.plan = plan
+        self.schedule = schedule  # what the step runs: plain data
         self.group = group
         self.devices = devices
         self.passes = passes
 
     def padded_passes(self) -> list:
-        most = max(len(ps) for ps in self.plan.passes)
+        most = max(len(ps) for ps in self.schedule.passes)
         return list(self.passes) + [EmptyPass(self.batch_context) for _ in range(most - len(self.passes))]
 
     @property
     def sequences(self) -> List[int]:
         """The step's sequences this rank's group runs, in batch order."""
-        return self.plan.sequences_of(self.group)
+        return self.schedule.sequences_of(self.group)
 
     @property
     def total_tokens(self) -> int:
         """Tokens of the whole step (every group's)."""
-        return int(sum(self.plan.lengths))
+        return int(sum(self.schedule.lengths))
 
     def labelled_tokens(self) -> int:
         """Tokens of the whole step that have a label (every token but the last of each document)."""
-        return int(sum(L - len(d or (L,)) for d, L in zip(self.plan.documents, self.plan.lengths)))
+        return int(sum(L - len(d or (L,)) for d, L in zip(self.schedule.documents, self.schedule.lengths)))
 
     def per_sequence(self, values: Sequence[torch.Tensor]) -> torch.Tensor:
         """Per-token figures of this rank (values[p]: [tokens] of pass p, a loss per token, say) summed per
         sequence over every rank: a float64 [sequences] tensor in batch order, the same on every rank (an
         all-reduce over the world, on the values' device; not differentiable). Collective: a rank whose values do
         not fit its passes makes every rank raise the same error."""
-        n = len(self.plan.lengths)
+        n = len(self.schedule.lengths)
         error, out = None, None
         try:  # a rank whose values are wrong makes every rank raise, instead of leaving them in the all-reduce
             values = list(values)

@@ -131,7 +131,8 @@ def open_group(group, owner: str, remedy: str):
 
 class Comm:
     """One rank's communication for a plan over `group` (default: the world). Collective to build: every rank
-    of the group calls it with the same plan. topology: the plan's hexiseq.runtime.topology.Topology."""
+    of the group calls it with the same plan (a hexiseq.schedule.PassLayout). topology: its
+    hexiseq.runtime.topology.Topology."""
 
     def __init__(self, plan, topology, group=None, causal=True, softmax_scale=None, timeout=None, subgroups=None,
                  agreed=False):
@@ -208,11 +209,11 @@ class Comm:
     def _check_construction(self, plan, causal, softmax_scale, agreed=False):
         self.plan_code = plan_code(plan)
         if agreed:
-            if plan.cluster.num_devices != self.world:  # the same on every rank: the plan is agreed
-                raise InvalidArgumentError(f"the plan places {plan.cluster.num_devices} devices but the process "
+            if plan.num_devices != self.world:  # the same on every rank: the plan is agreed
+                raise InvalidArgumentError(f"the plan places {plan.num_devices} devices but the process "
                                            f"group has {self.world} ranks")
             return
-        mine = torch.tensor([self.plan_code, plan.cluster.num_devices, int(bool(causal)),
+        mine = torch.tensor([self.plan_code, plan.num_devices, int(bool(causal)),
                              wire.float_bits(softmax_scale)], dtype=torch.int64, device=collective_device(self.group))
         every = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(every, mine, group=self.group)

@@ -26,6 +26,7 @@ from . import documents as documents_mod
 from .variants import PLAIN, variant as make_variant
 from .comm import Comm, describe_call
 from .. import geometry
+from ..schedule import as_pass
 from ..errors import InvalidArgumentError, UnsupportedError, refuse_batch_plan
 from .topology import Topology
 
@@ -63,10 +64,12 @@ class HexiSeqContext:
                  a2a_slices: Optional[int] = None, subgroups=None, agreed: bool = False):
         refuse_batch_plan(plan, "HexiSeqContext")
         self.plan = plan
+        self.pass_layout = as_pass(plan, "HexiSeqContext")  # all the context reads of the plan: plain data
         self.causal = bool(causal)
         self.scale = softmax_scale
-        self.topology = Topology(plan, self.causal)
-        self.comm = Comm(plan, self.topology, group, self.causal, softmax_scale, timeout, subgroups, agreed)
+        self.topology = Topology(self.pass_layout, self.causal)
+        self.comm = Comm(self.pass_layout, self.topology, group, self.causal, softmax_scale, timeout, subgroups,
+                         agreed)
         self.slices = self.topology.slices(ring.slice_count(self.topology, a2a_slices))
         close_at_exit(self)
         self.world, self.rank = self.comm.world, self.comm.rank
@@ -130,7 +133,7 @@ class HexiSeqContext:
         """Agree on a call with every rank (raising the same error on all when any fails or they differ); the
         document mask of this rank's query chunks, or None. variant: the layer's variant as a text."""
         if error is None:
-            error, lengths = documents_mod.check(documents, self.plan.seq_len, self.causal, t.shape[0])
+            error, lengths = documents_mod.check(documents, self.pass_layout.seq_len, self.causal, t.shape[0])
         if error is not None:
             t, lengths = torch.empty(0, 0, 0, 0), None
         rows = None if lengths is None else lengths if isinstance(lengths[0], tuple) else (lengths,) * t.shape[0]
@@ -179,16 +182,16 @@ class HexiSeqContext:
         of the plan's cluster chose for this rank's device are adopted (hexiseq.runtime.fused.prefer), so the
         runtime runs what the cost model priced instead of measuring again."""
         if (t.device, t.dtype) not in self._kernels and t.device.type == "cuda":
-            adopt_calibrated_backends(self.plan, self.rank, t.device, t.dtype)
+            adopt_calibrated_backends(self.pass_layout, self.rank, t.device, t.dtype)
         return blocks.kernels_for(t.device, t.dtype, self._kernels)
 
 
 def adopt_calibrated_backends(plan, rank, device, dtype):
     """Prefer the block backends recorded for cluster device `rank` by the calibration the plan's cluster came
     from (calibration.block_backends), where it measured this dtype; a cluster without one changes nothing."""
-    cal = plan.cluster.calibration or {}
+    cal = as_pass(plan).calibration or {}
     chosen = cal.get("block_backends")
-    if (not isinstance(chosen, list) or len(chosen) != plan.cluster.num_devices or not isinstance(chosen[rank], dict)
+    if (not isinstance(chosen, list) or len(chosen) != as_pass(plan).num_devices or not isinstance(chosen[rank], dict)
             or cal.get("dtype") != str(dtype).replace("torch.", "") or "head_dim" not in cal):
         return
     fused.prefer(device, dtype, cal["head_dim"], **{k: chosen[rank].get(k) for k in ("pairs", "documents")})
@@ -292,7 +295,8 @@ def gather_sequence(x, plan, dim: int = 1, group=None):
     """All-gather every rank's shard of `x` along `dim` and return the full sequence in position order."""
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
-    sizes = [geometry.tokens(plan.layout, r, plan.cluster.num_devices) for r in range(world)]
+    pl = as_pass(plan, "gather_sequence")
+    sizes = [pl.tokens(r) for r in range(world)]
     biggest = max(sizes)
     pad = list(x.shape)
     pad[dim] = biggest - x.shape[dim]
@@ -300,7 +304,7 @@ def gather_sequence(x, plan, dim: int = 1, group=None):
     bufs = [torch.empty_like(xp) for _ in range(world)]
     dist.all_gather(bufs, xp.contiguous(), group=group)
     shards = [b.narrow(dim, 0, s) for b, s in zip(bufs, sizes)]
-    return geometry.unshard(plan.layout, shards, dim, plan.cluster.num_devices)
+    return geometry.unshard(pl.layout, shards, dim, pl.num_devices)
 
 
 _LAZY = {"BatchAttention": "batch", "BatchContext": "batch", "BatchStep": "batch", "Pass": "batch",

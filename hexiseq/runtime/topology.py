@@ -14,6 +14,7 @@ from typing import List, NamedTuple, Tuple
 import numpy as np
 
 from .. import geometry
+from ..schedule import as_pass
 from ..errors import HexiseqError
 
 __all__ = ["Member", "Topology", "BlockPair", "Route", "HeadRun"]
@@ -67,18 +68,19 @@ class Topology:
     """The geometry of a plan for the runtime: members per group, ring routes, co-holders, block pairs."""
 
     def __init__(self, plan, causal: bool = True, kv_window: Tuple[int, int] = None):
-        """kv_window=(a, b): the topology of the kv heads [a, b) and their query heads only, numbered from 0 (a
+        """plan: a hexiseq.Plan or the PassLayout it runs as (hexiseq.schedule); only the PassLayout is read.
+        kv_window=(a, b): the topology of the kv heads [a, b) and their query heads only, numbered from 0 (a
         slice of the layer, which the runtime pipelines; see slices())."""
         self.plan = plan
+        self.pass_layout = pl = as_pass(plan)
         self.causal = bool(causal)
-        m = plan.model
-        self.per_kv = m.heads // m.kv_heads
-        ka, kb = kv_window if kv_window is not None else (0, m.kv_heads)
-        if not 0 <= ka < kb <= m.kv_heads:
-            raise HexiseqError(f"internal: kv window [{ka}, {kb}) outside [0, {m.kv_heads})")
+        self.per_kv = pl.heads // pl.kv_heads
+        ka, kb = kv_window if kv_window is not None else (0, pl.kv_heads)
+        if not 0 <= ka < kb <= pl.kv_heads:
+            raise HexiseqError(f"internal: kv window [{ka}, {kb}) outside [0, {pl.kv_heads})")
         self.kv_window = (ka, kb)
         self.heads, self.kv_heads = (kb - ka) * self.per_kv, kb - ka
-        lay = plan.layout
+        lay = pl.layout
         sizes = lay.group_size.tolist()
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
         self.n_groups = len(sizes)
@@ -93,8 +95,8 @@ class Topology:
 
     def _members(self, lay, first_slot, end_slot) -> List[Member]:
         """The members of one group, from the plan's tables: kv ranges and first holders as the core computed
-        them for the cost model (plan.devices), cut to this topology's kv window and renumbered from it."""
-        t = self.plan.devices
+        them for the cost model (the PassLayout's), cut to this topology's kv window and renumbered from it."""
+        t = self.pass_layout
         ka, kb = self.kv_window
         rows, tok = [], 0
         cols = [a[first_slot:end_slot].tolist() for a in (lay.device, lay.tokens, lay.head_lo, lay.head_count,
@@ -118,7 +120,7 @@ class Topology:
         cuts = [ka + (kb - ka) * i // n for i in range(n + 1)]
         if n == 1:
             return [self]
-        return [Topology(self.plan, self.causal, (cuts[i], cuts[i + 1])) for i in range(n)]
+        return [Topology(self.pass_layout, self.causal, (cuts[i], cuts[i + 1])) for i in range(n)]
 
     def group_of(self, rank: int) -> int:
         return self._where[rank][0]
