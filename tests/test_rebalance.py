@@ -17,8 +17,16 @@ import hexiseq  # noqa: E402
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 
-def test_a_slow_rank_gets_fewer_tokens(tmp_path):
-    out = dist_worker.spawn(rebalance_worker.straggler_rebalance, 3, ("ring", False), tmp_path, timeout_s=120)
+@pytest.fixture(scope="module")
+def expected():
+    """The one-process reference every rank of every test here checks its layer against (the same inputs and
+    length in all of them), computed once instead of on each of the three ranks of each test."""
+    return rebalance_worker.reference()
+
+
+def test_a_slow_rank_gets_fewer_tokens(tmp_path, expected):
+    out = dist_worker.spawn(rebalance_worker.straggler_rebalance, 3, ("ring", False, expected), tmp_path,
+                            timeout_s=120)
     reports = {}
     for rank, (status, report, _) in sorted(out.items()):
         assert status == "ok", f"rank {rank}: {report}"
@@ -58,12 +66,13 @@ def test_rebalanced_heads_follow_the_attention_rates():
 
 
 @pytest.mark.parametrize("structure,replan", [("ulysses", False), ("ring", True)])
-def test_heads_and_fresh_plans_under_a_slow_rank(tmp_path, structure, replan):
+def test_heads_and_fresh_plans_under_a_slow_rank(tmp_path, expected, structure, replan):
     """One head-parallel group of the three ranks, rank 2 reporting twice the others' attention time: the
     Rebalancer moves heads off rank 2 (same group, no process group made), and the layer stays exact. With
     replan=True on the ring, the scheduler's plan of the slowed cluster is taken when predicted faster (it may make
     process groups): every rank takes the same one, and the layer on it is exact against one process (float64)."""
-    out = dist_worker.spawn(rebalance_worker.straggler_rebalance, 3, (structure, replan), tmp_path, timeout_s=120)
+    out = dist_worker.spawn(rebalance_worker.straggler_rebalance, 3, (structure, replan, expected), tmp_path,
+                            timeout_s=120)
     reports = {}
     for rank, (status, report, _) in sorted(out.items()):
         assert status == "ok", f"rank {rank}: {report}"
