@@ -38,9 +38,22 @@ def test_published_runs_are_predicted_within_the_target():
     assert f"worst {round(100 * abs(worst))}% too {'fast' if worst < 0 else 'slow'}" in said, (said, worst)
 
 
-def test_two_measured_numbers_per_stack():
+def test_two_measured_numbers_per_stack(monkeypatch):
     """The fit behind the "after two numbers" table reproduces its own two rows, and the held-aside rows predicted
-    with the fitted efficiencies stay within the 10% the catalog's figures are meant to reach after them."""
+    with the fitted efficiencies stay within the 10% the catalog's figures are meant to reach after them.
+
+    A prediction is a function of its row and the rates alone, so each is planned once and looked up when asked
+    again: fitting a stack's rows a second time (below) asks for the same predictions in the same order as
+    fidelity.calibrated did, and a MosaicML row's batch plan takes about 0.5 s."""
+    predict, seen = fidelity.predict, {}
+
+    def once(r, rates=None):
+        key = (r["id"], None if rates is None else tuple(sorted(rates.items())))
+        if key not in seen:
+            seen[key] = predict(r, rates)
+        return seen[key]
+
+    monkeypatch.setattr(fidelity, "predict", once)
     rows = yaml.safe_load(open(fidelity.DATA))
     usable = sorted((r for r in rows if fidelity.why_not(r) is None), key=lambda r: r["id"])
     held = {r["id"] for i, r in enumerate(usable) if i % 3 == 2}
