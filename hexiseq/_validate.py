@@ -90,6 +90,9 @@ def integers(value, field, minimum=None, maximum=INT32_MAX):
         value = value.tolist()
     if isinstance(value, (str, bytes, dict)) or not isinstance(value, (list, tuple)):
         raise InvalidArgumentError(f"{field} must be a list of integers, got {value!r}")
+    if value and all(type(v) is int for v in value):  # plain ints (no bools): range-checked at once
+        if (minimum is None or min(value) >= minimum) and (maximum is None or max(value) <= maximum):
+            return list(value)
     return [integer(v, f"{field}[{i}]", minimum, maximum) for i, v in enumerate(value)]
 
 

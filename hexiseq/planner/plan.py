@@ -110,6 +110,18 @@ class Layout:
             raise LayoutError(f"group sizes add up to {int(self.group_size.sum())} devices, the layout lists {n}")
 
     @classmethod
+    def _of_core(cls, chunking, **arrays) -> "Layout":
+        """The layout of arrays the core made, and checked: read-only copies, without the entry-by-entry checks of
+        user input (at 1,024 devices they were most of a per-step plan's time)."""
+        out = cls.__new__(cls)
+        out.chunking = _CHUNKING_NAME[int(chunking)] if not isinstance(chunking, str) else chunking
+        for name, dtype in cls._ARRAYS:
+            arr = np.array(arrays[name], dtype=dtype)
+            arr.setflags(write=False)
+            setattr(out, name, arr)
+        return out
+
+    @classmethod
     def from_groups(cls, groups: List[dict], chunking="zigzag") -> "Layout":
         """From a list of groups in ring order, each {"devices": [...], "seq": S_g, "tokens": [...],
         "heads": [counts...]} or with "head_ranges": [[lo, hi), ...] instead of "heads"."""
@@ -430,7 +442,7 @@ class Plan:
         documents = _documents(documents, seq_len, self.causal)
         arrays = _core.rebalance(*self.cluster._core_args(), self.model._as_core(), self.training._as_core(),
                                  seq_len, self.causal, self.layout._as_core(), documents, bool(heads))
-        out = Plan(self.cluster, self.model, self.training, seq_len, self.causal, self.strategy, Layout(**arrays),
+        out = Plan(self.cluster, self.model, self.training, seq_len, self.causal, self.strategy, Layout._of_core(**arrays),
                    documents=documents)
         if not out.fits:
             short = int(out._cost["short_device"])
@@ -610,7 +622,7 @@ def plan_one(cluster, model, training, seq_len, causal, strategy: Strategy, time
                              strategy, time_limit_s, documents)
     arrays, info = _core.plan_strategy(*cluster._core_args(), model._as_core(), training._as_core(), seq_len, causal,
                                        _CORE_STRATEGY[strategy], time_limit_s or 0.0, documents)
-    plan = Plan(cluster, model, training, seq_len, causal, strategy.value, Layout(**arrays),
+    plan = Plan(cluster, model, training, seq_len, causal, strategy.value, Layout._of_core(**arrays),
                 stopped_early=info["stopped_early"], documents=documents)
     plan._search = info  # what the search did: evaluations, elapsed_s (for benchmarks)
     return plan
