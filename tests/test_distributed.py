@@ -4,6 +4,7 @@ Tolerances (relative to the largest reference value, floored at 1 — see dist_w
 same products in a different order (blocks, merges), an error of a few ulps times the number of merge steps;
 1e-5 in float32 — single-precision accumulation over sequences of ~100 keys (~1e-6 observed)."""
 
+import functools
 import time
 
 import pytest
@@ -104,6 +105,20 @@ def test_plan_inside_a_process_group_of_each_replica(tmp_path):
     for rank, (status, errs, _) in sorted(out.items()):
         assert status == "ok", f"rank {rank}: {errs}"
         assert max(errs) <= 1e-10, f"rank {rank}: errors {errs}"
+
+
+def test_plan_runs_on_a_dimension_of_a_device_mesh(tmp_path):
+    """The process group can be a dimension of the job's torch DeviceMesh (the "cp" dimension of a (dp, cp) mesh,
+    as torchtitan builds them), passed as the mesh itself: the same replicas as above, exact to 1e-10; the whole
+    2-D mesh is refused on every rank, naming its dimensions."""
+    plan = layout_plan((2,), tiny_model(6, 2), 45, [
+        {"devices": [0, 1], "seq": 45, "tokens": [30, 15], "heads": [4, 2]}])
+    out = spawn(functools.partial(dist_worker.check_plan_in_replicas, mesh=True), 4, (plan.to_json(),), tmp_path,
+                timeout_s=60)
+    for rank, (status, errs, refused) in sorted(out.items()):
+        assert status == "ok", f"rank {rank}: {errs}"
+        assert max(errs) <= 1e-10, f"rank {rank}: errors {errs}"
+        assert refused is not None and "one-dimensional DeviceMesh" in refused and "['dp', 'cp']" in refused, refused
 
 
 def test_fingerprint_mismatch_raises_on_every_rank(tmp_path):

@@ -91,6 +91,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import HexiseqError, InvalidArgumentError, UnsupportedError, refuse_batch_plan
+from ..runtime.comm import resolve_group
 from ..runtime.documents import DOCUMENTS_KWARG
 
 __all__ = ["patch_model", "unpatch_model", "shard_inputs", "sharded_causal_lm_loss", "sharded_causal_lm_loss_from_hidden",
@@ -579,7 +580,7 @@ def unpatch_model(model):
 
 def _rank(plan, rank, group):
     if rank is None:
-        rank = dist.get_rank(group if group is not None else dist.group.WORLD)
+        rank = dist.get_rank(resolve_group(group))
     return rank
 
 
@@ -592,7 +593,7 @@ def _agreed(group, fields, values, check):
 
     if not dist.is_available() or not dist.is_initialized():
         return check()
-    group = group if group is not None else dist.group.WORLD
+    group = resolve_group(group)
     result, error = None, None
     try:
         result = check()
@@ -719,7 +720,7 @@ def _sharded_loss(x, head_weight, labels_full, plan, rank, group, ignore_index, 
     from ..runtime.tiled import tiled_cross_entropy
 
     rank = _rank(plan, rank, group)
-    group = group if group is not None else dist.group.WORLD
+    group = resolve_group(group)
     what = "logits" if head_weight is None else "hidden"
     width = "vocab" if head_weight is None else "hidden_size"
 

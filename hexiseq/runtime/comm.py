@@ -354,10 +354,21 @@ class Comm:
 
 
 def resolve_group(group):
-    """`group`, or the world when None; raises HexiseqError when torch.distributed is not initialised."""
+    """The process group of `group`: a process group, a one-dimensional torch DeviceMesh (a dimension of the job's
+    mesh, e.g. mesh["cp"] of a torchtitan-style mesh: its group), or the world when None. Raises HexiseqError when
+    torch.distributed is not initialised, InvalidArgumentError for a mesh of several dimensions (which group of
+    it is meant is the caller's to say)."""
     if not dist.is_available() or not dist.is_initialized():
         raise HexiseqError("torch.distributed is not initialised: call torch.distributed.init_process_group first")
-    return group if group is not None else dist.group.WORLD
+    if group is None:
+        return dist.group.WORLD
+    if type(group).__name__ == "DeviceMesh" and hasattr(group, "get_group"):
+        if group.ndim != 1:
+            raise InvalidArgumentError(f"group must be a process group or a one-dimensional DeviceMesh (one "
+                                       f"dimension of the job's mesh, e.g. mesh['cp']), got a DeviceMesh of "
+                                       f"{group.ndim} dimensions {list(group.mesh_dim_names or ())}")
+        return group.get_group()
+    return group
 
 
 def collective_device(group):

@@ -24,7 +24,7 @@ except ImportError as e:  # pragma: no cover
 from . import blocks, compiled, fused, ring
 from . import documents as documents_mod
 from .variants import PLAIN, variant as make_variant
-from .comm import Comm, describe_call
+from .comm import Comm, describe_call, resolve_group
 from .. import geometry
 from ..schedule import as_pass
 from ..errors import InvalidArgumentError, UnsupportedError, refuse_batch_plan
@@ -271,7 +271,8 @@ class HexiSeqAttention(torch.nn.Module):
     """Drop-in attention for a model whose sequence is sharded by a HexiSeq plan.
 
     plan: a hexiseq.Plan whose devices are the ranks of `group` (rank r = cluster device r).
-    group: the process group (default: the world). causal: causal masking by absolute positions.
+    group: the process group, or a one-dimensional torch DeviceMesh such as mesh["cp"] (default: the world).
+    causal: causal masking by absolute positions.
     softmax_scale: default 1/sqrt(head_dim). timeout: for the subgroups it creates (default: the group's).
     a2a_slices: see HexiSeqContext. window, softcap: this layer's sliding window and logit soft-capping (see
     hexiseq_attn_func).
@@ -293,7 +294,7 @@ class HexiSeqAttention(torch.nn.Module):
 
 def gather_sequence(x, plan, dim: int = 1, group=None):
     """All-gather every rank's shard of `x` along `dim` and return the full sequence in position order."""
-    group = group if group is not None else dist.group.WORLD
+    group = resolve_group(group)
     world = dist.get_world_size(group)
     pl = as_pass(plan, "gather_sequence")
     sizes = [pl.tokens(r) for r in range(world)]

@@ -218,18 +218,32 @@ def check_variants(rank, world, init, plan_json, cases, results):
         results.put((rank, "error", traceback.format_exc(), None))
 
 
-def check_plan_in_replicas(rank, world, init, plan_json, results):
+def check_plan_in_replicas(rank, world, init, plan_json, results, mesh=False):
     """Two data-parallel replicas of two ranks each ({0, 1} and {2, 3}), each running the same 2-device plan
-    inside its own process group, with different data per replica; errors against the reference."""
+    inside its own process group, with different data per replica; errors against the reference. mesh: the groups
+    are the "cp" dimension of a (dp 2, cp 2) torch DeviceMesh, handed over as the mesh itself; the whole 2-D mesh is
+    first refused (the message reported after the errors)."""
     try:
         import hexiseq
         from hexiseq.nn import HexiSeqAttention
 
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
-        replicas = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        mine = replicas[rank // 2]
-        local = dist.get_rank(mine)
+        refused = None
+        if mesh:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            whole = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+            try:
+                HexiSeqAttention(hexiseq.Plan.from_json(plan_json), group=whole)
+            except hexiseq.InvalidArgumentError as e:
+                refused = str(e)
+            mine = whole["cp"]
+            local = mine.get_local_rank()
+        else:
+            replicas = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+            mine = replicas[rank // 2]
+            local = dist.get_rank(mine)
         plan = hexiseq.Plan.from_json(plan_json)
         m = plan.model
         g = torch.Generator().manual_seed(100 + rank // 2)  # each replica its own data
@@ -247,7 +261,7 @@ def check_plan_in_replicas(rank, world, init, plan_json, results):
         o.backward(plan.shard(go, 1, local))
         errs = [_rel(o, plan.shard(ref.detach(), 1, local)), _rel(ql.grad, plan.shard(qr.grad, 1, local)),
                 _rel(kl.grad, plan.shard(kr.grad, 1, local)), _rel(vl.grad, plan.shard(vr.grad, 1, local))]
-        results.put((rank, "ok", errs, None))
+        results.put((rank, "ok", errs, refused))
         dist.destroy_process_group()
     except Exception:
         results.put((rank, "error", traceback.format_exc(), None))
