@@ -18,9 +18,9 @@ def test_group_attention_matches_one_process_and_refuses_together(tmp_path):
     out = dist_worker.spawn(group_worker.group_attention_cases, 3, (), tmp_path, timeout_s=120)
     for rank, (status, report, _) in sorted(out.items()):
         assert status == "ok", f"rank {rank}: {report}"
-        assert len(report["cases"]) == 5
+        assert len(report["cases"]) == 6 and len(report["cases"]["variants"]) == 5
         for name, errs in report["cases"].items():
-            for what, e in zip(("out", "dq", "dk", "dv"), errs):
+            for what, e in zip(("out", "dq", "dk", "dv", "dsinks"), errs):
                 assert e <= 1e-10, f"{name} rank {rank}: {what} relative error {e:.3g}"
         r = report["refusals"]
         assert r["chunking"][0] == "InvalidArgumentError" and "rank 1" in r["chunking"][1] and \

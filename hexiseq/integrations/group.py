@@ -101,12 +101,16 @@ def _documents(cu_seqlens):
 
 
 def group_attention(q, k, v, group=None, *, causal: bool = True, softmax_scale: Optional[float] = None,
-                    chunking: str = "contiguous", ulysses: int = 1, cu_seqlens: Optional[Sequence[int]] = None):
+                    chunking: str = "contiguous", ulysses: int = 1, cu_seqlens: Optional[Sequence[int]] = None,
+                    window=None, softcap: Optional[float] = None, sinks=None):
     """Attention of this rank's shard (q [batch, s_r, heads, d], k/v [batch, s_r, kv_heads, d]) of a sequence
-    spread over the ranks of `group` (default: the world) as `chunking` says; returns the output for the same tokens,
-    with autograd. Collective: every rank of the group calls it with the same heads, chunking, ulysses and
-    cu_seqlens (checked, as every call of the runtime: a rank that differs makes every rank raise the same error).
-    Each call gathers the ranks' token counts (one small all-gather) before the layer. See the module's docstring."""
+    spread over the ranks of `group` (a process group or a one-dimensional DeviceMesh; default: the world) as
+    `chunking` says; returns the output for the same tokens, with autograd. window, softcap, sinks: the layer's
+    variant, as hexiseq.nn.hexiseq_attn_func takes them (a sliding window (left, right) by absolute positions, logit
+    soft-capping, sink logits [heads]). Collective: every rank of the group calls it with the same heads, chunking,
+    ulysses, cu_seqlens and variant (checked, as every call of the runtime: a rank that differs makes every rank
+    raise the same error). Each call gathers the ranks' token counts (one small all-gather) before the layer. See
+    the module's docstring."""
     group = resolve_group(group)
     error, documents = _arguments_error(group, q, k, v, chunking, ulysses), None
     if error is None:
@@ -115,7 +119,7 @@ def group_attention(q, k, v, group=None, *, causal: bool = True, softmax_scale: 
         except InvalidArgumentError as e:
             error = e
     ctx = _context(group, q, k, bool(causal), softmax_scale, chunking, ulysses, error)
-    return hexiseq_attn_func(q, k, v, ctx, documents=documents)
+    return hexiseq_attn_func(q, k, v, ctx, documents=documents, window=window, softcap=softcap, sinks=sinks)
 
 
 def _arguments_error(group, q, k, v, chunking, ulysses):
@@ -146,16 +150,18 @@ def _arguments_error(group, q, k, v, chunking, ulysses):
 
 class GroupAttention(torch.nn.Module):
     """group_attention as a module: GroupAttention(group=None, causal=True, softmax_scale=None,
-    chunking="contiguous", ulysses=1); forward(q, k, v, cu_seqlens=None)."""
+    chunking="contiguous", ulysses=1, window=None, softcap=None); forward(q, k, v, cu_seqlens=None, sinks=None)."""
 
     def __init__(self, group=None, *, causal: bool = True, softmax_scale: Optional[float] = None,
-                 chunking: str = "contiguous", ulysses: int = 1):
+                 chunking: str = "contiguous", ulysses: int = 1, window=None, softcap: Optional[float] = None):
         super().__init__()
         self.group, self.causal, self.scale, self.chunking, self.ulysses = group, causal, softmax_scale, chunking, ulysses
+        self.window, self.softcap = window, softcap
 
-    def forward(self, q, k, v, cu_seqlens=None):
+    def forward(self, q, k, v, cu_seqlens=None, sinks=None):
         return group_attention(q, k, v, self.group, causal=self.causal, softmax_scale=self.scale,
-                               chunking=self.chunking, ulysses=self.ulysses, cu_seqlens=cu_seqlens)
+                               chunking=self.chunking, ulysses=self.ulysses, cu_seqlens=cu_seqlens,
+                               window=self.window, softcap=self.softcap, sinks=sinks)
 
 
 class sequence_parallel:

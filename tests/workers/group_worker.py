@@ -32,21 +32,29 @@ def group_attention_cases(rank, world, init, results):
 
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
-        cases = [("contiguous-unequal", "contiguous", [40, 25, 32], 1, None),
-                 ("zigzag", "zigzag", [32, 32, 32], 1, None),
-                 ("documents", "contiguous", [30, 37, 30], 1, [0, 30, 31, 70, 97]),
-                 ("ulysses-3", "contiguous", [33, 31, 33], 3, None),
-                 ("zigzag-documents", "zigzag", [32, 32, 32], 1, [0, 50, 96])]
+        # the variant case: a sliding window of 21 tokens back, soft-capping and trained sink logits (Mistral,
+        # Gemma 2 and gpt-oss layers), with documents and head parallelism
+        variant = {"window": (20, 0), "softcap": 5.0}
+        cases = [("contiguous-unequal", "contiguous", [40, 25, 32], 1, None, None),
+                 ("zigzag", "zigzag", [32, 32, 32], 1, None, None),
+                 ("documents", "contiguous", [30, 37, 30], 1, [0, 30, 31, 70, 97], None),
+                 ("ulysses-3", "contiguous", [33, 31, 33], 3, None, None),
+                 ("zigzag-documents", "zigzag", [32, 32, 32], 1, [0, 50, 96], None),
+                 ("variants", "contiguous", [30, 37, 30], 3, [0, 60, 97], variant)]
         report = {}
-        for name, chunking, tokens, ulysses, cu in cases:
+        for name, chunking, tokens, ulysses, cu, var in cases:
             S = sum(tokens)
             g = torch.Generator().manual_seed(S + len(name))
             q, do = (torch.randn(1, S, H, D, generator=g, dtype=torch.float64) for _ in range(2))
             k, v = (torch.randn(1, S, HKV, D, generator=g, dtype=torch.float64) for _ in range(2))
+            sinks = sinks_ref = None
+            if var is not None:
+                sinks = torch.linspace(-1.0, 1.0, H, dtype=torch.float64).requires_grad_()
+                sinks_ref = sinks.detach().clone().requires_grad_()
             pos = _positions(rank, world, chunking, tokens)
             ql, kl, vl = (t[:, pos].clone().requires_grad_() for t in (q, k, v))
-            module = GroupAttention(chunking=chunking, ulysses=ulysses)
-            out = module(ql, kl, vl, cu_seqlens=cu)
+            module = GroupAttention(chunking=chunking, ulysses=ulysses, **(var or {}))
+            out = module(ql, kl, vl, cu_seqlens=cu, sinks=sinks)
             out.backward(do[:, pos])
             starts = None
             if cu is not None:
@@ -54,11 +62,15 @@ def group_attention_cases(rank, world, init, results):
                 for a, b in zip(cu[:-1], cu[1:]):
                     starts[a:b] = a
             qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-            ref, _ = attention(qr, kr, vr, causal=True, q_doc=starts)
+            ref, _ = attention(qr, kr, vr, causal=True, q_doc=starts, sinks=sinks_ref, **(var or {}))
             ref.backward(do)
             report[name] = [float((a - b[:, pos]).abs().max() / b.abs().max())
                             for a, b in ((out.detach(), ref.detach()), (ql.grad, qr.grad), (kl.grad, kr.grad),
                                          (vl.grad, vr.grad))]
+            if sinks is not None:  # this rank's part of the sinks' gradient, summed over the ranks
+                grad = sinks.grad.clone()
+                dist.all_reduce(grad)
+                report[name].append(float((grad - sinks_ref.grad).abs().max() / sinks_ref.grad.abs().max()))
         refusals = {}
         q = torch.randn(1, 10, H, D, dtype=torch.float64)
         k = torch.randn(1, 10, HKV, D, dtype=torch.float64)
