@@ -16,11 +16,16 @@ from reference import attention
 # a rank forked from it starts in milliseconds, where a spawned one spends about 3 s of CPU importing torch, which
 # on 2 cores was most of the multi-process tests' time. Each rank is still a fresh process, forked from a server
 # that has run no torch op and made no process group. HEXISEQ_TEST_START_METHOD=spawn starts them from scratch.
+# What ranks import later is preloaded too when many of them would each import it on their own: torch._dynamo
+# (which a torch optimizer's constructor imports: about 2 s of CPU per rank that makes one), transformers' model
+# classes (modeling_utils: about 2 s per rank that builds a Hugging Face model) and its Trainer, once in the server
+# (about 5 s of CPU) instead of in every rank. A module that cannot be imported here is skipped.
 START_METHOD = os.environ.get("HEXISEQ_TEST_START_METHOD", "forkserver")
 if START_METHOD not in ("forkserver", "spawn"):
     raise ValueError(f"HEXISEQ_TEST_START_METHOD must be forkserver or spawn, got {START_METHOD!r}")
 PRELOAD = ["numpy", "torch", "torch.distributed", "torch.distributed.nn.functional", "hexiseq", "hexiseq.nn",
-           "reference", "dist_worker", "transformers"]
+           "reference", "dist_worker", "transformers", "torch._dynamo", "transformers.models.llama.modeling_llama",
+           "hexiseq.trainer"]
 
 
 def _context():
