@@ -1,4 +1,10 @@
-"""The training example runs under torchrun on 4 CPU processes and its losses match the single-process run."""
+"""The training example runs under torchrun on 4 CPU processes and its losses match the single-process run.
+
+One run of each kind goes through torchrun as a user runs it (the launcher, the script's exit status as its
+verdict, the processes' shutdown); the other variants (float32, a long-tail batch per step, ranks left idle) run the
+same script's main() in 4 ranks forked from the test's fork server (tests/workers/script_worker.py), with
+torchrun's environment: the same code from argument parsing to the verdict, its status and output checked the same
+way, without four fresh interpreters importing torch for each."""
 
 import os
 import pathlib
@@ -11,6 +17,9 @@ import pytest
 
 pytest.importorskip("torch")
 
+import dist_worker  # noqa: E402
+import script_worker  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -20,12 +29,15 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("dtype,batch", [("float64", False), ("float32", False), ("float64", True)])
-def test_train_llama_matches_single_process(dtype, batch):
+@pytest.mark.parametrize("dtype,batch,launch", [("float64", False, "torchrun"), ("float32", False, "forked"),
+                                                ("float64", True, "forked")])
+def test_train_llama_matches_single_process(dtype, batch, launch, tmp_path):
     """One sequence per step on the example's plan; with --batch, a long-tail batch per step on groups the batch
     planner chooses, against every document trained on its own. Every rank holds tokens (in every step), and the
-    script ends with a plain return: its exit status is its verdict."""
-    out = run_example("--steps", "3", "--dtype", dtype, *(["--batch"] if batch else []))
+    script ends with a plain return: its exit status is its verdict (under torchrun; in forked ranks, what main()
+    returns on every rank)."""
+    args = ("--steps", "3", "--dtype", dtype, *(["--batch"] if batch else []))
+    out = run_example(*args) if launch == "torchrun" else run_forked(tmp_path, *args)
     m = re.search(r"max relative loss difference (\S+) \(OK", out)
     assert m, out[-3000:]
     assert float(m.group(1)) <= 1e-5
@@ -42,10 +54,10 @@ def test_train_llama_matches_single_process(dtype, batch):
         assert [int(n) for n in m.group(2).split(", ")] == [5, 3, 8, 8]
 
 
-def test_train_llama_batch_says_which_ranks_sit_out():
+def test_train_llama_batch_says_which_ranks_sit_out(tmp_path):
     """At 257 tokens the batch planner leaves both A100s idle (one pass on either costs more before its first token
     than the H100s take for the whole batch): the example says so, and why, and still matches."""
-    out = run_example("--steps", "1", "--batch", "--seq-len", "257")
+    out = run_forked(tmp_path, "--steps", "1", "--batch", "--seq-len", "257")
     m = re.search(r"^step of 7 sequences: .*, tokens per rank \[(.*)\]: ranks \[2, 3\] idle: a pass on any group of "
                   r"them costs at least (\S+) s even for the shortest sequence, more than the step's slowest group "
                   r"\((\S+) s\) takes", out, re.M)
@@ -62,3 +74,12 @@ def run_example(*args):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "terminate called" not in out, out[-3000:]
     return out
+
+
+def run_forked(tmp_path, *args):
+    """The example's main() on 4 forked ranks with torchrun's environment: every rank returns status 0; rank 0's
+    output (where the example prints)."""
+    got = dist_worker.spawn(script_worker.run_main, 4, (str(ROOT / "examples" / "train_llama.py"), list(args),
+                                                        free_port()), tmp_path, timeout_s=300)
+    assert all(status == 0 for status, _ in got.values()), {r: (s, out[-3000:]) for r, (s, out) in got.items()}
+    return got[0][1]
