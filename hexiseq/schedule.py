@@ -61,7 +61,7 @@ class Schedule:
     the sequences (indices into lengths) of each of group g's passes, in packed order; lengths: each sequence's
     tokens; documents: each sequence's document lengths, or None for one document; layouts[g][p]: the PassLayout
     of group g's pass p over the group's devices (pass rank i = cluster device groups[g][i]); job: what the plans
-    of one job share (the cluster, model and training, as text); fingerprint: a hash of all of it."""
+    of one job share (the cluster and the model, as text); fingerprint: a hash of all of it."""
 
     num_devices: int
     causal: bool

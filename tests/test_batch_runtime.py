@@ -83,7 +83,9 @@ def test_ranks_that_disagree_about_a_batch_plan_fail_together(tmp_path):
         assert kind == "InvalidArgumentError" and "plan must be a hexiseq.BatchPlan" in message \
             and "Schedule either runs as), got dict" in message, message
         kind, message, _ = report["other_model"]
-        assert kind == "InvalidArgumentError" and "another cluster, model or training" in message, message
+        assert kind == "InvalidArgumentError" and "another cluster or model" in message, message
+        kind, passes, _ = report["one_layout"]
+        assert kind == "ok" and len(passes) == 1 and passes[0][0] == [0] and passes[0][1] == passes[0][2], passes
         assert report["good_after"][0] == "ok", report["good_after"]
         bad, busy = report["probe"][1]
         kind, message, _ = report["per_sequence_values"]

@@ -159,7 +159,7 @@ class BatchPlan:
                         tuple(tuple(tuple(p) for p in ps) for ps in self.passes), tuple(self.lengths),
                         tuple(self.documents),
                         tuple(tuple(p.pass_layout for p in plans) for plans in self.pass_plans),
-                        repr((self.cluster.to_dict(), self.model.to_dict(), self.training.to_dict())),
+                        repr((self.cluster.to_dict(), self.model.to_dict())),
                         self.fingerprint)
 
     def to_dict(self) -> dict:

@@ -399,7 +399,7 @@ class Plan:
         pass of one sequence (its documents those the plan was balanced for)."""
         n = self.cluster.num_devices
         documents = None if self.documents is None else tuple(int(x) for x in self.documents)
-        job = repr((self.cluster.to_dict(), self.model.to_dict(), self.training.to_dict()))
+        job = repr((self.cluster.to_dict(), self.model.to_dict()))
         return Schedule(n, self.causal, (tuple(range(n)),), (((0,),),), (self.seq_len,), (documents,),
                         ((self.pass_layout,),), job, self.fingerprint)
 

@@ -150,8 +150,7 @@ class BatchContext:
             return InvalidArgumentError(f"plan must be a hexiseq.BatchPlan (or a hexiseq.Plan, or the "
                                         f"hexiseq.schedule.Schedule either runs as), got {type(plan).__name__}")
         if schedule.job != self._identity:
-            return InvalidArgumentError("plan was made for another cluster, model or training than this context's "
-                                        "planner")
+            return InvalidArgumentError("plan was made for another cluster or model than this context's planner")
         covered = sorted(d for devices in schedule.groups for d in devices)
         if covered != list(range(self.world)):
             return InvalidArgumentError(f"plan's groups must hold every device once, got "
@@ -203,8 +202,9 @@ class BatchContext:
 
 
 def _job_identity(p):
-    """What a planner and its plans share: the cluster, the model, the training."""
-    return repr((p.cluster.to_dict(), p.model.to_dict(), p.training.to_dict()))
+    """What a planner and the plans its context runs must share: the cluster and the model (a plan's training, its
+    state shares say, changes nothing a step executes; the fingerprint the ranks compare covers it)."""
+    return repr((p.cluster.to_dict(), p.model.to_dict()))
 
 
 class Pass:

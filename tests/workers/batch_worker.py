@@ -214,6 +214,9 @@ def batch_refusals(rank, world, init, results):
         run("not_a_plan", lambda: ctx.step(planner.plan([30, 7]).to_dict()))
         other = hexiseq.BatchPlanner(planner.cluster, model="gpt-7b")
         run("other_model", lambda: ctx.step(other.plan([300, 20])))
+        # a plan of one layout over every device is the one-group, one-pass step (its schedule)
+        one = hexiseq.plan(planner.cluster, model=planner.model, training=planner.training, seq_len=300, batch=False)
+        run("one_layout", lambda: [(p.sequences, p.tokens, len(one.positions(rank))) for p in ctx.step(one).passes])
 
         probe = planner.plan([300, 20, 7])
         busy = list(probe.groups[probe.assignment[0]])  # a group with a pass
