@@ -1,5 +1,5 @@
 """What a step of a batch plan costs each rank before its first layer: BatchContext.step(plan) at 128 devices and 512
-sequences, measured on every one of the 128 ranks.
+sequences (or --devices, --sequences), measured on every rank (or the first --ranks).
 
 The plans are those a job makes per step (BatchPlanner.plan(lengths, exact=False), gpt-7b with activation
 checkpointing on benchmarks/batch_planning.py's 128-GPU cluster of six GPU models, 512 sequences of its "pretraining
@@ -15,7 +15,8 @@ plans nothing (the core's planning entry points raise while the steps run). Besi
 running the scheduler on each pass of the same plans costs (exact_pass, how a per-step plan's passes were resolved
 when the runtime first asked for them, which every rank then paid in its step).
 
-    python benchmarks/step_setup.py [--ranks 128] [--steps 4] [--out benchmarks/results/step_setup.md]
+    python benchmarks/step_setup.py [--devices 128] [--sequences 512] [--ranks N] [--steps 4]
+                                    [--out benchmarks/results/step_setup.md]
 """
 
 import argparse
@@ -44,13 +45,13 @@ from hexiseq.runtime import batch as batch_runtime  # noqa: E402
 PLANNING = ("plan_strategy", "rebalance", "evaluate", "batch_assign", "memory_tokens_bound")
 
 
-def batches(steps, sequences, seed=0):
+def batches(steps, sequences, seed=0, devices=128):
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(steps):
         lengths = []
         while len(lengths) < sequences:
-            lengths += bp.distribution("pretraining long tail", 16384 * 128, rng)
+            lengths += bp.distribution("pretraining long tail", 16384 * devices, rng)
         out.append(lengths[:sequences])
     return out
 
@@ -136,16 +137,18 @@ def agreement_s(world, reps=200):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=128, help="how many of the 128 ranks to play (default all)")
+    parser.add_argument("--devices", type=int, default=128, choices=(64, 128, 1024))
+    parser.add_argument("--ranks", type=int, default=None, help="how many of the ranks to play (default all)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--sequences", type=int, default=512)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    cluster = bp.cluster(128)
+    load_before = os.getloadavg()[0]
+    cluster = bp.cluster(args.devices)
     t0 = time.perf_counter()
     planner = BatchPlanner(cluster, model=bp.MODEL, training=bp.TRAINING)
-    lengths = batches(args.steps + 1, args.sequences)
+    lengths = batches(args.steps + 1, args.sequences, devices=args.devices)
     planner.plan(lengths[0], exact=False)  # the job's one-time pricing
     priced = time.perf_counter() - t0
     plans, plan_s = [], []
@@ -163,19 +166,22 @@ def main():
         searched_s.append(time.perf_counter() - t)
     passes = [sum(len(ps) for ps in p.passes) for p in plans]
     groups = [len(p.groups) for p in plans]
-    ranks = list(range(128))[:args.ranks]
+    ranks = list(range(args.devices))[:args.ranks]
     times = setup_per_rank(planner, plans, ranks)
     first = [t[0] for t in times]
     later = [x for t in times for x in t[1:]]
     agree4 = agreement_s(4)
     lines = [
-        "# A step's setup on every rank (batch runtime, 128 devices, 512 sequences a step)",
+        f"# A step's setup on every rank (batch runtime, {args.devices} devices, {args.sequences} sequences a step)",
         "",
-        f"Machine: {machine()}. Command: `python benchmarks/step_setup.py --ranks {args.ranks} --steps {args.steps}`.",
+        f"Machine: {machine()}. Command: `python benchmarks/step_setup.py --devices {args.devices} --sequences "
+        f"{args.sequences} --ranks {len(ranks)} --steps {args.steps}`.",
         "",
-        f"Cluster: benchmarks/batch_planning.py's 128 GPUs (six models, 8 per node); {bp.MODEL}, activation "
+        f"Cluster: benchmarks/batch_planning.py's {args.devices} GPUs (8 per node); {bp.MODEL}, activation "
         f"checkpointing; {args.steps} steps of {args.sequences} sequences (\"pretraining long tail\"), each planned "
         f"per step (`BatchPlanner.plan(lengths, exact=False)`): {groups} groups, {passes} passes.",
+        "",
+        f"Load average (1 minute) before / after the run: {load_before:.1f} / {os.getloadavg()[0]:.1f} (2 cores).",
         "",
         "| what | measured |",
         "| --- | --- |",
@@ -192,7 +198,8 @@ def main():
         f"| the step's agreement (one all-gather of two int64s), 4 Gloo ranks on this machine | "
         f"{agree4 * 1e3:.2f} ms |",
         "",
-        "The later steps' setup is each rank's own work (torch's fake backend plays the 128 ranks in one process); "
+        f"The later steps' setup is each rank's own work (torch's fake backend plays the {len(ranks)} ranks in one "
+        "process); "
         "the agreement is its one collective, measured on real ranks. The core's planning entry points "
         f"({', '.join(PLANNING)}) raised if called while the steps ran: none was.",
     ]
