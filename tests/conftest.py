@@ -30,37 +30,15 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     tier = config.getoption("--tier")
-    if tier != "all":
-        keep, drop = [], []
-        for item in items:
-            slow = item.get_closest_marker("slow") is not None
-            (keep if slow == (tier == "slow") else drop).append(item)
-        if drop:
-            config.hook.pytest_deselected(items=drop)
-            items[:] = keep
-    # The C unit tests run last: their optimised build runs in the background meanwhile (see tests/test_c_units.py)
-    c_units = [item for item in items if item.path.name == "test_c_units.py"]
-    items[:] = [item for item in items if item.path.name != "test_c_units.py"] + c_units
-
-
-def _c_units(session):
-    """tests/test_c_units.py, when its optimised test is to run in this session."""
-    for item in session.items:
-        if item.path.name == "test_c_units.py" and item.name == "test_c_units_optimised":
-            return item.module
-    return None
-
-
-def pytest_collection_finish(session):
-    module = _c_units(session)
-    if module is not None and not session.config.option.collectonly:
-        module.build_in_background()
-
-
-def pytest_sessionfinish(session):
-    module = _c_units(session)
-    if module is not None:
-        module.finish_background_build(stop=True)  # the session ended before the test: leave nothing running
+    if tier == "all":
+        return
+    keep, drop = [], []
+    for item in items:
+        slow = item.get_closest_marker("slow") is not None
+        (keep if slow == (tier == "slow") else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def pytest_report_header(config):
