@@ -36,9 +36,12 @@ static int irand(int lo, int hi) { return lo + (int)(urand() * (hi - lo + 1)); }
 #define TIME_BUDGET_CHECKED 1
 #endif
 
+/* The search's own time: the CPU time of this thread (the assignment runs on the calling thread alone), so the budget
+ * holds the search to its cost and not to what else the machine runs meanwhile (the C tests run beside the Python
+ * tests, and a loaded 2-core machine moved the wall clock of the 512 x 16 search past its 50 ms). */
 static double now_s(void) {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
@@ -461,7 +464,7 @@ static void test_large(int32_t G, int32_t N, int pareto, double limit_ms, int re
                (long long)r.iterations);
     }
     if (TIME_BUDGET_CHECKED) /* not counted as a check where it cannot fail */
-        EXPECT(best_ms < limit_ms, "%d x %d: %.2f ms, want < %g ms", (int)N, (int)G, best_ms, limit_ms);
+        EXPECT(best_ms < limit_ms, "%d x %d: %.2f ms of CPU, want < %g ms", (int)N, (int)G, best_ms, limit_ms);
     printf("%s %d seqs x %d groups: fastest %.2f ms, worst gap to the bound %.3f%%, most rounds %lld\n",
            pareto ? "pareto" : "lognormal", (int)N, (int)G, best_ms, 100.0 * worst_gap, (long long)iters);
     free(cost);
