@@ -35,13 +35,20 @@ RUNS = [(case, "float64", 1e-10) for case in sorted(CASES)] + [
     (case, "bfloat16", 2e-2) for case in ("asymmetric", "gqa4-three-groups", "one-rank", "one-group-gqa")]
 
 
+@functools.lru_cache(maxsize=None)
+def reference(case, head_dim, batch):
+    """The float64 reference of a case's plan, computed once for every dtype it runs in and handed to its ranks."""
+    return dist_worker.reference(CASES[case]().to_json(), head_dim, batch)
+
+
 @pytest.mark.parametrize("case,dtype,tol", RUNS)
 def test_plan_matches_single_process(case, dtype, tol, tmp_path):
     plan = CASES[case]()
     world = plan.cluster.num_devices
     seq_len = plan.seq_len
     head_dim = 8 if seq_len < 1000 else 4  # the plan's model may say otherwise: execution takes any head_dim
-    out = spawn(dist_worker.check_plan, world, (plan.to_json(), dtype, head_dim, 2), tmp_path)
+    out = spawn(dist_worker.check_plan_against, world,
+                (plan.to_json(), dtype, head_dim, 2, reference(case, head_dim, 2)), tmp_path)
     for rank, (status, errs, dtype_ok) in sorted(out.items()):
         assert status == "ok", f"rank {rank}: {errs}"
         assert dtype_ok, f"rank {rank}: output or gradient not in {dtype}"

@@ -91,9 +91,11 @@ def _rel(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1.0)).item()
 
 
-def check_plan(rank, world, init, plan_json, dtype_name, head_dim, batch, results, kernels="", slices=""):
+def check_plan(rank, world, init, plan_json, dtype_name, head_dim, batch, results, kernels="", slices="",
+               expected=None):
     """Run HexiSeq attention forward and backward on this rank's shard; report the relative errors of the
-    output and of dq, dk, dv against the float64 single-process reference (same seed on every rank).
+    output and of dq, dk, dv against the float64 single-process reference (same seed on every rank; `expected`:
+    reference(plan_json, head_dim, batch), computed once by the test, instead of on this rank).
     kernels="torch" runs the PyTorch block kernels (the path CUDA tensors take) instead of the C ones."""
     try:
         import os
@@ -108,19 +110,15 @@ def check_plan(rank, world, init, plan_json, dtype_name, head_dim, batch, result
         plan = hexiseq.Plan.from_json(plan_json)
         dtype = getattr(torch, dtype_name)
         attn = HexiSeqAttention(plan, causal=plan.causal)
-        errs, dtype_ok = _errors(plan, rank, attn, dtype, head_dim, batch)
+        errs, dtype_ok = _errors(plan, rank, attn, dtype, head_dim, batch, expected=expected)
         results.put((rank, "ok", errs, dtype_ok))
         dist.destroy_process_group()
     except Exception:
         results.put((rank, "error", traceback.format_exc(), None))
 
 
-def _errors(plan, rank, attn, dtype, head_dim, batch, documents=None, seed=1234):
-    """HexiSeq attention forward and backward on this rank's shard against the float64 single-process reference
-    (same seed on every rank), with the document mask of `documents` (one list, or one per batch row) on both
-    sides: ([relative errors of out, dq, dk, dv], whether the results are in `dtype`)."""
-    from hexiseq.ops import document_starts
-
+def _inputs(plan, head_dim, batch, seed):
+    """q, k, v and the output's gradient over the whole sequence, float64, the same on every rank for a seed."""
     m = plan.model
     g = torch.Generator().manual_seed(seed)
     S = plan.seq_len
@@ -128,19 +126,51 @@ def _errors(plan, rank, attn, dtype, head_dim, batch, documents=None, seed=1234)
     k = torch.randn(batch, S, m.kv_heads, head_dim, generator=g, dtype=torch.float64)
     v = torch.randn(batch, S, m.kv_heads, head_dim, generator=g, dtype=torch.float64)
     go = torch.randn(batch, S, m.heads, head_dim, generator=g, dtype=torch.float64)
+    return q, k, v, go
+
+
+def _reference(plan, q, k, v, go, head_dim, q_doc=None):
+    """The float64 single-process forward and backward over the whole sequence: (out, dq, dk, dv)."""
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref, _ = attention(qr, kr, vr, causal=plan.causal, scale=head_dim ** -0.5, q_doc=q_doc)
+    ref.backward(go)
+    return ref.detach(), qr.grad, kr.grad, vr.grad
+
+
+def reference(plan_json, head_dim, batch, seed=1234):
+    """What check_plan's ranks compare with, as NumPy arrays: computed once in the test, it spares every rank the
+    same float64 attention over the whole sequence (the scheduler's 1,031-token plan: about 3 s of a core, on each
+    of its 6 ranks)."""
+    import hexiseq
+
+    plan = hexiseq.Plan.from_json(plan_json)
+    return tuple(t.numpy() for t in _reference(plan, *_inputs(plan, head_dim, batch, seed), head_dim))
+
+
+def _errors(plan, rank, attn, dtype, head_dim, batch, documents=None, seed=1234, expected=None):
+    """HexiSeq attention forward and backward on this rank's shard against the float64 single-process reference
+    (same seed on every rank; `expected`: reference()'s, given), with the document mask of `documents` (one list,
+    or one per batch row) on both sides: ([relative errors of out, dq, dk, dv], whether the results are in
+    `dtype`)."""
+    from hexiseq.ops import document_starts
+
+    q, k, v, go = _inputs(plan, head_dim, batch, seed)
     q_doc = None
     if documents is not None:
         per_row = isinstance(documents[0], (list, tuple))
         q_doc = torch.as_tensor(np.stack([document_starts(r) for r in documents]) if per_row
                                 else document_starts(documents))
-    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    ref, _ = attention(qr, kr, vr, causal=plan.causal, scale=head_dim ** -0.5, q_doc=q_doc)
-    ref.backward(go)
+    if expected is None:
+        ref, dq, dk, dv = _reference(plan, q, k, v, go, head_dim, q_doc)
+    else:
+        assert documents is None, "a reference given is one without documents"
+        ref, dq, dk, dv = (torch.from_numpy(x) for x in expected)
+        assert ref.shape == q.shape, (ref.shape, q.shape)
     ql, kl, vl = (plan.shard(t, 1, rank).to(dtype).requires_grad_() for t in (q, k, v))
     o = attn(ql, kl, vl) if documents is None else attn(ql, kl, vl, documents=documents)
     o.backward(plan.shard(go, 1, rank).to(dtype))
-    errs = [_rel(o, plan.shard(ref.detach(), 1, rank)), _rel(ql.grad, plan.shard(qr.grad, 1, rank)),
-            _rel(kl.grad, plan.shard(kr.grad, 1, rank)), _rel(vl.grad, plan.shard(vr.grad, 1, rank))]
+    errs = [_rel(o, plan.shard(ref, 1, rank)), _rel(ql.grad, plan.shard(dq, 1, rank)),
+            _rel(kl.grad, plan.shard(dk, 1, rank)), _rel(vl.grad, plan.shard(dv, 1, rank))]
     return errs, o.dtype == dtype and ql.grad.dtype == dtype
 
 
@@ -323,6 +353,11 @@ def check_nonfinite(rank, world, init, plan_json, kernels, results):
         dist.destroy_process_group()
     except Exception:
         results.put((rank, "error", traceback.format_exc(), None))
+
+
+def check_plan_against(rank, world, init, plan_json, dtype_name, head_dim, batch, expected, results):
+    """check_plan against the reference the test computed (reference(plan_json, head_dim, batch))."""
+    check_plan(rank, world, init, plan_json, dtype_name, head_dim, batch, results, expected=expected)
 
 
 def check_plan_torch(rank, world, init, plan_json, dtype_name, head_dim, batch, results):
