@@ -1,5 +1,5 @@
 """Runs the C unit tests (tests/c/Makefile): the optimised build, and in the slow tier the ASan + UBSan build (which
-also runs the emulated CUDA kernels' whole case matrix)."""
+also runs the emulated CUDA kernels' whole case matrix) and the emulated kernels' document masks in full."""
 
 import os
 import re
@@ -14,10 +14,10 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None or shutil.which("gc
                                 reason="make and gcc are needed to build the C unit tests")
 
 
-def _run(target):
+def _run(target, *variables):
     # -j: the objects compile, and the binaries run, side by side; -O: each run's output comes out whole
     jobs = str(max(2, os.cpu_count() or 1))
-    proc = subprocess.run(["make", "-C", "tests/c", "-j", jobs, "-O", target], cwd=ROOT, capture_output=True,
+    proc = subprocess.run(["make", "-C", "tests/c", "-j", jobs, "-O", target, *variables], cwd=ROOT, capture_output=True,
                           text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"make {target} failed (rc {proc.returncode}):\n{out[-6000:]}"
@@ -33,6 +33,12 @@ def _run(target):
 
 def test_c_units_optimised():
     assert "test_cost" in _run("test")
+
+
+@pytest.mark.slow
+def test_emulated_document_masks_in_full():
+    """Every document case of the emulated CUDA kernels, optimised (the default tier runs one of each kind)."""
+    assert _run("run-emu-documents", "EMU_QUICK=documents") == ["test_cuda_emu"]
 
 
 @pytest.mark.slow
