@@ -128,3 +128,18 @@ def test_batch_plans_with_sharded_states(name, tmp_path):
     passes = out[0][1]["passes"]
     if name == "three-and-one":  # the case that needs the padding: a group without passes beside a busy one
         assert any(0 in p and max(p) > 0 for p in passes), passes
+
+
+def test_states_held_once_per_group_train_as_one_process(tmp_path):
+    """HSDP with unequal groups: the states held once in group [0] and once in group [1, 2, 3] (shares 0.5, 0.3,
+    0.2 there), each group running only its own passes of each step (two in the first, one in the second), the
+    gradients summed across the groups by sync_replicas; Adam, reduce="mean" over the four ranks.
+    The parameters after three steps equal one process's (float64, 1e-10), and a checkpoint of them (written by the
+    first group) loads into the model sharded over the world at other shares."""
+    out = dist_worker.spawn(batch_worker.train_with_replicated_states, 4, ([(0,), (1, 2, 3)], 3, str(tmp_path / "ck")),
+                            tmp_path, timeout_s=180)
+    for rank, (status, report, _) in sorted(out.items()):
+        assert status == "ok", f"rank {rank}: {report}"
+        assert report["params"] <= 1e-10, f"rank {rank}: parameters differ by {report['params']:.3g}"
+        assert report["round_trip"] <= 1e-10, f"rank {rank}: loaded parameters differ by {report['round_trip']:.3g}"
+    assert out[0][1]["passes"] == [[2, 1]] * 3

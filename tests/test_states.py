@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 import hexiseq  # noqa: E402
+from hexiseq.runtime.replicas import holders  # noqa: E402
 from hexiseq.states import shard_sizes  # noqa: E402
 
 import dist_worker  # noqa: E402
@@ -61,6 +62,29 @@ def test_shard_sizes_by_largest_remainder():
             assert all(n == 0 for n, s in zip(sizes, shares) if s == 0)
 
 
+def test_replica_segments_give_each_element_one_holder_per_replica():
+    """The segments the cross-replica sum runs over: replicas [0] and [1, 2, 3] at shares 0.5/0.3/0.2 of 10
+    elements give rank 0 three partners in turn; replicas of 2 and 3 ranks cut a 7-element unit at both replicas'
+    boundaries; a zero share holds nothing. Every segment has one holder per replica, and the segments tile the
+    unit."""
+    one_three = ((0,), (1, 2, 3))
+    shares = [1.0, 0.5, 0.3, 0.2]
+    got = holders([10], lambda u, j: shard_sizes([shares[r] for r in one_three[j]], 10), one_three)
+    assert got == [((0, 1), 0, 0, 5), ((0, 2), 0, 5, 8), ((0, 3), 0, 8, 10)]
+    two_three = ((0, 1), (2, 3, 4))
+    shares = [0.5, 0.5, 0.0, 0.6, 0.4]
+    for totals in ([7], [7, 1, 0, 13]):
+        got = holders(totals, lambda u, j: shard_sizes([shares[r] for r in two_three[j]], totals[u]), two_three)
+        for u, total in enumerate(totals):
+            segs = [(lo, hi, ranks) for ranks, v, lo, hi in got if v == u]
+            assert [lo for lo, _, _ in segs] == [0, *(hi for _, hi, _ in segs[:-1])][:len(segs)]
+            assert (segs[-1][1] if segs else 0) == total
+            for lo, hi, ranks in segs:
+                assert lo < hi and len(ranks) == 2 and ranks[0] in (0, 1) and ranks[1] in (3, 4), (u, segs)
+    got = holders([7], lambda u, j: shard_sizes([shares[r] for r in two_three[j]], 7), two_three)
+    assert [(r, lo, hi) for r, _, lo, hi in got] == [((0, 3), 0, 4), ((1, 4), 4, 7)]  # [4, 3] and [0, 4, 3]
+
+
 def test_needs_an_initialised_process_group():
     if dist.is_initialized():
         pytest.skip("a process group is initialised in this process")
@@ -91,6 +115,12 @@ CONTRACT = [
                                                     "rank 0: state_dict lacks the parameter blocks.1."]),
     ("fsdp2_uneven", "InvalidArgumentError", ["3 of 3 ranks", "engine 'fsdp2' needs even shares",
                                               "[0.5, 0.3, 0.2]"]),
+    ("replicas_overlap", "InvalidArgumentError", ["3 of 3 ranks", "rank 1 is in replicas[0] and replicas[1]"]),
+    ("replicas_missing", "InvalidArgumentError", ["replicas must hold every rank of the group once; ranks [2]"]),
+    ("replicas_sum", "InvalidArgumentError", ["the shares of replicas[1] (ranks [1, 2]) must sum to 1",
+                                              "[0.5, 0.4]"]),
+    ("replicas_mismatch", "RankMismatchError", ["replicas", "rank 0:", "rank 2:"]),
+    ("replicas_fsdp2", "InvalidArgumentError", ["engine 'fsdp2' does not take replicas"]),
     ("engine", "InvalidArgumentError",
      ["1 of 3 ranks", "rank 1: engine must be one of ['auto', 'hexiseq', 'fsdp2'], got 'zero3'"]),
     ("engine_mismatch", "RankMismatchError", ["engine", "rank 0: 'auto', sharding with FSDP2",

@@ -14,7 +14,9 @@ the step's sequences, packed into one or more passes; each pass has its own plan
   documents (each sequence one document, or its own documents), and this rank's shard of it.
 
 Gradients: every rank computes the gradients of its own tokens' loss; the step's gradient is their sum over all
-ranks (one all-reduce over the world, or hexiseq.states' reduce-scatter), as for a single plan. Divide the
+ranks (one all-reduce over the world; hexiseq.states' reduce-scatter over the world, with padded passes; or, as
+the planner prices it, the states held once per group with hexiseq.states.shard_states(..., replicas=plan): a
+reduce-scatter inside each group per pass, then sync_replicas across the groups once per step). Divide the
 loss by the step's token count (BatchStep.total_tokens, or the count of labelled tokens) on every rank so that the
 sum is the gradient of the batch's mean.
 """

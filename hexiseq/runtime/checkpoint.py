@@ -77,10 +77,12 @@ def _sharded(unit, entry, flat, group_rank, device, api):
     out as the unit's shard: the shard itself, or an optimizer state of its shape)."""
     _, Shard, ShardedTensor, ShardedTensorMetadata, ShardMetadata, TensorProperties = api
     metas, local = [], []
+    group = unit.comm.group
     for r, (lo, n) in enumerate(zip(unit.offsets, unit.sizes)):
         a, b = max(lo, entry.offset), min(lo + n, entry.offset + entry.numel)
+        placed = r if group is dist.group.WORLD else dist.get_global_rank(group, r)  # placements name global ranks
         for f0, f1, off, size in chunks(a - entry.offset, b - entry.offset, entry.shape):
-            meta = ShardMetadata(shard_offsets=off, shard_sizes=size, placement=f"rank:{r}/{device}")
+            meta = ShardMetadata(shard_offsets=off, shard_sizes=size, placement=f"rank:{placed}/{device}")
             metas.append(meta)
             if r == group_rank:
                 start = entry.offset + f0 - lo
@@ -201,10 +203,16 @@ def _scalar_key(u, entries, key, saved):
 
 def save_states(module, path, optimizer=None):
     """Write `module` (sharded by `shard_states`) and, when given, `optimizer` (built from its parameters after
-    sharding) to the DCP checkpoint folder `path`. Collective over the module's group: every rank calls it."""
+    sharding) to the DCP checkpoint folder `path`. Collective over the module's group: every rank calls it. Of a
+    module sharded with replicas, the first replica's ranks write (after sync_replicas and the optimizer step,
+    every replica holds the same states) and the others wait until they have."""
     api = _dcp()
+    rec = sharding_of(module)
     state, _ = _describe(module, optimizer, api, loading=False)
-    api[0].save(state, checkpoint_id=str(path), process_group=sharding_of(module).comm.group)
+    if rec.replicas is None or dist.get_rank(rec.parent) in rec.replicas.replicas[0]:
+        api[0].save(state, checkpoint_id=str(path), process_group=rec.comm.group)
+    if rec.replicas is not None:  # the first replica writes the states (every replica holds them whole)
+        dist.barrier(group=rec.parent)
 
 
 def load_states(module, path, optimizer=None):

@@ -61,12 +61,13 @@ from torch import nn
 
 from .._validate import number
 from . import fsdp2, wire
-from .comm import agree, collective_device, resolve_group, text_code
+from .comm import agree, collective_device, group_timeout, resolve_group, text_code
+from .replicas import ReplicaSync, check_replica_shares, check_replicas, holders
 from ..errors import InvalidArgumentError
 from .fsdp2 import sum_fsdp2_gradients
 
-__all__ = ["shard_states", "full_state_dict", "load_full_state_dict", "shard_sizes", "sum_fsdp2_gradients",
-           "clip_grad_norm_"]
+__all__ = ["shard_states", "sync_replicas", "full_state_dict", "load_full_state_dict", "shard_sizes",
+           "sum_fsdp2_gradients", "clip_grad_norm_"]
 
 SHARD_NAME = "hexiseq_shard"
 REDUCES = ("mean", "sum")
@@ -96,15 +97,18 @@ def shard_sizes(shares, total):
     return sizes
 
 
-def _check_shares(shares, world):
-    """The shares as a list of floats; InvalidArgumentError naming the argument and the value otherwise."""
+def _check_shares(shares, world, replicas=None):
+    """The shares as a list of floats; InvalidArgumentError naming the argument and the value otherwise. "even":
+    equal shares over the group, or within each replica."""
+    if isinstance(shares, str) and shares == "even":
+        return [1.0 / len(ranks) for r in range(world) for ranks in (replicas or (range(world),)) if r in ranks]
     if isinstance(shares, torch.Tensor):
         shares = shares.tolist()
     elif isinstance(shares, np.ndarray):
         shares = shares.tolist()
     if isinstance(shares, (str, bytes, dict)) or not isinstance(shares, (list, tuple)):
-        raise InvalidArgumentError(f"shares must be a list of floats, one per rank, or a plan with state_shares; "
-                                   f"got {shares!r}")
+        raise InvalidArgumentError(f"shares must be a list of floats, one per rank, \"even\", or a plan with "
+                                   f"state_shares; got {shares!r}")
     if len(shares) != world:
         raise InvalidArgumentError(f"shares must hold one share per rank of the group ({world}), got {len(shares)}: "
                                    f"{list(shares)!r}")
@@ -112,7 +116,9 @@ def _check_shares(shares, world):
     for i, s in enumerate(out):
         if s < 0:
             raise InvalidArgumentError(f"shares[{i}] must be >= 0, got {s!r}")
-    if abs(math.fsum(out) - 1.0) > SHARE_TOLERANCE:
+    if replicas is not None:
+        check_replica_shares(out, replicas)
+    elif abs(math.fsum(out) - 1.0) > SHARE_TOLERANCE:
         raise InvalidArgumentError(f"shares must sum to 1 (within {SHARE_TOLERANCE:g}), got {out!r} "
                                    f"(sum {math.fsum(out)!r})")
     return out
@@ -391,9 +397,10 @@ class _Comm:
     Backends without the single-tensor collectives (Gloo in older torch) fall back to the list all-gather and an
     all-reduce of the whole gradient, both waited for at once."""
 
-    def __init__(self, group, reduce):
+    def __init__(self, group, reduce, divisor=None):
         self.group, self.reduce = group, reduce
         self.world = dist.get_world_size(group)
+        self.divisor = divisor or self.world  # of reduce="mean": the ranks whose gradients are summed in the end
         self._gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._rs_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self.single_gather = self.single_reduce = True
@@ -503,7 +510,7 @@ class _Comm:
         for unit, work, piece, _ in pending:
             _wait(work)
             if self.reduce == "mean":
-                piece.div_(self.world)
+                piece.div_(self.divisor)
             shard = unit.shard
             if shard.grad is None:
                 whole = piece.numel() * piece.element_size() == piece.untyped_storage().nbytes()
@@ -535,8 +542,10 @@ class _Record:
     """What shard_states left on a module: its units, the original state dict's keys in order, and the engine
     that shards it ("hexiseq", or "fsdp2": the units' layouts then only name the parameters)."""
 
-    def __init__(self, units, comm, keys, hooks, engine="hexiseq"):
+    def __init__(self, units, comm, keys, hooks, engine="hexiseq", parent=None, replicas=None):
         self.units, self.comm, self.keys, self.hooks, self.engine = units, comm, keys, hooks, engine
+        self.parent = comm.group if parent is None else parent  # the group every rank of the module is in
+        self.replicas = replicas  # a hexiseq.runtime.replicas.ReplicaSync, or None (one copy of the states)
 
     def parameter(self, module, entry):
         """The FSDP2 parameter (a DTensor) of a layout entry."""
@@ -604,13 +613,22 @@ def _find_units(module, units):
     return found, None
 
 
-def shard_states(module, shares, *, group=None, units=None, reduce="mean", engine="auto"):
+def shard_states(module, shares, *, group=None, replicas=None, units=None, reduce="mean", engine="auto"):
     """Shard `module`'s parameters over the ranks of `group` (default: the world) in unequal parts; returns the
     module. Collective: every rank calls it with the same shares and an identical module.
 
-    shares: one non-negative float per rank of the group, summing to 1 (within 1e-9), or a plan (anything with
-    a `state_shares` attribute). A zero share is allowed: that rank holds no states but takes part in every
-    collective. units: the submodules whose parameters are gathered together (default: every element of the
+    shares: one non-negative float per rank of the group, summing to 1 (within 1e-9), "even", or a plan (anything
+    with a `state_shares` attribute). A zero share is allowed: that rank holds no states but takes part in every
+    collective.
+
+    replicas: None (one copy of the states, sharded over the whole group), or the ranks of the group cut into
+    replicas (a list of lists of ranks, or a batch plan or schedule, whose groups are taken), each holding a whole
+    copy sharded over its own ranks, by their shares, which then sum to 1 within each replica (HSDP with replicas
+    of unequal size and unequal shares). Gathers and gradient reduce-scatters stay inside a replica, so replicas
+    may run different numbers of forwards and backwards in a step (the groups of a batch plan do); after the
+    step's last backward, `sync_replicas(module)` (collective over the whole group) sums the gradients across the
+    replicas, each rank with the ranks of other replicas holding the same elements (hexiseq.runtime.replicas).
+    Needs the world as the group and the own engine. units: the submodules whose parameters are gathered together (default: every element of the
     outermost nn.ModuleLists); every other parameter belongs to the root unit, the module itself. A parameter
     tied across units is refused; tied inside one unit it is stored once. reduce: "mean" (default) divides the
     summed gradient by the group size, "sum" does not.
@@ -632,7 +650,7 @@ def shard_states(module, shares, *, group=None, units=None, reduce="mean", engin
     if rank < 0:
         raise InvalidArgumentError("this process is not a member of the group it shards over")
     shares = getattr(shares, "state_shares", shares)
-    error, found, checked, use_fsdp2 = None, [], None, False
+    error, found, checked, use_fsdp2, reps = None, [], None, False, None
     try:  # every local check first: a rank that fails still meets the others in the agreement below
         if not isinstance(module, nn.Module):
             raise InvalidArgumentError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -642,8 +660,16 @@ def shard_states(module, shares, *, group=None, units=None, reduce="mean", engin
             raise InvalidArgumentError(f"reduce must be one of {list(REDUCES)}, got {reduce!r}")
         if engine not in ENGINES:
             raise InvalidArgumentError(f"engine must be one of {list(ENGINES)}, got {engine!r}")
-        checked = _check_shares(shares, world)
-        use_fsdp2 = _fsdp2_engine(engine, checked)
+        if replicas is not None:
+            reps = check_replicas(replicas, world)
+            if group is not dist.group.WORLD:
+                raise InvalidArgumentError("replicas need the world as the group (their process groups are made by "
+                                           "every rank of it)")
+            if engine == "fsdp2":
+                raise InvalidArgumentError("engine 'fsdp2' does not take replicas of unequal shares: use engine "
+                                           "'auto' or 'hexiseq'")
+        checked = _check_shares(shares, world, reps)
+        use_fsdp2 = reps is None and _fsdp2_engine(engine, checked)
         found, message = _find_units(module, units)
         if message is not None:
             raise InvalidArgumentError(message)
@@ -658,9 +684,10 @@ def shard_states(module, shares, *, group=None, units=None, reduce="mean", engin
             error = InvalidArgumentError(message)
     device = collective_device(group)
     # the engine asked for and the one it comes to: ranks that ask alike but differ (FSDP2 missing on some) too
-    header = [wire.code(REDUCES, reduce), 2 * wire.code(ENGINES, engine) + int(use_fsdp2), len(made)]
+    header = [wire.code(REDUCES, reduce), 2 * wire.code(ENGINES, engine) + int(use_fsdp2), len(made),
+              text_code(repr(reps))]
     header += [wire.float_bits(s) for s in (checked or [0.0] * world)]
-    agree(group, header, ("reduce", "engine", "units", ("shares", world)), error, _show_field, device)
+    agree(group, header, ("reduce", "engine", "units", "replicas", ("shares", world)), error, _show_field, device)
     fields = [f"units[{i}].{f}" for i in range(len(made))
               for f in ("numel", "dtype", "requires_grad", "parameters", "names and shapes")]
     agree(group, [v for u in made for v in u.describe()], fields, None, _show_field, device)
@@ -677,16 +704,47 @@ def shard_states(module, shares, *, group=None, units=None, reduce="mean", engin
         fsdp2.shard(module, [u.module for u in made], group, made[0].device.type if made else "cpu", reduce)
         module.__dict__["_hexiseq_states"] = _Record(made, comm, keys, [], engine="fsdp2")
         return module
+    mine, sync = tuple(range(world)), None
+    if reps is not None:
+        mine = next(ranks for ranks in reps if rank in ranks)
+        comm.group = _replica_groups(group, reps)[reps.index(mine)]
+        comm.world, comm.divisor = len(mine), world
     if made:
         comm.probe(made[0].device, made[0].dtype)
     hooks = []
     for u, (_, _, _, places) in zip(made, found):
-        u.build(shard_sizes(checked, u.total), rank)
+        u.build(shard_sizes([checked[r] for r in mine], u.total), mine.index(rank))
         u.place(places)
         hooks.append(u.module.register_forward_pre_hook(u.before, prepend=True))  # before hooks that read them
         hooks.append(u.module.register_forward_hook(u.after, always_call=True))
-    module.__dict__["_hexiseq_states"] = _Record(made, comm, keys, hooks)
+    if reps is not None:
+        segments = holders([u.total for u in made],
+                           lambda i, j: shard_sizes([checked[r] for r in reps[j]], made[i].total), reps)
+        timeout = group_timeout(group)
+        sync = ReplicaSync(group, reps, segments, [u.offsets[u.rank] for u in made], rank,
+                           {"timeout": timeout} if timeout is not None else {})
+    module.__dict__["_hexiseq_states"] = _Record(made, comm, keys, hooks, parent=group, replicas=sync)
     return module
+
+
+def _replica_groups(group, replicas):
+    """One process group per replica, made by every rank of `group` (the world) in replica order."""
+    timeout = group_timeout(group)
+    kw = {"timeout": timeout} if timeout is not None else {}
+    return [group if len(ranks) == dist.get_world_size(group) else dist.new_group(ranks=list(ranks), **kw)
+            for ranks in replicas]
+
+
+def sync_replicas(module):
+    """Sum the gradients of a module sharded with replicas (shard_states(..., replicas=...)) across the replicas:
+    call it once per step, after the step's last backward and before the optimizer step (and before
+    clip_grad_norm_). Collective over the module's whole group: every rank calls it once per step, whatever
+    number of passes its replica ran (a rank that ran none takes part with zero gradients). Each rank all-reduces
+    what it holds with the ranks of other replicas that hold the same elements (hexiseq.runtime.replicas). A
+    module sharded without replicas has nothing to sum: a no-op."""
+    rec = sharding_of(module)
+    if rec.replicas is not None:
+        rec.replicas.sync(rec.units)
 
 
 def _fsdp2_engine(engine, shares):
@@ -836,7 +894,7 @@ def load_full_state_dict(module, state_dict, strict=True):
     when any rank's dict fails its checks, RankMismatchError naming the parameters that differ and each rank's
     digest of the first."""
     rec = sharding_of(module)
-    group = rec.comm.group
+    group = rec.parent  # every rank, every replica: ranks of two replicas loading different dicts would mix them
     error, taken, picks, rest = None, set(), [], {}
     try:  # every local check first: a rank that fails still meets the others in the agreement below
         if not hasattr(state_dict, "keys") or not hasattr(state_dict, "__getitem__"):

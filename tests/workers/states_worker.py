@@ -299,6 +299,14 @@ def run_all(rank, world, init, results):
             hexiseq.shard_states(net, good, units=[net.head])
 
         scenario("tied_across", tied_across)
+        # replicas: not a partition of the ranks, shares that do not sum to 1 within one, ranks that disagree
+        scenario("replicas_overlap", lambda: hexiseq.shard_states(make_net(), "even", replicas=[[0, 1], [1, 2]]))
+        scenario("replicas_missing", lambda: hexiseq.shard_states(make_net(), "even", replicas=[[0], [1]]))
+        scenario("replicas_sum", lambda: hexiseq.shard_states(make_net(), [1.0, 0.5, 0.4], replicas=[[0], [1, 2]]))
+        scenario("replicas_mismatch", lambda: hexiseq.shard_states(
+            make_net(), "even", replicas=[[0, 1], [2]] if rank == 2 else [[0], [1, 2]]))
+        scenario("replicas_fsdp2", lambda: hexiseq.shard_states(make_net(), "even", replicas=[[0], [1, 2]],
+                                                                engine="fsdp2"))
         # weights that differ between the ranks: a different seed on every rank, or one rank loading another
         # checkpoint (each rank would keep its slice of its own weights: a silent mix)
         scenario("seeds", lambda: hexiseq.shard_states(make_net(seed=rank), good))
