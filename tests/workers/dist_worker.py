@@ -37,6 +37,13 @@ def _context():
     return ctx
 
 
+def _rank(fn, *args):
+    """A rank's start: torch's intra-op threads cut to the rank's share of the cores (the ranks of a test share
+    them: 4 ranks of 2 threads each on 2 cores spend much of their time waiting on each other's threads), then fn."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args[1]))
+    return fn(*args)
+
+
 def spawn(fn, world, args, tmp_path, timeout_s=120):
     """Run fn(rank, world, init, *args, results) in `world` new processes that rendezvous through a file store;
     return {rank: what it put on the queue, less the rank}. Never hangs: after `timeout_s` the stragglers are
@@ -44,7 +51,7 @@ def spawn(fn, world, args, tmp_path, timeout_s=120):
     ctx = _context()
     results = ctx.SimpleQueue()
     init = f"file://{tmp_path}/store-{time.monotonic_ns()}"
-    procs = [ctx.Process(target=fn, args=(r, world, init, *args, results)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(fn, r, world, init, *args, results)) for r in range(world)]
     for p in procs:
         p.start()
     out = {}
