@@ -1,7 +1,8 @@
 """The plan-free call (hexiseq.group): attention over a process group from the ranks' shards alone, in rank order or
 zigzag, unequal shares, packed sequences by cu_seqlens, head parallelism across ranks; float64 against one process
 within 1e-10 (the runtime's tolerance: the same sums in another order), forward and backward, on three Gloo ranks;
-bad arguments on one rank raise the same error on every rank, and the ranks stay in step."""
+the log-sum-exp returned as flash-attn returns it; bad arguments on one rank raise the same error on every rank, and
+the ranks stay in step."""
 
 import pytest
 
@@ -28,6 +29,11 @@ def test_group_attention_matches_one_process_and_refuses_together(tmp_path):
         assert r["ulysses"][0] == "InvalidArgumentError" and "dividing the group's 3 ranks, got 2" in r["ulysses"][1]
         assert r["heads"][0] == "InvalidArgumentError" and "rank 2" in r["heads"][1], r["heads"]
         assert r["good_after"] == ("ok", [1, 10, 6, 8]), r["good_after"]
+        assert r["return_lse"][0] == "RankMismatchError", r["return_lse"]
+        for name, got in report["lse"].items():  # every case again, returning the log-sum-exp
+            assert got["shape"][:2] == [1, group_worker.H] and not got["grad"], (name, got)
+            assert got["lse"] <= 1e-10, f"{name} rank {rank}: lse relative error {got['lse']:.3g}"
+            assert got["same"] == 0.0, f"{name} rank {rank}: output or gradients differ by {got['same']:.3g}"
 
 
 def test_hugging_face_model_runs_unpatched_under_sequence_parallel(tmp_path):

@@ -102,13 +102,15 @@ def _documents(cu_seqlens):
 
 def group_attention(q, k, v, group=None, *, causal: bool = True, softmax_scale: Optional[float] = None,
                     chunking: str = "contiguous", ulysses: int = 1, cu_seqlens: Optional[Sequence[int]] = None,
-                    window=None, softcap: Optional[float] = None, sinks=None):
+                    window=None, softcap: Optional[float] = None, sinks=None, return_lse: bool = False):
     """Attention of this rank's shard (q [batch, s_r, heads, d], k/v [batch, s_r, kv_heads, d]) of a sequence
     spread over the ranks of `group` (a process group or a one-dimensional DeviceMesh; default: the world) as
     `chunking` says; returns the output for the same tokens, with autograd. window, softcap, sinks: the layer's
     variant, as hexiseq.nn.hexiseq_attn_func takes them (a sliding window (left, right) by absolute positions, logit
-    soft-capping, sink logits [heads]). Collective: every rank of the group calls it with the same heads, chunking,
-    ulysses, cu_seqlens and variant (checked, as every call of the runtime: a rank that differs makes every rank
+    soft-capping, sink logits [heads]). return_lse: also return the log-sum-exp of each of the rank's tokens' scaled
+    scores per head, [batch, heads, s_r] float32 (float64 for float64 inputs), not differentiable, as flash-attn's
+    functions return it: (output, lse). Collective: every rank of the group calls it with the same heads, chunking,
+    ulysses, cu_seqlens, variant and return_lse (checked, as every call of the runtime: a rank that differs makes every rank
     raise the same error). Each call gathers the ranks' token counts (one small all-gather) before the layer. See
     the module's docstring."""
     group = resolve_group(group)
@@ -119,7 +121,8 @@ def group_attention(q, k, v, group=None, *, causal: bool = True, softmax_scale: 
         except InvalidArgumentError as e:
             error = e
     ctx = _context(group, q, k, bool(causal), softmax_scale, chunking, ulysses, error)
-    return hexiseq_attn_func(q, k, v, ctx, documents=documents, window=window, softcap=softcap, sinks=sinks)
+    return hexiseq_attn_func(q, k, v, ctx, documents=documents, window=window, softcap=softcap, sinks=sinks,
+                             return_lse=return_lse)
 
 
 def _arguments_error(group, q, k, v, chunking, ulysses):

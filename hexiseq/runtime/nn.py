@@ -158,15 +158,20 @@ class HexiSeqContext:
         self._call("forward", None, error, False, None)
         raise error  # not reached: the agreement raises on every rank when one rank brings an error
 
-    def forward(self, q, k, v, backward: bool = False, documents=None, variant=PLAIN, sinks=None):
-        """q [B, s_r, A, d], k/v [B, s_r, A_kv, d] -> (o [B, s_r, A, d], what backward needs). backward: whether
-        this rank will run the backward of this call (every rank must agree). documents, variant (a
+    def forward(self, q, k, v, backward: bool = False, documents=None, variant=PLAIN, sinks=None,
+                lse: bool = False):
+        """q [B, s_r, A, d], k/v [B, s_r, A_kv, d] -> (o [B, s_r, A, d], what backward needs), and with lse the
+        log-sum-exp [B, A, s_r] third (hexiseq.runtime.ring.layer_lse). backward: whether this rank will run the
+        backward of this call (every rank must agree, as about lse). documents, variant (a
         hexiseq.runtime.variants.Variant) and sinks ([A] or None): see hexiseq_attn_func."""
         error = self._input_error(q, k, v) or _sinks_error(sinks, self.topology.heads)
-        docs = self._call("forward", q, error, backward, documents, _describe(variant, sinks))
+        docs = self._call("forward", q, error, backward, documents, _describe(variant, sinks) + (" lse" if lse else ""))
         kern = self._block_kernels(q)
-        return ring.layer_forward(self.comm, self.slices, kern, q, k, v, self.causal, self._scale(q.shape[3]), docs,
-                                  variant, sinks)
+        o, saved = ring.layer_forward(self.comm, self.slices, kern, q, k, v, self.causal, self._scale(q.shape[3]),
+                                      docs, variant, sinks)
+        if not lse:
+            return o, saved
+        return o, saved, ring.layer_lse(self.comm, self.slices, saved, q.shape, q.device)
 
     def backward(self, do, saved, documents=None, variant=PLAIN, sinks=None):
         """dO of this rank's output and forward's saved tensors -> (dq, dk, dv), and with sinks their gradient
@@ -212,25 +217,29 @@ def _sinks_error(sinks, heads):
 
 class _HexiSeqAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, context, backward, documents, variant=PLAIN, sinks=None):
-        o, saved = context.forward(q, k, v, backward, documents, variant, sinks)
+    def forward(ctx, q, k, v, context, backward, documents, variant=PLAIN, sinks=None, lse=False):
+        o, saved, *rest = context.forward(q, k, v, backward, documents, variant, sinks, lse)
         ctx.context, ctx.documents, ctx.variant, ctx.sinks = context, documents, variant, sinks
         ctx.n_lse = [len(s[3]) for s in saved]  # per slice: Qg, KV, Og, then its lse chunks
         ctx.save_for_backward(*[t for s in saved for t in (*s[:3], *s[3])])
+        if lse:
+            ctx.mark_non_differentiable(rest[0])  # as flash-attn's: the lse is returned, not differentiated
+            return o, rest[0]
         return o
 
     @staticmethod
-    def backward(ctx, do):
+    def backward(ctx, do, *_):
         flat, saved = list(ctx.saved_tensors), []
         for n in ctx.n_lse:
             saved.append((*flat[:3], flat[3:3 + n]))
             flat = flat[3 + n:]
         grads = ctx.context.backward(do, saved, ctx.documents, ctx.variant, ctx.sinks)
         dsinks = grads[3] if ctx.sinks is not None else None
-        return grads[0], grads[1], grads[2], None, None, None, None, dsinks
+        return grads[0], grads[1], grads[2], None, None, None, None, dsinks, None
 
 
-def hexiseq_attn_func(q, k, v, context: HexiSeqContext, documents=None, window=None, softcap=None, sinks=None):
+def hexiseq_attn_func(q, k, v, context: HexiSeqContext, documents=None, window=None, softcap=None, sinks=None,
+                      return_lse: bool = False):
     """Attention of this rank's token shard under a plan, with autograd.
 
     q: [batch, s_r, heads, head_dim]; k, v: [batch, s_r, kv_heads, head_dim], where s_r is this rank's token
@@ -246,8 +255,11 @@ def hexiseq_attn_func(q, k, v, context: HexiSeqContext, documents=None, window=N
     sliding_window of W tokens is (W - 1, 0)); block pairs that lie outside every query's window are skipped.
     softcap: logit soft-capping. sinks: the layer's sink logits [heads] (a parameter: it gets its gradient, this
     rank's part of it, summed over ranks with the other parameters). Every rank passes the same variant (checked).
-    Returns the output [batch, s_r, heads, head_dim] for the same tokens. Every rank of the context's group
-    must call it (it communicates), all with or all without gradients."""
+    Returns the output [batch, s_r, heads, head_dim] for the same tokens; with return_lse, (output, lse): the
+    log-sum-exp of each of the rank's tokens' scaled scores per head, [batch, heads, s_r] (flash-attn's layout),
+    float32 (float64 for float64 inputs), sinks included, not differentiable (as flash-attn's). Every rank of the
+    context's group must call it (it communicates), all with or all without gradients, all with or all without
+    return_lse (checked)."""
     grads_of = (q, k, v) + ((sinks,) if sinks is not None else ())
     backward = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in grads_of)
     documents = documents_mod.frozen(documents)
@@ -257,11 +269,16 @@ def hexiseq_attn_func(q, k, v, context: HexiSeqContext, documents=None, window=N
         context.refuse(error)
     if torch.compiler.is_compiling():
         # under torch.compile the layer is one custom op each way: no graph break
+        if return_lse:
+            raise UnsupportedError("return_lse under torch.compile: keep this call out of the compiled region "
+                                   "(torch.compiler.disable)")
         if isinstance(documents, tuple) and documents and isinstance(documents[0], tuple):
             raise UnsupportedError("per-row documents (one list per batch row) under torch.compile: give one "
                                    "document list for the whole batch, or keep this call out of the compiled "
                                    "region (torch.compiler.disable)")
         return compiled.attn(q, k, v, context, backward, documents, variant, sinks)
+    if return_lse:
+        return _HexiSeqAttentionFn.apply(q, k, v, context, backward, documents, variant, sinks, True)
     if variant.plain and sinks is None:
         return _HexiSeqAttentionFn.apply(q, k, v, context, backward, documents)
     return _HexiSeqAttentionFn.apply(q, k, v, context, backward, documents, variant, sinks)

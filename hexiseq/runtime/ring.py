@@ -118,6 +118,32 @@ def layer_forward(comm, slices, kern, q, k, v, causal, scale, docs=None, variant
     return o, saved
 
 
+def layer_lse(comm, slices, saved, shape, device):
+    """The log-sum-exp of this rank's tokens' scaled scores for every head, [B, A, s_r] (flash-attn's layout; the
+    accumulation dtype: float32, float64 for float64 inputs), from layer_forward's saved tensors (shape: q's [B,
+    s_r, A, d]): each slice's lse of its group's tokens and this rank's heads goes home as the output does (an
+    all-to-all out, one value per token and head). With sinks, the lse holds them (what the output was divided by)."""
+    B, s_r, A, _ = shape
+    rank, out, pending = comm.rank, None, []
+    for topo, (_, _, _, lses) in zip(slices, saved):
+        g = topo.group_of(rank)
+        members, me = topo.groups[g], topo.member(rank)
+        dt = lses[0].dtype if lses else torch.float32
+        Lg = torch.empty(B, topo.S[g], me.heads, 1, dtype=dt, device=device)
+        for (qo, n), lse in zip(_chunk_spans(topo.chunks[g]), lses):
+            Lg[:, qo:qo + n, :, 0] = lse.transpose(1, 2)
+        parts = [[Lg[:, mb.tok_lo:mb.tok_lo + mb.tokens]] for mb in members]
+        shapes = [[(B, me.tokens, mb.heads, 1)] for mb in members]
+        pending.append((topo, comm.a2a_start(parts, shapes, topo.a2a_out(rank), B, dt, device), dt))
+    for topo, handle, dt in pending:
+        if out is None:
+            out = torch.empty(B, s_r, A, 1, dtype=dt, device=device)
+        oc = _cols(out, topo, False)
+        for mb, (piece,) in zip(topo.groups[topo.group_of(rank)], comm.a2a_finish(handle)):
+            oc[:, :, mb.head_lo:mb.head_lo + mb.heads] = piece
+    return out[..., 0].permute(0, 2, 1).contiguous()
+
+
 def layer_backward(comm, slices, kern, do, saved, causal, scale, docs=None, variant=PLAIN, sinks=None):
     """dO [B, s_r, A, d] and layer_forward's saved tensors -> (dq, dk, dv) of this rank's shards, pipelined over
     the slices as the forward is; with sinks also their gradient [A], this rank's part (its heads of its group's

@@ -41,7 +41,7 @@ def group_attention_cases(rank, world, init, results):
                  ("ulysses-3", "contiguous", [33, 31, 33], 3, None, None),
                  ("zigzag-documents", "zigzag", [32, 32, 32], 1, [0, 50, 96], None),
                  ("variants", "contiguous", [30, 37, 30], 3, [0, 60, 97], variant)]
-        report = {}
+        report, lse_report = {}, {}
         for name, chunking, tokens, ulysses, cu, var in cases:
             S = sum(tokens)
             g = torch.Generator().manual_seed(S + len(name))
@@ -62,11 +62,22 @@ def group_attention_cases(rank, world, init, results):
                 for a, b in zip(cu[:-1], cu[1:]):
                     starts[a:b] = a
             qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-            ref, _ = attention(qr, kr, vr, causal=True, q_doc=starts, sinks=sinks_ref, **(var or {}))
+            ref, ref_lse = attention(qr, kr, vr, causal=True, q_doc=starts, sinks=sinks_ref, **(var or {}))
             ref.backward(do)
             report[name] = [float((a - b[:, pos]).abs().max() / b.abs().max())
                             for a, b in ((out.detach(), ref.detach()), (ql.grad, qr.grad), (kl.grad, kr.grad),
                                          (vl.grad, vr.grad))]
+            # the same call returning the log-sum-exp as flash-attn does: [batch, heads, tokens], not differentiable;
+            # the output and its gradients as without it
+            q2, k2, v2 = (t[:, pos].clone().requires_grad_() for t in (q, k, v))
+            out2, lse = group_attention(q2, k2, v2, chunking=chunking, ulysses=ulysses, cu_seqlens=cu,
+                                        sinks=None if sinks is None else sinks.detach(), return_lse=True,
+                                        **(var or {}))
+            out2.backward(do[:, pos])
+            lse_report[name] = {"lse": float((lse - ref_lse[:, :, pos]).abs().max() / ref_lse.abs().max()),
+                                "shape": list(lse.shape), "grad": lse.requires_grad,
+                                "same": max(float((a - b).abs().max()) for a, b in
+                                            ((out2, out), (q2.grad, ql.grad), (k2.grad, kl.grad), (v2.grad, vl.grad)))}
             if sinks is not None:  # this rank's part of the sinks' gradient, summed over the ranks
                 grad = sinks.grad.clone()
                 dist.all_reduce(grad)
@@ -85,7 +96,12 @@ def group_attention_cases(rank, world, init, results):
                 refusals[name] = (type(e).__name__, str(e))
         out = group_attention(q, k, k)
         refusals["good_after"] = ("ok", list(out.shape))
-        results.put((rank, "ok", {"cases": report, "refusals": refusals}, None))
+        try:  # ranks that disagree about return_lse: the same error on every rank
+            group_attention(q, k, k, return_lse=rank == 0)
+            refusals["return_lse"] = ("ok", "")
+        except Exception as e:  # noqa: BLE001
+            refusals["return_lse"] = (type(e).__name__, str(e))
+        results.put((rank, "ok", {"cases": report, "refusals": refusals, "lse": lse_report}, None))
         dist.destroy_process_group()
     except Exception:
         results.put((rank, "error", traceback.format_exc(), None))
