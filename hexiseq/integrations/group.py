@@ -16,6 +16,7 @@ The layout is an ordinary hexiseq layout, so every path of the runtime (ring, al
 that refuses on every rank at once) is the one a plan runs. A context is made per (group, shapes, shares) and kept.
 """
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -25,6 +26,7 @@ from ..errors import InvalidArgumentError
 from ..planner.cluster import Cluster
 from ..planner.model import Model
 from ..planner.plan import evaluate
+from ..runtime import wire
 from ..runtime.comm import agree, collective_device, resolve_group
 from ..runtime.nn import HexiSeqContext, hexiseq_attn_func
 
@@ -61,9 +63,12 @@ def _context(group, q, k, causal, scale, chunking, ulysses, error):
     whether the layout changed, and a rank whose arguments fail makes every rank raise the same error."""
     ok = error is None
     values = [q.shape[1] if ok else 0, q.shape[2] if ok else 0, k.shape[2] if ok else 0, q.shape[3] if ok else 0,
-              _CHUNKINGS.index(chunking) if ok else -1, ulysses if ok else 0, int(bool(causal))]
-    every = agree(group, values, ["tokens", "heads", "kv_heads", "head_dim", "chunking", "ulysses", "causal"], error,
-                  device=collective_device(group), free=("tokens",))
+              _CHUNKINGS.index(chunking) if ok else -1, ulysses if ok else 0, int(bool(causal)),
+              wire.float_bits(scale if ok else None)]
+    # the scale too: the context is kept per scale, and ranks that made theirs with different scales would meet in
+    # different collectives
+    every = agree(group, values, ["tokens", "heads", "kv_heads", "head_dim", "chunking", "ulysses", "causal",
+                                  "softmax_scale"], error, device=collective_device(group), free=("tokens",))
     world = len(every)
     tokens = [int(e[0]) for e in every]
     key = (id(group), tuple(q.shape[2:]), k.shape[2], causal, scale, chunking, ulysses, tuple(tokens))
@@ -114,7 +119,7 @@ def group_attention(q, k, v, group=None, *, causal: bool = True, softmax_scale: 
     raise the same error). Each call gathers the ranks' token counts (one small all-gather) before the layer. See
     the module's docstring."""
     group = resolve_group(group)
-    error, documents = _arguments_error(group, q, k, v, chunking, ulysses), None
+    error, documents = _arguments_error(group, q, k, v, chunking, ulysses) or _scale_error(softmax_scale), None
     if error is None:
         try:
             documents = _documents(cu_seqlens)
@@ -123,6 +128,14 @@ def group_attention(q, k, v, group=None, *, causal: bool = True, softmax_scale: 
     ctx = _context(group, q, k, bool(causal), softmax_scale, chunking, ulysses, error)
     return hexiseq_attn_func(q, k, v, ctx, documents=documents, window=window, softcap=softcap, sinks=sinks,
                              return_lse=return_lse)
+
+
+def _scale_error(scale):
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        return InvalidArgumentError(f"softmax_scale must be a positive finite number or None, got {scale!r}")
+    return None
 
 
 def _arguments_error(group, q, k, v, chunking, ulysses):

@@ -96,6 +96,13 @@ def group_attention_cases(rank, world, init, results):
                 refusals[name] = (type(e).__name__, str(e))
         out = group_attention(q, k, k)
         refusals["good_after"] = ("ok", list(out.shape))
+        for name, kw in (("scale_one_rank", {"softmax_scale": 0.5 if rank == 1 else None}),
+                         ("scale_negative", {"softmax_scale": -1.0 if rank == 2 else None})):
+            try:  # after a good call: the context of the default scale exists, the other rank's does not
+                group_attention(q, k, k, **kw)
+                refusals[name] = ("ok", "")
+            except Exception as e:  # noqa: BLE001
+                refusals[name] = (type(e).__name__, str(e))
         try:  # ranks that disagree about return_lse: the same error on every rank
             group_attention(q, k, k, return_lse=rank == 0)
             refusals["return_lse"] = ("ok", "")
