@@ -89,3 +89,30 @@ def test_heads_and_fresh_plans_under_a_slow_rank(tmp_path, expected, structure, 
         assert r["event"] == r0["event"] and r["same_plan"] == r0["same_plan"] and r["quiet"] is None, (rank, r)
         for what, e in zip(("out", "dq", "dk", "dv"), r["errors"]):
             assert e <= 1e-10, f"rank {rank}: {what} relative error {e:.3g}"
+
+
+REFUSALS = [  # (scenario, the class every rank raises, words its message holds)
+    ("threshold_differs", "RankMismatchError", ["threshold", "rank 0: 0.1", "rank 1: 0.5"]),
+    ("patience_differs", "RankMismatchError", ["patience", "rank 2: 1", "rank 0: 3"]),
+    ("threshold_negative", "InvalidArgumentError", ["1 of 3 ranks", "rank 1: threshold must be in (0, 10), got -1"]),
+    ("threshold_text", "InvalidArgumentError", ["rank 2: threshold must be a number, got '0.2'"]),
+    ("measured_nan", "InvalidArgumentError", ["rank 1: measured_s must be a finite number, got nan"]),
+    ("measured_text", "InvalidArgumentError", ["rank 0: measured_s must be a number, got 'fast'"]),
+]
+
+
+def test_rebalancers_that_differ_or_are_bad_on_one_rank_fail_together(tmp_path):
+    """Settings that differ between ranks (one rank would re-balance alone, make a context alone and abort) and bad
+    settings or measurements on one rank (it would raise alone while the others wait in the next collective): the
+    same error on every rank, within seconds (the group's timeout is 20 s); then a good check still runs."""
+    out = dist_worker.spawn(rebalance_worker.rebalancer_refusals, 3, (), tmp_path, timeout_s=120)
+    for rank, (status, report) in sorted(out.items()):
+        assert status == "ok", f"rank {rank}: {report}"
+        for name, cls, words in REFUSALS:
+            kind, message, seconds = report[name]
+            assert kind == cls, (name, rank, kind, message)
+            assert message == out[0][1][name][1], (name, "the ranks' messages differ")
+            for w in words:
+                assert w in message, f"{name}: the message lacks {w!r}: {message}"
+            assert seconds < 10, f"{name} took {seconds:.1f} s"
+        assert report["good_after"][0] == "ok", report["good_after"]

@@ -37,6 +37,7 @@ ring about that much of the step. The caller re-shards each step's inputs with `
 when `check()` says so). `check()` returns the event (old and new shares, the ratios, the reason) or None.
 """
 
+import math
 from typing import List, Optional
 
 import numpy as np
@@ -46,6 +47,8 @@ from ..errors import InvalidArgumentError, MemoryFitError, UnsupportedError
 from ..planner.cluster import Cluster, gpu_catalog
 from ..planner.plan import evaluate
 from ..planner.plan import plan as make_plan
+from .._validate import number
+from ..runtime import wire
 from ..runtime.comm import agree
 from ..runtime.nn import HexiSeqContext
 
@@ -94,6 +97,14 @@ def _structure(plan):
     return [tuple(g["devices"]) for g in plan.layout.to_dict()["groups"]]
 
 
+def _show(field, value):
+    """A Rebalancer setting in words (the floats travel as their bits)."""
+    if field in ("threshold", "smoothing"):
+        x = wire.bits_float(value)
+        return "invalid" if math.isnan(x) else repr(x)
+    return str(bool(value)) if field == "replan" else str(value)
+
+
 class Rebalancer:
     """Re-balance `attention` (a HexiSeqAttention, or its HexiSeqContext) when the ranks' measured speeds move from
     the plan's. Call `check()` on every rank between steps (collective: one small all-gather); read `plan` to shard
@@ -101,14 +112,29 @@ class Rebalancer:
 
     def __init__(self, attention, *, threshold: float = 0.2, patience: int = 2, smoothing: float = 0.5,
                  replan: bool = False):
-        if not 0 < threshold < 10 or not isinstance(patience, int) or patience < 1 or not 0 < smoothing <= 1:
-            raise InvalidArgumentError(f"threshold must be in (0, 10), patience an int >= 1 and smoothing in (0, 1], "
-                                       f"got {threshold!r}, {patience!r}, {smoothing!r}")
-        if not isinstance(replan, bool):
-            raise InvalidArgumentError(f"replan must be True or False, got {replan!r}")
-        self.replan = replan
         self.owner = attention if hasattr(attention, "context") else None
         self.context: HexiSeqContext = attention.context if self.owner is not None else attention
+        if not isinstance(self.context, HexiSeqContext):
+            raise InvalidArgumentError(f"attention must be a hexiseq.nn.HexiSeqAttention or HexiSeqContext, got "
+                                       f"{type(attention).__name__}")
+        error = None
+        try:  # checked here, then agreed by every rank: a rank alone with other settings would re-balance alone
+            threshold, smoothing = number(threshold, "threshold"), number(smoothing, "smoothing")
+            if not 0 < threshold < 10:
+                raise InvalidArgumentError(f"threshold must be in (0, 10), got {threshold!r}")
+            if isinstance(patience, bool) or not isinstance(patience, (int, np.integer)) or patience < 1:
+                raise InvalidArgumentError(f"patience must be an int >= 1, got {patience!r}")
+            if not 0 < smoothing <= 1:
+                raise InvalidArgumentError(f"smoothing must be in (0, 1], got {smoothing!r}")
+            if not isinstance(replan, bool):
+                raise InvalidArgumentError(f"replan must be True or False, got {replan!r}")
+        except InvalidArgumentError as e:
+            error = e
+        ok = error is None
+        agree(self.context.comm._cpu_group, [wire.float_bits(threshold if ok else None), int(patience) if ok else 0,
+                                              wire.float_bits(smoothing if ok else None), int(replan) if ok else 0],
+              ["threshold", "patience", "smoothing", "replan"], error, show=_show)
+        self.replan = replan
         self.threshold, self.patience, self.smoothing = float(threshold), int(patience), float(smoothing)
         self.ratios: Optional[np.ndarray] = None
         self._recent: List[np.ndarray] = []  # the last `patience` checks' ratios, unsmoothed
@@ -130,9 +156,15 @@ class Rebalancer:
         """Gather every rank's kernel seconds since the last check (measured_s: this rank's, instead of its timer: for
         tests and for callers that time their own way) and re-balance when the speeds have moved."""
         ctx = self.context
-        mine = ctx.comm.phase_s["attn"] if measured_s is None else float(measured_s)
+        error, mine = None, 0.0
+        try:  # a bad value on one rank: every rank raises, instead of that one alone while the others wait
+            mine = ctx.comm.phase_s["attn"] if measured_s is None else number(measured_s, "measured_s")
+            if mine < 0:
+                raise InvalidArgumentError(f"measured_s must be >= 0, got {measured_s!r}")
+        except InvalidArgumentError as e:
+            error, mine = e, 0.0
         ctx.reset_timers()
-        every = agree(ctx.comm._cpu_group, [int(round(mine * 1e9))], ["attn_ns"], None, free=("attn_ns",))
+        every = agree(ctx.comm._cpu_group, [int(round(mine * 1e9))], ["attn_ns"], error, free=("attn_ns",))
         measured = np.array([e[0] for e in every], dtype=np.float64) * 1e-9
         predicted = self._predicted()
         if (measured <= 0).any() or (predicted <= 0).any():

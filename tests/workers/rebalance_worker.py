@@ -6,6 +6,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+import dist_worker
 from reference import attention
 
 
@@ -83,3 +84,31 @@ def straggler_rebalance(rank, world, init, structure, replan, expected, results)
         dist.destroy_process_group()
     except Exception:
         results.put((rank, "error", traceback.format_exc(), None))
+
+
+def rebalancer_refusals(rank, world, init, results):
+    """Rebalancers made or checked with settings or measurements that are bad on one rank or differ between ranks:
+    per scenario what this rank raised (every rank the same error, at once); then a good one still runs."""
+    try:
+        import hexiseq
+        from hexiseq.nn import HexiSeqAttention
+        from hexiseq.rebalance import Rebalancer
+
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=20))
+        cluster = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 3, "intra_gbps": 300.0}]})
+        attn = HexiSeqAttention(hexiseq.plan(cluster, model="llama-tiny", seq_len=SEQ_LEN, strategy="ring"))
+        report = {}
+        scenario = dist_worker.scenarios(report)
+        scenario("threshold_differs", lambda: Rebalancer(attn, threshold=0.1 if rank == 0 else 0.5))
+        scenario("patience_differs", lambda: Rebalancer(attn, patience=1 if rank == 2 else 3))
+        scenario("threshold_negative", lambda: Rebalancer(attn, threshold=-1 if rank == 1 else 0.2))
+        scenario("threshold_text", lambda: Rebalancer(attn, threshold="0.2" if rank == 2 else 0.2))
+        rb = Rebalancer(attn)
+        scenario("measured_nan", lambda: rb.check(measured_s=float("nan") if rank == 1 else 1.0))
+        scenario("measured_text", lambda: rb.check(measured_s="fast" if rank == 0 else 1.0))
+        scenario("good_after", lambda: rb.check(measured_s=1.0))
+        results.put((rank, "ok", report))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, "error", traceback.format_exc()))
