@@ -156,7 +156,7 @@ def predict(r, rates=None):
     n = r["gpus"]
     c = cluster_of(gpu, n, rates)
     groups = [tuple(range(n))] + [(i,) for i in range(n)]
-    bp = hexiseq.plan_batch(c, model=m, lengths=[S] * int(r["global_batch"]), groups=groups,
+    bp = hexiseq.planner.plan_batch(c, model=m, lengths=[S] * int(r["global_batch"]), groups=groups,
                             training=hexiseq.Training(checkpointing=True, sharding="full", memory_features="none"))
     return bp.step_time_s, float(r["step_time_s"]), f"{n} x 1 (FSDP) on {n} {gpu}"
 

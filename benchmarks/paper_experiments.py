@@ -106,7 +106,7 @@ def run(fast=False, progress=True):
             row[name] = p.tokens_per_s if isinstance(p, hexiseq.Plan) else None
             # why a strategy has no plan: no valid layout (e.g. Ulysses with heads not divisible by the
             # device count) or no layout that fits in memory
-            row[name + "_why"] = "n/a" if isinstance(p, hexiseq.UnsupportedError) else "does not fit"
+            row[name + "_why"] = "n/a" if isinstance(p, hexiseq.errors.UnsupportedError) else "does not fit"
         b = best(res, BASELINES)
         h = res["hexiseq"] if isinstance(res["hexiseq"], hexiseq.Plan) else None
         row["best_baseline"] = b.strategy if b else None

@@ -4,18 +4,20 @@ heterogeneous GPU clusters, chosen by a cost model and executed exactly."""
 from . import errors  # noqa: F401  (the extension maps its status codes onto these classes)
 from . import _core
 from .runtime import ops
-from .planner.cluster import Cluster, DeviceRates, Node, gpu_catalog
-from .errors import (CudaError, HexiseqError, InternalError, InvalidArgumentError, LayoutError, MemoryFitError,
-                     RankMismatchError, UnknownGPUError, UnsupportedError)
-from .planner.model import MODEL_PRESETS, Model, Sharding, Training
-from .planner.plan import DeviceTable, Layout, Plan, Strategy, compare, evaluate
-from .planner.batch import BatchPlan, BatchPlanner, plan, plan_batch
+from .planner.cluster import Cluster, Node, gpu_catalog
+from .errors import HexiseqError, InvalidArgumentError, MemoryFitError
+from .planner.model import Model, Training
+from .planner.plan import Layout, Plan, compare, evaluate
+from .planner.batch import BatchPlan, BatchPlanner, plan
+from . import planner  # noqa: F401  (hexiseq.planner: the planner's other public names)
 from .hardware.calibration import calibrate  # PyTorch is imported on the first call, not here
 from .hardware.measurement import Measurement, measure
 from ._aliases import install_module_aliases
 
 __version__ = _core.VERSION
 
+# The root holds what a user reaches for first; the rest lives in named sub-modules: hexiseq.errors (every error
+# class), hexiseq.planner (the planner's other types and plan_batch), hexiseq.nn, hexiseq.states, hexiseq.hf, ...
 __all__ = [
     "__version__",
     "build_info",
@@ -23,17 +25,11 @@ __all__ = [
     "gpu_catalog",
     "Cluster",
     "Node",
-    "DeviceRates",
     "Model",
-    "MODEL_PRESETS",
     "Training",
-    "Sharding",
-    "Strategy",
     "Layout",
     "Plan",
-    "DeviceTable",
     "plan",
-    "plan_batch",
     "BatchPlan",
     "BatchPlanner",
     "evaluate",
@@ -43,18 +39,18 @@ __all__ = [
     "Measurement",
     "HexiseqError",
     "InvalidArgumentError",
-    "UnknownGPUError",
-    "LayoutError",
     "MemoryFitError",
-    "RankMismatchError",
-    "UnsupportedError",
-    "CudaError",
-    "InternalError",
     "ops",
     "shard_states",
     "full_state_dict",
     "load_full_state_dict",
 ]
+
+# Names the root held before, answered from their sub-modules with a DeprecationWarning that names the new home.
+MOVED = {"UnknownGPUError": "errors", "LayoutError": "errors", "RankMismatchError": "errors",
+         "UnsupportedError": "errors", "CudaError": "errors", "InternalError": "errors", "plan_batch": "planner",
+         "DeviceTable": "planner", "DeviceRates": "planner", "MODEL_PRESETS": "planner", "Sharding": "planner",
+         "Strategy": "planner"}
 
 # The public modules by their short names (`import hexiseq.nn`, `from hexiseq.hf import patch_model`): each is the
 # module of its sub-package itself, loaded on first use (nn, states and hf need PyTorch or transformers).
@@ -73,6 +69,12 @@ def __getattr__(name):
 
     if name in _LAZY:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    if name in MOVED:
+        import warnings
+
+        warnings.warn(f"hexiseq.{name} is hexiseq.{MOVED[name]}.{name}; the root keeps the names a user reaches for "
+                      "first", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(f".{MOVED[name]}", __name__), name)
     if name in PUBLIC_MODULES:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,12 +15,9 @@ import hexiseq
 from hexiseq import Cluster, Layout, Model, Node, Plan, Training
 
 EXPECTED_ALL = [
-    "__version__", "build_info",
-    "cuda_device_count", "gpu_catalog", "Cluster", "Node", "DeviceRates", "Model", "MODEL_PRESETS", "Training",
-    "Sharding", "Strategy", "Layout", "Plan", "DeviceTable", "plan", "plan_batch", "BatchPlan", "BatchPlanner",
-    "evaluate", "compare", "calibrate", "measure",
-    "Measurement", "HexiseqError", "InvalidArgumentError", "UnknownGPUError", "LayoutError", "MemoryFitError", "RankMismatchError",
-    "UnsupportedError", "CudaError", "InternalError", "ops", "shard_states", "full_state_dict",
+    "__version__", "build_info", "cuda_device_count", "gpu_catalog", "Cluster", "Node", "Model", "Training", "Layout",
+    "Plan", "plan", "BatchPlan", "BatchPlanner", "evaluate", "compare", "calibrate", "measure", "Measurement",
+    "HexiseqError", "InvalidArgumentError", "MemoryFitError", "ops", "shard_states", "full_state_dict",
     "load_full_state_dict",
 ]
 
@@ -45,6 +42,20 @@ def test_all_is_pinned():
     assert hexiseq.__all__ == EXPECTED_ALL
     for name in EXPECTED_ALL:
         assert hasattr(hexiseq, name), name
+
+
+def test_names_moved_off_the_root_answer_from_their_sub_module_with_a_warning():
+    """The error classes live in hexiseq.errors and the planner's other names in hexiseq.planner; the root still
+    answers for them, with a DeprecationWarning naming the new home, and is the same object."""
+    import hexiseq.errors
+    import hexiseq.planner
+
+    assert len(hexiseq.MOVED) == 12 and not set(hexiseq.MOVED) & set(hexiseq.__all__)
+    for name, home in hexiseq.MOVED.items():
+        with pytest.warns(DeprecationWarning, match=f"hexiseq.{name} is hexiseq.{home}.{name}"):
+            got = getattr(hexiseq, name)
+        assert got is getattr(getattr(hexiseq, home), name), name
+        assert name in getattr(hexiseq, home).__all__ or home == "errors", name
 
 
 def test_short_module_names_are_the_sub_package_modules():
@@ -80,8 +91,8 @@ def test_core_enums_match_the_python_names():
     # reverse, so a value added on one side only fails here.
     from hexiseq import _core
 
-    assert set(_core.STRATEGIES) == {s.value for s in hexiseq.Strategy if s is not hexiseq.Strategy.AUTO}
-    assert set(_core.SHARDINGS) == {s.value for s in hexiseq.Sharding}
+    assert set(_core.STRATEGIES) == {s.value for s in hexiseq.planner.Strategy if s is not hexiseq.planner.Strategy.AUTO}
+    assert set(_core.SHARDINGS) == {s.value for s in hexiseq.planner.Sharding}
     assert set(_core.STATE_SHARES) | {"auto"} == set(hexiseq.planner.model.STATE_SHARES)
     assert set(_core.CHUNKINGS) == set(Layout.CHUNKINGS)
     for table in (_core.STRATEGIES, _core.SHARDINGS, _core.STATE_SHARES, _core.CHUNKINGS):
@@ -274,7 +285,7 @@ def test_model_presets(name):
     # 10%: presets follow published shapes (GPT-3 table, Llama 3 configs) whose true counts differ from the
     # marketing size by a few percent (GPT "3B" is 2.7B + an untied 50304-entry head = 2.78B).
     assert abs(m.params - NOMINAL[name]) <= 0.10 * NOMINAL[name], (name, m.params)
-    assert hexiseq.MODEL_PRESETS[name] is m
+    assert hexiseq.planner.MODEL_PRESETS[name] is m
 
 
 @pytest.mark.parametrize("short,full", sorted(SHORT.items()))
@@ -460,7 +471,7 @@ def test_auto_on_odd_cluster():
     c = Cluster([Node("H100-SXM", 4, 450.0), Node("A100-80G", 4, 300.0), Node("L40S", 4, 64.0)], 25.0)
     tr = Training(checkpointing=True)
     results = hexiseq.compare(c, model="7b", seq_len=100003, training=tr)
-    assert isinstance(results["ulysses"], hexiseq.UnsupportedError)
+    assert isinstance(results["ulysses"], hexiseq.errors.UnsupportedError)
     best = hexiseq.plan(c, model="7b", seq_len=100003, training=tr)
     _check_plan(best, c, 100003, 32)
     others = [p for p in results.values() if isinstance(p, Plan)]

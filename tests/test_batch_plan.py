@@ -1,4 +1,4 @@
-"""Batch plans (hexiseq.plan_batch): a step's sequences of unequal lengths on groups of unequal devices. The
+"""Batch plans (hexiseq.planner.plan_batch): a step's sequences of unequal lengths on groups of unequal devices. The
 choice of groups (a cut of the candidate tree) and of the assignment is held against an exhaustive search over
 every cut with the exact assignment of each (the C core's branch and bound), on instances small enough for it;
 the lower bound against that optimum; bad input against named errors."""
@@ -104,7 +104,7 @@ def test_long_tail_batch_beats_one_packed_sequence():
     rng = np.random.default_rng(3)
     lengths = [int(x) for x in np.clip(rng.lognormal(np.log(3000), 1.2, 48), 64, 60000)]
     training = hexiseq.Training(checkpointing=True)
-    p = hexiseq.plan_batch(cluster, model="gpt-7b", lengths=lengths, training=training)
+    p = hexiseq.planner.plan_batch(cluster, model="gpt-7b", lengths=lengths, training=training)
     assert len(p.groups) > 1
     longest = int(np.argmax(lengths))
     assert len(p.groups[p.assignment[longest]]) > 1
@@ -127,7 +127,7 @@ def test_candidate_tree_of_a_mixed_cluster():
 
 def test_plan_for_a_sequence_is_its_groups_layout():
     cluster = mixed(("H100-SXM", 2, 450.0), ("A100-80G", 2, 300.0))
-    p = hexiseq.plan_batch(cluster, model=TINY, lengths=[50000, 3000, [1000, 2000]])
+    p = hexiseq.planner.plan_batch(cluster, model=TINY, lengths=[50000, 3000, [1000, 2000]])
     for g in set(p.assignment):
         sub = p.plan_for(g)
         assert sub.cluster.num_devices == len(p.groups[g])
@@ -159,14 +159,14 @@ def test_plan_for_a_sequence_is_its_groups_layout():
 
 def test_user_groups_must_nest_and_cover():
     cluster = mixed(("H100-SXM", 4, 450.0))
-    ok = hexiseq.plan_batch(cluster, model=TINY, lengths=[4000, 4000], groups=[[0, 1, 2, 3], [0, 1], [2, 3]])
+    ok = hexiseq.planner.plan_batch(cluster, model=TINY, lengths=[4000, 4000], groups=[[0, 1, 2, 3], [0, 1], [2, 3]])
     assert sorted(ok.groups) in ([(0, 1, 2, 3)], [(0, 1), (2, 3)])
     with pytest.raises(InvalidArgumentError, match="overlap"):
-        hexiseq.plan_batch(cluster, model=TINY, lengths=[4000], groups=[[0, 1, 2, 3], [0, 1], [1, 2]])
+        hexiseq.planner.plan_batch(cluster, model=TINY, lengths=[4000], groups=[[0, 1, 2, 3], [0, 1], [1, 2]])
     with pytest.raises(InvalidArgumentError, match="cover"):
-        hexiseq.plan_batch(cluster, model=TINY, lengths=[4000], groups=[[0, 1], [2]])
+        hexiseq.planner.plan_batch(cluster, model=TINY, lengths=[4000], groups=[[0, 1], [2]])
     with pytest.raises(InvalidArgumentError, match=r"groups\[1\]"):
-        hexiseq.plan_batch(cluster, model=TINY, lengths=[4000], groups=[[0, 1, 2, 3], [0, 7]])
+        hexiseq.planner.plan_batch(cluster, model=TINY, lengths=[4000], groups=[[0, 1, 2, 3], [0, 7]])
 
 
 @pytest.mark.parametrize("lengths,words", [
@@ -179,17 +179,17 @@ def test_user_groups_must_nest_and_cover():
 ])
 def test_bad_lengths_are_named(lengths, words):
     with pytest.raises(InvalidArgumentError, match=words):
-        hexiseq.plan_batch(mixed(("H100-SXM", 2, 450.0)), model=TINY, lengths=lengths)
+        hexiseq.planner.plan_batch(mixed(("H100-SXM", 2, 450.0)), model=TINY, lengths=lengths)
 
 
 def test_a_sequence_no_group_holds_is_named():
     with pytest.raises(MemoryFitError, match=r"lengths\[1\]"):
-        hexiseq.plan_batch(mixed(("L40S", 1, 32.0)), model=TINY, lengths=[1000, 2_000_000])
+        hexiseq.planner.plan_batch(mixed(("L40S", 1, 32.0)), model=TINY, lengths=[1000, 2_000_000])
 
 
 def test_training_sequences_must_be_one():
     with pytest.raises(InvalidArgumentError, match="training.sequences must be 1"):
-        hexiseq.plan_batch(mixed(("H100-SXM", 2, 450.0)), model=TINY, lengths=[100],
+        hexiseq.planner.plan_batch(mixed(("H100-SXM", 2, 450.0)), model=TINY, lengths=[100],
                            training=hexiseq.Training(sequences=4))
 
 
@@ -239,7 +239,7 @@ def test_the_plan_says_why_this_many_groups():
     cluster = hexiseq.Cluster.from_dict({"nodes": [{"gpu": "H100-SXM", "count": 8, "intra_gbps": 300.0},
                                                    {"gpu": "A100-80G", "count": 8, "intra_gbps": 300.0}],
                                          "inter_node_gbps": 25.0})
-    bp = hexiseq.plan_batch(cluster, model="gpt-7b", lengths=[8000] * 12 + [300] * 40)
+    bp = hexiseq.planner.plan_batch(cluster, model="gpt-7b", lengths=[8000] * 12 + [300] * 40)
     alt = {k: (t, scored) for k, t, scored in bp.alternatives}
     n = len(bp.groups)
     assert alt[n] == (pytest.approx(bp.step_time_s), True)
@@ -294,7 +294,7 @@ def test_plan_runs_a_step_of_several_sequences_as_groups_when_faster():
     one = hexiseq.plan(cluster, model=TINY, seq_len=4096, training=several, batch=False)
     assert isinstance(one, hexiseq.Plan) and isinstance(got, BatchPlan)
     assert len(got.groups) > 1 and got.step_time_s < one.step_time_s
-    same = hexiseq.plan_batch(cluster, model=TINY, lengths=[4096] * 8)
+    same = hexiseq.planner.plan_batch(cluster, model=TINY, lengths=[4096] * 8)
     assert (got.groups, got.assignment, got.step_time_s) == (same.groups, same.assignment, same.step_time_s)
     assert isinstance(hexiseq.plan(cluster, model=TINY, seq_len=4096, training=several, batch=True), BatchPlan)
     assert isinstance(hexiseq.plan(cluster, model=TINY, seq_len=4096, batch=True), hexiseq.Plan)  # one sequence

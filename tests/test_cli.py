@@ -283,7 +283,7 @@ def test_time_limit_compares_within_it_with_the_same_checks():
 def test_plan_batch_from_a_file_and_inline(tmp_path):
     """`hexiseq plan --batch`: one sequence per line (a line of several lengths is one packed sequence's documents),
     or inline lengths; the groups, the assignment and the comparison with one packed sequence are printed, and
-    --json gives the same plan as hexiseq.plan_batch."""
+    --json gives the same plan as hexiseq.planner.plan_batch."""
     path = tmp_path / "batch.txt"
     path.write_text("# one step\n65536\n2048\n1024, 1024, 512\n8000\n300\n")
     out = run("plan", "--batch", str(path))
@@ -294,7 +294,7 @@ def test_plan_batch_from_a_file_and_inline(tmp_path):
     js = run("plan", "--batch", str(path), "--json")
     assert js.returncode == 0, js.stderr
     got = json.loads(js.stdout)
-    want = hexiseq.plan_batch(hexiseq.Cluster.example(), model="7b",
+    want = hexiseq.planner.plan_batch(hexiseq.Cluster.example(), model="7b",
                               lengths=[65536, 2048, [1024, 1024, 512], 8000, 300])
     assert got["groups"] == [list(g) for g in want.groups] and got["assignment"] == list(want.assignment)
     assert got["documents"][2] == [1024, 1024, 512]
@@ -315,7 +315,7 @@ def test_plan_batch_from_a_file_and_inline(tmp_path):
     assert not (tmp_path / "x.png").exists()
     quick = run("plan", "--batch", str(path), "--per-step", "--json")  # the linear pricing: as plan(exact=False)
     assert quick.returncode == 0, quick.stderr
-    want = hexiseq.plan_batch(hexiseq.Cluster.example(), model="7b", exact=False,
+    want = hexiseq.planner.plan_batch(hexiseq.Cluster.example(), model="7b", exact=False,
                               lengths=[65536, 2048, [1024, 1024, 512], 8000, 300])
     assert json.loads(quick.stdout)["predicted"]["step_time_s"] == pytest.approx(want.step_time_s, rel=1e-9)
     assert_clean_error(run("plan", "--per-step"), "--per-step", "--batch")

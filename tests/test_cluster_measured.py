@@ -11,7 +11,7 @@ import yaml
 
 import hexiseq
 from hexiseq import Cluster, Node, Plan, Training
-from hexiseq import DeviceRates
+from hexiseq.planner import DeviceRates
 from hexiseq.errors import InvalidArgumentError, UnknownGPUError
 
 

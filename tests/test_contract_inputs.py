@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import hexiseq
-from hexiseq import (Cluster, InvalidArgumentError, LayoutError, Model, Node, Plan, Training,
-                     UnsupportedError, _core)
+from hexiseq import Cluster, InvalidArgumentError, Model, Node, Plan, Training, _core
+from hexiseq.errors import LayoutError, UnsupportedError
 from hexiseq.errors import ArgumentTypeError
 
 from errcheck import raises_with

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import hexiseq
-from hexiseq import InvalidArgumentError, UnsupportedError, ops
+from hexiseq import InvalidArgumentError, ops
+from hexiseq.errors import UnsupportedError
 
 # ------------------------------------------------------------------------------------------------ ctypes
 

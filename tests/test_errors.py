@@ -7,8 +7,8 @@ import re
 import pytest
 
 import hexiseq
-from hexiseq import (Cluster, HexiseqError, InvalidArgumentError, LayoutError, MemoryFitError, Model, Node, Plan,
-                     Training, UnknownGPUError)
+from hexiseq import Cluster, HexiseqError, InvalidArgumentError, MemoryFitError, Model, Node, Plan, Training
+from hexiseq.errors import LayoutError, UnknownGPUError
 from hexiseq._validate import parse_tokens
 
 from errcheck import raises_with
@@ -402,7 +402,7 @@ def test_unknown_strategy():
 
 def test_ulysses_unsupported():
     c = Cluster([Node("H100", 3, 450)])
-    raises_with(hexiseq.UnsupportedError, lambda: hexiseq.plan(c, model="7b", seq_len=4096, strategy="ulysses"),
+    raises_with(hexiseq.errors.UnsupportedError, lambda: hexiseq.plan(c, model="7b", seq_len=4096, strategy="ulysses"),
             "heads", "32", "3")
 
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import hexiseq
-from hexiseq import Cluster, InvalidArgumentError, Layout, LayoutError, Plan, Training
+from hexiseq import Cluster, InvalidArgumentError, Layout, Plan, Training
+from hexiseq.errors import LayoutError
 
 S = 65536
 TRAIN = Training(checkpointing=True)

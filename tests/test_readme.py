@@ -146,3 +146,27 @@ def test_paths_the_docs_name_exist():
                 if not os.path.exists(os.path.join(ROOT, path)):
                     missing.append(f"{os.path.basename(doc)}: {path}")
     assert not missing, missing
+
+
+def test_the_doors_the_readme_names_exist():
+    # Every hexiseq.<name>[.<name>...] the "Which door" table names resolves to a module or an attribute, found
+    # without a DeprecationWarning (no door may be a name the root only forwards).
+    import importlib
+    import warnings
+
+    table = _section("Which door for which job")
+    names = sorted(set(re.findall(r"\bhexiseq(?:\.\w+)+", table)))
+    assert len(names) >= 12, names
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        for name in names:
+            parts = name.split(".")
+            obj, at = None, len(parts)
+            while obj is None:
+                try:
+                    obj = importlib.import_module(".".join(parts[:at]))
+                except ImportError:
+                    at -= 1
+            for attr in parts[at:]:
+                assert hasattr(obj, attr), f"{name}: {'.'.join(parts[:parts.index(attr)])} has no {attr}"
+                obj = getattr(obj, attr)

@@ -229,7 +229,7 @@ def _bundled(members, total, cost):
 class BatchPlanner:
     """The job-level half of batch planning: the candidate groups (fixed for the job) and each kind of group's cost
     per length (computed once, on demand); `plan(lengths)` then chooses the groups and the assignment of one step.
-    hexiseq.plan_batch is BatchPlanner(...).plan(lengths) for a single step.
+    hexiseq.planner.plan_batch is BatchPlanner(...).plan(lengths) for a single step.
 
     threads: how many kinds of group are priced side by side (default: the cores this process may use). The
     pricing is the first plan's cost (seconds at 128 devices, minutes at 8,192); the plans are the same for any
@@ -850,10 +850,10 @@ plan.__doc__ = plan_layout.__doc__.replace("\n    Ctrl-C (SIGINT)", '''
     batch: for a step of several sequences (training.sequences > 1), whether it may run as a batch plan instead
         of one layout over every device run once per sequence: the devices in groups, each running some of the
         sequences whole with its own layout, data parallel across groups, gradients synchronised once per step
-        (hexiseq.plan_batch; a BatchPlan, run with hexiseq.nn.BatchContext). "auto" (default) returns the batch
+        (hexiseq.planner.plan_batch; a BatchPlan, run with hexiseq.nn.BatchContext). "auto" (default) returns the batch
         plan when it is predicted faster, on clusters of up to BATCH_AUTO_UP_TO devices; True returns the batch
         plan on any cluster; False the one layout. Only with strategy "auto" and without documents (a batch of
-        unequal sequences: hexiseq.plan_batch). Pricing the candidate groups takes seconds to minutes on 2 cores
+        unequal sequences: hexiseq.planner.plan_batch). Pricing the candidate groups takes seconds to minutes on 2 cores
         (9 s at 128 devices, 39 s at 1,024, about 5 minutes at 8,192): a job planning steps should keep a
         hexiseq.BatchPlanner, which prices once and then plans a step in milliseconds.
 

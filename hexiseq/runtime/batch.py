@@ -1,6 +1,6 @@
 """Run a BatchPlan: a step's sequences of unequal length on groups of unequal devices, each group with its own plan.
 
-A BatchPlan (hexiseq.plan_batch, hexiseq.BatchPlanner) cuts the cluster into groups and gives each group some of
+A BatchPlan (hexiseq.planner.plan_batch, hexiseq.BatchPlanner) cuts the cluster into groups and gives each group some of
 the step's sequences, packed into one or more passes; each pass has its own plan over the group's devices. Here:
 
 - BatchContext(planner): made once per job, on every rank of the world (rank r = the planner's cluster device r).

@@ -391,7 +391,7 @@ def attention_forward(q, k, v, *, causal=True, q_pos0=0, k_pos0=0, scale=None, o
         hexiseq.InvalidArgumentError (a ValueError) for any bad argument: mismatched shapes or dtypes, read-only
         outputs, outputs overlapping inputs, tensors on different devices, out-of-range values; its subclass
         hexiseq.ArgumentTypeError (also a TypeError) for a value of the wrong kind (a non-tensor, a float position,
-        a string scale or flag). hexiseq.UnsupportedError for an unsupported dtype (float32/float64 on CUDA),
+        a string scale or flag). hexiseq.errors.UnsupportedError for an unsupported dtype (float32/float64 on CUDA),
         head_dim > 256, a device other than CPU or CUDA, or CUDA tensors on a build without CUDA. Messages name the
         argument and the value. An exception raised by a producer's own __dlpack__ keeps its type, with
         "<argument>.__dlpack__() failed: " in front.

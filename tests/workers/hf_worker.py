@@ -160,7 +160,7 @@ def check_model(rank, plan, family, batch, check_errors):
         # every check below raises before any communication, on every rank alike
         mask = torch.ones_like(sh["input_ids"])
         mask[0, 0] = 0
-        m["err_padding"] = _raises(lambda: model(**{**sh, "attention_mask": mask}), hexiseq.UnsupportedError,
+        m["err_padding"] = _raises(lambda: model(**{**sh, "attention_mask": mask}), hexiseq.errors.UnsupportedError,
                                    "padding attention_mask")
         m["err_positions"] = _raises(lambda: model(input_ids=sh["input_ids"], position_ids=sh["position_ids"] + 1),
                                      hexiseq.InvalidArgumentError, "position_ids")
