@@ -735,3 +735,15 @@ def test_device_row_is_a_ranks_row_of_the_device_table():
     for bad in (4, -1, True, 1.0):
         with pytest.raises(hexiseq.InvalidArgumentError, match="rank must be a device id"):
             p.device_row(bad)
+
+
+@pytest.mark.parametrize("state_shares", ["auto", "even", "memory"])
+@pytest.mark.parametrize("memory_features", ["auto", "none", "offload,tile_loss", "tile_mlp"])
+def test_training_round_trips_field_for_field(state_shares, memory_features):
+    """Training.from_dict(t.to_dict()) == t, the fields to_dict leaves out included (state_shares "even" and
+    memory_features "none" read back as themselves, not as the constructor's "auto"); a dict given as a setting
+    keeps the constructor's defaults for what it leaves out."""
+    t = Training(sequences=3, checkpointing=True, state_shares=state_shares, memory_features=memory_features)
+    back = Training.from_dict(json.loads(json.dumps(t.to_dict())))
+    assert back == t, (t, t.to_dict(), back)
+    assert Training.setting({"sequences": 2}) == Training(sequences=2)

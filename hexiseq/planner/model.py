@@ -336,6 +336,17 @@ class Training:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Training":
+        """The inverse of to_dict: a field to_dict leaves out is its written-out default (state_shares "even",
+        memory_features "none", what files older than those fields planned with), so that
+        Training.from_dict(t.to_dict()) == t for every t. A dict a user writes as a setting goes to plan() as it
+        is, where absent fields take the constructor's defaults ("auto")."""
+        if not isinstance(d, dict):
+            raise InvalidArgumentError(f"a training description must be a mapping, got {d!r}")
+        return cls._of_fields({"state_shares": "even", "memory_features": "none", **d})
+
+    @classmethod
+    def _of_fields(cls, d: dict) -> "Training":
+        """A Training of a mapping of its fields (unknown ones refused by name); absent ones take the defaults."""
         if not isinstance(d, dict):
             raise InvalidArgumentError(f"a training description must be a mapping, got {d!r}")
         known = {f.name for f in fields(cls)}
@@ -343,6 +354,12 @@ class Training:
         if unknown:
             raise InvalidArgumentError(f"unknown training field(s) {sorted(unknown)}; expected {sorted(known)}")
         return cls(**d)
+
+    @classmethod
+    def setting(cls, d: dict) -> "Training":
+        """A Training of a user's mapping of some of its fields, the others at the constructor's defaults (what
+        plan() and the other entry points do with a dict given as training)."""
+        return cls._of_fields(d)
 
 
 # A Hugging Face dtype (a name, "torch.<name>", or a torch.dtype) -> bytes per element. "auto" (take the

@@ -559,8 +559,6 @@ class Plan:
         if not isinstance(stopped_early, bool):
             raise InvalidArgumentError(f"plan stopped_early must be true or false, got {stopped_early!r}")
         training = doc["training"]
-        if isinstance(training, dict):  # written only when not even, not none (Training.to_dict)
-            training = {"state_shares": "even", "memory_features": "none", **training}
         p = cls(Cluster.from_dict(doc["cluster"]), Model.from_dict(doc["model"]), Training.from_dict(training),
                 parse_tokens(doc["seq_len"], "seq_len"), doc["causal"], doc["strategy"], Layout.from_dict(doc["layout"]),
                 stopped_early=stopped_early, documents=doc.get("documents"))
@@ -587,7 +585,7 @@ def resolve_inputs(cluster, model, training, seq_len):
     if training is None:
         training = Training()
     elif isinstance(training, dict):
-        training = Training.from_dict(training)
+        training = Training.setting(training)
     if not isinstance(training, Training):
         raise InvalidArgumentError(f"training must be a Training or a dict, got {training!r}")
     seq_len = parse_tokens(seq_len)
