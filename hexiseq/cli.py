@@ -70,11 +70,16 @@ def _batch_arg(text):
         parts = [t for t in re.split(r"[\s,]+", line.split("#", 1)[0].strip()) if t]
         if not parts:
             continue
-        # ASCII digits only: str.isdigit() also takes superscripts and other scripts' digits, which int() refuses
-        bad = next((t for t in parts if not (t.isascii() and t.isdigit()) or int(t) == 0), None)
+        # ASCII digits only: str.isdigit() also takes superscripts and other scripts' digits, which int() refuses;
+        # a k or m suffix as --seq-len takes it (1k = 1024)
+        bad = next((t for t in parts if not re.fullmatch(r"[0-9]+[kKmM]?", t) or int(t.rstrip("kKmM")) == 0), None)
         if bad is not None:
             raise InvalidArgumentError(f"--batch: {where} {n} must hold token counts (positive integers), got {bad!r}")
-        vals = [int(t) for t in parts]
+        zero = next((t for t in parts if t.startswith("0")), None)
+        if zero is not None:  # "1,024" would otherwise be two sequences, of 1 and 24 tokens
+            raise InvalidArgumentError(f"--batch: {where} {n} has {zero!r}, a count with a leading zero: commas "
+                                       "separate sequences, so write 1024 (or 1k), not 1,024")
+        vals = [parse_tokens(t, "--batch") for t in parts]
         out.append(vals[0] if len(vals) == 1 else vals)
     if not out:
         raise InvalidArgumentError(f"--batch {text!r}: no sequence in it")
@@ -377,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--batch", metavar="FILE|LENGTHS",
                     help="plan a step of several sequences of unequal lengths on groups of devices: a file with one "
                          "sequence per line (several numbers on a line: one packed sequence's documents) or lengths "
-                         "separated by commas")
+                         "separated by commas (4096 or 4k; no thousands separators)")
     pl.add_argument("--split-documents", action="store_true",
                     help="with --batch: a packed sequence's documents may go to different groups, cut at their "
                          "boundaries (default: each packed sequence stays whole, in one group)")

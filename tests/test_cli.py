@@ -300,9 +300,13 @@ def test_plan_batch_from_a_file_and_inline(tmp_path):
     assert got["documents"][2] == [1024, 1024, 512]
     inline = run("plan", "--batch", "4096,2048,1024", "--json")
     assert inline.returncode == 0 and json.loads(inline.stdout)["lengths"] == [4096, 2048, 1024], inline.stderr
+    suffixed = run("plan", "--batch", "4k,2k,1024", "--json")  # k as --seq-len takes it
+    assert suffixed.returncode == 0 and json.loads(suffixed.stdout)["lengths"] == [4096, 2048, 1024], suffixed.stderr
     assert_clean_error(run("plan", "--batch", "4096,x"), "--batch", "'x'")
     assert_clean_error(run("plan", "--batch", "4096", "--documents", "4096"), "--batch", "--documents")
     assert_clean_error(run("plan", "--batch", "0,5"), "sequence 1 must hold token counts", "'0'")
+    # a thousands separator is not read as two sequences (1 and 24): a count with a leading zero is refused
+    assert_clean_error(run("plan", "--batch", "4096,1,024"), "sequence 3 has '024'", "write 1024 (or 1k)")
     bad = tmp_path / "bad.txt"
     bad.write_text("4096\n\u00b2\n")  # a superscript digit: str.isdigit() takes it, int() does not
     assert_clean_error(run("plan", "--batch", str(bad)), "line 2 must hold token counts", "'\u00b2'")
