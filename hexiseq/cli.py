@@ -48,6 +48,10 @@ def _documents_arg(text):
     if os.path.isfile(text):
         text = read_text(text, "documents file")
     parts = [t for t in re.split(r"[\s,]+", text.strip()) if t]
+    zero = next((t for t in parts if len(t) > 1 and t.startswith("0")), None)
+    if zero is not None:  # "1,024" would otherwise be two documents, of 1 and 24 tokens
+        raise InvalidArgumentError(f"--documents has {zero!r}, a length with a leading zero: commas separate "
+                                   "documents, so write 1024, not 1,024")
     try:
         return [int(t) for t in parts]
     except ValueError:

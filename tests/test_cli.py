@@ -258,6 +258,8 @@ def test_plan_documents_inline_and_from_a_file(tmp_path):
     a, b = Plan.from_json(inline.stdout), Plan.from_json(from_file.stdout)
     assert a.documents.tolist() == lengths and a.layout == b.layout
     assert_clean_error(run("plan", "--seq-len", "64k", "--documents", "4096,x"), "--documents", "'x'")
+    assert_clean_error(run("plan", "--seq-len", "64k", "--documents", "63488,2,048"), "--documents has '048'",
+                       "write 1024, not 1,024")
     assert_clean_error(run("plan", "--seq-len", "64k", "--documents", "4096"),
                        "documents must add up to seq_len=65536, they add up to 4096 (1 length)")
 
