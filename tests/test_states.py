@@ -119,7 +119,7 @@ CONTRACT = [
     ("replicas_missing", "InvalidArgumentError", ["replicas must hold every rank of the group once; ranks [2]"]),
     ("replicas_sum", "InvalidArgumentError", ["the shares of replicas[1] (ranks [1, 2]) must sum to 1",
                                               "[0.5, 0.4]"]),
-    ("replicas_mismatch", "RankMismatchError", ["replicas", "rank 0:", "rank 2:"]),
+    ("replicas_mismatch", "RankMismatchError", ["replicas", "rank 0: [[0], [1, 2]]", "rank 2: [[0, 1], [2]]"]),
     ("replicas_fsdp2", "InvalidArgumentError", ["engine 'fsdp2' does not take replicas"]),
     ("engine", "InvalidArgumentError",
      ["1 of 3 ranks", "rank 1: engine must be one of ['auto', 'hexiseq', 'fsdp2'], got 'zero3'"]),

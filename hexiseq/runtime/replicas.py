@@ -20,16 +20,13 @@ every backward: the replicas may run different numbers of passes in a step (the 
 every rank of the world must meet in it once.
 """
 
-import math
-
 import torch
 import torch.distributed as dist
 
 from ..errors import InvalidArgumentError
+from .comm import group_timeout
 
-__all__ = ["check_replicas", "ReplicaSync"]
-
-SHARE_TOLERANCE = 1e-9
+__all__ = ["check_replicas", "holders", "ReplicaSync"]
 
 
 def check_replicas(replicas, world):
@@ -58,16 +55,6 @@ def check_replicas(replicas, world):
     return tuple(out)
 
 
-def check_replica_shares(shares, replicas):
-    """InvalidArgumentError unless the shares of each replica's ranks sum to 1 (each replica holds a whole copy)."""
-    for j, ranks in enumerate(replicas):
-        total = math.fsum(shares[r] for r in ranks)
-        if abs(total - 1.0) > SHARE_TOLERANCE:
-            raise InvalidArgumentError(f"the shares of replicas[{j}] (ranks {list(ranks)}) must sum to 1 (within "
-                                       f"{SHARE_TOLERANCE:g}): each replica holds a whole copy of the states; got "
-                                       f"{[shares[r] for r in ranks]!r} (sum {total!r})")
-
-
 def holders(totals, sizes_of, replicas):
     """The segments of every unit: [(holder ranks, unit index, lo, hi)] in unit order, then offset order, where
     sizes_of(unit index, replica) is the replica's ranks' shard sizes of that unit (in the replica's rank order)
@@ -91,15 +78,28 @@ def holders(totals, sizes_of, replicas):
 
 
 class ReplicaSync:
-    """The cross-replica gradient sum of one sharded module: for this rank, the holder sets it belongs to, in the
-    order every rank runs them, each with its process group and its pieces (unit, offset in this rank's shard,
-    length). Made collectively (every rank of `parent` makes every holder set's group, in one order)."""
+    """The replicas of one sharded module and the cross-replica gradient sum: every replica's process group (this
+    rank's, `group`, is the one its gathers and reduce-scatters run over) and, for this rank, the holder sets it
+    belongs to, in the order every rank runs them, each with its process group and its pieces (unit, offset in
+    this rank's shard, length). Made collectively: every rank of the world makes every group, in one order.
 
-    def __init__(self, parent, replicas, segments, offsets, rank, timeout_kw):
+    sizes_of(unit index, replica index): the replica's ranks' shard sizes of the unit; totals: the units' sizes."""
+
+    def __init__(self, world_group, replicas, sizes_of, totals, rank):
+        timeout = group_timeout(world_group)
+        kw = {"timeout": timeout} if timeout is not None else {}
+        world = dist.get_world_size(world_group)
+
+        def made(ranks):  # the replicas need the world as their parent: its ranks are the global ranks
+            return world_group if len(ranks) == world else dist.new_group(ranks=list(ranks), **kw)
+
         self.replicas = replicas
-        order = []  # holder sets in order of their first segment: the order of the all-reduces on every rank
-        pieces = {}
-        for ranks, u, lo, hi in segments:
+        self.mine = next(j for j, ranks in enumerate(replicas) if rank in ranks)
+        self.group = [made(ranks) for ranks in replicas][self.mine]
+        at = replicas[self.mine].index(rank)
+        offsets = [sum(sizes_of(u, self.mine)[:at]) for u in range(len(totals))]
+        order, pieces = [], {}  # holder sets in order of their first segment: the order of the all-reduces
+        for ranks, u, lo, hi in holders(totals, sizes_of, replicas):
             if ranks not in pieces:
                 order.append(ranks)
                 pieces[ranks] = []
@@ -107,17 +107,10 @@ class ReplicaSync:
                 pieces[ranks].append((u, lo - offsets[u], hi - lo))
         self.groups = []
         for ranks in order:
-            pg = None
             if len(ranks) > 1:  # one replica: nothing to sum
-                if len(ranks) == dist.get_world_size(parent):
-                    pg = parent
-                else:
-                    global_ranks = [dist.get_global_rank(parent, r) if parent is not dist.group.WORLD else r
-                                    for r in ranks]
-                    pg = dist.new_group(ranks=global_ranks, **timeout_kw)
-            if rank in ranks and pg is not None:
-                self.groups.append((ranks, pg, pieces[ranks]))
-        self.made = [pg for _, pg, _ in self.groups if pg is not parent]
+                pg = made(ranks)
+                if rank in ranks:
+                    self.groups.append((ranks, pg, pieces[ranks]))
 
     def sync(self, units):
         """Sum each shard's gradient over the replicas, in place: one all-reduce per holder set this rank is in. A
@@ -136,12 +129,3 @@ class ReplicaSync:
             for g, (_, a, n) in zip(grads, pieces):
                 g[a:a + n].copy_(buf[at:at + n])
                 at += n
-
-    def close(self):
-        for pg in self.made:
-            if dist.is_initialized():
-                try:
-                    dist.destroy_process_group(pg)
-                except (RuntimeError, ValueError):
-                    pass
-        self.made = []

@@ -61,8 +61,8 @@ from torch import nn
 
 from .._validate import number
 from . import fsdp2, wire
-from .comm import agree, collective_device, group_timeout, resolve_group, text_code
-from .replicas import ReplicaSync, check_replica_shares, check_replicas, holders
+from .comm import agree, collective_device, resolve_group, text_code
+from .replicas import ReplicaSync, check_replicas
 from ..errors import InvalidArgumentError
 from .fsdp2 import sum_fsdp2_gradients
 
@@ -116,11 +116,15 @@ def _check_shares(shares, world, replicas=None):
     for i, s in enumerate(out):
         if s < 0:
             raise InvalidArgumentError(f"shares[{i}] must be >= 0, got {s!r}")
-    if replicas is not None:
-        check_replica_shares(out, replicas)
-    elif abs(math.fsum(out) - 1.0) > SHARE_TOLERANCE:
-        raise InvalidArgumentError(f"shares must sum to 1 (within {SHARE_TOLERANCE:g}), got {out!r} "
-                                   f"(sum {math.fsum(out)!r})")
+    for j, ranks in enumerate(replicas or (range(world),)):  # each replica holds a whole copy of the states
+        total = math.fsum(out[r] for r in ranks)
+        if abs(total - 1.0) > SHARE_TOLERANCE:
+            if replicas is None:
+                raise InvalidArgumentError(f"shares must sum to 1 (within {SHARE_TOLERANCE:g}), got {out!r} "
+                                           f"(sum {total!r})")
+            raise InvalidArgumentError(f"the shares of replicas[{j}] (ranks {list(ranks)}) must sum to 1 (within "
+                                       f"{SHARE_TOLERANCE:g}): each replica holds a whole copy of the states; got "
+                                       f"{[out[r] for r in ranks]!r} (sum {total!r})")
     return out
 
 
@@ -687,7 +691,11 @@ def shard_states(module, shares, *, group=None, replicas=None, units=None, reduc
     header = [wire.code(REDUCES, reduce), 2 * wire.code(ENGINES, engine) + int(use_fsdp2), len(made),
               text_code(repr(reps))]
     header += [wire.float_bits(s) for s in (checked or [0.0] * world)]
-    agree(group, header, ("reduce", "engine", "units", "replicas", ("shares", world)), error, _show_field, device)
+    # in words when they disagree: the replicas travel as a digest
+    words = [_show_field("reduce", header[0]), _show_field("engine", header[1]), str(len(made)),
+             "none" if reps is None else repr([list(r) for r in reps]), _show_field("shares", header[4:])]
+    agree(group, header, ("reduce", "engine", "units", "replicas", ("shares", world)), error, _show_field, device,
+          words=words)
     fields = [f"units[{i}].{f}" for i in range(len(made))
               for f in ("numel", "dtype", "requires_grad", "parameters", "names and shapes")]
     agree(group, [v for u in made for v in u.describe()], fields, None, _show_field, device)
@@ -706,9 +714,10 @@ def shard_states(module, shares, *, group=None, replicas=None, units=None, reduc
         return module
     mine, sync = tuple(range(world)), None
     if reps is not None:
-        mine = next(ranks for ranks in reps if rank in ranks)
-        comm.group = _replica_groups(group, reps)[reps.index(mine)]
-        comm.world, comm.divisor = len(mine), world
+        sync = ReplicaSync(group, reps, lambda i, j: shard_sizes([checked[r] for r in reps[j]], made[i].total),
+                           [u.total for u in made], rank)
+        mine = reps[sync.mine]
+        comm.group, comm.world, comm.divisor = sync.group, len(mine), world
     if made:
         comm.probe(made[0].device, made[0].dtype)
     hooks = []
@@ -717,22 +726,8 @@ def shard_states(module, shares, *, group=None, replicas=None, units=None, reduc
         u.place(places)
         hooks.append(u.module.register_forward_pre_hook(u.before, prepend=True))  # before hooks that read them
         hooks.append(u.module.register_forward_hook(u.after, always_call=True))
-    if reps is not None:
-        segments = holders([u.total for u in made],
-                           lambda i, j: shard_sizes([checked[r] for r in reps[j]], made[i].total), reps)
-        timeout = group_timeout(group)
-        sync = ReplicaSync(group, reps, segments, [u.offsets[u.rank] for u in made], rank,
-                           {"timeout": timeout} if timeout is not None else {})
     module.__dict__["_hexiseq_states"] = _Record(made, comm, keys, hooks, parent=group, replicas=sync)
     return module
-
-
-def _replica_groups(group, replicas):
-    """One process group per replica, made by every rank of `group` (the world) in replica order."""
-    timeout = group_timeout(group)
-    kw = {"timeout": timeout} if timeout is not None else {}
-    return [group if len(ranks) == dist.get_world_size(group) else dist.new_group(ranks=list(ranks), **kw)
-            for ranks in replicas]
 
 
 def sync_replicas(module):
