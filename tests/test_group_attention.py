@@ -30,10 +30,12 @@ def test_group_attention_matches_one_process_and_refuses_together(tmp_path):
         assert r["heads"][0] == "InvalidArgumentError" and "rank 2" in r["heads"][1], r["heads"]
         assert r["good_after"] == ("ok", [1, 10, 6, 8]), r["good_after"]
         assert r["return_lse"][0] == "RankMismatchError", r["return_lse"]
+        assert r["return_lse_text"][0] == "InvalidArgumentError" and \
+            "rank 2: return_lse must be True or False, got 'yes'" in r["return_lse_text"][1], r["return_lse_text"]
         assert r["scale_one_rank"][0] == "RankMismatchError" and "softmax_scale" in r["scale_one_rank"][1] and \
             "rank 1: 0.5" in r["scale_one_rank"][1], r["scale_one_rank"]
         assert r["scale_negative"][0] == "InvalidArgumentError" and \
-            "rank 2: softmax_scale must be a positive finite number or None, got -1.0" in r["scale_negative"][1], \
+            "rank 2: softmax_scale must be positive, got -1.0" in r["scale_negative"][1], \
             r["scale_negative"]
         for name, got in report["lse"].items():  # every case again, returning the log-sum-exp
             assert got["shape"][:2] == [1, group_worker.H] and not got["grad"], (name, got)

@@ -16,12 +16,12 @@ The layout is an ordinary hexiseq layout, so every path of the runtime (ring, al
 that refuses on every rank at once) is the one a plan runs. A context is made per (group, shapes, shares) and kept.
 """
 
-import math
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .._validate import number
 from ..errors import InvalidArgumentError
 from ..planner.cluster import Cluster
 from ..planner.model import Model
@@ -131,10 +131,10 @@ def group_attention(q, k, v, group=None, *, causal: bool = True, softmax_scale: 
 
 
 def _scale_error(scale):
-    if scale is None:
-        return None
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        return InvalidArgumentError(f"softmax_scale must be a positive finite number or None, got {scale!r}")
+    try:
+        number(scale, "softmax_scale", positive=True, optional=True)
+    except InvalidArgumentError as e:
+        return e
     return None
 
 

@@ -265,6 +265,8 @@ def hexiseq_attn_func(q, k, v, context: HexiSeqContext, documents=None, window=N
     documents = documents_mod.frozen(documents)
     try:
         variant = make_variant(window, softcap, context.causal)
+        if not isinstance(return_lse, bool):
+            raise InvalidArgumentError(f"return_lse must be True or False, got {return_lse!r}")
     except InvalidArgumentError as error:  # every rank raises it, not this one alone while the others wait
         context.refuse(error)
     if torch.compiler.is_compiling():

@@ -103,6 +103,11 @@ def group_attention_cases(rank, world, init, results):
                 refusals[name] = ("ok", "")
             except Exception as e:  # noqa: BLE001
                 refusals[name] = (type(e).__name__, str(e))
+        try:  # a return_lse that is not a bool, on one rank
+            group_attention(q, k, k, return_lse="yes" if rank == 2 else False)
+            refusals["return_lse_text"] = ("ok", "")
+        except Exception as e:  # noqa: BLE001
+            refusals["return_lse_text"] = (type(e).__name__, str(e))
         try:  # ranks that disagree about return_lse: the same error on every rank
             group_attention(q, k, k, return_lse=rank == 0)
             refusals["return_lse"] = ("ok", "")
