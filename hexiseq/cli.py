@@ -48,16 +48,22 @@ def _documents_arg(text):
     if os.path.isfile(text):
         text = read_text(text, "documents file")
     parts = [t for t in re.split(r"[\s,]+", text.strip()) if t]
-    zero = next((t for t in parts if len(t) > 1 and t.startswith("0")), None)
-    if zero is not None:  # "1,024" would otherwise be two documents, of 1 and 24 tokens
-        raise InvalidArgumentError(f"--documents has {zero!r}, a length with a leading zero: commas separate "
-                                   "documents, so write 1024, not 1,024")
+    _no_thousands_separator(parts, "--documents", "documents", "1024")
     try:
         return [int(t) for t in parts]
     except ValueError:
         bad = next(t for t in parts if not t.lstrip("-").isdigit())
         raise InvalidArgumentError(f"--documents must be document lengths (integers) separated by commas or "
                                    f"whitespace, inline or in a file; got {bad!r}") from None
+
+
+def _no_thousands_separator(parts, where, what, instead):
+    """InvalidArgumentError for a count with a leading zero: "1,024" would otherwise be read as two counts, 1 and 24
+    (commas separate them)."""
+    zero = next((t for t in parts if len(t) > 1 and t.startswith("0")), None)
+    if zero is not None:
+        raise InvalidArgumentError(f"{where} has {zero!r}, a count with a leading zero: commas separate {what}, so "
+                                   f"write {instead}, not 1,024")
 
 
 def _batch_arg(text):
@@ -79,10 +85,7 @@ def _batch_arg(text):
         bad = next((t for t in parts if not re.fullmatch(r"[0-9]+[kKmM]?", t) or int(t.rstrip("kKmM")) == 0), None)
         if bad is not None:
             raise InvalidArgumentError(f"--batch: {where} {n} must hold token counts (positive integers), got {bad!r}")
-        zero = next((t for t in parts if t.startswith("0")), None)
-        if zero is not None:  # "1,024" would otherwise be two sequences, of 1 and 24 tokens
-            raise InvalidArgumentError(f"--batch: {where} {n} has {zero!r}, a count with a leading zero: commas "
-                                       "separate sequences, so write 1024 (or 1k), not 1,024")
+        _no_thousands_separator(parts, f"--batch: {where} {n}", "sequences", "1024 (or 1k)")
         vals = [parse_tokens(t, "--batch") for t in parts]
         out.append(vals[0] if len(vals) == 1 else vals)
     if not out:
