@@ -339,6 +339,35 @@ class _Net(torch.nn.Module):
         return self.head(x)
 
 
+def train_beside_reference(context, ours, ref, opt, opt_ref, steps, plan_of, passes_of, loss_scale=1.0,
+                           before_step=None):
+    """`steps` optimizer steps of `ours` (a _Net with sharded states) on the steps plan_of(lengths) gives, running
+    passes_of(step) on this rank, and of `ref` in one process on every document alone; before_step() runs between
+    the backward passes and ours' optimizer step. Returns the passes per group of each step."""
+    shapes = []
+    for lengths, ids in batches(5, steps, 9):
+        plan = plan_of(lengths)
+        step = context.step(plan)
+        n = step.labelled_tokens()
+        shapes.append([len(ps) for ps in plan.passes])
+        opt.zero_grad()
+        for p in passes_of(step):
+            with p:
+                inp = p.inputs(ids)
+                logits = ours(inp["input_ids"], inp["position_ids"])
+                loss = F.cross_entropy(logits[0], inp["labels"][0], ignore_index=-100, reduction="sum") / n
+                (loss * loss_scale).backward()
+        if before_step is not None:
+            before_step()
+        opt.step()
+        opt_ref.zero_grad()
+        total = sum(reference_loss(lambda d: ref(d, torch.arange(d.shape[1])[None]), L, x)
+                    for L, x in zip(lengths, ids))
+        (total / n).backward()
+        opt_ref.step()
+    return shapes
+
+
 def train_with_sharded_states(rank, world, init, candidates, steps, results):
     """A model whose states hexiseq.states.shard_states shards unevenly over all ranks (reduce="sum"), trained on
     batch plans: every rank runs step.padded_passes() (its group's passes, then empty ones up to the busiest
@@ -359,25 +388,8 @@ def train_with_sharded_states(rank, world, init, candidates, steps, results):
         shard_states(ours, [0.4, 0.3, 0.2, 0.1], reduce="sum")
         opt = torch.optim.SGD(ours.parameters(), lr=0.3)
         opt_ref = torch.optim.SGD(ref.parameters(), lr=0.3)
-        shapes = []
-        for lengths, ids in batches(5, steps, 9):
-            plan = planner.plan(lengths)
-            step = context.step(plan)
-            n = step.labelled_tokens()
-            shapes.append([len(ps) for ps in plan.passes])
-            opt.zero_grad()
-            for p in step.padded_passes():
-                with p:
-                    inp = p.inputs(ids)
-                    logits = ours(inp["input_ids"], inp["position_ids"])
-                    loss = F.cross_entropy(logits[0], inp["labels"][0], ignore_index=-100, reduction="sum") / n
-                    loss.backward()
-            opt.step()
-            opt_ref.zero_grad()
-            total = sum(reference_loss(lambda d: ref(d, torch.arange(d.shape[1])[None]), L, x)
-                        for L, x in zip(lengths, ids))
-            (total / n).backward()
-            opt_ref.step()
+        shapes = train_beside_reference(context, ours, ref, opt, opt_ref, steps, planner.plan,
+                                        lambda step: step.padded_passes())
         full = full_state_dict(ours)
         diff = max(float((full[k] - v).abs().max()) for k, v in ref.state_dict().items())
         context.close()
@@ -443,26 +455,11 @@ def train_with_replicated_states(rank, world, init, candidates, steps, tmp, resu
         shard_states(ours, [1.0, 0.5, 0.3, 0.2], replicas=[list(g) for g in candidates], reduce="mean")
         opt = torch.optim.Adam(ours.parameters(), lr=0.01)
         opt_ref = torch.optim.Adam(ref.parameters(), lr=0.01)
-        shapes = []
-        for lengths, ids in batches(5, steps, 9):
-            plan = both_groups_busy(planner, lengths, candidates)
-            step = context.step(plan)
-            n = step.labelled_tokens()
-            shapes.append([len(ps) for ps in plan.passes])
-            opt.zero_grad()
-            for p in step.passes:
-                with p:
-                    inp = p.inputs(ids)
-                    logits = ours(inp["input_ids"], inp["position_ids"])
-                    loss = F.cross_entropy(logits[0], inp["labels"][0], ignore_index=-100, reduction="sum") / n
-                    (loss * world).backward()  # reduce="mean" divides the sum over ranks by the world size
-            sync_replicas(ours)
-            opt.step()
-            opt_ref.zero_grad()
-            total = sum(reference_loss(lambda d: ref(d, torch.arange(d.shape[1])[None]), L, x)
-                        for L, x in zip(lengths, ids))
-            (total / n).backward()
-            opt_ref.step()
+        # reduce="mean" divides the sum over ranks by the world size: the loss is scaled back up by it
+        shapes = train_beside_reference(context, ours, ref, opt, opt_ref, steps,
+                                        lambda lengths: both_groups_busy(planner, lengths, candidates),
+                                        lambda step: step.passes, loss_scale=world,
+                                        before_step=lambda: sync_replicas(ours))
         full = full_state_dict(ours)
         diff = max(float((full[k] - v).abs().max()) for k, v in ref.state_dict().items())
         save_states(ours, tmp, opt)
