@@ -1,4 +1,5 @@
-"""The machine line every benchmark result file starts with."""
+"""What the benchmarks share: the machine line every result file starts with, and the time of a collective
+step as the slowest rank sees it."""
 
 import os
 import platform
@@ -15,3 +16,18 @@ def machine():
     except OSError:
         pass
     return f"{model}, {os.cpu_count()} cores"
+
+
+def slowest_rank_s(fn):
+    """Seconds of fn() on the slowest rank of the default process group, from a common barrier (collective)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return float(took)

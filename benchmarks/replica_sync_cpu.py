@@ -29,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -41,7 +40,7 @@ import hexiseq  # noqa: E402
 from hexiseq.states import shard_states, sync_replicas  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _machine import machine  # noqa: E402
+from _machine import machine, slowest_rank_s  # noqa: E402
 
 WORLD = 4
 MODEL = hexiseq.Model(layers=4, hidden=1024, heads=8, kv_heads=8, head_dim=128, ffn=2816, vocab=8192,
@@ -70,16 +69,7 @@ def net():
 
 def timed(fn, iters):
     """The slowest rank's seconds of fn from a common barrier: median of iters after one warm-up."""
-    out = []
-    for i in range(iters + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        if i:
-            out.append(float(took))
-    return statistics.median(out)
+    return statistics.median([slowest_rank_s(fn) for _ in range(iters + 1)][1:])
 
 
 def worker(rank, init, args, result_path):
@@ -130,7 +120,7 @@ def report(measured, args):
     guess = predicted(args.link_gbit)
     world = measured["world all-reduce"]
     mb = flat_elements() * 4 / 1e6
-    lines = [f"# Gradient sync across groups, measured (`benchmarks/replica_sync_cpu.py`)", "",
+    lines = ["# Gradient sync across groups, measured (`benchmarks/replica_sync_cpu.py`)", "",
              f"Machine: {machine()}. {WORLD} Gloo ranks on one host, one thread each; loopback limited to "
              f"{args.link_gbit:g} Gbit/s (tc tbf). Gradient: {mb:.1f} MB (the parameters of a {MODEL.params / 1e6:.1f}M "
              f"model, {MODEL.dtype_bytes} bytes each, as the planner prices them), float32. Median of {args.iters} "

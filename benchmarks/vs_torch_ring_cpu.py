@@ -32,7 +32,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import hexiseq  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _machine import machine  # noqa: E402
+from _machine import machine, slowest_rank_s  # noqa: E402
 
 H, HKV, D = 16, 4, 64
 
@@ -100,13 +100,9 @@ def worker(rank, world, init, args, out_path):
         times = {"hexiseq": [], "torch": []}
         for i in range(args.reps + 1):
             for name, fn in (("hexiseq", ours), ("torch", lambda: run_torch(qt, kt, vt, dot))):
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn()
-                t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                t = slowest_rank_s(fn)
                 if i:
-                    times[name].append(float(t))
+                    times[name].append(t)
         row = {"S": S, "hexiseq_s": statistics.median(times["hexiseq"]), "torch_s": statistics.median(times["torch"])}
         if n == 0:  # accuracy against float64 of the whole sequence, gathered on every rank
             from reference import attention
