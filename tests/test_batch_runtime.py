@@ -135,11 +135,15 @@ def test_states_held_once_per_group_train_as_one_process(tmp_path):
     0.2 there), each group running only its own passes of each step (two in the first, one in the second), the
     gradients summed across the groups by sync_replicas; Adam, reduce="mean" over the four ranks.
     The parameters after three steps equal one process's (float64, 1e-10), and a checkpoint of them (written by the
-    first group) loads into the model sharded over the world at other shares."""
+    first group) loads into the model sharded over the world at other shares; a save the first group cannot write
+    raises on every rank."""
     out = dist_worker.spawn(batch_worker.train_with_replicated_states, 4, ([(0,), (1, 2, 3)], 3, str(tmp_path / "ck")),
                             tmp_path, timeout_s=180)
     for rank, (status, report, _) in sorted(out.items()):
         assert status == "ok", f"rank {rank}: {report}"
         assert report["params"] <= 1e-10, f"rank {rank}: parameters differ by {report['params']:.3g}"
         assert report["round_trip"] <= 1e-10, f"rank {rank}: loaded parameters differ by {report['round_trip']:.3g}"
+        # a save the first group cannot write fails on every rank alike, not on the writers alone
+        kind, message = report["refused"]
+        assert kind == "InvalidArgumentError" and "rank 0: saving the states to" in message, report["refused"]
     assert out[0][1]["passes"] == [[2, 1]] * 3

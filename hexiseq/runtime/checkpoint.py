@@ -30,6 +30,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from .comm import agree, collective_device
 from .states import SHARD_NAME, sharding_of
 from ..errors import InvalidArgumentError
 
@@ -209,10 +210,21 @@ def save_states(module, path, optimizer=None):
     api = _dcp()
     rec = sharding_of(module)
     state, _ = _describe(module, optimizer, api, loading=False)
-    if rec.replicas is None or dist.get_rank(rec.parent) in rec.replicas.replicas[0]:
+    if rec.replicas is None:
         api[0].save(state, checkpoint_id=str(path), process_group=rec.comm.group)
-    if rec.replicas is not None:  # the first replica writes the states (every replica holds them whole)
-        dist.barrier(group=rec.parent)
+        return
+    # the first replica writes the states (every replica holds them whole); the others wait for it in an agreement
+    # that carries the writers' failure, so every rank raises it instead of the others waiting out the timeout
+    error = None
+    if dist.get_rank(rec.parent) in rec.replicas.replicas[0]:
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+        try:
+            api[0].save(state, checkpoint_id=str(path), process_group=rec.comm.group)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001
+            error = InvalidArgumentError(f"saving the states to {path} failed: {type(e).__name__}: "
+                                         f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}")
+    agree(rec.parent, [], [], error, device=collective_device(rec.parent))
 
 
 def load_states(module, path, optimizer=None):

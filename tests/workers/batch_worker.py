@@ -463,13 +463,23 @@ def train_with_replicated_states(rank, world, init, candidates, steps, tmp, resu
         full = full_state_dict(ours)
         diff = max(float((full[k] - v).abs().max()) for k, v in ref.state_dict().items())
         save_states(ours, tmp, opt)
+        blocked = tmp + ".file"  # a path the first group cannot write a checkpoint folder to: every rank raises
+        if rank == 0:
+            open(blocked, "w").close()
+        dist.barrier()
+        try:
+            save_states(ours, blocked)
+            refused = ("ok", "")
+        except Exception as e:  # noqa: BLE001
+            refused = (type(e).__name__, str(e))
         other = _Net(heads, kv_heads, BatchAttention(context))
         shard_states(other, [0.4, 0.3, 0.2, 0.1])
         load_states(other, tmp)
         loaded = full_state_dict(other)
         round_trip = max(float((loaded[k] - v).abs().max()) for k, v in ref.state_dict().items())
         context.close()
-        results.put((rank, "ok", {"params": diff, "passes": shapes, "round_trip": round_trip}, None))
+        results.put((rank, "ok", {"params": diff, "passes": shapes, "round_trip": round_trip, "refused": refused},
+                     None))
         dist.destroy_process_group()
     except Exception:
         results.put((rank, "error", traceback.format_exc(), None))
