@@ -8,7 +8,7 @@ from .planner.cluster import Cluster, Node, gpu_catalog
 from .errors import HexiseqError, InvalidArgumentError, MemoryFitError
 from .planner.model import Model, Training
 from .planner.plan import Layout, Plan, compare, evaluate
-from .planner.batch import BatchPlan, BatchPlanner, plan
+from .planner.batch import BatchPlanner, plan
 from . import planner  # noqa: F401  (hexiseq.planner: the planner's other public names)
 from .hardware.calibration import calibrate  # PyTorch is imported on the first call, not here
 from .hardware.measurement import Measurement, measure
@@ -30,7 +30,6 @@ __all__ = [
     "Layout",
     "Plan",
     "plan",
-    "BatchPlan",
     "BatchPlanner",
     "evaluate",
     "compare",
@@ -50,7 +49,7 @@ __all__ = [
 MOVED = {"UnknownGPUError": "errors", "LayoutError": "errors", "RankMismatchError": "errors",
          "UnsupportedError": "errors", "CudaError": "errors", "InternalError": "errors", "plan_batch": "planner",
          "DeviceTable": "planner", "DeviceRates": "planner", "MODEL_PRESETS": "planner", "Sharding": "planner",
-         "Strategy": "planner"}
+         "Strategy": "planner", "BatchPlan": "planner"}
 
 # The public modules by their short names (`import hexiseq.nn`, `from hexiseq.hf import patch_model`): each is the
 # module of its sub-package itself, loaded on first use (nn, states and hf need PyTorch or transformers).

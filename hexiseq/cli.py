@@ -15,7 +15,7 @@ from .errors import HexiseqError, InvalidArgumentError, MemoryFitError
 from .planner.model import MODEL_PRESETS, Model, Training
 from ._validate import number, parse_tokens, read_text
 from .planner.batch import batch_alternative
-from .planner.plan import Plan, Strategy, compare, no_fit_error, plan
+from .planner.plan import Plan, Strategy, compare, no_fit_error, plan_layout as plan
 from .planner.text import TABLE_LEGEND
 
 DESCRIPTION = "Plan asymmetric sequence and head parallelism for a heterogeneous GPU cluster."
@@ -109,7 +109,7 @@ def cmd_plan_batch(args, cluster, model, training, causal) -> int:
     bp = plan_batch(cluster, model=model, lengths=lengths, training=training, causal=causal, time_limit_s=limit,
                     split_documents=bool(args.split_documents), exact=not args.per_step)
     if args.json:
-        print(json.dumps(bp.to_dict(), indent=2))
+        print(bp.to_json(indent=2))  # the one plan format: hexiseq.Plan.from_json reads it back
         return 0
     print(bp.explain())
     docs = [L for x in lengths for L in (x if isinstance(x, list) else [x])]

@@ -72,14 +72,3 @@ class CudaError(HexiseqError):
 
 class InternalError(HexiseqError):
     """An internal invariant did not hold: a bug, please report it."""
-
-
-def refuse_batch_plan(obj, where: str) -> None:
-    """Raise InvalidArgumentError naming `where`, and how to run it, when obj is a batch plan (hexiseq.BatchPlan,
-    told by its pass_plans, so that the runtime need not import the planner) where one layout's Plan is taken."""
-    if hasattr(obj, "pass_plans") and hasattr(obj, "assignment"):
-        raise InvalidArgumentError(
-            f"{where} takes one layout (a hexiseq.Plan), got a BatchPlan: the step's sequences on groups of devices, "
-            "which hexiseq.plan returns for several sequences a step when groups are faster; run it with "
-            "hexiseq.nn.BatchContext, or plan with batch=False for one layout over every device")
-

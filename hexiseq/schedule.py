@@ -92,18 +92,18 @@ class Schedule:
 
 
 def as_pass(plan, where: str = "plan") -> PassLayout:
-    """The PassLayout a context runs: `plan` itself, or what a plan of one layout gives (hexiseq.Plan.pass_layout),
-    or the one pass of a one-group, one-pass Schedule. Raises InvalidArgumentError naming `where` otherwise."""
+    """The PassLayout a context runs: `plan` itself, or the one pass of a plan's schedule (or of a Schedule) of one
+    group making one pass. Raises InvalidArgumentError naming `where` otherwise."""
     if isinstance(plan, PassLayout):
         return plan
-    if isinstance(plan, Schedule):
-        if len(plan.groups) == 1 and len(plan.passes[0]) == 1:
-            return plan.layouts[0][0]
-        raise InvalidArgumentError(f"{where} takes one layout; this schedule runs {len(plan.groups)} group(s) and "
-                                   f"{sum(len(ps) for ps in plan.passes)} pass(es): run it with "
-                                   "hexiseq.nn.BatchContext")
-    made = getattr(plan, "pass_layout", None)
-    if not isinstance(made, PassLayout):
+    schedule = plan if isinstance(plan, Schedule) else getattr(plan, "schedule", None)
+    if not isinstance(schedule, Schedule):
         raise InvalidArgumentError(f"{where} must be a hexiseq.Plan (or a hexiseq.schedule.PassLayout), got "
                                    f"{type(plan).__name__}")
-    return made
+    if len(schedule.groups) == 1 and len(schedule.passes[0]) == 1:
+        return schedule.layouts[0][0]
+    groups, passes = len(schedule.groups), sum(len(ps) for ps in schedule.passes)
+    raise InvalidArgumentError(f"{where} runs one layout; this plan runs {groups} group{'s' if groups != 1 else ''} "
+                               f"of devices making {passes} pass{'es' if passes != 1 else ''}: run it with "
+                               "hexiseq.nn.BatchContext (one pass after another on each group), or plan with "
+                               "batch=False for one layout over every device")

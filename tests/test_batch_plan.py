@@ -298,8 +298,10 @@ def test_plan_runs_a_step_of_several_sequences_as_groups_when_faster():
     assert (got.groups, got.assignment, got.step_time_s) == (same.groups, same.assignment, same.step_time_s)
     assert isinstance(hexiseq.plan(cluster, model=TINY, seq_len=4096, training=several, batch=True), BatchPlan)
     assert isinstance(hexiseq.plan(cluster, model=TINY, seq_len=4096, batch=True), hexiseq.Plan)  # one sequence
-    # a layout's runtime refuses a batch plan by name, with how to run one
-    with pytest.raises(InvalidArgumentError, match="HexiSeqContext takes one layout.*BatchContext"):
+    assert isinstance(got, hexiseq.Plan)  # one type: a plan of several groups is a Plan
+    # a door that runs one layout refuses a step of several groups by its shape, with how to run one
+    with pytest.raises(InvalidArgumentError, match="HexiSeqContext runs one layout; this plan runs 2 groups of "
+                                                   "devices making .* passes: run it with hexiseq.nn.BatchContext"):
         hexiseq.nn.HexiSeqContext(got)
 
 
@@ -527,3 +529,69 @@ def test_a_fast_group_takes_more_passes_than_slow_ones():
     times = bp.model_group_time_s
     assert len(times) > 1 and max(times) / min(times) < 1.03, (times, [len(p) for p in bp.passes])
     assert bp.step_time_s < 0.95 * 83.2, bp.step_time_s
+
+
+def test_one_plan_type_groups_by_passes_and_its_layout_asked_of_a_pass():
+    """Whatever the planner returns is a hexiseq.Plan, a step as groups x passes: a plan of one layout is the
+    one-group case (its pass the plan itself); a plan of several groups answers the layout's questions per pass and,
+    asked of the whole step, raises a named error that is also an AttributeError (hasattr is False)."""
+    from hexiseq.planner.batch_plan import ONE_LAYOUT, NotOneLayoutError
+
+    cluster = mixed(("H100-SXM", 4, 450.0), ("A100-80G", 4, 300.0))
+    one = hexiseq.plan(cluster, model=TINY, seq_len=4096)
+    assert one.groups == (tuple(range(8)),) and one.passes == (((0,),),) and one.lengths == (4096,)
+    assert one.assignment == (0,) and one.group_time_s == (one.step_time_s,) and one.sync_s == 0.0
+    assert one.plan_for(0, 0) is one and one.one_layout() is one
+    assert one.sequences_of(0) == [0] and one.passes_of(0) == [[0]]
+    for g, p in ((1, 0), (0, 1), (-1, 0), (True, 0)):
+        with pytest.raises(InvalidArgumentError, match="group|pass"):
+            one.plan_for(g, p)
+    got = hexiseq.planner.plan_batch(cluster, model=TINY, lengths=[4096] * 5 + [1024] * 3)
+    assert isinstance(got, hexiseq.Plan) and len(got.groups) > 1
+    for name in ONE_LAYOUT:
+        assert not hasattr(got, name), name
+        with pytest.raises(NotOneLayoutError, match=f"plan.{name} is of one layout; this plan runs "
+                                                    f"{len(got.groups)} groups of devices making .*plan_for"):
+            getattr(got, name)
+    with pytest.raises(InvalidArgumentError, match="patch_model runs one layout.*BatchContext"):
+        got.one_layout("patch_model")
+    p = got.plan_for(1, 0)
+    assert isinstance(p, hexiseq.Plan) and p.seq_len == sum(got.lengths[i] for i in got.passes[1][0])
+    # one group making one pass: a step every door of one layout runs, through that pass
+    single = BatchPlanner(cluster, model=TINY, groups=[list(range(8))]).plan([4096])
+    assert single.one_layout() is single.plan_for(0, 0) and single.pass_layout is single.plan_for(0, 0).pass_layout
+
+
+def test_a_plan_of_several_groups_goes_to_json_and_back_in_the_one_format():
+    """to_json writes a plan of several groups in the format of a plan of one layout ("hexiseq-plan"), with every
+    pass's layout, so Plan.from_json rebuilds it without planning: same fingerprint, figures, schedule; a file whose
+    contents were changed fails on its fingerprint or names the field that is wrong."""
+    import json
+
+    cluster = mixed(("H100-SXM", 4, 450.0), ("A100-80G", 4, 300.0))
+    for exact, lengths in ((True, [4096] * 5 + [1024] * 3), (False, [[1024, 3072], 2048, 4096, 512])):
+        got = hexiseq.planner.plan_batch(cluster, model=TINY, lengths=lengths, exact=exact)
+        text = got.to_json()
+        doc = json.loads(text)
+        assert doc["format"] == "hexiseq-plan" and doc["fingerprint"] == got.fingerprint
+        back = hexiseq.Plan.from_json(text)
+        assert type(back) is type(got) and back == got and back.fingerprint == got.fingerprint
+        assert back.schedule.fingerprint == got.schedule.fingerprint
+        assert [[p.layout for p in ps] for ps in back.pass_plans] == [[p.layout for p in ps] for ps in got.pass_plans]
+        assert back.explain() == got.explain()
+        changed = json.loads(text)
+        changed["lengths"][0] += 1
+        with pytest.raises(InvalidArgumentError, match="seq_len is"):
+            hexiseq.Plan.from_json(json.dumps(changed))
+        changed = json.loads(text)
+        changed["pass_plans"][0][0]["layout"]["groups"][0]["devices"].reverse()  # another valid layout
+        with pytest.raises(InvalidArgumentError, match="fingerprint mismatch"):
+            hexiseq.Plan.from_json(json.dumps(changed))
+        for field, value, words in (("groups", [[0, 1]], "each of the cluster's 8 devices once"),
+                                    ("assignment", [0], "place each sequence"),
+                                    ("causal", 1, "causal must be true or false"),
+                                    ("pass_plans", [], "one plan per pass")):
+            changed = json.loads(text)
+            changed[field] = value
+            with pytest.raises(InvalidArgumentError, match=words):
+                hexiseq.Plan.from_json(json.dumps(changed))

@@ -80,8 +80,8 @@ def test_ranks_that_disagree_about_a_batch_plan_fail_together(tmp_path):
         kind, message, _ = report["different_plans"]
         assert kind == "RankMismatchError" and "batch plan" in message, (rank, kind, message)
         kind, message, _ = report["not_a_plan"]
-        assert kind == "InvalidArgumentError" and "plan must be a hexiseq.BatchPlan" in message \
-            and "Schedule either runs as), got dict" in message, message
+        assert kind == "InvalidArgumentError" and "plan must be a hexiseq.Plan" in message \
+            and "Schedule it runs as), got dict" in message, message
         kind, message, _ = report["other_model"]
         assert kind == "InvalidArgumentError" and "another cluster or model" in message, message
         kind, passes, _ = report["one_layout"]

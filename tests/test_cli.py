@@ -285,7 +285,7 @@ def test_time_limit_compares_within_it_with_the_same_checks():
 def test_plan_batch_from_a_file_and_inline(tmp_path):
     """`hexiseq plan --batch`: one sequence per line (a line of several lengths is one packed sequence's documents),
     or inline lengths; the groups, the assignment and the comparison with one packed sequence are printed, and
-    --json gives the same plan as hexiseq.planner.plan_batch."""
+    --json gives the same plan as hexiseq.planner.plan_batch, in the format hexiseq.Plan.from_json reads."""
     path = tmp_path / "batch.txt"
     path.write_text("# one step\n65536\n2048\n1024, 1024, 512\n8000\n300\n")
     out = run("plan", "--batch", str(path))
@@ -300,6 +300,7 @@ def test_plan_batch_from_a_file_and_inline(tmp_path):
                               lengths=[65536, 2048, [1024, 1024, 512], 8000, 300])
     assert got["groups"] == [list(g) for g in want.groups] and got["assignment"] == list(want.assignment)
     assert got["documents"][2] == [1024, 1024, 512]
+    assert hexiseq.Plan.from_json(js.stdout).fingerprint == want.fingerprint  # the one format, read back
     inline = run("plan", "--batch", "4096,2048,1024", "--json")
     assert inline.returncode == 0 and json.loads(inline.stdout)["lengths"] == [4096, 2048, 1024], inline.stderr
     suffixed = run("plan", "--batch", "4k,2k,1024", "--json")  # k as --seq-len takes it

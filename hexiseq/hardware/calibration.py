@@ -360,7 +360,7 @@ def _runtime_curves(model: Model, sizes, dtype, group, world, rank, global_of, i
     from .measurement import measure
     from ..planner.model import Training
     from ..planner.plan import evaluate
-    from ..planner.plan import plan as make_plan
+    from ..planner.plan import plan_layout as make_plan
 
     # only the layouts matter here: a one-layer model (no memory to fit) in the measured dtype's width
     small = dataclasses.replace(model, layers=1, dtype_bytes=dtype.itemsize)

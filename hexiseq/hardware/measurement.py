@@ -26,7 +26,7 @@ from typing import List, Optional
 
 from .. import geometry
 from .._validate import document_lengths
-from ..errors import InvalidArgumentError, refuse_batch_plan
+from ..errors import InvalidArgumentError
 from ..planner.model import Training
 from ..planner.plan import Plan, evaluate
 from .harness import (agree_arguments, collective_group, device_barrier, llama_layer, load_torch, model_dtype,
@@ -193,9 +193,9 @@ def measure(plan: Plan, group=None, *, iters: int = 5, warmup: int = 2, dtype=No
 
     error, dt = None, None
     try:  # every local check first: a rank whose arguments fail still meets the others in the agreement below
-        refuse_batch_plan(plan, "measure")
         if not isinstance(plan, Plan):
             raise InvalidArgumentError(f"plan must be a hexiseq.Plan, got {type(plan).__name__}")
+        plan = plan.one_layout("measure")
         if layer not in ("attention", "llama"):
             raise InvalidArgumentError(f"layer must be 'attention' or 'llama', got {layer!r}")
         if not isinstance(iters, int) or iters < 1 or not isinstance(warmup, int) or warmup < 0:

@@ -90,7 +90,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..errors import HexiseqError, InvalidArgumentError, UnsupportedError, refuse_batch_plan
+from ..errors import HexiseqError, InvalidArgumentError, UnsupportedError
 from ..runtime.comm import resolve_group
 from ..runtime.documents import DOCUMENTS_KWARG
 
@@ -407,8 +407,8 @@ def patch_model(model, plan, group=None):
     batch_context = plan if isinstance(plan, BatchContext) else None
     if batch_context is not None:
         plan = batch_context.planner  # its model: the heads every pass's plan has
-    else:
-        refuse_batch_plan(plan, "patch_model")
+    elif hasattr(plan, "one_layout"):  # a hexiseq.Plan: of one layout, or of one group making one pass
+        plan = plan.one_layout("patch_model")
     cfg = _text_config(model)
     heads = getattr(cfg, "num_attention_heads", None)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads

@@ -46,7 +46,7 @@ from .. import geometry
 from ..errors import InvalidArgumentError, MemoryFitError, UnsupportedError
 from ..planner.cluster import Cluster, gpu_catalog
 from ..planner.plan import evaluate
-from ..planner.plan import plan as make_plan
+from ..planner.plan import plan_layout as make_plan
 from .._validate import number
 from ..runtime import wire
 from ..runtime.comm import agree

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
-from ..errors import InvalidArgumentError, UnsupportedError, refuse_batch_plan
+from ..errors import InvalidArgumentError, UnsupportedError
 from .hf import keep_offloading, patch_model, shard_inputs, sharded_causal_lm_loss
 
 try:
@@ -52,9 +52,9 @@ class HexiSeqTrainer(transformers.Trainer):
     def __init__(self, *args, plan=None, group=None, **kwargs):
         from ..planner.plan import Plan
 
-        refuse_batch_plan(plan, "HexiSeqTrainer")
         if not isinstance(plan, Plan):
             raise InvalidArgumentError(f"plan must be a hexiseq Plan (hexiseq.plan(...)), got {type(plan).__name__}")
+        plan = plan.one_layout("HexiSeqTrainer")
         super().__init__(*args, **kwargs)  # under torchrun this initialises torch.distributed (accelerate)
         if not dist.is_available() or not dist.is_initialized():
             if plan.cluster.num_devices != 1:

@@ -45,7 +45,7 @@ import dataclasses
 import json
 import math
 import time
-from typing import List, Sequence, Tuple, Union
+from typing import List, Sequence, Tuple
 
 import numpy as np
 
@@ -57,7 +57,7 @@ from .batch_kinds import GroupKind, available_cores, exact_pass, rebalanced_pass
 from .batch_plan import BatchPlan
 from .packing import first_fit, held_by_group, two_passes, visible_pairs
 from .plan import Plan, Strategy, resolve_inputs, strategy_of
-from .plan import plan as plan_layout
+from .plan import plan_layout
 
 
 
@@ -828,7 +828,45 @@ def batch_alternative(cluster, model, training, seq_len, causal, chosen, time_li
 
 
 def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=None, causal=True,
-         time_limit_s=None, documents=None, batch="auto") -> Union[Plan, BatchPlan]:
+         time_limit_s=None, documents=None, batch="auto") -> Plan:
+    """The plan of one training step: `training.sequences` sequences of `seq_len` tokens of `model` on `cluster`.
+
+    The result is a hexiseq.Plan: groups of devices x passes. Of one group of every device (one layout, run once
+    per sequence) it answers for its layout (`layout`, `devices`, `positions`, `shard`, `rebalanced`, ...) and runs
+    through every door (hexiseq.nn.HexiSeqAttention, hexiseq.hf.patch_model, HexiSeqTrainer, measure). Of several
+    groups (a hexiseq.planner.BatchPlan) each group runs some of the sequences whole with its own layout, data
+    parallel across groups: it runs through hexiseq.nn.BatchContext, and `plan.plan_for(g, p)` is the plan of one
+    layout group g runs its pass p with.
+
+    cluster: a Cluster, a dict (Cluster.from_dict) or a YAML/JSON file path.
+    model: a Model, a preset name ("gpt-7b", "llama3-70b", "7b", ...), a dict, or the path of a Hugging Face
+    config.json (or of its folder).
+    seq_len: tokens per sequence (an int, or "128k", "1m").
+    strategy: "auto" (best of all; the scheduler's plan unless a baseline is strictly faster), "hexiseq"
+        (the asymmetric scheduler), "ring", "ulysses" or "usp".
+    training: a Training (sequences per step, checkpointing, sharding, reserved memory).
+    documents: None (one causal document per sequence) or the lengths of the documents packed into each
+        sequence, in sequence order, adding up to seq_len: the cost model counts the pairs the document mask
+        leaves visible and the scheduler balances by them, choosing zigzag or contiguous chunks
+        (`plan.layout.chunking`). Documents change every batch: `plan.rebalanced(documents)` re-plans the
+        sequence split of a plan's structure in milliseconds.
+    time_limit_s: None (search to the end) or seconds: the search stops at about this time with the best plan
+        found so far, marked `stopped_early` (a first valid plan is always completed, so a tiny limit on a huge
+        cluster may take longer). "auto" shares the limit among the strategies.
+    batch: for several sequences a step (training.sequences > 1), whether the step may run on groups of devices
+        instead of one layout over every device: "auto" (default) returns the plan of groups when it is predicted
+        faster, on clusters of up to BATCH_AUTO_UP_TO devices; True returns it on any cluster; False the one
+        layout. Only with strategy "auto" and without documents (a batch of unequal sequences:
+        hexiseq.planner.plan_batch). Pricing the candidate groups takes seconds to minutes on 2 cores (9 s at 128
+        devices, 39 s at 1,024, about 5 minutes at 8,192): a job planning steps should keep a
+        hexiseq.BatchPlanner, which prices once and then plans a step in milliseconds.
+
+    Ctrl-C (SIGINT) stops a long search within a fraction of a second with KeyboardInterrupt.
+
+    Raises MemoryFitError naming the device that is short when no layout fits, with what would fit (model
+    states per device, the longest sequence that fits, with and without checkpointing: see MemoryFitError);
+    UnsupportedError when the strategy has no valid layout (e.g. Ulysses with heads not divisible by the device
+    count)."""
     if not (batch is True or batch is False or (isinstance(batch, str) and batch == "auto")):
         raise InvalidArgumentError(f"batch must be 'auto', True or False, got {batch!r}")
     strategy = strategy_of(strategy)
@@ -845,16 +883,3 @@ def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=N
                                 force=batch is True)
     return chosen if grouped is None else grouped
 
-
-plan.__doc__ = plan_layout.__doc__.replace("\n    Ctrl-C (SIGINT)", '''
-    batch: for a step of several sequences (training.sequences > 1), whether it may run as a batch plan instead
-        of one layout over every device run once per sequence: the devices in groups, each running some of the
-        sequences whole with its own layout, data parallel across groups, gradients synchronised once per step
-        (hexiseq.planner.plan_batch; a BatchPlan, run with hexiseq.nn.BatchContext). "auto" (default) returns the batch
-        plan when it is predicted faster, on clusters of up to BATCH_AUTO_UP_TO devices; True returns the batch
-        plan on any cluster; False the one layout. Only with strategy "auto" and without documents (a batch of
-        unequal sequences: hexiseq.planner.plan_batch). Pricing the candidate groups takes seconds to minutes on 2 cores
-        (9 s at 128 devices, 39 s at 1,024, about 5 minutes at 8,192): a job planning steps should keep a
-        hexiseq.BatchPlanner, which prices once and then plans a step in milliseconds.
-
-    Ctrl-C (SIGINT)''', 1)

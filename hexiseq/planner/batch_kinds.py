@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, MemoryFitError, UnsupportedError
 from .packing import visible_pairs
-from .plan import FIT_PROBE_S, memory_tokens_bound, plan, plan_one, strategy_of
+from .plan import FIT_PROBE_S, memory_tokens_bound, plan_layout, plan_one, strategy_of
 
 
 def _short_docs(S, d):
@@ -125,7 +125,7 @@ class GroupKind:
                 # the features only where nothing fits without (once: without features allowed the two are one)
                 for training in (self.plain,) if self.plain == self.training else (self.plain, self.training):
                     try:
-                        base = plan(self.cluster, model=self.model, seq_len=S, training=training,
+                        base = plan_layout(self.cluster, model=self.model, seq_len=S, training=training,
                                     causal=self.causal, strategy="hexiseq", documents=docs)
                         made[docs is None] = (base,) + self._fit(base)
                         return
@@ -249,7 +249,7 @@ def exact_pass(kind, pass_docs):
     best = None
     S = sum(pass_docs)
     try:
-        best = plan(kind.cluster, model=kind.model, seq_len=S, training=kind.training, causal=kind.causal,
+        best = plan_layout(kind.cluster, model=kind.model, seq_len=S, training=kind.training, causal=kind.causal,
                            strategy="hexiseq", documents=pass_docs if len(pass_docs) > 1 else None)
     except (MemoryFitError, UnsupportedError):
         pass

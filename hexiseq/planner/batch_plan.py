@@ -1,5 +1,10 @@
-"""The plan of one training step's batch (hexiseq.planner.batch): its groups, the assignment of its sequences, each
-group's passes and their plans, and the predicted figures. Made by hexiseq.planner.batch.BatchPlanner."""
+"""A plan of several groups (hexiseq.planner.batch): one training step's sequences assigned to groups of devices,
+each group's passes and their plans, and the predicted figures. Made by hexiseq.planner.batch.BatchPlanner and by
+hexiseq.plan when groups are faster.
+
+A BatchPlan is a hexiseq.Plan: the one type a plan has, a step as groups x passes. What a plan of one layout
+answers about that layout (its device table, positions, shards, re-balancing, plot) is asked of one pass here:
+`plan.plan_for(g, p)`; asked of the whole step it raises NotOneLayoutError, which names the pass to ask."""
 
 import dataclasses
 import functools
@@ -10,16 +15,30 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
-from ..schedule import Schedule
+from .. import _core
+from .._validate import integer, integers, number
+from ..errors import InternalError, InvalidArgumentError
+from ..schedule import PassLayout, Schedule
 from .cluster import Cluster
-from .model import Training
-from .plan import Plan
+from .model import Model, Training
+from .plan import PLAN_FORMAT_VERSION, Layout, Plan
+
+
+class NotOneLayoutError(InvalidArgumentError, AttributeError):
+    """A question about one layout asked of a plan of several groups or passes. Also an AttributeError, so that
+    hasattr(plan, "layout") is False for such a plan."""
+
+
+# What a plan of one layout answers about it, which a plan of several groups answers per pass (plan_for(g, p))
+ONE_LAYOUT = ("layout", "devices", "seq_len", "strategy", "num_groups", "phases", "fits", "state_shares",
+              "memory_features", "group_positions", "group_chunks", "rebalanced", "group_of", "device_row",
+              "positions", "shard", "unshard", "table", "_slot", "_identity")
 
 
 @dataclasses.dataclass(frozen=True)
-class BatchPlan:
-    """A step's sequences assigned to groups of devices (see hexiseq.planner.batch). Every time is a prediction.
+class BatchPlan(Plan):
+    """A step's sequences assigned to groups of devices (see hexiseq.planner.batch); a hexiseq.Plan of several
+    groups (or passes). Every time is a prediction.
 
     groups: the devices of each group (device indices of the cluster).
     assignment: the group index of each sequence, in batch order.
@@ -40,18 +59,18 @@ class BatchPlan:
     model: object
     training: Training
     causal: bool
-    groups: Tuple[Tuple[int, ...], ...]
-    assignment: Tuple[int, ...]
-    lengths: Tuple[int, ...]
+    groups: Tuple[Tuple[int, ...], ...] = dataclasses.field()  # a field, not Plan's one-group answer
+    assignment: Tuple[int, ...] = dataclasses.field()
+    lengths: Tuple[int, ...] = dataclasses.field()
     documents: Tuple[Optional[Tuple[int, ...]], ...]
-    group_time_s: Tuple[float, ...]
-    sync_s: float
-    step_time_s: float
-    lower_bound_s: float
+    group_time_s: Tuple[float, ...] = dataclasses.field()
+    sync_s: float = dataclasses.field()
+    step_time_s: float = dataclasses.field()
+    lower_bound_s: float = dataclasses.field()
     candidates: int
     solve_s: float
     exact_assignment: bool
-    passes: Tuple[Tuple[Tuple[int, ...], ...], ...]
+    passes: Tuple[Tuple[Tuple[int, ...], ...], ...] = dataclasses.field()
     capacity: Tuple[int, ...]
     model_group_time_s: Tuple[float, ...]
     searched_s: float
@@ -179,8 +198,147 @@ class BatchPlan:
                 **({"stopped_early": True} if self.stopped_early else {}),
                 "alternatives": [{"groups": k, "step_time_s": t, "scored": e} for k, t, e in self.alternatives]}
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict())
+    @property
+    def pass_layout(self) -> PassLayout:
+        """The one pass's layout as plain data, for a plan of one group and one pass; else NotOneLayoutError."""
+        return self.one_layout("pass_layout").pass_layout
+
+    def one_layout(self, where: str = "this call") -> Plan:
+        """The plan of the step's one layout when the step is one group making one pass; else NotOneLayoutError
+        naming `where` and the door that runs a step of several groups or passes (hexiseq.nn.BatchContext)."""
+        if len(self.groups) == 1 and len(self.passes[0]) == 1:
+            return self.pass_plans[0][0]
+        raise NotOneLayoutError(
+            f"{where} runs one layout; this plan runs {self._shape()}: run it with hexiseq.nn.BatchContext "
+            "(one pass after another on each group), or plan with batch=False for one layout over every device")
+
+    def _shape(self) -> str:
+        n, p = len(self.groups), sum(len(ps) for ps in self.passes)
+        return f"{n} group{'s' if n != 1 else ''} of devices making {p} pass{'es' if p != 1 else ''}"
+
+    def to_json(self, indent: Optional[int] = None) -> str:
+        """JSON of everything needed to rebuild the plan without planning again (the cluster, model and training,
+        the groups, passes and batch, and every pass's layout), plus its predictions, as for a plan of one layout:
+        the same format ("hexiseq-plan"), read by hexiseq.Plan.from_json. Each pass is priced again on load (its
+        fingerprint must match); the step's figures are the planner's, as written."""
+        clusters, refs = [], []
+        for g, plans in enumerate(self.pass_plans):
+            row = []
+            for p in plans:
+                c = p.cluster.to_dict()
+                if c not in clusters:
+                    clusters.append(c)
+                row.append({"cluster": clusters.index(c), "training": p.training.to_dict(), "strategy": p.strategy,
+                            "seq_len": p.seq_len, "layout": p.layout.to_dict(),
+                            **({"documents": p.documents.tolist()} if p.documents is not None else {})})
+            refs.append(row)
+        summary = self.to_dict()
+        summary["predicted"]["model_group_time_s"] = list(self.model_group_time_s)
+        summary["predicted"]["searched_s"] = None if math.isnan(self.searched_s) else self.searched_s
+        for a in summary["alternatives"]:  # a count of groups whose cuts held no batch: no step
+            a["step_time_s"] = a["step_time_s"] if math.isfinite(a["step_time_s"]) else None
+        doc = {"format": "hexiseq-plan", "format_version": PLAN_FORMAT_VERSION, "hexiseq_version": _core.VERSION,
+               "cluster": self.cluster.to_dict(), "model": self.model.to_dict(),
+               "training": self.training.to_dict(), "causal": self.causal, **summary,
+               "capacity": list(self.capacity), "exact_assignment": self.exact_assignment,
+               "pass_clusters": clusters, "pass_plans": refs, "fingerprint": self.fingerprint}
+        try:
+            return json.dumps(doc, indent=indent, allow_nan=False)
+        except ValueError as e:  # a prediction the planner should never give
+            raise InternalError(f"plan has a non-finite figure, cannot be written as JSON: {e}") from None
+
+    @classmethod
+    def from_doc(cls, doc: dict) -> "BatchPlan":
+        """The plan a to_json document (already parsed, its format checked) describes; see hexiseq.Plan.from_json."""
+        need = ("cluster", "model", "training", "causal", "groups", "assignment", "passes", "lengths", "documents",
+                "predicted", "capacity", "pass_clusters", "pass_plans")
+        missing = [k for k in need if k not in doc]
+        if missing:
+            raise InvalidArgumentError(f"not a plan of several groups: missing field(s) {missing}")
+        cluster, model = Cluster.from_dict(doc["cluster"]), Model.from_dict(doc["model"])
+        training = Training.from_dict(doc["training"])
+        causal = _flag(doc["causal"], "causal")
+        groups = _lists(doc["groups"], "groups", 0, cluster.num_devices - 1)
+        if sorted(d for g in groups for d in g) != list(range(cluster.num_devices)):
+            raise InvalidArgumentError(f"plan groups must hold each of the cluster's {cluster.num_devices} devices "
+                                       f"once, got {groups}")
+        lengths = integers(doc["lengths"], "lengths", 1)
+        n = len(lengths)
+        assignment = integers(doc["assignment"], "assignment", 0, len(groups) - 1)
+        passes = doc["passes"]
+        if not isinstance(passes, list) or len(passes) != len(groups):
+            raise InvalidArgumentError(f"plan passes must list each of its {len(groups)} groups' passes")
+        passes = [_lists(ps, f"passes[{g}]", 0, n - 1) for g, ps in enumerate(passes)]
+        if len(assignment) != n or sorted(i for ps in passes for p in ps for i in p) != list(range(n)) or any(
+                assignment[i] != g for g, ps in enumerate(passes) for p in ps for i in p):
+            raise InvalidArgumentError("plan passes and assignment must place each sequence in one pass of its group")
+        documents = doc["documents"]
+        if not isinstance(documents, list) or len(documents) != n:
+            raise InvalidArgumentError(f"plan documents must hold one entry per sequence ({n})")
+        documents = [None if d is None else integers(d, f"documents[{i}]", 1) for i, d in enumerate(documents)]
+        clusters = [Cluster.from_dict(c) for c in _list(doc["pass_clusters"], "pass_clusters")]
+        refs = doc["pass_plans"]
+        if not isinstance(refs, list) or [len(r) if isinstance(r, list) else -1 for r in refs] != \
+                [len(ps) for ps in passes]:
+            raise InvalidArgumentError("plan pass_plans must hold one plan per pass of each group")
+        pass_plans = []
+        for g, row in enumerate(refs):
+            made = []
+            for j, ref in enumerate(row):
+                where = f"pass_plans[{g}][{j}]"
+                if not isinstance(ref, dict) or any(k not in ref for k in ("cluster", "training", "strategy",
+                                                                           "seq_len", "layout")):
+                    raise InvalidArgumentError(f"{where} must hold cluster, training, strategy, seq_len and layout")
+                c = integer(ref["cluster"], f"{where}.cluster", 0, len(clusters) - 1)
+                if clusters[c].num_devices != len(groups[g]):
+                    raise InvalidArgumentError(f"{where} is a plan of {clusters[c].num_devices} devices; group {g} "
+                                               f"has {len(groups[g])}")
+                if not isinstance(ref["strategy"], str):
+                    raise InvalidArgumentError(f"{where}.strategy must be a string, got {ref['strategy']!r}")
+                seq_len = integer(ref["seq_len"], f"{where}.seq_len", 1)
+                if seq_len != sum(lengths[i] for i in passes[g][j]):
+                    raise InvalidArgumentError(f"{where}.seq_len is {seq_len}; its pass holds "
+                                               f"{sum(lengths[i] for i in passes[g][j])} tokens")
+                made.append(Plan(clusters[c], model, Training.from_dict(ref["training"]), seq_len, causal,
+                                 ref["strategy"], Layout.from_dict(ref["layout"]), documents=ref.get("documents")))
+            pass_plans.append(tuple(made))
+        predicted = doc["predicted"]
+        if not isinstance(predicted, dict):
+            raise InvalidArgumentError(f"plan predicted must be an object, got {predicted!r}")
+        group_time = _times(predicted.get("group_time_s"), "predicted.group_time_s", len(groups))
+        model_time = _times(predicted.get("model_group_time_s", group_time), "predicted.model_group_time_s",
+                            len(groups))
+        sync, bound = (_times([predicted.get(k)], f"predicted.{k}", 1)[0] for k in ("sync_s", "lower_bound_s"))
+        searched = predicted.get("searched_s")
+        searched = math.nan if searched is None else _times([searched], "predicted.searched_s", 1)[0]
+        origin = doc.get("origin")
+        if origin is not None:
+            origin = tuple(tuple(o) for o in _lists(origin, "origin", 0))
+            if len(origin) != n or any(len(o) != 2 for o in origin):
+                raise InvalidArgumentError(f"plan origin must hold (sequence, document) of each of its {n} sequences")
+        alternatives = []
+        for i, a in enumerate(_list(doc.get("alternatives", []), "alternatives")):
+            if not isinstance(a, dict) or any(k not in a for k in ("groups", "step_time_s", "scored")):
+                raise InvalidArgumentError(f"plan alternatives[{i}] must hold groups, step_time_s and scored")
+            t = a["step_time_s"]
+            alternatives.append((integer(a["groups"], f"alternatives[{i}].groups", 1),
+                                 math.inf if t is None else float(t), _flag(a["scored"], f"alternatives[{i}].scored")))
+        capacity = integers(doc["capacity"], "capacity", 1)
+        if len(capacity) != len(groups):
+            raise InvalidArgumentError(f"plan capacity must hold one entry per group ({len(groups)})")
+        out = cls(cluster, model, training, causal, tuple(tuple(g) for g in groups), tuple(assignment),
+                  tuple(lengths), tuple(None if d is None else tuple(d) for d in documents), tuple(group_time), sync,
+                  max(group_time) + sync, bound, integer(doc.get("candidates", 0), "candidates", 0),
+                  _times([doc.get("solve_s", 0.0)], "solve_s", 1)[0],
+                  _flag(doc.get("exact_assignment", False), "exact_assignment"),
+                  tuple(tuple(tuple(p) for p in ps) for ps in passes), tuple(capacity), tuple(model_time), searched,
+                  tuple(pass_plans), tuple(alternatives), origin, _flag(doc.get("stopped_early", False),
+                                                                        "stopped_early"),
+                  _flag(doc.get("scored", True), "scored"))
+        if "fingerprint" in doc and doc["fingerprint"] != out.fingerprint:
+            raise InvalidArgumentError(f"plan fingerprint mismatch: file says {doc['fingerprint']}, "
+                                       f"contents hash to {out.fingerprint}")
+        return out
 
     def explain(self) -> str:
         gpus = self.cluster.device_gpus
@@ -245,6 +403,47 @@ class BatchPlan:
     def __repr__(self):
         return (f"BatchPlan(groups={len(self.groups)}, sequences={len(self.lengths)}, "
                 f"step_time_s={self.step_time_s:.4g}, lower_bound_s={self.lower_bound_s:.4g})")
+
+
+def _one_layout_only(name):
+    def refuse(self):
+        raise NotOneLayoutError(f"plan.{name} is of one layout; this plan runs {self._shape()}: ask one pass, "
+                                f"plan.plan_for(g, p).{name}")
+    return property(refuse)
+
+
+for _name in ONE_LAYOUT:
+    setattr(BatchPlan, _name, _one_layout_only(_name))
+
+
+def _flag(value, field) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"plan {field} must be true or false, got {value!r}")
+    return value
+
+
+def _list(value, field) -> list:
+    if not isinstance(value, list):
+        raise InvalidArgumentError(f"plan {field} must be a list, got {type(value).__name__}")
+    return value
+
+
+def _lists(value, field, lo, hi=None) -> list:
+    """A list of lists of integers in [lo, hi]."""
+    return [integers(v, f"{field}[{i}]", lo, hi) for i, v in enumerate(_list(value, field))]
+
+
+def _times(value, field, count) -> list:
+    """`count` finite non-negative seconds."""
+    if not isinstance(value, list) or len(value) != count:
+        raise InvalidArgumentError(f"plan {field} must hold {count} figure(s), got {value!r}")
+    out = []
+    for v in value:
+        v = number(v, field)
+        if v < 0:
+            raise InvalidArgumentError(f"plan {field} must be >= 0, got {v}")
+        out.append(v)
+    return out
 
 
 def _index(i, count) -> bool:

@@ -20,7 +20,7 @@ from ..errors import InternalError, InvalidArgumentError, LayoutError, MemoryFit
 from .model import Model, Sharding, Training, memory_features_names
 from . import text
 
-__all__ = ["Strategy", "Layout", "Plan", "DeviceTable", "plan", "evaluate", "compare"]
+__all__ = ["Strategy", "Layout", "Plan", "DeviceTable", "plan_layout", "evaluate", "compare"]
 
 
 PLAN_FORMAT_VERSION = 1  # of the JSON to_json writes; from_json reads this version only
@@ -318,7 +318,10 @@ class Plan:
 
     # ------------------------------------------------------------------ figures
 
-    @property
+    # Figures and step-level fields are non-data descriptors (cached properties): a plan of several groups
+    # (hexiseq.planner.BatchPlan, a Plan too) holds its own as plain fields.
+
+    @functools.cached_property
     def step_time_s(self) -> float:
         """Predicted time of one training step (all layers, forward and backward), seconds."""
         return self._cost["step_time_s"]
@@ -327,7 +330,7 @@ class Plan:
     def tokens_per_s(self) -> float:
         return self._cost["tokens_per_s"]
 
-    @property
+    @functools.cached_property
     def lower_bound_s(self) -> float:
         """Total work over the total effective rate of the cluster: no layout can be faster."""
         return self._cost["lower_bound_s"]
@@ -377,7 +380,66 @@ class Plan:
 
     @property
     def num_groups(self) -> int:
+        """The layout's HP groups (the ring's members), not the step's groups of devices (`groups`)."""
         return len(self.layout.group_size)
+
+    # ------------------------------------------------------------------ the step: groups x passes
+
+    @functools.cached_property
+    def groups(self) -> tuple:
+        """The step's groups of devices (cluster device ids): one group of every device, whose pass runs this
+        plan's layout. A plan of several groups lists each group's devices (hexiseq.planner.BatchPlan)."""
+        return (tuple(range(self.cluster.num_devices)),)
+
+    @functools.cached_property
+    def passes(self) -> tuple:
+        """The sequences of each group's passes: one pass of the one sequence (index 0)."""
+        return (((0,),),)
+
+    @functools.cached_property
+    def lengths(self) -> tuple:
+        """Each sequence's tokens: (seq_len,)."""
+        return (self.seq_len,)
+
+    @functools.cached_property
+    def assignment(self) -> tuple:
+        """The group of each sequence: (0,)."""
+        return (0,)
+
+    @functools.cached_property
+    def group_time_s(self) -> tuple:
+        """Each group's predicted time: (step_time_s,)."""
+        return (self.step_time_s,)
+
+    @functools.cached_property
+    def sync_s(self) -> float:
+        """The gradient synchronisation across groups: 0.0 with one group (the sync inside the group is
+        phases["grad_sync_s"], part of step_time_s)."""
+        return 0.0
+
+    def sequences_of(self, g) -> List[int]:
+        """The sequences group g runs, in batch order."""
+        self.plan_for(g)
+        return [0]
+
+    def passes_of(self, g) -> List[List[int]]:
+        """The sequences group g runs in each of its passes."""
+        self.plan_for(g)
+        return [[0]]
+
+    def plan_for(self, g, p=0) -> "Plan":
+        """The plan of one layout group g runs its pass p with: this plan itself (g = 0, p = 0)."""
+        if isinstance(g, (bool, np.bool_)) or not isinstance(g, (int, np.integer)) or g != 0:
+            raise InvalidArgumentError(f"g must be a group of the plan, in [0, 1), got {g!r}")
+        if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, np.integer)) or p != 0:
+            raise InvalidArgumentError(f"group 0 makes 1 pass(es), got pass {p!r}")
+        return self
+
+    def one_layout(self, where: str = "this call") -> "Plan":
+        """The plan of the step's one layout, for the doors that run one (hexiseq.nn.HexiSeqAttention,
+        hexiseq.hf.patch_model, HexiSeqTrainer, measure): this plan itself; a plan of several groups or passes
+        raises InvalidArgumentError naming `where` and the door that runs it."""
+        return self
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -548,6 +610,10 @@ class Plan:
         if version != PLAN_FORMAT_VERSION or isinstance(version, bool):
             raise InvalidArgumentError(f"plan format_version is {version!r}; this hexiseq ({_core.VERSION}) reads "
                                        f"format_version {PLAN_FORMAT_VERSION}")
+        if "groups" in doc:  # a plan of several groups (hexiseq.planner.BatchPlan): its passes' layouts
+            from .batch_plan import BatchPlan
+
+            return BatchPlan.from_doc(doc)
         missing = [k for k in ("cluster", "model", "training", "seq_len", "causal", "strategy", "layout") if k not in doc]
         if missing:
             raise InvalidArgumentError(f"not a plan: missing field(s) {missing}")
@@ -755,32 +821,10 @@ def _memory_advice(cluster, model, training, seq_len, causal, strategies, error)
 FIT_PROBE_S = 1e-6
 
 
-def plan(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=None, causal=True,
-         time_limit_s=None, documents=None) -> Plan:
-    """The best plan of `strategy` for training `model` on sequences of `seq_len` tokens.
-
-    cluster: a Cluster, a dict (Cluster.from_dict) or a YAML/JSON file path.
-    model: a Model, a preset name ("gpt-7b", "llama3-70b", "7b", ...), a dict, or the path of a Hugging Face
-    config.json (or of its folder).
-    seq_len: tokens per sequence (an int, or "128k", "1m").
-    strategy: "auto" (best of all; the scheduler's plan unless a baseline is strictly faster), "hexiseq"
-        (the asymmetric scheduler), "ring", "ulysses" or "usp".
-    training: a Training (sequences per step, checkpointing, sharding, reserved memory).
-    documents: None (one causal document per sequence) or the lengths of the documents packed into each
-        sequence, in sequence order, adding up to seq_len: the cost model counts the pairs the document mask
-        leaves visible and the scheduler balances by them, choosing zigzag or contiguous chunks
-        (`plan.layout.chunking`). Documents change every batch: `plan.rebalanced(documents)` re-plans the
-        sequence split of a plan's structure in milliseconds.
-    time_limit_s: None (search to the end) or seconds: the search stops at about this time with the best plan
-        found so far, marked `stopped_early` (a first valid plan is always completed, so a tiny limit on a huge
-        cluster may take longer). "auto" shares the limit among the strategies.
-
-    Ctrl-C (SIGINT) stops a long search within a fraction of a second with KeyboardInterrupt.
-
-    Raises MemoryFitError naming the device that is short when no layout fits, with what would fit (model
-    states per device, the longest sequence that fits, with and without checkpointing: see MemoryFitError);
-    UnsupportedError when the strategy has no valid layout (e.g. Ulysses with heads not divisible by the device
-    count)."""
+def plan_layout(cluster, *, model="gpt-7b", seq_len=131072, strategy="auto", training=None, causal=True,
+                time_limit_s=None, documents=None) -> Plan:
+    """The best plan of one layout over every device for `strategy` (hexiseq.plan with batch=False); the arguments
+    and errors are hexiseq.plan's."""
     strategy = strategy_of(strategy)
     time_limit_s = number(time_limit_s, "time_limit_s", positive=True, optional=True)
     cluster, model, training, seq_len = resolve_inputs(cluster, model, training, seq_len)

@@ -1,6 +1,7 @@
-"""Run a BatchPlan: a step's sequences of unequal length on groups of unequal devices, each group with its own plan.
+"""Run a plan of several groups: a step's sequences of unequal length on groups of unequal devices, each group with
+its own layout.
 
-A BatchPlan (hexiseq.planner.plan_batch, hexiseq.BatchPlanner) cuts the cluster into groups and gives each group some of
+Such a hexiseq.Plan (hexiseq.planner.BatchPlan, from hexiseq.BatchPlanner or hexiseq.plan) cuts the cluster into groups and gives each group some of
 the step's sequences, packed into one or more passes; each pass has its own plan over the group's devices. Here:
 
 - BatchContext(planner): made once per job, on every rank of the world (rank r = the planner's cluster device r).
@@ -127,8 +128,8 @@ class BatchContext:
         return out
 
     def step(self, plan) -> "BatchStep":
-        """This rank's part of `plan`: a hexiseq.BatchPlan of the planner's cluster (or a hexiseq.Plan of it, one
-        group of every device), run as the hexiseq.schedule.Schedule it gives, which is all this reads of it.
+        """This rank's part of `plan`: a hexiseq.Plan of the planner's cluster (of several groups, or of one group of
+        every device), run as the hexiseq.schedule.Schedule it gives, which is all this reads of it.
         Collective: every rank calls it with the same plan, checked by fingerprint; a rank whose plan differs, or
         any invalid plan, makes every rank raise the same error."""
         self.group  # raises on a closed context, before any collective
@@ -149,8 +150,8 @@ class BatchContext:
     def _plan_error(self, plan, schedule):
         # the runtime does not import the planner (a room below it): a plan is run as the Schedule it gives
         if not isinstance(schedule, Schedule):
-            return InvalidArgumentError(f"plan must be a hexiseq.BatchPlan (or a hexiseq.Plan, or the "
-                                        f"hexiseq.schedule.Schedule either runs as), got {type(plan).__name__}")
+            return InvalidArgumentError(f"plan must be a hexiseq.Plan (or the hexiseq.schedule.Schedule it runs "
+                                        f"as), got {type(plan).__name__}")
         if schedule.job != self._identity:
             return InvalidArgumentError("plan was made for another cluster or model than this context's planner")
         covered = sorted(d for devices in schedule.groups for d in devices)

@@ -27,7 +27,7 @@ from .variants import PLAIN, variant as make_variant
 from .comm import Comm, describe_call, resolve_group
 from .. import geometry
 from ..schedule import as_pass
-from ..errors import InvalidArgumentError, UnsupportedError, refuse_batch_plan
+from ..errors import InvalidArgumentError, UnsupportedError
 from .topology import Topology
 
 __all__ = ["HexiSeqAttention", "HexiSeqContext", "hexiseq_attn_func", "gather_sequence", "BatchContext", "BatchStep",
@@ -62,9 +62,9 @@ class HexiSeqContext:
 
     def __init__(self, plan, group=None, causal: bool = True, softmax_scale: Optional[float] = None, timeout=None,
                  a2a_slices: Optional[int] = None, subgroups=None, agreed: bool = False):
-        refuse_batch_plan(plan, "HexiSeqContext")
-        self.plan = plan
         self.pass_layout = as_pass(plan, "HexiSeqContext")  # all the context reads of the plan: plain data
+        # the plan of that one layout, for the callers that ask it (hexiseq.rebalance)
+        self.plan = plan.one_layout("HexiSeqContext") if hasattr(plan, "one_layout") else plan
         self.causal = bool(causal)
         self.scale = softmax_scale
         self.topology = Topology(self.pass_layout, self.causal)

@@ -32,6 +32,10 @@ class Forced:
     def memory_features(self, device):
         return self._features.get(device, self._plan.memory_features(device))
 
+    def one_layout(self, where="this call"):  # the plan of one layout is this one, with its forced features
+        self._plan.one_layout(where)
+        return self
+
     def __getattr__(self, name):
         return getattr(self._plan, name)
 
