@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # The C core's folders (common/ at the bottom; model/ under scheduler/; assign/ and attention/ beside them, over
 # common/ only): each is an include directory, so sources include headers by bare name.
-CORE_DIRS = ["csrc/common", "csrc/model", "csrc/scheduler", "csrc/assign", "csrc/attention"]
+CORE_DIRS = ["csrc/common", "csrc/model", "csrc/scheduler", "csrc/assign", "csrc/pipeline", "csrc/attention"]
 
 
 def core_files(*patterns):

@@ -16,6 +16,7 @@ C_FLOORS = {
     "attention": {"attention", "common"},
     "scheduler": {"scheduler", "model", "common"},
     "assign": {"assign", "common"},
+    "pipeline": {"pipeline", "common"},
 }
 
 # hexiseq sub-package (or top-level module) -> what it must never import

@@ -1,5 +1,5 @@
-/* Public C API of the HexiSeq core: GPU catalog, cluster, model, packed documents, layouts, cost model, plans, and
- * the assignment of a batch's sequences to groups. */
+/* Public C API of the HexiSeq core: GPU catalog, cluster, model, packed documents, layouts, cost model, plans, the
+ * assignment of a batch's sequences to groups, and pipelines (their schedule's timing, layers split over stages). */
 #ifndef HEXISEQ_H
 #define HEXISEQ_H
 
@@ -490,6 +490,48 @@ HEXISEQ_API hexiseq_status hexiseq_batch_assign_quick(const hexiseq_batch_proble
 HEXISEQ_API hexiseq_status hexiseq_batch_assign_rounds(const hexiseq_batch_problem *p, int64_t max_rounds,
                                                        int32_t *group_of, double *group_time_s,
                                                        hexiseq_batch_result *result);
+
+/* ------------------------------------------------------------------ pipelines */
+
+/* A pipeline of P stages running M micro-batches one forward, one backward (1F1B): stage s runs min(P - 1 - s, M)
+ * forwards first, then one forward and one backward in turn, then the backwards left. A forward of micro-batch i on
+ * stage s starts once the stage is free and stage s - 1's forward of i has ended and its activations have arrived
+ * (send_s[s - 1] later); a backward of i once stage s + 1's backward of i has ended and the gradient has arrived
+ * (send_s[s] later); the last stage's backward of i follows its own forward of i. A stage runs one thing at a time;
+ * sends overlap compute (a stage that sends does not wait for the transfer). */
+typedef struct {
+    int32_t n_stages;          /* P >= 1 */
+    int32_t micro_batches;     /* M >= 1 */
+    const double *forward_s;   /* [P] one micro-batch's forward on stage s, seconds (finite, >= 0) */
+    const double *backward_s;  /* [P] its backward, recomputation included (finite, >= 0) */
+    const double *send_s;      /* [P - 1] a micro-batch's activations from stage s to s + 1, and as long for their
+                                  gradient back (finite, >= 0); NULL: 0 */
+} hexiseq_pipeline;
+
+typedef struct {
+    double step_s;             /* when the last backward ends (the pipeline starts at 0) */
+    double work_s;             /* the busiest stage's work: M x (forward + backward) */
+    double bubble_s;           /* step_s - work_s: what the schedule adds to the busiest stage's work */
+    int32_t bottleneck;        /* the busiest stage (the first of equals) */
+} hexiseq_pipeline_timing;
+
+/* Simulates the schedule of `p` (csrc/pipeline/schedule.c). Writes `out`, and when not NULL idle_s[s] (step_s
+ * minus stage s's work) and in_flight[s] (the most micro-batches whose forward stage s has run and whose backward
+ * it has not: whose activations it holds at once; min(P - s, M) under 1F1B).
+ * HEXISEQ_ERR_NULL: p, out, or forward_s / backward_s NULL. HEXISEQ_ERR_INVALID: a count or a time out of its
+ * domain (the message names the field and the value). */
+HEXISEQ_API hexiseq_status hexiseq_pipeline_schedule(const hexiseq_pipeline *p, double *idle_s /* [P] out */,
+                                                     int32_t *in_flight /* [P] out */, hexiseq_pipeline_timing *out);
+
+/* Splits `layers` consecutive layers over P stages: stage s takes n_s >= 1 of them (at most most_layers[s] when
+ * most_layers is not NULL: what its memory holds) and takes fixed_s[s] + n_s x layer_s[s] seconds (its time per
+ * micro-batch: the embedding or the output head where they fall, plus its layers). Minimises the slowest stage;
+ * among the splits that reach it, takes layers off the slowest stages first. Writes layers_out[s] and *max_stage_s.
+ * HEXISEQ_ERR_NULL: a required pointer NULL. HEXISEQ_ERR_INVALID: P < 1, layers < P, a time not finite or
+ * negative, a cap < 1. HEXISEQ_ERR_MEMORY: the caps hold fewer than `layers` layers (the message gives both). */
+HEXISEQ_API hexiseq_status hexiseq_pipeline_split(int32_t n_stages, int32_t layers, const double *fixed_s,
+                                                  const double *layer_s, const int32_t *most_layers,
+                                                  int32_t *layers_out /* [P] out */, double *max_stage_s);
 
 #ifdef __cplusplus
 }

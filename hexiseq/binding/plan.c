@@ -851,6 +851,98 @@ done:
     return result;
 }
 
+/* pipeline_schedule(forward_s [P], backward_s [P], send_s [P - 1] or None, micro_batches) -> ({step_s, work_s,
+ *   bubble_s, bottleneck}, idle_s [P], in_flight int32 [P]): hexiseq_pipeline_schedule. */
+static PyObject *core_pipeline_schedule(PyObject *module, PyObject *args) {
+    PyObject *f_obj, *b_obj, *s_obj;
+    int micro_batches;
+    if (!PyArg_ParseTuple(args, "OOOi:pipeline_schedule", &f_obj, &b_obj, &s_obj, &micro_batches))
+        return NULL;
+    PyObject *result = NULL;
+    PyArrayObject *f = NULL, *b = NULL, *send = NULL, *idle = NULL, *in_flight = NULL;
+    f = (PyArrayObject *)PyArray_FROMANY(f_obj, NPY_DOUBLE, 1, 1, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
+    if (!f) {
+        invalid(module, "forward_s must be a list of numbers, one per stage");
+        goto done;
+    }
+    npy_intp P = PyArray_DIM(f, 0);
+    if (P < 1 || P > INT32_MAX) {
+        invalid(module, "a pipeline must have 1 to 2^31 - 1 stages, got %zd", (Py_ssize_t)P);
+        goto done;
+    }
+    if (!(b = as_array(b_obj, NPY_DOUBLE, P, "backward_s")))
+        goto done;
+    if (s_obj != Py_None && !(send = as_array(s_obj, NPY_DOUBLE, P - 1, "send_s")))
+        goto done;
+    idle = (PyArrayObject *)PyArray_SimpleNew(1, &P, NPY_DOUBLE);
+    in_flight = (PyArrayObject *)PyArray_SimpleNew(1, &P, NPY_INT32);
+    if (!idle || !in_flight)
+        goto done;
+    hexiseq_pipeline p = {(int32_t)P, (int32_t)micro_batches, (const double *)PyArray_DATA(f),
+                          (const double *)PyArray_DATA(b), send ? (const double *)PyArray_DATA(send) : NULL};
+    hexiseq_pipeline_timing t;
+    hexiseq_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = hexiseq_pipeline_schedule(&p, (double *)PyArray_DATA(idle), (int32_t *)PyArray_DATA(in_flight), &t);
+    Py_END_ALLOW_THREADS
+    if (s != HEXISEQ_OK) {
+        raise_status(module, s);
+        goto done;
+    }
+    result = Py_BuildValue("({s:d,s:d,s:d,s:i}OO)", "step_s", t.step_s, "work_s", t.work_s, "bubble_s", t.bubble_s,
+                           "bottleneck", (int)t.bottleneck, idle, in_flight);
+done:
+    Py_XDECREF(f);
+    Py_XDECREF(b);
+    Py_XDECREF(send);
+    Py_XDECREF(idle);
+    Py_XDECREF(in_flight);
+    return result;
+}
+
+/* pipeline_split(layers, fixed_s [P], layer_s [P], most_layers [P] or None) -> (layers int32 [P], max_stage_s):
+ *   hexiseq_pipeline_split. */
+static PyObject *core_pipeline_split(PyObject *module, PyObject *args) {
+    PyObject *fixed_obj, *per_obj, *most_obj;
+    int layers;
+    if (!PyArg_ParseTuple(args, "iOOO:pipeline_split", &layers, &fixed_obj, &per_obj, &most_obj))
+        return NULL;
+    PyObject *result = NULL;
+    PyArrayObject *fixed = NULL, *per = NULL, *most = NULL, *out = NULL;
+    fixed = (PyArrayObject *)PyArray_FROMANY(fixed_obj, NPY_DOUBLE, 1, 1, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
+    if (!fixed) {
+        invalid(module, "fixed_s must be a list of numbers, one per stage");
+        goto done;
+    }
+    npy_intp P = PyArray_DIM(fixed, 0);
+    if (P < 1 || P > INT32_MAX) {
+        invalid(module, "a pipeline must have 1 to 2^31 - 1 stages, got %zd", (Py_ssize_t)P);
+        goto done;
+    }
+    if (!(per = as_array(per_obj, NPY_DOUBLE, P, "layer_s")))
+        goto done;
+    if (most_obj != Py_None && !(most = as_array(most_obj, NPY_INT32, P, "most_layers")))
+        goto done;
+    if (!(out = (PyArrayObject *)PyArray_SimpleNew(1, &P, NPY_INT32)))
+        goto done;
+    double max_stage_s = 0.0;
+    hexiseq_status s = hexiseq_pipeline_split((int32_t)P, (int32_t)layers, (const double *)PyArray_DATA(fixed),
+                                              (const double *)PyArray_DATA(per),
+                                              most ? (const int32_t *)PyArray_DATA(most) : NULL,
+                                              (int32_t *)PyArray_DATA(out), &max_stage_s);
+    if (s != HEXISEQ_OK) {
+        raise_status(module, s);
+        goto done;
+    }
+    result = Py_BuildValue("(Od)", out, max_stage_s);
+done:
+    Py_XDECREF(fixed);
+    Py_XDECREF(per);
+    Py_XDECREF(most);
+    Py_XDECREF(out);
+    return result;
+}
+
 PyMethodDef core_plan_methods[] = {
     {"gpu_catalog", core_gpu_catalog, METH_NOARGS, "The built-in GPU catalog, a list of dicts."},
     {"gpu_find", core_gpu_find, METH_O, "Canonical catalog name of a GPU model name or alias."},
@@ -867,6 +959,8 @@ PyMethodDef core_plan_methods[] = {
      "The longest sequence any layout could fit in memory (a necessary condition), or None."},
     {"plan_strategy", core_plan_strategy, METH_VARARGS, "Best layout of a strategy, as a dict of arrays, and what the search did."},
     {"batch_assign", core_batch_assign, METH_VARARGS, "Sequences of a batch to groups, minimising the makespan."},
+    {"pipeline_schedule", core_pipeline_schedule, METH_VARARGS, "The 1F1B schedule's timing over unequal stages."},
+    {"pipeline_split", core_pipeline_split, METH_VARARGS, "Layers split over stages, the slowest stage fastest."},
     {NULL, NULL, 0, NULL},
 };
 
