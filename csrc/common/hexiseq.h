@@ -189,6 +189,11 @@ typedef struct {
      * needs (the runtime skips the rest). */
     int32_t window;
     int32_t window_layers;
+    /* A pipeline stage's part of the model (0 and 0, a zeroed struct: the whole model): no_embedding = 1 leaves out
+     * the token embedding (its parameters), no_head = 1 the output head, the final norm and the loss (their
+     * parameters, compute and activations); `layers` is then the stage's. */
+    int32_t no_embedding;
+    int32_t no_head;
 } hexiseq_model;
 
 HEXISEQ_API hexiseq_status hexiseq_model_validate(const hexiseq_model *model);
@@ -197,7 +202,7 @@ HEXISEQ_API hexiseq_status hexiseq_model_validate(const hexiseq_model *model);
  * "training.sequences", "training.checkpointing", "training.sharding". Bindings use it to name the range of a
  * value too large for the field's C type, without a second copy of the limits. */
 HEXISEQ_API hexiseq_status hexiseq_int_range(const char *field, int64_t *lo, int64_t *hi);
-/* Parameter count of the whole model (embeddings and an untied output head included). */
+/* Parameter count of the model (embeddings and an untied output head included, unless it is a stage without them). */
 HEXISEQ_API hexiseq_status hexiseq_model_params(const hexiseq_model *model, double *params);
 
 typedef enum {

@@ -390,6 +390,7 @@ static const struct {
     {"training.checkpointing", 0, 1},              {"training.sharding", HEXISEQ_SHARD_FULL, HEXISEQ_SHARD_NONE},
     {"model.window", 0, HEXISEQ_MAX_SEQ_LEN},      {"model.window_layers", 0, 100000},
     {"training.memory_features", 0, HEXISEQ_MEMORY_FEATURES_ALL},
+    {"model.no_embedding", 0, 1},                  {"model.no_head", 0, 1},
 };
 
 hexiseq_status hexiseq_int_range(const char *field, int64_t *lo, int64_t *hi) {
@@ -426,6 +427,10 @@ hexiseq_status hexiseq_model_validate(const hexiseq_model *m) {
     if (m->window_layers < 0 || m->window_layers > m->layers)
         return hexiseq_fail(HEXISEQ_ERR_INVALID, "model.window_layers must be in [0, model.layers = %d], got %d",
                             m->layers, m->window_layers);
+    if (m->no_embedding != 0 && m->no_embedding != 1)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "model.no_embedding must be 0 or 1, got %d", m->no_embedding);
+    if (m->no_head != 0 && m->no_head != 1)
+        return hexiseq_fail(HEXISEQ_ERR_INVALID, "model.no_head must be 0 or 1, got %d", m->no_head);
     if ((m->window > 0) != (m->window_layers > 0))
         return hexiseq_fail(HEXISEQ_ERR_INVALID,
                             "model.window = %d and model.window_layers = %d: give both (a window and the layers "
@@ -440,9 +445,17 @@ double hexiseq_layer_params(const hexiseq_model *m) {
     return H * q + 2.0 * H * kv + q * H + (m->gated_mlp ? 3.0 : 2.0) * H * m->ffn + 2.0 * H;
 }
 
-/* embedding + untied output head + final norm */
+/* the layers + the embedding + the untied output head and final norm (each where the model, or stage, holds it) */
 double hexiseq_total_params(const hexiseq_model *m) {
-    return m->layers * hexiseq_layer_params(m) + 2.0 * (double)m->vocab * m->hidden + m->hidden;
+    return m->layers * hexiseq_layer_params(m) + hexiseq_embedding_params(m) + hexiseq_head_params(m);
+}
+
+double hexiseq_embedding_params(const hexiseq_model *m) {
+    return m->no_embedding ? 0.0 : (double)m->vocab * m->hidden;
+}
+
+double hexiseq_head_params(const hexiseq_model *m) {
+    return m->no_head ? 0.0 : (double)m->vocab * m->hidden + m->hidden;
 }
 
 hexiseq_status hexiseq_model_params(const hexiseq_model *m, double *params) {

@@ -170,7 +170,7 @@ static double lower_bound_s(const cost_ctx *x) {
         mem_rate += x->c->dev[d].mem_bound_gbps * 1e9;
     }
     double mem_bytes = seqs * S * (x->m->layers * layer_mem_elems_per_token(x->m) * x->m->dtype_bytes *
-                                   mem_bound_passes(x->t) + (double)x->m->vocab * loss_bytes_per_logit(x->m)) +
+                                   mem_bound_passes(x->t) + head_vocab(x->m) * loss_bytes_per_logit(x->m)) +
                        hexiseq_total_params(x->m) * optimizer_bytes_per_param(x->m);
     return gemm_flops / gemm_rate + attn_flops / attn_rate + (mem_rate > 0.0 ? mem_bytes / mem_rate : 0.0);
 }

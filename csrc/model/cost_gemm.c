@@ -39,7 +39,7 @@ double hexiseq_mem_bound_time_s(const cost_ctx *x, const hexiseq_device_info *d,
         return 0.0;
     const hexiseq_model *m = x->m;
     double per_token = m->layers * layer_mem_elems_per_token(m) * m->dtype_bytes * mem_bound_passes(x->t) +
-                       (double)m->vocab * loss_bytes_per_logit(m);
+                       head_vocab(m) * loss_bytes_per_logit(m);
     return (x->t->sequences * (double)tokens * per_token + opt_params * optimizer_bytes_per_param(m)) / rate;
 }
 
@@ -68,7 +68,7 @@ double hexiseq_tiling_time_s(const cost_ctx *x, const hexiseq_device_info *d, in
         double flops = head_gemm_flops_per_token(m);
         s += n * flops * ((2.0 + GEMM_BWD_FACTOR) / tiled - (1.0 + GEMM_BWD_FACTOR) / whole);
         if (rate > 0.0)
-            s += n * (double)m->vocab * (m->dtype_bytes + 4.0) / rate; /* the logits and their softmax once more */
+            s += n * head_vocab(m) * (m->dtype_bytes + 4.0) / rate; /* the logits and their softmax once more */
     }
     return x->t->sequences * s;
 }

@@ -13,7 +13,7 @@ void hexiseq_states(const hexiseq_cluster *c, const hexiseq_model *m, const hexi
     double P = hexiseq_total_params(m);
     double b = m->dtype_bytes;
     double opt = 8.0 + (b < 4 ? 4.0 : 0.0); /* Adam m, v in fp32, plus an fp32 master copy below fp32 */
-    double gathered = fmax(hexiseq_layer_params(m), (double)m->vocab * m->hidden) * b;
+    double gathered = fmax(hexiseq_layer_params(m), fmax(hexiseq_embedding_params(m), hexiseq_head_params(m))) * b;
     double fixed, sharded;
     switch (t->sharding) {
     case HEXISEQ_SHARD_FULL: fixed = 3.0 * gathered, sharded = (2.0 * b + opt) * P; break; /* layer, prefetch, grads */
@@ -62,7 +62,7 @@ void hexiseq_memory_coeffs(const hexiseq_cluster *c, const hexiseq_model *m, con
     double H = m->hidden;
     /* saved per token and layer: 2 norm inputs, 2 norm outputs, attention output, MLP intermediates */
     double act_layer = b * (4.0 * H + (double)m->heads * m->head_dim + (m->gated_mlp ? 3.0 : 2.0) * m->ffn);
-    double mlp = b * (m->gated_mlp ? 3.0 : 2.0) * m->ffn, logits = m->vocab * loss_memory_per_logit(m);
+    double mlp = b * (m->gated_mlp ? 3.0 : 2.0) * m->ffn, logits = head_vocab(m) * loss_memory_per_logit(m);
     double act = t->checkpointing ? m->layers * H * b + act_layer : m->layers * act_layer;
     double host = 0.0, tile = 0.0;
     if ((features & HEXISEQ_OFFLOAD) && t->checkpointing) { /* the checkpoints go to the host; the one being

@@ -25,7 +25,7 @@ void hexiseq_grad_sync_s(const cost_ctx *x, double b_fwd, double b_bwd, double *
         return;
     double bw = x->c->ring_bw_min, lat = x->c->ring_lat_max_s; /* the ring 0 -> 1 -> ... -> N-1 -> 0 */
     double L = x->m->layers, seqs = x->t->sequences, ck = x->t->checkpointing ? 1.0 : 0.0;
-    double P = L * hexiseq_layer_params(x->m) + 2.0 * (double)x->m->vocab * x->m->hidden + x->m->hidden;
+    double P = hexiseq_total_params(x->m);
     /* one reduce-scatter or all-gather of every parameter (A), and its per-layer part (a). Under uneven state
      * shares every rank's piece is padded to the largest share (or, as a ring, every step waits for the
      * largest piece): N - 1 steps of the largest share instead of (N - 1) / N of the whole. */

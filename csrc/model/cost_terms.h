@@ -105,8 +105,11 @@ static inline double mem_bound_passes(const hexiseq_training *t) {
     return 1.0 + MEM_BOUND_BWD_FACTOR + (t->checkpointing ? 1.0 : 0.0);
 }
 
+/* The vocabulary the output head and the loss run over: the model's, or 0 in a pipeline stage without the head. */
+static inline double head_vocab(const hexiseq_model *m) { return m->no_head ? 0.0 : (double)m->vocab; }
+
 /* Forward FLOPs of the output head per token. */
-static inline double head_gemm_flops_per_token(const hexiseq_model *m) { return 2.0 * (double)m->hidden * m->vocab; }
+static inline double head_gemm_flops_per_token(const hexiseq_model *m) { return 2.0 * (double)m->hidden * head_vocab(m); }
 
 /* Forward passes per step for the layers: 1 forward + backward (+1 recompute with checkpointing). */
 static inline double gemm_passes(const hexiseq_training *t) {

@@ -52,8 +52,11 @@ int hexiseq_same_device(const hexiseq_device_info *a, const hexiseq_device_info 
 #define MEM_BOUND_EFF 0.75
 
 double hexiseq_layer_params(const hexiseq_model *m);
-/* Every parameter of the model: the layers, the embedding and output head, the final norm. */
+/* Every parameter of the model (or pipeline stage): the layers, the embedding, the output head and final norm. */
 double hexiseq_total_params(const hexiseq_model *m);
+/* The embedding's parameters (0 for a stage without it), and the output head's with the final norm (0 without). */
+double hexiseq_embedding_params(const hexiseq_model *m);
+double hexiseq_head_params(const hexiseq_model *m);
 
 /* Bandwidth a -> b in bytes/s, no validation (a != b). */
 static inline double hexiseq_bw_bytes(const hexiseq_cluster *c, int32_t a, int32_t b) {

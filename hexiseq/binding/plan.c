@@ -224,18 +224,19 @@ done:
 }
 
 /* A model from (layers, hidden, heads, kv_heads, head_dim, ffn, vocab, dtype_bytes, gated_mlp[, window,
- * window_layers]). */
+ * window_layers[, no_embedding, no_head]]). */
 static int parse_model(PyObject *module, PyObject *obj, hexiseq_model *m) {
-    static const char *names[11] = {"model.layers", "model.hidden", "model.heads", "model.kv_heads", "model.head_dim",
+    static const char *names[13] = {"model.layers", "model.hidden", "model.heads", "model.kv_heads", "model.head_dim",
                                     "model.ffn", "model.vocab", "model.dtype_bytes", "model.gated_mlp",
-                                    "model.window", "model.window_layers"};
-    int32_t *dst[11] = {&m->layers, &m->hidden, &m->heads, &m->kv_heads, &m->head_dim, &m->ffn, &m->vocab,
-                        &m->dtype_bytes, &m->gated_mlp, &m->window, &m->window_layers};
+                                    "model.window", "model.window_layers", "model.no_embedding", "model.no_head"};
+    int32_t *dst[13] = {&m->layers, &m->hidden, &m->heads, &m->kv_heads, &m->head_dim, &m->ffn, &m->vocab,
+                        &m->dtype_bytes, &m->gated_mlp, &m->window, &m->window_layers, &m->no_embedding,
+                        &m->no_head};
     memset(m, 0, sizeof *m);
     const Py_ssize_t n = PyTuple_Check(obj) ? PyTuple_GET_SIZE(obj) : 0;
-    if (n != 9 && n != 11) {
+    if (n != 9 && n != 11 && n != 13) {
         PyErr_SetString(PyExc_TypeError, "model is (layers, hidden, heads, kv_heads, head_dim, ffn, vocab, "
-                                         "dtype_bytes, gated_mlp[, window, window_layers])");
+                                         "dtype_bytes, gated_mlp[, window, window_layers[, no_embedding, no_head]])");
         return 0;
     }
     for (int i = 0; i < (int)n; ++i)

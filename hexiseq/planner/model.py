@@ -48,7 +48,11 @@ class Model:
     sees its `sliding_window` latest keys, itself included; Mistral 7B v0.1: 4096), None for full causal attention.
     `sliding_layers`: how many of the layers use it (Gemma 3: 5 of every 6; Mistral: all, the default when a window
     is given). The cost model prices a windowed layer with the pairs and ring steps it needs, and the runtime runs
-    it so (hexiseq_attn_func's window: (sliding_window - 1, 0)); the plan balances the mix of both kinds."""
+    it so (hexiseq_attn_func's window: (sliding_window - 1, 0)); the plan balances the mix of both kinds.
+
+    `embedding`, `head`: whether the model holds its token embedding, and its output head with the final norm and
+    the loss; both True for a whole model. A pipeline stage is a Model without one or both (Model.stage), its
+    `layers` the stage's; the cost model then leaves out their parameters, compute and activations."""
 
     layers: int
     hidden: int
@@ -62,10 +66,12 @@ class Model:
     name: str = "custom"
     sliding_window: Optional[int] = None
     sliding_layers: Optional[int] = None
+    embedding: bool = True
+    head: bool = True
 
     def __post_init__(self):
         for f in fields(self):
-            if f.name in ("name", "gated_mlp", "sliding_window", "sliding_layers"):
+            if f.name in ("name", "gated_mlp", "sliding_window", "sliding_layers", "embedding", "head"):
                 continue
             object.__setattr__(self, f.name, core_integer(getattr(self, f.name), f"model.{f.name}", f"model.{f.name}"))
         if self.sliding_window is not None:
@@ -81,6 +87,8 @@ class Model:
         elif self.sliding_layers is not None:
             raise InvalidArgumentError(f"model.sliding_layers = {self.sliding_layers!r} needs model.sliding_window")
         object.__setattr__(self, "gated_mlp", boolean(self.gated_mlp, "model.gated_mlp"))
+        object.__setattr__(self, "embedding", boolean(self.embedding, "model.embedding"))
+        object.__setattr__(self, "head", boolean(self.head, "model.head"))
         if not isinstance(self.name, str):
             raise InvalidArgumentError(f"model.name must be a string, got {self.name!r}")
         _core.model_params(self._as_core())  # heads % kv_heads
@@ -95,17 +103,32 @@ class Model:
         """The runtime's window of the sliding layers, (sliding_window - 1, 0), or None."""
         return None if self.sliding_window is None else (self.sliding_window - 1, 0)
 
+    def stage(self, layers: int, first: bool, last: bool) -> "Model":
+        """The part of this model a pipeline stage holds: `layers` of its layers (consecutive), the embedding when it
+        is the first stage, the output head (final norm, loss) when it is the last. The sliding layers are shared
+        out in proportion (rounded down): which layers use the window is not part of a shape."""
+        layers = integer(layers, "layers", 1, self.layers)
+        sliding = None if self.sliding_window is None else self.sliding_layers * layers // self.layers
+        return replace(self, layers=layers, embedding=bool(first), head=bool(last),
+                       sliding_window=self.sliding_window if sliding else None, sliding_layers=sliding or None,
+                       name=f"{self.name}[{layers} layers{', embedding' if first else ''}{', head' if last else ''}]")
+
     def _as_core(self):
         core = (self.layers, self.hidden, self.heads, self.kv_heads, self.head_dim, self.ffn, self.vocab,
                 self.dtype_bytes, int(self.gated_mlp))
-        if self.sliding_window is None or not self.sliding_layers:
-            return core
-        return core + (self.sliding_window, self.sliding_layers)
+        windowed = self.sliding_window is not None and self.sliding_layers
+        if self.embedding and self.head:
+            return core + (self.sliding_window, self.sliding_layers) if windowed else core
+        return core + ((self.sliding_window, self.sliding_layers) if windowed else (0, 0)) + (
+            int(not self.embedding), int(not self.head))
 
     def to_dict(self) -> dict:
         d = asdict(self)
         if d["sliding_window"] is None:  # absent, as before the fields existed: older plan files keep their hash
             del d["sliding_window"], d["sliding_layers"]
+        for part in ("embedding", "head"):  # a whole model's, absent: its plan files keep their hash
+            if d[part]:
+                del d[part]
         return d
 
     @classmethod

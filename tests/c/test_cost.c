@@ -97,7 +97,7 @@ static void fill_layout(hexiseq_layout *l, const int32_t *gsize, const int64_t *
 
 /* The tiny model of the hand-computed cases: L=2, H=8, A=4, A_kv=2 (GQA, 2 query heads per kv head), d=2,
  * F=16, V=32, bf16, GELU MLP. */
-static const hexiseq_model TINY = {2, 8, 4, 2, 2, 16, 32, 2, 0, 0, 0};
+static const hexiseq_model TINY = {2, 8, 4, 2, 2, 16, 32, 2, 0, 0, 0, 0, 0};
 /* Named copies of its numbers for the arithmetic. */
 static const double L = 2, H = 8, A = 4, Akv = 2, d = 2, F = 16, V = 32, b = 2;
 
@@ -882,7 +882,7 @@ static void test_strategies_odd_sizes(void) {
                                node("L40S", 4, 64, 0, 0, 0, 0)};
     hexiseq_cluster *c = NULL;
     EXPECT_OK(hexiseq_cluster_create(3, nd, 25.0, NULL, &c));
-    hexiseq_model m = {2, 5120, 40, 8, 128, 13824, 8192, 2, 1, 0, 0};
+    hexiseq_model m = {2, 5120, 40, 8, 128, 13824, 8192, 2, 1, 0, 0, 0, 0};
     hexiseq_training t;
     hexiseq_training_default(&t);
     t.checkpointing = 1;
@@ -915,7 +915,7 @@ static void test_strategies_odd_sizes(void) {
     EXPECT_ERR(hexiseq_plan_strategy(c, &m, &t, 7, 1, HEXISEQ_STRATEGY_RING, &out, &pc), HEXISEQ_ERR_UNSUPPORTED,
                "seq_len");
     /* a model that fits nowhere: MEMORY, with the least-short layout returned and the device named */
-    hexiseq_model huge = {100, 16384, 128, 8, 128, 65536, 128256, 2, 1, 0, 0};
+    hexiseq_model huge = {100, 16384, 128, 8, 128, 65536, 128256, 2, 1, 0, 0, 0, 0};
     hexiseq_status st = hexiseq_plan_strategy(c, &huge, &t, S, 1, HEXISEQ_STRATEGY_RING, &out, &pc);
     EXPECT(st == HEXISEQ_ERR_MEMORY && pc.fits == 0 && out.group_size != NULL && strstr(hexiseq_last_error(), "device") &&
                strstr(hexiseq_last_error(), "GiB"),
@@ -2077,9 +2077,65 @@ static void test_window(void) {
     hexiseq_cluster_destroy(c);
 }
 
+/* Pipeline stages: a model without its embedding or its head (no_embedding, no_head) is a stage of it. By hand on the
+ * one-device case: the head's matmuls, its logits' activations and the loss's memory-bound work leave a stage without
+ * the head, the embedding's parameters one without the embedding; and a model cut into a first stage (no head) and a
+ * last (no embedding) costs, in every term that is additive in layers and parameters, what the whole model does. */
+static void test_pipeline_stages(void) {
+    hexiseq_cluster *c = NULL;
+    hexiseq_training t;
+    hexiseq_layout l;
+    one_device(&c, &t, &l);
+    hexiseq_model first = TINY, last = TINY, middle = TINY;
+    first.layers = 1, first.no_head = 1;
+    last.layers = 1, last.no_embedding = 1;
+    middle.layers = 1, middle.no_embedding = 1, middle.no_head = 1;
+    double p_first = 0, p_last = 0, p_mid = 0;
+    EXPECT_OK(hexiseq_model_params(&first, &p_first));
+    EXPECT_OK(hexiseq_model_params(&last, &p_last));
+    EXPECT_OK(hexiseq_model_params(&middle, &p_mid));
+    NEAR(p_first, tiny_layer_params() + V * H, "first stage params: a layer and the embedding");
+    NEAR(p_last, tiny_layer_params() + V * H + H, "last stage params: a layer, the head and the final norm");
+    NEAR(p_mid, tiny_layer_params(), "middle stage params: its layer");
+    NEAR(p_first + p_last, tiny_params(), "the stages' parameters add up to the model's");
+
+    hexiseq_device_cost whole[1], a[1], z[1], mid[1];
+    hexiseq_plan_cost pw, pa, pz, pm;
+    EXPECT_OK(hexiseq_evaluate(c, &TINY, &t, 10, 1, &l, whole, &pw));
+    EXPECT_OK(hexiseq_evaluate(c, &first, &t, 10, 1, &l, a, &pa));
+    EXPECT_OK(hexiseq_evaluate(c, &last, &t, 10, 1, &l, z, &pz));
+    EXPECT_OK(hexiseq_evaluate(c, &middle, &t, 10, 1, &l, mid, &pm));
+    const double peak = 2.0, ge = 0.5, s0 = 10;
+    NEAR(a[0].gemm_s, s0 * tiny_layer_fpt() * 3.0 / gemm_rate(peak, ge, s0), "first stage gemm_s: its layer only");
+    NEAR(z[0].gemm_s, s0 * (tiny_layer_fpt() + tiny_head_fpt()) * 3.0 / gemm_rate(peak, ge, s0),
+         "last stage gemm_s: its layer and the head");
+    NEAR(mid[0].gemm_s, a[0].gemm_s, "middle stage gemm_s");
+    const double act_layer = b * (4.0 * H + A * d + 2.0 * F);
+    NEAR(a[0].mem_act_gib, s0 * act_layer / GIB, "first stage activations: no logits");
+    NEAR(z[0].mem_act_gib, (s0 * act_layer + s0 * V * (b + 8.0)) / GIB, "last stage activations: the logits too");
+    /* the memory-bound work of a layer's tokens, the loss on the last stage, the optimizer over each one's params */
+    NEAR(a[0].mem_bound_s + z[0].mem_bound_s, whole[0].mem_bound_s, "mem_bound_s adds up over the stages");
+    NEAR(mid[0].mem_bound_s, (s0 * tiny_mem_elems() * b * 3.0 + p_mid * (28.0 + b)) / mem_rate(HBM_A100),
+         "middle stage mem_bound_s: its layer's tokens and the optimizer over its parameters, no loss");
+    NEAR(a[0].gemm_s + z[0].gemm_s, whole[0].gemm_s, "gemm_s adds up over the stages");
+    NEAR(a[0].attn_s + z[0].attn_s, whole[0].attn_s, "attn_s adds up over the stages");
+    /* bad flags */
+    hexiseq_model bad = TINY;
+    bad.no_head = 2;
+    EXPECT(hexiseq_model_validate(&bad) == HEXISEQ_ERR_INVALID &&
+               strstr(hexiseq_last_error(), "model.no_head must be 0 or 1, got 2"),
+           "no_head 2: %s", hexiseq_last_error());
+    bad = TINY, bad.no_embedding = -1;
+    EXPECT(hexiseq_model_validate(&bad) == HEXISEQ_ERR_INVALID && strstr(hexiseq_last_error(), "model.no_embedding"),
+           "no_embedding -1: %s", hexiseq_last_error());
+    hexiseq_layout_free(&l);
+    hexiseq_cluster_destroy(c);
+}
+
 int main(void) {
     test_window();
     test_one_device();
+    test_pipeline_stages();
     test_two_devices();
     test_three_devices();
     test_four_devices();

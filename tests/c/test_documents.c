@@ -110,7 +110,7 @@ static hexiseq_cluster *alike_cluster_doc(int32_t n, int flat, double doc_rate) 
 static hexiseq_cluster *alike_cluster_ex(int32_t n, int flat) { return alike_cluster_doc(n, flat, 0.0); }
 static hexiseq_cluster *alike_cluster(int32_t n) { return alike_cluster_ex(n, 0); }
 
-static const hexiseq_model MODEL = {2, 512, 8, 8, 64, 2048, 1000, 2, 1, 0, 0};
+static const hexiseq_model MODEL = {2, 512, 8, 8, 64, 2048, 1000, 2, 1, 0, 0, 0, 0};
 
 /* A ring of n single devices, unequal S_g (all heads each). */
 static void ring_layout(int32_t n, const int64_t *seq, int32_t chunking, hexiseq_layout *l) {
@@ -285,7 +285,7 @@ static void test_scheduler(void) {
     hexiseq_node_desc nodes[2] = {{"H100-SXM", 4, 450.0, 0, 0, 0, 0, 0}, {"L40S", 4, 32.0, 0, 0, 0, 0, 0}};
     hexiseq_cluster *c = NULL;
     EXPECT(hexiseq_cluster_create(2, nodes, 25.0, NULL, &c) == HEXISEQ_OK, "cluster: %s", hexiseq_last_error());
-    const hexiseq_model m = {8, 4096, 32, 8, 128, 11008, 32000, 2, 1, 0, 0};
+    const hexiseq_model m = {8, 4096, 32, 8, 128, 11008, 32000, 2, 1, 0, 0, 0, 0};
     const int64_t S = 131072;
     int64_t *len = malloc((size_t)S * sizeof *len);
     int64_t n = 0;
@@ -334,7 +334,7 @@ static void test_rebalance(void) {
     hexiseq_node_desc nodes[2] = {{"H100-SXM", 4, 450.0, 0, 0, 0, 0, 0}, {"L40S", 4, 32.0, 0, 0, 0, 0, 0}};
     hexiseq_cluster *c = NULL;
     hexiseq_cluster_create(2, nodes, 25.0, NULL, &c);
-    const hexiseq_model m = {8, 4096, 32, 8, 128, 11008, 32000, 2, 1, 0, 0};
+    const hexiseq_model m = {8, 4096, 32, 8, 128, 11008, 32000, 2, 1, 0, 0, 0, 0};
     const int64_t S = 65536;
     int64_t *len = malloc((size_t)S * sizeof *len);
     hexiseq_training t;

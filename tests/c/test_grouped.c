@@ -29,7 +29,7 @@ static hexiseq_cluster *mixed_cluster(int32_t n_nodes, int32_t per) {
     return st == HEXISEQ_OK ? c : NULL;
 }
 
-static const hexiseq_model MODEL = {4, 1024, 16, 4, 64, 4096, 32000, 2, 1, 0, 0};
+static const hexiseq_model MODEL = {4, 1024, 16, 4, 64, 4096, 32000, 2, 1, 0, 0, 0, 0};
 
 /* Groups of `k` consecutive devices; S_g cycles through three lengths; heads split unevenly in two
  * patterns; tokens split unevenly. */

@@ -30,7 +30,7 @@
     } while (0)
 
 static const double GIB = 1073741824.0;
-static const hexiseq_model M6 = {6, 8, 4, 2, 2, 16, 32, 2, 0, 0, 0};
+static const hexiseq_model M6 = {6, 8, 4, 2, 2, 16, 32, 2, 0, 0, 0, 0, 0};
 static const double L = 6, H = 8, F = 16, V = 32, b = 2, TILE = 4096;
 static const double PEAK = 100.0, EFF = 0.5; /* node overrides: matmuls at 50 TFLOP/s on large shapes */
 static const double MEM_RATE = 2039.0 * 1e9 * 0.75; /* A100-80G's memory-bound rate: 0.75 of its bandwidth */

@@ -202,6 +202,6 @@ int main(void) {
     test_schedule_invariants();
     test_schedule_errors();
     test_split();
-    printf("test_pipeline: %d passed, %d failed\n", n_passed, n_failed);
+    printf("%d passed, %d failed\n", n_passed, n_failed);
     return n_failed ? 1 : 0;
 }

@@ -30,7 +30,7 @@ static hexiseq_cluster *cluster_of(int32_t n) {
     return c;
 }
 
-static const hexiseq_model LLAMA70 = {80, 8192, 64, 8, 128, 28672, 128256, 2, 1, 0, 0};
+static const hexiseq_model LLAMA70 = {80, 8192, 64, 8, 128, 28672, 128256, 2, 1, 0, 0, 0, 0};
 
 static int calls;
 static int stop_at_first(void *user) {

@@ -248,7 +248,7 @@ static void test_against_exhaustive(int instances) {
         static const int32_t head_choices[][2] = {{4, 4}, {4, 2}, {6, 6}, {6, 2}, {6, 3}, {3, 1}, {5, 5}, {4, 1}};
         int hc = rnd_int(0, 7);
         hexiseq_model m = {rnd_int(2, 8), 512, head_choices[hc][0], head_choices[hc][1], 64, 2048, 32000, 2, rnd_int(0, 1),
-                           0, 0};
+                           0, 0, 0, 0};
         m.hidden = m.heads * m.head_dim;
         int32_t U = 6;
         int64_t S = (int64_t)U * 512 * rnd_int(2, 8);
@@ -307,7 +307,7 @@ static void test_measured_against_exhaustive(int instances) {
             continue;
         /* a problem of the size the planner is for (steps of seconds, where latencies are a small part):
          * the exhaustive search costs the same at any width and length */
-        hexiseq_model m = {rnd_int(2, 8), 1024, 4, 2, 256, 4096, 32000, 2, 1, 0, 0};
+        hexiseq_model m = {rnd_int(2, 8), 1024, 4, 2, 256, 4096, 32000, 2, 1, 0, 0, 0, 0};
         int32_t U = 6;
         int64_t S = (int64_t)U * 4096 * rnd_int(2, 8);
         char label[64];
@@ -375,9 +375,9 @@ static int layout_valid(const hexiseq_layout *l, const hexiseq_model *m, int64_t
 
 static void test_never_worse_than_baselines(void) {
     hexiseq_model models[] = {
-        {32, 4096, 32, 32, 128, 16384, 50304, 2, 0, 0, 0}, /* gpt-7b */
-        {40, 5120, 40, 8, 128, 13824, 32000, 2, 1, 0, 0},  /* 40 heads, 8 kv */
-        {32, 4096, 32, 8, 128, 14336, 128256, 2, 1, 0, 0}, /* llama3-8b */
+        {32, 4096, 32, 32, 128, 16384, 50304, 2, 0, 0, 0, 0, 0}, /* gpt-7b */
+        {40, 5120, 40, 8, 128, 13824, 32000, 2, 1, 0, 0, 0, 0},  /* 40 heads, 8 kv */
+        {32, 4096, 32, 8, 128, 14336, 128256, 2, 1, 0, 0, 0, 0}, /* llama3-8b */
     };
     int64_t seqs[] = {8191, 65537, 262144};
     for (int mi = 0; mi < 3; ++mi)
@@ -416,7 +416,7 @@ static void test_awkward_sizes(void) {
     hexiseq_node_desc one = {"A100-80G", 1, 300.0, 0, 0, 0, 0, 0};
     hexiseq_cluster *c1 = NULL;
     CHECK(hexiseq_cluster_create(1, &one, 25.0, NULL, &c1) == HEXISEQ_OK, "one-device cluster");
-    hexiseq_model small = {4, 256, 4, 2, 64, 1024, 1000, 2, 1, 0, 0};
+    hexiseq_model small = {4, 256, 4, 2, 64, 1024, 1000, 2, 1, 0, 0, 0, 0};
     hexiseq_layout l;
     hexiseq_plan_cost pc;
     CHECK(hexiseq_plan_strategy(c1, &small, &t, 1, 1, HEXISEQ_STRATEGY_HEXISEQ, &l, &pc) == HEXISEQ_OK,
@@ -427,7 +427,7 @@ static void test_awkward_sizes(void) {
 
     /* fewer heads than devices: some devices do token work only */
     hexiseq_cluster *c = mixed_cluster(2, 8);
-    hexiseq_model few = {8, 1024, 4, 1, 256, 4096, 32000, 2, 1, 0, 0};
+    hexiseq_model few = {8, 1024, 4, 1, 256, 4096, 32000, 2, 1, 0, 0, 0, 0};
     CHECK(hexiseq_plan_strategy(c, &few, &t, 100003, 1, HEXISEQ_STRATEGY_HEXISEQ, &l, &pc) == HEXISEQ_OK,
           "4 heads on 16 devices: %s", hexiseq_last_error());
     int zero = 0;
@@ -440,7 +440,7 @@ static void test_awkward_sizes(void) {
 
     /* 40 heads, 8 kv heads, 12 devices, a prime sequence length */
     c = mixed_cluster(3, 4);
-    hexiseq_model odd = {40, 5120, 40, 8, 128, 13824, 32000, 2, 1, 0, 0};
+    hexiseq_model odd = {40, 5120, 40, 8, 128, 13824, 32000, 2, 1, 0, 0, 0, 0};
     t.checkpointing = 1;
     CHECK(hexiseq_plan_strategy(c, &odd, &t, 131071, 1, HEXISEQ_STRATEGY_HEXISEQ, &l, &pc) == HEXISEQ_OK,
           "40/8 heads on 12 devices: %s", hexiseq_last_error());
@@ -459,7 +459,7 @@ static void test_awkward_sizes(void) {
 
     /* 1024 devices plan without error */
     c = mixed_cluster(128, 8);
-    hexiseq_model m13 = {40, 5120, 40, 40, 128, 20480, 50304, 2, 0, 0, 0};
+    hexiseq_model m13 = {40, 5120, 40, 40, 128, 20480, 50304, 2, 0, 0, 0, 0, 0};
     t.checkpointing = 1;
     hexiseq_status st = hexiseq_plan_strategy(c, &m13, &t, 1 << 20, 1, HEXISEQ_STRATEGY_HEXISEQ, &l, &pc);
     CHECK(st == HEXISEQ_OK, "1024 devices: %d %s", st, hexiseq_last_error());
@@ -471,7 +471,7 @@ static void test_awkward_sizes(void) {
     /* a cluster that fits under no plan: the error names the short device */
     hexiseq_node_desc tiny = {"RTX3090", 2, 32.0, 0, 0, 0, 0, 0};
     CHECK(hexiseq_cluster_create(1, &tiny, 25.0, NULL, &c) == HEXISEQ_OK, "RTX3090 cluster");
-    hexiseq_model big = {80, 8192, 64, 8, 128, 28672, 128256, 2, 1, 0, 0};
+    hexiseq_model big = {80, 8192, 64, 8, 128, 28672, 128256, 2, 1, 0, 0, 0, 0};
     t.checkpointing = 0;
     st = hexiseq_plan_strategy(c, &big, &t, 1 << 20, 1, HEXISEQ_STRATEGY_HEXISEQ, &l, &pc);
     CHECK(st == HEXISEQ_ERR_MEMORY, "70B on two RTX3090 does not fit (status %d)", st);
@@ -496,7 +496,7 @@ static void test_shorter_lengths_fit(void) {
     }
     hexiseq_cluster *c = NULL;
     CHECK(hexiseq_cluster_create(8, nodes, 25.0, NULL, &c) == HEXISEQ_OK, "64-device cluster: %s", hexiseq_last_error());
-    hexiseq_model m = {80, 8192, 64, 8, 128, 28672, 128256, 2, 1, 0, 0}; /* llama3-70b */
+    hexiseq_model m = {80, 8192, 64, 8, 128, 28672, 128256, 2, 1, 0, 0, 0, 0}; /* llama3-70b */
     hexiseq_training t;
     hexiseq_training_default(&t);
     const int64_t lengths[] = {127744, 121356, 114969, 108582, 100000, 64000};
@@ -529,7 +529,7 @@ static void test_shorter_lengths_fit_with_features(void) {
     hexiseq_cluster *c = NULL;
     CHECK(hexiseq_cluster_create(4, nodes, 25.0, NULL, &c) == HEXISEQ_OK, "32-device cluster: %s",
           hexiseq_last_error());
-    hexiseq_model m = {80, 8192, 64, 8, 128, 28672, 128256, 2, 1, 0, 0}; /* llama3-70b */
+    hexiseq_model m = {80, 8192, 64, 8, 128, 28672, 128256, 2, 1, 0, 0, 0, 0}; /* llama3-70b */
     const int64_t lengths[2][4] = {{97500, 94750, 94500, 93250}, {96000, 94750, 94500, 93250}};
     for (int shares = 0; c && shares < 2; ++shares) {
         hexiseq_training t;
