@@ -13,7 +13,9 @@ void hexiseq_states(const hexiseq_cluster *c, const hexiseq_model *m, const hexi
     double P = hexiseq_total_params(m);
     double b = m->dtype_bytes;
     double opt = 8.0 + (b < 4 ? 4.0 : 0.0); /* Adam m, v in fp32, plus an fp32 master copy below fp32 */
-    double gathered = fmax(hexiseq_layer_params(m), fmax(hexiseq_embedding_params(m), hexiseq_head_params(m))) * b;
+    /* the largest tensor gathered at once: a layer's, or the embedding's or head's matrix where the model holds one */
+    double vocab_matrix = (m->no_embedding && m->no_head) ? 0.0 : (double)m->vocab * m->hidden;
+    double gathered = fmax(hexiseq_layer_params(m), vocab_matrix) * b;
     double fixed, sharded;
     switch (t->sharding) {
     case HEXISEQ_SHARD_FULL: fixed = 3.0 * gathered, sharded = (2.0 * b + opt) * P; break; /* layer, prefetch, grads */
