@@ -1,0 +1,373 @@
+"""Pipelines: the model's layers in stages over groups of devices, the step's sequences through them as micro-batches
+under a one-forward-one-backward schedule.
+
+A pipeline plan cuts the cluster at node boundaries into P stages of consecutive nodes (fast links inside a stage,
+only activations over the links between stages), each stage's share of the cluster's matmul rate about 1/P. Each
+stage holds consecutive layers (the embedding on the first, the output head on the last: Model.stage), sharded
+inside the stage, and runs its layers over its own devices with its own asymmetric CP/HP layout, planned by the
+scheduler for its part of the model. The layers are shared out by the stages' speeds and memory
+(hexiseq_pipeline_split, over each stage's time per layer and fixed part as the cost model prices them), and the
+step is timed by simulating the schedule (hexiseq_pipeline_schedule): every sequence is one micro-batch, its
+activations and their gradients cross each stage boundary over the links between the two stages.
+
+What each stage costs is the cost model's figure for its layout running the step's sequences on its part of the
+model, divided over the micro-batches (a forward and a backward of 1 : 2, 1 : 3 with recomputation): the gradient
+synchronisation inside the stage, once per step, is spread over them. Each stage's memory is the cost model's plus
+the activations of the micro-batches it holds at once beyond the first (min(P - s, M) under 1F1B), each as large as
+one sequence's (an upper figure: with checkpointing only the layers' inputs stay).
+
+Not yet here: several pipelines side by side (data parallel replicas), stages inside a node, interleaved stages,
+tensor parallelism, and a runtime (a pipeline plan is not returned by hexiseq.plan until one runs it)."""
+
+import dataclasses
+import time
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from .. import _core
+from .._validate import integer
+from ..errors import MemoryFitError, UnsupportedError
+from .cluster import Cluster
+from .model import Model, Sharding, Training
+from .plan import Plan, plan_layout, resolve_inputs
+
+__all__ = ["PipelinePlan", "Stage", "plan_pipeline", "stage_cuts", "model_flops", "peak_flops", "compute_floor_s"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One stage of a pipeline plan. devices: its cluster devices; first_layer, layers: the model's layers it holds;
+    plan: its layout over its own devices (renumbered 0..) for its part of the model (plan.model) and the step's
+    sequences, with the cost model's figures; forward_s, backward_s: one micro-batch's, as the schedule times it;
+    idle_s: the step minus its work; in_flight: the most micro-batches whose activations it holds at once;
+    memory_gib: its fullest device's memory with them (the cost model's total, plus the in-flight activations beyond
+    one micro-batch's), against memory_cap_gib."""
+
+    devices: Tuple[int, ...]
+    first_layer: int
+    layers: int
+    plan: Plan = dataclasses.field(repr=False)
+    forward_s: float
+    backward_s: float
+    idle_s: float
+    in_flight: int
+    memory_gib: float
+    memory_cap_gib: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    """A pipeline plan (see hexiseq.planner.pipeline). Every time is a prediction.
+
+    stages: the Stages in pipeline order; micro_batches: the step's sequences, one micro-batch each; send_s: one
+    micro-batch's activations across each stage boundary (and as long for their gradient back); step_time_s: the
+    schedule's step; work_s: the busiest stage's work (micro_batches x (forward + backward)); bubble_s: step_time_s -
+    work_s; model_flops: the step's model FLOPs (the matmuls of the layers and the head, 6 per parameter and token,
+    and the attention's visible pairs, 12 per pair, head dim and head); compute_floor_s: those FLOPs at the devices'
+    rates (the matmuls at catalog peak x gemm_eff, the attention at peak x attn_eff, or the nodes' overrides), no
+    parallelism's overheads: no plan is below it;
+    alternatives: (stages, step_time_s or None where nothing fit) of every stage count tried; solve_s: what planning
+    took (measured)."""
+
+    cluster: Cluster
+    model: Model
+    training: Training
+    causal: bool
+    seq_len: int
+    micro_batches: int
+    stages: Tuple[Stage, ...]
+    send_s: Tuple[float, ...]
+    step_time_s: float
+    work_s: float
+    bubble_s: float
+    model_flops: float
+    compute_floor_s: float
+    alternatives: Tuple[Tuple[int, Optional[float]], ...] = dataclasses.field(default=(), repr=False)
+    solve_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.micro_batches * self.seq_len / self.step_time_s
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs per second over the devices' dense peak: the fraction of peak the step would use."""
+        return self.model_flops / (self.step_time_s * peak_flops(self.cluster, None))
+
+    def to_dict(self) -> dict:
+        return {"stages": [{"devices": list(s.devices), "first_layer": s.first_layer, "layers": s.layers,
+                            "layout": s.plan.layout.to_dict(), "forward_s": s.forward_s, "backward_s": s.backward_s,
+                            "idle_s": s.idle_s, "in_flight": s.in_flight, "memory_gib": s.memory_gib,
+                            "memory_cap_gib": s.memory_cap_gib} for s in self.stages],
+                "micro_batches": self.micro_batches, "seq_len": self.seq_len, "send_s": list(self.send_s),
+                "predicted": {"step_time_s": self.step_time_s, "work_s": self.work_s, "bubble_s": self.bubble_s,
+                              "tokens_per_s": self.tokens_per_s, "model_flops": self.model_flops,
+                              "compute_floor_s": self.compute_floor_s, "mfu": self.mfu},
+                "alternatives": [{"stages": p, "step_time_s": t} for p, t in self.alternatives],
+                "solve_s": self.solve_s}
+
+    def explain(self) -> str:
+        P, M = len(self.stages), self.micro_batches
+        lines = [f"pipeline plan: {M} sequence{'s' if M != 1 else ''} of {self.seq_len:,} tokens of "
+                 f"{self.model.name} on {self.cluster.describe()}",
+                 f"  {P} stage{'s' if P != 1 else ''} of consecutive nodes, {M} micro-batch{'es' if M != 1 else ''} "
+                 f"(one sequence each), one forward one backward; planned in {self.solve_s:.2f} s",
+                 f"  step (cost model per stage, schedule simulated) {self.step_time_s:.4g} s = the busiest stage's "
+                 f"work {self.work_s:.4g} s + bubble {self.bubble_s:.4g} s",
+                 f"  compute floor {self.compute_floor_s:.4g} s ({self.model_flops:.3g} model FLOPs at the devices' "
+                 f"matmul and attention rates): the step is {self.step_time_s / self.compute_floor_s:.2f}x it; "
+                 f"{100 * self.mfu:.1f}% of the devices' peak in model FLOPs"]
+        tried = ", ".join(f"{p}: {'none fits' if t is None else f'{t:.4g} s'}" for p, t in self.alternatives)
+        if tried:
+            lines.append(f"  stage counts tried (step): {tried}")
+        gpus, rows = self.cluster.device_gpus, []
+        for i, s in enumerate(self.stages):
+            kinds = {}
+            for d in s.devices:
+                kinds[gpus[d]] = kinds.get(gpus[d], 0) + 1
+            span = f"{s.devices[0]}-{s.devices[-1]}" if len(s.devices) > 1 else f"{s.devices[0]}"
+            held = f"{s.first_layer}-{s.first_layer + s.layers - 1}" + (" +emb" if i == 0 else "") + (
+                " +head" if i == P - 1 else "")
+            rows.append((f"{span} ({', '.join(f'{c}x {k}' for k, c in kinds.items())})", held, s))
+        width = max([len("devices")] + [len(r[0]) for r in rows]) + 2
+        held_width = max([len("layers")] + [len(r[1]) for r in rows]) + 2
+        lines.append("  stage  " + "devices".ljust(width) + "layers".ljust(held_width) +
+                     "  fwd (s)    bwd (s)   idle (s)  in flight  memory (GiB)")
+        for i, (devices, held, s) in enumerate(rows):
+            lines.append(f"  {i:>5}  {devices.ljust(width)}{held.ljust(held_width)}{s.forward_s:>9.4g}  "
+                         f"{s.backward_s:>9.4g}  {s.idle_s:>9.4g}  {s.in_flight:>9}  {s.memory_gib:>6.1f} / "
+                         f"{s.memory_cap_gib:.1f}")
+        return "\n".join(lines)
+
+    def __repr__(self):
+        return (f"PipelinePlan(stages={len(self.stages)}, micro_batches={self.micro_batches}, "
+                f"step_time_s={self.step_time_s:.4g}, bubble_s={self.bubble_s:.4g})")
+
+
+def _catalog():
+    return {g["name"]: g for g in _core.gpu_catalog()}
+
+
+def peak_flops(cluster: Cluster, efficiency: Optional[str] = "gemm_eff") -> float:
+    """The cluster's dense rate in FLOP/s: every device's peak (the catalog's, or its node's override), times its
+    "gemm_eff" (what large matmuls reach) or "attn_eff" (what flash attention reaches), or None (the peak itself),
+    summed over the devices."""
+    catalog, total = _catalog(), 0.0
+    for node in cluster.nodes:
+        spec = catalog.get(node.gpu, {})
+        peak = node.peak_tflops or spec.get("peak_tflops")
+        eff = 1.0 if efficiency is None else (getattr(node, efficiency) or spec.get(efficiency))
+        if not peak or not eff:
+            raise UnsupportedError(f"GPU model {node.gpu!r} has no peak rate or {efficiency} in the catalog or its "
+                                   "node: give peak_tflops, gemm_eff and attn_eff")
+        total += node.count * peak * 1e12 * eff
+    return total
+
+
+def model_flops(model: Model, seq_len: int, sequences: int = 1, causal: bool = True) -> Tuple[float, float]:
+    """The model FLOPs of a training step (forward and backward, no recomputation), as (matmul, attention): 6 per
+    matmul parameter and token (the layers and the output head), and 12 per visible attention pair, head dim and
+    query head (a window leaves the pairs it hides out)."""
+    layer = float(_core.model_params(Model(1, model.hidden, model.heads, model.kv_heads, model.head_dim, model.ffn,
+                                           1, model.dtype_bytes, model.gated_mlp)._as_core()))
+    layer -= 2.0 * model.hidden + model.hidden  # the one-layer model's 1-word embedding, head and final norm
+    matmul = model.layers * layer + model.vocab * model.hidden
+
+    def pairs(window):
+        if not causal:
+            return float(seq_len) * seq_len
+        if window is None or window >= seq_len:
+            return seq_len * (seq_len + 1) / 2.0
+        return window * (window + 1) / 2.0 + (seq_len - window) * float(window)
+
+    sliding = model.sliding_layers or 0
+    visible = (model.layers - sliding) * pairs(None) + sliding * pairs(model.sliding_window)
+    return (float(sequences) * 6.0 * seq_len * matmul,
+            float(sequences) * 12.0 * visible * model.head_dim * model.heads)
+
+
+def compute_floor_s(cluster: Cluster, model: Model, seq_len: int, sequences: int = 1, causal: bool = True) -> float:
+    """The step's model FLOPs at the devices' catalog rates, the matmuls at their gemm rate and the attention at its
+    attention rate, every device busy and nothing else paid: no plan of any parallelism is faster."""
+    matmul, attention = model_flops(model, seq_len, sequences, causal)
+    return matmul / peak_flops(cluster, "gemm_eff") + attention / peak_flops(cluster, "attn_eff")
+
+
+def stage_cuts(cluster: Cluster, stages: int) -> Optional[List[Tuple[int, ...]]]:
+    """The cluster's nodes cut into `stages` runs of consecutive nodes, each run's share of the matmul rate as near
+    1/stages as the nodes allow (each cut where the running share first reaches k/stages, the nearer side), as device
+    lists; None when there are fewer nodes than stages."""
+    nodes = cluster.nodes
+    if stages > len(nodes):
+        return None
+    catalog = _catalog()
+    rate = [n.count * (n.peak_tflops or catalog.get(n.gpu, {}).get("peak_tflops") or 1.0) *
+            (n.gemm_eff or catalog.get(n.gpu, {}).get("gemm_eff") or 1.0) for n in nodes]
+    total, acc, cuts = sum(rate), 0.0, []
+    for i, r in enumerate(rate[:-1]):
+        before, acc = acc, acc + r
+        k = len(cuts) + 1
+        if k >= stages:
+            break
+        target = total * k / stages
+        left = len(nodes) - (i + 1)  # nodes after this one
+        if left == stages - k or (acc >= target and (acc - target <= target - before or not cuts or cuts[-1] < i)):
+            cuts.append(i + 1)
+    while len(cuts) < stages - 1:  # too few cuts (very uneven nodes): cut the last nodes one by one
+        cuts.append(len(nodes) - (stages - 1 - len(cuts)))
+    start = np.concatenate([[0], np.cumsum([n.count for n in nodes])])
+    bounds = [0] + cuts + [len(nodes)]
+    return [tuple(range(int(start[a]), int(start[b]))) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _send_s(cluster: Cluster, a: Tuple[int, ...], b: Tuple[int, ...], seq_len: int, model: Model) -> float:
+    """One micro-batch's activations (seq_len x hidden) from stage a to stage b: over min(|a|, |b|) device pairs
+    side by side, each at the slowest link between the two stages, plus the largest latency."""
+    if cluster.bandwidth_gbps is not None:
+        gbps = float(np.min(cluster.bandwidth_gbps[np.ix_(a, b)]))
+    else:
+        nodes = cluster.device_nodes
+        gbps = cluster.inter_node_gbps if nodes[a[-1]] != nodes[b[0]] else min(
+            cluster.nodes[int(nodes[a[-1]])].intra_gbps, cluster.nodes[int(nodes[b[0]])].intra_gbps)
+    lat = cluster.latency_us  # None: the core's defaults, 20 us between nodes, 10 inside one
+    if lat is None:
+        lat_us = 20.0 if cluster.device_nodes[a[-1]] != cluster.device_nodes[b[0]] else 10.0
+    else:
+        lat_us = float(lat) if isinstance(lat, float) else float(np.max(np.asarray(lat)[np.ix_(a, b)]))
+    lat_s = lat_us * 1e-6
+    return seq_len * model.hidden * model.dtype_bytes / (min(len(a), len(b)) * gbps * 1e9) + lat_s
+
+
+def _memory(plan: Plan, in_flight: int) -> Tuple[float, float, bool]:
+    """The fullest device of a stage's plan holding `in_flight` micro-batches' activations: (GiB, its cap, fits).
+    Each micro-batch beyond the one the cost model counts adds what it keeps until its backward: with checkpointing
+    each layer's input (tokens x hidden), else every activation the cost model counts for one."""
+    t, m = plan.devices, plan.model
+    if plan.training.checkpointing:
+        stash = t.tokens * (m.layers * m.hidden * m.dtype_bytes) / 2.0 ** 30
+    else:
+        stash = t.mem_act_gib + t.mem_attn_gib
+    need = t.mem_total_gib + (in_flight - 1) * stash
+    i = int(np.argmax(need - t.mem_cap_gib))
+    return float(need[i]), float(t.mem_cap_gib[i]), bool(np.all(need <= t.mem_cap_gib))
+
+
+def _stage_plan(sub, model, training, seq_len, causal, layers, first, last, in_flight, layout=None):
+    """The plan of a stage of `layers` layers (the scheduler's, or `layout` priced), and whether it fits with its
+    in-flight micro-batches; None when no layout fits."""
+    part = model.stage(layers, first, last)
+    try:
+        if layout is None:
+            p = plan_layout(sub, model=part, seq_len=seq_len, training=training, causal=causal, strategy="hexiseq")
+        else:
+            p = Plan(sub, part, training, seq_len, causal, "hexiseq", layout)
+    except (MemoryFitError, UnsupportedError):
+        return None
+    return p if p.fits and _memory(p, in_flight)[2] else None
+
+
+def _trainings(training: Training) -> List[Training]:
+    """The settings a stage may run: the user's and, under full sharding, the optimizer states alone sharded inside
+    the stage (ZeRO-1: the stage's parameters and gradients whole on each of its devices, so no micro-batch gathers
+    them again; a stage holds a fraction of the model, which often leaves the room)."""
+    out = [training]
+    if training.sharding == Sharding.FULL:
+        out.append(dataclasses.replace(training, sharding=Sharding.OPT))
+    return out
+
+
+def _pipeline(cluster, model, training, seq_len, causal, cuts) -> Optional[PipelinePlan]:
+    P, M, L = len(cuts), training.sequences, model.layers
+    r = 3.0 if training.checkpointing else 2.0  # backward : forward, recomputation included
+    subs = [cluster.subset(c) for c in cuts]
+    in_flight = [min(P - s, M) for s in range(P)]
+    most = L - (P - 1)
+    guess = max(1, min(most, round(L / P)))
+    fixed, per, caps, bases = [], [], [], []
+    for s in range(P):
+        first, last = s == 0, s == P - 1
+        base = None  # the fastest setting's plan at an even share of the layers (or at one layer)
+        for tr in _trainings(training):
+            for n in (guess, 1):
+                p = _stage_plan(subs[s], model, training=tr, seq_len=seq_len, causal=causal, layers=n, first=first,
+                                last=last, in_flight=in_flight[s])
+                if p is not None:
+                    if base is None or (p.model.layers, -p.step_time_s) > (base.model.layers, -base.step_time_s):
+                        base = p
+                    break
+        if base is None:
+            return None
+        bases.append(base)
+        tr = base.training
+        t1 = Plan(subs[s], model.stage(1, first, last), tr, seq_len, causal, "hexiseq", base.layout).step_time_s
+        t2 = Plan(subs[s], model.stage(2, first, last), tr, seq_len, causal, "hexiseq",
+                  base.layout).step_time_s if most >= 2 else t1
+        per.append(max(t2 - t1, 0.0) / M)
+        fixed.append(max(t1 - (t2 - t1), 0.0) / M)
+        lo, hi = base.model.layers, most  # the most layers the base layout holds: lo fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if _stage_plan(subs[s], model, tr, seq_len, causal, mid, first, last, in_flight[s],
+                           base.layout) is not None:
+                lo = mid
+            else:
+                hi = mid - 1
+        caps.append(lo)
+    try:
+        layers, _ = _core.pipeline_split(L, fixed, per, caps)
+    except MemoryFitError:
+        return None
+    stage_plans = []
+    for s in range(P):
+        n, first, last = int(layers[s]), s == 0, s == P - 1
+        # the scheduler's layout for these layers under each setting, and the base layout: the fastest that fits
+        made = [_stage_plan(subs[s], model, tr, seq_len, causal, n, first, last, in_flight[s])
+                for tr in _trainings(training)]
+        made.append(_stage_plan(subs[s], model, bases[s].training, seq_len, causal, n, first, last, in_flight[s],
+                                bases[s].layout))
+        made = [p for p in made if p is not None]
+        if not made:
+            return None
+        stage_plans.append(min(made, key=lambda p: p.step_time_s))
+    forward = [p.step_time_s / (M * (1.0 + r)) for p in stage_plans]
+    backward = [r * f for f in forward]
+    send = [_send_s(cluster, cuts[s], cuts[s + 1], seq_len, model) for s in range(P - 1)]
+    timing, idle, held = _core.pipeline_schedule(forward, backward, send if P > 1 else None, M)
+    stages, first_layer = [], 0
+    for s in range(P):
+        mem, cap, _ = _memory(stage_plans[s], int(held[s]))
+        stages.append(Stage(tuple(cuts[s]), first_layer, int(layers[s]), stage_plans[s], forward[s], backward[s],
+                            float(idle[s]), int(held[s]), mem, cap))
+        first_layer += int(layers[s])
+    return PipelinePlan(cluster, model, training, causal, seq_len, M, tuple(stages), tuple(send), timing["step_s"],
+                        timing["work_s"], timing["bubble_s"], sum(model_flops(model, seq_len, M, causal)),
+                        compute_floor_s(cluster, model, seq_len, M, causal))
+
+
+def plan_pipeline(cluster, *, model="gpt-7b", seq_len=131072, training=None, causal=True,
+                  stages=None) -> PipelinePlan:
+    """The fastest pipeline plan (see hexiseq.planner.pipeline) for `training.sequences` sequences of `seq_len`
+    tokens: every stage count from 1 (the single group of today, timed the same way) up to the cluster's nodes and the
+    model's layers (1, 2, 4, ... and the node count), or `stages` alone, each cut at node boundaries.
+
+    Raises MemoryFitError when no stage count fits; InvalidArgumentError for bad input (stages out of
+    [1, min(nodes, layers)])."""
+    t0 = time.perf_counter()
+    cluster, model, training, seq_len = resolve_inputs(cluster, model, training, seq_len)
+    causal = bool(causal)
+    most = min(len(cluster.nodes), model.layers)
+    if stages is None:
+        counts = sorted({1, most} | {1 << k for k in range(32) if (1 << k) <= most})
+    else:
+        counts = [integer(stages, "stages", 1, most)]
+    results, best = [], None
+    for P in counts:
+        p = _pipeline(cluster, model, training, seq_len, causal, stage_cuts(cluster, P))
+        results.append((P, None if p is None else p.step_time_s))
+        if p is not None and (best is None or p.step_time_s < best.step_time_s):
+            best = p
+    if best is None:
+        raise MemoryFitError(f"no pipeline of {' or '.join(str(P) for P in counts)} stage(s) over "
+                             f"{cluster.describe()} holds {model.name} at seq_len {seq_len:,}")
+    return dataclasses.replace(best, alternatives=tuple(results), solve_s=time.perf_counter() - t0)
