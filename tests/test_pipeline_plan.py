@@ -56,7 +56,7 @@ def test_stage_cuts_follow_the_nodes_rates():
 def test_a_pipeline_plan_is_its_stages_and_their_schedule():
     c = nodes(("H100-SXM", 4), ("A100-80G", 4), inter=10.0)
     tr = hexiseq.Training(sequences=6)
-    p = plan_pipeline(c, model=MODEL, seq_len=8192, training=tr, stages=2)
+    p = plan_pipeline(c, model=MODEL, seq_len=8192, training=tr, pipelines=1, stages=2)
     assert len(p.stages) == 2 and p.micro_batches == 6
     assert [s.devices for s in p.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)]
     assert sum(s.layers for s in p.stages) == 12 and p.stages[1].first_layer == p.stages[0].layers
@@ -86,20 +86,42 @@ def test_a_pipeline_plan_is_its_stages_and_their_schedule():
 def test_one_stage_is_the_layout_of_today_under_its_fastest_setting():
     c = nodes(("H100-SXM", 4), ("A100-80G", 4))
     tr = hexiseq.Training(sequences=3)
-    p = plan_pipeline(c, model=MODEL, seq_len=16384, training=tr, stages=1)
+    p = plan_pipeline(c, model=MODEL, seq_len=16384, training=tr, pipelines=1, stages=1)
     today = [plan_layout(c, model=MODEL, seq_len=16384, training=t, strategy="hexiseq")
              for t in (tr, dataclasses.replace(tr, sharding="opt"))]
     assert p.step_time_s == pytest.approx(min(x.step_time_s for x in today), rel=1e-9)
     assert p.bubble_s == pytest.approx(0.0, abs=1e-9) and p.stages[0].in_flight == 1
 
 
-def test_the_fastest_stage_count_is_chosen_and_every_count_reported():
+def test_the_fastest_shape_is_chosen_and_every_shape_reported():
     c = nodes(("H100-SXM", 4), ("H100-SXM", 4), ("A100-80G", 4), ("A100-80G", 4), inter=5.0)
     p = plan_pipeline(c, model=MODEL, seq_len=4096, training=hexiseq.Training(sequences=8))
-    counts = [k for k, _ in p.alternatives]
-    assert counts == [1, 2, 4]
-    assert p.step_time_s == min(t for _, t in p.alternatives if t is not None)
-    assert len(p.stages) == [k for k, t in p.alternatives if t == p.step_time_s][0]
+    shapes = [(r, k) for r, k, _ in p.alternatives]
+    assert shapes == [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1)]
+    assert p.step_time_s == min(t for _, _, t in p.alternatives if t is not None)
+    assert (len(p.pipelines), len(p.stages)) == [(r, k) for r, k, t in p.alternatives if t == p.step_time_s][0]
+
+
+def test_pipelines_side_by_side_share_the_sequences_and_sync_their_gradients():
+    """Two pipelines of two stages over four nodes: each runs half the sequences over its two nodes, the second the
+    first's stages two nodes along; the step is the slower pipeline's schedule plus the all-reduce of each stage's
+    gradients with its counterpart, by hand: 2 (R - 1) / R of a device's share over the link between nodes, plus
+    2 (R - 1) latencies of 20 us."""
+    c = nodes(("H100-SXM", 4), ("A100-80G", 4), ("H100-SXM", 4), ("A100-80G", 4), inter=10.0)
+    p = plan_pipeline(c, model=MODEL, seq_len=8192, training=hexiseq.Training(sequences=6), pipelines=2, stages=2)
+    assert len(p.pipelines) == 2 and p.micro_batches_of == (3, 3)
+    one, two = p.pipelines
+    assert [s.devices for s in one] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert [s.devices for s in two] == [(8, 9, 10, 11), (12, 13, 14, 15)]
+    assert [s.layers for s in one] == [s.layers for s in two] and sum(s.layers for s in one) == 12
+    share = max(s.plan.model.params * 2 / 4 for s in one)
+    assert p.sync_s == pytest.approx(2 * 1 / 2 * share / 10e9 + 2 * 20e-6, rel=1e-12)
+    timing, _, _ = _core.pipeline_schedule([s.forward_s for s in one], [s.backward_s for s in one], list(p.send_s), 3)
+    assert p.step_time_s == pytest.approx(timing["step_s"] + p.sync_s, rel=1e-12)
+    assert "2 pipelines (data parallel) of 2 stages" in p.explain()
+    # odd sequences: the first pipeline runs one more, and the step waits for it
+    odd = plan_pipeline(c, model=MODEL, seq_len=8192, training=hexiseq.Training(sequences=5), pipelines=2, stages=2)
+    assert odd.micro_batches_of == (3, 2)
 
 
 def test_the_compute_floor_is_below_every_plan():
@@ -112,14 +134,18 @@ def test_the_compute_floor_is_below_every_plan():
         assert hexiseq.plan(c, model=MODEL, seq_len=S, training=tr).step_time_s > floor
 
 
-@pytest.mark.parametrize("stages,words", [(0, "stages must be in [1, 2], got 0"), (3, "stages must be in [1, 2], got 3"),
-                                          ("2", "stages must be an integer")])
-def test_bad_stage_counts_are_named(stages, words):
+@pytest.mark.parametrize("kwargs,words", [({"stages": 0}, "stages must be in [1, 2], got 0"),
+                                           ({"stages": 3}, "stages must be in [1, 2], got 3"),
+                                           ({"stages": "2"}, "stages must be an integer"),
+                                           ({"pipelines": 3}, "pipelines must be in [1, 2], got 3"),
+                                           ({"pipelines": 2, "stages": 2}, "stages must be in [1, 1], got 2")])
+def test_bad_shapes_are_named(kwargs, words):
     with pytest.raises(InvalidArgumentError, match=words.replace("[", r"\[").replace("]", r"\]")):
-        plan_pipeline(nodes(("H100-SXM", 4), ("A100-80G", 4)), model=MODEL, seq_len=4096, stages=stages)
+        plan_pipeline(nodes(("H100-SXM", 4), ("A100-80G", 4)), model=MODEL, seq_len=4096,
+                      training=hexiseq.Training(sequences=4), **kwargs)
 
 
 def test_a_stage_that_holds_no_layer_makes_no_plan():
     tiny = nodes(("H100-SXM", 1), ("H100-SXM", 1))
-    with pytest.raises(hexiseq.MemoryFitError, match="no pipeline of 1 or 2 stage"):
+    with pytest.raises(hexiseq.MemoryFitError, match=r"no pipeline plan \(1 x 1 stages, 1 x 2 stages tried\)"):
         plan_pipeline(tiny, model="llama3-70b", seq_len="1m")

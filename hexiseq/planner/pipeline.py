@@ -60,15 +60,18 @@ class Stage:
 class PipelinePlan:
     """A pipeline plan (see hexiseq.planner.pipeline). Every time is a prediction.
 
-    stages: the Stages in pipeline order; micro_batches: the step's sequences, one micro-batch each; send_s: one
-    micro-batch's activations across each stage boundary (and as long for their gradient back); step_time_s: the
-    schedule's step; work_s: the busiest stage's work (micro_batches x (forward + backward)); bubble_s: step_time_s -
-    work_s; model_flops: the step's model FLOPs (the matmuls of the layers and the head, 6 per parameter and token,
+    pipelines: each pipeline's Stages in pipeline order (the pipelines are data parallel replicas over runs of
+    consecutive nodes); stages: the first's; micro_batches: the step's sequences, one micro-batch each;
+    micro_batches_of: how many each pipeline runs; send_s: one micro-batch's activations across each stage boundary
+    of the first pipeline (and as long for their gradient back); sync_s: the gradient all-reduce across the pipelines,
+    each stage's devices with their counterparts (0 for one pipeline); step_time_s: the slowest pipeline's schedule
+    plus sync_s; work_s: the busiest stage's work in that pipeline (its micro-batches x (forward + backward));
+    bubble_s: step_time_s - sync_s - work_s; model_flops: the step's model FLOPs (the matmuls of the layers and the head, 6 per parameter and token,
     and the attention's visible pairs, 12 per pair, head dim and head); compute_floor_s: those FLOPs at the devices'
     rates (the matmuls at catalog peak x gemm_eff, the attention at peak x attn_eff, or the nodes' overrides), no
     parallelism's overheads: no plan is below it;
-    alternatives: (stages, step_time_s or None where nothing fit) of every stage count tried; solve_s: what planning
-    took (measured)."""
+    alternatives: (pipelines, stages, step_time_s or None where nothing fit) of every shape tried; solve_s: what
+    planning took (measured)."""
 
     cluster: Cluster
     model: Model
@@ -76,15 +79,22 @@ class PipelinePlan:
     causal: bool
     seq_len: int
     micro_batches: int
-    stages: Tuple[Stage, ...]
+    pipelines: Tuple[Tuple[Stage, ...], ...]
+    micro_batches_of: Tuple[int, ...]
     send_s: Tuple[float, ...]
+    sync_s: float
     step_time_s: float
     work_s: float
     bubble_s: float
     model_flops: float
     compute_floor_s: float
-    alternatives: Tuple[Tuple[int, Optional[float]], ...] = dataclasses.field(default=(), repr=False)
+    alternatives: Tuple[Tuple[int, int, Optional[float]], ...] = dataclasses.field(default=(), repr=False)
     solve_s: float = 0.0
+
+    @property
+    def stages(self) -> Tuple[Stage, ...]:
+        """The stages of the first pipeline (every pipeline has as many, over devices of the same kinds)."""
+        return self.pipelines[0]
 
     @property
     def tokens_per_s(self) -> float:
@@ -96,31 +106,38 @@ class PipelinePlan:
         return self.model_flops / (self.step_time_s * peak_flops(self.cluster, None))
 
     def to_dict(self) -> dict:
-        return {"stages": [{"devices": list(s.devices), "first_layer": s.first_layer, "layers": s.layers,
-                            "layout": s.plan.layout.to_dict(), "forward_s": s.forward_s, "backward_s": s.backward_s,
-                            "idle_s": s.idle_s, "in_flight": s.in_flight, "memory_gib": s.memory_gib,
-                            "memory_cap_gib": s.memory_cap_gib} for s in self.stages],
-                "micro_batches": self.micro_batches, "seq_len": self.seq_len, "send_s": list(self.send_s),
+        return {"pipelines": [[{"devices": list(s.devices), "first_layer": s.first_layer, "layers": s.layers,
+                                "layout": s.plan.layout.to_dict(), "forward_s": s.forward_s,
+                                "backward_s": s.backward_s, "idle_s": s.idle_s, "in_flight": s.in_flight,
+                                "memory_gib": s.memory_gib, "memory_cap_gib": s.memory_cap_gib} for s in stages]
+                              for stages in self.pipelines],
+                "micro_batches": self.micro_batches, "micro_batches_of": list(self.micro_batches_of),
+                "seq_len": self.seq_len, "send_s": list(self.send_s),
                 "predicted": {"step_time_s": self.step_time_s, "work_s": self.work_s, "bubble_s": self.bubble_s,
-                              "tokens_per_s": self.tokens_per_s, "model_flops": self.model_flops,
-                              "compute_floor_s": self.compute_floor_s, "mfu": self.mfu},
-                "alternatives": [{"stages": p, "step_time_s": t} for p, t in self.alternatives],
+                              "sync_s": self.sync_s, "tokens_per_s": self.tokens_per_s,
+                              "model_flops": self.model_flops, "compute_floor_s": self.compute_floor_s,
+                              "mfu": self.mfu},
+                "alternatives": [{"pipelines": r, "stages": p, "step_time_s": t} for r, p, t in self.alternatives],
                 "solve_s": self.solve_s}
 
     def explain(self) -> str:
-        P, M = len(self.stages), self.micro_batches
+        P, M, R = len(self.stages), self.micro_batches, len(self.pipelines)
+        each = "/".join(str(k) for k in sorted(set(self.micro_batches_of)))
         lines = [f"pipeline plan: {M} sequence{'s' if M != 1 else ''} of {self.seq_len:,} tokens of "
                  f"{self.model.name} on {self.cluster.describe()}",
-                 f"  {P} stage{'s' if P != 1 else ''} of consecutive nodes, {M} micro-batch{'es' if M != 1 else ''} "
-                 f"(one sequence each), one forward one backward; planned in {self.solve_s:.2f} s",
+                 f"  {R} pipeline{'s' if R != 1 else ''} (data parallel) of {P} stage{'s' if P != 1 else ''} of "
+                 f"consecutive nodes, {each} micro-batch(es) each (one sequence each), one forward one backward; "
+                 f"planned in {self.solve_s:.2f} s",
                  f"  step (cost model per stage, schedule simulated) {self.step_time_s:.4g} s = the busiest stage's "
-                 f"work {self.work_s:.4g} s + bubble {self.bubble_s:.4g} s",
+                 f"work {self.work_s:.4g} s + bubble {self.bubble_s:.4g} s + gradient sync across pipelines "
+                 f"{self.sync_s:.3g} s",
                  f"  compute floor {self.compute_floor_s:.4g} s ({self.model_flops:.3g} model FLOPs at the devices' "
                  f"matmul and attention rates): the step is {self.step_time_s / self.compute_floor_s:.2f}x it; "
                  f"{100 * self.mfu:.1f}% of the devices' peak in model FLOPs"]
-        tried = ", ".join(f"{p}: {'none fits' if t is None else f'{t:.4g} s'}" for p, t in self.alternatives)
+        tried = ", ".join(f"{r}x{p}: {'none fits' if t is None else f'{t:.4g} s'}" for r, p, t in self.alternatives)
         if tried:
-            lines.append(f"  stage counts tried (step): {tried}")
+            lines.append(f"  pipelines x stages tried (step): {tried}")
+        lines.append("  the first pipeline:")
         gpus, rows = self.cluster.device_gpus, []
         for i, s in enumerate(self.stages):
             kinds = {}
@@ -141,7 +158,8 @@ class PipelinePlan:
         return "\n".join(lines)
 
     def __repr__(self):
-        return (f"PipelinePlan(stages={len(self.stages)}, micro_batches={self.micro_batches}, "
+        return (f"PipelinePlan(pipelines={len(self.pipelines)}, stages={len(self.stages)}, "
+                f"micro_batches={self.micro_batches}, "
                 f"step_time_s={self.step_time_s:.4g}, bubble_s={self.bubble_s:.4g})")
 
 
@@ -277,59 +295,71 @@ def _trainings(training: Training) -> List[Training]:
     return out
 
 
-def _pipeline(cluster, model, training, seq_len, causal, cuts) -> Optional[PipelinePlan]:
+def _stage_base(sub, model, training, seq_len, causal, first, last, in_flight, guess, most, M, memo):
+    """(base plan, fixed_s, layer_s, cap) of a stage: the fastest setting's plan at `guess` layers (or 1), its time
+    per micro-batch as fixed + layers x per layer, and the most layers its layout holds with `in_flight`
+    micro-batches. Kept in `memo` per stage shape (stages of the same devices price alike)."""
+    key = (repr(sub.to_dict()), first, last, in_flight, guess, most, M)
+    if key in memo:
+        return memo[key]
+    base = None  # the fastest setting's plan at an even share of the layers (or at one layer)
+    for tr in _trainings(training):
+        for n in (guess, 1):
+            p = _stage_plan(sub, model, tr, seq_len, causal, n, first, last, in_flight)
+            if p is not None:
+                if base is None or (p.model.layers, -p.step_time_s) > (base.model.layers, -base.step_time_s):
+                    base = p
+                break
+    if base is None:
+        memo[key] = None
+        return None
+    tr = base.training
+    t1 = Plan(sub, model.stage(1, first, last), tr, seq_len, causal, "hexiseq", base.layout).step_time_s
+    t2 = Plan(sub, model.stage(2, first, last), tr, seq_len, causal, "hexiseq",
+              base.layout).step_time_s if most >= 2 else t1
+    lo, hi = base.model.layers, most  # the most layers the base layout holds: lo fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _stage_plan(sub, model, tr, seq_len, causal, mid, first, last, in_flight, base.layout) is not None:
+            lo = mid
+        else:
+            hi = mid - 1
+    memo[key] = (base, max(t1 - (t2 - t1), 0.0) / M, max(t2 - t1, 0.0) / M, lo)
+    return memo[key]
+
+
+def _pipeline(cluster, model, training, seq_len, causal, cuts, memo):
+    """One pipeline over the stages `cuts` (device lists of `cluster`) running training.sequences micro-batches:
+    (stages, send_s, the schedule's timing), or None when it does not fit."""
     P, M, L = len(cuts), training.sequences, model.layers
     r = 3.0 if training.checkpointing else 2.0  # backward : forward, recomputation included
     subs = [cluster.subset(c) for c in cuts]
     in_flight = [min(P - s, M) for s in range(P)]
     most = L - (P - 1)
     guess = max(1, min(most, round(L / P)))
-    fixed, per, caps, bases = [], [], [], []
-    for s in range(P):
-        first, last = s == 0, s == P - 1
-        base = None  # the fastest setting's plan at an even share of the layers (or at one layer)
-        for tr in _trainings(training):
-            for n in (guess, 1):
-                p = _stage_plan(subs[s], model, training=tr, seq_len=seq_len, causal=causal, layers=n, first=first,
-                                last=last, in_flight=in_flight[s])
-                if p is not None:
-                    if base is None or (p.model.layers, -p.step_time_s) > (base.model.layers, -base.step_time_s):
-                        base = p
-                    break
-        if base is None:
-            return None
-        bases.append(base)
-        tr = base.training
-        t1 = Plan(subs[s], model.stage(1, first, last), tr, seq_len, causal, "hexiseq", base.layout).step_time_s
-        t2 = Plan(subs[s], model.stage(2, first, last), tr, seq_len, causal, "hexiseq",
-                  base.layout).step_time_s if most >= 2 else t1
-        per.append(max(t2 - t1, 0.0) / M)
-        fixed.append(max(t1 - (t2 - t1), 0.0) / M)
-        lo, hi = base.model.layers, most  # the most layers the base layout holds: lo fits
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if _stage_plan(subs[s], model, tr, seq_len, causal, mid, first, last, in_flight[s],
-                           base.layout) is not None:
-                lo = mid
-            else:
-                hi = mid - 1
-        caps.append(lo)
+    made = [_stage_base(subs[s], model, training, seq_len, causal, s == 0, s == P - 1, in_flight[s], guess, most, M,
+                        memo) for s in range(P)]
+    if any(m is None for m in made):
+        return None
     try:
-        layers, _ = _core.pipeline_split(L, fixed, per, caps)
+        layers, _ = _core.pipeline_split(L, [m[1] for m in made], [m[2] for m in made], [m[3] for m in made])
     except MemoryFitError:
         return None
     stage_plans = []
     for s in range(P):
         n, first, last = int(layers[s]), s == 0, s == P - 1
-        # the scheduler's layout for these layers under each setting, and the base layout: the fastest that fits
-        made = [_stage_plan(subs[s], model, tr, seq_len, causal, n, first, last, in_flight[s])
-                for tr in _trainings(training)]
-        made.append(_stage_plan(subs[s], model, bases[s].training, seq_len, causal, n, first, last, in_flight[s],
-                                bases[s].layout))
-        made = [p for p in made if p is not None]
-        if not made:
+        key = ("final", repr(subs[s].to_dict()), first, last, in_flight[s], n, M)
+        if key not in memo:
+            # the scheduler's layout for these layers under each setting, and the base layout: the fastest that fits
+            tried = [_stage_plan(subs[s], model, tr, seq_len, causal, n, first, last, in_flight[s])
+                     for tr in _trainings(training)]
+            tried.append(_stage_plan(subs[s], model, made[s][0].training, seq_len, causal, n, first, last,
+                                     in_flight[s], made[s][0].layout))
+            tried = [p for p in tried if p is not None]
+            memo[key] = min(tried, key=lambda p: p.step_time_s) if tried else None
+        if memo[key] is None:
             return None
-        stage_plans.append(min(made, key=lambda p: p.step_time_s))
+        stage_plans.append(memo[key])
     forward = [p.step_time_s / (M * (1.0 + r)) for p in stage_plans]
     backward = [r * f for f in forward]
     send = [_send_s(cluster, cuts[s], cuts[s + 1], seq_len, model) for s in range(P - 1)]
@@ -340,34 +370,99 @@ def _pipeline(cluster, model, training, seq_len, causal, cuts) -> Optional[Pipel
         stages.append(Stage(tuple(cuts[s]), first_layer, int(layers[s]), stage_plans[s], forward[s], backward[s],
                             float(idle[s]), int(held[s]), mem, cap))
         first_layer += int(layers[s])
-    return PipelinePlan(cluster, model, training, causal, seq_len, M, tuple(stages), tuple(send), timing["step_s"],
-                        timing["work_s"], timing["bubble_s"], sum(model_flops(model, seq_len, M, causal)),
-                        compute_floor_s(cluster, model, seq_len, M, causal))
+    return tuple(stages), tuple(send), timing
+
+
+def _node_runs(cluster: Cluster, count: int) -> List[Tuple[int, ...]]:
+    """The cluster's nodes in `count` runs of consecutive nodes, as equal in node count as they divide (device lists)."""
+    n = len(cluster.nodes)
+    start = np.concatenate([[0], np.cumsum([node.count for node in cluster.nodes])])
+    bounds = [round(k * n / count) for k in range(count + 1)]
+    return [tuple(range(int(start[a]), int(start[b]))) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _sync_s(cluster: Cluster, model: Model, pipelines) -> float:
+    """The gradient all-reduce across pipelines: each stage's devices reduce the stage's gradients, split among them,
+    with the same stage's devices of the other pipelines (2 (R - 1) / R of a share over the link between nodes, and
+    2 (R - 1) latencies); stages run theirs side by side, so the step waits for the slowest stage."""
+    R = len(pipelines)
+    if R <= 1:
+        return 0.0
+    gbps = cluster.inter_node_gbps if cluster.bandwidth_gbps is None else float(np.min(
+        cluster.bandwidth_gbps[np.ix_(pipelines[0][0].devices, pipelines[1][0].devices)]))
+    worst = 0.0
+    for s in range(len(pipelines[0])):
+        part = pipelines[0][s].plan.model
+        share = part.params * part.dtype_bytes / min(len(p[s].devices) for p in pipelines)
+        worst = max(worst, 2.0 * (R - 1) / R * share / (gbps * 1e9) + 2.0 * (R - 1) * 20e-6)
+    return worst
+
+
+def _shift(stages, offset):
+    """The stages of an identical pipeline `offset` devices further along the cluster."""
+    return tuple(dataclasses.replace(s, devices=tuple(d + offset for d in s.devices)) for s in stages)
 
 
 def plan_pipeline(cluster, *, model="gpt-7b", seq_len=131072, training=None, causal=True,
-                  stages=None) -> PipelinePlan:
+                  stages=None, pipelines=None) -> PipelinePlan:
     """The fastest pipeline plan (see hexiseq.planner.pipeline) for `training.sequences` sequences of `seq_len`
-    tokens: every stage count from 1 (the single group of today, timed the same way) up to the cluster's nodes and the
-    model's layers (1, 2, 4, ... and the node count), or `stages` alone, each cut at node boundaries.
+    tokens: R pipelines (data parallel, each over a run of consecutive nodes, the sequences shared out among them) of
+    P stages each, for R in 1, 2, 4, ... up to the sequences and the nodes, and P in 1, 2, 4, ... up to a pipeline's
+    nodes and the model's layers (and that node count); or the `pipelines` and `stages` given. One pipeline of one
+    stage is the single group of today, timed the same way.
 
-    Raises MemoryFitError when no stage count fits; InvalidArgumentError for bad input (stages out of
-    [1, min(nodes, layers)])."""
+    Raises MemoryFitError when no shape fits; InvalidArgumentError for bad input (pipelines out of [1, min(nodes,
+    sequences)], stages out of [1, min(a pipeline's nodes, layers)])."""
     t0 = time.perf_counter()
     cluster, model, training, seq_len = resolve_inputs(cluster, model, training, seq_len)
     causal = bool(causal)
-    most = min(len(cluster.nodes), model.layers)
-    if stages is None:
-        counts = sorted({1, most} | {1 << k for k in range(32) if (1 << k) <= most})
-    else:
-        counts = [integer(stages, "stages", 1, most)]
-    results, best = [], None
-    for P in counts:
-        p = _pipeline(cluster, model, training, seq_len, causal, stage_cuts(cluster, P))
-        results.append((P, None if p is None else p.step_time_s))
-        if p is not None and (best is None or p.step_time_s < best.step_time_s):
-            best = p
+    nodes, M = len(cluster.nodes), training.sequences
+
+    def powers(most):
+        return sorted({1, most} | {1 << k for k in range(32) if (1 << k) <= most})
+
+    replica_counts = powers(min(nodes, M)) if pipelines is None else [
+        integer(pipelines, "pipelines", 1, min(nodes, M))]
+    if stages is not None:
+        stages = integer(stages, "stages", 1, min(nodes // replica_counts[0] if pipelines is not None else nodes,
+                                                  model.layers))
+    memo, results, best = {}, [], None
+    for R in replica_counts:
+        runs = _node_runs(cluster, R)
+        share = [M // R + (1 if r < M % R else 0) for r in range(R)]
+        per_node = nodes // R
+        counts = powers(min(per_node, model.layers)) if stages is None else [stages]
+        for P in counts:
+            if P > min(len({int(n) for n in cluster.device_nodes[list(run)]}) for run in runs):
+                continue
+            made, step, slowest = [], 0.0, None
+            for r, run in enumerate(runs):
+                sub = cluster.subset(run)
+                tr = dataclasses.replace(training, sequences=share[r])
+                key = ("pipeline", repr(sub.to_dict()), P, share[r])
+                if key not in memo:
+                    memo[key] = _pipeline(sub, model, tr, seq_len, causal, stage_cuts(sub, P), memo)
+                one = memo[key]
+                if one is None:
+                    made = None
+                    break
+                made.append(one)
+                if slowest is None or one[2]["step_s"] > slowest[2]["step_s"]:
+                    slowest = one
+            if made is None:
+                results.append((R, P, None))
+                continue
+            pipes = tuple(_shift(one[0], run[0]) for one, run in zip(made, runs))
+            sync = _sync_s(cluster, model, pipes)
+            step = slowest[2]["step_s"] + sync
+            results.append((R, P, step))
+            if best is None or step < best[0]:
+                best = (step, pipes, tuple(share), made[0][1], sync, slowest[2])
     if best is None:
-        raise MemoryFitError(f"no pipeline of {' or '.join(str(P) for P in counts)} stage(s) over "
-                             f"{cluster.describe()} holds {model.name} at seq_len {seq_len:,}")
-    return dataclasses.replace(best, alternatives=tuple(results), solve_s=time.perf_counter() - t0)
+        raise MemoryFitError(f"no pipeline plan ({', '.join(f'{r} x {p} stages' for r, p, _ in results) or 'none'} "
+                             f"tried) over {cluster.describe()} holds {model.name} at seq_len {seq_len:,}")
+    step, pipes, share, send, sync, timing = best
+    return PipelinePlan(cluster, model, training, causal, seq_len, M, pipes, share, send, sync, step,
+                        timing["work_s"], timing["bubble_s"], sum(model_flops(model, seq_len, M, causal)),
+                        compute_floor_s(cluster, model, seq_len, M, causal), tuple(results),
+                        time.perf_counter() - t0)
