@@ -74,7 +74,8 @@ def main():
         t0 = time.perf_counter()
         pp = plan_pipeline(c, model=m, seq_len=S, training=tr)
         t_pipe = time.perf_counter() - t0
-        print(f"  pipeline: {pp.step_time_s:.4g} s ({len(pp.stages)} stages), planned in {t_pipe:.1f} s", flush=True)
+        print(f"  pipeline: {pp.step_time_s:.4g} s ({len(pp.pipelines)} x {len(pp.stages)} stages), planned in "
+              f"{t_pipe:.1f} s", flush=True)
         rows.append((name, m, S, n, c, today, t_today, pp, t_pipe, floor, peak, flops))
         notes.append(f"### Case {name}\n\n```\n{pp.explain()}\n```\n")
     lines = ["# Pipeline plans against today's plans (predicted)", "",
@@ -89,7 +90,8 @@ def main():
     for name, m, S, n, c, today, t_today, pp, t_pipe, floor, peak, flops in rows:
         lines.append(f"| {name} | {m.name}, {n} x {S // 1024}K | {c.describe()} | {describe(today)} | "
                      f"{today.step_time_s:.4g} | {100 * flops / (today.step_time_s * peak):.1f}% | "
-                     f"{len(pp.stages)} stages, layers {'/'.join(str(s.layers) for s in pp.stages)} | "
+                     f"{len(pp.pipelines)} pipeline(s) of {len(pp.stages)} stages, layers "
+                     f"{'/'.join(str(s.layers) for s in pp.stages)} | "
                      f"{pp.step_time_s:.4g} | {100 * pp.mfu:.1f}% | {today.step_time_s / pp.step_time_s:.2f}x | "
                      f"{floor:.4g} | {t_today:.1f} / {t_pipe:.1f} |")
     lines += ["", "pipeline / today: today's step over the pipeline's (above 1: the pipeline is predicted faster).",

@@ -56,7 +56,7 @@ def test_stage_cuts_follow_the_nodes_rates():
 def test_a_pipeline_plan_is_its_stages_and_their_schedule():
     c = nodes(("H100-SXM", 4), ("A100-80G", 4), inter=10.0)
     tr = hexiseq.Training(sequences=6)
-    p = plan_pipeline(c, model=MODEL, seq_len=8192, training=tr, pipelines=1, stages=2)
+    p = plan_pipeline(c, model=MODEL, seq_len=8192, training=tr, pipelines=1, stages=2, pack=1)
     assert len(p.stages) == 2 and p.micro_batches == 6
     assert [s.devices for s in p.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)]
     assert sum(s.layers for s in p.stages) == 12 and p.stages[1].first_layer == p.stages[0].layers
@@ -86,20 +86,31 @@ def test_a_pipeline_plan_is_its_stages_and_their_schedule():
 def test_one_stage_is_the_layout_of_today_under_its_fastest_setting():
     c = nodes(("H100-SXM", 4), ("A100-80G", 4))
     tr = hexiseq.Training(sequences=3)
-    p = plan_pipeline(c, model=MODEL, seq_len=16384, training=tr, pipelines=1, stages=1)
+    p = plan_pipeline(c, model=MODEL, seq_len=16384, training=tr, pipelines=1, stages=1, pack=1)
     today = [plan_layout(c, model=MODEL, seq_len=16384, training=t, strategy="hexiseq")
              for t in (tr, dataclasses.replace(tr, sharding="opt"))]
     assert p.step_time_s == pytest.approx(min(x.step_time_s for x in today), rel=1e-9)
     assert p.bubble_s == pytest.approx(0.0, abs=1e-9) and p.stages[0].in_flight == 1
+    # every sequence packed into one micro-batch: one pass of their documents, as a batch plan's group runs them
+    packed = plan_pipeline(c, model=MODEL, seq_len=16384, training=tr, pipelines=1, stages=1, pack=3)
+    one = hexiseq.Training(sequences=1)
+    passes = [plan_layout(c, model=MODEL, seq_len=3 * 16384, training=t, strategy="hexiseq", documents=[16384] * 3)
+              for t in (one, dataclasses.replace(one, sharding="opt"))]
+    assert packed.pack == 3 and packed.micro_batches_of == (1,)
+    assert packed.step_time_s == pytest.approx(min(x.step_time_s for x in passes), rel=1e-9)
+    assert packed.step_time_s < p.step_time_s  # the parameters gathered once, not once per sequence
 
 
 def test_the_fastest_shape_is_chosen_and_every_shape_reported():
     c = nodes(("H100-SXM", 4), ("H100-SXM", 4), ("A100-80G", 4), ("A100-80G", 4), inter=5.0)
     p = plan_pipeline(c, model=MODEL, seq_len=4096, training=hexiseq.Training(sequences=8))
-    shapes = [(r, k) for r, k, _ in p.alternatives]
-    assert shapes == [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1)]
-    assert p.step_time_s == min(t for _, _, t in p.alternatives if t is not None)
-    assert (len(p.pipelines), len(p.stages)) == [(r, k) for r, k, t in p.alternatives if t == p.step_time_s][0]
+    shapes = [(r, k, pack) for r, k, pack, _ in p.alternatives]
+    # packs of 1, 2, 4, 8 sequences while a pipeline keeps as many micro-batches as stages
+    assert shapes == [(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 1, 8), (1, 2, 1), (1, 2, 2), (1, 2, 4), (1, 4, 1),
+                      (1, 4, 2), (2, 1, 1), (2, 1, 2), (2, 1, 4), (2, 2, 1), (2, 2, 2), (4, 1, 1), (4, 1, 2)]
+    assert p.step_time_s == min(t for *_, t in p.alternatives if t is not None)
+    chosen = [(r, k, pack) for r, k, pack, t in p.alternatives if t == p.step_time_s][0]
+    assert (len(p.pipelines), len(p.stages), p.pack) == chosen
 
 
 def test_pipelines_side_by_side_share_the_sequences_and_sync_their_gradients():
@@ -108,7 +119,8 @@ def test_pipelines_side_by_side_share_the_sequences_and_sync_their_gradients():
     gradients with its counterpart, by hand: 2 (R - 1) / R of a device's share over the link between nodes, plus
     2 (R - 1) latencies of 20 us."""
     c = nodes(("H100-SXM", 4), ("A100-80G", 4), ("H100-SXM", 4), ("A100-80G", 4), inter=10.0)
-    p = plan_pipeline(c, model=MODEL, seq_len=8192, training=hexiseq.Training(sequences=6), pipelines=2, stages=2)
+    p = plan_pipeline(c, model=MODEL, seq_len=8192, training=hexiseq.Training(sequences=6), pipelines=2, stages=2,
+                      pack=1)
     assert len(p.pipelines) == 2 and p.micro_batches_of == (3, 3)
     one, two = p.pipelines
     assert [s.devices for s in one] == [(0, 1, 2, 3), (4, 5, 6, 7)]
@@ -120,7 +132,8 @@ def test_pipelines_side_by_side_share_the_sequences_and_sync_their_gradients():
     assert p.step_time_s == pytest.approx(timing["step_s"] + p.sync_s, rel=1e-12)
     assert "2 pipelines (data parallel) of 2 stages" in p.explain()
     # odd sequences: the first pipeline runs one more, and the step waits for it
-    odd = plan_pipeline(c, model=MODEL, seq_len=8192, training=hexiseq.Training(sequences=5), pipelines=2, stages=2)
+    odd = plan_pipeline(c, model=MODEL, seq_len=8192, training=hexiseq.Training(sequences=5), pipelines=2, stages=2,
+                        pack=1)
     assert odd.micro_batches_of == (3, 2)
 
 
@@ -138,7 +151,9 @@ def test_the_compute_floor_is_below_every_plan():
                                            ({"stages": 3}, "stages must be in [1, 2], got 3"),
                                            ({"stages": "2"}, "stages must be an integer"),
                                            ({"pipelines": 3}, "pipelines must be in [1, 2], got 3"),
-                                           ({"pipelines": 2, "stages": 2}, "stages must be in [1, 1], got 2")])
+                                           ({"pipelines": 2, "stages": 2}, "stages must be in [1, 1], got 2"),
+                                           ({"pack": 0}, "pack must be in [1, 4], got 0"),
+                                           ({"pipelines": 2, "pack": 3}, "pack must be in [1, 2], got 3")])
 def test_bad_shapes_are_named(kwargs, words):
     with pytest.raises(InvalidArgumentError, match=words.replace("[", r"\[").replace("]", r"\]")):
         plan_pipeline(nodes(("H100-SXM", 4), ("A100-80G", 4)), model=MODEL, seq_len=4096,

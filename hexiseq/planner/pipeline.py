@@ -61,8 +61,8 @@ class PipelinePlan:
     """A pipeline plan (see hexiseq.planner.pipeline). Every time is a prediction.
 
     pipelines: each pipeline's Stages in pipeline order (the pipelines are data parallel replicas over runs of
-    consecutive nodes); stages: the first's; micro_batches: the step's sequences, one micro-batch each;
-    micro_batches_of: how many each pipeline runs; send_s: one micro-batch's activations across each stage boundary
+    consecutive nodes); stages: the first's; micro_batches: the step's sequences; pack: the sequences packed into one
+    micro-batch (as documents); micro_batches_of: how many micro-batches each pipeline runs; send_s: one micro-batch's activations across each stage boundary
     of the first pipeline (and as long for their gradient back); sync_s: the gradient all-reduce across the pipelines,
     each stage's devices with their counterparts (0 for one pipeline); step_time_s: the slowest pipeline's schedule
     plus sync_s; work_s: the busiest stage's work in that pipeline (its micro-batches x (forward + backward));
@@ -70,7 +70,7 @@ class PipelinePlan:
     and the attention's visible pairs, 12 per pair, head dim and head); compute_floor_s: those FLOPs at the devices'
     rates (the matmuls at catalog peak x gemm_eff, the attention at peak x attn_eff, or the nodes' overrides), no
     parallelism's overheads: no plan is below it;
-    alternatives: (pipelines, stages, step_time_s or None where nothing fit) of every shape tried; solve_s: what
+    alternatives: (pipelines, stages, pack, step_time_s or None where nothing fit) of every shape tried; solve_s: what
     planning took (measured)."""
 
     cluster: Cluster
@@ -79,6 +79,7 @@ class PipelinePlan:
     causal: bool
     seq_len: int
     micro_batches: int
+    pack: int
     pipelines: Tuple[Tuple[Stage, ...], ...]
     micro_batches_of: Tuple[int, ...]
     send_s: Tuple[float, ...]
@@ -88,7 +89,7 @@ class PipelinePlan:
     bubble_s: float
     model_flops: float
     compute_floor_s: float
-    alternatives: Tuple[Tuple[int, int, Optional[float]], ...] = dataclasses.field(default=(), repr=False)
+    alternatives: Tuple[Tuple[int, int, int, Optional[float]], ...] = dataclasses.field(default=(), repr=False)
     solve_s: float = 0.0
 
     @property
@@ -117,7 +118,9 @@ class PipelinePlan:
                               "sync_s": self.sync_s, "tokens_per_s": self.tokens_per_s,
                               "model_flops": self.model_flops, "compute_floor_s": self.compute_floor_s,
                               "mfu": self.mfu},
-                "alternatives": [{"pipelines": r, "stages": p, "step_time_s": t} for r, p, t in self.alternatives],
+                "pack": self.pack,
+                "alternatives": [{"pipelines": r, "stages": p, "pack": k, "step_time_s": t}
+                                 for r, p, k, t in self.alternatives],
                 "solve_s": self.solve_s}
 
     def explain(self) -> str:
@@ -126,7 +129,8 @@ class PipelinePlan:
         lines = [f"pipeline plan: {M} sequence{'s' if M != 1 else ''} of {self.seq_len:,} tokens of "
                  f"{self.model.name} on {self.cluster.describe()}",
                  f"  {R} pipeline{'s' if R != 1 else ''} (data parallel) of {P} stage{'s' if P != 1 else ''} of "
-                 f"consecutive nodes, {each} micro-batch(es) each (one sequence each), one forward one backward; "
+                 f"consecutive nodes, {each} micro-batch(es) each of {self.pack} sequence(s) packed, one forward one "
+                 "backward; "
                  f"planned in {self.solve_s:.2f} s",
                  f"  step (cost model per stage, schedule simulated) {self.step_time_s:.4g} s = the busiest stage's "
                  f"work {self.work_s:.4g} s + bubble {self.bubble_s:.4g} s + gradient sync across pipelines "
@@ -134,9 +138,11 @@ class PipelinePlan:
                  f"  compute floor {self.compute_floor_s:.4g} s ({self.model_flops:.3g} model FLOPs at the devices' "
                  f"matmul and attention rates): the step is {self.step_time_s / self.compute_floor_s:.2f}x it; "
                  f"{100 * self.mfu:.1f}% of the devices' peak in model FLOPs"]
-        tried = ", ".join(f"{r}x{p}: {'none fits' if t is None else f'{t:.4g} s'}" for r, p, t in self.alternatives)
+        fits = [a for a in self.alternatives if a[3] is not None]
+        tried = ", ".join(f"{r}x{p} (pack {k}): {t:.4g} s" for r, p, k, t in sorted(fits, key=lambda a: a[3])[:6])
         if tried:
-            lines.append(f"  pipelines x stages tried (step): {tried}")
+            lines.append(f"  the fastest shapes of {len(self.alternatives)} tried ({len(fits)} fit), pipelines x stages: "
+                         f"{tried}")
         lines.append("  the first pipeline:")
         gpus, rows = self.cluster.device_gpus, []
         for i, s in enumerate(self.stages):
@@ -271,15 +277,17 @@ def _memory(plan: Plan, in_flight: int) -> Tuple[float, float, bool]:
     return float(need[i]), float(t.mem_cap_gib[i]), bool(np.all(need <= t.mem_cap_gib))
 
 
-def _stage_plan(sub, model, training, seq_len, causal, layers, first, last, in_flight, layout=None):
-    """The plan of a stage of `layers` layers (the scheduler's, or `layout` priced), and whether it fits with its
-    in-flight micro-batches; None when no layout fits."""
+def _stage_plan(sub, model, training, seq_len, causal, layers, first, last, in_flight, layout=None, docs=None):
+    """The plan of a stage of `layers` layers for micro-batches of `seq_len` tokens (`docs`: the sequences packed in
+    one, or None for one), the scheduler's or `layout` priced, if it fits with its in-flight micro-batches; None when
+    no layout fits."""
     part = model.stage(layers, first, last)
     try:
         if layout is None:
-            p = plan_layout(sub, model=part, seq_len=seq_len, training=training, causal=causal, strategy="hexiseq")
+            p = plan_layout(sub, model=part, seq_len=seq_len, training=training, causal=causal, strategy="hexiseq",
+                            documents=docs)
         else:
-            p = Plan(sub, part, training, seq_len, causal, "hexiseq", layout)
+            p = Plan(sub, part, training, seq_len, causal, "hexiseq", layout, documents=docs)
     except (MemoryFitError, UnsupportedError):
         return None
     return p if p.fits and _memory(p, in_flight)[2] else None
@@ -295,17 +303,17 @@ def _trainings(training: Training) -> List[Training]:
     return out
 
 
-def _stage_base(sub, model, training, seq_len, causal, first, last, in_flight, guess, most, M, memo):
+def _stage_base(sub, model, training, seq_len, causal, first, last, in_flight, guess, most, M, memo, docs):
     """(base plan, fixed_s, layer_s, cap) of a stage: the fastest setting's plan at `guess` layers (or 1), its time
     per micro-batch as fixed + layers x per layer, and the most layers its layout holds with `in_flight`
     micro-batches. Kept in `memo` per stage shape (stages of the same devices price alike)."""
-    key = (repr(sub.to_dict()), first, last, in_flight, guess, most, M)
+    key = (repr(sub.to_dict()), first, last, in_flight, guess, most, M, seq_len)
     if key in memo:
         return memo[key]
     base = None  # the fastest setting's plan at an even share of the layers (or at one layer)
     for tr in _trainings(training):
         for n in (guess, 1):
-            p = _stage_plan(sub, model, tr, seq_len, causal, n, first, last, in_flight)
+            p = _stage_plan(sub, model, tr, seq_len, causal, n, first, last, in_flight, docs=docs)
             if p is not None:
                 if base is None or (p.model.layers, -p.step_time_s) > (base.model.layers, -base.step_time_s):
                     base = p
@@ -314,13 +322,14 @@ def _stage_base(sub, model, training, seq_len, causal, first, last, in_flight, g
         memo[key] = None
         return None
     tr = base.training
-    t1 = Plan(sub, model.stage(1, first, last), tr, seq_len, causal, "hexiseq", base.layout).step_time_s
-    t2 = Plan(sub, model.stage(2, first, last), tr, seq_len, causal, "hexiseq",
-              base.layout).step_time_s if most >= 2 else t1
+    t1 = Plan(sub, model.stage(1, first, last), tr, seq_len, causal, "hexiseq", base.layout,
+              documents=docs).step_time_s
+    t2 = Plan(sub, model.stage(2, first, last), tr, seq_len, causal, "hexiseq", base.layout,
+              documents=docs).step_time_s if most >= 2 else t1
     lo, hi = base.model.layers, most  # the most layers the base layout holds: lo fits
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _stage_plan(sub, model, tr, seq_len, causal, mid, first, last, in_flight, base.layout) is not None:
+        if _stage_plan(sub, model, tr, seq_len, causal, mid, first, last, in_flight, base.layout, docs) is not None:
             lo = mid
         else:
             hi = mid - 1
@@ -328,9 +337,10 @@ def _stage_base(sub, model, training, seq_len, causal, first, last, in_flight, g
     return memo[key]
 
 
-def _pipeline(cluster, model, training, seq_len, causal, cuts, memo):
-    """One pipeline over the stages `cuts` (device lists of `cluster`) running training.sequences micro-batches:
-    (stages, send_s, the schedule's timing), or None when it does not fit."""
+def _pipeline(cluster, model, training, seq_len, causal, cuts, memo, docs=None):
+    """One pipeline over the stages `cuts` (device lists of `cluster`) running training.sequences micro-batches of
+    `seq_len` tokens (`docs`: the sequences packed in each, or None): (stages, send_s, the schedule's timing), or None
+    when it does not fit."""
     P, M, L = len(cuts), training.sequences, model.layers
     r = 3.0 if training.checkpointing else 2.0  # backward : forward, recomputation included
     subs = [cluster.subset(c) for c in cuts]
@@ -338,7 +348,7 @@ def _pipeline(cluster, model, training, seq_len, causal, cuts, memo):
     most = L - (P - 1)
     guess = max(1, min(most, round(L / P)))
     made = [_stage_base(subs[s], model, training, seq_len, causal, s == 0, s == P - 1, in_flight[s], guess, most, M,
-                        memo) for s in range(P)]
+                        memo, docs) for s in range(P)]
     if any(m is None for m in made):
         return None
     try:
@@ -348,13 +358,13 @@ def _pipeline(cluster, model, training, seq_len, causal, cuts, memo):
     stage_plans = []
     for s in range(P):
         n, first, last = int(layers[s]), s == 0, s == P - 1
-        key = ("final", repr(subs[s].to_dict()), first, last, in_flight[s], n, M)
+        key = ("final", repr(subs[s].to_dict()), first, last, in_flight[s], n, M, seq_len)
         if key not in memo:
             # the scheduler's layout for these layers under each setting, and the base layout: the fastest that fits
-            tried = [_stage_plan(subs[s], model, tr, seq_len, causal, n, first, last, in_flight[s])
+            tried = [_stage_plan(subs[s], model, tr, seq_len, causal, n, first, last, in_flight[s], docs=docs)
                      for tr in _trainings(training)]
             tried.append(_stage_plan(subs[s], model, made[s][0].training, seq_len, causal, n, first, last,
-                                     in_flight[s], made[s][0].layout))
+                                     in_flight[s], made[s][0].layout, docs))
             tried = [p for p in tried if p is not None]
             memo[key] = min(tried, key=lambda p: p.step_time_s) if tried else None
         if memo[key] is None:
@@ -404,12 +414,14 @@ def _shift(stages, offset):
 
 
 def plan_pipeline(cluster, *, model="gpt-7b", seq_len=131072, training=None, causal=True,
-                  stages=None, pipelines=None) -> PipelinePlan:
+                  stages=None, pipelines=None, pack=None) -> PipelinePlan:
     """The fastest pipeline plan (see hexiseq.planner.pipeline) for `training.sequences` sequences of `seq_len`
     tokens: R pipelines (data parallel, each over a run of consecutive nodes, the sequences shared out among them) of
     P stages each, for R in 1, 2, 4, ... up to the sequences and the nodes, and P in 1, 2, 4, ... up to a pipeline's
-    nodes and the model's layers (and that node count); or the `pipelines` and `stages` given. One pipeline of one
-    stage is the single group of today, timed the same way.
+    nodes and the model's layers (and that node count), and micro-batches of k sequences packed as documents, for k
+    in 1, 2, 4, ... while a pipeline keeps at least as many micro-batches as stages; or the `pipelines`, `stages` and
+    `pack` (k) given. One pipeline of one stage is the single group of today, timed the same way (of one micro-batch
+    of every sequence: one pass, as a batch plan's group packs them).
 
     Raises MemoryFitError when no shape fits; InvalidArgumentError for bad input (pipelines out of [1, min(nodes,
     sequences)], stages out of [1, min(a pipeline's nodes, layers)])."""
@@ -423,6 +435,8 @@ def plan_pipeline(cluster, *, model="gpt-7b", seq_len=131072, training=None, cau
 
     replica_counts = powers(min(nodes, M)) if pipelines is None else [
         integer(pipelines, "pipelines", 1, min(nodes, M))]
+    if pack is not None:
+        pack = integer(pack, "pack", 1, -(-M // replica_counts[0]))  # at most a pipeline's sequences
     if stages is not None:
         stages = integer(stages, "stages", 1, min(nodes // replica_counts[0] if pipelines is not None else nodes,
                                                   model.layers))
@@ -435,34 +449,41 @@ def plan_pipeline(cluster, *, model="gpt-7b", seq_len=131072, training=None, cau
         for P in counts:
             if P > min(len({int(n) for n in cluster.device_nodes[list(run)]}) for run in runs):
                 continue
-            made, step, slowest = [], 0.0, None
-            for r, run in enumerate(runs):
-                sub = cluster.subset(run)
-                tr = dataclasses.replace(training, sequences=share[r])
-                key = ("pipeline", repr(sub.to_dict()), P, share[r])
-                if key not in memo:
-                    memo[key] = _pipeline(sub, model, tr, seq_len, causal, stage_cuts(sub, P), memo)
-                one = memo[key]
-                if one is None:
-                    made = None
-                    break
-                made.append(one)
-                if slowest is None or one[2]["step_s"] > slowest[2]["step_s"]:
-                    slowest = one
-            if made is None:
-                results.append((R, P, None))
-                continue
-            pipes = tuple(_shift(one[0], run[0]) for one, run in zip(made, runs))
-            sync = _sync_s(cluster, model, pipes)
-            step = slowest[2]["step_s"] + sync
-            results.append((R, P, step))
-            if best is None or step < best[0]:
-                best = (step, pipes, tuple(share), made[0][1], sync, slowest[2])
+            # sequences packed per micro-batch (as documents): 1, 2, 4, ... as long as the pipeline keeps at least
+            # as many micro-batches as it has stages (fewer leave most stages idle), or `pack`
+            packs = [k for k in powers(max(share)) if k == 1 or max(share) / k >= P] if pack is None else [
+                k for k in (pack,) if k <= max(share)]
+            for k in packs:
+                made, slowest = [], None
+                for r, run in enumerate(runs):
+                    sub = cluster.subset(run)
+                    micro = -(-share[r] // k)
+                    tr = dataclasses.replace(training, sequences=micro)
+                    key = ("pipeline", repr(sub.to_dict()), P, micro, k)
+                    if key not in memo:
+                        memo[key] = _pipeline(sub, model, tr, seq_len * k, causal, stage_cuts(sub, P), memo,
+                                              None if k == 1 else [seq_len] * k)
+                    one = memo[key]
+                    if one is None:
+                        made = None
+                        break
+                    made.append(one)
+                    if slowest is None or one[2]["step_s"] > slowest[2]["step_s"]:
+                        slowest = one
+                if made is None:
+                    results.append((R, P, k, None))
+                    continue
+                pipes = tuple(_shift(one[0], run[0]) for one, run in zip(made, runs))
+                sync = _sync_s(cluster, model, pipes)
+                step = slowest[2]["step_s"] + sync
+                results.append((R, P, k, step))
+                if best is None or step < best[0]:
+                    best = (step, pipes, tuple(-(-x // k) for x in share), made[0][1], sync, slowest[2], k)
     if best is None:
-        raise MemoryFitError(f"no pipeline plan ({', '.join(f'{r} x {p} stages' for r, p, _ in results) or 'none'} "
+        raise MemoryFitError(f"no pipeline plan ({', '.join(f'{r} x {p} stages' for r, p, k, _ in results if k == 1)} "
                              f"tried) over {cluster.describe()} holds {model.name} at seq_len {seq_len:,}")
-    step, pipes, share, send, sync, timing = best
-    return PipelinePlan(cluster, model, training, causal, seq_len, M, pipes, share, send, sync, step,
+    step, pipes, share, send, sync, timing, k = best
+    return PipelinePlan(cluster, model, training, causal, seq_len, M, k, pipes, share, send, sync, step,
                         timing["work_s"], timing["bubble_s"], sum(model_flops(model, seq_len, M, causal)),
                         compute_floor_s(cluster, model, seq_len, M, causal), tuple(results),
                         time.perf_counter() - t0)
