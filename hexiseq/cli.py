@@ -146,6 +146,33 @@ def _measure_line(cluster) -> str:
             "on each node as many as it has devices)")
 
 
+def cmd_plan_pipeline(args, cluster, model, training, causal) -> int:
+    from .planner.batch import plan as plan_step
+    from .planner.pipeline import plan_pipeline
+
+    given = [f for f, v in (("--strategy", args.strategy), ("--documents", args.documents), ("--plot", args.plot),
+                            ("--time-limit", args.time_limit)) if v is not None]
+    if given:
+        raise InvalidArgumentError(f"--pipeline plans each stage's layout with the scheduler: leave out "
+                                   f"{' and '.join(given)}")
+    seq_len = parse_tokens(args.seq_len or "128k")
+    pp = plan_pipeline(cluster, model=model, seq_len=seq_len, training=training, causal=causal)
+    if args.json:
+        print(json.dumps(pp.to_dict(), indent=2))
+        return 0
+    print(pp.explain())
+    try:
+        today = plan_step(cluster, model=model, seq_len=seq_len, training=training, causal=causal)
+    except MemoryFitError:
+        print("\nno plan without pipelines fits")
+        return 0
+    how = (f"{len(today.groups)} groups of devices, data parallel" if len(today.groups) > 1 else
+           "one layout over every device, run once per sequence")
+    print(f"\nwithout pipelines (hexiseq plan, {how}): {today.step_time_s:.4g} s a step; the pipeline plan is "
+          f"{today.step_time_s / pp.step_time_s:.2f}x as fast (both predicted by the cost model)")
+    return 0
+
+
 def cmd_plan(args) -> int:
     cluster = Cluster.from_file(args.cluster) if args.cluster else Cluster.example()
     model = _load_model(args.model)
@@ -159,7 +186,11 @@ def cmd_plan(args) -> int:
     if args.per_step and args.batch is None:
         raise InvalidArgumentError("--per-step plans a --batch without scoring it exactly: give --batch too")
     if args.batch is not None:
+        if args.pipeline:
+            raise InvalidArgumentError("--pipeline plans --sequences sequences of --seq-len tokens: leave out --batch")
         return cmd_plan_batch(args, cluster, model, dataclasses.replace(training, sequences=1), causal)
+    if args.pipeline:
+        return cmd_plan_pipeline(args, cluster, model, training, causal)
     if args.plot:  # before planning, which can take minutes: a missing matplotlib is said at once
         from .planner.plotting import require_pyplot
 
@@ -396,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--per-step", action="store_true",
                     help="with --batch: the per-step mode, groups and passes priced linearly in milliseconds, not "
                          "scored exactly (an exact plan takes seconds to minutes for thousands of sequences)")
+    pl.add_argument("--pipeline", action="store_true",
+                    help="plan the model in pipeline stages over runs of nodes (data parallel pipelines, micro-batches "
+                         "of packed sequences), against the plan without pipelines (predicted; not yet runnable)")
     pl.add_argument("--json", action="store_true", help="print the chosen plan as JSON")
     pl.add_argument("--time-limit", type=float, metavar="SECONDS",
                     help="stop the search after about this long with the best plan found so far (marked stopped early)")

@@ -104,13 +104,26 @@ def test_one_stage_is_the_layout_of_today_under_its_fastest_setting():
 def test_the_fastest_shape_is_chosen_and_every_shape_reported():
     c = nodes(("H100-SXM", 4), ("H100-SXM", 4), ("A100-80G", 4), ("A100-80G", 4), inter=5.0)
     p = plan_pipeline(c, model=MODEL, seq_len=4096, training=hexiseq.Training(sequences=8))
-    shapes = [(r, k, pack) for r, k, pack, _ in p.alternatives]
-    # packs of 1, 2, 4, 8 sequences while a pipeline keeps as many micro-batches as stages
-    assert shapes == [(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 1, 8), (1, 2, 1), (1, 2, 2), (1, 2, 4), (1, 4, 1),
-                      (1, 4, 2), (2, 1, 1), (2, 1, 2), (2, 1, 4), (2, 2, 1), (2, 2, 2), (4, 1, 1), (4, 1, 2)]
+    shapes = {(r, k, pack) for r, k, pack, _ in p.alternatives}
+    # packs of 1, 2, 4, 8 sequences while a pipeline keeps as many micro-batches as stages (the sequences shared out
+    # evenly and by the pipelines' rates: the same shape may be tried with both)
+    assert shapes == {(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 1, 8), (1, 2, 1), (1, 2, 2), (1, 2, 4), (1, 4, 1),
+                      (1, 4, 2), (2, 1, 1), (2, 1, 2), (2, 1, 4), (2, 2, 1), (2, 2, 2), (4, 1, 1), (4, 1, 2),
+                      (2, 1, 6), (4, 1, 3)}  # by rate, the H100 pipelines take 6 of 8 (of two) and 3 (of four)
     assert p.step_time_s == min(t for *_, t in p.alternatives if t is not None)
     chosen = [(r, k, pack) for r, k, pack, t in p.alternatives if t == p.step_time_s][0]
     assert (len(p.pipelines), len(p.stages), p.pack) == chosen
+
+
+def test_faster_pipelines_take_more_sequences():
+    """Two pipelines over an H100 node and an A100 node: sharing the sequences by the nodes' matmul rates (2.9 : 1)
+    gives the H100 pipeline 6 of 8, and the step is faster than the even share."""
+    c = nodes(("H100-SXM", 4), ("A100-80G", 4))
+    tr = hexiseq.Training(sequences=8)
+    p = plan_pipeline(c, model=MODEL, seq_len=4096, training=tr, pipelines=2, stages=1, pack=1)
+    assert p.micro_batches_of == (6, 2)
+    times = [t for r, k, pack, t in p.alternatives]
+    assert len(times) == 2 and p.step_time_s == min(times) < max(times)
 
 
 def test_pipelines_side_by_side_share_the_sequences_and_sync_their_gradients():

@@ -391,6 +391,20 @@ def _node_runs(cluster: Cluster, count: int) -> List[Tuple[int, ...]]:
     return [tuple(range(int(start[a]), int(start[b]))) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+def _shares(cluster: Cluster, runs, M: int) -> List[List[int]]:
+    """How the step's M sequences may be shared out among pipelines over `runs`: evenly, and in proportion to each
+    run's matmul rate (largest remainders), when that differs."""
+    R = len(runs)
+    even = [M // R + (1 if r < M % R else 0) for r in range(R)]
+    rate = np.array([peak_flops(cluster.subset(run)) for run in runs])
+    want = M * rate / rate.sum()
+    got = np.floor(want).astype(int)
+    for r in np.argsort(-(want - got), kind="stable")[:M - int(got.sum())]:
+        got[r] += 1
+    by_rate = [int(x) for x in got]
+    return [even] if by_rate == even or not any(by_rate) else [even, by_rate]
+
+
 def _sync_s(cluster: Cluster, model: Model, pipelines) -> float:
     """The gradient all-reduce across pipelines: each stage's devices reduce the stage's gradients, split among them,
     with the same stage's devices of the other pipelines (2 (R - 1) / R of a share over the link between nodes, and
@@ -443,10 +457,9 @@ def plan_pipeline(cluster, *, model="gpt-7b", seq_len=131072, training=None, cau
     memo, results, best = {}, [], None
     for R in replica_counts:
         runs = _node_runs(cluster, R)
-        share = [M // R + (1 if r < M % R else 0) for r in range(R)]
         per_node = nodes // R
         counts = powers(min(per_node, model.layers)) if stages is None else [stages]
-        for P in counts:
+        for P, share in ((P, share) for P in counts for share in _shares(cluster, runs, M)):
             if P > min(len({int(n) for n in cluster.device_nodes[list(run)]}) for run in runs):
                 continue
             # sequences packed per micro-batch (as documents): 1, 2, 4, ... as long as the pipeline keeps at least
@@ -456,6 +469,9 @@ def plan_pipeline(cluster, *, model="gpt-7b", seq_len=131072, training=None, cau
             for k in packs:
                 made, slowest = [], None
                 for r, run in enumerate(runs):
+                    if share[r] == 0:  # a pipeline without sequences: idle this step, its gradients zero
+                        made.append(((), (), {"step_s": 0.0, "work_s": 0.0, "bubble_s": 0.0}))
+                        continue
                     sub = cluster.subset(run)
                     micro = -(-share[r] // k)
                     tr = dataclasses.replace(training, sequences=micro)
@@ -473,12 +489,12 @@ def plan_pipeline(cluster, *, model="gpt-7b", seq_len=131072, training=None, cau
                 if made is None:
                     results.append((R, P, k, None))
                     continue
-                pipes = tuple(_shift(one[0], run[0]) for one, run in zip(made, runs))
+                pipes = tuple(_shift(one[0], run[0]) for one, run in zip(made, runs) if one[0])
                 sync = _sync_s(cluster, model, pipes)
                 step = slowest[2]["step_s"] + sync
                 results.append((R, P, k, step))
                 if best is None or step < best[0]:
-                    best = (step, pipes, tuple(-(-x // k) for x in share), made[0][1], sync, slowest[2], k)
+                    best = (step, pipes, tuple(-(-x // k) for x in share if x), made[0][1], sync, slowest[2], k)
     if best is None:
         raise MemoryFitError(f"no pipeline plan ({', '.join(f'{r} x {p} stages' for r, p, k, _ in results if k == 1)} "
                              f"tried) over {cluster.describe()} holds {model.name} at seq_len {seq_len:,}")
