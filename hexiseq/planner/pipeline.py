@@ -26,11 +26,11 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from .. import _core
-from .._validate import integer
+from .._validate import document_lengths, integer
 from ..errors import MemoryFitError, UnsupportedError
 from .cluster import Cluster
 from .model import Model, Sharding, Training
-from .plan import Plan, plan_layout, resolve_inputs
+from .plan import Plan, Strategy, plan_one, resolve_inputs
 
 __all__ = ["PipelinePlan", "Stage", "plan_pipeline", "stage_cuts", "model_flops", "peak_flops", "compute_floor_s"]
 
@@ -277,20 +277,31 @@ def _memory(plan: Plan, in_flight: int) -> Tuple[float, float, bool]:
     return float(need[i]), float(t.mem_cap_gib[i]), bool(np.all(need <= t.mem_cap_gib))
 
 
+# the scheduler's plans of one plan_pipeline call, by stage shape: stages of the same devices, layers and
+# micro-batches are planned once whatever their place in the pipeline (only their in-flight memory differs)
+_SCHEDULED: dict = {}
+
+
 def _stage_plan(sub, model, training, seq_len, causal, layers, first, last, in_flight, layout=None, docs=None):
     """The plan of a stage of `layers` layers for micro-batches of `seq_len` tokens (`docs`: the sequences packed in
     one, or None for one), the scheduler's or `layout` priced, if it fits with its in-flight micro-batches; None when
     no layout fits."""
     part = model.stage(layers, first, last)
-    try:
-        if layout is None:
-            p = plan_layout(sub, model=part, seq_len=seq_len, training=training, causal=causal, strategy="hexiseq",
-                            documents=docs)
-        else:
+    if layout is None:
+        key = (repr(sub.to_dict()), part, training, seq_len, causal, None if docs is None else tuple(docs))
+        if key not in _SCHEDULED:
+            try:  # the scheduler alone (no search for what would fit when nothing does)
+                _SCHEDULED[key] = plan_one(sub, part, training, seq_len, causal, Strategy.HEXISEQ, None,
+                                           document_lengths(docs, seq_len))
+            except (MemoryFitError, UnsupportedError):
+                _SCHEDULED[key] = None
+        p = _SCHEDULED[key]
+    else:
+        try:
             p = Plan(sub, part, training, seq_len, causal, "hexiseq", layout, documents=docs)
-    except (MemoryFitError, UnsupportedError):
-        return None
-    return p if p.fits and _memory(p, in_flight)[2] else None
+        except (MemoryFitError, UnsupportedError):
+            return None
+    return p if p is not None and p.fits and _memory(p, in_flight)[2] else None
 
 
 def _trainings(training: Training) -> List[Training]:
@@ -304,23 +315,27 @@ def _trainings(training: Training) -> List[Training]:
 
 
 def _stage_base(sub, model, training, seq_len, causal, first, last, in_flight, guess, most, M, memo, docs):
-    """(base plan, fixed_s, layer_s, cap) of a stage: the fastest setting's plan at `guess` layers (or 1), its time
-    per micro-batch as fixed + layers x per layer, and the most layers its layout holds with `in_flight`
-    micro-batches. Kept in `memo` per stage shape (stages of the same devices price alike)."""
+    """(base plan, fixed_s, layer_s, cap) of a stage: the scheduler's layout at `guess` layers (or 1) under the user's
+    setting (else ZeRO-1), priced under each setting that fits and the fastest kept; its time per micro-batch as
+    fixed + layers x per layer; the most layers the layout holds with `in_flight` micro-batches. One scheduler run
+    per stage shape (stages of the same devices price alike; `memo`)."""
     key = (repr(sub.to_dict()), first, last, in_flight, guess, most, M, seq_len)
     if key in memo:
         return memo[key]
-    base = None  # the fastest setting's plan at an even share of the layers (or at one layer)
+    found = None
     for tr in _trainings(training):
         for n in (guess, 1):
-            p = _stage_plan(sub, model, tr, seq_len, causal, n, first, last, in_flight, docs=docs)
-            if p is not None:
-                if base is None or (p.model.layers, -p.step_time_s) > (base.model.layers, -base.step_time_s):
-                    base = p
+            found = _stage_plan(sub, model, tr, seq_len, causal, n, first, last, in_flight, docs=docs)
+            if found is not None:
                 break
-    if base is None:
+        if found is not None:
+            break
+    if found is None:
         memo[key] = None
         return None
+    priced = [_stage_plan(sub, model, tr, seq_len, causal, found.model.layers, first, last, in_flight, found.layout,
+                          docs) for tr in _trainings(training)]
+    base = min((p for p in priced if p is not None), key=lambda p: p.step_time_s)
     tr = base.training
     t1 = Plan(sub, model.stage(1, first, last), tr, seq_len, causal, "hexiseq", base.layout,
               documents=docs).step_time_s
@@ -337,10 +352,12 @@ def _stage_base(sub, model, training, seq_len, causal, first, last, in_flight, g
     return memo[key]
 
 
-def _pipeline(cluster, model, training, seq_len, causal, cuts, memo, docs=None):
+def _pipeline(cluster, model, training, seq_len, causal, cuts, memo, docs=None, polish=False):
     """One pipeline over the stages `cuts` (device lists of `cluster`) running training.sequences micro-batches of
     `seq_len` tokens (`docs`: the sequences packed in each, or None): (stages, send_s, the schedule's timing), or None
-    when it does not fit."""
+    when it does not fit. Each stage runs its base layout at its layers under the fastest setting that fits; polish:
+    the scheduler plans each stage again at its layers, and the faster layout is kept (the chosen shape's last
+    step)."""
     P, M, L = len(cuts), training.sequences, model.layers
     r = 3.0 if training.checkpointing else 2.0  # backward : forward, recomputation included
     subs = [cluster.subset(c) for c in cuts]
@@ -358,13 +375,14 @@ def _pipeline(cluster, model, training, seq_len, causal, cuts, memo, docs=None):
     stage_plans = []
     for s in range(P):
         n, first, last = int(layers[s]), s == 0, s == P - 1
-        key = ("final", repr(subs[s].to_dict()), first, last, in_flight[s], n, M, seq_len)
+        key = ("final", repr(subs[s].to_dict()), first, last, in_flight[s], n, M, seq_len, polish)
         if key not in memo:
-            # the scheduler's layout for these layers under each setting, and the base layout: the fastest that fits
-            tried = [_stage_plan(subs[s], model, tr, seq_len, causal, n, first, last, in_flight[s], docs=docs)
-                     for tr in _trainings(training)]
-            tried.append(_stage_plan(subs[s], model, made[s][0].training, seq_len, causal, n, first, last,
-                                     in_flight[s], made[s][0].layout, docs))
+            # the base layout at these layers under each setting, and with polish the scheduler's own: the fastest
+            tried = [_stage_plan(subs[s], model, tr, seq_len, causal, n, first, last, in_flight[s],
+                                 made[s][0].layout, docs) for tr in _trainings(training)]
+            if polish:
+                tried += [_stage_plan(subs[s], model, tr, seq_len, causal, n, first, last, in_flight[s], docs=docs)
+                          for tr in _trainings(training)]
             tried = [p for p in tried if p is not None]
             memo[key] = min(tried, key=lambda p: p.step_time_s) if tried else None
         if memo[key] is None:
@@ -405,6 +423,32 @@ def _shares(cluster: Cluster, runs, M: int) -> List[List[int]]:
     return [even] if by_rate == even or not any(by_rate) else [even, by_rate]
 
 
+def _shape(cluster, model, training, seq_len, causal, runs, share, P, k, memo, polish=False):
+    """(step_s, pipelines, micro-batches of each, send_s of the first, sync_s, the slowest's timing, k) of pipelines
+    over `runs` with `share` sequences each, P stages, k sequences per micro-batch; None when one does not fit."""
+    made, slowest = [], None
+    for r, run in enumerate(runs):
+        if share[r] == 0:  # a pipeline without sequences: idle this step, its gradients zero
+            continue
+        sub = cluster.subset(run)
+        micro = -(-share[r] // k)
+        tr = dataclasses.replace(training, sequences=micro)
+        key = ("pipeline", repr(sub.to_dict()), P, micro, k, polish)
+        if key not in memo:
+            memo[key] = _pipeline(sub, model, tr, seq_len * k, causal, stage_cuts(sub, P), memo,
+                                  None if k == 1 else [seq_len] * k, polish)
+        one = memo[key]
+        if one is None:
+            return None
+        made.append((one, run))
+        if slowest is None or one[2]["step_s"] > slowest[2]["step_s"]:
+            slowest = one
+    pipes = tuple(_shift(one[0], run[0]) for one, run in made)
+    sync = _sync_s(cluster, model, pipes)
+    return (slowest[2]["step_s"] + sync, pipes, tuple(-(-x // k) for x in share if x), made[0][0][1], sync,
+            slowest[2], k)
+
+
 def _sync_s(cluster: Cluster, model: Model, pipelines) -> float:
     """The gradient all-reduce across pipelines: each stage's devices reduce the stage's gradients, split among them,
     with the same stage's devices of the other pipelines (2 (R - 1) / R of a share over the link between nodes, and
@@ -433,13 +477,21 @@ def plan_pipeline(cluster, *, model="gpt-7b", seq_len=131072, training=None, cau
     tokens: R pipelines (data parallel, each over a run of consecutive nodes, the sequences shared out among them) of
     P stages each, for R in 1, 2, 4, ... up to the sequences and the nodes, and P in 1, 2, 4, ... up to a pipeline's
     nodes and the model's layers (and that node count), and micro-batches of k sequences packed as documents, for k
-    in 1, 2, 4, ... while a pipeline keeps at least as many micro-batches as stages; or the `pipelines`, `stages` and
-    `pack` (k) given. One pipeline of one stage is the single group of today, timed the same way (of one micro-batch
-    of every sequence: one pass, as a batch plan's group packs them).
+    in 1, 2, 4, ... while a pipeline of several stages keeps at least as many micro-batches as stages; or the
+    `pipelines`, `stages` and `pack` (k) given. One pipeline of one stage is the single group of today, timed the same
+    way (with every sequence packed into one micro-batch: one pass, as a batch plan's group packs them).
 
     Raises MemoryFitError when no shape fits; InvalidArgumentError for bad input (pipelines out of [1, min(nodes,
     sequences)], stages out of [1, min(a pipeline's nodes, layers)])."""
     t0 = time.perf_counter()
+    _SCHEDULED.clear()
+    try:
+        return _plan_pipeline(cluster, model, seq_len, training, causal, stages, pipelines, pack, t0)
+    finally:
+        _SCHEDULED.clear()
+
+
+def _plan_pipeline(cluster, model, seq_len, training, causal, stages, pipelines, pack, t0):
     cluster, model, training, seq_len = resolve_inputs(cluster, model, training, seq_len)
     causal = bool(causal)
     nodes, M = len(cluster.nodes), training.sequences
@@ -464,37 +516,21 @@ def plan_pipeline(cluster, *, model="gpt-7b", seq_len=131072, training=None, cau
                 continue
             # sequences packed per micro-batch (as documents): 1, 2, 4, ... as long as the pipeline keeps at least
             # as many micro-batches as it has stages (fewer leave most stages idle), or `pack`
-            packs = [k for k in powers(max(share)) if k == 1 or max(share) / k >= P] if pack is None else [
-                k for k in (pack,) if k <= max(share)]
+            # (one stage: one sequence per micro-batch, the single group of today; packing a group's passes is the
+            # batch planner's, hexiseq.plan's, work)
+            packs = [k for k in powers(max(share)) if k == 1 or (P > 1 and max(share) / k >= P)] if pack is None \
+                else [k for k in (pack,) if k <= max(share)]
             for k in packs:
-                made, slowest = [], None
-                for r, run in enumerate(runs):
-                    if share[r] == 0:  # a pipeline without sequences: idle this step, its gradients zero
-                        made.append(((), (), {"step_s": 0.0, "work_s": 0.0, "bubble_s": 0.0}))
-                        continue
-                    sub = cluster.subset(run)
-                    micro = -(-share[r] // k)
-                    tr = dataclasses.replace(training, sequences=micro)
-                    key = ("pipeline", repr(sub.to_dict()), P, micro, k)
-                    if key not in memo:
-                        memo[key] = _pipeline(sub, model, tr, seq_len * k, causal, stage_cuts(sub, P), memo,
-                                              None if k == 1 else [seq_len] * k)
-                    one = memo[key]
-                    if one is None:
-                        made = None
-                        break
-                    made.append(one)
-                    if slowest is None or one[2]["step_s"] > slowest[2]["step_s"]:
-                        slowest = one
-                if made is None:
-                    results.append((R, P, k, None))
-                    continue
-                pipes = tuple(_shift(one[0], run[0]) for one, run in zip(made, runs) if one[0])
-                sync = _sync_s(cluster, model, pipes)
-                step = slowest[2]["step_s"] + sync
-                results.append((R, P, k, step))
-                if best is None or step < best[0]:
-                    best = (step, pipes, tuple(-(-x // k) for x in share if x), made[0][1], sync, slowest[2], k)
+                shape = _shape(cluster, model, training, seq_len, causal, runs, share, P, k, memo)
+                results.append((R, P, k, None if shape is None else shape[0]))
+                if shape is not None and (best is None or shape[0] < best[0][0]):
+                    best = (shape, (runs, share, P, k))
+    if best is not None:  # the chosen shape once more, each stage's layout planned again at its layers
+        runs, share, P, k = best[1]
+        polished = _shape(cluster, model, training, seq_len, causal, runs, share, P, k, memo, polish=True)
+        if polished is not None and polished[0] < best[0][0]:
+            best = (polished, best[1])
+        best = best[0]
     if best is None:
         raise MemoryFitError(f"no pipeline plan ({', '.join(f'{r} x {p} stages' for r, p, k, _ in results if k == 1)} "
                              f"tried) over {cluster.describe()} holds {model.name} at seq_len {seq_len:,}")
