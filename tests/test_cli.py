@@ -361,3 +361,21 @@ def test_yaml_syntax_error_is_one_line_with_file_line_and_column(tmp_path):
     assert_clean_error(run("plan", str(path)),
                        f"{path}: line 3, column 16: not valid YAML: expected ',' or '}}', but got ':' "
                        "(while parsing a flow mapping at line 2, column 5)")
+
+
+def test_plan_pipeline_prints_the_pipeline_beside_the_plan_without():
+    """`hexiseq plan --pipeline`: the pipeline plan (stages, layers, bubble, compute floor), then the plan without
+    pipelines and the ratio; --json gives plan_pipeline's to_dict; options it would ignore are refused."""
+    out = run("plan", "--pipeline", "--sequences", "4", "--seq-len", "16k", "--model", "7b")
+    assert out.returncode == 0, out.stderr
+    assert "pipeline plan: 4 sequences of 16,384 tokens" in out.stdout and "compute floor" in out.stdout
+    assert "without pipelines (hexiseq plan" in out.stdout and "x as fast (both predicted" in out.stdout
+    js = run("plan", "--pipeline", "--sequences", "4", "--seq-len", "16k", "--model", "7b", "--json")
+    assert js.returncode == 0, js.stderr
+    got = json.loads(js.stdout)
+    want = hexiseq.planner.plan_pipeline(hexiseq.Cluster.example(), model="7b", seq_len=16384,
+                                         training=hexiseq.Training(sequences=4))
+    assert got["predicted"]["step_time_s"] == pytest.approx(want.step_time_s, rel=1e-9)
+    assert sum(s["layers"] for s in got["pipelines"][0]) == 32
+    assert_clean_error(run("plan", "--pipeline", "--batch", "4096"), "--pipeline", "leave out --batch")
+    assert_clean_error(run("plan", "--pipeline", "--strategy", "ring"), "--pipeline", "leave out --strategy")
