@@ -22,7 +22,8 @@ import sys
 import time
 
 import hexiseq
-from hexiseq.planner.pipeline import compute_floor_s, model_flops, peak_flops, plan_pipeline
+from hexiseq.planner.floor import compute_floor_s, model_flops, peak_flops
+from hexiseq.planner.pipeline import plan_pipeline
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _machine import machine  # noqa: E402

@@ -10,7 +10,8 @@ import hexiseq
 from hexiseq import _core
 from hexiseq.errors import InvalidArgumentError
 from hexiseq.planner import Cluster, Node
-from hexiseq.planner.pipeline import compute_floor_s, model_flops, plan_pipeline, stage_cuts
+from hexiseq.planner.floor import compute_floor_s, model_flops
+from hexiseq.planner.pipeline import plan_pipeline, stage_cuts
 from hexiseq.planner.plan import plan_layout
 
 MODEL = hexiseq.Model(layers=12, hidden=1024, heads=16, kv_heads=4, head_dim=64, ffn=4096, vocab=32000,
@@ -156,8 +157,17 @@ def test_the_compute_floor_is_below_every_plan():
         floor = compute_floor_s(c, MODEL, S, n)
         tr = hexiseq.Training(sequences=n)
         assert plan_pipeline(c, model=MODEL, seq_len=S, training=tr).step_time_s > floor
-        assert plan_layout(c, model=MODEL, seq_len=S, training=tr).step_time_s > floor
-        assert hexiseq.plan(c, model=MODEL, seq_len=S, training=tr).step_time_s > floor
+        layout = plan_layout(c, model=MODEL, seq_len=S, training=tr)
+        assert layout.step_time_s > floor and layout.compute_floor_s == pytest.approx(floor, rel=1e-12)
+        step = hexiseq.plan(c, model=MODEL, seq_len=S, training=tr)
+        assert step.step_time_s > step.compute_floor_s == pytest.approx(floor, rel=1e-12)
+    # a batch of unequal sequences and documents: the floor counts each one's visible pairs
+    c = nodes(("H100-SXM", 4), ("A100-80G", 4))
+    bp = hexiseq.planner.plan_batch(c, model=MODEL, lengths=[[1024, 3072], 8192, 2048])
+    matmul, attention = model_flops(MODEL, 0, 0, documents=[[1024, 3072], [8192], [2048]])
+    assert attention == pytest.approx(12.0 * 12 * 64 * 16 * sum(d * (d + 1) / 2 for d in (1024, 3072, 8192, 2048)))
+    assert bp.step_time_s > bp.compute_floor_s == pytest.approx(compute_floor_s(c, MODEL, 0, 0, documents=[
+        [1024, 3072], [8192], [2048]]), rel=1e-12)
 
 
 @pytest.mark.parametrize("kwargs,words", [({"stages": 0}, "stages must be in [1, 2], got 0"),

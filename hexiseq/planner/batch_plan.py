@@ -19,6 +19,7 @@ from .. import _core
 from .._validate import integer, integers, number
 from ..errors import InternalError, InvalidArgumentError
 from ..schedule import PassLayout, Schedule
+from . import floor
 from .cluster import Cluster
 from .model import Model, Training
 from .plan import PLAN_FORMAT_VERSION, Layout, Plan
@@ -97,6 +98,14 @@ class BatchPlan(Plan):
     @property
     def tokens_per_s(self) -> float:
         return float(sum(self.lengths)) / self.step_time_s
+
+    @property
+    def compute_floor_s(self) -> float:
+        """The step's model FLOPs (every sequence, its documents' mask) at the devices' catalog matmul and attention
+        rates, nothing else paid (hexiseq.planner.floor): no plan of any parallelism is below it, unlike
+        lower_bound_s, which bounds the search's linear pricing only."""
+        docs = [list(d) if d is not None else [n] for n, d in zip(self.lengths, self.documents)]
+        return floor.compute_floor_s(self.cluster, self.model, 0, 0, self.causal, docs)
 
     def split_batch(self, batch: Sequence, dim: int = 0) -> list:
         """The caller's batch (one token tensor per sequence, its tokens along `dim`) as the plan's sequences: with

@@ -30,9 +30,10 @@ from .._validate import document_lengths, integer
 from ..errors import MemoryFitError, UnsupportedError
 from .cluster import Cluster
 from .model import Model, Sharding, Training
+from .floor import catalog_rate, compute_floor_s, model_flops, peak_flops
 from .plan import Plan, Strategy, plan_one, resolve_inputs
 
-__all__ = ["PipelinePlan", "Stage", "plan_pipeline", "stage_cuts", "model_flops", "peak_flops", "compute_floor_s"]
+__all__ = ["PipelinePlan", "Stage", "plan_pipeline", "stage_cuts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,55 +170,6 @@ class PipelinePlan:
                 f"step_time_s={self.step_time_s:.4g}, bubble_s={self.bubble_s:.4g})")
 
 
-def _catalog():
-    return {g["name"]: g for g in _core.gpu_catalog()}
-
-
-def peak_flops(cluster: Cluster, efficiency: Optional[str] = "gemm_eff") -> float:
-    """The cluster's dense rate in FLOP/s: every device's peak (the catalog's, or its node's override), times its
-    "gemm_eff" (what large matmuls reach) or "attn_eff" (what flash attention reaches), or None (the peak itself),
-    summed over the devices."""
-    catalog, total = _catalog(), 0.0
-    for node in cluster.nodes:
-        spec = catalog.get(node.gpu, {})
-        peak = node.peak_tflops or spec.get("peak_tflops")
-        eff = 1.0 if efficiency is None else (getattr(node, efficiency) or spec.get(efficiency))
-        if not peak or not eff:
-            raise UnsupportedError(f"GPU model {node.gpu!r} has no peak rate or {efficiency} in the catalog or its "
-                                   "node: give peak_tflops, gemm_eff and attn_eff")
-        total += node.count * peak * 1e12 * eff
-    return total
-
-
-def model_flops(model: Model, seq_len: int, sequences: int = 1, causal: bool = True) -> Tuple[float, float]:
-    """The model FLOPs of a training step (forward and backward, no recomputation), as (matmul, attention): 6 per
-    matmul parameter and token (the layers and the output head), and 12 per visible attention pair, head dim and
-    query head (a window leaves the pairs it hides out)."""
-    layer = float(_core.model_params(Model(1, model.hidden, model.heads, model.kv_heads, model.head_dim, model.ffn,
-                                           1, model.dtype_bytes, model.gated_mlp)._as_core()))
-    layer -= 2.0 * model.hidden + model.hidden  # the one-layer model's 1-word embedding, head and final norm
-    matmul = model.layers * layer + model.vocab * model.hidden
-
-    def pairs(window):
-        if not causal:
-            return float(seq_len) * seq_len
-        if window is None or window >= seq_len:
-            return seq_len * (seq_len + 1) / 2.0
-        return window * (window + 1) / 2.0 + (seq_len - window) * float(window)
-
-    sliding = model.sliding_layers or 0
-    visible = (model.layers - sliding) * pairs(None) + sliding * pairs(model.sliding_window)
-    return (float(sequences) * 6.0 * seq_len * matmul,
-            float(sequences) * 12.0 * visible * model.head_dim * model.heads)
-
-
-def compute_floor_s(cluster: Cluster, model: Model, seq_len: int, sequences: int = 1, causal: bool = True) -> float:
-    """The step's model FLOPs at the devices' catalog rates, the matmuls at their gemm rate and the attention at its
-    attention rate, every device busy and nothing else paid: no plan of any parallelism is faster."""
-    matmul, attention = model_flops(model, seq_len, sequences, causal)
-    return matmul / peak_flops(cluster, "gemm_eff") + attention / peak_flops(cluster, "attn_eff")
-
-
 def stage_cuts(cluster: Cluster, stages: int) -> Optional[List[Tuple[int, ...]]]:
     """The cluster's nodes cut into `stages` runs of consecutive nodes, each run's share of the matmul rate as near
     1/stages as the nodes allow (each cut where the running share first reaches k/stages, the nearer side), as device
@@ -225,9 +177,7 @@ def stage_cuts(cluster: Cluster, stages: int) -> Optional[List[Tuple[int, ...]]]
     nodes = cluster.nodes
     if stages > len(nodes):
         return None
-    catalog = _catalog()
-    rate = [n.count * (n.peak_tflops or catalog.get(n.gpu, {}).get("peak_tflops") or 1.0) *
-            (n.gemm_eff or catalog.get(n.gpu, {}).get("gemm_eff") or 1.0) for n in nodes]
+    rate = [n.count * catalog_rate(n) for n in nodes]
     total, acc, cuts = sum(rate), 0.0, []
     for i, r in enumerate(rate[:-1]):
         before, acc = acc, acc + r

@@ -18,7 +18,7 @@ from .._validate import boolean, document_lengths, integer, integers, load_json,
 from .cluster import Cluster
 from ..errors import InternalError, InvalidArgumentError, LayoutError, MemoryFitError, UnsupportedError
 from .model import Model, Sharding, Training, memory_features_names
-from . import text
+from . import floor, text
 
 __all__ = ["Strategy", "Layout", "Plan", "DeviceTable", "plan_layout", "evaluate", "compare"]
 
@@ -339,6 +339,15 @@ class Plan:
     def gap_to_bound(self) -> float:
         """step_time_s / lower_bound_s (1.0 is ideal)."""
         return self.step_time_s / self.lower_bound_s
+
+    @property
+    def compute_floor_s(self) -> float:
+        """The step's model FLOPs at the devices' catalog matmul and attention rates, nothing else paid
+        (hexiseq.planner.floor): no plan of any parallelism is below it; step_time_s / compute_floor_s is how far
+        this one is from the hardware."""
+        docs = None if self.documents is None else [self.documents.tolist()] * self.training.sequences
+        return floor.compute_floor_s(self.cluster, self.model, self.seq_len, self.training.sequences, self.causal,
+                                     docs)
 
     @property
     def phases(self) -> dict:
