@@ -187,3 +187,17 @@ def test_a_stage_that_holds_no_layer_makes_no_plan():
     tiny = nodes(("H100-SXM", 1), ("H100-SXM", 1))
     with pytest.raises(hexiseq.MemoryFitError, match=r"no pipeline plan \(1 x 1 stages, 1 x 2 stages tried\)"):
         plan_pipeline(tiny, model="llama3-70b", seq_len="1m")
+
+
+def test_the_floor_holds_under_measured_rates_faster_than_the_catalog():
+    """A cluster whose measured matmul and attention rates beat the catalog's (calibrated on faster parts than it
+    names): the cost model prices with the measured curves, and the floor takes the fastest measured point, so it
+    stays below the plan (with the catalog's rates alone it would not)."""
+    base = nodes(("H100-SXM", 2), ("A100-80G", 2))
+    fast = {"gemm_tflops": [[512, 1500.0], [65536, 1800.0]], "attn_tflops": [[512, 900.0], [65536, 1200.0]],
+            "attn_causal_tflops": [[512, 800.0], [65536, 1100.0]]}
+    c = Cluster.from_dict({**base.to_dict(), "devices": [fast] * 4})
+    p = plan_layout(c, model=MODEL, seq_len=32768, training=hexiseq.Training(sequences=2))
+    assert p.step_time_s > p.compute_floor_s
+    catalog_only = compute_floor_s(base, MODEL, 32768, 2)
+    assert p.compute_floor_s < p.step_time_s < catalog_only

@@ -30,9 +30,28 @@ def catalog_rate(node, efficiency: Optional[str] = "gemm_eff") -> float:
     return peak * 1e12 * eff
 
 
+_MEASURED = {"gemm_eff": ("gemm_tflops",), "attn_eff": ("attn_tflops", "attn_causal_tflops", "attn_document_tflops")}
+
+
 def peak_flops(cluster: Cluster, efficiency: Optional[str] = "gemm_eff") -> float:
-    """The cluster's dense rate in FLOP/s: catalog_rate of every device, summed."""
-    return sum(node.count * catalog_rate(node, efficiency) for node in cluster.nodes)
+    """The cluster's dense rate in FLOP/s: catalog_rate of every device, summed; where a device's rates were measured
+    (the cluster's DeviceRates), the fastest measured point when it is faster, so that the floor stays below what
+    the cost model prices with the measured curves."""
+    total, d = 0.0, 0
+    for node in cluster.nodes:
+        for _ in range(node.count):
+            rates = cluster.devices[d] if cluster.devices is not None else None
+            measured = [t * 1e12 for field in _MEASURED.get(efficiency, ()) if rates is not None
+                        for _, t in (getattr(rates, field) or ())]
+            try:
+                rate = catalog_rate(node, efficiency)
+            except UnsupportedError:
+                if not measured:
+                    raise
+                rate = 0.0
+            total += max([rate] + measured)
+            d += 1
+    return total
 
 
 def _pairs(length: int, window: Optional[int], causal: bool) -> float:
