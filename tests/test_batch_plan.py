@@ -496,6 +496,21 @@ def test_split_documents_lets_a_packed_sequences_documents_go_to_different_group
     # a plan that lists the documents in another order (as a plan file may) cuts each at its own place
     listed = dataclasses.replace(split, origin=split.origin[::-1], lengths=tuple(split.lengths)[::-1])
     assert all(torch.equal(a, b) for a, b in zip(listed.split_batch(batch), pieces[::-1]))
+    # a batch that is not the one the plan was made for is refused by name, never cut short or padded
+    for bad, words in (([batch[0][:-7], batch[1], batch[2]], f"batch\\[0\\] holds {sum(docs) - 7} tokens along dim 0; "
+                                                             f"the plan was made for {sum(docs)}"),
+                       ([torch.cat([batch[0], batch[0][:5]]), batch[1], batch[2]], "batch\\[0\\] holds"),
+                       (batch[:2], "batch must hold the 3 sequence\\(s\\) the plan was made for, one tensor each, got 2"),
+                       ([batch[0], list(range(6000)), batch[2]], "batch\\[1\\] must be a tensor or array"),
+                       ("abc", "got str")):
+        for plan in (split, whole):
+            with pytest.raises(InvalidArgumentError, match=words):
+                plan.split_batch(bad)
+    with pytest.raises(InvalidArgumentError, match="dimension 2"):
+        split.split_batch(two_d, dim=2)
+    for plan in (split, whole):
+        with pytest.raises(InvalidArgumentError, match=f"one figure per sequence of the plan \\({len(plan.lengths)}"):
+            plan.per_caller_sequence([1.0] * (len(plan.lengths) - 1))
     with pytest.raises(InvalidArgumentError, match="split_documents must be True or False, got 'yes'"):
         planner.plan(lengths, split_documents="yes")
     # nothing to split: the plain plan

@@ -111,6 +111,21 @@ class BatchPlan(Plan):
         """The caller's batch (one token tensor per sequence, its tokens along `dim`) as the plan's sequences: with
         split_documents each document of a packed sequence is a sequence of the plan, cut out of its own at its
         boundaries; else the batch as it is. What BatchContext's passes take."""
+        wants = self._caller_lengths()
+        if isinstance(batch, (str, bytes, dict)) or not hasattr(batch, "__len__") or len(batch) != len(wants):
+            got = len(batch) if hasattr(batch, "__len__") and not isinstance(batch, (str, bytes, dict)) else \
+                type(batch).__name__
+            raise InvalidArgumentError(f"batch must hold the {len(wants)} sequence(s) the plan was made for, one "
+                                       f"tensor each, got {got}")
+        for i, (x, want) in enumerate(zip(batch, wants)):
+            shape = getattr(x, "shape", None)
+            if shape is None or isinstance(dim, bool) or not isinstance(dim, int) or not -len(shape) <= dim < len(shape):
+                raise InvalidArgumentError(f"batch[{i}] must be a tensor or array with a dimension {dim!r} (its "
+                                           f"tokens), got {type(x).__name__}"
+                                           + (f" of shape {tuple(shape)}" if shape is not None else ""))
+            if int(shape[dim]) != want:
+                raise InvalidArgumentError(f"batch[{i}] holds {int(shape[dim])} tokens along dim {dim}; the plan was "
+                                           f"made for {want}")
         if self.origin is None:
             return list(batch)
         # where document j of caller sequence i starts: after its documents 0 .. j - 1, wherever the plan lists them
@@ -132,11 +147,27 @@ class BatchPlan(Plan):
     def per_caller_sequence(self, values: Sequence) -> list:
         """Figures of the plan's sequences (losses, token counts: one per planned sequence, in plan order) summed
         per sequence of the caller's batch (the identity without split_documents)."""
+        if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or \
+                len(values) != len(self.lengths):
+            got = len(values) if hasattr(values, "__len__") and not isinstance(values, (str, bytes, dict)) else \
+                type(values).__name__
+            raise InvalidArgumentError(f"values must hold one figure per sequence of the plan ({len(self.lengths)}, "
+                                       f"in plan order), got {got}")
         if self.origin is None:
             return list(values)
         out = [None] * (max(i for i, _ in self.origin) + 1)
         for (i, _), v in zip(self.origin, values):
             out[i] = v if out[i] is None else out[i] + v
+        return out
+
+    def _caller_lengths(self) -> List[int]:
+        """The tokens of each sequence of the caller's batch: the plan's own, or with split_documents the sum of the
+        documents each was split into."""
+        if self.origin is None:
+            return list(self.lengths)
+        out = [0] * (max(i for i, _ in self.origin) + 1)
+        for (i, _), n in zip(self.origin, self.lengths):
+            out[i] += n
         return out
 
     def sequences_of(self, g) -> List[int]:
