@@ -288,6 +288,10 @@ class BatchPlan(Plan):
             raise InternalError(f"plan has a non-finite figure, cannot be written as JSON: {e}") from None
 
     @classmethod
+    def reads(cls, doc: dict) -> bool:
+        return "groups" in doc
+
+    @classmethod
     def from_doc(cls, doc: dict) -> "BatchPlan":
         """The plan a to_json document (already parsed, its format checked) describes; see hexiseq.Plan.from_json."""
         need = ("cluster", "model", "training", "causal", "groups", "assignment", "passes", "lengths", "documents",

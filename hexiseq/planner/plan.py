@@ -611,6 +611,11 @@ class Plan:
             raise InternalError(f"plan has a non-finite figure, cannot be written as JSON: {e}") from None
 
     @classmethod
+    def reads(cls, doc: dict) -> bool:
+        """Whether a to_json document (format checked) is a plan of this subclass's shape, which from_doc reads."""
+        return False
+
+    @classmethod
     def from_json(cls, text: str) -> "Plan":
         doc = load_json(text, "plan")
         if not isinstance(doc, dict) or doc.get("format") != "hexiseq-plan":
@@ -619,10 +624,9 @@ class Plan:
         if version != PLAN_FORMAT_VERSION or isinstance(version, bool):
             raise InvalidArgumentError(f"plan format_version is {version!r}; this hexiseq ({_core.VERSION}) reads "
                                        f"format_version {PLAN_FORMAT_VERSION}")
-        if "groups" in doc:  # a plan of several groups (hexiseq.planner.BatchPlan): its passes' layouts
-            from .batch_plan import BatchPlan
-
-            return BatchPlan.from_doc(doc)
+        for kind in cls.__subclasses__():  # a plan of another shape (several groups: hexiseq.planner.BatchPlan)
+            if kind.reads(doc):
+                return kind.from_doc(doc)
         missing = [k for k in ("cluster", "model", "training", "seq_len", "causal", "strategy", "layout") if k not in doc]
         if missing:
             raise InvalidArgumentError(f"not a plan: missing field(s) {missing}")
